@@ -49,15 +49,15 @@ def _fused_linear(x, w, b, main_grad):
 
 
 def _fused_linear_fwd(x, w, b, main_grad):
-    return _forward(x, w, b), (x, w, b is not None, main_grad)
+    return _forward(x, w, b), (x, w, b, main_grad)
 
 
 def _fused_linear_bwd(res, dy):
-    x, w, has_bias, main_grad = res
+    x, w, b, main_grad = res
     dx = jnp.matmul(dy, w.astype(dy.dtype)).astype(x.dtype)
     db = None
-    if has_bias:
-        db = jnp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, dtype=jnp.float32)
+    if b is not None:
+        db = jnp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, dtype=jnp.float32).astype(b.dtype)
     # The updated accumulator travels as the "cotangent" of main_grad (module docstring).
     new_main_grad = ops.wgrad_accumulate(x, dy, main_grad)
     return dx, None, db, new_main_grad
