@@ -1,25 +1,133 @@
-"""Fused weight-gradient accumulation: ``main_grad += dy^T @ x`` (temporary scaffold).
+"""Fused weight-gradient accumulation: ``main_grad += dy^T @ x`` in place.
 
-This module is the thin Python layer over the XLA FFI custom call. The scaffold body
-below is replaced by the FFI primitive in the next commit; the signature is final.
+The JAX port of apex's ``wgrad_gemm_accum_fp32`` / ``wgrad_gemm_accum_fp16`` used by
+Megatron's ``gradient_accumulation_fusion``. :func:`wgrad_accumulate` binds the
+``wgrad_accumulate`` primitive, lowered to the XLA FFI custom call
+``jax_wgrad_wgrad_accumulate`` with the accumulator (operand 2) aliased to the result.
+Inside ``jit`` with the accumulator donated, or as a ``scan`` carry, XLA updates the
+buffer in place: one GEMM with beta = 1, no temporary ``dW``.
+
+A named primitive (rather than a bare ``jax.ffi.ffi_call``) makes the op show up as
+``wgrad_accumulate`` in compiled HLO and in profiler traces.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_wgrad import _ffi
+
+__all__ = ["wgrad_accumulate", "wgrad_accumulate_ref", "fusion_available", "fusion_status"]
+
+fusion_available = _ffi.fusion_available
+fusion_status = _ffi.fusion_status
+
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+wgrad_accumulate_p = Primitive("wgrad_accumulate")
+
+
+@functools.partial(jax.jit, inline=False)
+def _eager(x, dy, main_grad):
+    return wgrad_accumulate_p.bind(x, dy, main_grad)
+
+
+wgrad_accumulate_p.def_impl(_eager)
+wgrad_accumulate_p.def_abstract_eval(
+    lambda x, dy, main_grad: jax.core.ShapedArray(main_grad.shape, main_grad.dtype)
+)
+
+
+def _batch_rule(args, dims):
+    """vmap: broadcast every operand to a leading batch dim; the handlers loop over it.
+
+    This is ``vmap_method="broadcast_all"`` of ``jax.ffi.ffi_call``, chosen because the
+    result is a per-example accumulator: an unbatched ``main_grad`` becomes one copy per
+    batch element, each accumulating its own ``dy^T x``.
+    """
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    moved = [
+        jnp.broadcast_to(a, (size,) + a.shape) if d is batching.not_mapped
+        else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    return wgrad_accumulate_p.bind(*moved), 0
+
+
+batching.primitive_batchers[wgrad_accumulate_p] = _batch_rule
+
+
+def _register_lowerings() -> None:
+    for platform in ("cpu", "cuda"):
+        if _ffi.fusion_available(platform):
+            rule = jax.ffi.ffi_lowering(_ffi.TARGET, operand_output_aliases={2: 0})
+        else:
+            def rule(ctx, *args, _platform=platform):  # raised at compile time
+                _ffi.require_fusion(_platform)
+        mlir.register_lowering(wgrad_accumulate_p, rule, platform=platform)
+
+
+_register_lowerings()
+
+
+def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> None:
+    shapes = f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, " \
+             f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
+    if x.ndim < 2 or dy.ndim != x.ndim:
+        raise ValueError(
+            f"wgrad_accumulate: x and dy must have the same rank >= 2 ([..., T, features]); "
+            f"got {shapes}")
+    if x.shape[:-1] != dy.shape[:-1]:
+        raise ValueError(
+            f"wgrad_accumulate: x and dy must have the same leading (token) dims; got {shapes}")
+    if main_grad.shape != (dy.shape[-1], x.shape[-1]):
+        raise ValueError(
+            "wgrad_accumulate: main_grad must have shape [out, in] = "
+            f"[{dy.shape[-1]}, {x.shape[-1]}]; got {shapes}")
+    if x.dtype not in _INPUT_DTYPES or dy.dtype != x.dtype:
+        raise ValueError(
+            "wgrad_accumulate: x and dy must both be float32, bfloat16 or float16; "
+            f"got {shapes}")
+    if main_grad.dtype != jnp.float32 and not (
+        x.dtype != jnp.float32 and main_grad.dtype == x.dtype
+    ):
+        raise ValueError(
+            "wgrad_accumulate: main_grad must be float32, or the 16-bit dtype of x and dy "
+            f"(accumulated in fp32, rounded once); got {shapes}")
 
 
 def wgrad_accumulate(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> jax.Array:
-    """Returns ``main_grad + dy^T @ x`` computed in fp32.
+    """Returns ``main_grad + dy^T @ x``, updating the buffer in place under XLA.
 
     Args:
-      x: ``[..., in]`` layer input.
-      dy: ``[..., out]`` gradient of the layer output; same leading dims as ``x``.
-      main_grad: ``[out, in]`` accumulator, f32 or the 16-bit dtype of the inputs.
+      x: ``[..., T, in]`` layer input (f32, bf16 or f16); leading dims are flattened
+        into tokens like apex does.
+      dy: ``[..., T, out]`` gradient of the layer output, same dtype and leading dims.
+      main_grad: ``[out, in]`` accumulator: f32, or the 16-bit dtype of the inputs
+        (then accumulated in fp32 and rounded once per call).
     Returns:
-      The updated ``[out, in]`` accumulator (same dtype as ``main_grad``).
+      The updated ``[out, in]`` accumulator, same dtype as ``main_grad``. With zero
+      tokens it is ``main_grad`` itself.
+    Raises:
+      ValueError: on ranks, shapes or dtypes other than the above.
+      RuntimeError: at compile time, on a platform whose handler was not built.
     """
+    _validate(x, dy, main_grad)
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    if x2.shape[0] == 0:
+        return main_grad
+    return wgrad_accumulate_p.bind(x2, dy2, main_grad)
+
+
+def wgrad_accumulate_ref(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> jax.Array:
+    """Plain-XLA reference of :func:`wgrad_accumulate` (same shapes and rounding)."""
+    _validate(x, dy, main_grad)
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
     upd = jnp.dot(dy2.T, x2, preferred_element_type=jnp.float32)

@@ -1,0 +1,106 @@
+// Shared argument checking for the wgrad_accumulate FFI handlers (CPU and CUDA).
+//
+// Operation, per batch element b (batch dims only appear under jax.vmap):
+//   main_grad[b, out, in] += dy[b, T, out]^T @ x[b, T, in]
+// x and dy are f32, bf16 or f16 (the same dtype); main_grad is f32 for any input dtype,
+// or the input dtype itself when it is 16-bit (accumulated in fp32, rounded once).
+#ifndef JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
+#define JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_wgrad {
+
+namespace ffi = xla::ffi;
+
+// Problem sizes of one call, after validation.
+struct WgradDims {
+  int64_t batch = 1;   // product of leading (vmap) dims
+  int64_t tokens = 0;  // T
+  int64_t in = 0;      // x features (columns of main_grad)
+  int64_t out = 0;     // dy features (rows of main_grad)
+};
+
+inline const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    default: return "unsupported";
+  }
+}
+
+inline std::string ShapeString(const ffi::AnyBuffer& b) {
+  std::ostringstream s;
+  s << DtypeName(b.element_type()) << "[";
+  auto d = b.dimensions();
+  for (size_t i = 0; i < d.size(); ++i) s << (i ? "," : "") << d[i];
+  s << "]";
+  return s.str();
+}
+
+// Validates ranks, shapes and dtypes; fills `dims`. Returns an InvalidArgument error
+// naming the offending operands otherwise.
+inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
+                                 const ffi::AnyBuffer& acc, const ffi::AnyBuffer& out,
+                                 WgradDims* dims) {
+  auto describe = [&]() {
+    return " (x=" + ShapeString(x) + ", dy=" + ShapeString(dy) +
+           ", main_grad=" + ShapeString(acc) + ")";
+  };
+  auto xd = x.dimensions(), gd = dy.dimensions(), ad = acc.dimensions();
+  const size_t rank = xd.size();
+  if (rank < 2 || gd.size() != rank || ad.size() != rank) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: x, dy and main_grad must have equal rank >= 2" + describe());
+  }
+  int64_t batch = 1;
+  for (size_t i = 0; i + 2 < rank; ++i) {
+    if (xd[i] != gd[i] || xd[i] != ad[i]) {
+      return ffi::Error::InvalidArgument(
+          "wgrad_accumulate: leading (batch) dims differ" + describe());
+    }
+    batch *= xd[i];
+  }
+  if (xd[rank - 2] != gd[rank - 2]) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: x and dy must have the same number of tokens" + describe());
+  }
+  if (ad[rank - 2] != gd[rank - 1] || ad[rank - 1] != xd[rank - 1]) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: main_grad must be [out, in] = [dy features, x features]" +
+        describe());
+  }
+  const ffi::DataType in_t = x.element_type();
+  const bool in_ok = in_t == ffi::DataType::F32 || in_t == ffi::DataType::BF16 ||
+                     in_t == ffi::DataType::F16;
+  if (!in_ok || dy.element_type() != in_t) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: x and dy must both be float32, bfloat16 or float16" +
+        describe());
+  }
+  const ffi::DataType acc_t = acc.element_type();
+  if (!(acc_t == ffi::DataType::F32 || (in_t != ffi::DataType::F32 && acc_t == in_t))) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: main_grad must be float32, or the 16-bit dtype of the inputs" +
+        describe());
+  }
+  if (out.element_type() != acc_t || out.element_count() != acc.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: result must have main_grad's shape and dtype" + describe());
+  }
+  dims->batch = batch;
+  dims->tokens = xd[rank - 2];
+  dims->in = xd[rank - 1];
+  dims->out = gd[rank - 1];
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_wgrad
+
+#endif  // JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
