@@ -50,9 +50,9 @@ def _batch_rule(args, dims):
     result is a per-example accumulator: an unbatched ``main_grad`` becomes one copy per
     batch element, each accumulating its own ``dy^T x``.
     """
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [
-        jnp.broadcast_to(a, (size,) + a.shape) if d is batching.not_mapped
+        jnp.broadcast_to(a, (size,) + a.shape) if d is None
         else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]

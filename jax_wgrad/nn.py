@@ -1,0 +1,79 @@
+"""Flax NNX modules built on the fused-accumulation linear.
+
+A module created with ``gradient_accumulation_fusion=True`` owns a :class:`MainGrad`
+variable (fp32 ``[out, in]``) next to its ``weight``. Split the model into
+``nnx.Param`` and ``MainGrad`` states and differentiate with respect to both: the
+gradient of the ``MainGrad`` state is the updated accumulator (see
+:mod:`jax_wgrad.linear`), the weight's own gradient is zero::
+
+    graphdef, params, main_grads, rest = nnx.split(model, nnx.Param, MainGrad, ...)
+    def loss(params, main_grads):
+        return loss_fn(nnx.merge(graphdef, params, main_grads, rest), batch)
+    g_params, new_main_grads = jax.grad(loss, argnums=(0, 1))(params, main_grads)
+
+:func:`jax_wgrad.accumulate_gradients` does this over microbatches.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_wgrad import _ffi
+from jax_wgrad.linear import linear
+
+__all__ = ["Linear", "MainGrad"]
+
+
+class MainGrad(nnx.Variable):
+    """fp32 weight-gradient accumulator of a module (Megatron's ``weight.main_grad``)."""
+
+
+class Linear(nnx.Module):
+    """``y = x @ weight.T + bias`` with an optional fused weight-gradient accumulator.
+
+    Attributes:
+      weight: ``[out_features, in_features]`` (Megatron/PyTorch layout).
+      bias: ``[out_features]`` or None.
+      main_grad: ``[out_features, in_features]`` fp32 :class:`MainGrad` when
+        ``gradient_accumulation_fusion`` is on, else None.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        gradient_accumulation_fusion: bool = False,
+        param_dtype: jnp.dtype = jnp.float32,
+        kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+        rngs: nnx.Rngs,
+    ):
+        if in_features < 1 or out_features < 1:
+            raise ValueError(
+                f"Linear: in_features ({in_features}) and out_features ({out_features}) "
+                "must be >= 1")
+        if gradient_accumulation_fusion:
+            _ffi.require_fusion(who="Linear")
+        self.in_features = in_features
+        self.out_features = out_features
+        # lecun_normal expects [fan_in, fan_out]; store the transpose as [out, in].
+        w = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+        self.weight = nnx.Param(w.T)
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+        self.main_grad = (
+            MainGrad(jnp.zeros((out_features, in_features), jnp.float32))
+            if gradient_accumulation_fusion else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x``: ``[..., in_features]`` -> ``[..., out_features]`` in ``x.dtype``."""
+        with jax.named_scope("linear"):
+            return linear(
+                x,
+                self.weight[...],
+                None if self.bias is None else self.bias[...],
+                main_grad=None if self.main_grad is None else self.main_grad[...],
+            )

@@ -1,0 +1,242 @@
+"""wgrad_accumulate: numerics against numpy float64, in-place HLO, transformations, errors."""
+
+import glob
+import gzip
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_wgrad import _ffi, ops
+from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+# (input dtype, main_grad dtype): every combination apex supports.
+DTYPE_COMBOS = [(F32, F32), (BF16, F32), (F16, F32), (BF16, BF16), (F16, F16)]
+UNIT_ROUNDOFF = {jnp.dtype(F32): 2.0**-24, jnp.dtype(BF16): 2.0**-8, jnp.dtype(F16): 2.0**-11}
+
+
+def _data(seed, lead, n_in, n_out, in_dtype, acc_dtype):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(lead + (n_in,)), in_dtype)
+    dy = jnp.asarray(rng.standard_normal(lead + (n_out,)), in_dtype)
+    acc = jnp.asarray(rng.standard_normal((n_out, n_in)), acc_dtype)
+    return x, dy, acc
+
+
+def _check_against_float64(result, x, dy, acc):
+    """|result - exact| within the fp32-accumulation bound (+ one final 16-bit rounding).
+
+    The exact value uses the already-quantized inputs in float64. A dot of K terms
+    summed in fp32 in any order errs by at most (K + 1) u32 * sum|terms|; a 16-bit
+    accumulator adds one rounding of the result, u16 * |result|.
+    """
+    x64 = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    dy64 = np.asarray(dy, np.float64).reshape(-1, dy.shape[-1])
+    acc64 = np.asarray(acc, np.float64)
+    exact = acc64 + dy64.T @ x64
+    magnitude = np.abs(acc64) + np.abs(dy64).T @ np.abs(x64)
+    bound = (x64.shape[0] + 2) * UNIT_ROUNDOFF[jnp.dtype(F32)] * magnitude
+    bound += UNIT_ROUNDOFF[jnp.dtype(acc.dtype)] * np.abs(exact)
+    got = np.asarray(result, np.float64)
+    assert result.dtype == acc.dtype and result.shape == acc.shape
+    excess = np.abs(got - exact) - bound
+    assert excess.max() <= 0, f"max error over bound {excess.max()}"
+    # The bound must not be vacuous: it stays far below the values themselves.
+    assert np.median(bound / np.maximum(magnitude, 1e-30)) < 1e-2
+
+
+@pytest.mark.parametrize("in_dtype,acc_dtype", DTYPE_COMBOS)
+@pytest.mark.parametrize(
+    "lead,n_in,n_out",
+    [((1,), 3, 5), ((7,), 13, 19), ((37,), 64, 17), ((4099,), 33, 24), ((3, 50), 16, 9),
+     ((2, 3, 700), 11, 6)],
+)
+def test_matches_float64(in_dtype, acc_dtype, lead, n_in, n_out):
+    x, dy, acc = _data(0, lead, n_in, n_out, in_dtype, acc_dtype)
+    _check_against_float64(jax.jit(ops.wgrad_accumulate)(x, dy, acc), x, dy, acc)
+
+
+@pytest.mark.parametrize("in_dtype,acc_dtype", DTYPE_COMBOS)
+def test_eager_and_zero_tokens(in_dtype, acc_dtype):
+    x, dy, acc = _data(1, (0,), 8, 4, in_dtype, acc_dtype)
+    assert ops.wgrad_accumulate(x, dy, acc) is acc  # T = 0: no-op
+    x, dy, acc = _data(1, (5,), 8, 4, in_dtype, acc_dtype)
+    _check_against_float64(ops.wgrad_accumulate(x, dy, acc), x, dy, acc)
+
+
+def test_large_token_count_blocks_exactly():
+    # T spans several 512-token conversion blocks plus a remainder.
+    x, dy, acc = _data(2, (4096 + 77,), 40, 24, BF16, F32)
+    _check_against_float64(jax.jit(ops.wgrad_accumulate)(x, dy, acc), x, dy, acc)
+
+
+def test_repeated_accumulation_in_scan():
+    xs, dys, acc = _data(3, (6, 33), 20, 12, F32, F32)
+
+    def run(acc, xs, dys):
+        return jax.lax.scan(lambda a, b: (ops.wgrad_accumulate(*b, a), None), acc, (xs, dys))[0]
+
+    got = jax.jit(run)(acc, xs, dys)
+    _check_against_float64(got, xs, dys, acc)  # sum over microbatches == one long T
+
+
+def test_in_place_under_donated_jit():
+    x, dy, acc = _data(4, (64,), 48, 40, BF16, F32)
+    hlo = compiled_text(ops.wgrad_accumulate, x, dy, acc, donate_argnums=2)
+    assert entry_aliases_param(hlo, 2), hlo.splitlines()[0]
+    calls = custom_calls(hlo, _ffi.TARGET)
+    assert len(calls) == 1 and "output_to_operand_aliasing={{}: (2, {})}" in calls[0]
+    assert calls[0].startswith("ROOT %wgrad_accumulate") or "%wgrad_accumulate" in calls[0]
+    assert copies_of(hlo, "f32", (40, 48)) == []
+
+
+def test_not_donated_costs_exactly_one_copy_semantics():
+    # Without donation XLA must keep the input alive: the result is still correct and
+    # the input buffer is untouched.
+    x, dy, acc = _data(5, (16,), 8, 8, F32, F32)
+    before = np.asarray(acc).copy()
+    out = jax.jit(ops.wgrad_accumulate)(x, dy, acc)
+    np.testing.assert_array_equal(np.asarray(acc), before)
+    _check_against_float64(out, x, dy, acc)
+
+
+def test_in_place_as_scan_carry():
+    xs, dys, acc = _data(6, (4, 16), 24, 40, F32, F32)
+
+    def run(acc, xs, dys):
+        return jax.lax.scan(lambda a, b: (ops.wgrad_accumulate(*b, a), None), acc, (xs, dys))[0]
+
+    hlo = compiled_text(run, acc, xs, dys, donate_argnums=0)
+    assert entry_aliases_param(hlo, 0)
+    assert "while(" in hlo and len(custom_calls(hlo, _ffi.TARGET)) == 1
+    assert copies_of(hlo, "f32", (40, 24)) == []
+
+
+def test_vmap_matches_per_example():
+    xs, dys, _ = _data(7, (3, 10), 6, 5, F32, F32)
+    accs = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 6)), F32)
+    got = jax.jit(jax.vmap(ops.wgrad_accumulate))(xs, dys, accs)
+    for i in range(3):
+        _check_against_float64(got[i], xs[i], dys[i], accs[i])
+    # Unbatched accumulator: broadcast, one result per batch element.
+    got = jax.vmap(ops.wgrad_accumulate, in_axes=(1, 1, None))(
+        jnp.swapaxes(xs, 0, 1), jnp.swapaxes(dys, 0, 1), accs[0])
+    for i in range(3):
+        _check_against_float64(got[i], xs[i], dys[i], accs[0])
+
+
+def test_under_checkpoint():
+    x, dy, acc = _data(8, (12,), 7, 3, F32, F32)
+    f = jax.checkpoint(lambda x, dy, acc: ops.wgrad_accumulate(jnp.sin(x), dy, acc))
+    _check_against_float64(jax.jit(f)(x, dy, acc), jnp.sin(x), dy, acc)
+
+
+def test_in_shard_map_per_shard():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    x, dy, _ = _data(9, (8 * 5,), 6, 4, F32, F32)
+    accs = jnp.asarray(np.random.default_rng(1).standard_normal((8 * 4, 6)), F32)
+    fn = jax.shard_map(ops.wgrad_accumulate, mesh=mesh, in_specs=(P("data"), P("data"), P("data")),
+                       out_specs=P("data"))
+    got = jax.jit(fn)(x, dy, accs)
+    assert len(custom_calls(jax.jit(fn).lower(x, dy, accs).compile().as_text(), _ffi.TARGET)) == 1
+    for i in range(8):
+        sl, ac = slice(5 * i, 5 * i + 5), slice(4 * i, 4 * i + 4)
+        _check_against_float64(got[ac], x[sl], dy[sl], accs[ac])
+
+
+def test_visible_as_named_custom_call_in_profile(tmp_path):
+    x, dy, acc = _data(10, (32,), 16, 8, F32, F32)
+    fn = jax.jit(ops.wgrad_accumulate)
+    hlo = fn.lower(x, dy, acc).compile().as_text()
+    assert any("%wgrad_accumulate" in c for c in custom_calls(hlo, _ffi.TARGET))
+    fn(x, dy, acc).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        fn(x, dy, acc).block_until_ready()
+    traces = glob.glob(os.path.join(tmp_path, "**", "*.xplane.pb"), recursive=True)
+    assert traces, "the profiler wrote no trace"
+    assert any(b"wgrad_accumulate" in open(t, "rb").read() for t in traces)
+
+
+# ---- bad input --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "x,dy,acc,match",
+    [
+        ((5,), (5,), (1, 1), "rank >= 2"),
+        ((5, 3), (5, 2, 1), (2, 3), "same rank"),
+        ((5, 3), (4, 2), (2, 3), "leading"),
+        ((5, 3), (5, 2), (3, 2), r"\[out, in\] = \[2, 3\]"),
+        ((2, 5, 3), (2, 5, 2), (2, 2, 3), r"\[out, in\]"),
+    ],
+)
+def test_bad_shapes(x, dy, acc, match):
+    with pytest.raises(ValueError, match=match):
+        ops.wgrad_accumulate(jnp.zeros(x), jnp.zeros(dy), jnp.zeros(acc))
+
+
+@pytest.mark.parametrize(
+    "in_dtype,dy_dtype,acc_dtype,match",
+    [
+        (jnp.int8, jnp.int8, F32, "float32, bfloat16 or float16"),
+        (jnp.int32, jnp.int32, F32, "float32, bfloat16 or float16"),
+        (BF16, F16, F32, "float32, bfloat16 or float16"),
+        (F32, F32, BF16, "main_grad must be float32"),
+        (BF16, BF16, F16, "main_grad must be float32"),
+        (F16, F16, jnp.int32, "main_grad must be float32"),
+    ],
+)
+def test_bad_dtypes(in_dtype, dy_dtype, acc_dtype, match):
+    x = jax.ShapeDtypeStruct((4, 3), in_dtype)
+    dy = jax.ShapeDtypeStruct((4, 2), dy_dtype)
+    acc = jax.ShapeDtypeStruct((2, 3), acc_dtype)
+    with pytest.raises(ValueError, match=match) as err:
+        jax.eval_shape(ops.wgrad_accumulate, x, dy, acc)
+    assert jnp.dtype(acc_dtype).name in str(err.value)  # names the offending dtypes
+
+
+def test_handler_rejects_bad_operands_itself():
+    # Bypass the Python checks: the C++ handler validates on its own.
+    x = jnp.zeros((4, 3), jnp.int32)
+    with pytest.raises(Exception, match="float32, bfloat16 or float16"):
+        jax.jit(ops.wgrad_accumulate_p.bind)(x, jnp.zeros((4, 2), x.dtype), jnp.zeros((2, 3)))
+
+
+def test_unavailable_platform_error(monkeypatch):
+    monkeypatch.setitem(_ffi._STATUS, "cuda", "jax_wgrad._wgrad_ffi_cuda could not be imported: x")
+    assert not ops.fusion_available("gpu")
+    with pytest.raises(RuntimeError, match="you must turn off gradient accumulation fusion"):
+        _ffi.require_fusion("cuda")
+    with pytest.raises(RuntimeError, match="no handler for platform 'tpu'"):
+        _ffi.require_fusion("tpu")
+
+
+def test_cpu_handler_is_built():
+    assert ops.fusion_available("cpu"), ops.fusion_status()
+
+
+@pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI checks the CUDA build")
+def test_cuda_handler_is_built_in_ci():
+    # CI builds the CUDA handler (nvcc is on the PATH) so compile errors are caught.
+    assert ops.fusion_status().get("cuda") is None, ops.fusion_status()
+
+
+# ---- GPU -----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype,acc_dtype", DTYPE_COMBOS)
+@pytest.mark.parametrize("lead,n_in,n_out", [((1,), 3, 5), ((4099,), 33, 24), ((3, 50), 16, 9)])
+def test_gpu_matches_float64(in_dtype, acc_dtype, lead, n_in, n_out):
+    gpu = jax.devices("gpu")[0]
+    x, dy, acc = jax.device_put(_data(11, lead, n_in, n_out, in_dtype, acc_dtype), gpu)
+    _check_against_float64(jax.jit(ops.wgrad_accumulate)(x, dy, acc), x, dy, acc)
+
+
+@pytest.mark.gpu
+def test_gpu_in_place_under_donated_jit():
+    gpu = jax.devices("gpu")[0]
+    x, dy, acc = jax.device_put(_data(12, (256,), 128, 64, BF16, F32), gpu)
+    hlo = compiled_text(ops.wgrad_accumulate, x, dy, acc, donate_argnums=2)
+    assert entry_aliases_param(hlo, 2)
+    assert copies_of(hlo, "f32", (64, 128)) == []
