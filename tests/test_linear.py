@@ -1,0 +1,149 @@
+"""Fused linear (custom_vjp), NNX Linear and accumulate_gradients vs plain jax.grad."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.test_util import check_grads
+
+import jax_wgrad
+from jax_wgrad import Linear, MainGrad, accumulate_gradients, linear
+
+
+def _ref_linear(x, w, b):
+    return x @ w.T + b
+
+
+def _inputs(seed=0, lead=(4, 6), n_in=5, n_out=7):
+    k = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(k[0], lead + (n_in,))
+    w = jax.random.normal(k[1], (n_out, n_in))
+    b = jax.random.normal(k[2], (n_out,))
+    return x, w, b
+
+
+def test_plain_linear_check_grads():
+    x, w, b = _inputs()
+    check_grads(lambda x, w, b: linear(x, w, b), (x, w, b), order=2, modes=["rev"])
+
+
+def test_fused_linear_grads_equal_plain_jax_grad():
+    x, w, b = _inputs()
+    dy = jax.random.normal(jax.random.key(9), (4, 6, 7))
+    acc0 = jax.random.normal(jax.random.key(8), (7, 5))
+
+    def loss_fused(x, w, b, acc):
+        return jnp.sum(linear(x, w, b, main_grad=acc) * dy)
+
+    def loss_ref(x, w, b):
+        return jnp.sum(_ref_linear(x, w, b) * dy)
+
+    gx, gw, gb, new_acc = jax.jit(jax.grad(loss_fused, argnums=(0, 1, 2, 3)))(x, w, b, acc0)
+    rx, rw, rb = jax.grad(loss_ref, argnums=(0, 1, 2))(x, w, b)
+    np.testing.assert_allclose(gx, rx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gb, rb, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(gw, np.zeros_like(rw))  # the weight gets no gradient
+    np.testing.assert_allclose(new_acc, acc0 + rw, rtol=1e-5, atol=1e-5)
+    # The data/bias gradients of the fused path pass jax's numerical check too.
+    check_grads(lambda x, b: linear(x, w, b, main_grad=acc0), (x, b), order=1, modes=["rev"])
+
+
+def test_fused_linear_no_bias_and_bf16():
+    x, w, _ = _inputs(lead=(9,))
+    xb = x.astype(jnp.bfloat16)
+    acc = jnp.zeros((7, 5), jnp.float32)
+    dx, new_acc = jax.grad(lambda x, a: jnp.sum(linear(x, w, main_grad=a).astype(jnp.float32)),
+                           argnums=(0, 1))(xb, acc)
+    assert dx.dtype == jnp.bfloat16 and new_acc.dtype == jnp.float32
+    ref = np.ones((9, 7)).T @ np.asarray(xb, np.float64)
+    np.testing.assert_allclose(new_acc, ref, rtol=1e-6)
+
+
+def test_fused_linear_in_place_in_compiled_grad():
+    from hlo_util import compiled_text, copies_of
+
+    x, w, b = _inputs(lead=(32,), n_in=48, n_out=40)
+
+    def step(acc, x):
+        return jax.grad(lambda a: jnp.sum(linear(x, w, b, main_grad=a) ** 2))(acc)
+
+    hlo = compiled_text(step, jnp.zeros((40, 48)), x, donate_argnums=0)
+    assert "jax_wgrad_wgrad_accumulate" in hlo
+    assert copies_of(hlo, "f32", (40, 48)) == []
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (((3, 5), (7, 4), None, None), "do not match"),
+        (((3, 5), (7, 5), (6,), None), "bias must have shape"),
+        (((3, 5), (7, 5), None, (5, 7)), "main_grad shape"),
+        (((3, 5), (7, 5, 1), None, None), r"weight must be \[out, in\]"),
+    ],
+)
+def test_linear_bad_input(args, match):
+    x, w, b, acc = (None if s is None else jnp.zeros(s) for s in args)
+    with pytest.raises(ValueError, match=match):
+        linear(x, w, b, main_grad=acc)
+
+
+class _MLP(nnx.Module):
+    def __init__(self, fuse: bool, rngs: nnx.Rngs):
+        self.fc1 = Linear(5, 16, gradient_accumulation_fusion=fuse, rngs=rngs)
+        self.fc2 = Linear(16, 3, use_bias=False, gradient_accumulation_fusion=fuse, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+def _mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _microbatches(m=4):
+    k = jax.random.split(jax.random.key(3), 2)
+    return {"x": jax.random.normal(k[0], (m, 6, 5)), "y": jax.random.normal(k[1], (m, 6, 3))}
+
+
+def test_nnx_linear_has_main_grad_only_when_fused():
+    fused, plain = _MLP(True, nnx.Rngs(0)), _MLP(False, nnx.Rngs(0))
+    assert isinstance(fused.fc1.main_grad, MainGrad) and plain.fc1.main_grad is None
+    assert fused.fc1.weight.shape == (16, 5) and fused.fc1.main_grad.shape == (16, 5)
+    np.testing.assert_array_equal(fused.fc1.weight[...], plain.fc1.weight[...])
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_accumulate_gradients_equals_jax_grad_of_mean(fuse):
+    model, ref_model = _MLP(fuse, nnx.Rngs(0)), _MLP(False, nnx.Rngs(0))
+    batches = _microbatches()
+
+    @jax.jit
+    def run(batches):
+        return accumulate_gradients(model, _mse, batches)
+
+    loss, grads = run(batches)
+    ref_loss, ref_grads = nnx.value_and_grad(
+        lambda m: jnp.mean(jax.vmap(lambda b: _mse(m, b))(batches)))(ref_model)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    flat, ref_flat = nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)
+    assert [p for p, _ in flat] == [p for p, _ in ref_flat]
+    for (path, g), (_, r) in zip(flat, ref_flat):
+        assert g[...].dtype == jnp.float32
+        scale = np.abs(np.asarray(r[...])).max()
+        assert np.abs(np.asarray(g[...]) - np.asarray(r[...])).max() <= 1e-5 * scale, path
+    if fuse:
+        hlo = run.lower(batches).compile().as_text()
+        assert hlo.count('custom_call_target="jax_wgrad_wgrad_accumulate"') == 2
+
+
+def test_accumulate_gradients_bad_microbatches():
+    model = _MLP(False, nnx.Rngs(0))
+    with pytest.raises(ValueError, match="same leading axis"):
+        accumulate_gradients(model, _mse, {"x": jnp.zeros((4, 6, 5)), "y": jnp.zeros((3, 6, 3))})
+
+
+def test_public_api():
+    for name in ["ops", "linear", "Linear", "MainGrad", "accumulate_gradients",
+                 "fusion_available", "wgrad_accumulate"]:
+        assert hasattr(jax_wgrad, name), name
