@@ -82,8 +82,9 @@ ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::ScratchAllocator sc
     return ffi::Error::Success();
   }
   int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
-    return CudaError("cudaGetDevice", e);
+  // The device that owns XLA's stream (not whatever device is current on this thread).
+  if (cudaError_t e = cudaStreamGetDevice(stream, &device); e != cudaSuccess) {
+    return CudaError("cudaStreamGetDevice", e);
   }
   auto entry = GetHandle(device);
   if (entry.has_error()) return entry.error();

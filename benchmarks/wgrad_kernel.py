@@ -1,0 +1,139 @@
+"""Benchmark of the fused weight-gradient accumulation against XLA's own paths.
+
+For each (dtype, T, out, in) case, in one process, times (median of --iters runs after
+--warmup runs, each call blocked on):
+  fused    jax_wgrad.wgrad_accumulate (FFI, accumulator donated: in place)
+  xla      acc + jnp.dot(dy.T, x, preferred_element_type=f32) in one jit, acc donated
+           (XLA's own fused path; on GPU a cuBLAS GEMM with beta = 1)
+  unfused  dW = dot(dy.T, x) in one call, acc + dW in another (acc donated)
+  gemm     the plain GEMM dot(dy.T, x) alone (the lower bound)
+and prints one JSON line per case:
+  platform, dtype, T, out, in, fused_ms, xla_ms, unfused_ms, gemm_ms, fused_over_xla,
+  fused_over_gemm (and tflops on GPU, blas_core on CPU).
+
+On CPU the handler's speed depends on the OpenBLAS kernel family (``blas_core``): an
+``OPENBLAS_CORETYPE`` set in the environment (e.g. Haswell on an AVX-512 machine) forces
+an older, slower kernel.
+
+    python benchmarks/wgrad_kernel.py                 # default cases of the platform
+    python benchmarks/wgrad_kernel.py --cases 4096x1024x1024 --dtypes float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jax_wgrad
+
+CPU_CASES = [(4096, 1024, 1024), (8192, 4096, 1024), (2048, 4096, 4096)]
+GPU_CASES = [(4096, 1024, 1024), (8192, 4096, 1024), (2048, 4096, 4096),
+             (16384, 8192, 8192), (32768, 4096, 4096), (8192, 12288, 4096)]
+
+
+def blas_core() -> str:
+    """OpenBLAS kernel family used by the CPU handler (OPENBLAS_CORETYPE overrides it)."""
+    import ctypes
+    import os
+
+    import scipy_openblas32
+
+    lib = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(),
+                                   "lib" + scipy_openblas32.get_library() + ".so"))
+    lib.scipy_openblas_get_corename.restype = ctypes.c_char_p
+    return lib.scipy_openblas_get_corename().decode()
+
+
+def _time(fn, make_args, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn(*args)``; ``make_args(prev)`` threads donated buffers."""
+    out = None
+    times = []
+    for i in range(warmup + iters):
+        args = make_args(out)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, iters: int) -> dict:
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(k1, (T, n_in), dtype)
+    dy = jax.random.normal(k2, (T, n_out), dtype)
+    zeros = lambda: jnp.zeros((n_out, n_in), jnp.float32)
+
+    def dw(x, dy):
+        return jnp.dot(dy.T, x, preferred_element_type=jnp.float32)
+
+    fused = jax.jit(jax_wgrad.wgrad_accumulate, donate_argnums=2)
+    xla = jax.jit(lambda x, dy, acc: acc + dw(x, dy), donate_argnums=2)
+    gemm = jax.jit(dw)
+    add = jax.jit(lambda acc, d: acc + d, donate_argnums=0)
+
+    def unfused(x, dy, acc):
+        return add(acc, gemm(x, dy))
+
+    acc_args = lambda prev: (x, dy, zeros() if prev is None else prev)
+    result = {
+        "platform": jax.default_backend(),
+        "dtype": jnp.dtype(dtype).name,
+        "T": T, "out": n_out, "in": n_in,
+        "fused_ms": _time(fused, acc_args, warmup, iters),
+        "xla_ms": _time(xla, acc_args, warmup, iters),
+        "unfused_ms": _time(unfused, acc_args, warmup, iters),
+        "gemm_ms": _time(gemm, lambda prev: (x, dy), warmup, iters),
+    }
+    # Same answer from both fused paths (a benchmark of a wrong kernel is worthless).
+    a, b = fused(x, dy, zeros()), xla(x, dy, zeros())
+    err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+    if err > 1e-4:
+        raise AssertionError(f"fused and XLA results differ (relative {err:.2e})")
+    result["fused_over_xla"] = round(result["fused_ms"] / result["xla_ms"], 4)
+    result["fused_over_gemm"] = round(result["fused_ms"] / result["gemm_ms"], 4)
+    if result["platform"] == "cpu":
+        result["blas_core"] = blas_core()
+    if result["platform"] == "gpu":
+        result["tflops"] = round(2 * T * n_out * n_in / (result["fused_ms"] * 1e-3) / 1e12, 2)
+    for key in ("fused_ms", "xla_ms", "unfused_ms", "gemm_ms"):
+        result[key] = round(result[key], 4)
+    return result
+
+
+def _parse_case(text: str) -> tuple[int, int, int]:
+    try:
+        T, n_out, n_in = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"case '{text}' is not TxOUTxIN, e.g. 4096x1024x1024")
+    return T, n_out, n_in
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=_parse_case, nargs="+",
+                        help="TxOUTxIN (default: the platform's case list)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        parser.error(f"--iters ({args.iters}) must be >= 1 and --warmup ({args.warmup}) >= 0")
+    if not jax_wgrad.fusion_available():
+        sys.exit(f"fused handler unavailable on {jax.default_backend()}: "
+                 f"{jax_wgrad.fusion_status()}")
+    cases = args.cases or (GPU_CASES if jax.default_backend() == "gpu" else CPU_CASES)
+    for dtype in args.dtypes:
+        for T, n_out, n_in in cases:
+            print(json.dumps(bench_case(T, n_out, n_in, jnp.dtype(dtype), args.warmup,
+                                        args.iters)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
