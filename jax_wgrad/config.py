@@ -1,0 +1,163 @@
+"""Frozen configuration dataclasses: parallel layout and GPT model shape.
+
+Names follow Megatron-LM (``tensor_model_parallel_size``, ``micro_batch_size`` ...) so a
+Megatron user can read a config without a dictionary. Both classes validate themselves
+on construction; :func:`validate` checks the constraints that involve both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Literal
+
+__all__ = ["ParallelConfig", "GPTConfig", "validate"]
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How one training step is laid out over devices.
+
+    The mesh is ``(data, tensor, pipeline)``; the data-parallel size and the number of
+    microbatches are derived, as in Megatron.
+    """
+
+    tensor_model_parallel_size: int = 1
+    """Devices a layer's weights are split over (Megatron TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; the transformer layers are split evenly over them."""
+    micro_batch_size: int = 1
+    """Sequences per microbatch per data-parallel rank."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks. ``None``: one
+    microbatch per data-parallel rank (``micro_batch_size * data_parallel_size``)."""
+    sequence_parallel: bool = False
+    """Shard activations between blocks on the sequence dim over ``tensor``."""
+    gradient_accumulation_fusion: bool = False
+    """Accumulate every linear weight gradient in an fp32 main-grad buffer through the
+    fused ``wgrad_accumulate`` op instead of producing ordinary gradients."""
+    world_size: int | None = None
+    """Total devices in the mesh; ``None`` means ``jax.device_count()``."""
+
+    def __post_init__(self) -> None:
+        _positive("tensor_model_parallel_size", self.tensor_model_parallel_size)
+        _positive("pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        _positive("micro_batch_size", self.micro_batch_size)
+        if self.world_size is None:
+            import jax
+
+            object.__setattr__(self, "world_size", jax.device_count())
+        _positive("world_size", self.world_size)
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if self.world_size % model_parallel != 0:
+            raise ValueError(
+                f"world size ({self.world_size}) is not divisible by "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}) x "
+                f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size})"
+            )
+        dp = self.world_size // model_parallel
+        if self.global_batch_size is None:
+            object.__setattr__(self, "global_batch_size", self.micro_batch_size * dp)
+        _positive("global_batch_size", self.global_batch_size)
+        if self.global_batch_size % (self.micro_batch_size * dp) != 0:
+            raise ValueError(
+                f"global batch size ({self.global_batch_size}) is not divisible by "
+                f"micro batch size ({self.micro_batch_size}) times data parallel size ({dp})"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Megatron does the same (model_parallel_config.py).
+            warnings.warn(
+                "Disabling sequence parallelism because tensor model parallelism is disabled",
+                stacklevel=2,
+            )
+            object.__setattr__(self, "sequence_parallel", False)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """``world_size // (tp * pp)``."""
+        return self.world_size // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        )
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per data-parallel rank per step (``M``)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """``(data, tensor, pipeline)`` sizes."""
+        return (
+            self.data_parallel_size,
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a pre-LN GPT decoder (learned positions, GELU MLP, causal attention)."""
+
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the byte-level data of :mod:`jax_wgrad.data`."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    seq_length: int = 64
+    """Tokens per sequence; also the number of learned positions."""
+    ffn_hidden_size: int | None = None
+    """MLP width; ``None`` means ``4 * hidden_size``."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of the word embedding table."""
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Activations and GEMM inputs; parameters and gradients stay fp32."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
+                     "seq_length"):
+            _positive(name, getattr(self, name))
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        _positive("ffn_hidden_size", self.ffn_hidden_size)
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
+    """Checks that ``model`` can be split as ``parallel`` asks; raises ``ValueError``."""
+    tp = parallel.tensor_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
+        value = getattr(model, name)
+        if value % tp != 0:
+            raise ValueError(
+                f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp})"
+            )
+    if model.num_layers % pp != 0:
+        raise ValueError(
+            f"num_layers ({model.num_layers}) must be divisible by "
+            f"pipeline_model_parallel_size ({pp})"
+        )
+    if parallel.sequence_parallel and model.seq_length % tp != 0:
+        raise ValueError(
+            f"seq_length ({model.seq_length}) must be divisible by "
+            f"tensor_model_parallel_size ({tp}) with sequence parallelism"
+        )
