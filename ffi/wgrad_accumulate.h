@@ -19,10 +19,12 @@ namespace ffi = xla::ffi;
 
 // Problem sizes of one call, after validation.
 struct WgradDims {
-  int64_t batch = 1;   // product of leading (vmap) dims
-  int64_t tokens = 0;  // T
-  int64_t in = 0;      // x features (columns of main_grad)
-  int64_t out = 0;     // dy features (rows of main_grad)
+  int64_t batch = 1;       // product of leading (vmap) dims
+  int64_t tokens = 0;      // T
+  int64_t in = 0;          // x features (columns of main_grad)
+  int64_t out = 0;         // dy features (rows of main_grad)
+  int64_t offset = 0;      // element offset of the [out, in] block in the accumulator
+  int64_t acc_stride = 0;  // elements per batch element of the accumulator
 };
 
 inline const char* DtypeName(ffi::DataType t) {
@@ -45,19 +47,23 @@ inline std::string ShapeString(const ffi::AnyBuffer& b) {
 }
 
 // Validates ranks, shapes and dtypes; fills `dims`. Returns an InvalidArgument error
-// naming the offending operands otherwise.
+// naming the offending operands otherwise. The accumulator is either a matrix
+// [..., out, in] (offset 0) or a flat buffer [..., N] holding the row-major [out, in]
+// block at elements [offset, offset + out * in) (a parameter's slice of a gradient bucket).
 inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
                                  const ffi::AnyBuffer& acc, const ffi::AnyBuffer& out,
-                                 WgradDims* dims) {
+                                 int64_t offset, WgradDims* dims) {
   auto describe = [&]() {
     return " (x=" + ShapeString(x) + ", dy=" + ShapeString(dy) +
            ", main_grad=" + ShapeString(acc) + ")";
   };
   auto xd = x.dimensions(), gd = dy.dimensions(), ad = acc.dimensions();
   const size_t rank = xd.size();
-  if (rank < 2 || gd.size() != rank || ad.size() != rank) {
+  const bool flat = ad.size() + 1 == rank;
+  if (rank < 2 || gd.size() != rank || !(ad.size() == rank || flat)) {
     return ffi::Error::InvalidArgument(
-        "wgrad_accumulate: x, dy and main_grad must have equal rank >= 2" + describe());
+        "wgrad_accumulate: x and dy must have equal rank >= 2 and main_grad the same "
+        "rank, or one less (flat buffer)" + describe());
   }
   int64_t batch = 1;
   for (size_t i = 0; i + 2 < rank; ++i) {
@@ -71,10 +77,22 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
     return ffi::Error::InvalidArgument(
         "wgrad_accumulate: x and dy must have the same number of tokens" + describe());
   }
-  if (ad[rank - 2] != gd[rank - 1] || ad[rank - 1] != xd[rank - 1]) {
-    return ffi::Error::InvalidArgument(
-        "wgrad_accumulate: main_grad must be [out, in] = [dy features, x features]" +
-        describe());
+  const int64_t block = gd[rank - 1] * xd[rank - 1];
+  if (flat) {
+    const int64_t n = ad[ad.size() - 1];
+    if (offset < 0 || offset > n - block) {
+      return ffi::Error::InvalidArgument(
+          "wgrad_accumulate: block [offset, offset + out * in) = [" + std::to_string(offset) +
+          ", " + std::to_string(offset + block) + ") exceeds the flat main_grad" + describe());
+    }
+    dims->acc_stride = n;
+  } else {
+    if (ad[rank - 2] != gd[rank - 1] || ad[rank - 1] != xd[rank - 1] || offset != 0) {
+      return ffi::Error::InvalidArgument(
+          "wgrad_accumulate: main_grad must be [out, in] = [dy features, x features] "
+          "with offset 0" + describe());
+    }
+    dims->acc_stride = block;
   }
   const ffi::DataType in_t = x.element_type();
   const bool in_ok = in_t == ffi::DataType::F32 || in_t == ffi::DataType::BF16 ||
@@ -98,6 +116,7 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   dims->tokens = xd[rank - 2];
   dims->in = xd[rank - 1];
   dims->out = gd[rank - 1];
+  dims->offset = offset;
   return ffi::Error::Success();
 }
 

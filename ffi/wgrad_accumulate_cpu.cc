@@ -1,5 +1,6 @@
 // CPU handler of the jax_wgrad_wgrad_accumulate FFI target:
 //   main_grad[out, in] += dy[T, out]^T @ x[T, in]   (in place when XLA aliases the buffer)
+// main_grad may also be a flat buffer with the block at an element `offset`.
 // A BLAS sgemm with beta = 1 from scipy-openblas32. 16-bit inputs are converted to f32 in
 // blocks of tokens, so temporary memory is bounded independently of T. A 16-bit
 // main_grad is widened once, accumulated in f32 and rounded once per call.
@@ -73,7 +74,7 @@ void SgemmAccumulate(const float* x, const float* dy, float* c, int64_t tokens,
 void ImplF32(const WgradDims& d, const float* x, const float* dy, float* c) {
   for (int64_t b = 0; b < d.batch; ++b) {
     SgemmAccumulate(x + b * d.tokens * d.in, dy + b * d.tokens * d.out,
-                    c + b * d.out * d.in, d.tokens, d.in, d.out);
+                    c + b * d.acc_stride + d.offset, d.tokens, d.in, d.out);
   }
 }
 
@@ -95,7 +96,9 @@ void ImplWidenInputs(const WgradDims& d, const In* x, const In* dy, float* c,
 
 template <typename In>
 void ImplF32Acc(const WgradDims& d, const In* x, const In* dy, float* c) {
-  for (int64_t b = 0; b < d.batch; ++b) ImplWidenInputs(d, x, dy, c + b * d.out * d.in, b);
+  for (int64_t b = 0; b < d.batch; ++b) {
+    ImplWidenInputs(d, x, dy, c + b * d.acc_stride + d.offset, b);
+  }
 }
 
 // 16-bit inputs and 16-bit accumulator: accumulate in f32, round once per call.
@@ -103,7 +106,7 @@ template <typename In>
 void ImplLowAcc(const WgradDims& d, const In* x, const In* dy, In* c) {
   std::vector<float> c32(d.out * d.in);
   for (int64_t b = 0; b < d.batch; ++b) {
-    In* cb = c + b * d.out * d.in;
+    In* cb = c + b * d.acc_stride + d.offset;
     Widen(cb, c32.data(), d.out * d.in);
     ImplWidenInputs(d, x, dy, c32.data(), b);
     Narrow(c32.data(), cb, d.out * d.in);
@@ -134,9 +137,11 @@ ffi::Error Dispatch(const WgradDims& d, ffi::DataType in_t, ffi::DataType acc_t,
 }
 
 ffi::Error WgradAccumulateCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer acc,
-                                  ffi::Result<ffi::AnyBuffer> result) {
+                                  ffi::Result<ffi::AnyBuffer> result, int64_t offset) {
   WgradDims d;
-  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, &d); err.failure()) return err;
+  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, &d); err.failure()) {
+    return err;
+  }
   constexpr int64_t kMaxBlas = std::numeric_limits<blasint>::max();
   if (d.tokens > kMaxBlas || d.in > kMaxBlas || d.out > kMaxBlas) {
     return ffi::Error::InvalidArgument(
@@ -160,6 +165,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCpu, WgradAccumulateCpuImpl,
                                   .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., out, in]
-                                  .Ret<ffi::AnyBuffer>()); // main_grad  (aliased)
+                                  .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
+                                  .Attr<int64_t>("offset"));  // block start (flat)
 
 }  // namespace jax_wgrad

@@ -63,9 +63,11 @@ cudaDataType_t CudaType(ffi::DataType t) {
 
 ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                                    ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer acc,
-                                   ffi::Result<ffi::AnyBuffer> result) {
+                                   ffi::Result<ffi::AnyBuffer> result, int64_t offset) {
   WgradDims d;
-  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, &d); err.failure()) return err;
+  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, &d); err.failure()) {
+    return err;
+  }
   constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   if (d.tokens > kMaxInt || d.in > kMaxInt || d.out > kMaxInt || d.batch > kMaxInt) {
     return ffi::Error::InvalidArgument(
@@ -110,10 +112,12 @@ ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::ScratchAllocator sc
   const cudaDataType_t acc_t = CudaType(acc.element_type());
   const int m = static_cast<int>(d.in), n = static_cast<int>(d.out),
             k = static_cast<int>(d.tokens);
+  char* c = static_cast<char*>(result->untyped_data()) +
+            d.offset * static_cast<int64_t>(ffi::ByteWidth(acc.element_type()));
   cublasStatus_t s = cublasGemmStridedBatchedEx(
       h, CUBLAS_OP_N, CUBLAS_OP_T, m, n, k, &alpha, x.untyped_data(), in_t, m,
       d.tokens * d.in, dy.untyped_data(), in_t, n, d.tokens * d.out, &beta,
-      result->untyped_data(), acc_t, m, d.out * d.in, static_cast<int>(d.batch),
+      c, acc_t, m, d.acc_stride, static_cast<int>(d.batch),
       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s != CUBLAS_STATUS_SUCCESS) return CublasError("cublasGemmStridedBatchedEx", s);
   return ffi::Error::Success();
@@ -128,6 +132,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCuda, WgradAccumulateCudaImpl,
                                   .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., out, in]
-                                  .Ret<ffi::AnyBuffer>()); // main_grad  (aliased)
+                                  .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
+                                  .Attr<int64_t>("offset"));  // block start (flat)
 
 }  // namespace jax_wgrad

@@ -32,18 +32,18 @@ _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 wgrad_accumulate_p = Primitive("wgrad_accumulate")
 
 
-@functools.partial(jax.jit, inline=False)
-def _eager(x, dy, main_grad):
-    return wgrad_accumulate_p.bind(x, dy, main_grad)
+@functools.partial(jax.jit, static_argnames="offset")
+def _eager(x, dy, main_grad, *, offset):
+    return wgrad_accumulate_p.bind(x, dy, main_grad, offset=offset)
 
 
 wgrad_accumulate_p.def_impl(_eager)
 wgrad_accumulate_p.def_abstract_eval(
-    lambda x, dy, main_grad: jax.core.ShapedArray(main_grad.shape, main_grad.dtype)
+    lambda x, dy, main_grad, *, offset: jax.core.ShapedArray(main_grad.shape, main_grad.dtype)
 )
 
 
-def _batch_rule(args, dims):
+def _batch_rule(args, dims, *, offset):
     """vmap: broadcast every operand to a leading batch dim; the handlers loop over it.
 
     This is ``vmap_method="broadcast_all"`` of ``jax.ffi.ffi_call``, chosen because the
@@ -56,7 +56,7 @@ def _batch_rule(args, dims):
         else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]
-    return wgrad_accumulate_p.bind(*moved), 0
+    return wgrad_accumulate_p.bind(*moved, offset=offset), 0
 
 
 batching.primitive_batchers[wgrad_accumulate_p] = _batch_rule
@@ -67,7 +67,7 @@ def _register_lowerings() -> None:
         if _ffi.fusion_available(platform):
             rule = jax.ffi.ffi_lowering(_ffi.TARGET, operand_output_aliases={2: 0})
         else:
-            def rule(ctx, *args, _platform=platform):  # raised at compile time
+            def rule(ctx, *args, _platform=platform, **params):  # raised at compile time
                 _ffi.require_fusion(_platform)
         mlir.register_lowering(wgrad_accumulate_p, rule, platform=platform)
 
@@ -75,7 +75,7 @@ def _register_lowerings() -> None:
 _register_lowerings()
 
 
-def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> None:
+def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: int | None) -> None:
     shapes = f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, " \
              f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
     if x.ndim < 2 or dy.ndim != x.ndim:
@@ -85,10 +85,16 @@ def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> None:
     if x.shape[:-1] != dy.shape[:-1]:
         raise ValueError(
             f"wgrad_accumulate: x and dy must have the same leading (token) dims; got {shapes}")
-    if main_grad.shape != (dy.shape[-1], x.shape[-1]):
+    block = dy.shape[-1] * x.shape[-1]
+    if offset is None and main_grad.shape != (dy.shape[-1], x.shape[-1]):
         raise ValueError(
             "wgrad_accumulate: main_grad must have shape [out, in] = "
             f"[{dy.shape[-1]}, {x.shape[-1]}]; got {shapes}")
+    if offset is not None and (main_grad.ndim != 1 or not isinstance(offset, int)
+                               or not 0 <= offset <= main_grad.shape[0] - block):
+        raise ValueError(
+            f"wgrad_accumulate: with offset={offset!r}, main_grad must be a flat buffer [N] "
+            f"holding the [out, in] block at [offset, offset + {block}) within N; got {shapes}")
     if x.dtype not in _INPUT_DTYPES or dy.dtype != x.dtype:
         raise ValueError(
             "wgrad_accumulate: x and dy must both be float32, bfloat16 or float16; "
@@ -101,7 +107,9 @@ def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> None:
             f"(accumulated in fp32, rounded once); got {shapes}")
 
 
-def wgrad_accumulate(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> jax.Array:
+def wgrad_accumulate(
+    x: jax.Array, dy: jax.Array, main_grad: jax.Array, *, offset: int | None = None
+) -> jax.Array:
     """Returns ``main_grad + dy^T @ x``, updating the buffer in place under XLA.
 
     Args:
@@ -109,26 +117,35 @@ def wgrad_accumulate(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> jax.A
         into tokens like apex does.
       dy: ``[..., T, out]`` gradient of the layer output, same dtype and leading dims.
       main_grad: ``[out, in]`` accumulator: f32, or the 16-bit dtype of the inputs
-        (then accumulated in fp32 and rounded once per call).
+        (then accumulated in fp32 and rounded once per call). With ``offset``: a flat
+        ``[N]`` buffer (e.g. a gradient bucket) whose elements
+        ``[offset, offset + out * in)`` hold the row-major ``[out, in]`` block.
+      offset: static element offset of the block in a flat ``main_grad``; only that
+        block is read and written, the rest of the buffer is left as it is.
     Returns:
-      The updated ``[out, in]`` accumulator, same dtype as ``main_grad``. With zero
+      The updated accumulator, same shape and dtype as ``main_grad``. With zero
       tokens it is ``main_grad`` itself.
     Raises:
       ValueError: on ranks, shapes or dtypes other than the above.
       RuntimeError: at compile time, on a platform whose handler was not built.
     """
-    _validate(x, dy, main_grad)
+    _validate(x, dy, main_grad, offset)
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
     if x2.shape[0] == 0:
         return main_grad
-    return wgrad_accumulate_p.bind(x2, dy2, main_grad)
+    return wgrad_accumulate_p.bind(x2, dy2, main_grad, offset=0 if offset is None else offset)
 
 
-def wgrad_accumulate_ref(x: jax.Array, dy: jax.Array, main_grad: jax.Array) -> jax.Array:
+def wgrad_accumulate_ref(
+    x: jax.Array, dy: jax.Array, main_grad: jax.Array, *, offset: int | None = None
+) -> jax.Array:
     """Plain-XLA reference of :func:`wgrad_accumulate` (same shapes and rounding)."""
-    _validate(x, dy, main_grad)
+    _validate(x, dy, main_grad, offset)
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
     upd = jnp.dot(dy2.T, x2, preferred_element_type=jnp.float32)
-    return (main_grad.astype(jnp.float32) + upd).astype(main_grad.dtype)
+    if offset is None:
+        return (main_grad.astype(jnp.float32) + upd).astype(main_grad.dtype)
+    block = main_grad[offset:offset + upd.size].astype(jnp.float32) + upd.reshape(-1)
+    return main_grad.at[offset:offset + upd.size].set(block.astype(main_grad.dtype))

@@ -1,5 +1,6 @@
 """wgrad_accumulate: numerics against numpy float64, in-place HLO, transformations, errors."""
 
+import functools
 import glob
 import gzip
 import os
@@ -201,7 +202,8 @@ def test_handler_rejects_bad_operands_itself():
     # Bypass the Python checks: the C++ handler validates on its own.
     x = jnp.zeros((4, 3), jnp.int32)
     with pytest.raises(Exception, match="float32, bfloat16 or float16"):
-        jax.jit(ops.wgrad_accumulate_p.bind)(x, jnp.zeros((4, 2), x.dtype), jnp.zeros((2, 3)))
+        jax.jit(functools.partial(ops.wgrad_accumulate_p.bind, offset=0))(
+            x, jnp.zeros((4, 2), x.dtype), jnp.zeros((2, 3)))
 
 
 def test_unavailable_platform_error(monkeypatch):
@@ -240,3 +242,59 @@ def test_gpu_in_place_under_donated_jit():
     hlo = compiled_text(ops.wgrad_accumulate, x, dy, acc, donate_argnums=2)
     assert entry_aliases_param(hlo, 2)
     assert copies_of(hlo, "f32", (64, 128)) == []
+
+
+# ---- flat buffers (gradient buckets) -------------------------------------------------
+@pytest.mark.parametrize("in_dtype", [F32, BF16])
+def test_flat_buffer_offset_updates_only_the_block(in_dtype):
+    x, dy, _ = _data(13, (21,), 6, 5, in_dtype, F32)
+    flat = jnp.asarray(np.random.default_rng(2).standard_normal(100), F32)
+    got = jax.jit(functools.partial(ops.wgrad_accumulate, offset=64))(x, dy, flat)
+    np.testing.assert_array_equal(got[:64], flat[:64])
+    np.testing.assert_array_equal(got[94:], flat[94:])
+    _check_against_float64(got[64:94].reshape(5, 6), x, dy, flat[64:94].reshape(5, 6))
+    ref = ops.wgrad_accumulate_ref(x, dy, flat, offset=64)
+    np.testing.assert_array_equal(ref[:64], flat[:64])
+    _check_against_float64(ref[64:94].reshape(5, 6), x, dy, flat[64:94].reshape(5, 6))
+
+
+def test_flat_buffer_two_params_in_place_in_scan():
+    # Two weights living in one bucket: [w2 (5x6) at 0 | pad | w1 (6x4) at 64], 128 long.
+    xs1, dys1, _ = _data(14, (3, 8), 4, 6, F32, F32)
+    xs2, dys2, _ = _data(15, (3, 8), 6, 5, F32, F32)
+
+    def run(bucket, xs1, dys1, xs2, dys2):
+        def body(b, mb):
+            b = ops.wgrad_accumulate(mb[2], mb[3], b, offset=0)
+            return ops.wgrad_accumulate(mb[0], mb[1], b, offset=64), None
+        return jax.lax.scan(body, bucket, (xs1, dys1, xs2, dys2))[0]
+
+    bucket = jnp.zeros((128,), F32)
+    hlo = compiled_text(run, bucket, xs1, dys1, xs2, dys2, donate_argnums=0)
+    assert copies_of(hlo, "f32", (128,)) == [] and len(custom_calls(hlo, _ffi.TARGET)) == 2
+    got = jax.jit(run)(bucket, xs1, dys1, xs2, dys2)
+    _check_against_float64(got[64:88].reshape(6, 4), xs1, dys1, jnp.zeros((6, 4)))
+    _check_against_float64(got[:30].reshape(5, 6), xs2, dys2, jnp.zeros((5, 6)))
+    np.testing.assert_array_equal(got[30:64], 0)
+    np.testing.assert_array_equal(got[88:], 0)
+
+
+def test_flat_buffer_vmap():
+    xs, dys, _ = _data(16, (2, 7), 3, 2, F32, F32)
+    flats = jnp.zeros((2, 10), F32)
+    got = jax.vmap(functools.partial(ops.wgrad_accumulate, offset=4))(xs, dys, flats)
+    for i in range(2):
+        _check_against_float64(got[i, 4:10].reshape(2, 3), xs[i], dys[i], jnp.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("offset,shape", [(-1, (100,)), (71, (100,)), (0, (10, 10)), (1.5, (100,))])
+def test_flat_buffer_bad_offset(offset, shape):
+    x, dy = jnp.zeros((4, 6)), jnp.zeros((4, 5))
+    with pytest.raises(ValueError, match=f"offset={offset!r}"):
+        ops.wgrad_accumulate(x, dy, jnp.zeros(shape), offset=offset)
+
+
+def test_handler_rejects_out_of_range_offset_itself():
+    x, dy = jnp.zeros((4, 6)), jnp.zeros((4, 5))
+    with pytest.raises(Exception, match=r"exceeds the flat main_grad"):
+        jax.jit(functools.partial(ops.wgrad_accumulate_p.bind, offset=80))(x, dy, jnp.zeros(100))
