@@ -228,7 +228,7 @@ class GPTHead(nnx.Module):
 
 
 def _pure(module: nnx.Module) -> Params:
-    return nnx.split(module)[1].to_pure_dict()
+    return nnx.to_pure_dict(nnx.split(module)[1])
 
 
 def _walk(node: Any, fn) -> Any:
