@@ -260,7 +260,7 @@ def init_params(cfg: GPTConfig, seed: int) -> Params:
 
 def _specs(module: nnx.Module, prefix: tuple[str | None, ...]) -> Params:
     def spec(v: nnx.Variable) -> P:
-        dims: list[str | None] = [None] * v.value.ndim
+        dims: list[str | None] = [None] * v.get_value().ndim
         axis = v.get_metadata().get("tensor_axis")
         if axis is not None:
             dims[axis] = "tensor"
