@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""Pretrain a small byte-level GPT with tensor, sequence, pipeline (1F1B) and data parallelism.
+
+Runs on CPU by default with 8 virtual devices and trains on the Python standard
+library's own source files (present on every machine), or on your text with
+``--data-path``. Flags follow Megatron-LM's ``pretrain_gpt.py``::
+
+    python examples/pretrain_gpt.py                                   # dp=8
+    python examples/pretrain_gpt.py --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --sequence-parallel \\
+        --gradient-accumulation-fusion --metrics-file /tmp/m.jsonl    # dp=2, tp=2, pp=2
+
+The same ``--seed`` gives the same initial parameters and batches for every layout, so
+``--metrics-file`` loss curves of different layouts can be compared directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--gradient-accumulation-fusion", action="store_true",
+                   help="accumulate weight gradients in fp32 main grads with the fused op")
+    g.add_argument("--num-cpu-devices", type=int, default=8,
+                   help="virtual CPU devices when running on CPU (default 8)")
+    g.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() (multi-process launch)")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--fp32", action="store_true", help="fp32 compute (default)")
+    prec.add_argument("--bf16", action="store_true",
+                      help="bf16 activations/GEMMs; fp32 params, grads, optimizer")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=32)
+    g.add_argument("--train-iters", type=int, default=40)
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--min-lr", type=float, default=None,
+                   help="cosine-decay floor (default: constant lr after warm-up)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--data-path", default=None,
+                   help="a text file or directory (default: the Python stdlib sources)")
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=5)
+    g.add_argument("--metrics-file", default=None,
+                   help="JSON lines: step, loss, grad_norm, step_time_s, tokens_per_s")
+    g.add_argument("--profile-dir", default=None,
+                   help="write a jax.profiler trace of a few steps after compilation")
+    g.add_argument("--profile-steps", type=int, default=3)
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _set_cpu_devices(n: int) -> None:
+    """Must run before jax is imported; only affects the CPU platform."""
+    flag = "--xla_force_host_platform_device_count"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={n}".strip()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    _set_cpu_devices(args.num_cpu_devices)
+
+    import jax
+    import numpy as np
+    import optax
+    from tqdm import tqdm
+
+    from jax_wgrad.config import GPTConfig, ParallelConfig, validate
+    from jax_wgrad.data import VOCAB_SIZE, ByteDataset
+    from jax_wgrad.mesh import initialize_distributed, make_mesh
+    from jax_wgrad.train import build_train_step, default_optimizer, init_train_state, shard_batch
+
+    if args.distributed:
+        initialize_distributed()
+    is_main = jax.process_index() == 0
+
+    def log(msg: str) -> None:
+        if is_main:
+            tqdm.write(msg)
+
+    try:
+        model = GPTConfig(
+            vocab_size=VOCAB_SIZE,
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            ffn_hidden_size=args.ffn_hidden_size,
+            seq_length=args.seq_length,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            compute_dtype="bfloat16" if args.bf16 else "float32",
+        )
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            sequence_parallel=args.sequence_parallel,
+            gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        )
+        validate(parallel, model)
+    except ValueError as exc:
+        raise SystemExit(f"pretrain_gpt.py: error: {exc}") from None
+
+    data = (ByteDataset.from_path(args.data_path) if args.data_path
+            else ByteDataset.from_stdlib())
+    mesh = make_mesh(parallel)
+    log(f"devices: {jax.device_count()} x {jax.devices()[0].platform} | mesh (data, tensor, "
+        f"pipeline) = {parallel.mesh_shape} | microbatches per step: "
+        f"{parallel.num_microbatches} | sequence parallel: {parallel.sequence_parallel} | "
+        f"gradient accumulation fusion: {parallel.gradient_accumulation_fusion}")
+    log(f"data: {data.name}, {len(data) / 1e6:.1f} MB")
+
+    if args.min_lr is not None:
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, args.lr, max(args.lr_warmup_iters, 1), args.train_iters, args.min_lr)
+    elif args.lr_warmup_iters:
+        lr = optax.join_schedules(
+            [optax.linear_schedule(0.0, args.lr, args.lr_warmup_iters),
+             optax.constant_schedule(args.lr)], [args.lr_warmup_iters])
+    else:
+        lr = args.lr
+    optimizer = default_optimizer(lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
+    state = init_train_state(model, mesh, optimizer, args.seed)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    log(f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
+        f"{model.hidden_size}, heads {model.num_attention_heads}, seq {model.seq_length}, "
+        f"{model.compute_dtype}")
+
+    gb, seq = parallel.global_batch_size, model.seq_length
+
+    def batch(i: int):
+        return shard_batch(mesh, data.batch(i, gb, seq, args.seed))
+
+    step_fn = build_train_step(model, parallel, mesh, optimizer, state)
+    t0 = time.perf_counter()
+    compiled = step_fn.lower(state, batch(0)).compile()
+    compile_s = time.perf_counter() - t0
+    log(f"compile time: {compile_s:.2f} s")
+
+    metrics_file = open(args.metrics_file, "w") if (args.metrics_file and is_main) else None
+    profile_start = min(1, args.train_iters - 1)
+    profile_stop = min(profile_start + args.profile_steps, args.train_iters)
+    profiling = False
+    losses, times = [], []
+    bar = tqdm(range(args.train_iters), desc="train", disable=args.no_progress or not is_main,
+               dynamic_ncols=True)
+    for i in bar:
+        if args.profile_dir and i == profile_start:
+            jax.profiler.start_trace(args.profile_dir)
+            profiling = True
+        tokens = batch(i)
+        t0 = time.perf_counter()
+        with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
+            state, metrics = compiled(state, tokens)
+            loss = float(metrics["loss"])  # waits for the step
+            grad_norm = float(metrics["grad_norm"])
+        dt = time.perf_counter() - t0
+        if profiling and i + 1 == profile_stop:
+            jax.profiler.stop_trace()
+            profiling = False
+            log(f"profile of steps {profile_start}..{profile_stop - 1} written to "
+                f"{args.profile_dir}")
+        losses.append(loss)
+        times.append(dt)
+        record = {"step": i + 1, "loss": loss, "grad_norm": grad_norm, "step_time_s": dt,
+                  "tokens_per_s": gb * seq / dt}
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
+        if (i + 1) % args.log_interval == 0 or i == 0 or i + 1 == args.train_iters:
+            log(f"iteration {i + 1:5d}/{args.train_iters} | loss {loss:.4f} | grad norm "
+                f"{grad_norm:.3f} | step {dt * 1e3:.1f} ms | {gb * seq / dt:,.0f} tokens/s")
+    if profiling:
+        jax.profiler.stop_trace()
+    if metrics_file:
+        metrics_file.close()
+
+    steady = times[1:] or times
+    summary = {
+        "compile_time_s": compile_s,
+        "mean_step_time_s": float(np.mean(steady)),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+    log(f"done: compile {compile_s:.2f} s | mean step {summary['mean_step_time_s'] * 1e3:.1f} ms "
+        f"(steps 2..{len(times)}) | loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
