@@ -121,7 +121,7 @@ def build_train_step(
 
     def step(state: TrainState, tokens: jax.Array):
         grads, loss = pipeline_gradients(stages, mesh, state.params, tokens)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state)

@@ -1,0 +1,64 @@
+"""examples/pretrain_gpt.py end to end (in-process: the test session already has 8 devices)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from jax_wgrad import fusion_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples" / "pretrain_gpt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+         "--lr", "3e-3", "--no-progress", "--seed", "3"]
+
+
+def _curve(example, tmp_path, name, extra):
+    path = tmp_path / f"{name}.jsonl"
+    summary = example.main(SMALL + ["--train-iters", "6", "--metrics-file", str(path)] + extra)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert set(rows[0]) == {"step", "loss", "grad_norm", "step_time_s", "tokens_per_s"}
+    assert summary["compile_time_s"] > 0
+    return [r["loss"] for r in rows]
+
+
+def test_loss_curves_equal_across_layouts_and_loss_falls(example, tmp_path):
+    base = _curve(example, tmp_path, "dp8", [])
+    assert base[-1] < base[0]
+    for name, extra in [("dp2tp2pp2", ["--tensor-model-parallel-size", "2",
+                                       "--pipeline-model-parallel-size", "2",
+                                       "--sequence-parallel"]),
+                        ("tp2pp4", ["--tensor-model-parallel-size", "2",
+                                    "--pipeline-model-parallel-size", "4"]
+                         + (["--gradient-accumulation-fusion"] if fusion_available("cpu") else []))]:
+        curve = _curve(example, tmp_path, name, extra)
+        for a, b in zip(curve, base):
+            assert abs(a - b) <= 1e-4 * abs(b), (name, curve, ref)
+
+
+def test_profile_dir(example, tmp_path):
+    prof = tmp_path / "prof"
+    example.main(SMALL + ["--train-iters", "3", "--profile-dir", str(prof),
+                          "--profile-steps", "1"])
+    assert list(prof.rglob("*.xplane.pb"))
+
+
+def test_clear_error(example):
+    with pytest.raises(SystemExit, match=r"num_layers \(4\) must be divisible by "
+                                         r"pipeline_model_parallel_size \(8\)"):
+        example.main(SMALL + ["--pipeline-model-parallel-size", "8"])
