@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""How the one-program 1F1B train step scales with the number of microbatches M.
+
+Measures, for the jitted train step of :func:`jax_wgrad.train.build_train_step`:
+
+* ``memory``: ``compile().memory_analysis().temp_size_in_bytes`` at several M (pp = 4).
+* ``compile``: lower + compile time at several M (pp = 4).
+* ``step``: CPU step time of two layouts at the same global batch.
+
+Run (8 virtual CPU devices are set up here)::
+
+    python benchmarks/pipeline_scaling.py memory compile step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_wgrad.config import GPTConfig, ParallelConfig  # noqa: E402
+from jax_wgrad.data import ByteDataset  # noqa: E402
+from jax_wgrad.mesh import make_mesh  # noqa: E402
+from jax_wgrad.train import (  # noqa: E402
+    build_train_step,
+    default_optimizer,
+    init_train_state,
+    shard_batch,
+)
+
+
+def _setup(model, dp_tp_pp, mbs, m, fusion=False, sp=False):
+    dp, tp, pp = dp_tp_pp
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         micro_batch_size=mbs, global_batch_size=mbs * dp * m,
+                         sequence_parallel=sp, gradient_accumulation_fusion=fusion)
+    mesh = make_mesh(par)
+    opt = default_optimizer(1e-3)
+    state = init_train_state(model, mesh, opt, seed=0)
+    step = build_train_step(model, par, mesh, opt, state)
+    tokens = np.zeros((par.global_batch_size, model.seq_length + 1), np.int32)
+    return par, mesh, state, step, shard_batch(mesh, tokens)
+
+
+def memory(model, layout, ms, mbs, fusion):
+    out = {}
+    for m in ms:
+        _, _, state, step, batch = _setup(model, layout, mbs, m, fusion)
+        mem = step.lower(state, batch).compile().memory_analysis()
+        out[m] = {"temp_bytes": int(mem.temp_size_in_bytes),
+                  "argument_bytes": int(mem.argument_size_in_bytes),
+                  "output_bytes": int(mem.output_size_in_bytes)}
+        print(f"memory  M={m:3d}: temp {mem.temp_size_in_bytes / 2**20:8.2f} MiB, "
+              f"arguments {mem.argument_size_in_bytes / 2**20:8.2f} MiB", flush=True)
+    return out
+
+
+def compile_time(model, layout, ms, mbs, fusion, repeats=5):
+    """Lower + compile, interleaving the M values so machine drift hits them alike."""
+    setups = {m: _setup(model, layout, mbs, m, fusion) for m in ms}
+    times = {m: [] for m in ms}
+    for _ in range(repeats):
+        for m in ms:
+            _, _, state, step, batch = setups[m]
+            jax.clear_caches()
+            t0 = time.perf_counter()
+            step.lower(state, batch).compile()
+            times[m].append(time.perf_counter() - t0)
+    out = {}
+    for m in ms:
+        out[m] = {"median_s": statistics.median(times[m]), "min_s": min(times[m]),
+                  "all_s": times[m]}
+        print(f"compile M={m:3d}: median {statistics.median(times[m]):.2f} s, "
+              f"min {min(times[m]):.2f} s of {[round(t, 2) for t in times[m]]}", flush=True)
+    return out
+
+
+def step_time(model, layouts, global_batch, mbs, fusion, sp, iters):
+    data = ByteDataset.from_stdlib()
+    out = {}
+    for layout in layouts:
+        dp = layout[0]
+        m = global_batch // (mbs * dp)
+        par, mesh, state, step, _ = _setup(model, layout, mbs, m, fusion, sp and layout[1] > 1)
+        compiled = step.lower(state, shard_batch(
+            mesh, data.batch(0, global_batch, model.seq_length, 0))).compile()
+        times = []
+        for i in range(iters + 2):
+            batch = shard_batch(mesh, data.batch(i, global_batch, model.seq_length, 0))
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        key = "x".join(map(str, layout))
+        out[key] = {"M": m, "median_step_s": statistics.median(times),
+                    "mean_step_s": statistics.fmean(times)}
+        print(f"step    (dp,tp,pp)={layout} M={m}: median {statistics.median(times) * 1e3:.1f} ms "
+              f"mean {statistics.fmean(times) * 1e3:.1f} ms", flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", nargs="+", choices=["memory", "compile", "step"])
+    p.add_argument("--layout", default="2,1,4", help="(dp,tp,pp) for memory/compile")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=64, help="for step")
+    p.add_argument("--gradient-accumulation-fusion", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+    model = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length)
+    layout = tuple(int(x) for x in args.layout.split(","))
+    fusion = args.gradient_accumulation_fusion
+    results = {"devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+               "cpu_cores": os.cpu_count(), "model": vars(model) | {}, "layout": layout}
+    if "memory" in args.what:
+        results["memory"] = memory(model, layout, [4, 16], args.micro_batch_size, fusion)
+        r = results["memory"]
+        print(f"temp ratio M=16 / M=4: {r[16]['temp_bytes'] / r[4]['temp_bytes']:.3f}")
+    if "compile" in args.what:
+        results["compile"] = compile_time(model, layout, [4, 32], args.micro_batch_size, fusion)
+        r = results["compile"]
+        print(f"compile ratio M=32 / M=4: {r[32]['median_s'] / r[4]['median_s']:.3f}")
+    if "step" in args.what:
+        results["step"] = step_time(model, [(8, 1, 1), (2, 2, 2)], args.global_batch_size,
+                                    args.micro_batch_size, fusion, args.sequence_parallel,
+                                    args.iters)
+        r = results["step"]
+        print(f"step ratio (2,2,2) / (8,1,1): "
+              f"{r['2x2x2']['median_step_s'] / r['8x1x1']['median_step_s']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
