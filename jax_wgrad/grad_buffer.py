@@ -268,9 +268,19 @@ class GradBuffer:
 
     # ----------------------------------------------------------------------------- values
 
-    def zeros(self) -> Buckets:
-        """Fresh zero buckets: a tuple of ``[bucket_numels[i]]`` arrays in the grad dtype."""
-        return tuple(jnp.zeros((n,), d) for n, d in zip(self.bucket_numels, self.bucket_dtypes))
+    def zeros(self, *, varying_axes: Sequence[str] = ()) -> Buckets:
+        """Fresh zero buckets: a tuple of ``[bucket_numels[i]]`` arrays in the grad dtype.
+
+        Args:
+          varying_axes: inside ``shard_map`` (with its default ``check_vma``), mark the
+            zeros as varying over these mesh axes (``jax.lax.pcast(..., to="varying")``).
+            Needed when the buckets start a ``lax.scan`` carry that accumulates per-device
+            gradients: the carry's type must already vary over e.g. ``("data",)``.
+        """
+        out = tuple(jnp.zeros((n,), d) for n, d in zip(self.bucket_numels, self.bucket_dtypes))
+        if varying_axes:
+            out = tuple(lax.pcast(b, tuple(varying_axes), to="varying") for b in out)
+        return out
 
     def _check_buckets(self, buckets: Sequence[jax.Array], what: str,
                        numels: Sequence[int] | None = None) -> None:

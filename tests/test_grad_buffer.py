@@ -219,6 +219,29 @@ def test_one_collective_per_bucket_in_hlo():
 
 
 @needs8
+def test_buckets_as_scan_carry_inside_shard_map():
+    # Per-device microbatch gradients accumulated in a scan carry, then reduce-scattered.
+    mesh = _mesh((8,), ("data",))
+    buf = GradBuffer.create(_params(), dp_size=8, bucket_size=30, use_distributed_optimizer=True)
+    rng = np.random.default_rng(8)
+    grads = {s.path[2:-2]: rng.standard_normal((8, 3) + s.shape).astype(np.float32)
+             for s in buf.slots}  # [device, microbatch, ...]
+
+    def f(g):
+        g = jax.tree.map(lambda v: v[0], g)
+        body = lambda bk, gi: (buf.add_tree(bk, gi), None)
+        bk = jax.lax.scan(body, buf.zeros(varying_axes=("data",)), g)[0]
+        shards = sync_buckets(bk, axis_name="data", use_distributed_optimizer=True)
+        full = jax.lax.all_gather(shards, "data", axis=0, tiled=True)
+        return jax.tree.map(lambda x: x[None], buf.to_tree(full))
+
+    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(grads)
+    for k, v in grads.items():
+        for r in range(8):
+            np.testing.assert_allclose(got[k][r], v.sum(1).mean(0), rtol=1e-5, atol=1e-6)
+
+
+@needs8
 def test_shard_buckets_is_the_reduce_scatter_slice():
     mesh = _mesh((8,), ("data",))
     buf = GradBuffer.create(_params(), dp_size=8, bucket_size=30, use_distributed_optimizer=True)
