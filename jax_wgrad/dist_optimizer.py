@@ -1,0 +1,388 @@
+"""Distributed optimizer (Megatron's ``use_distributed_optimizer``) and gradient finalization.
+
+Runs inside ``shard_map``, after :func:`jax_wgrad.grad_buffer.sync_buckets`:
+
+* **distributed** (the buffer was planned with ``use_distributed_optimizer=True``): each
+  data-parallel rank keeps fp32 master weights and optax state only for its contiguous
+  ``numel / dp`` shard of every bucket. optax runs on the tuple of flat shards; the updated
+  shards are cast to the parameter dtype and all-gathered (``all_gather(tiled=True)``, one
+  per bucket) and unpacked into the parameter tree.
+* **replicated** (``use_distributed_optimizer=False``): the all-reduced buckets are unpacked
+  into a gradient tree and optax updates fp32 master weights of the whole tree on every rank.
+
+Step order follows Megatron's ``MixedPrecisionOptimizer.step``: global gradient norm in fp32
+(:func:`global_grad_norm`) -> skip the step if it is not finite -> clip by the total norm
+(:func:`clip_by_total_norm`, ``clip_grad_norm_fp32``'s coefficient) -> optax update ->
+parameters.
+
+**Per-parameter options on flat shards.** A shard cuts through parameters, so per-leaf optax
+masks (``optax.adamw(mask=...)``) cannot be used in distributed mode. Per-parameter flags
+are turned into per-element masks of the rank's shard (:meth:`GradBuffer.local_mask`, from
+the parameters' ranges) and handed to the optax chain as the extra argument
+``weight_decay_mask``; :func:`adamw` / :func:`add_decayed_weights` consume it. Only
+element-wise optimizers are correct on flat shards (Adam, SGD, ... as in Megatron; not
+LAMB/LARS trust ratios or Adafactor's factored moments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jax_wgrad.grad_buffer import AxisName, GradBuffer, _axis_index, _axis_size, shard_buckets
+
+__all__ = [
+    "DistributedOptimizer",
+    "OptimizerState",
+    "StepInfo",
+    "add_decayed_weights",
+    "adamw",
+    "clip_by_total_norm",
+    "global_grad_norm",
+]
+
+PyTree = Any
+
+
+# ----------------------------------------------------------------------------- optax pieces
+
+
+def add_decayed_weights(weight_decay: float) -> optax.GradientTransformationExtraArgs:
+    """``updates + weight_decay * mask * params`` with a per-element mask from extra args.
+
+    Like :func:`optax.add_decayed_weights`, but the mask arrives at update time as the extra
+    argument ``weight_decay_mask``: a pytree like ``params`` whose leaves broadcast against
+    them (bool/float per element on flat shards, or a scalar per leaf on a tree). Missing or
+    ``None``: decay everything.
+    """
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None, *, weight_decay_mask=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError("add_decayed_weights needs params")
+        if weight_decay_mask is None:
+            decayed = jax.tree.map(lambda g, p: g + weight_decay * p, updates, params)
+        else:
+            decayed = jax.tree.map(
+                lambda g, p, m: g + weight_decay * jnp.asarray(m, p.dtype) * p,
+                updates, params, weight_decay_mask)
+        return decayed, state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    weight_decay: float = 1e-4,
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`optax.adamw` whose weight-decay mask is the ``weight_decay_mask`` extra arg.
+
+    The same chain as optax (``scale_by_adam`` -> decay -> ``scale_by_learning_rate``), so
+    results equal ``optax.adamw(..., mask=tree)`` on the full tree.
+    """
+    return optax.chain(
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
+        add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+# ----------------------------------------------------------------------------- finalization
+
+
+def global_grad_norm(
+    grads: PyTree,
+    *,
+    axis_names: Sequence[str] = (),
+    weights: PyTree | None = None,
+) -> jax.Array:
+    """L2 norm in fp32 of gradients spread over devices (Megatron's ``get_grad_norm_fp32``).
+
+    ``sqrt(psum_{axis_names}(sum_leaves sum(weights * g**2)))``. ``weights`` (a pytree like
+    ``grads`` whose leaves broadcast against them, e.g. a 0/1 scalar per leaf or a
+    per-element mask) makes every element count once overall: set it to 0 on all but one
+    of the devices holding a copy.
+
+    Args:
+      grads: pytree of gradient arrays (any float dtype; squared in fp32).
+      axis_names: mesh axes over which devices hold *different* parts (summed).
+      weights: optional per-leaf/per-element multipliers.
+    Returns:
+      fp32 scalar, identical on all devices of ``axis_names``.
+    """
+    leaves = jax.tree.leaves(grads)
+    if weights is None:
+        ws = [None] * len(leaves)
+    else:
+        ws = jax.tree.leaves(weights)
+        if len(ws) != len(leaves):
+            raise ValueError(f"global_grad_norm: {len(ws)} weight leaves for {len(leaves)} "
+                             "gradient leaves")
+    total = jnp.zeros((), jnp.float32)
+    for g, w in zip(leaves, ws):
+        sq = jnp.square(g.astype(jnp.float32))
+        if w is not None:
+            sq = sq * jnp.asarray(w, jnp.float32)
+        total = total + jnp.sum(sq)
+    if axis_names:
+        total = lax.psum(total, tuple(axis_names))
+    return jnp.sqrt(total)
+
+
+def clip_by_total_norm(grads: PyTree, max_norm: float, total_norm: jax.Array
+                       ) -> tuple[PyTree, jax.Array]:
+    """Megatron's ``clip_grad_by_total_norm_fp32``: scale by ``max_norm / (norm + 1e-6)``.
+
+    The coefficient is clamped to 1 (multiplying by 1.0 leaves gradients bit-identical), so
+    gradients change only when it is below 1.
+
+    Returns:
+      ``(clipped grads, coefficient)``.
+    """
+    coeff = jnp.minimum(jnp.float32(max_norm) / (total_norm + 1e-6), 1.0).astype(jnp.float32)
+    return jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads), coeff
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+class OptimizerState(NamedTuple):
+    """Per-device optimizer state.
+
+    Attributes:
+      master: fp32 master weights: a tuple of ``[shard_numels[i]]`` shards (distributed) or
+        a tree shaped like the parameters (replicated).
+      inner: the optax state for ``master``.
+    """
+
+    master: PyTree
+    inner: optax.OptState
+
+
+class StepInfo(NamedTuple):
+    """What a step did.
+
+    Attributes:
+      grad_norm: fp32 global norm of the (synced, unclipped) gradients.
+      clip_coeff: the factor gradients were multiplied by (1 without clipping).
+      skipped: True when the norm was not finite; parameters and state are unchanged.
+    """
+
+    grad_norm: jax.Array
+    clip_coeff: jax.Array
+    skipped: jax.Array
+
+
+def _normalize_flags(buffer: GradBuffer, name: str, tree: PyTree | None
+                     ) -> tuple[bool, ...] | None:
+    if tree is None:
+        return None
+    leaves, treedef = jax.tree.flatten(tree)
+    if treedef != buffer.treedef:
+        raise ValueError(f"DistributedOptimizer: {name} must be a tree of bools shaped like "
+                         f"the parameters {buffer.treedef}, got {treedef}")
+    return tuple(bool(v) for v in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedOptimizer:
+    """optax on this rank's shard of the gradient buckets, or on the replicated tree.
+
+    Build with :meth:`create`; call :meth:`init` and :meth:`step` inside ``shard_map``.
+    Attributes (all static):
+
+      buffer: the bucket layout; its ``use_distributed_optimizer`` selects the mode.
+      tx: the optax transformation (extra-args capable; see :func:`adamw`).
+      data_axis: the data-parallel mesh axis (size must equal ``buffer.dp_size``).
+      model_axes: other mesh axes the model is split over (``tensor``, ``pipeline``,
+        ...): partial norms are summed over them.
+      clip_grad: Megatron's ``clip_grad``; ``None`` or 0 disables clipping.
+      weight_decay_flags: per-leaf weight-decay flags in flatten order (``None``: all).
+      duplicated: ``(axis, per-leaf flags)`` pairs: a flagged leaf holds the *same*
+        gradient on every device along ``axis`` (a layernorm scale replicated over
+        ``tensor``; a tied embedding present on two pipeline stages); it is counted in the
+        norm only where ``axis_index(axis) == 0`` (Megatron's
+        ``param_is_not_tensor_parallel_duplicate`` / ``is_not_shared``).
+    """
+
+    buffer: GradBuffer
+    tx: optax.GradientTransformationExtraArgs
+    data_axis: AxisName = "data"
+    model_axes: tuple[str, ...] = ()
+    clip_grad: float | None = None
+    weight_decay_flags: tuple[bool, ...] | None = None
+    duplicated: tuple[tuple[str, tuple[bool, ...]], ...] = ()
+
+    @classmethod
+    def create(
+        cls,
+        buffer: GradBuffer,
+        tx: optax.GradientTransformation,
+        *,
+        data_axis: AxisName = "data",
+        model_axes: Sequence[str] = (),
+        clip_grad: float | None = None,
+        weight_decay_mask: PyTree | None = None,
+        duplicated: Mapping[str, PyTree] | None = None,
+    ) -> DistributedOptimizer:
+        """Validates and freezes the options.
+
+        Args:
+          buffer: layout of the gradient buckets (per-device parameter shapes).
+          tx: any optax transformation of element-wise type; plain ones are wrapped with
+            :func:`optax.with_extra_args_support`. Use :func:`adamw` for a masked decay.
+          data_axis: data-parallel axis name.
+          model_axes: axes over which devices hold different parameters; must not
+            contain ``data_axis``.
+          clip_grad: clip the global norm to this value (> 0); ``None``/0: no clipping.
+          weight_decay_mask: tree of bools shaped like the parameters (True: decay), passed
+            to ``tx`` as the ``weight_decay_mask`` extra argument. ``None``: decay all.
+          duplicated: ``{axis: tree of bools}``, see the class docstring; each axis must
+            be in ``model_axes``.
+        Raises:
+          ValueError: on a negative ``clip_grad``, mismatched trees or unknown axes.
+        """
+        model_axes = tuple(model_axes)
+        data_names = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+        if set(data_names) & set(model_axes):
+            raise ValueError(f"DistributedOptimizer: model_axes {model_axes} must not contain "
+                             f"the data axis {data_axis!r}")
+        if clip_grad is not None and (not np.isfinite(clip_grad) or clip_grad < 0):
+            raise ValueError(f"DistributedOptimizer: clip_grad must be >= 0, got {clip_grad}")
+        dup = []
+        for axis, tree in (duplicated or {}).items():
+            if axis not in model_axes:
+                raise ValueError(f"DistributedOptimizer: duplicated axis {axis!r} is not one "
+                                 f"of model_axes {model_axes}")
+            dup.append((axis, _normalize_flags(buffer, f"duplicated[{axis!r}]", tree)))
+        if not isinstance(tx, optax.GradientTransformationExtraArgs):
+            tx = optax.with_extra_args_support(tx)
+        return cls(
+            buffer=buffer,
+            tx=tx,
+            data_axis=data_axis,
+            model_axes=model_axes,
+            clip_grad=float(clip_grad) if clip_grad else None,
+            weight_decay_flags=_normalize_flags(buffer, "weight_decay_mask", weight_decay_mask),
+            duplicated=tuple(dup),
+        )
+
+    @property
+    def distributed(self) -> bool:
+        """Whether master weights and optax state are sharded over ``data_axis``."""
+        return self.buffer.use_distributed_optimizer
+
+    def _check_axis(self) -> None:
+        dp = _axis_size(self.data_axis)
+        if dp != self.buffer.dp_size:
+            raise ValueError(f"DistributedOptimizer: axis {self.data_axis!r} has {dp} devices "
+                             f"but the buffer was planned for dp_size={self.buffer.dp_size}")
+
+    # -- init
+
+    def init(self, params: PyTree) -> OptimizerState:
+        """fp32 master weights (this rank's shards, or the tree) and the optax state.
+
+        Args:
+          params: the per-device parameter tree (any float dtypes), equal on all data ranks.
+        """
+        self._check_axis()
+        if self.distributed:
+            full = self.buffer.from_tree(params, dtype=jnp.float32)
+            master = shard_buckets(full, axis_name=self.data_axis)
+        else:
+            self.buffer._check_tree(params, "init")
+            master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        return OptimizerState(master, self.tx.init(master))
+
+    # -- masks
+
+    def _leaf_mask_tree(self, flags: tuple[bool, ...]) -> PyTree:
+        return jax.tree.unflatten(self.buffer.treedef,
+                                  [jnp.float32(1.0 if f else 0.0) for f in flags])
+
+    def _decay_mask(self) -> PyTree | None:
+        if self.weight_decay_flags is None:
+            return None
+        if self.distributed:
+            return self.buffer.local_mask(self.weight_decay_flags, axis_name=self.data_axis)
+        return self._leaf_mask_tree(self.weight_decay_flags)
+
+    def _norm_weights(self) -> PyTree | None:
+        weights = None
+        for axis, flags in self.duplicated:
+            not_first = lax.axis_index(axis) != 0
+            if self.distributed:
+                dup = self.buffer.local_mask(flags, axis_name=self.data_axis)
+                w = tuple(jnp.where(d & not_first, 0.0, 1.0).astype(jnp.float32) for d in dup)
+            else:
+                w = jax.tree.unflatten(self.buffer.treedef, [
+                    jnp.where(not_first, 0.0, 1.0).astype(jnp.float32) if f
+                    else jnp.float32(1.0) for f in flags])
+            weights = w if weights is None else jax.tree.map(jnp.multiply, weights, w)
+        return weights
+
+    # -- step
+
+    def grad_norm(self, grads: PyTree) -> jax.Array:
+        """Global fp32 norm of synced gradients (shards or tree), each element counted once."""
+        axes = self.model_axes
+        if self.distributed:  # ranks hold disjoint shards: sum over data too
+            data = (self.data_axis,) if isinstance(self.data_axis, str) else self.data_axis
+            axes = tuple(data) + axes
+        return global_grad_norm(grads, axis_names=axes, weights=self._norm_weights())
+
+    def step(self, params: PyTree, synced: Sequence[jax.Array], state: OptimizerState
+             ) -> tuple[PyTree, OptimizerState, StepInfo]:
+        """One optimizer step from the output of :func:`sync_buckets`.
+
+        Args:
+          params: current per-device parameter tree (returned as is when skipped).
+          synced: reduce-scattered shards (distributed) or all-reduced buckets (replicated).
+          state: from :meth:`init` or the previous step.
+        Returns:
+          ``(new params in their dtypes, new state, StepInfo)``.
+        """
+        self._check_axis()
+        if self.distributed:
+            self.buffer._check_buckets(synced, "step (synced shards)", self.buffer.shard_numels)
+            grads = tuple(g.astype(jnp.float32) for g in synced)
+        else:
+            grads = self.buffer.to_tree(synced, dtype=jnp.float32)
+
+        norm = self.grad_norm(grads)
+        skipped = jnp.logical_not(jnp.isfinite(norm))
+        coeff = jnp.float32(1.0)
+        if self.clip_grad:
+            grads, coeff = clip_by_total_norm(grads, self.clip_grad, norm)
+
+        updates, inner = self.tx.update(grads, state.inner, state.master,
+                                        weight_decay_mask=self._decay_mask())
+        master = optax.apply_updates(state.master, updates)
+
+        if self.distributed:
+            gathered = tuple(
+                lax.all_gather(m.astype(dt), self.data_axis, axis=0, tiled=True)
+                for m, dt in zip(master, self.buffer.bucket_param_dtypes))
+            new_params = self.buffer.to_tree(gathered)
+        else:
+            new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+
+        keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
+        new_state = OptimizerState(keep(state.master, master), keep(state.inner, inner))
+        return keep(params, new_params), new_state, StepInfo(norm, coeff, skipped)
