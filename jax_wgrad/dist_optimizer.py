@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jax_wgrad.grad_buffer import AxisName, GradBuffer, _axis_index, _axis_size, shard_buckets
+from jax_wgrad.grad_buffer import AxisName, GradBuffer, _axis_size, shard_buckets
 
 __all__ = [
     "DistributedOptimizer",
@@ -186,6 +186,20 @@ class StepInfo(NamedTuple):
     grad_norm: jax.Array
     clip_coeff: jax.Array
     skipped: jax.Array
+
+
+def _all_gather_params(shard: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Tiled all-gather whose result is typed invariant over ``axis_name`` where jax allows.
+
+    Every rank gathers the same full bucket, so the parameters are replicated over the data
+    axis; ``to="invarying"`` (jax >= 0.10) tells ``shard_map``'s type check so, letting
+    callers return them with ``out_specs`` that do not mention ``data``. Older/newer jax
+    without that option get the plain (``varying``) all-gather.
+    """
+    try:
+        return lax.all_gather(shard, axis_name, axis=0, tiled=True, to="invarying")
+    except (TypeError, ValueError, NotImplementedError):
+        return lax.all_gather(shard, axis_name, axis=0, tiled=True)
 
 
 def _normalize_flags(buffer: GradBuffer, name: str, tree: PyTree | None
@@ -376,9 +390,8 @@ class DistributedOptimizer:
         master = optax.apply_updates(state.master, updates)
 
         if self.distributed:
-            gathered = tuple(
-                lax.all_gather(m.astype(dt), self.data_axis, axis=0, tiled=True)
-                for m, dt in zip(master, self.buffer.bucket_param_dtypes))
+            gathered = tuple(_all_gather_params(m.astype(dt), self.data_axis)
+                             for m, dt in zip(master, self.buffer.bucket_param_dtypes))
             new_params = self.buffer.to_tree(gathered)
         else:
             new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)

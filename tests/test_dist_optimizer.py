@@ -218,3 +218,24 @@ def test_bf16_params_fp32_master_and_bf16_all_gather():
     n = buf.shard_numels[1]
     np.testing.assert_allclose(master[1][0].reshape(-1)[:n],
                                np.asarray(buf.from_tree(ref)[1])[:n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dist", [True, False])
+def test_updated_params_are_replicated_over_data(dist):
+    # shard_map's type check accepts out_specs=P() for the parameters: they are typed
+    # invariant over `data` (all-gathered, or computed from all-reduced gradients).
+    params = {"w": jnp.ones((4, 8))}
+    buf = GradBuffer.create(params, dp_size=8, bucket_size=None, use_distributed_optimizer=dist)
+    opt = DistributedOptimizer.create(buf, adamw(LR))
+
+    def f(p, g):
+        synced = sync_buckets(buf.add_tree(buf.zeros(), {"w": g[0]}), axis_name="data",
+                              use_distributed_optimizer=dist)
+        new_p, _, info = opt.step(p, synced, opt.init(p))
+        return new_p, info.grad_norm
+
+    fn = jax.shard_map(f, mesh=_mesh((8,), ("data",)), in_specs=(P(), P("data")),
+                       out_specs=(P(), P()))
+    new_p, norm = jax.jit(fn)(params, jnp.ones((8, 4, 8)))
+    assert float(norm) == pytest.approx(np.sqrt(32.0))
+    np.testing.assert_allclose(new_p["w"], 1.0 - LR * (1.0 + 1e-4), rtol=1e-5)

@@ -1,6 +1,5 @@
 """GradBuffer layout, packing, in-place accumulation and per-bucket gradient sync."""
 
-import functools
 import re
 
 import jax
