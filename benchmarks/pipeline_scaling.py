@@ -85,27 +85,33 @@ def compile_time(model, layout, ms, mbs, fusion, repeats=5):
 
 
 def step_time(model, layouts, global_batch, mbs, fusion, sp, iters):
+    """Median step time per layout; steps of the layouts alternate, so background load
+    on a shared machine hits them alike."""
     data = ByteDataset.from_stdlib()
-    out = {}
+    runs = {}
     for layout in layouts:
-        dp = layout[0]
-        m = global_batch // (mbs * dp)
-        par, mesh, state, step, _ = _setup(model, layout, mbs, m, fusion, sp and layout[1] > 1)
+        m = global_batch // (mbs * layout[0])
+        _, mesh, state, step, _ = _setup(model, layout, mbs, m, fusion, sp and layout[1] > 1)
         compiled = step.lower(state, shard_batch(
             mesh, data.batch(0, global_batch, model.seq_length, 0))).compile()
-        times = []
-        for i in range(iters + 2):
-            batch = shard_batch(mesh, data.batch(i, global_batch, model.seq_length, 0))
+        runs[layout] = {"M": m, "mesh": mesh, "state": state, "fn": compiled, "times": []}
+    for i in range(iters + 2):
+        for layout, r in runs.items():
+            batch = shard_batch(r["mesh"], data.batch(i, global_batch, model.seq_length, 0))
             t0 = time.perf_counter()
-            state, metrics = compiled(state, batch)
+            r["state"], metrics = r["fn"](r["state"], batch)
             jax.block_until_ready(metrics)
             if i >= 2:
-                times.append(time.perf_counter() - t0)
-        key = "x".join(map(str, layout))
-        out[key] = {"M": m, "median_step_s": statistics.median(times),
-                    "mean_step_s": statistics.fmean(times)}
-        print(f"step    (dp,tp,pp)={layout} M={m}: median {statistics.median(times) * 1e3:.1f} ms "
-              f"mean {statistics.fmean(times) * 1e3:.1f} ms", flush=True)
+                r["times"].append(time.perf_counter() - t0)
+    out = {}
+    for layout, r in runs.items():
+        times = r["times"]
+        out["x".join(map(str, layout))] = {
+            "M": r["M"], "median_step_s": statistics.median(times),
+            "min_step_s": min(times), "mean_step_s": statistics.fmean(times)}
+        print(f"step    (dp,tp,pp)={layout} M={r['M']}: median "
+              f"{statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms",
+              flush=True)
     return out
 
 
@@ -121,7 +127,9 @@ def main():
     p.add_argument("--global-batch-size", type=int, default=64, help="for step")
     p.add_argument("--gradient-accumulation-fusion", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--step-layouts", default="8,1,1;2,2,2",
+                   help="(dp,tp,pp) layouts for step, ';'-separated; the first is the baseline")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     model = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -139,12 +147,14 @@ def main():
         r = results["compile"]
         print(f"compile ratio M=32 / M=4: {r[32]['median_s'] / r[4]['median_s']:.3f}")
     if "step" in args.what:
-        results["step"] = step_time(model, [(8, 1, 1), (2, 2, 2)], args.global_batch_size,
+        layouts = [tuple(int(x) for x in lay.split(",")) for lay in args.step_layouts.split(";")]
+        results["step"] = step_time(model, layouts, args.global_batch_size,
                                     args.micro_batch_size, fusion, args.sequence_parallel,
                                     args.iters)
-        r = results["step"]
-        print(f"step ratio (2,2,2) / (8,1,1): "
-              f"{r['2x2x2']['median_step_s'] / r['8x1x1']['median_step_s']:.3f}")
+        r = list(results["step"].items())
+        for key, v in r[1:]:
+            print(f"step ratio {key} / {r[0][0]}: "
+                  f"{v['median_step_s'] / r[0][1]['median_step_s']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -48,6 +48,7 @@ from jax_wgrad.layers import (
 
 __all__ = [
     "TransformerLayer",
+    "causal_attention",
     "GPTEmbedding",
     "GPTHead",
     "GPTStages",

@@ -46,6 +46,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "SEQ_DIM",
+    "init_std_for_output_layers",
 ]
 
 SEQ_DIM = 1

@@ -1,10 +1,9 @@
 """The ``('data', 'tensor', 'pipeline')`` device mesh.
 
-``tensor`` is the fastest-varying axis of the device order after ``pipeline``... in
-practice :func:`jax.make_mesh` picks a topology-aware order on TPU/GPU and the plain
-device order on CPU. Multi-process runs call :func:`initialize_distributed` first (it
-wraps :func:`jax.distributed.initialize`); the mesh then spans ``jax.devices()`` of all
-processes.
+Built with :func:`jax.make_mesh`, which picks a topology-aware device order on GPU/TPU
+and the plain device order on CPU. Multi-process runs call
+:func:`initialize_distributed` first (it wraps :func:`jax.distributed.initialize`); the
+mesh then spans ``jax.devices()`` of all processes.
 """
 
 from __future__ import annotations
