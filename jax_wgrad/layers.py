@@ -20,7 +20,9 @@ Parameters carry a ``tensor_axis`` metadata entry: the dim split over ``tensor``
 
 With ``main_grad=acc`` a linear layer's weight gradient goes through
 :func:`jax_wgrad.linear` into the fp32 accumulator ``acc`` (gradient accumulation
-fusion); see that function for the cotangent convention.
+fusion); see that function for the cotangent convention. ``main_grad`` may also be a
+:class:`jax_wgrad.linear.BucketSlot`: the weight's block of a flat gradient bucket
+threaded through the layers (:func:`jax_wgrad.linear.linear_into_bucket`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_wgrad.linear import linear
+from jax_wgrad.linear import BucketSlot, linear
 
 __all__ = [
     "LayerNorm",
@@ -226,14 +228,15 @@ class ColumnParallelLinear(nnx.Module):
         x: jax.Array,
         weight: jax.Array | None = None,
         *,
-        main_grad: jax.Array | None = None,
+        main_grad: jax.Array | BucketSlot | None = None,
     ) -> jax.Array:
         """``x``: ``[b, s(/tp), in]`` -> ``[b, s, out / tp]`` (or ``out``).
 
         Args:
           weight: overrides the layer's own weight (Megatron's tied output layer);
             required when built with ``skip_weight_param_allocation``.
-          main_grad: fp32 ``[out / tp, in]`` accumulator for fused wgrad accumulation.
+          main_grad: fp32 ``[out / tp, in]`` accumulator for fused wgrad accumulation,
+            or a :class:`~jax_wgrad.linear.BucketSlot` in threaded flat buckets.
         """
         with jax.named_scope("column_parallel_linear"):
             if weight is None:
@@ -301,8 +304,11 @@ class RowParallelLinear(nnx.Module):
             else None
         )
 
-    def __call__(self, x: jax.Array, *, main_grad: jax.Array | None = None) -> jax.Array:
-        """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``."""
+    def __call__(
+        self, x: jax.Array, *, main_grad: jax.Array | BucketSlot | None = None
+    ) -> jax.Array:
+        """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``; ``main_grad`` as in
+        :class:`ColumnParallelLinear`."""
         with jax.named_scope("row_parallel_linear"):
             y = linear(x, self.weight[...], None, main_grad=main_grad)
             if self.tp_size > 1:

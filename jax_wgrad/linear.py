@@ -13,16 +13,40 @@ backward GEMM) maps onto JAX's functional autodiff:
 The cotangent of ``main_grad`` is therefore *not* a derivative. It is only meaningful
 when each accumulator is used by exactly one ``linear`` call per differentiated
 function (two uses would add the accumulator twice).
+
+**Many weights in one flat bucket: the threaded form.** When several weights' main grads
+are static slices of ONE flat gradient bucket, the bucket cannot be handed to each
+``linear`` as above: autodiff would sum their cotangents (``K * bucket + sum dW``).
+:func:`linear_into_bucket` instead threads the bucket like a token: it takes the bucket
+and returns it unchanged (forward identity, nothing saved but ``x`` and ``w``), and its
+backward receives the bucket's incoming cotangent -- everything accumulated so far
+downstream -- and returns ``wgrad_accumulate(x, dy, ct, offset=offset)``: the same buffer
+with this weight's ``[out, in]`` block added once, in place. Chained through all fused
+linears of a function ``f(params, buckets, x) -> (y, buckets)``, ``vjp((dy, carried))``
+returns the carried buckets with every block added exactly once. :class:`WgradBuckets`
+does the chaining for layers that only know their own slot (``main_grad=slot``)::
+
+    def stage(params, buckets, x):
+        wb = WgradBuckets(buckets)
+        y = linear(x, params["w"], main_grad=wb.slot(bucket=0, offset=128))
+        y = linear(y, params["w2"], main_grad=wb.slot(bucket=0, offset=0))
+        return y, wb.buckets
+
+    y, vjp_fn = jax.vjp(stage, params, buckets, x)
+    dparams, buckets, dx = vjp_fn((dy, buckets))   # buckets += both blocks
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jax_wgrad import ops
 
-__all__ = ["linear"]
+__all__ = ["linear", "linear_into_bucket", "WgradBuckets", "BucketSlot"]
 
 
 def _check(x: jax.Array, w: jax.Array, b: jax.Array | None) -> None:
@@ -52,12 +76,17 @@ def _fused_linear_fwd(x, w, b, main_grad):
     return _forward(x, w, b), (x, w, b, main_grad)
 
 
-def _fused_linear_bwd(res, dy):
-    x, w, b, main_grad = res
+def _dgrad_bgrad(x, w, b, dy):
     dx = jnp.matmul(dy, w.astype(dy.dtype)).astype(x.dtype)
     db = None
     if b is not None:
         db = jnp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, dtype=jnp.float32).astype(b.dtype)
+    return dx, db
+
+
+def _fused_linear_bwd(res, dy):
+    x, w, b, main_grad = res
+    dx, db = _dgrad_bgrad(x, w, b, dy)
     # The updated accumulator travels as the "cotangent" of main_grad (module docstring).
     new_main_grad = ops.wgrad_accumulate(x, dy, main_grad)
     return dx, None, db, new_main_grad
@@ -66,12 +95,113 @@ def _fused_linear_bwd(res, dy):
 _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
 
 
+# ----------------------------------------------------------------------------- threaded
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _threaded_linear(x, w, b, bucket, offset):
+    return _forward(x, w, b), bucket
+
+
+def _threaded_linear_fwd(x, w, b, bucket, offset):
+    # Only x, w (and b for its dtype) are saved: the bucket is NOT a residual.
+    return (_forward(x, w, b), bucket), (x, w, b)
+
+
+def _threaded_linear_bwd(offset, res, cts):
+    x, w, b = res
+    dy, ct_bucket = cts
+    dx, db = _dgrad_bgrad(x, w, b, dy)
+    # ct_bucket = the bucket with every downstream block already added; add ours, in place.
+    return dx, None, db, ops.wgrad_accumulate(x, dy, ct_bucket, offset=offset)
+
+
+_threaded_linear.defvjp(_threaded_linear_fwd, _threaded_linear_bwd)
+
+
+def linear_into_bucket(
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array | None,
+    bucket: jax.Array,
+    *,
+    offset: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``(x @ w.T + b, bucket)``: a linear whose weight gradient goes into a flat bucket.
+
+    Forward: the plain linear, and ``bucket`` returned unchanged (a token). Backward: the
+    cotangent of the returned bucket (the buffer accumulated so far) comes back as the
+    cotangent of the ``bucket`` input with ``dy^T @ x`` added to its elements
+    ``[offset, offset + out * in)`` by :func:`jax_wgrad.ops.wgrad_accumulate` (in place
+    under XLA); ``w`` gets a zero gradient. See the module docstring.
+
+    Args:
+      x: ``[..., in]`` input; w: ``[out, in]`` weight; b: optional ``[out]`` bias.
+      bucket: flat ``[N]`` float32 gradient bucket holding the weight's row-major block.
+      offset: static element offset of the block in ``bucket``.
+    Returns:
+      ``(y [..., out] in x.dtype, bucket)``.
+    """
+    _check(x, w, b)
+    size = w.shape[0] * w.shape[1]
+    if bucket.ndim != 1 or not isinstance(offset, int) or not (
+            0 <= offset <= bucket.shape[0] - size):
+        raise ValueError(
+            f"linear_into_bucket: the [out, in] = {list(w.shape)} block at offset {offset!r} "
+            f"does not fit in a flat bucket of shape {tuple(bucket.shape)}")
+    if bucket.dtype != jnp.float32:
+        raise ValueError(f"linear_into_bucket: bucket must be float32, got {bucket.dtype}")
+    return _threaded_linear(x, w, b, bucket, offset)
+
+
+class WgradBuckets:
+    """Threads a tuple of flat gradient buckets through the fused linears of one function.
+
+    A small mutable holder, like an NNX variable: create it INSIDE the function being
+    differentiated from that function's bucket arguments, hand :meth:`slot`s to the
+    layers (``main_grad=slot``), and return :attr:`buckets` as outputs. Each fused
+    ``linear`` replaces its bucket by the token returned from :func:`linear_into_bucket`,
+    so the buckets flow through every fused linear in call order.
+    """
+
+    def __init__(self, buckets):
+        self._buckets = list(buckets)
+
+    @property
+    def buckets(self) -> tuple[jax.Array, ...]:
+        """The current bucket tokens (return these from the differentiated function)."""
+        return tuple(self._buckets)
+
+    def slot(self, bucket: int, offset: int) -> BucketSlot:
+        """The main grad of one weight: elements ``[offset, offset + out * in)`` of
+        bucket ``bucket``."""
+        if not 0 <= bucket < len(self._buckets):
+            raise ValueError(f"WgradBuckets.slot: bucket {bucket} out of range "
+                             f"(have {len(self._buckets)})")
+        return BucketSlot(self, bucket, offset)
+
+    def _linear(self, x, w, b, bucket: int, offset: int) -> jax.Array:
+        y, self._buckets[bucket] = linear_into_bucket(x, w, b, self._buckets[bucket],
+                                                      offset=offset)
+        return y
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSlot:
+    """Where one weight's main grad lives in threaded buckets (``main_grad=`` of
+    :func:`linear`); made by :meth:`WgradBuckets.slot`."""
+
+    owner: WgradBuckets
+    bucket: int
+    offset: int
+
+
 def linear(
     x: jax.Array,
     w: jax.Array,
     b: jax.Array | None = None,
     *,
-    main_grad: jax.Array | None = None,
+    main_grad: jax.Array | BucketSlot | None = None,
 ) -> jax.Array:
     """``y = x @ w.T + b``.
 
@@ -81,13 +211,17 @@ def linear(
       b: optional ``[out]`` bias.
       main_grad: optional ``[out, in]`` fp32 (or input-dtype) accumulator. When given,
         the backward accumulates ``dy^T x`` into it through the fused op and returns the
-        updated buffer as its cotangent; ``w`` then receives a zero gradient.
+        updated buffer as its cotangent; ``w`` then receives a zero gradient. Or a
+        :class:`BucketSlot`: the weight's block in threaded flat buckets
+        (:func:`linear_into_bucket`).
     Returns:
       ``[..., out]`` output in ``x.dtype``.
     """
     _check(x, w, b)
     if main_grad is None:
         return _forward(x, w, b)
+    if isinstance(main_grad, BucketSlot):
+        return main_grad.owner._linear(x, w, b, main_grad.bucket, main_grad.offset)
     if main_grad.shape != w.shape:
         raise ValueError(
             f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"

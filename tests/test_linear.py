@@ -9,6 +9,7 @@ from jax.test_util import check_grads
 
 import jax_wgrad
 from jax_wgrad import Linear, MainGrad, accumulate_gradients, linear
+from jax_wgrad.linear import WgradBuckets, linear_into_bucket
 
 
 def _ref_linear(x, w, b):
@@ -147,3 +148,96 @@ def test_public_api():
     for name in ["ops", "linear", "Linear", "MainGrad", "accumulate_gradients",
                  "fusion_available", "wgrad_accumulate"]:
         assert hasattr(jax_wgrad, name), name
+
+
+# ----------------------------------------------------------------------------- threaded
+
+
+def _needs_handler():
+    if not jax_wgrad.fusion_available("cpu"):
+        pytest.skip("the CPU wgrad_accumulate handler was not built")
+
+
+def _two_layer_threaded(x, w1, b1, w2, bucket, offsets):
+    """Two fused linears writing into ONE flat bucket, threaded: f(x, bucket) -> (y, bucket)."""
+    wb = WgradBuckets((bucket,))
+    h = jax.nn.gelu(linear(x, w1, b1, main_grad=wb.slot(0, offsets[0])))
+    y = linear(h, w2, main_grad=wb.slot(0, offsets[1]))
+    return y, wb.buckets[0]
+
+
+def test_threaded_linears_share_one_bucket_and_add_each_block_once():
+    _needs_handler()
+    x, w1, b1 = _inputs(lead=(3, 4), n_in=5, n_out=7)
+    w2 = jax.random.normal(jax.random.key(4), (6, 7))
+    dy = jax.random.normal(jax.random.key(5), (3, 4, 6))
+    offsets = (64, 8)  # w2's [6, 7] block at [8, 50), w1's [7, 5] block at [64, 99)
+    carried = jax.random.normal(jax.random.key(6), (128,))  # "accumulated so far"
+
+    def run(x, w1, b1, w2, bucket):
+        (y, tok), vjp_fn = jax.vjp(
+            lambda x, w1, b1, w2, bk: _two_layer_threaded(x, w1, b1, w2, bk, offsets),
+            x, w1, b1, w2, bucket)
+        return (y, tok), vjp_fn((dy, carried))
+
+    (y, tok), (dx, dw1, db1, dw2, new_bucket) = jax.jit(run)(x, w1, b1, w2, jnp.zeros(128))
+    np.testing.assert_array_equal(tok, np.zeros(128))  # forward: the bucket passes through
+
+    def ref(x, w1, b1, w2):
+        return jnp.sum(jax.nn.gelu(_ref_linear(x, w1, b1)) @ w2.T * dy)
+
+    y_ref = jax.nn.gelu(_ref_linear(x, w1, b1)) @ w2.T
+    rx, rw1, rb1, rw2 = jax.grad(ref, argnums=(0, 1, 2, 3))(x, w1, b1, w2)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, rx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db1, rb1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(dw1, 0)
+    np.testing.assert_array_equal(dw2, 0)
+    want = np.array(carried)
+    want[64:99] += np.asarray(rw1).ravel()
+    want[8:50] += np.asarray(rw2).ravel()
+    np.testing.assert_allclose(new_bucket, want, rtol=1e-5, atol=1e-5)
+
+
+def test_threaded_bucket_in_place_in_a_scan_over_microbatches():
+    # The bucket is a scan carry; each microbatch's vjp adds both blocks: no bucket copy.
+    _needs_handler()
+    from hlo_util import compiled_text, copies_of, custom_calls
+
+    x, w1, b1 = _inputs(lead=(4, 16), n_in=24, n_out=40)
+    w2 = jax.random.normal(jax.random.key(4), (32, 40))
+    dys = jax.random.normal(jax.random.key(5), (4, 16, 32))
+    offsets, n = (1280, 0), 2304  # w2 [32, 40] at [0, 1280); w1 [40, 24] at [1280, 2240)
+
+    def accumulate(bucket, x, dys):
+        def body(bk, xs):
+            xi, dyi = xs
+            _, vjp_fn = jax.vjp(lambda bk: _two_layer_threaded(xi, w1, b1, w2, bk, offsets), bk)
+            return vjp_fn((dyi, bk))[0], None
+        return jax.lax.scan(body, bucket, (x, dys))[0]
+
+    hlo = compiled_text(accumulate, jnp.zeros(n), x, dys, donate_argnums=0)
+    assert len(custom_calls(hlo, jax_wgrad._ffi.TARGET)) == 2
+    assert copies_of(hlo, "f32", (n,)) == [], hlo
+    got = jax.jit(accumulate)(jnp.zeros(n), x, dys)
+
+    def ref(w1, w2):
+        h = jax.nn.gelu(_ref_linear(x, w1, b1))
+        return jnp.sum(h @ w2.T * dys)
+
+    rw1, rw2 = jax.grad(ref, argnums=(0, 1))(w1, w2)
+    np.testing.assert_allclose(got[1280:2240], np.asarray(rw1).ravel(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[:1280], np.asarray(rw2).ravel(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got[2240:], 0)
+
+
+def test_linear_into_bucket_bad_input():
+    x, w, _ = _inputs(lead=(3,))
+    with pytest.raises(ValueError, match="does not fit"):
+        linear_into_bucket(x, w, None, jnp.zeros(40), offset=8)
+    with pytest.raises(ValueError, match="does not fit"):
+        linear_into_bucket(x, w, None, jnp.zeros((7, 5)), offset=0)
+    with pytest.raises(ValueError, match="float32"):
+        linear_into_bucket(x, w, None, jnp.zeros(64, jnp.bfloat16), offset=0)
+    with pytest.raises(ValueError, match="out of range"):
+        WgradBuckets((jnp.zeros(64),)).slot(1, 0)
