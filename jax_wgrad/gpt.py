@@ -26,9 +26,10 @@ single-device plain-``jnp`` implementation used to check gradients.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,6 +54,10 @@ __all__ = [
     "GPTHead",
     "GPTStages",
     "LINEAR_LAYERS",
+    "FORWARD_KEY_ORDER",
+    "forward_order",
+    "from_forward_order",
+    "unstack_layers",
     "init_params",
     "param_specs",
     "reference_loss",
@@ -227,6 +232,49 @@ class GPTHead(nnx.Module):
 
 # --------------------------------------------------------------------------- params
 
+FORWARD_KEY_ORDER: tuple[str, ...] = (
+    "embedding", "word", "position", "layers", "ln1", "qkv", "proj", "ln2", "fc1", "fc2",
+    "head", "final_norm", "output", "weight", "scale", "bias")
+"""Registration (forward) order of the parameter names: siblings are ordered by their
+rank here (embedding -> layers -> head; ln1 -> qkv -> proj -> ln2 -> fc1 -> fc2; a
+linear's weight before its bias; a LayerNorm's scale before its bias), as Megatron's
+modules register them."""
+
+
+def forward_order(tree: Mapping[str, Any]) -> collections.OrderedDict:
+    """The same parameters as nested ``OrderedDict`` trees in forward (registration) order.
+
+    Plain dicts flatten by sorted key; ``OrderedDict`` flattens in insertion order, so
+    :class:`jax_wgrad.grad_buffer.GradBuffer` lays this tree out as Megatron lays out the
+    model (reverse registration order: the head's last parameter at offset 0).
+    """
+    rank = {k: i for i, k in enumerate(FORWARD_KEY_ORDER)}
+    unknown = [k for k in tree if k not in rank]
+    if unknown:
+        raise ValueError(f"forward_order: unknown parameter names {unknown}")
+    return collections.OrderedDict(
+        (k, forward_order(tree[k]) if isinstance(tree[k], Mapping) else tree[k])
+        for k in sorted(tree, key=rank.__getitem__))
+
+
+def from_forward_order(tree: Mapping[str, Any]) -> Params:
+    """Inverse of :func:`forward_order`: plain nested dicts."""
+    return {k: from_forward_order(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
+
+
+def unstack_layers(stacked: Params) -> list[Params]:
+    """``{name: [n, ...]}`` stacked layer parameters (arrays or ``ShapeDtypeStruct``) -> a
+    list of ``n`` per-layer dicts."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+
+    def index(a, i):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+        return a[i]
+
+    return [jax.tree.map(lambda a, i=i: index(a, i), stacked) for i in range(n)]
+
+
 
 def _pure(module: nnx.Module) -> Params:
     return nnx.to_pure_dict(nnx.split(module)[1])
@@ -333,21 +381,22 @@ class GPTStages:
 
     def layers(
         self,
-        layer_params: Params,
-        main_grads: Mapping[str, jax.Array] | None,
+        layer_params: Sequence[Params],
+        main_grads: Sequence[Mapping[str, Any]] | None,
         x: jax.Array,
     ) -> jax.Array:
-        """This stage's ``L / P`` layers (stacked params ``[L/P, ...]``), scanned.
+        """This stage's ``L / P`` layers in order, unrolled.
 
-        ``main_grads``: ``{name: [L/P, out, in]}`` accumulators, or ``None``.
+        ``layer_params``: one param dict per layer (:func:`unstack_layers`). Unrolled, not
+        scanned, so that each layer's main grads are STATIC slices of the flat gradient
+        buckets. ``main_grads``: per layer ``{name: main grad}`` (an ``[out, in]``
+        accumulator or a :class:`~jax_wgrad.linear.BucketSlot`), or ``None``.
         """
-
-        def body(h, xs):
-            p, mg = xs
-            return nnx.merge(self._layer_def, p)(h, main_grads=mg), None
-
         with jax.named_scope("transformer_layers"):
-            return jax.lax.scan(body, x, (layer_params, main_grads))[0]
+            for i, p in enumerate(layer_params):
+                mg = None if main_grads is None else main_grads[i]
+                x = nnx.merge(self._layer_def, p)(x, main_grads=mg)
+            return x
 
     def head_loss(
         self,
@@ -359,7 +408,7 @@ class GPTStages:
         """Sum of per-token losses of ``x`` ``[b, s(/tp), H]``; ``params`` is the full
         per-device dict (for the tied word embedding); ``main_grad`` accumulates the
         output-layer weight gradient."""
-        head = nnx.merge(self._head_def, params["head"])
+        head = nnx.merge(self._head_def, dict(params["head"]))
         weight = params["embedding"]["word"]["embedding"] if self.tied else None
         return head(x, labels, weight=weight, main_grad=main_grad)
 

@@ -17,9 +17,15 @@ buys nothing here. Inside a bucket the layout is exactly Megatron's
 
 **Parameter order.** Registration (forward) order is the flatten order of the parameter
 tree (``jax.tree.leaves``). Note that ``dict`` and ``nnx.State`` flatten by *sorted key*,
-not insertion order; pass a list/tuple (or name modules so that sorted order is forward
-order) if the bucket order matters to you. As in Megatron the walk is reversed: the last
-leaf lands at offset 0 of bucket 0.
+not insertion order; pass lists/tuples or ``collections.OrderedDict`` (flattened in
+insertion order) if the bucket order matters to you (:func:`jax_wgrad.gpt.forward_order`
+does this for the GPT). As in Megatron the walk is reversed: the last leaf lands at
+offset 0 of bucket 0.
+
+**Chunks.** Megatron keeps one buffer per model chunk (and dtype); :meth:`concatenate`
+joins separately planned buffers into one whose tree is the tuple of their trees and whose
+buckets are theirs, in order -- e.g. a pipeline stage's own layers and the embedding/head
+parameters that are shared between stages and synced at a different time.
 
 **Dtype groups.** Like Megatron, parameters are grouped by ``(param dtype, grad dtype)``
 (groups in order of first appearance); each group gets its own :class:`BucketPlan` and its
@@ -229,6 +235,43 @@ class GradBuffer:
             use_distributed_optimizer=bool(use_distributed_optimizer),
         )
 
+    @classmethod
+    def concatenate(cls, buffers: Sequence[GradBuffer]) -> GradBuffer:
+        """One buffer over the tuple of the buffers' trees (Megatron: a buffer per chunk).
+
+        Each part keeps its own plan (bucket boundaries never span two parts); bucket ``i``
+        of part ``k`` becomes bucket ``sum(num_buckets of parts < k) + i``; paths get the
+        ``[k]`` prefix of the tuple. All parts must share ``dp_size`` and
+        ``use_distributed_optimizer``.
+        """
+        if not buffers:
+            raise ValueError("GradBuffer.concatenate: no buffers")
+        if len({(b.dp_size, b.use_distributed_optimizer) for b in buffers}) != 1:
+            raise ValueError("GradBuffer.concatenate: parts must share dp_size and "
+                             "use_distributed_optimizer")
+        slots, groups, numels, dtypes, pdtypes, leaves_of = [], [], [], [], [], []
+        leaf0 = bucket0 = 0
+        for k, b in enumerate(buffers):
+            for s in b.slots:
+                slots.append(dataclasses.replace(
+                    s, path=f"[{k}]{s.path}", index=s.index + leaf0, bucket=s.bucket + bucket0))
+            for g in b.groups:
+                groups.append(dataclasses.replace(
+                    g, leaf_indices=tuple(i + leaf0 for i in g.leaf_indices),
+                    first_bucket=g.first_bucket + bucket0))
+            numels += b.bucket_numels
+            dtypes += b.bucket_dtypes
+            pdtypes += b.bucket_param_dtypes
+            leaves_of += [tuple(i + leaf0 for i in m) for m in b.bucket_leaves]
+            leaf0 += len(b.slots)
+            bucket0 += b.num_buckets
+        return cls(
+            treedef=jax.tree_util.treedef_tuple([b.treedef for b in buffers]),
+            slots=tuple(slots), groups=tuple(groups), bucket_numels=tuple(numels),
+            bucket_dtypes=tuple(dtypes), bucket_param_dtypes=tuple(pdtypes),
+            bucket_leaves=tuple(leaves_of), dp_size=buffers[0].dp_size,
+            use_distributed_optimizer=buffers[0].use_distributed_optimizer)
+
     # ----------------------------------------------------------------------------- layout
 
     @property
@@ -258,9 +301,22 @@ class GradBuffer:
         s = self.slot(path)
         return s.bucket, s.offset
 
+    @property
+    def numel(self) -> int:
+        """Elements of all buckets together (padding included)."""
+        return sum(self.bucket_numels)
+
+    @property
+    def param_numel(self) -> int:
+        """Elements that hold parameter gradients."""
+        return sum(s.size for s in self.slots)
+
     def summary(self) -> str:
-        """One line per dtype group and bucket."""
-        lines = []
+        """A total line, then one line per dtype group (or chunk) and bucket."""
+        pad = self.numel - self.param_numel
+        lines = [f"{self.num_buckets} bucket(s), {len(self.slots)} params: "
+                 f"{self.param_numel} param elements, {self.numel} buffer elements, padding "
+                 f"{pad} ({100.0 * pad / max(self.numel, 1):.2f}%)"]
         for g in self.groups:
             lines.append(f"group {g.param_dtype}->{g.grad_dtype}, buckets from "
                          f"{g.first_bucket}: " + g.plan.summary())
@@ -344,17 +400,26 @@ class GradBuffer:
             out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         return tuple(out)
 
-    def add_tree(self, buckets: Sequence[jax.Array], tree: PyTree) -> Buckets:
+    def add_tree(self, buckets: Sequence[jax.Array], tree: PyTree, *,
+                 where: PyTree | Sequence[bool] | None = None) -> Buckets:
         """Adds ordinary gradients into their slices: ``bucket[slot] += leaf``.
 
         Each leaf is one ``dynamic_update_slice`` at a static offset, so on a donated
         argument or a scan carry XLA updates the bucket in place (no bucket copy). Leaves
         are cast to the bucket dtype before the add. Padding is left untouched.
+
+        Args:
+          where: optional static per-leaf flags (tree of bools or a sequence in flatten
+            order); leaves flagged False are skipped (e.g. weights whose gradient the fused
+            op already accumulated, or parts of the tree that are known to be zero).
         """
         self._check_buckets(buckets, "add_tree")
         leaves = self._check_tree(tree, "add_tree")
+        use = (True,) * len(leaves) if where is None else self._flag_values(where)
         out = list(buckets)
-        for s, leaf in zip(self.slots, leaves):
+        for s, leaf, u in zip(self.slots, leaves, use):
+            if not u:
+                continue
             b = out[s.bucket]
             cur = lax.slice(b, (s.offset,), (s.offset + s.size,))
             new = cur + jnp.ravel(leaf).astype(b.dtype)

@@ -16,25 +16,30 @@ Stage ``s`` holds at most ``2 (P - 1 - s) + 1`` microbatches in flight, so the c
 independent of ``M``.
 
 Backward of a microbatch is an explicit ``jax.vjp`` of the stage, recomputing its forward
-from the stored stage INPUT (Megatron's full activation recompute). Storing vjp residuals
-instead would be wrong with gradient accumulation fusion: the fused ``custom_vjp`` saves
-the main-grad accumulator at forward time and would accumulate into a stale copy.
+from the stored stage INPUT (Megatron's full activation recompute).
 
-Gradients accumulate in fp32 in the scan carry (``acc``, same tree as the parameters).
-With fusion every linear weight's entry of ``acc`` is the main-grad buffer that the fused
-op updates; all other entries (and all entries without fusion) accumulate ordinary
-gradients. ``acc`` holds the gradient of the mean token loss of the GLOBAL batch: each
-microbatch backward is seeded with ``1 / (global_batch_size * seq_length)``.
+Gradients accumulate in the flat fp32 gradient buckets of :class:`jax_wgrad.ddp.GradLayout`
+(scan carry): the stage's layers in one chunk, the embedding/head (replicated on every
+stage) in another. The stage function is ``f(params, buckets, x) -> (y, buckets)``: the
+buckets thread through every fused linear (:func:`jax_wgrad.linear.linear_into_bucket`),
+and the backward tick calls ``vjp_fn((dy, carried buckets))``, which returns the carried
+buckets with each fused weight's block added once, in place. All other gradients (biases,
+LayerNorms, embeddings; everything without fusion) are added to their static bucket slices
+(:meth:`GradBuffer.add_tree`). Layers are unrolled so that every offset is static. Each
+microbatch backward is seeded with 1: the buckets hold gradients of the token-loss SUM.
 
-After the scan: sum over ``data`` (plain all-reduce; the bucket issue replaces it), sum
-of embedding/head gradients over ``pipeline`` (only the first and last stage contribute:
-this is Megatron's embedding-group all-reduce for tied weights, and keeps the pipeline
-replicas of those parameters identical), and with sequence parallelism the sum over
-``tensor`` of the gradients of tensor-replicated parameters.
+With ``overlap_grad_reduce`` a stage syncs its own buckets over ``data`` inside the scan,
+at the tick of its last backward (``lax.cond`` on ``tick == last_backward_tick(stage)``),
+while earlier stages are still computing their cooldown backwards; otherwise every sync
+happens after the scan. The embedding/head buckets are synced after the scan (after the
+deferred output-layer drain of issue #4), then :func:`jax_wgrad.ddp.finalize_grads` does
+Megatron's remaining finalization (sequence-parallel and tied-embedding all-reduces, token
+scaling).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -43,10 +48,13 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad.gpt import LINEAR_LAYERS, GPTStages, param_specs, sequence_parallel_replicated
+from jax_wgrad.config import DDPConfig
+from jax_wgrad.ddp import GradLayout, canonical_tree, finalize_grads, sync_stage_buckets
+from jax_wgrad.gpt import LINEAR_LAYERS, GPTStages, forward_order, param_specs, unstack_layers
+from jax_wgrad.linear import WgradBuckets
 
-__all__ = ["PipelineCarry", "schedule", "num_slots", "num_ticks", "stage_gradients",
-           "pipeline_gradients"]
+__all__ = ["PipelineCarry", "schedule", "num_slots", "num_ticks", "last_backward_tick",
+           "stage_gradients", "reduce_gradients", "pipeline_gradients"]
 
 Params = dict[str, Any]
 
@@ -78,8 +86,10 @@ def schedule(num_stages: int, num_microbatches: int) -> list[list[tuple[int | No
 class PipelineCarry(NamedTuple):
     """Per-device state carried across ticks (O(P) activations, not O(M))."""
 
-    acc: Params
-    """fp32 gradient / main-grad accumulators, same tree as the local parameters."""
+    buckets: tuple[jax.Array, ...]
+    """Flat fp32 gradient buckets (:class:`jax_wgrad.ddp.GradLayout`): the accumulators.
+    Fused linears write their weight's static slice in place; all other gradients are
+    added to their slices with ``dynamic_update_slice``."""
     slots: jax.Array
     """``[2P-1, mb, s(/tp), H]`` stage inputs of in-flight microbatches."""
     x_recv: jax.Array
@@ -90,52 +100,32 @@ class PipelineCarry(NamedTuple):
     """fp32 scalar: sum of token losses computed on this device (last stage)."""
 
 
-def _add(a: Params, b: Params) -> Params:
-    return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
-
-
-def _layer_main_grads(acc_layers: Params) -> dict[str, jax.Array]:
-    return {n: acc_layers[n]["weight"] for n in LINEAR_LAYERS}
-
-
-def _set_layer_main_grads(acc_layers: Params, mg: dict[str, jax.Array]) -> Params:
-    out = dict(acc_layers)
-    for n in LINEAR_LAYERS:
-        out[n] = {**acc_layers[n], "weight": mg[n]}
-    return out
-
-
-def _output_weight_path(stages: GPTStages) -> tuple[str, ...]:
-    if stages.tied:
-        return ("embedding", "word", "embedding")
-    return ("head", "output", "weight")
-
-
-def _get(tree: Params, path: tuple[str, ...]) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _set(tree: Params, path: tuple[str, ...], value: Any) -> Params:
-    if not path:
-        return value
-    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
+def last_backward_tick(stage, num_stages: int, num_microbatches: int):
+    """Tick of stage ``stage``'s last backward, ``M + 2P - 3 - s`` (the cooldown sync)."""
+    return num_microbatches + 2 * num_stages - 3 - stage
 
 
 def stage_gradients(
-    stages: GPTStages, params: Params, tokens: jax.Array
-) -> tuple[Params, jax.Array]:
-    """Per-device body (call inside ``shard_map`` over ``(data, tensor, pipeline)``).
+    stages: GPTStages,
+    layout: GradLayout,
+    ddp: DDPConfig,
+    params: Params,
+    tokens: jax.Array,
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """Per-device body of the schedule (call inside ``shard_map`` over ``(data, tensor,
+    pipeline)``).
 
     Args:
       stages: the model pieces for this layout.
+      layout: where this device's gradients live.
+      ddp: with ``overlap_grad_reduce`` the stage's buckets are synced over ``data`` inside
+        the schedule, at the stage's last backward (:func:`jax_wgrad.ddp.sync_stage_buckets`).
       params: this device's parameter shards; layers ``[L/P, ...]``.
       tokens: int ``[global_batch / dp, S + 1]`` this data rank's sequences.
     Returns:
-      ``(grads, loss)``: fp32 gradients of the global mean loss (this device's shards,
-      already reduced over ``data`` / ``pipeline`` / ``tensor`` as needed) and the
-      global mean loss.
+      ``(buckets, loss_sum)``: this device's buckets of token-loss-SUM gradients (stage
+      chunk already synced when overlapping; nothing else reduced) and its sum of token
+      losses. :func:`jax_wgrad.ddp.finalize_grads` does the rest.
     """
     par, cfg = stages.parallel, stages.model
     pp, tp = par.pipeline_model_parallel_size, par.tensor_model_parallel_size
@@ -144,9 +134,8 @@ def stage_gradients(
     seq = cfg.seq_length
     s_local = seq // tp if sp else seq
     dtype = jnp.dtype(cfg.compute_dtype)
-    scale = 1.0 / (par.global_batch_size * seq)
     k_slots = num_slots(pp)
-    out_path = _output_weight_path(stages)
+    overlap = ddp.overlap_grad_reduce
 
     if tokens.shape != (m * mb, seq + 1):
         raise ValueError(
@@ -157,7 +146,18 @@ def stage_gradients(
     is_first = stage == 0
     is_last = stage == pp - 1
     act = jnp.zeros((mb, s_local, cfg.hidden_size), dtype)
+    layer_params = unstack_layers(params["layers"])
     shared_params = {"embedding": params["embedding"], "head": params["head"]}
+
+    # Static per-leaf flags: which gradients each vjp adds with add_tree (the fused weights'
+    # blocks are written by the fused op; the other parts of a tree are known zeros).
+    stage_add = [not (fusion and s.path.endswith("['weight']")) for s in layout.stage.slots]
+    out_path = _output_path(layout)
+    head_add = [s.path.startswith("['head']") or (layout.tied and s.path == out_path)
+                for s in layout.shared.slots]
+    head_add = [a and not (fusion and s.path == out_path)
+                for a, s in zip(head_add, layout.shared.slots)]
+    embed_add = [s.path.startswith("['embedding']") for s in layout.shared.slots]
 
     def take(i):
         return lax.dynamic_index_in_dim(micro, jnp.clip(i, 0, m - 1), 0, keepdims=False)
@@ -169,63 +169,57 @@ def stage_gradients(
         )
         # The last stage only stores its input: its backward recomputes everything.
         y = lax.cond(
-            is_last, lambda: act, lambda: stages.layers(params["layers"], None, x_in)
+            is_last, lambda: act, lambda: stages.layers(layer_params, None, x_in)
         )
         slots = lax.dynamic_update_index_in_dim(c.slots, x_in, f % k_slots, 0)
         return slots, y
 
-    def head_backward(shared_acc: Params, h, labels):
+    def layers_fn(lp, bks, x):
+        # f(params, buckets, x) -> (y, buckets): the buckets thread through the fused linears.
+        wb = WgradBuckets(bks)
+        mg = None
         if fusion:
-            def fn(p, mg, x):
-                return stages.head_loss(p, mg, x, labels)
+            mg = [{n: wb.slot(*sl[n]) for n in LINEAR_LAYERS} for sl in layout.stage_slots]
+        return stages.layers(lp, mg, x), wb.buckets
 
-            loss, vjp = jax.vjp(fn, shared_params, _get(shared_acc, out_path), h)
-            dp, new_mg, dh = vjp(jnp.float32(scale))
-            shared_acc = _set(_add(shared_acc, dp), out_path, new_mg)
-        else:
-            def fn(p, x):
-                return stages.head_loss(p, None, x, labels)
+    def head_backward(shared_bk, h, labels):
+        def fn(p, bks, x):
+            wb = WgradBuckets(bks)
+            mg = wb.slot(*layout.output_slot) if fusion else None
+            return stages.head_loss(p, mg, x, labels), wb.buckets
 
-            loss, vjp = jax.vjp(fn, shared_params, h)
-            dp, dh = vjp(jnp.float32(scale))
-            shared_acc = _add(shared_acc, dp)
-        return dh, shared_acc, loss
+        (loss, _), vjp = jax.vjp(fn, shared_params, shared_bk, h)
+        # Seeded with 1: gradients of the token-loss SUM (token scaling in finalize_grads).
+        dp, shared_bk, dh = vjp((jnp.float32(1.0), shared_bk))
+        shared_bk = layout.shared.add_tree(shared_bk, forward_order(dp), where=head_add)
+        return dh, shared_bk, loss
 
-    def embed_backward(shared_acc: Params, dx, ids):
+    def embed_backward(shared_bk, dx, ids):
         _, vjp = jax.vjp(lambda p: stages.embed(p, ids), params["embedding"])
-        (dp,) = vjp(dx)
-        return {**shared_acc, "embedding": _add(shared_acc["embedding"], dp)}
+        (demb,) = vjp(dx)
+        zeros_head = jax.tree.map(jnp.zeros_like, params["head"])  # skipped (dead code)
+        tree = forward_order({"embedding": demb, "head": zeros_head})
+        return layout.shared.add_tree(shared_bk, tree, where=embed_add)
 
-    def backward(c: PipelineCarry, b) -> tuple[Params, jax.Array, jax.Array]:
+    def backward(c: PipelineCarry, b):
         tok = take(b)
         ids, labels = tok[:, :-1], tok[:, 1:]
         x_in = lax.dynamic_index_in_dim(c.slots, b % k_slots, 0, keepdims=False)
-        acc = c.acc
-        if fusion:
-            h, layers_vjp = jax.vjp(
-                stages.layers, params["layers"], _layer_main_grads(acc["layers"]), x_in
-            )
-        else:
-            h, layers_vjp = jax.vjp(
-                lambda p, x: stages.layers(p, None, x), params["layers"], x_in
-            )
-        shared_acc = {"embedding": acc["embedding"], "head": acc["head"]}
-        dh, shared_acc, loss = lax.cond(
+        stage_bk, shared_bk = layout.split(c.buckets)
+        (h, _), layers_vjp = jax.vjp(layers_fn, layer_params, stage_bk, x_in)
+        dh, shared_bk, loss = lax.cond(
             is_last,
             lambda a: head_backward(a, h, labels),
             lambda a: (c.g_recv, a, jnp.float32(0.0)),
-            shared_acc,
+            shared_bk,
         )
-        if fusion:
-            dp, new_mg, dx = layers_vjp(dh)
-            acc_layers = _set_layer_main_grads(_add(acc["layers"], dp), new_mg)
-        else:
-            dp, dx = layers_vjp(dh)
-            acc_layers = _add(acc["layers"], dp)
-        shared_acc = lax.cond(
-            is_first, lambda a: embed_backward(a, dx, ids), lambda a: a, shared_acc
+        dp, stage_bk, dx = layers_vjp((dh, stage_bk))
+        stage_bk = layout.stage.add_tree(stage_bk, [forward_order(d) for d in dp],
+                                         where=stage_add)
+        shared_bk = lax.cond(
+            is_first, lambda a: embed_backward(a, dx, ids), lambda a: a, shared_bk
         )
-        return {**shared_acc, "layers": acc_layers}, dx, loss
+        return stage_bk + shared_bk, dx, loss
 
     def tick(c: PipelineCarry, t) -> tuple[PipelineCarry, None]:
         f = t - stage
@@ -236,60 +230,110 @@ def stage_gradients(
             slots, y = lax.cond(do_fwd, forward, lambda c, f: (c.slots, act), c, f)
         c = c._replace(slots=slots)
         with jax.named_scope("backward"):
-            acc, dx, loss = lax.cond(
-                do_bwd, backward, lambda c, b: (c.acc, act, jnp.float32(0.0)), c, b
+            buckets, dx, loss = lax.cond(
+                do_bwd, backward, lambda c, b: (c.buckets, act, jnp.float32(0.0)), c, b
             )
+        if overlap:
+            # Cooldown: this stage's last backward is done -> sync its buckets now, while
+            # earlier stages still compute. The predicate depends only on (stage, tick), so
+            # every member of a `data` group takes the same branch.
+            with jax.named_scope("grad_sync_in_cooldown"):
+                stage_bk, shared_bk = layout.split(buckets)
+                stage_bk = lax.cond(
+                    t == last_backward_tick(stage, pp, m),
+                    lambda bk: sync_stage_buckets(bk, ddp),
+                    lambda bk: bk,
+                    stage_bk,
+                )
+                buckets = stage_bk + shared_bk
         if pp > 1:
             with jax.named_scope("send_recv"):
                 x_recv = lax.ppermute(y, "pipeline", [(i, i + 1) for i in range(pp - 1)])
                 g_recv = lax.ppermute(dx, "pipeline", [(i + 1, i) for i in range(pp - 1)])
         else:
             x_recv, g_recv = act, act
-        return PipelineCarry(acc, slots, x_recv, g_recv, c.loss_sum + loss), None
+        return PipelineCarry(buckets, slots, x_recv, g_recv, c.loss_sum + loss), None
 
     carry = PipelineCarry(
-        acc=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        buckets=layout.buffer.zeros(),
         slots=jnp.zeros((k_slots, *act.shape), dtype),
         x_recv=act,
         g_recv=act,
         loss_sum=jnp.float32(0.0),
     )
     carry, _ = lax.scan(tick, carry, jnp.arange(num_ticks(pp, m)))
-    return _finalize(stages, carry.acc, carry.loss_sum * scale)
+    # -- Hook for issue #4: the deferred output-layer weight-gradient drain runs here, on the
+    # -- last stage, writing into the `shared` buckets before finalize_grads syncs them.
+    return carry.buckets, carry.loss_sum
 
 
-def _finalize(stages: GPTStages, acc: Params, loss: jax.Array) -> tuple[Params, jax.Array]:
+def _output_path(layout: GradLayout) -> str:
+    if layout.tied:
+        return "['embedding']['word']['embedding']"
+    return "['head']['output']['weight']"
+
+
+def local_num_tokens(stages: GPTStages) -> int:
+    """Tokens of one data rank's batch (all count: no loss mask)."""
     par = stages.parallel
-    with jax.named_scope("finalize_grads"):
-        if par.data_parallel_size > 1:
-            acc = lax.psum(acc, "data")
-            loss = lax.psum(loss, "data")
-        if par.pipeline_model_parallel_size > 1:
-            shared = lax.psum({"embedding": acc["embedding"], "head": acc["head"]}, "pipeline")
-            acc = {**acc, **shared}
-            loss = lax.psum(loss, "pipeline")
-        if par.sequence_parallel:
-            replicated = sequence_parallel_replicated(param_specs(stages.model))
-            acc = jax.tree.map(
-                lambda g, r: lax.psum(g, "tensor") if r else g, acc, replicated
-            )
-    return acc, loss
+    return par.num_microbatches * par.micro_batch_size * stages.model.seq_length
+
+
+def reduce_gradients(
+    stages: GPTStages,
+    layout: GradLayout,
+    ddp: DDPConfig,
+    params: Params,
+    tokens: jax.Array,
+    *,
+    grad_hook=None,
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """Schedule + finalization (inside ``shard_map``): ``(synced grads, mean loss)``.
+
+    The synced gradients are :func:`jax_wgrad.ddp.finalize_grads`'s: shards (distributed
+    optimizer) or full buckets of the global mean token loss's gradient. ``grad_hook``
+    (tests: fault injection) maps the local buckets before they are finalized.
+    """
+    par = stages.parallel
+    buckets, loss_sum = stage_gradients(stages, layout, ddp, params, tokens)
+    if grad_hook is not None:
+        buckets = tuple(grad_hook(buckets))
+    n_local = jnp.float32(local_num_tokens(stages))
+    synced = finalize_grads(
+        layout, ddp, buckets, stage_synced=ddp.overlap_grad_reduce, num_tokens=n_local,
+        sequence_parallel=par.sequence_parallel,
+        pipeline_parallel=par.pipeline_model_parallel_size > 1)
+    loss = lax.psum(loss_sum, ("data", "pipeline")) / lax.psum(n_local, "data")
+    return synced, loss
 
 
 def pipeline_gradients(
-    stages: GPTStages, mesh: Mesh, params: Params, tokens: jax.Array
+    stages: GPTStages,
+    mesh: Mesh,
+    params: Params,
+    tokens: jax.Array,
+    ddp: DDPConfig | None = None,
 ) -> tuple[Params, jax.Array]:
     """Gradients and mean loss of one global batch; traceable under ``jax.jit``.
 
     Args:
       params: canonical parameters sharded as :func:`jax_wgrad.gpt.param_specs`.
       tokens: int ``[global_batch_size, S + 1]`` sharded over ``data``.
+      ddp: bucket options (its ``use_distributed_optimizer`` is ignored: the buckets are
+        all-reduced so that every rank gets the whole gradient tree).
     Returns:
       ``(grads, loss)``: fp32 gradients sharded like ``params`` and the scalar loss.
     """
+    ddp = dataclasses.replace(ddp or DDPConfig(), use_distributed_optimizer=False)
+    layout = GradLayout.create(stages.model, stages.parallel.mesh_shape, ddp)
     specs = param_specs(stages.model)
+
+    def body(p, t):
+        synced, loss = reduce_gradients(stages, layout, ddp, p, t)
+        return canonical_tree(layout.buffer.to_tree(synced)), loss
+
     fn = jax.shard_map(
-        lambda p, t: stage_gradients(stages, p, t),
+        body,
         mesh=mesh,
         in_specs=(specs, P("data")),
         out_specs=(specs, P()),
