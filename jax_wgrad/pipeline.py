@@ -54,7 +54,7 @@ from jax_wgrad.gpt import LINEAR_LAYERS, GPTStages, forward_order, param_specs, 
 from jax_wgrad.linear import WgradBuckets
 
 __all__ = ["PipelineCarry", "schedule", "num_slots", "num_ticks", "last_backward_tick",
-           "stage_gradients", "reduce_gradients", "pipeline_gradients"]
+           "cooldown_sync", "stage_gradients", "reduce_gradients", "pipeline_gradients"]
 
 Params = dict[str, Any]
 
@@ -105,6 +105,17 @@ def last_backward_tick(stage, num_stages: int, num_microbatches: int):
     return num_microbatches + 2 * num_stages - 3 - stage
 
 
+def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
+    """Whether stage buckets are synced inside the schedule (``overlap_grad_reduce``).
+
+    Only with ``P > 1``: with one stage the last backward IS the last tick, so the sync
+    happens at the same point after the schedule either way. (Doing it "inside" a
+    one-stage schedule also let XLA:CPU run the stage and embedding/head all-reduces
+    concurrently, which crashed its in-process communicator; see notes/issue5.md.)
+    """
+    return ddp.overlap_grad_reduce and num_stages > 1
+
+
 def stage_gradients(
     stages: GPTStages,
     layout: GradLayout,
@@ -135,7 +146,7 @@ def stage_gradients(
     s_local = seq // tp if sp else seq
     dtype = jnp.dtype(cfg.compute_dtype)
     k_slots = num_slots(pp)
-    overlap = ddp.overlap_grad_reduce
+    overlap = cooldown_sync(ddp, pp)
 
     if tokens.shape != (m * mb, seq + 1):
         raise ValueError(
@@ -300,7 +311,8 @@ def reduce_gradients(
         buckets = tuple(grad_hook(buckets))
     n_local = jnp.float32(local_num_tokens(stages))
     synced = finalize_grads(
-        layout, ddp, buckets, stage_synced=ddp.overlap_grad_reduce, num_tokens=n_local,
+        layout, ddp, buckets, stage_synced=cooldown_sync(ddp, par.pipeline_model_parallel_size),
+        num_tokens=n_local,
         sequence_parallel=par.sequence_parallel,
         pipeline_parallel=par.pipeline_model_parallel_size > 1)
     loss = lax.psum(loss_sum, ("data", "pipeline")) / lax.psum(n_local, "data")

@@ -79,7 +79,7 @@ def test_step_donates_state():
     state = init_train_state(MODEL, mesh, opt, seed=0)
     step = build_train_step(MODEL, par, mesh, opt, state)
     new_state, metrics = step(state, shard_batch(mesh, DATA.batch(0, 8, 16, seed=0)))
-    assert set(metrics) == {"loss", "grad_norm"}
+    assert set(metrics) == {"loss", "grad_norm", "skipped"}
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
     assert jax.tree.map(lambda x: x.sharding, new_state.params) == \
         jax.tree.map(lambda x: x.sharding, state.params)

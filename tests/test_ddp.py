@@ -1,0 +1,229 @@
+"""Issue #5: bucketed gradients in the train step vs a single-device optax reference;
+non-finite skip; HLO facts (buckets are the in-place accumulators; one collective per
+bucket, in the cooldown or after the schedule)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from hlo_util import (collective_arrays, computations, copies_of, custom_calls, entry_name,
+                      reachable, while_bodies)
+from jax_wgrad import _ffi, fusion_available
+from jax_wgrad.config import DDPConfig, GPTConfig, ParallelConfig
+from jax_wgrad.data import ByteDataset
+from jax_wgrad.gpt import reference_loss
+from jax_wgrad.mesh import make_mesh
+from jax_wgrad.train import (build_train_step, default_optimizer, init_train_state,
+                             make_optimizer, shard_batch)
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+
+MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                  vocab_size=64)
+DATA = ByteDataset(np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200,
+                                 np.uint8) % 64)
+STEPS, GBS, SEED = 5, 16, 11
+# Adam divides by sqrt(v): a gradient entry that is ~0 up to fp32 rounding (e.g. the key
+# bias, which softmax ignores) gets an update of +-lr * |noise| / (|noise| + eps) whose
+# sign is the rounding's. eps = 1e-4 keeps that far below the tolerance for both sides
+# (same AdamW config in the reference); with eps = 1e-8 the worst leaf differs by ~1e-4.
+LR, WD, B1, B2, EPS = 1e-3, 0.1, 0.9, 0.95, 1e-4
+SMALL_BUCKET = 2000  # elements: several buckets per stage (needs overlap_grad_reduce)
+
+
+def _batch(i):
+    return DATA.batch(i, GBS, MODEL.seq_length, seed=SEED)
+
+
+def _decay_mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) in ("weight", "embedding")
+        and not (len(path) >= 2 and getattr(path[-2], "key", None) == "position"), params)
+
+
+def _reference(params, clip, skip=()):
+    """Single device: jax.grad of the plain-jnp GPT, Megatron's clipping coefficient,
+    optax.adamw with the same hyperparameters and decay mask."""
+    tx = optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=_decay_mask(params))
+    state = tx.init(params)
+    grad_fn = jax.jit(jax.value_and_grad(reference_loss), static_argnums=2)
+    losses, norms = [], []
+    for i in range(STEPS):
+        loss, g = grad_fn(params, jnp.asarray(_batch(i)), MODEL)
+        norm = optax.tree.norm(g)
+        losses.append(float(loss))
+        norms.append(float(norm))
+        if i in skip:
+            continue
+        coeff = clip / (norm + 1e-6) if clip else 1.0
+        if clip and coeff < 1.0:
+            g = jax.tree.map(lambda x: x * coeff, g)
+        upd, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, upd)
+    return params, np.array(losses), np.array(norms)
+
+
+def _setup(dp_tp_pp, ddp, *, fusion, sp, hook=None):
+    dp, tp, pp = dp_tp_pp
+    if fusion and not fusion_available("cpu"):
+        fusion = False
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         micro_batch_size=2, global_batch_size=GBS, sequence_parallel=sp,
+                         gradient_accumulation_fusion=fusion)
+    mesh = make_mesh(par)
+    opt = default_optimizer(LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS)
+    state = init_train_state(MODEL, mesh, opt, seed=SEED, ddp=ddp)
+    step = build_train_step(MODEL, par, mesh, opt, state, ddp=ddp, debug_grad_hook=hook)
+    return par, mesh, state, step
+
+
+def _train(dp_tp_pp, ddp, *, fusion, sp, hook=None):
+    par, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp, hook=hook)
+    init = jax.device_get(state.params)
+    history = []
+    for i in range(STEPS):
+        state, m = step(state, shard_batch(mesh, _batch(i)))
+        history.append((jax.device_get(state.params), jax.device_get(state.opt_state),
+                        {k: float(v) for k, v in m.items()}))
+    return init, history
+
+
+def _assert_params_close(got, want, what):
+    flat, _ = jax.tree_util.tree_flatten_with_path(want)
+    for (path, w), g in zip(flat, jax.tree.leaves(got)):
+        w, g = np.asarray(w), np.asarray(g)
+        diff, scale = np.abs(g - w).max(), np.abs(w).max()
+        assert diff <= 1e-5 * scale, \
+            f"{what} {jax.tree_util.keystr(path)}: {diff:.3g} > 1e-5 x {scale:.3g}"
+
+
+CASES = [  # (dp, tp, pp), distributed optimizer, buckets, clip
+    ((8, 1, 1), True, "single", 0.5),
+    ((8, 1, 1), False, "small", 0.0),
+    ((2, 2, 2), True, "small", 0.5),
+    ((2, 2, 2), False, "single", 0.0),
+    ((2, 1, 4), True, "small", 0.0),
+    ((2, 1, 4), False, "single", 0.5),
+]
+ALL = [(m, d, b, c) for m in [(8, 1, 1), (2, 2, 2), (2, 1, 4)] for d in (True, False)
+       for b in ("small", "single") for c in (0.5, 0.0)]
+
+
+def _ddp(dist, buckets, clip, **kw):
+    # Megatron: bucket_size only takes effect with overlap_grad_reduce (one bucket without).
+    small = buckets == "small"
+    return DDPConfig(use_distributed_optimizer=dist, overlap_grad_reduce=small,
+                     bucket_size=SMALL_BUCKET if small else None, clip_grad=clip, **kw)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, dist, buckets, clip",
+    [pytest.param(*c, id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}")
+     for c in CASES]
+    + [pytest.param(*c, id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}",
+                    marks=pytest.mark.slow) for c in ALL if c not in CASES])
+def test_five_steps_equal_single_device_optax(mesh_shape, dist, buckets, clip):
+    tp = mesh_shape[1]
+    ddp = _ddp(dist, buckets, clip)
+    layout, _ = make_optimizer(MODEL, make_mesh(ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=mesh_shape[2])),
+        default_optimizer(LR), ddp)
+    if buckets == "small":
+        assert layout.stage.num_buckets >= 2
+    else:
+        assert layout.stage.num_buckets == 1
+    init, history = _train(mesh_shape, ddp, fusion=True, sp=tp > 1)
+    ref, ref_losses, ref_norms = _reference(init, clip)
+    if clip:
+        assert (ref_norms > clip).any()  # clipping is exercised
+    np.testing.assert_allclose([h[2]["loss"] for h in history], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose([h[2]["grad_norm"] for h in history], ref_norms, rtol=1e-5)
+    assert not any(h[2]["skipped"] for h in history)
+    _assert_params_close(history[-1][0], ref, f"{mesh_shape} dist={dist} {buckets} clip={clip}")
+    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(init)))
+    assert moved > 1e-3  # the steps did something (>> the 1e-5-relative tolerance)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), pytest.param((8, 1, 1), marks=pytest.mark.slow)])
+def test_non_finite_gradient_skips_the_step_and_training_continues(mesh_shape):
+    bad = 2
+
+    def hook(buckets, step):
+        # One device (data rank 0, every stage) gets a NaN in one bucket at step `bad`.
+        first = jax.lax.axis_index("data") == 0
+        poison = jnp.where((step == bad) & first, jnp.float32(jnp.nan), 0.0)
+        return (buckets[0].at[3].add(poison),) + tuple(buckets[1:])
+
+    ddp = _ddp(True, "small", 0.5)
+    init, history = _train(mesh_shape, ddp, fusion=True, sp=mesh_shape[1] > 1, hook=hook)
+    assert [h[2]["skipped"] for h in history] == [i == bad for i in range(STEPS)]
+    assert not np.isfinite(history[bad][2]["grad_norm"])
+    # Nothing changed in the skipped step: parameters and optimizer state bit-identical.
+    for a, b in zip(jax.tree.leaves(history[bad - 1][:2]), jax.tree.leaves(history[bad][:2])):
+        np.testing.assert_array_equal(a, b)
+    ref, _, _ = _reference(init, 0.5, skip=(bad,))
+    _assert_params_close(history[-1][0], ref, "after the skipped step")
+    assert history[-1][2]["loss"] < history[0][2]["loss"]
+
+
+# ---------------------------------------------------------------------------- HLO facts
+
+
+def _compiled(dp_tp_pp, ddp, fusion=True, sp=False):
+    par, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp)
+    layout, _ = make_optimizer(MODEL, mesh, default_optimizer(LR), ddp)
+    hlo = step.lower(state, shard_batch(mesh, _batch(0))).compile().as_text()
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)  # logical ids, (d, t, p)
+    data_groups = [ids[:, t, p] for t in range(ids.shape[1]) for p in range(ids.shape[2])]
+    comps = computations(hlo)
+    entry = entry_name(hlo)
+    # The schedule's scan: the while loop whose state holds every bucket.
+    shapes = [f"f32[{n}]" for n in layout.buffer.bucket_numels]
+    (loop,) = [(line, body) for line, body in while_bodies(comps, entry)
+               if all(s in line.split(" while(")[0] for s in shapes)]
+    inside = reachable(comps, loop[1])
+    in_loop = [line for c in inside for line in comps[c]]
+    outside = [line for c, lines in comps.items() if c not in inside for line in lines]
+    return layout, data_groups, in_loop, outside
+
+
+@pytest.mark.parametrize("dist", [True, False])
+def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
+    ddp = _ddp(dist, "small", 0.0)
+    layout, _, in_loop, _ = _compiled((2, 1, 4), ddp)
+    for n in set(layout.buffer.bucket_numels):
+        assert copies_of("\n".join(in_loop), "f32", (n,)) == [], n
+    if fusion_available("cpu"):  # fused linears of the stage's layers and the output layer
+        assert len(custom_calls("\n".join(in_loop), _ffi.TARGET)) >= 4 + 1
+
+
+@pytest.mark.parametrize("dist, op", [(True, "reduce-scatter"), (False, "all-reduce")])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_hlo_one_collective_per_bucket_in_cooldown_or_after(dist, op, overlap):
+    ddp = _ddp(dist, "small", 0.0)
+    if not overlap:
+        ddp = dataclasses.replace(ddp, overlap_grad_reduce=False)
+    layout, data_groups, in_loop, outside = _compiled((2, 1, 4), ddp)
+    dp = 2
+    size = (lambda n: n // dp) if dist else (lambda n: n)
+    stage = sorted(size(n) for n in layout.stage.bucket_numels)
+    shared = sorted(size(n) for n in layout.shared.bucket_numels)
+    if overlap:
+        assert len(stage) >= 2  # several buckets, each its own collective (not per parameter)
+    over_data = lambda lines: collective_arrays(lines, op, replica_groups=data_groups)
+    got_in = sorted(n for n in over_data(in_loop) if n in stage + shared)
+    got_out = sorted(n for n in over_data(outside) if n in stage + shared)
+    if overlap:  # stage buckets: inside the schedule's loop (the cooldown conditional)
+        assert got_in == stage and got_out == shared, (got_in, got_out)
+        cond_lines = [line for line in in_loop if " conditional(" in line]
+        assert cond_lines
+    else:  # everything after the schedule
+        assert got_in == [] and got_out == sorted(stage + shared), (got_in, got_out)
+    # No per-parameter collectives: over `data`, only the buckets (and 0-d scalars: loss,
+    # token count, norm pieces, which are not 1-D arrays and not counted here).
+    assert sorted(over_data(in_loop + outside)) == sorted(stage + shared)
