@@ -9,6 +9,8 @@ library's own source files (present on every machine), or on your text with
     python examples/pretrain_gpt.py --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2 --sequence-parallel \\
         --gradient-accumulation-fusion --metrics-file /tmp/m.jsonl    # dp=2, tp=2, pp=2
+    python examples/pretrain_gpt.py --pipeline-model-parallel-size 2 \
+        --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 100000
 
 The same ``--seed`` gives the same initial parameters and batches for every layout, so
 ``--metrics-file`` loss curves of different layouts can be compared directly.
@@ -35,6 +37,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="virtual CPU devices when running on CPU (default 8)")
     g.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() (multi-process launch)")
+    g = p.add_argument_group("gradient buffers and data-parallel sync")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and optimizer state over data ranks "
+                        "(reduce-scatter gradient buckets, all-gather parameters)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="sync each stage's gradient buckets in the pipeline cooldown")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (only with --overlap-grad-reduce; "
+                        "default max(40M, 1M x dp), Megatron's rule)")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="average gradients in the collective instead of pre-scaling by 1/dp")
+    g.add_argument("--pad-buckets-for-high-nccl-busbw", action="store_true",
+                   help="pad buckets to a multiple of lcm(dp, 128, 2^16) (distributed optimizer)")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=128)
@@ -55,14 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cosine-decay floor (default: constant lr after warm-up)")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm to this value (0: no clipping)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--data-path", default=None,
                    help="a text file or directory (default: the Python stdlib sources)")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=5)
     g.add_argument("--metrics-file", default=None,
-                   help="JSON lines: step, loss, grad_norm, step_time_s, tokens_per_s")
+                   help="JSON lines: step, loss, grad_norm, skipped, step_time_s, tokens_per_s")
     g.add_argument("--profile-dir", default=None,
                    help="write a jax.profiler trace of a few steps after compilation")
     g.add_argument("--profile-steps", type=int, default=3)
@@ -86,10 +102,11 @@ def main(argv: list[str] | None = None) -> dict:
     import optax
     from tqdm import tqdm
 
-    from jax_wgrad.config import GPTConfig, ParallelConfig, validate
+    from jax_wgrad.config import DDPConfig, GPTConfig, ParallelConfig, validate
     from jax_wgrad.data import VOCAB_SIZE, ByteDataset
     from jax_wgrad.mesh import initialize_distributed, make_mesh
-    from jax_wgrad.train import build_train_step, default_optimizer, init_train_state, shard_batch
+    from jax_wgrad.train import (build_train_step, default_optimizer, init_train_state,
+                                 make_optimizer, shard_batch)
 
     if args.distributed:
         initialize_distributed()
@@ -119,6 +136,14 @@ def main(argv: list[str] | None = None) -> dict:
             gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         )
         validate(parallel, model)
+        ddp = DDPConfig(
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            bucket_size=args.ddp_bucket_size,
+            average_in_collective=args.ddp_average_in_collective,
+            pad_buckets_for_high_nccl_busbw=args.pad_buckets_for_high_nccl_busbw,
+            clip_grad=args.clip_grad,
+        )
     except ValueError as exc:
         raise SystemExit(f"pretrain_gpt.py: error: {exc}") from None
 
@@ -140,8 +165,18 @@ def main(argv: list[str] | None = None) -> dict:
              optax.constant_schedule(args.lr)], [args.lr_warmup_iters])
     else:
         lr = args.lr
-    optimizer = default_optimizer(lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
-    state = init_train_state(model, mesh, optimizer, args.seed)
+    optimizer = default_optimizer(lr, weight_decay=args.weight_decay)
+    state = init_train_state(model, mesh, optimizer, args.seed, ddp=ddp)
+    layout, _ = make_optimizer(model, mesh, optimizer, ddp)
+    buf = layout.buffer
+    padding = (buf.numel - buf.param_numel) / buf.numel
+    log(f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
+        f"{ddp.overlap_grad_reduce} | bucket size {ddp.effective_bucket_size(parallel.data_parallel_size)}"
+        f" | average in collective {ddp.average_in_collective} | clip grad {ddp.clip_grad}")
+    log(f"gradient buffer of pipeline stage 0: {buf.num_buckets} bucket(s) "
+        f"({layout.stage.num_buckets} stage + {layout.shared.num_buckets} embedding/head), "
+        f"{buf.param_numel:,} gradient elements, {buf.numel:,} buffer elements, padding "
+        f"{100 * padding:.2f}%")
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     log(f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
         f"{model.hidden_size}, heads {model.num_attention_heads}, seq {model.seq_length}, "
@@ -152,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     def batch(i: int):
         return shard_batch(mesh, data.batch(i, gb, seq, args.seed))
 
-    step_fn = build_train_step(model, parallel, mesh, optimizer, state)
+    step_fn = build_train_step(model, parallel, mesh, optimizer, state, ddp=ddp)
     t0 = time.perf_counter()
     compiled = step_fn.lower(state, batch(0)).compile()
     compile_s = time.perf_counter() - t0
@@ -162,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     profile_start = min(1, args.train_iters - 1)
     profile_stop = min(profile_start + args.profile_steps, args.train_iters)
     profiling = False
-    losses, times = [], []
+    losses, times, skipped_steps = [], [], 0
     bar = tqdm(range(args.train_iters), desc="train", disable=args.no_progress or not is_main,
                dynamic_ncols=True)
     for i in bar:
@@ -175,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
             state, metrics = compiled(state, tokens)
             loss = float(metrics["loss"])  # waits for the step
             grad_norm = float(metrics["grad_norm"])
+            skipped = bool(metrics["skipped"])
         dt = time.perf_counter() - t0
         if profiling and i + 1 == profile_stop:
             jax.profiler.stop_trace()
@@ -183,15 +219,17 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{args.profile_dir}")
         losses.append(loss)
         times.append(dt)
-        record = {"step": i + 1, "loss": loss, "grad_norm": grad_norm, "step_time_s": dt,
-                  "tokens_per_s": gb * seq / dt}
+        skipped_steps += skipped
+        record = {"step": i + 1, "loss": loss, "grad_norm": grad_norm, "skipped": skipped,
+                  "step_time_s": dt, "tokens_per_s": gb * seq / dt}
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
         bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
         if (i + 1) % args.log_interval == 0 or i == 0 or i + 1 == args.train_iters:
             log(f"iteration {i + 1:5d}/{args.train_iters} | loss {loss:.4f} | grad norm "
-                f"{grad_norm:.3f} | step {dt * 1e3:.1f} ms | {gb * seq / dt:,.0f} tokens/s")
+                f"{grad_norm:.3f} | skipped {skipped_steps} | step {dt * 1e3:.1f} ms | "
+                f"{gb * seq / dt:,.0f} tokens/s")
     if profiling:
         jax.profiler.stop_trace()
     if metrics_file:
@@ -203,6 +241,11 @@ def main(argv: list[str] | None = None) -> dict:
         "mean_step_time_s": float(np.mean(steady)),
         "first_loss": losses[0],
         "last_loss": losses[-1],
+        "skipped_steps": skipped_steps,
+        "num_buckets": buf.num_buckets,
+        "buffer_numel": buf.numel,
+        "grad_numel": buf.param_numel,
+        "padding_fraction": padding,
     }
     log(f"done: compile {compile_s:.2f} s | mean step {summary['mean_step_time_s'] * 1e3:.1f} ms "
         f"(steps 2..{len(times)}) | loss {losses[0]:.4f} -> {losses[-1]:.4f}")

@@ -32,7 +32,8 @@ def _curve(example, tmp_path, name, extra):
     summary = example.main(SMALL + ["--train-iters", "6", "--metrics-file", str(path)] + extra)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
-    assert set(rows[0]) == {"step", "loss", "grad_norm", "step_time_s", "tokens_per_s"}
+    assert set(rows[0]) == {"step", "loss", "grad_norm", "skipped", "step_time_s",
+                            "tokens_per_s"}
     assert summary["compile_time_s"] > 0
     return [r["loss"] for r in rows]
 
@@ -48,7 +49,22 @@ def test_loss_curves_equal_across_layouts_and_loss_falls(example, tmp_path):
                          + (["--gradient-accumulation-fusion"] if fusion_available("cpu") else []))]:
         curve = _curve(example, tmp_path, name, extra)
         for a, b in zip(curve, base):
-            assert abs(a - b) <= 1e-4 * abs(b), (name, curve, ref)
+            assert abs(a - b) <= 1e-4 * abs(b), (name, curve, base)
+
+
+def test_loss_curve_unchanged_by_distributed_optimizer_and_bucket_size(example, tmp_path):
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--sequence-parallel", "--clip-grad", "0.3"]  # dp = 2; clipping active
+    base = _curve(example, tmp_path, "replicated", layout)
+    for name, extra in [
+            ("distopt", ["--use-distributed-optimizer"]),
+            ("distopt-small-buckets", ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                       "--ddp-bucket-size", "3000"]),
+            ("small-buckets-avg", ["--overlap-grad-reduce", "--ddp-bucket-size", "1000",
+                                   "--ddp-average-in-collective"])]:
+        curve = _curve(example, tmp_path, name, layout + extra)
+        for a, b in zip(curve, base):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, curve, base)
 
 
 def test_profile_dir(example, tmp_path):
