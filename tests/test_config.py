@@ -114,3 +114,19 @@ def test_make_mesh_device_mismatch():
     par = ParallelConfig(world_size=4)
     with pytest.raises(ValueError, match=r"world_size \(4\) does not match the 8 devices"):
         make_mesh(par)
+
+
+def test_ddp_config_validation_and_megatron_bucket_size_rule():
+    from jax_wgrad.config import DDPConfig
+
+    assert DDPConfig().effective_bucket_size(8) is None  # no overlap: one bucket
+    assert DDPConfig(bucket_size=1000).effective_bucket_size(8) is None
+    assert DDPConfig(overlap_grad_reduce=True).effective_bucket_size(8) == 40_000_000
+    assert DDPConfig(overlap_grad_reduce=True).effective_bucket_size(64) == 64_000_000
+    assert DDPConfig(overlap_grad_reduce=True, bucket_size=1000).effective_bucket_size(8) == 1000
+    with pytest.raises(ValueError, match="bucket_size must be a positive integer"):
+        DDPConfig(bucket_size=0)
+    with pytest.raises(ValueError, match="clip_grad must be a finite number >= 0"):
+        DDPConfig(clip_grad=-1.0)
+    with pytest.raises(ValueError, match="use_distributed_optimizer must be a bool"):
+        DDPConfig(use_distributed_optimizer=1)

@@ -308,3 +308,26 @@ def test_sync_rejects_indivisible_bucket():
     fn = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
     with pytest.raises(ValueError, match="not divisible by the 8 ranks"):
         jax.jit(fn).lower(jnp.zeros((8, 12)))
+
+
+def test_concatenate_keeps_each_chunks_plan_and_add_tree_where():
+    a = GradBuffer.create([jax.ShapeDtypeStruct((40,), F32)] * 3, dp_size=2, bucket_size=80,
+                          use_distributed_optimizer=True)
+    b = GradBuffer.create(_params(), dp_size=2, bucket_size=None, use_distributed_optimizer=True)
+    ab = GradBuffer.concatenate([a, b])
+    assert ab.bucket_numels == a.bucket_numels + b.bucket_numels
+    assert ab.num_buckets == a.num_buckets + b.num_buckets
+    assert ab.offset_of("[1]['c_w']") == (a.num_buckets + b.offset_of("['c_w']")[0],
+                                           b.offset_of("['c_w']")[1])
+    assert ab.offset_of("[0][2]") == a.offset_of("[2]")
+    assert ab.numel == a.numel + b.numel and ab.param_numel == a.param_numel + b.param_numel
+    tree = ([jnp.full((40,), 1.0 + i) for i in range(3)], _random_tree(b, 9))
+    back = ab.to_tree(ab.from_tree(tree))
+    jax.tree.map(np.testing.assert_array_equal, back, tree)
+    where = ([True, False, True], {"a_w": False, "b_bias": True, "c_w": True, "d_ln": False})
+    added = ab.to_tree(ab.add_tree(ab.zeros(), tree, where=where))
+    for got, want, w in zip(jax.tree.leaves(added), jax.tree.leaves(tree), jax.tree.leaves(where)):
+        np.testing.assert_array_equal(got, want if w else np.zeros_like(want))
+    with pytest.raises(ValueError, match="share dp_size"):
+        GradBuffer.concatenate([a, GradBuffer.create(_params(), dp_size=4, bucket_size=None,
+                                                     use_distributed_optimizer=True)])
