@@ -43,6 +43,17 @@ class ParallelConfig:
     fused ``wgrad_accumulate`` op instead of producing ordinary gradients."""
     world_size: int | None = None
     """Total devices in the mesh; ``None`` means ``jax.device_count()``."""
+    defer_embedding_wgrad_compute: bool = False
+    """Megatron's option: on the last pipeline stage compute only the output layer's data
+    gradient during the schedule, stash what its weight gradient needs, and do the
+    weight-gradient GEMMs after the schedule (issue #4, :mod:`jax_wgrad.deferred`)."""
+    wgrad_deferral_limit: int = 0
+    """Number of microbatches whose output-layer weight gradient is deferred (the first
+    ``min(limit, M)``); 0 defers all of them (Megatron's default)."""
+    defer_mode: Literal["stash", "recompute"] = "stash"
+    """``stash``: keep ``(x, dy)`` per deferred microbatch (Megatron; ``dy`` is
+    ``[T, V/tp]``). ``recompute``: keep ``(x, logsumexp, labels)`` and rebuild ``dy``
+    chunk by chunk in the drain (``O(T H)`` instead of ``O(T V/tp)``; one extra GEMM)."""
 
     def __post_init__(self) -> None:
         _positive("tensor_model_parallel_size", self.tensor_model_parallel_size)
@@ -69,6 +80,7 @@ class ParallelConfig:
                 f"global batch size ({self.global_batch_size}) is not divisible by "
                 f"micro batch size ({self.micro_batch_size}) times data parallel size ({dp})"
             )
+        self._validate_deferral()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron does the same (model_parallel_config.py).
             warnings.warn(
@@ -76,6 +88,36 @@ class ParallelConfig:
                 stacklevel=2,
             )
             object.__setattr__(self, "sequence_parallel", False)
+
+    def _validate_deferral(self) -> None:
+        if not isinstance(self.defer_embedding_wgrad_compute, bool):
+            raise ValueError("defer_embedding_wgrad_compute must be a bool, got "
+                             f"{self.defer_embedding_wgrad_compute!r}")
+        limit = self.wgrad_deferral_limit
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            raise ValueError(f"wgrad_deferral_limit must be an integer >= 0, got {limit!r}")
+        if self.defer_mode not in ("stash", "recompute"):
+            raise ValueError(
+                f"defer_mode must be 'stash' or 'recompute', got {self.defer_mode!r}")
+        if not self.defer_embedding_wgrad_compute:
+            return
+        # Megatron's checks and wording (model_parallel_config.py), in its order.
+        if self.pipeline_model_parallel_size == 1:
+            raise ValueError("Cannot defer embedding wgrad when pipeline parallel not used")
+        if not self.gradient_accumulation_fusion:
+            raise ValueError(
+                "Cannot defer embedding wgrad without gradient accumulation fusion")
+        if limit < 0:
+            raise ValueError(f"Wgrad deferral limit must be >= 0 (got {limit})")
+
+    @property
+    def num_deferred_microbatches(self) -> int:
+        """Microbatches whose output-layer wgrad is deferred: ``min(L, M)``, ``M`` for
+        ``L = 0``, 0 without deferral."""
+        if not self.defer_embedding_wgrad_compute:
+            return 0
+        m = self.num_microbatches
+        return m if self.wgrad_deferral_limit == 0 else min(self.wgrad_deferral_limit, m)
 
     @property
     def data_parallel_size(self) -> int:
