@@ -413,6 +413,17 @@ class GPTStages:
         return head(x, labels, weight=weight, main_grad=main_grad)
 
 
+    def final_norm(self, head_params: Params, x: jax.Array) -> jax.Array:
+        """The head's final LayerNorm of ``x`` (``head_params``: ``params["head"]``)."""
+        return nnx.merge(self._head_def, dict(head_params)).final_norm(x)
+
+    def output_weight(self, params: Params) -> jax.Array:
+        """The output layer's ``[V / tp, H]`` weight shard (the word embedding when tied)."""
+        if self.tied:
+            return params["embedding"]["word"]["embedding"]
+        return params["head"]["output"]["weight"]
+
+
 # --------------------------------------------------------------------------- reference
 
 

@@ -48,6 +48,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_wgrad import deferred, ops
 from jax_wgrad.config import DDPConfig
 from jax_wgrad.ddp import GradLayout, canonical_tree, finalize_grads, sync_stage_buckets
 from jax_wgrad.gpt import LINEAR_LAYERS, GPTStages, forward_order, param_specs, unstack_layers
@@ -98,6 +99,9 @@ class PipelineCarry(NamedTuple):
     """``[mb, s(/tp), H]`` gradient received from stage ``s+1`` last tick."""
     loss_sum: jax.Array
     """fp32 scalar: sum of token losses computed on this device (last stage)."""
+    stash: tuple[jax.Array, ...] = ()
+    """Deferred output-layer wgrad stash (:mod:`jax_wgrad.deferred`), indexed by
+    microbatch; filled by the last stage only, ``()`` without deferral."""
 
 
 def last_backward_tick(stage, num_stages: int, num_microbatches: int):
@@ -147,6 +151,9 @@ def stage_gradients(
     dtype = jnp.dtype(cfg.compute_dtype)
     k_slots = num_slots(pp)
     overlap = cooldown_sync(ddp, pp)
+    defer = par.num_deferred_microbatches > 0
+    stash_shapes = deferred.stash_shapes(par, seq, cfg.hidden_size, cfg.vocab_size, dtype)
+    len_stash = max(par.num_deferred_microbatches, 1)
 
     if tokens.shape != (m * mb, seq + 1):
         raise ValueError(
@@ -205,6 +212,31 @@ def stage_gradients(
         shared_bk = layout.shared.add_tree(shared_bk, forward_order(dp), where=head_add)
         return dh, shared_bk, loss
 
+    def deferred_head_backward(shared_bk, stash, h, labels, b):
+        # Explicit head backward; the output weight's block is accumulated now (fused op)
+        # or its inputs are stashed for the drain, by Megatron's predicate.
+        head = deferred.head_backward(stages, params, h, labels)
+        zeros_emb = jax.tree.map(jnp.zeros_like, params["embedding"])  # skipped (dead code)
+        tree = forward_order({"embedding": zeros_emb, "head": head["dhead"]})
+        shared_bk = layout.shared.add_tree(shared_bk, tree, where=head_add)
+        bi, off = layout.output_slot
+
+        def now(bk, st):
+            bk = list(bk)
+            bk[bi] = ops.wgrad_accumulate(head["x_full"], head["dy"], bk[bi], offset=off)
+            return tuple(bk), st
+
+        def later(bk, st):
+            items = deferred.stash_items(par, head, labels)
+            return bk, deferred.stash_put(st, jnp.clip(b, 0, len_stash - 1), items)
+
+        if par.num_deferred_microbatches == m:
+            shared_bk, stash = later(shared_bk, stash)
+        else:
+            shared_bk, stash = lax.cond(deferred.is_deferred(par, b), later, now,
+                                        shared_bk, stash)
+        return head["dx"], shared_bk, head["loss"], stash
+
     def embed_backward(shared_bk, dx, ids):
         _, vjp = jax.vjp(lambda p: stages.embed(p, ids), params["embedding"])
         (demb,) = vjp(dx)
@@ -218,19 +250,28 @@ def stage_gradients(
         x_in = lax.dynamic_index_in_dim(c.slots, b % k_slots, 0, keepdims=False)
         stage_bk, shared_bk = layout.split(c.buckets)
         (h, _), layers_vjp = jax.vjp(layers_fn, layer_params, stage_bk, x_in)
-        dh, shared_bk, loss = lax.cond(
-            is_last,
-            lambda a: head_backward(a, h, labels),
-            lambda a: (c.g_recv, a, jnp.float32(0.0)),
-            shared_bk,
-        )
+        if defer:
+            dh, shared_bk, loss, stash = lax.cond(
+                is_last,
+                lambda a, st: deferred_head_backward(a, st, h, labels, b),
+                lambda a, st: (c.g_recv, a, jnp.float32(0.0), st),
+                shared_bk, c.stash,
+            )
+        else:
+            dh, shared_bk, loss = lax.cond(
+                is_last,
+                lambda a: head_backward(a, h, labels),
+                lambda a: (c.g_recv, a, jnp.float32(0.0)),
+                shared_bk,
+            )
+            stash = c.stash
         dp, stage_bk, dx = layers_vjp((dh, stage_bk))
         stage_bk = layout.stage.add_tree(stage_bk, [forward_order(d) for d in dp],
                                          where=stage_add)
         shared_bk = lax.cond(
             is_first, lambda a: embed_backward(a, dx, ids), lambda a: a, shared_bk
         )
-        return stage_bk + shared_bk, dx, loss
+        return stage_bk + shared_bk, dx, loss, stash
 
     def tick(c: PipelineCarry, t) -> tuple[PipelineCarry, None]:
         f = t - stage
@@ -241,8 +282,9 @@ def stage_gradients(
             slots, y = lax.cond(do_fwd, forward, lambda c, f: (c.slots, act), c, f)
         c = c._replace(slots=slots)
         with jax.named_scope("backward"):
-            buckets, dx, loss = lax.cond(
-                do_bwd, backward, lambda c, b: (c.buckets, act, jnp.float32(0.0)), c, b
+            buckets, dx, loss, stash = lax.cond(
+                do_bwd, backward,
+                lambda c, b: (c.buckets, act, jnp.float32(0.0), c.stash), c, b
             )
         if overlap:
             # Cooldown: this stage's last backward is done -> sync its buckets now, while
@@ -263,7 +305,7 @@ def stage_gradients(
                 g_recv = lax.ppermute(dx, "pipeline", [(i + 1, i) for i in range(pp - 1)])
         else:
             x_recv, g_recv = act, act
-        return PipelineCarry(buckets, slots, x_recv, g_recv, c.loss_sum + loss), None
+        return PipelineCarry(buckets, slots, x_recv, g_recv, c.loss_sum + loss, stash), None
 
     carry = PipelineCarry(
         buckets=layout.buffer.zeros(),
@@ -271,11 +313,24 @@ def stage_gradients(
         x_recv=act,
         g_recv=act,
         loss_sum=jnp.float32(0.0),
+        stash=deferred.init_stash(stash_shapes),
     )
     carry, _ = lax.scan(tick, carry, jnp.arange(num_ticks(pp, m)))
-    # -- Hook for issue #4: the deferred output-layer weight-gradient drain runs here, on the
-    # -- last stage, writing into the `shared` buckets before finalize_grads syncs them.
-    return carry.buckets, carry.loss_sum
+    buckets = carry.buckets
+    if defer:
+        # Issue #4: the deferred output-layer wgrad drain, GEMMs on the last stage only
+        # (`active`; the ring's permutes run everywhere, see deferred.drain), BEFORE
+        # finalize_grads reduces the shared buckets over `data` and between the tied
+        # first/last stage copies.
+        with jax.named_scope("deferred_wgrad_drain"):
+            stage_bk, shared_bk = layout.split(buckets)
+            bi, off = layout.output_slot
+
+            shared_bk = list(shared_bk)
+            shared_bk[bi] = deferred.drain(par, carry.stash, shared_bk[bi], off,
+                                           stages.output_weight(params), active=is_last)
+            buckets = stage_bk + tuple(shared_bk)
+    return buckets, carry.loss_sum
 
 
 def _output_path(layout: GradLayout) -> str:

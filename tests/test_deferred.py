@@ -1,0 +1,149 @@
+"""Issue #4: deferred output-layer weight gradients (stash / recompute), Megatron's
+validation, gradients equal to the non-deferred run and the single-device reference,
+and the compiled drain's tensor-ring structure."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hlo_util import computations
+from jax_wgrad import fusion_available
+from jax_wgrad.config import GPTConfig, ParallelConfig, validate
+from jax_wgrad.gpt import GPTStages, init_params, param_specs, reference_loss
+from jax_wgrad.mesh import make_mesh
+from jax_wgrad.pipeline import pipeline_gradients
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+
+needs_fusion = pytest.mark.skipif(not fusion_available("cpu"),
+                                  reason="the CPU wgrad_accumulate handler was not built")
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_validation_messages():
+    with pytest.raises(ValueError, match="Cannot defer embedding wgrad when pipeline "
+                                         "parallel not used"):
+        ParallelConfig(pipeline_model_parallel_size=1, gradient_accumulation_fusion=True,
+                       defer_embedding_wgrad_compute=True, world_size=8)
+    with pytest.raises(ValueError, match="Cannot defer embedding wgrad without gradient "
+                                         "accumulation fusion"):
+        ParallelConfig(pipeline_model_parallel_size=2, defer_embedding_wgrad_compute=True,
+                       world_size=8)
+    with pytest.raises(ValueError, match="Wgrad deferral limit must be >= 0"):
+        ParallelConfig(pipeline_model_parallel_size=2, gradient_accumulation_fusion=True,
+                       defer_embedding_wgrad_compute=True, wgrad_deferral_limit=-1,
+                       world_size=8)
+
+
+@pytest.mark.parametrize("limit", [1.5, "2", True, None])
+def test_bad_limits_refused(limit):
+    with pytest.raises(ValueError, match="wgrad_deferral_limit must be an integer"):
+        ParallelConfig(pipeline_model_parallel_size=2, gradient_accumulation_fusion=True,
+                       defer_embedding_wgrad_compute=True, wgrad_deferral_limit=limit,
+                       world_size=8)
+
+
+def test_bad_mode_refused():
+    with pytest.raises(ValueError, match="defer_mode"):
+        ParallelConfig(pipeline_model_parallel_size=2, gradient_accumulation_fusion=True,
+                       defer_embedding_wgrad_compute=True, defer_mode="later", world_size=8)
+
+
+@pytest.mark.parametrize("limit, m, expect", [(0, 5, 5), (1, 5, 1), (2, 5, 2), (4, 5, 4),
+                                              (5, 5, 5), (8, 5, 5), (0, 1, 1), (1, 1, 1)])
+def test_number_of_deferred_microbatches(limit, m, expect):
+    par = ParallelConfig(pipeline_model_parallel_size=2, gradient_accumulation_fusion=True,
+                         defer_embedding_wgrad_compute=True, wgrad_deferral_limit=limit,
+                         micro_batch_size=1, global_batch_size=4 * m, world_size=8)
+    assert par.num_microbatches == m and par.num_deferred_microbatches == expect
+    assert ParallelConfig(world_size=8).num_deferred_microbatches == 0
+
+
+# --------------------------------------------------------------------------- gradients
+
+CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64)
+_cache = {}
+
+
+def _run(m, *, sp, tied, defer, limit=0, mode="stash", mesh=(2, 2, 2)):
+    dp, tp, pp = mesh
+    cfg = GPTConfig(**CFG, untie_embeddings_and_output_weights=not tied)
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         micro_batch_size=2, global_batch_size=2 * dp * m,
+                         sequence_parallel=sp, gradient_accumulation_fusion=True,
+                         defer_embedding_wgrad_compute=defer, wgrad_deferral_limit=limit,
+                         defer_mode=mode)
+    validate(par, cfg)
+    mesh_ = make_mesh(par)
+    params = init_params(cfg, seed=0)
+    tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh_, s), param_specs(cfg),
+                             is_leaf=lambda x: isinstance(x, P))
+    stages = GPTStages(cfg, par)
+    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh_, p, t))(
+        jax.device_put(params, shardings), jax.device_put(tokens, NamedSharding(mesh_, P("data"))))
+    return float(loss), jax.tree.map(np.asarray, grads), (params, tokens, cfg)
+
+
+def _baseline(m, sp, tied, mesh=(2, 2, 2)):
+    key = (m, sp, tied, mesh)
+    if key not in _cache:
+        loss, grads, (params, tokens, cfg) = _run(m, sp=sp, tied=tied, defer=False, mesh=mesh)
+        ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, tokens, cfg)
+        _cache[key] = (loss, grads, float(ref_loss), jax.tree.map(np.asarray, ref_grads))
+    return _cache[key]
+
+
+def _close(a, b, tol):
+    flat, _ = jax.tree_util.tree_flatten_with_path(a)
+    for (path, g), r in zip(flat, jax.tree.leaves(b)):
+        diff, scale = np.abs(g - r).max(), np.abs(r).max()
+        assert diff <= tol * scale, f"{jax.tree_util.keystr(path)}: {diff:.3g} > {tol} x {scale:.3g}"
+
+
+def _check(m, limit, sp, tied, mode, mesh=(2, 2, 2)):
+    base_loss, base_grads, ref_loss, ref_grads = _baseline(m, sp, tied, mesh)
+    loss, grads, _ = _run(m, sp=sp, tied=tied, defer=True, limit=limit, mode=mode, mesh=mesh)
+    assert jax.tree.structure(grads) == jax.tree.structure(base_grads)
+    np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
+    _close(grads, base_grads, 1e-6)          # = the non-deferred run
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _close(grads, ref_grads, 1e-5)           # = single-device jax.grad (as test_pipeline)
+
+
+@needs_fusion
+@pytest.mark.parametrize("m, limit, sp, tied, mode", [
+    (2, 0, True, True, "stash"),
+    (5, 2, True, False, "stash"),
+    (1, 1, False, True, "stash"),
+    (5, 0, True, True, "recompute"),
+    (2, 1, False, False, "recompute"),
+], ids=str)
+def test_deferred_equals_non_deferred(m, limit, sp, tied, mode):
+    _check(m, limit, sp, tied, mode)
+
+
+def _grid():
+    for m in (1, 2, 5, 8):
+        for limit in sorted({0, 1, 2, m - 1, m, m + 3} - ({-1} if m > 1 else {-1})):
+            if limit < 0:
+                continue
+            for sp in (False, True):
+                for tied in (True, False):
+                    for mode in ("stash", "recompute"):
+                        yield m, limit, sp, tied, mode
+
+
+@needs_fusion
+@pytest.mark.slow
+@pytest.mark.parametrize("m, sp, tied, mode", sorted({g[:1] + g[2:] for g in _grid()}), ids=str)
+def test_full_grid(m, sp, tied, mode):
+    for limit in sorted({0, 1, 2, m - 1, m, m + 3} - {-1}):
+        if limit >= 0:
+            _check(m, limit, sp, tied, mode)
