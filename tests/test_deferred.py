@@ -147,3 +147,69 @@ def test_full_grid(m, sp, tied, mode):
     for limit in sorted({0, 1, 2, m - 1, m, m + 3} - {-1}):
         if limit >= 0:
             _check(m, limit, sp, tied, mode)
+
+
+# --------------------------------------------------------------------------- HLO
+
+
+def _operands(line: str) -> list[str]:
+    rhs = line.split("=", 1)[1]
+    rhs = re.sub(r"(branch_computations=\{[^}]*\}|calls=%[\w.\-]+|to_apply=%[\w.\-]+"
+                 r"|body=%[\w.\-]+|condition=%[\w.\-]+|metadata=\{.*)", "", rhs)
+    return re.findall(r"%([\w.\-]+)", rhs)
+
+
+@needs_fusion
+def test_drain_ring_overlaps_gemms_with_permutes():
+    """Compiled train-step gradients, (1, 4, 2) mesh with SP: in the drain's loop body the
+    k-th fused GEMM depends on the permutes of ring steps < k only (2 acyclic permutes per
+    step), never on the one issued beside it; no all-gather feeds the drain; and the
+    schedule starts GEMMs before the last permute (no wait for a whole gather)."""
+    cfg = GPTConfig(**CFG)
+    tp = 4
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
+                         micro_batch_size=1, global_batch_size=3, sequence_parallel=True,
+                         gradient_accumulation_fusion=True, defer_embedding_wgrad_compute=True)
+    mesh = make_mesh(par)
+    stages = GPTStages(cfg, par)
+    params = jax.eval_shape(lambda: init_params(cfg, 0))
+    sh = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
+                      is_leaf=lambda x: isinstance(x, P))
+    fn = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t),
+                 in_shardings=(sh, NamedSharding(mesh, P("data"))))
+    hlo = fn.lower(params, jax.ShapeDtypeStruct((3, 9), jnp.int32)).compile().as_text()
+    comps = computations(hlo)
+    bodies = [n for n, lines in comps.items()
+              if any("collective-permute" in l and "deferred_wgrad_ring" in l for l in lines)]
+    assert len(bodies) == 1, bodies
+    lines = comps[bodies[0]]
+    assert not any("all-gather" in l for l in lines)
+    defs = {}
+    order = []
+    for l in lines:
+        m = re.match(r"(?:ROOT )?%([\w.\-]+) = ", l)
+        if m:
+            defs[m.group(1)] = l
+            order.append(m.group(1))
+
+    def ancestors(name, seen=None):
+        seen = set() if seen is None else seen
+        for op in _operands(defs[name]):
+            if op in defs and op not in seen:
+                seen.add(op)
+                ancestors(op, seen)
+        return seen
+
+    # The GEMMs are the `active` conditionals (fused op in their true branch).
+    gemms = [n for n in order if " conditional(" in defs[n] and "deferred_wgrad_ring" in defs[n]]
+    permutes = [n for n in order if "collective-permute(" in defs[n]]
+    assert len(gemms) == tp and len(permutes) == 2 * (tp - 1)
+    for l in (defs[g] for g in gemms):
+        branches = re.search(r"branch_computations=\{([^}]*)\}", l).group(1)
+        assert any('custom_call_target="jax_wgrad_wgrad_accumulate"' in x
+                   for b in branches.split(",") for x in comps[b.strip().lstrip("%")])
+    for k, g in enumerate(gemms):
+        ring = int(re.search(r"deferred_wgrad_ring(\d+)", defs[g]).group(1))
+        n_perm = sum(1 for a in ancestors(g) if a in permutes)
+        assert n_perm == 2 * ring, (g, ring, n_perm)
+    assert order.index(gemms[0]) < order.index(permutes[-1])
