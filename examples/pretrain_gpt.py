@@ -37,6 +37,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="virtual CPU devices when running on CPU (default 8)")
     g.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() (multi-process launch)")
+    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
+                   help="defer the output layer's weight-gradient GEMMs of the last stage "
+                        "to after the pipeline schedule (needs pipeline parallelism and "
+                        "--gradient-accumulation-fusion)")
+    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
+                   help="microbatches whose output-layer wgrad is deferred (0: all)")
+    g.add_argument("--defer-mode", choices=("stash", "recompute"), default="stash",
+                   help="stash (x, dy) per deferred microbatch, or (x, logsumexp, labels) "
+                        "and recompute dy in the drain")
     g = p.add_argument_group("gradient buffers and data-parallel sync")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and optimizer state over data ranks "
@@ -134,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
             global_batch_size=args.global_batch_size,
             sequence_parallel=args.sequence_parallel,
             gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+            defer_embedding_wgrad_compute=args.defer_embedding_wgrad_compute,
+            wgrad_deferral_limit=args.wgrad_deferral_limit,
+            defer_mode=args.defer_mode,
         )
         validate(parallel, model)
         ddp = DDPConfig(

@@ -78,3 +78,32 @@ def test_clear_error(example):
     with pytest.raises(SystemExit, match=r"num_layers \(4\) must be divisible by "
                                          r"pipeline_model_parallel_size \(8\)"):
         example.main(SMALL + ["--pipeline-model-parallel-size", "8"])
+
+
+@pytest.mark.slow  # ~1 min alone (5 runs of 6 steps)
+@pytest.mark.skipif(not fusion_available("cpu"), reason="deferral needs the fused op")
+def test_loss_curve_unchanged_by_deferred_output_wgrad(example, tmp_path):
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--sequence-parallel", "--gradient-accumulation-fusion"]
+    base = _curve(example, tmp_path, "no-defer", layout)
+    for name, extra in [("defer-all", ["--defer-embedding-wgrad-compute"]),
+                        ("defer-1", ["--defer-embedding-wgrad-compute",
+                                     "--wgrad-deferral-limit", "1"]),
+                        ("defer-3", ["--defer-embedding-wgrad-compute",
+                                     "--wgrad-deferral-limit", "3"]),
+                        ("defer-recompute", ["--defer-embedding-wgrad-compute",
+                                             "--defer-mode", "recompute"])]:
+        curve = _curve(example, tmp_path, name, layout + extra)
+        for a, b in zip(curve, base):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, curve, base)
+
+
+def test_deferral_errors(example):
+    with pytest.raises(SystemExit, match="Cannot defer embedding wgrad when pipeline "
+                                         "parallel not used"):
+        example.main(SMALL + ["--defer-embedding-wgrad-compute",
+                              "--gradient-accumulation-fusion"])
+    with pytest.raises(SystemExit, match="Wgrad deferral limit must be >= 0"):
+        example.main(SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion",
+                              "--pipeline-model-parallel-size", "2",
+                              "--wgrad-deferral-limit", "-2"])
