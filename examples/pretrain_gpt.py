@@ -19,6 +19,7 @@ The same ``--seed`` gives the same initial parameters and batches for every layo
 from __future__ import annotations
 
 import argparse
+import pathlib
 import json
 import os
 import sys
@@ -205,7 +206,10 @@ def main(argv: list[str] | None = None) -> dict:
     compile_s = time.perf_counter() - t0
     log(f"compile time: {compile_s:.2f} s")
 
-    metrics_file = open(args.metrics_file, "w") if (args.metrics_file and is_main) else None
+    metrics_file = None
+    if args.metrics_file and is_main:
+        pathlib.Path(args.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(args.metrics_file, "w")
     profile_start = min(1, args.train_iters - 1)
     profile_stop = min(profile_start + args.profile_steps, args.train_iters)
     profiling = False

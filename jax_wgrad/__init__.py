@@ -10,11 +10,11 @@ Tiers (bottom up):
 * Flax NNX modules (:mod:`jax_wgrad.nn`, tensor-parallel :mod:`jax_wgrad.layers`, the
   GPT of :mod:`jax_wgrad.gpt`), the 1F1B schedule (:mod:`jax_wgrad.pipeline`), gradient
   buckets (:mod:`jax_wgrad.buckets`, :mod:`jax_wgrad.grad_buffer`, :mod:`jax_wgrad.ddp`),
-  the distributed optimizer (:mod:`jax_wgrad.dist_optimizer`) and the train step
-  (:mod:`jax_wgrad.train`).
+  the distributed optimizer (:mod:`jax_wgrad.dist_optimizer`), deferred output-layer
+  weight gradients (:mod:`jax_wgrad.deferred`) and the train step (:mod:`jax_wgrad.train`).
 """
 
-from jax_wgrad import ops
+from jax_wgrad import deferred, ops
 from jax_wgrad.accumulate import accumulate_gradients
 from jax_wgrad.buckets import plan_buckets
 from jax_wgrad.config import DDPConfig, GPTConfig, ParallelConfig
@@ -52,6 +52,7 @@ __all__ = [
     "WgradBuckets",
     "accumulate_gradients",
     "build_train_step",
+    "deferred",
     "fusion_available",
     "fusion_status",
     "init_train_state",
