@@ -8,14 +8,18 @@
 #define JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
 
 #include <cstdint>
-#include <sstream>
 #include <string>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_wgrad {
 
-namespace ffi = xla::ffi;
+// Matmul precision of float32 inputs, numbered like XLA's PrecisionConfig (and
+// jax.lax.Precision): DEFAULT and HIGH allow TF32 on GPUs that have it (what XLA:GPU
+// does for a float32 dot), HIGHEST computes in full fp32. 16-bit inputs are multiplied
+// exactly and accumulated in fp32 at every precision.
+enum class Precision : int32_t { kDefault = 0, kHigh = 1, kHighest = 2 };
 
 // Problem sizes of one call, after validation.
 struct WgradDims {
@@ -25,26 +29,8 @@ struct WgradDims {
   int64_t out = 0;         // dy features (rows of main_grad)
   int64_t offset = 0;      // element offset of the [out, in] block in the accumulator
   int64_t acc_stride = 0;  // elements per batch element of the accumulator
+  Precision precision = Precision::kDefault;
 };
-
-inline const char* DtypeName(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F64: return "float64";
-    default: return "unsupported";
-  }
-}
-
-inline std::string ShapeString(const ffi::AnyBuffer& b) {
-  std::ostringstream s;
-  s << DtypeName(b.element_type()) << "[";
-  auto d = b.dimensions();
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? "," : "") << d[i];
-  s << "]";
-  return s.str();
-}
 
 // Validates ranks, shapes and dtypes; fills `dims`. Returns an InvalidArgument error
 // naming the offending operands otherwise. The accumulator is either a matrix
@@ -52,7 +38,7 @@ inline std::string ShapeString(const ffi::AnyBuffer& b) {
 // block at elements [offset, offset + out * in) (a parameter's slice of a gradient bucket).
 inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
                                  const ffi::AnyBuffer& acc, const ffi::AnyBuffer& out,
-                                 int64_t offset, WgradDims* dims) {
+                                 int64_t offset, int32_t precision, WgradDims* dims) {
   auto describe = [&]() {
     return " (x=" + ShapeString(x) + ", dy=" + ShapeString(dy) +
            ", main_grad=" + ShapeString(acc) + ")";
@@ -94,10 +80,13 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
     }
     dims->acc_stride = block;
   }
+  if (precision < 0 || precision > 2) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: precision must be 0 (DEFAULT), 1 (HIGH) or 2 (HIGHEST), got " +
+        std::to_string(precision));
+  }
   const ffi::DataType in_t = x.element_type();
-  const bool in_ok = in_t == ffi::DataType::F32 || in_t == ffi::DataType::BF16 ||
-                     in_t == ffi::DataType::F16;
-  if (!in_ok || dy.element_type() != in_t) {
+  if (!IsSupportedFloat(in_t) || dy.element_type() != in_t) {
     return ffi::Error::InvalidArgument(
         "wgrad_accumulate: x and dy must both be float32, bfloat16 or float16" +
         describe());
@@ -117,6 +106,7 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   dims->in = xd[rank - 1];
   dims->out = gd[rank - 1];
   dims->offset = offset;
+  dims->precision = static_cast<Precision>(precision);
   return ffi::Error::Success();
 }
 

@@ -4,6 +4,8 @@
 // A BLAS sgemm with beta = 1 from scipy-openblas32. 16-bit inputs are converted to f32 in
 // blocks of tokens, so temporary memory is bounded independently of T. A 16-bit
 // main_grad is widened once, accumulated in f32 and rounded once per call.
+// The `precision` attribute is validated and otherwise ignored: like XLA:CPU, which
+// computes float32 dots in float32 at every jax.lax.Precision, this handler always does.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +13,8 @@
 #include <vector>
 
 #include "cblas.h"  // scipy-openblas32: scipy_cblas_* symbols
+#include "common.h"
+#include "convert_cpu.h"
 #include "wgrad_accumulate.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -18,47 +22,6 @@ namespace jax_wgrad {
 namespace {
 
 constexpr int64_t kTokenBlock = 512;  // tokens converted to f32 per GEMM
-
-// --- element conversions -------------------------------------------------------------
-struct Bf16 { uint16_t bits; };
-struct F16 { uint16_t bits; };
-
-inline float ToFloat(float v) { return v; }
-inline float ToFloat(Bf16 v) {
-  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline float ToFloat(F16 v) {
-  _Float16 h;
-  std::memcpy(&h, &v.bits, sizeof(h));
-  return static_cast<float>(h);
-}
-
-template <typename T> T FromFloat(float f);
-template <> inline Bf16 FromFloat<Bf16>(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return Bf16{static_cast<uint16_t>(u >> 16)};
-}
-template <> inline F16 FromFloat<F16>(float f) {
-  _Float16 h = static_cast<_Float16>(f);
-  F16 r;
-  std::memcpy(&r.bits, &h, sizeof(h));
-  return r;
-}
-
-template <typename T>
-void Widen(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = ToFloat(src[i]);
-}
-template <typename T>
-void Narrow(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = FromFloat<T>(src[i]);
-}
 
 // --- plain compute: C[out, in] += dy[T, out]^T @ x[T, in], all f32 ---------------------
 void SgemmAccumulate(const float* x, const float* dy, float* c, int64_t tokens,
@@ -136,10 +99,12 @@ ffi::Error Dispatch(const WgradDims& d, ffi::DataType in_t, ffi::DataType acc_t,
   return ffi::Error::Success();
 }
 
-ffi::Error WgradAccumulateCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer acc,
-                                  ffi::Result<ffi::AnyBuffer> result, int64_t offset) {
+ffi::Error WgradAccumulateCpuBody(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer acc,
+                                  ffi::Result<ffi::AnyBuffer> result, int64_t offset,
+                                  int32_t precision) {
   WgradDims d;
-  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, &d); err.failure()) {
+  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, precision, &d);
+      err.failure()) {
     return err;
   }
   constexpr int64_t kMaxBlas = std::numeric_limits<blasint>::max();
@@ -158,6 +123,14 @@ ffi::Error WgradAccumulateCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyB
                   dy.untyped_data(), result->untyped_data());
 }
 
+ffi::Error WgradAccumulateCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer acc,
+                                  ffi::Result<ffi::AnyBuffer> result, int64_t offset,
+                                  int32_t precision) {
+  return Guarded("wgrad_accumulate", [&] {
+    return WgradAccumulateCpuBody(x, dy, acc, result, offset, precision);
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCpu, WgradAccumulateCpuImpl,
@@ -166,6 +139,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCpu, WgradAccumulateCpuImpl,
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., out, in]
                                   .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
-                                  .Attr<int64_t>("offset"));  // block start (flat)
+                                  .Attr<int64_t>("offset")      // block start (flat)
+                                  .Attr<int32_t>("precision"));  // validated, unused
 
 }  // namespace jax_wgrad

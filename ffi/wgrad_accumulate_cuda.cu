@@ -1,10 +1,19 @@
 // CUDA handler of the jax_wgrad_wgrad_accumulate FFI target:
 //   main_grad[out, in] += dy[T, out]^T @ x[T, in]
-// One cublasGemmEx with beta = 1 and fp32 compute on the stream XLA passes in (the GEMM
-// epilogue does the accumulation: no temporary dW). cuBLAS handles are created once per
-// device and reused; the cuBLAS workspace comes from XLA's scratch allocator, so no
-// cudaMalloc happens per call. The handler is not marked command-buffer compatible, so
-// XLA never captures it into a CUDA graph.
+// One cublasGemmStridedBatchedEx with beta = 1 on the stream XLA passes in (the GEMM
+// epilogue does the accumulation: no temporary dW). Compute type: fp32 accumulation;
+// float32 inputs use TF32 tensor cores unless the precision is HIGHEST (XLA:GPU's rule
+// for a float32 dot), 16-bit inputs are multiplied exactly.
+//
+// Workspace: the custom call's second result, a uint8 buffer that XLA allocates from its
+// own memory with the program's other temporaries (sized at lowering time; no allocation
+// in the handler, no dependence on XLA's ScratchAllocator, which hands out nothing on
+// some jax versions). The handler aligns it to the 256 bytes cublasSetWorkspace needs.
+//
+// cuBLAS handles are created once per device and reused, guarded by a mutex because the
+// stream and workspace are set per call (cublasSetStream resets the workspace, so it is
+// set after). The handler is not marked command-buffer compatible, so XLA never captures
+// it into a CUDA graph. Every error is returned as an FFI error, never thrown.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -14,13 +23,14 @@
 #include <string>
 #include <unordered_map>
 
+#include "common.h"
 #include "wgrad_accumulate.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_wgrad {
 namespace {
 
-constexpr size_t kCublasWorkspaceBytes = 32u << 20;  // cuBLAS recommendation for Hopper
+constexpr size_t kWorkspaceAlignment = 256;  // cublasSetWorkspace's requirement
 
 ffi::Error CublasError(const char* what, cublasStatus_t s) {
   return ffi::Error::Internal(std::string("wgrad_accumulate: ") + what +
@@ -32,7 +42,7 @@ ffi::Error CudaError(const char* what, cudaError_t e) {
 }
 
 // One cuBLAS handle per device, created on first use and never destroyed (process
-// lifetime), guarded by a mutex because stream and workspace are set per call.
+// lifetime, like XLA's own handles).
 struct HandleEntry {
   cublasHandle_t handle = nullptr;
   std::mutex mu;
@@ -61,12 +71,27 @@ cudaDataType_t CudaType(ffi::DataType t) {
   }
 }
 
-ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                                   ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer acc,
-                                   ffi::Result<ffi::AnyBuffer> result, int64_t offset) {
+cublasComputeType_t ComputeType(ffi::DataType in_t, Precision precision) {
+  if (in_t == ffi::DataType::F32 && precision != Precision::kHighest) {
+    return CUBLAS_COMPUTE_32F_FAST_TF32;
+  }
+  return CUBLAS_COMPUTE_32F;
+}
+
+ffi::Error WgradAccumulateCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                                   ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> result,
+                                   ffi::Result<ffi::AnyBuffer> workspace, int64_t offset,
+                                   int32_t precision) {
   WgradDims d;
-  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, &d); err.failure()) {
+  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, precision, &d);
+      err.failure()) {
     return err;
+  }
+  if (workspace->element_type() != ffi::DataType::U8 ||
+      workspace->size_bytes() <= kWorkspaceAlignment) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: the workspace result must be a uint8 buffer of more than 256 "
+        "bytes, got " + ShapeString(*workspace));
   }
   constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   if (d.tokens > kMaxInt || d.in > kMaxInt || d.out > kMaxInt || d.batch > kMaxInt) {
@@ -90,17 +115,19 @@ ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::ScratchAllocator sc
   }
   auto entry = GetHandle(device);
   if (entry.has_error()) return entry.error();
-  std::optional<void*> workspace = scratch.Allocate(kCublasWorkspaceBytes, 256);
-  if (!workspace.has_value()) {
-    return ffi::Error::Internal("wgrad_accumulate: could not allocate cuBLAS workspace");
-  }
+
+  // Align the workspace start up to 256 bytes; the result has 256 bytes of slack.
+  const auto base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  const uintptr_t aligned = (base + kWorkspaceAlignment - 1) & ~(kWorkspaceAlignment - 1);
+  const size_t workspace_bytes = workspace->size_bytes() - (aligned - base);
 
   std::lock_guard<std::mutex> lock((*entry)->mu);
   cublasHandle_t h = (*entry)->handle;
   if (cublasStatus_t s = cublasSetStream(h, stream); s != CUBLAS_STATUS_SUCCESS) {
     return CublasError("cublasSetStream", s);
   }
-  if (cublasStatus_t s = cublasSetWorkspace(h, *workspace, kCublasWorkspaceBytes);
+  if (cublasStatus_t s = cublasSetWorkspace(h, reinterpret_cast<void*>(aligned),
+                                            workspace_bytes);
       s != CUBLAS_STATUS_SUCCESS) {
     return CublasError("cublasSetWorkspace", s);
   }
@@ -118,9 +145,19 @@ ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::ScratchAllocator sc
       h, CUBLAS_OP_N, CUBLAS_OP_T, m, n, k, &alpha, x.untyped_data(), in_t, m,
       d.tokens * d.in, dy.untyped_data(), in_t, n, d.tokens * d.out, &beta,
       c, acc_t, m, d.acc_stride, static_cast<int>(d.batch),
-      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      ComputeType(x.element_type(), d.precision), CUBLAS_GEMM_DEFAULT);
   if (s != CUBLAS_STATUS_SUCCESS) return CublasError("cublasGemmStridedBatchedEx", s);
   return ffi::Error::Success();
+}
+
+ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                                   ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> result,
+                                   ffi::Result<ffi::AnyBuffer> workspace, int64_t offset,
+                                   int32_t precision) {
+  return Guarded("wgrad_accumulate", [&] {
+    return WgradAccumulateCudaBody(stream, x, dy, acc, result, workspace, offset,
+                                   precision);
+  });
 }
 
 }  // namespace
@@ -128,11 +165,12 @@ ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::ScratchAllocator sc
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCuda, WgradAccumulateCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()  // cuBLAS workspace
                                   .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., out, in]
                                   .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
-                                  .Attr<int64_t>("offset"));  // block start (flat)
+                                  .Ret<ffi::AnyBuffer>()   // cuBLAS workspace, uint8
+                                  .Attr<int64_t>("offset")       // block start (flat)
+                                  .Attr<int32_t>("precision"));  // 0/1/2: TF32 unless 2
 
 }  // namespace jax_wgrad
