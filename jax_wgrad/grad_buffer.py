@@ -404,9 +404,12 @@ class GradBuffer:
                  where: PyTree | Sequence[bool] | None = None) -> Buckets:
         """Adds ordinary gradients into their slices: ``bucket[slot] += leaf``.
 
-        Each leaf is one ``dynamic_update_slice`` at a static offset, so on a donated
-        argument or a scan carry XLA updates the bucket in place (no bucket copy). Leaves
-        are cast to the bucket dtype before the add. Padding is left untouched.
+        One :func:`jax_wgrad.ops.bucket_add` per bucket touched (an in-place custom call
+        aliasing the bucket): each leaf reads and writes only its own block, so on a
+        donated argument or a scan carry no bucket is copied on CPU or GPU. (A plain
+        ``dynamic_update_slice`` at a constant offset copies the whole bucket per leaf on
+        XLA:GPU, ../shared/gpu/FINDINGS.md.) The add is done in fp32 and stored in the
+        bucket dtype. Padding is left untouched.
 
         Args:
           where: optional static per-leaf flags (tree of bools or a sequence in flatten
@@ -416,14 +419,15 @@ class GradBuffer:
         self._check_buckets(buckets, "add_tree")
         leaves = self._check_tree(tree, "add_tree")
         use = (True,) * len(leaves) if where is None else self._flag_values(where)
-        out = list(buckets)
+        per_bucket: dict[int, tuple[list[jax.Array], list[int]]] = {}
         for s, leaf, u in zip(self.slots, leaves, use):
-            if not u:
-                continue
-            b = out[s.bucket]
-            cur = lax.slice(b, (s.offset,), (s.offset + s.size,))
-            new = cur + jnp.ravel(leaf).astype(b.dtype)
-            out[s.bucket] = lax.dynamic_update_slice(b, new, (s.offset,))
+            if u:
+                grads, offsets = per_bucket.setdefault(s.bucket, ([], []))
+                grads.append(leaf)
+                offsets.append(s.offset)
+        out = list(buckets)
+        for i, (grads, offsets) in per_bucket.items():
+            out[i] = ops.bucket_add(out[i], grads, offsets)
         return tuple(out)
 
     def wgrad_accumulate(self, buckets: Sequence[jax.Array], path: str | Sequence[Any],

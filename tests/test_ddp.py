@@ -3,6 +3,7 @@ non-finite skip; HLO facts (buckets are the in-place accumulators; one collectiv
 bucket, in the cooldown or after the schedule)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +201,17 @@ def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
         assert copies_of("\n".join(in_loop), "f32", (n,)) == [], n
     if fusion_available("cpu"):  # fused linears of the stage's layers and the output layer
         assert len(custom_calls("\n".join(in_loop), _ffi.TARGET)) >= 4 + 1
+    # Every other gradient goes into its block through the aliased bucket_add call, never
+    # a dynamic-update-slice of a bucket at a constant offset (XLA:GPU copies the whole
+    # bucket for that, ../shared/gpu/FINDINGS.md #6). The only bucket-sized updates left
+    # in the loop are the distributed optimizer's write-back of each stage bucket's
+    # reduce-scattered shard in the cooldown, at the rank's (traced) offset.
+    assert custom_calls("\n".join(in_loop), _ffi.BUCKET_ADD_TARGET)
+    dus = [re.search(rf"= f32\[{n}\]\S* dynamic-update-slice\(([^)]*)\)", line)
+           for line in in_loop for n in set(layout.buffer.bucket_numels)]
+    dus = [m.group(1).split(", ") for m in dus if m]
+    assert len(dus) == (layout.stage.num_buckets if dist else 0), dus
+    assert not [ops for ops in dus if ops[-1].startswith("%constant")], dus
 
 
 @pytest.mark.parametrize("dist, op", [(True, "reduce-scatter"), (False, "all-reduce")])
