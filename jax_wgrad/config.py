@@ -160,6 +160,12 @@ class GPTConfig:
     init_method_std: float = 0.02
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Activations and GEMM inputs; parameters and gradients stay fp32."""
+    attention_backend: Literal["auto", "xla", "cudnn"] = "auto"
+    """The attention core (Megatron's ``--attention-backend``): ``xla`` computes
+    ``softmax(Q K^T / sqrt(d)) V`` with plain XLA ops (fp32 softmax); ``cudnn`` is
+    :func:`jax.nn.dot_product_attention`'s cuDNN flash attention (CUDA GPUs, bfloat16);
+    ``auto`` picks ``cudnn`` on a CUDA GPU with bfloat16 compute and a head size cuDNN
+    takes (a multiple of 8, at most 128), ``xla`` otherwise."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
@@ -177,10 +183,25 @@ class GPTConfig:
             raise ValueError(
                 f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}"
             )
+        if self.attention_backend not in ("auto", "xla", "cudnn"):
+            raise ValueError("attention_backend must be 'auto', 'xla' or 'cudnn', got "
+                             f"{self.attention_backend!r}")
+        if self.attention_backend == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ValueError("attention_backend 'cudnn' needs compute_dtype 'bfloat16' "
+                             f"(cuDNN flash attention takes 16-bit inputs), got "
+                             f"{self.compute_dtype!r}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def attention_implementation(self, platform: str) -> Literal["xla", "cudnn"]:
+        """``attention_backend`` resolved for a jax platform (``"cpu"``, ``"gpu"``, ...)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend  # type: ignore[return-value]
+        cudnn_ok = (platform in ("gpu", "cuda") and self.compute_dtype == "bfloat16"
+                    and self.head_dim % 8 == 0 and self.head_dim <= 128)
+        return "cudnn" if cudnn_ok else "xla"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,12 +74,18 @@ def _dtype(cfg: GPTConfig) -> jnp.dtype:
     return jnp.dtype(cfg.compute_dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     implementation: str = "xla") -> jax.Array:
     """``q, k, v``: ``[b, s, heads, head_dim]`` -> ``[b, s, heads * head_dim]``.
 
-    Softmax in fp32; output in ``q.dtype``.
+    ``implementation``: ``"xla"`` (below: fp32 scores and softmax, output in
+    ``q.dtype``) or ``"cudnn"`` (:func:`jax.nn.dot_product_attention`'s cuDNN flash
+    attention, 16-bit inputs on a CUDA GPU).
     """
     b, s, h, d = q.shape
+    if implementation == "cudnn":
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return out.reshape(b, s, h * d)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(d)
     mask = jnp.tril(jnp.ones((s, s), bool))
@@ -102,6 +108,7 @@ class TransformerLayer(nnx.Module):
         tp_size: int = 1,
         sequence_parallel: bool = False,
         axis_name: str = "tensor",
+        attention: str = "xla",
         rngs: nnx.Rngs,
     ):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
@@ -109,6 +116,7 @@ class TransformerLayer(nnx.Module):
         out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
         self.heads = cfg.num_attention_heads // tp_size
         self.head_dim = cfg.head_dim
+        self.attention = attention
         self.ln1 = LayerNorm(h, epsilon=cfg.layernorm_epsilon)
         self.qkv = ColumnParallelLinear(h, 3 * h, init_std=cfg.init_method_std, rngs=rngs, **common)
         self.proj = RowParallelLinear(h, h, init_std=out_std, rngs=rngs, **common)
@@ -129,7 +137,8 @@ class TransformerLayer(nnx.Module):
             qkv = self.qkv(self.ln1(x), main_grad=mg.get("qkv"))
             b, s = qkv.shape[:2]
             qkv = qkv.reshape(b, s, self.heads, 3, self.head_dim)
-            attn = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2])
+            attn = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
+                                    implementation=self.attention)
             x = x + self.proj(attn, main_grad=mg.get("proj"))
         with jax.named_scope("mlp"):
             hidden = jax.nn.gelu(self.fc1(self.ln2(x), main_grad=mg.get("fc1")), approximate=False)
@@ -318,11 +327,12 @@ def _specs(module: nnx.Module, prefix: tuple[str | None, ...]) -> Params:
     return _walk(nnx.split(module)[1], spec)
 
 
-def _abstract_parts(cfg: GPTConfig, tp: int, sp: bool):
+def _abstract_parts(cfg: GPTConfig, tp: int, sp: bool, attention: str = "xla"):
     kw = dict(tp_size=tp, sequence_parallel=sp)
     return (
         nnx.eval_shape(lambda: GPTEmbedding(cfg, **kw, rngs=nnx.Rngs(0))),
-        nnx.eval_shape(lambda: TransformerLayer(cfg, **kw, rngs=nnx.Rngs(0))),
+        nnx.eval_shape(lambda: TransformerLayer(cfg, **kw, attention=attention,
+                                                rngs=nnx.Rngs(0))),
         nnx.eval_shape(lambda: GPTHead(cfg, **kw, rngs=nnx.Rngs(0))),
     )
 
@@ -357,16 +367,20 @@ class GPTStages:
 
     Built once per layout; used inside ``shard_map`` by :mod:`jax_wgrad.pipeline`. With
     ``parallel.gradient_accumulation_fusion`` the functions take fp32 main-grad
-    accumulators for every linear weight.
+    accumulators for every linear weight. ``platform``: the jax platform the stages run
+    on (default: jax's default backend), which resolves ``model.attention_backend``.
     """
 
     model: GPTConfig
     parallel: ParallelConfig
+    platform: str | None = None
 
     def __post_init__(self) -> None:
+        if self.platform is None:
+            object.__setattr__(self, "platform", jax.default_backend())
         emb, layer, head = _abstract_parts(
-            self.model, self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel
-        )
+            self.model, self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel,
+            self.model.attention_implementation(self.platform))
         object.__setattr__(self, "_emb_def", nnx.split(emb)[0])
         object.__setattr__(self, "_layer_def", nnx.split(layer)[0])
         object.__setattr__(self, "_head_def", nnx.split(head)[0])

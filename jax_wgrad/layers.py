@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_wgrad.linear import BucketSlot, linear
+from jax_wgrad.ops import PrecisionLike
 
 __all__ = [
     "LayerNorm",
@@ -200,6 +201,7 @@ class ColumnParallelLinear(nnx.Module):
         sequence_parallel: bool = False,
         skip_weight_param_allocation: bool = False,
         init_std: float = 0.02,
+        precision: PrecisionLike = None,
         rngs: nnx.Rngs,
     ):
         if out_features % tp_size != 0:
@@ -211,6 +213,7 @@ class ColumnParallelLinear(nnx.Module):
         self.axis_name = axis_name
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.precision = precision
         local_out = out_features // tp_size
         self.weight = (
             None
@@ -249,7 +252,7 @@ class ColumnParallelLinear(nnx.Module):
                 else:
                     x = copy_to_tensor_parallel_region(x, self.axis_name)
             bias = None if self.bias is None else self.bias[...]
-            y = linear(x, weight, bias, main_grad=main_grad)
+            y = linear(x, weight, bias, main_grad=main_grad, precision=self.precision)
             if self.gather_output and self.tp_size > 1:
                 y = _gather_last_dim(y, self.axis_name)
             return y
@@ -285,6 +288,7 @@ class RowParallelLinear(nnx.Module):
         use_bias: bool = True,
         sequence_parallel: bool = False,
         init_std: float = 0.02,
+        precision: PrecisionLike = None,
         rngs: nnx.Rngs,
     ):
         if in_features % tp_size != 0:
@@ -295,6 +299,7 @@ class RowParallelLinear(nnx.Module):
         self.tp_size = tp_size
         self.axis_name = axis_name
         self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.precision = precision
         self.weight = nnx.Param(
             _normal(rngs, (out_features, in_features // tp_size), init_std), tensor_axis=1
         )
@@ -310,7 +315,7 @@ class RowParallelLinear(nnx.Module):
         """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``; ``main_grad`` as in
         :class:`ColumnParallelLinear`."""
         with jax.named_scope("row_parallel_linear"):
-            y = linear(x, self.weight[...], None, main_grad=main_grad)
+            y = linear(x, self.weight[...], None, main_grad=main_grad, precision=self.precision)
             if self.tp_size > 1:
                 if self.sequence_parallel:
                     y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name, SEQ_DIM)
@@ -354,16 +359,22 @@ class VocabParallelEmbedding(nnx.Module):
         )
 
     def __call__(self, ids: jax.Array, *, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-        """``ids``: int ``[b, s]`` -> ``[b, s(/tp), hidden]`` in ``dtype``."""
+        """``ids``: int ``[b, s]`` -> ``[b, s(/tp), hidden]`` in ``dtype``.
+
+        The rows are gathered from the table in its own dtype (fp32) and cast afterwards,
+        so the backward scatter-adds the token gradients in fp32: a 16-bit scatter-add
+        rounds every partial sum and, on text-like ids (a few rows hit by most tokens),
+        is two orders of magnitude slower on a GPU (../shared/gpu/FINDINGS.md #7).
+        """
         with jax.named_scope("vocab_parallel_embedding"):
-            table = self.embedding[...].astype(dtype)
+            table = self.embedding[...]
             if self.tp_size == 1:
-                return jnp.take(table, ids, axis=0)
+                return jnp.take(table, ids, axis=0).astype(dtype)
             local_vocab = table.shape[0]
             start = jax.lax.axis_index(self.axis_name) * local_vocab
             local = ids - start
             in_range = (local >= 0) & (local < local_vocab)
-            out = jnp.take(table, jnp.where(in_range, local, 0), axis=0)
+            out = jnp.take(table, jnp.where(in_range, local, 0), axis=0).astype(dtype)
             out = jnp.where(in_range[..., None], out, jnp.zeros((), dtype))
             if self.sequence_parallel:
                 return reduce_scatter_to_sequence_parallel_region(out, self.axis_name, SEQ_DIM)

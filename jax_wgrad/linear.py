@@ -60,35 +60,36 @@ def _check(x: jax.Array, w: jax.Array, b: jax.Array | None) -> None:
         raise ValueError(f"linear: bias must have shape ({w.shape[0]},), got {b.shape}")
 
 
-def _forward(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    y = jnp.matmul(x, w.T.astype(x.dtype))
+def _forward(x: jax.Array, w: jax.Array, b: jax.Array | None, precision: int) -> jax.Array:
+    y = jnp.matmul(x, w.T.astype(x.dtype), precision=jax.lax.Precision(precision))
     if b is not None:
         y = y + b.astype(y.dtype)
     return y
 
 
-@jax.custom_vjp
-def _fused_linear(x, w, b, main_grad):
-    return _forward(x, w, b)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_linear(x, w, b, main_grad, precision):
+    return _forward(x, w, b, precision)
 
 
-def _fused_linear_fwd(x, w, b, main_grad):
-    return _forward(x, w, b), (x, w, b, main_grad)
+def _fused_linear_fwd(x, w, b, main_grad, precision):
+    return _forward(x, w, b, precision), (x, w, b, main_grad)
 
 
-def _dgrad_bgrad(x, w, b, dy):
-    dx = jnp.matmul(dy, w.astype(dy.dtype)).astype(x.dtype)
+def _dgrad_bgrad(x, w, b, dy, precision):
+    dx = jnp.matmul(dy, w.astype(dy.dtype), precision=jax.lax.Precision(precision))
+    dx = dx.astype(x.dtype)
     db = None
     if b is not None:
         db = jnp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, dtype=jnp.float32).astype(b.dtype)
     return dx, db
 
 
-def _fused_linear_bwd(res, dy):
+def _fused_linear_bwd(precision, res, dy):
     x, w, b, main_grad = res
-    dx, db = _dgrad_bgrad(x, w, b, dy)
+    dx, db = _dgrad_bgrad(x, w, b, dy, precision)
     # The updated accumulator travels as the "cotangent" of main_grad (module docstring).
-    new_main_grad = ops.wgrad_accumulate(x, dy, main_grad)
+    new_main_grad = ops.wgrad_accumulate(x, dy, main_grad, precision=precision)
     return dx, None, db, new_main_grad
 
 
@@ -98,22 +99,23 @@ _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
 # ----------------------------------------------------------------------------- threaded
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _threaded_linear(x, w, b, bucket, offset):
-    return _forward(x, w, b), bucket
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _threaded_linear(x, w, b, bucket, offset, precision):
+    return _forward(x, w, b, precision), bucket
 
 
-def _threaded_linear_fwd(x, w, b, bucket, offset):
+def _threaded_linear_fwd(x, w, b, bucket, offset, precision):
     # Only x, w (and b for its dtype) are saved: the bucket is NOT a residual.
-    return (_forward(x, w, b), bucket), (x, w, b)
+    return (_forward(x, w, b, precision), bucket), (x, w, b)
 
 
-def _threaded_linear_bwd(offset, res, cts):
+def _threaded_linear_bwd(offset, precision, res, cts):
     x, w, b = res
     dy, ct_bucket = cts
-    dx, db = _dgrad_bgrad(x, w, b, dy)
+    dx, db = _dgrad_bgrad(x, w, b, dy, precision)
     # ct_bucket = the bucket with every downstream block already added; add ours, in place.
-    return dx, None, db, ops.wgrad_accumulate(x, dy, ct_bucket, offset=offset)
+    return dx, None, db, ops.wgrad_accumulate(x, dy, ct_bucket, offset=offset,
+                                              precision=precision)
 
 
 _threaded_linear.defvjp(_threaded_linear_fwd, _threaded_linear_bwd)
@@ -126,6 +128,7 @@ def linear_into_bucket(
     bucket: jax.Array,
     *,
     offset: int,
+    precision: ops.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(x @ w.T + b, bucket)``: a linear whose weight gradient goes into a flat bucket.
 
@@ -139,6 +142,8 @@ def linear_into_bucket(
       x: ``[..., in]`` input; w: ``[out, in]`` weight; b: optional ``[out]`` bias.
       bucket: flat ``[N]`` float32 gradient bucket holding the weight's row-major block.
       offset: static element offset of the block in ``bucket``.
+      precision: matmul precision of all three GEMMs (``jnp.dot``'s meaning and default,
+        :func:`jax_wgrad.ops.matmul_precision`).
     Returns:
       ``(y [..., out] in x.dtype, bucket)``.
     """
@@ -151,7 +156,7 @@ def linear_into_bucket(
             f"does not fit in a flat bucket of shape {tuple(bucket.shape)}")
     if bucket.dtype != jnp.float32:
         raise ValueError(f"linear_into_bucket: bucket must be float32, got {bucket.dtype}")
-    return _threaded_linear(x, w, b, bucket, offset)
+    return _threaded_linear(x, w, b, bucket, offset, ops.matmul_precision(precision))
 
 
 class WgradBuckets:
@@ -180,9 +185,9 @@ class WgradBuckets:
                              f"(have {len(self._buckets)})")
         return BucketSlot(self, bucket, offset)
 
-    def _linear(self, x, w, b, bucket: int, offset: int) -> jax.Array:
+    def _linear(self, x, w, b, bucket: int, offset: int, precision) -> jax.Array:
         y, self._buckets[bucket] = linear_into_bucket(x, w, b, self._buckets[bucket],
-                                                      offset=offset)
+                                                      offset=offset, precision=precision)
         return y
 
 
@@ -202,6 +207,7 @@ def linear(
     b: jax.Array | None = None,
     *,
     main_grad: jax.Array | BucketSlot | None = None,
+    precision: ops.PrecisionLike = None,
 ) -> jax.Array:
     """``y = x @ w.T + b``.
 
@@ -214,16 +220,21 @@ def linear(
         updated buffer as its cotangent; ``w`` then receives a zero gradient. Or a
         :class:`BucketSlot`: the weight's block in threaded flat buckets
         (:func:`linear_into_bucket`).
+      precision: matmul precision of the forward, data-gradient and weight-gradient
+        GEMMs, with ``jnp.dot``'s meaning and default (``jax.default_matmul_precision``;
+        see :func:`jax_wgrad.ops.matmul_precision`): on a GPU float32 uses TF32 unless
+        ``"highest"``, fused or not.
     Returns:
       ``[..., out]`` output in ``x.dtype``.
     """
     _check(x, w, b)
+    level = ops.matmul_precision(precision)
     if main_grad is None:
-        return _forward(x, w, b)
+        return _forward(x, w, b, level)
     if isinstance(main_grad, BucketSlot):
-        return main_grad.owner._linear(x, w, b, main_grad.bucket, main_grad.offset)
+        return main_grad.owner._linear(x, w, b, main_grad.bucket, main_grad.offset, level)
     if main_grad.shape != w.shape:
         raise ValueError(
             f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"
         )
-    return _fused_linear(x, w, b, main_grad)
+    return _fused_linear(x, w, b, main_grad, level)

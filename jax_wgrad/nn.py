@@ -22,6 +22,7 @@ from flax import nnx
 
 from jax_wgrad import _ffi
 from jax_wgrad.linear import linear
+from jax_wgrad.ops import PrecisionLike
 
 __all__ = ["Linear", "MainGrad"]
 
@@ -32,6 +33,8 @@ class MainGrad(nnx.Variable):
 
 class Linear(nnx.Module):
     """``y = x @ weight.T + bias`` with an optional fused weight-gradient accumulator.
+
+    ``precision`` is that of its GEMMs, with ``jnp.dot``'s meaning and default.
 
     Attributes:
       weight: ``[out_features, in_features]`` (Megatron/PyTorch layout).
@@ -49,6 +52,7 @@ class Linear(nnx.Module):
         gradient_accumulation_fusion: bool = False,
         param_dtype: jnp.dtype = jnp.float32,
         kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+        precision: PrecisionLike = None,
         rngs: nnx.Rngs,
     ):
         if in_features < 1 or out_features < 1:
@@ -59,6 +63,7 @@ class Linear(nnx.Module):
             _ffi.require_fusion(who="Linear")
         self.in_features = in_features
         self.out_features = out_features
+        self.precision = precision
         # lecun_normal expects [fan_in, fan_out]; store the transpose as [out, in].
         w = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
         self.weight = nnx.Param(w.T)
@@ -76,4 +81,5 @@ class Linear(nnx.Module):
                 self.weight[...],
                 None if self.bias is None else self.bias[...],
                 main_grad=None if self.main_grad is None else self.main_grad[...],
+                precision=self.precision,
             )

@@ -170,7 +170,7 @@ def build_train_step(
                          f"{parallel.mesh_shape}")
     if parallel.gradient_accumulation_fusion:
         _ffi.require_fusion(mesh.devices.flat[0].platform, who="gradient_accumulation_fusion")
-    stages = GPTStages(model, parallel)
+    stages = GPTStages(model, parallel, platform=mesh.devices.flat[0].platform)
     layout, opt = make_optimizer(model, mesh, optimizer, ddp)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     specs = param_specs(model)

@@ -83,3 +83,29 @@ def test_step_donates_state():
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
     assert jax.tree.map(lambda x: x.sharding, new_state.params) == \
         jax.tree.map(lambda x: x.sharding, state.params)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_step_has_no_16bit_scatter(tp):
+    # Embedding gradients are scatter-added in fp32 (a bf16 scatter-add rounds every partial
+    # sum and is ~190x slower on a GPU for text-like ids, ../shared/gpu/FINDINGS.md #7).
+    import re
+
+    model = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      compute_dtype="bfloat16")
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
+                         micro_batch_size=2, global_batch_size=8, sequence_parallel=tp > 1,
+                         gradient_accumulation_fusion=fusion_available("cpu"))
+    mesh = make_mesh(par)
+    opt = default_optimizer(1e-3)
+    state = init_train_state(model, mesh, opt, seed=0)
+    step = build_train_step(model, par, mesh, opt, state)
+    lowered = step.lower(state, shard_batch(mesh, DATA.batch(0, 8, 16, seed=0)))
+    # As jax wrote it (XLA:CPU itself widens a bf16 scatter, XLA:GPU does not) ...
+    types = re.findall(r'"stablehlo.scatter".*?\}\) : \([^)]*\) -> tensor<[^>]*x(\w+)>',
+                       lowered.as_text(), re.S)
+    assert types and set(types) == {"f32"}, types
+    # ... and as compiled.
+    hlo = lowered.compile().as_text()
+    scatters = [l for l in hlo.splitlines() if re.search(r"= \S+ scatter\(", l)]
+    assert scatters and not [l for l in scatters if re.search(r"= \(?(bf16|f16)\[", l)]
