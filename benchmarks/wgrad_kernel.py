@@ -1,15 +1,17 @@
 """Benchmark of the fused weight-gradient accumulation against XLA's own paths.
 
 For each (dtype, T, out, in) case, in one process, times (median of --iters runs after
---warmup runs, each call blocked on):
+--warmup runs, each call blocked on), all at the same matmul precision (--precision,
+default jax's: TF32 for float32 on a GPU, as XLA's own dot):
   fused    jax_wgrad.wgrad_accumulate (FFI, accumulator donated: in place)
   xla      acc + jnp.dot(dy.T, x, preferred_element_type=f32) in one jit, acc donated
            (XLA's own fused path; on GPU a cuBLAS GEMM with beta = 1)
   unfused  dW = dot(dy.T, x) in one call, acc + dW in another (acc donated)
   gemm     the plain GEMM dot(dy.T, x) alone (the lower bound)
 and prints one JSON line per case:
-  platform, dtype, T, out, in, fused_ms, xla_ms, unfused_ms, gemm_ms, fused_over_xla,
-  fused_over_gemm (and tflops on GPU, blas_core on CPU).
+  platform, dtype, precision, T, out, in, fused_ms, xla_ms, unfused_ms, gemm_ms,
+  fused_over_xla, fused_over_gemm, rel_diff (fused vs xla, checked against the tolerance
+  of the precision used) (and tflops on GPU, blas_core on CPU).
 
 On CPU the handler's speed depends on the OpenBLAS kernel family (``blas_core``): an
 ``OPENBLAS_CORETYPE`` set in the environment (e.g. Haswell on an AVX-512 machine) forces
@@ -22,6 +24,7 @@ an older, slower kernel.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -63,16 +66,31 @@ def _time(fn, make_args, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, iters: int) -> dict:
+def tolerance(dtype: jnp.dtype, precision: str | None) -> float:
+    """Max relative difference allowed between two GEMMs of the same precision.
+
+    16-bit inputs are multiplied exactly and summed in fp32 by both, in different orders:
+    1e-4. float32 on a GPU below HIGHEST rounds every input to TF32 (u = 2^-11), so each
+    result is off by about 2u relative; two such results differ by up to ~4u, and 8u
+    covers the largest of many elements.
+    """
+    tf32 = (jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "gpu"
+            and jax_wgrad.ops.matmul_precision(precision) < 2)
+    return 8 * 2.0**-11 if tf32 else 1e-4
+
+
+def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, iters: int,
+               precision: str | None = None) -> dict:
     k1, k2 = jax.random.split(jax.random.key(0))
     x = jax.random.normal(k1, (T, n_in), dtype)
     dy = jax.random.normal(k2, (T, n_out), dtype)
     zeros = lambda: jnp.zeros((n_out, n_in), jnp.float32)
 
     def dw(x, dy):
-        return jnp.dot(dy.T, x, preferred_element_type=jnp.float32)
+        return jnp.dot(dy.T, x, preferred_element_type=jnp.float32, precision=precision)
 
-    fused = jax.jit(jax_wgrad.wgrad_accumulate, donate_argnums=2)
+    fused = jax.jit(functools.partial(jax_wgrad.wgrad_accumulate, precision=precision),
+                    donate_argnums=2)
     xla = jax.jit(lambda x, dy, acc: acc + dw(x, dy), donate_argnums=2)
     gemm = jax.jit(dw)
     add = jax.jit(lambda acc, d: acc + d, donate_argnums=0)
@@ -84,6 +102,7 @@ def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, ite
     result = {
         "platform": jax.default_backend(),
         "dtype": jnp.dtype(dtype).name,
+        "precision": precision or str(jax.config.jax_default_matmul_precision or "default"),
         "T": T, "out": n_out, "in": n_in,
         "fused_ms": _time(fused, acc_args, warmup, iters),
         "xla_ms": _time(xla, acc_args, warmup, iters),
@@ -93,8 +112,10 @@ def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, ite
     # Same answer from both fused paths (a benchmark of a wrong kernel is worthless).
     a, b = fused(x, dy, zeros()), xla(x, dy, zeros())
     err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-    if err > 1e-4:
-        raise AssertionError(f"fused and XLA results differ (relative {err:.2e})")
+    result["rel_diff"] = err
+    if err > tolerance(dtype, precision):
+        raise AssertionError(f"fused and XLA results differ (relative {err:.2e} > "
+                             f"{tolerance(dtype, precision):.1e} at precision {precision})")
     result["fused_over_xla"] = round(result["fused_ms"] / result["xla_ms"], 4)
     result["fused_over_gemm"] = round(result["fused_ms"] / result["gemm_ms"], 4)
     if result["platform"] == "cpu":
@@ -120,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="TxOUTxIN (default: the platform's case list)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--precision", default=None,
+                        choices=["default", "tensorfloat32", "float32", "highest"],
+                        help="matmul precision of every path (default: jax's)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
@@ -132,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in args.dtypes:
         for T, n_out, n_in in cases:
             print(json.dumps(bench_case(T, n_out, n_in, jnp.dtype(dtype), args.warmup,
-                                        args.iters)), flush=True)
+                                        args.iters, args.precision)), flush=True)
 
 
 if __name__ == "__main__":

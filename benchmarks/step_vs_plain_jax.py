@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""A jax_wgrad train step against the same model written in plain JAX, on one device.
+
+Three train steps of the example's GPT, in one process, on jax's default backend (first
+device, mesh 1 x 1 x 1), each jitted with its state donated, timed as the median of
+``--steps`` steps after ``--warmup``:
+
+  fused    jax_wgrad's step with --gradient-accumulation-fusion: weight gradients
+           accumulated by the FFI GEMM into flat fp32 buckets, every other gradient
+           added to its own bucket block in place (``bucket_add``), Megatron's
+           finalization, AdamW on the fp32 master weights
+  unfused  jax_wgrad's step without fusion (all gradients through ``bucket_add``)
+  plain    the same model in plain JAX: fp32 parameters, the same compute dtype and
+           attention, ``jax.value_and_grad`` per microbatch summed in a ``lax.scan``,
+           ``optax`` global-norm clipping (1.0) and AdamW (same hyperparameters and
+           weight-decay mask)
+
+and prints ONE JSON line for the configuration: ``plain_ms``, ``fused_ms``,
+``unfused_ms``, ``fused_over_plain``, ``unfused_over_plain``, the first-step losses of all
+three (same parameters and batch: they must agree), the model FLOPs of a step and ``mfu``
+(model FLOPs / step time / the device's peak; ``peak_tflops`` and ``peak_source`` say
+which peak: the datasheet dense peak of a known GPU for the compute dtype, else a plain
+XLA GEMM measured here, or ``--peak-tflops``).
+
+    python benchmarks/step_vs_plain_jax.py                      # small CPU default
+    python benchmarks/step_vs_plain_jax.py --hidden-size 2048 --num-layers 4 \\
+        --num-attention-heads 16 --seq-length 1024 --micro-batch-size 4 \\
+        --global-batch-size 64 --bf16                           # the issue's GPU case
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_wgrad.config import DDPConfig, GPTConfig, ParallelConfig
+from jax_wgrad.gpt import causal_attention, init_params
+from jax_wgrad.mesh import make_mesh
+from jax_wgrad.train import build_train_step, default_optimizer, init_train_state, shard_batch
+
+LR, B1, B2, EPS, WEIGHT_DECAY, CLIP = 1e-4, 0.9, 0.95, 1e-8, 0.01, 1.0
+
+# Dense (no sparsity) datasheet peaks, TFLOP/s: (16-bit, TF32) tensor-core throughput.
+GPU_PEAKS = {"H100": (989.0, 494.7), "H200": (989.0, 494.7), "A100": (312.0, 156.0)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--bf16", action="store_true", help="bfloat16 compute (fp32 params)")
+    p.add_argument("--attention-backend", choices=("auto", "xla", "cudnn"), default="auto")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak for the MFU (default: datasheet or measured)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        p.error(f"--steps ({args.steps}) and --warmup ({args.warmup}) must be >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------- plain JAX
+
+
+def _layer_norm(x, p, eps):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, -1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), -1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]).astype(x.dtype)
+
+
+def _dense(x, p):
+    y = x @ p["weight"].T.astype(x.dtype)
+    return y + p["bias"].astype(x.dtype) if "bias" in p else y
+
+
+def plain_loss(params, tokens, cfg: GPTConfig, attention: str):
+    """Mean next-token loss of one microbatch, written the way a JAX user would."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    b, s = ids.shape
+    nh, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.layernorm_epsilon
+    emb = params["embedding"]
+    x = (jnp.take(emb["word"]["embedding"], ids, axis=0) + emb["position"][None, :s]).astype(dt)
+
+    def layer(x, p):
+        qkv = _dense(_layer_norm(x, p["ln1"], eps), p["qkv"]).reshape(b, s, nh, 3, hd)
+        a = causal_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :],
+                             implementation=attention)
+        x = x + _dense(a, p["proj"])
+        h = jax.nn.gelu(_dense(_layer_norm(x, p["ln2"], eps), p["fc1"]), approximate=False)
+        return x + _dense(h, p["fc2"]), None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    x = _layer_norm(x, params["head"]["final_norm"], eps)
+    w = params["head"]["output"]["weight"] if "output" in params["head"] \
+        else emb["word"]["embedding"]
+    logits = (x @ w.T.astype(dt)).astype(jnp.float32)
+    lp = jax.nn.log_softmax(logits, -1)
+    return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], -1))
+
+
+def plain_optimizer(params) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW, decaying only weights and the word embedding
+    (what jax_wgrad's default optimizer decays)."""
+    decay = jax.tree_util.tree_map_with_path(
+        lambda path, _: jax.tree_util.keystr(path).endswith(("['weight']", "['word']['embedding']")),
+        params)
+    return optax.chain(optax.clip_by_global_norm(CLIP),
+                       optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                   mask=decay))
+
+
+def plain_step_fn(cfg: GPTConfig, num_micro: int, attention: str, tx):
+    def step(state, tokens):
+        params, opt_state = state
+        micro = tokens.reshape(num_micro, -1, tokens.shape[-1])
+
+        def body(carry, mb):
+            loss_sum, acc = carry
+            loss, g = jax.value_and_grad(plain_loss)(params, mb, cfg, attention)
+            return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss_sum, grads), _ = jax.lax.scan(body, (jnp.float32(0.0), zeros), micro)
+        grads = jax.tree.map(lambda g: g / num_micro, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss_sum / num_micro
+
+    return jax.jit(step, donate_argnums=0)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _time_steps(step, state, batches, warmup: int, steps: int):
+    """(median ms over ``steps`` after ``warmup``, first-step loss, compile s)."""
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    times, first_loss = [], None
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        state, loss = compiled(state, batches[i % len(batches)])
+        loss = float(loss if not isinstance(loss, dict) else loss["loss"])
+        dt = time.perf_counter() - t0
+        first_loss = loss if first_loss is None else first_loss
+        if i >= warmup:
+            times.append(dt * 1e3)
+    return statistics.median(times), first_loss, compile_s
+
+
+def model_flops_per_step(cfg: GPTConfig, tokens: int) -> float:
+    """Training FLOPs (forward + backward = 3 x forward) of the GEMMs and the causal
+    attention core: per token and layer 2(4H^2 + 2HF) + 2SH (QK^T and PV, causal half),
+    plus the output layer's 2HV."""
+    h, f, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.seq_length
+    per_token = cfg.num_layers * (2 * (4 * h * h + 2 * h * f) + 2 * s * h) + 2 * h * cfg.vocab_size
+    return 3.0 * per_token * tokens
+
+
+def device_peak(device, dtype: str, override: float | None) -> tuple[float, str]:
+    if override:
+        return override, "--peak-tflops"
+    if device.platform == "gpu":
+        for name, (p16, p32) in GPU_PEAKS.items():
+            if name in device.device_kind:
+                return (p16 if dtype == "bfloat16" else p32), \
+                    f"datasheet dense {'bf16' if dtype == 'bfloat16' else 'TF32'} of {name}"
+    n = 2048
+    a = jnp.ones((n, n), jnp.dtype(dtype))
+    mm = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(mm(a))
+    best = min(_timed(mm, a) for _ in range(5))
+    return 2 * n**3 / best / 1e12, f"measured XLA {dtype} GEMM {n}^3 on {device.device_kind}"
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    cfg = GPTConfig(vocab_size=args.vocab_size, num_layers=args.num_layers,
+                    hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                    seq_length=args.seq_length, attention_backend=args.attention_backend,
+                    compute_dtype="bfloat16" if args.bf16 else "float32")
+    attention = cfg.attention_implementation(device.platform)
+    rng = np.random.default_rng(args.seed)
+    batches = [rng.integers(0, cfg.vocab_size, (args.global_batch_size, cfg.seq_length + 1),
+                            dtype=np.int32) for _ in range(2)]
+    result = {"device": device.device_kind, "platform": device.platform,
+              "jax": jax.__version__, "num_layers": cfg.num_layers,
+              "hidden_size": cfg.hidden_size, "seq_length": cfg.seq_length,
+              "micro_batch_size": args.micro_batch_size,
+              "global_batch_size": args.global_batch_size, "dtype": cfg.compute_dtype,
+              "attention": attention}
+
+    for name, fusion in (("fused", True), ("unfused", False)):
+        par = ParallelConfig(micro_batch_size=args.micro_batch_size,
+                             global_batch_size=args.global_batch_size, world_size=1,
+                             gradient_accumulation_fusion=fusion)
+        mesh = make_mesh(par, devices=[device])
+        tx = default_optimizer(LR, weight_decay=WEIGHT_DECAY, b1=B1, b2=B2, eps=EPS)
+        ddp = DDPConfig(clip_grad=CLIP)
+        state = init_train_state(cfg, mesh, tx, args.seed, ddp=ddp)
+        step = build_train_step(cfg, par, mesh, tx, state, ddp=ddp)
+        sharded = [shard_batch(mesh, b) for b in batches]
+        ms, loss, compile_s = _time_steps(step, state, sharded, args.warmup, args.steps)
+        result.update({f"{name}_ms": round(ms, 3), f"{name}_first_loss": loss,
+                       f"{name}_compile_s": round(compile_s, 2)})
+        num_micro = par.num_microbatches
+
+    params = jax.device_put(init_params(cfg, args.seed), device)
+    tx = plain_optimizer(params)
+    state = (params, tx.init(params))
+    step = plain_step_fn(cfg, num_micro, attention, tx)
+    placed = [jax.device_put(b, device) for b in batches]
+    ms, loss, compile_s = _time_steps(step, state, placed, args.warmup, args.steps)
+    result.update({"plain_ms": round(ms, 3), "plain_first_loss": loss,
+                   "plain_compile_s": round(compile_s, 2)})
+
+    flops = model_flops_per_step(cfg, args.global_batch_size * cfg.seq_length)
+    peak, source = device_peak(device, cfg.compute_dtype, args.peak_tflops)
+    result.update({
+        "fused_over_plain": round(result["fused_ms"] / result["plain_ms"], 4),
+        "unfused_over_plain": round(result["unfused_ms"] / result["plain_ms"], 4),
+        "model_tflop_per_step": round(flops / 1e12, 4),
+        "mfu": round(flops / (result["fused_ms"] * 1e-3) / (peak * 1e12), 4),
+        "mfu_plain": round(flops / (result["plain_ms"] * 1e-3) / (peak * 1e12), 4),
+        "peak_tflops": round(peak, 2), "peak_source": source})
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The benchmarks run and print what they promise (tiny sizes; numbers are not checked)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from jax_wgrad import fusion_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(not fusion_available("cpu"), reason="the fused step needs the CPU handler")
+def test_step_vs_plain_jax_prints_one_json_line(capsys):
+    bench = _load("step_vs_plain_jax")
+    bench.main(["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
+                "--micro-batch-size", "2", "--global-batch-size", "4", "--steps", "1",
+                "--warmup", "1", "--peak-tflops", "1.0"])
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    row = json.loads(line)
+    for key in ("plain_ms", "fused_ms", "unfused_ms", "fused_over_plain", "mfu",
+                "peak_tflops", "peak_source"):
+        assert key in row, key
+    assert row["peak_source"] == "--peak-tflops" and row["fused_ms"] > 0
+    # Same parameters and batch: the three steps' first losses agree.
+    assert abs(row["fused_first_loss"] - row["plain_first_loss"]) < 1e-5
+    assert abs(row["unfused_first_loss"] - row["plain_first_loss"]) < 1e-5
+
+
+def test_model_flops_formula():
+    bench = _load("step_vs_plain_jax")
+    from jax_wgrad.config import GPTConfig
+
+    cfg = GPTConfig(num_layers=2, hidden_size=64, seq_length=32, vocab_size=256)
+    per_token = 2 * (2 * (4 * 64 * 64 + 2 * 64 * 256) + 2 * 32 * 64) + 2 * 64 * 256
+    assert bench.model_flops_per_step(cfg, 10) == 3 * per_token * 10
+
+
+@pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
+def test_wgrad_kernel_prints_rows(capsys):
+    _load("wgrad_kernel").main(["--cases", "64x16x8", "--dtypes", "float32", "bfloat16",
+                                "--warmup", "0", "--iters", "1"])
+    rows = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    assert all(r["rel_diff"] <= 1e-4 and r["precision"] == "default" for r in rows)
