@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Deferred output-layer wgrad (issue #4): stash bytes, compiled memory and CPU step time.
 
-For the jitted train step of :func:`jax_wgrad.train.build_train_step` on a (2, 2, 2)
+For the jitted train step of :func:`jax_wgrad.build_train_step` on a (2, 2, 2)
 mesh with sequence parallelism and gradient accumulation fusion, with deferral off,
 ``stash`` mode and ``recompute`` mode (all microbatches deferred), prints one JSON line
 per (vocabulary, mode)::
 
-    stash_bytes      per-device stash, from its shapes (jax_wgrad.deferred.stash_shapes)
+    stash_bytes      per-device stash, from its shapes (jax_wgrad.parallel.deferred.stash_shapes)
     temp_bytes       compile().memory_analysis().temp_size_in_bytes
     peak_bytes       memory_analysis().peak_memory_in_bytes where this jaxlib reports it
     step_ms          median CPU step time (8 virtual devices on this host's cores)
@@ -20,22 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+import jax
 
-import jax  # noqa: E402
+import jax_wgrad
+
+jax_wgrad.use_virtual_cpu_devices(8)
 import numpy as np  # noqa: E402
 
-from jax_wgrad.config import GPTConfig, ParallelConfig  # noqa: E402
-from jax_wgrad.deferred import stash_bytes, stash_shapes  # noqa: E402
-from jax_wgrad.mesh import make_mesh  # noqa: E402
-from jax_wgrad.train import (build_train_step, default_optimizer, init_train_state,  # noqa: E402
-                             shard_batch)
+from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, build_train_step,  # noqa: E402
+                       default_optimizer, init_train_state, make_mesh, shard_batch)
+from jax_wgrad.parallel.deferred import stash_bytes, stash_shapes  # noqa: E402
 
 
 def run(vocab: int, mode: str | None, steps: int, args) -> dict:
@@ -49,8 +46,9 @@ def run(vocab: int, mode: str | None, steps: int, args) -> dict:
                          defer_mode=mode or "stash")
     mesh = make_mesh(par)
     opt = default_optimizer(1e-3)
-    state = init_train_state(model, mesh, opt, seed=0)
-    step = build_train_step(model, par, mesh, opt, state)
+    plan = TrainPlan.create(model, par, mesh, opt)
+    state = init_train_state(plan, seed=0)
+    step = build_train_step(plan, state)
     rng = np.random.default_rng(0)
     batch = shard_batch(mesh, rng.integers(0, vocab, (par.global_batch_size,
                                                       model.seq_length + 1), dtype=np.int32))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How the one-program 1F1B train step scales with the number of microbatches M.
 
-Measures, for the jitted train step of :func:`jax_wgrad.train.build_train_step`:
+Measures, for the jitted train step of :func:`jax_wgrad.build_train_step`:
 
 * ``memory``: ``compile().memory_analysis().temp_size_in_bytes`` at several M (pp = 4).
 * ``compile``: lower + compile time at several M (pp = 4).
@@ -20,22 +20,15 @@ import os
 import statistics
 import time
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+import jax
 
-import jax  # noqa: E402
+import jax_wgrad
+
+jax_wgrad.use_virtual_cpu_devices(8)
 import numpy as np  # noqa: E402
 
-from jax_wgrad.config import GPTConfig, ParallelConfig  # noqa: E402
-from jax_wgrad.data import ByteDataset  # noqa: E402
-from jax_wgrad.mesh import make_mesh  # noqa: E402
-from jax_wgrad.train import (  # noqa: E402
-    build_train_step,
-    default_optimizer,
-    init_train_state,
-    shard_batch,
-)
+from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, ByteDataset, build_train_step,  # noqa: E402
+                       default_optimizer, init_train_state, make_mesh, shard_batch)
 
 
 def _setup(model, dp_tp_pp, mbs, m, fusion=False, sp=False):
@@ -45,8 +38,9 @@ def _setup(model, dp_tp_pp, mbs, m, fusion=False, sp=False):
                          sequence_parallel=sp, gradient_accumulation_fusion=fusion)
     mesh = make_mesh(par)
     opt = default_optimizer(1e-3)
-    state = init_train_state(model, mesh, opt, seed=0)
-    step = build_train_step(model, par, mesh, opt, state)
+    plan = TrainPlan.create(model, par, mesh, opt)
+    state = init_train_state(plan, seed=0)
+    step = build_train_step(plan, state)
     tokens = np.zeros((par.global_batch_size, model.seq_length + 1), np.int32)
     return par, mesh, state, step, shard_batch(mesh, tokens)
 

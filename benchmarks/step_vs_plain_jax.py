@@ -40,10 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_wgrad.config import DDPConfig, GPTConfig, ParallelConfig
-from jax_wgrad.gpt import causal_attention, init_params
-from jax_wgrad.mesh import make_mesh
-from jax_wgrad.train import build_train_step, default_optimizer, init_train_state, shard_batch
+from jax_wgrad import (DDPConfig, GPTConfig, ParallelConfig, TrainPlan, build_train_step,
+                       default_optimizer, init_params, init_train_state, make_mesh, shard_batch)
+from jax_wgrad.functional import causal_attention
 
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP = 1e-4, 0.9, 0.95, 1e-8, 0.01, 1.0
 
@@ -220,8 +219,9 @@ def main(argv=None) -> dict:
         mesh = make_mesh(par, devices=[device])
         tx = default_optimizer(LR, weight_decay=WEIGHT_DECAY, b1=B1, b2=B2, eps=EPS)
         ddp = DDPConfig(clip_grad=CLIP)
-        state = init_train_state(cfg, mesh, tx, args.seed, ddp=ddp)
-        step = build_train_step(cfg, par, mesh, tx, state, ddp=ddp)
+        plan = TrainPlan.create(cfg, par, mesh, tx, ddp=ddp)
+        state = init_train_state(plan, args.seed)
+        step = build_train_step(plan, state)
         sharded = [shard_batch(mesh, b) for b in batches]
         ms, loss, compile_s = _time_steps(step, state, sharded, args.warmup, args.steps)
         result.update({f"{name}_ms": round(ms, 3), f"{name}_first_loss": loss,

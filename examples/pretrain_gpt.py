@@ -19,9 +19,8 @@ The same ``--seed`` gives the same initial parameters and batches for every layo
 from __future__ import annotations
 
 import argparse
-import pathlib
 import json
-import os
+import pathlib
 import sys
 import time
 
@@ -96,141 +95,115 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _set_cpu_devices(n: int) -> None:
-    """Must run before jax is imported; only affects the CPU platform."""
-    flag = "--xla_force_host_platform_device_count"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={n}".strip()
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    _set_cpu_devices(args.num_cpu_devices)
-
-    import jax
-    import numpy as np
-    import optax
-    from tqdm import tqdm
-
-    from jax_wgrad.config import DDPConfig, GPTConfig, ParallelConfig, validate
-    from jax_wgrad.data import VOCAB_SIZE, ByteDataset
-    from jax_wgrad.mesh import initialize_distributed, make_mesh
-    from jax_wgrad.train import (build_train_step, default_optimizer, init_train_state,
-                                 make_optimizer, shard_batch)
-
-    if args.distributed:
-        initialize_distributed()
-    is_main = jax.process_index() == 0
-
-    def log(msg: str) -> None:
-        if is_main:
-            tqdm.write(msg)
+def build_configs(args: argparse.Namespace):
+    """``(GPTConfig, ParallelConfig, DDPConfig)`` from the flags; a bad combination ends
+    the program with an argparse-style error naming it."""
+    from jax_wgrad import DDPConfig, GPTConfig, ParallelConfig
+    from jax_wgrad.models.gpt import validate
+    from jax_wgrad.training import VOCAB_SIZE
 
     try:
         model = GPTConfig(
-            vocab_size=VOCAB_SIZE,
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            ffn_hidden_size=args.ffn_hidden_size,
+            vocab_size=VOCAB_SIZE, num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
             seq_length=args.seq_length,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-            compute_dtype="bfloat16" if args.bf16 else "float32",
-        )
+            compute_dtype="bfloat16" if args.bf16 else "float32")
         parallel = ParallelConfig(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            micro_batch_size=args.micro_batch_size,
-            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             sequence_parallel=args.sequence_parallel,
             gradient_accumulation_fusion=args.gradient_accumulation_fusion,
             defer_embedding_wgrad_compute=args.defer_embedding_wgrad_compute,
-            wgrad_deferral_limit=args.wgrad_deferral_limit,
-            defer_mode=args.defer_mode,
-        )
+            wgrad_deferral_limit=args.wgrad_deferral_limit, defer_mode=args.defer_mode)
         validate(parallel, model)
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            bucket_size=args.ddp_bucket_size,
+            overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
             average_in_collective=args.ddp_average_in_collective,
             pad_buckets_for_high_nccl_busbw=args.pad_buckets_for_high_nccl_busbw,
-            clip_grad=args.clip_grad,
-        )
+            clip_grad=args.clip_grad)
     except ValueError as exc:
         raise SystemExit(f"pretrain_gpt.py: error: {exc}") from None
+    return model, parallel, ddp
 
-    data = (ByteDataset.from_path(args.data_path) if args.data_path
-            else ByteDataset.from_stdlib())
-    mesh = make_mesh(parallel)
-    log(f"devices: {jax.device_count()} x {jax.devices()[0].platform} | mesh (data, tensor, "
-        f"pipeline) = {parallel.mesh_shape} | microbatches per step: "
-        f"{parallel.num_microbatches} | sequence parallel: {parallel.sequence_parallel} | "
-        f"gradient accumulation fusion: {parallel.gradient_accumulation_fusion}")
-    log(f"data: {data.name}, {len(data) / 1e6:.1f} MB")
+
+def learning_rate(args: argparse.Namespace):
+    """Constant, linear warm-up then constant, or warm-up + cosine decay to --min-lr."""
+    import optax
 
     if args.min_lr is not None:
-        lr = optax.warmup_cosine_decay_schedule(
+        return optax.warmup_cosine_decay_schedule(
             0.0, args.lr, max(args.lr_warmup_iters, 1), args.train_iters, args.min_lr)
-    elif args.lr_warmup_iters:
-        lr = optax.join_schedules(
+    if args.lr_warmup_iters:
+        return optax.join_schedules(
             [optax.linear_schedule(0.0, args.lr, args.lr_warmup_iters),
              optax.constant_schedule(args.lr)], [args.lr_warmup_iters])
-    else:
-        lr = args.lr
-    optimizer = default_optimizer(lr, weight_decay=args.weight_decay)
-    state = init_train_state(model, mesh, optimizer, args.seed, ddp=ddp)
-    layout, _ = make_optimizer(model, mesh, optimizer, ddp)
-    buf = layout.buffer
-    padding = (buf.numel - buf.param_numel) / buf.numel
-    log(f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
-        f"{ddp.overlap_grad_reduce} | bucket size {ddp.effective_bucket_size(parallel.data_parallel_size)}"
-        f" | average in collective {ddp.average_in_collective} | clip grad {ddp.clip_grad}")
-    log(f"gradient buffer of pipeline stage 0: {buf.num_buckets} bucket(s) "
-        f"({layout.stage.num_buckets} stage + {layout.shared.num_buckets} embedding/head), "
-        f"{buf.param_numel:,} gradient elements, {buf.numel:,} buffer elements, padding "
-        f"{100 * padding:.2f}%")
+    return args.lr
+
+
+def describe(plan, data, state) -> list[str]:
+    """The run's log lines: devices and layout, data, buffers, model."""
+    import jax
+    import numpy as np
+
+    par, model, ddp = plan.parallel, plan.model, plan.ddp
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    log(f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
+    return [
+        f"devices: {jax.device_count()} x {jax.devices()[0].platform} | mesh (data, tensor, "
+        f"pipeline) = {par.mesh_shape} | microbatches per step: {par.num_microbatches} | "
+        f"sequence parallel: {par.sequence_parallel} | gradient accumulation fusion: "
+        f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name}",
+        f"data: {data.name}, {len(data) / 1e6:.1f} MB",
+        f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
+        f"{ddp.overlap_grad_reduce} | bucket size "
+        f"{ddp.effective_bucket_size(par.data_parallel_size)} | average in collective "
+        f"{ddp.average_in_collective} | clip grad {ddp.clip_grad}",
+        plan.buffer_summary(),
+        f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
         f"{model.hidden_size}, heads {model.num_attention_heads}, seq {model.seq_length}, "
-        f"{model.compute_dtype}")
+        f"{model.compute_dtype}",
+    ]
 
-    gb, seq = parallel.global_batch_size, model.seq_length
 
-    def batch(i: int):
-        return shard_batch(mesh, data.batch(i, gb, seq, args.seed))
+def train(args, plan, state, data, log) -> tuple[list[float], list[float], int, float]:
+    """The step loop: compile once (timed), then ``--train-iters`` steps with metrics,
+    progress bar and the optional profile. Returns losses, step times, skipped steps and
+    the compile time."""
+    import jax
+    from tqdm import tqdm
 
-    step_fn = build_train_step(model, parallel, mesh, optimizer, state, ddp=ddp)
+    from jax_wgrad import build_train_step, shard_batch
+
+    gb, seq = plan.parallel.global_batch_size, plan.model.seq_length
+    batch = lambda i: shard_batch(plan.mesh, data.batch(i, gb, seq, args.seed))
     t0 = time.perf_counter()
-    compiled = step_fn.lower(state, batch(0)).compile()
+    compiled = build_train_step(plan, state).lower(state, batch(0)).compile()
     compile_s = time.perf_counter() - t0
     log(f"compile time: {compile_s:.2f} s")
-
+    is_main = jax.process_index() == 0
     metrics_file = None
     if args.metrics_file and is_main:
         pathlib.Path(args.metrics_file).parent.mkdir(parents=True, exist_ok=True)
         metrics_file = open(args.metrics_file, "w")
     profile_start = min(1, args.train_iters - 1)
     profile_stop = min(profile_start + args.profile_steps, args.train_iters)
-    profiling = False
     losses, times, skipped_steps = [], [], 0
     bar = tqdm(range(args.train_iters), desc="train", disable=args.no_progress or not is_main,
                dynamic_ncols=True)
     for i in bar:
         if args.profile_dir and i == profile_start:
             jax.profiler.start_trace(args.profile_dir)
-            profiling = True
         tokens = batch(i)
         t0 = time.perf_counter()
         with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
             state, metrics = compiled(state, tokens)
             loss = float(metrics["loss"])  # waits for the step
-            grad_norm = float(metrics["grad_norm"])
-            skipped = bool(metrics["skipped"])
+            grad_norm, skipped = float(metrics["grad_norm"]), bool(metrics["skipped"])
         dt = time.perf_counter() - t0
-        if profiling and i + 1 == profile_stop:
+        if args.profile_dir and i + 1 == profile_stop:
             jax.profiler.stop_trace()
-            profiling = False
             log(f"profile of steps {profile_start}..{profile_stop - 1} written to "
                 f"{args.profile_dir}")
         losses.append(loss)
@@ -246,22 +219,41 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"iteration {i + 1:5d}/{args.train_iters} | loss {loss:.4f} | grad norm "
                 f"{grad_norm:.3f} | skipped {skipped_steps} | step {dt * 1e3:.1f} ms | "
                 f"{gb * seq / dt:,.0f} tokens/s")
-    if profiling:
-        jax.profiler.stop_trace()
     if metrics_file:
         metrics_file.close()
+    return losses, times, skipped_steps, compile_s
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import jax
+
+    import jax_wgrad
+
+    jax_wgrad.use_virtual_cpu_devices(args.num_cpu_devices)
+    import numpy as np
+    from tqdm import tqdm
+
+    if args.distributed:
+        jax_wgrad.initialize_distributed()
+    log = (lambda msg: tqdm.write(msg)) if jax.process_index() == 0 else (lambda msg: None)
+    model, parallel, ddp = build_configs(args)
+    data = (jax_wgrad.ByteDataset.from_path(args.data_path) if args.data_path
+            else jax_wgrad.ByteDataset.from_stdlib())
+    optimizer = jax_wgrad.default_optimizer(learning_rate(args), weight_decay=args.weight_decay)
+    plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel), optimizer,
+                                      ddp=ddp)
+    state = jax_wgrad.init_train_state(plan, args.seed)
+    for line in describe(plan, data, state):
+        log(line)
+    losses, times, skipped_steps, compile_s = train(args, plan, state, data, log)
+    buf = plan.layout.buffer
     steady = times[1:] or times
     summary = {
-        "compile_time_s": compile_s,
-        "mean_step_time_s": float(np.mean(steady)),
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
-        "skipped_steps": skipped_steps,
-        "num_buckets": buf.num_buckets,
-        "buffer_numel": buf.numel,
-        "grad_numel": buf.param_numel,
-        "padding_fraction": padding,
+        "compile_time_s": compile_s, "mean_step_time_s": float(np.mean(steady)),
+        "first_loss": losses[0], "last_loss": losses[-1], "skipped_steps": skipped_steps,
+        "num_buckets": buf.num_buckets, "buffer_numel": buf.numel, "grad_numel": buf.param_numel,
+        "padding_fraction": (buf.numel - buf.param_numel) / buf.numel,
     }
     log(f"done: compile {compile_s:.2f} s | mean step {summary['mean_step_time_s'] * 1e3:.1f} ms "
         f"(steps 2..{len(times)}) | loss {losses[0]:.4f} -> {losses[-1]:.4f}")

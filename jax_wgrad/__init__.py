@@ -1,68 +1,70 @@
 """jax_wgrad: Megatron-LM's weight-gradient and gradient-buffer optimizations for JAX.
 
-Tiers (bottom up):
+Tiers, bottom up (each imports only the ones before it):
 
-* ``ffi/``: C++ (OpenBLAS) and CUDA (cuBLAS) handlers of one XLA FFI target.
-* :mod:`jax_wgrad.ops`: the ``wgrad_accumulate`` primitive (``main_grad += dy^T x`` in
-  place, optionally into a flat bucket at a static offset).
-* :mod:`jax_wgrad.linear`: custom_vjp linears routing weight gradients into fp32 main
-  grads (:func:`linear`) or flat gradient buckets (:func:`linear_into_bucket`).
-* Flax NNX modules (:mod:`jax_wgrad.nn`, tensor-parallel :mod:`jax_wgrad.layers`, the
-  GPT of :mod:`jax_wgrad.gpt`), the 1F1B schedule (:mod:`jax_wgrad.pipeline`), gradient
-  buckets (:mod:`jax_wgrad.buckets`, :mod:`jax_wgrad.grad_buffer`, :mod:`jax_wgrad.ddp`),
-  the distributed optimizer (:mod:`jax_wgrad.dist_optimizer`), deferred output-layer
-  weight gradients (:mod:`jax_wgrad.deferred`) and the train step (:mod:`jax_wgrad.train`).
+* :mod:`jax_wgrad.ops`: the XLA FFI ops (fused ``wgrad_accumulate``, in-place
+  ``bucket_add``) and their registry.
+* :mod:`jax_wgrad.functional`: custom_vjp linears routing weight gradients into main grads
+  or flat buckets, Megatron's conjugate collectives, vocab-parallel cross entropy.
+* :mod:`jax_wgrad.nn`: Flax NNX modules (``Linear``, tensor-parallel layers, LayerNorm).
+* :mod:`jax_wgrad.parallel` (mesh, axis names, ``ParallelConfig``) and
+  :mod:`jax_wgrad.models.gpt` (the GPT: modules, canonical parameters, per-stage functions).
+* :mod:`jax_wgrad.grads`: flat padded buckets (Megatron's plan), layouts from parameter
+  specs, data-parallel sync and finalization; :mod:`jax_wgrad.optim`: the distributed
+  optimizer.
+* :mod:`jax_wgrad.parallel.pipeline` (schedules as data, the executor) and
+  :mod:`jax_wgrad.parallel.deferred` (deferred output-layer weight gradients).
+* :mod:`jax_wgrad.training`: the per-run plan, the train step, data.
+* :mod:`jax_wgrad.testing`: the single-device reference model.
 """
 
-from jax_wgrad import deferred, ops
-from jax_wgrad.accumulate import accumulate_gradients
-from jax_wgrad.buckets import plan_buckets
-from jax_wgrad.config import DDPConfig, GPTConfig, ParallelConfig
-from jax_wgrad.data import ByteDataset
-from jax_wgrad.dist_optimizer import DistributedOptimizer
-from jax_wgrad.grad_buffer import GradBuffer
-from jax_wgrad.layers import (
+from jax_wgrad import functional, grads, models, nn, ops, optim, parallel, testing, training
+from jax_wgrad.functional import BucketSlot, WgradBuckets, linear, linear_into_bucket
+from jax_wgrad.grads import DDPConfig, GradBuffer, GradLayout, GradSpec, plan_buckets
+from jax_wgrad.models.gpt import GPTConfig, GPTStages, init_params, param_specs
+from jax_wgrad.nn import (
     ColumnParallelLinear,
     LayerNorm,
+    Linear,
+    MainGrad,
     RowParallelLinear,
     VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
 )
-from jax_wgrad.linear import BucketSlot, WgradBuckets, linear, linear_into_bucket
-from jax_wgrad.mesh import initialize_distributed, make_mesh
-from jax_wgrad.nn import Linear, MainGrad
-from jax_wgrad.ops import fusion_available, fusion_status, wgrad_accumulate
-from jax_wgrad.train import TrainState, build_train_step, init_train_state, shard_batch
+from jax_wgrad.ops import bucket_add, fusion_available, fusion_status, wgrad_accumulate
+from jax_wgrad.optim import DistributedOptimizer
+from jax_wgrad.parallel import (
+    ParallelConfig,
+    initialize_distributed,
+    make_mesh,
+    use_virtual_cpu_devices,
+)
+from jax_wgrad.parallel.pipeline.gradients import pipeline_gradients
+from jax_wgrad.functional.cross_entropy import vocab_parallel_cross_entropy
+from jax_wgrad.training import (
+    ByteDataset,
+    TrainPlan,
+    TrainState,
+    accumulate_gradients,
+    build_train_step,
+    default_optimizer,
+    init_train_state,
+    shard_batch,
+)
 
 __all__ = [
-    "BucketSlot",
-    "ByteDataset",
-    "ColumnParallelLinear",
-    "DDPConfig",
-    "DistributedOptimizer",
-    "GPTConfig",
-    "GradBuffer",
-    "LayerNorm",
-    "Linear",
-    "MainGrad",
-    "ParallelConfig",
-    "RowParallelLinear",
-    "TrainState",
-    "VocabParallelEmbedding",
-    "WgradBuckets",
+    # configs and the run
+    "DDPConfig", "GPTConfig", "ParallelConfig", "TrainPlan", "TrainState",
+    "make_mesh", "initialize_distributed", "use_virtual_cpu_devices",
+    "init_params", "param_specs", "GPTStages", "pipeline_gradients",
+    "init_train_state", "build_train_step", "default_optimizer", "shard_batch", "ByteDataset",
+    # gradients
+    "plan_buckets", "GradBuffer", "GradLayout", "GradSpec", "DistributedOptimizer",
+    # ops and layers
+    "wgrad_accumulate", "bucket_add", "fusion_available", "fusion_status",
+    "linear", "linear_into_bucket", "BucketSlot", "WgradBuckets",
+    "Linear", "MainGrad", "ColumnParallelLinear", "RowParallelLinear",
+    "VocabParallelEmbedding", "LayerNorm", "vocab_parallel_cross_entropy",
     "accumulate_gradients",
-    "build_train_step",
-    "deferred",
-    "fusion_available",
-    "fusion_status",
-    "init_train_state",
-    "initialize_distributed",
-    "linear",
-    "linear_into_bucket",
-    "make_mesh",
-    "ops",
-    "plan_buckets",
-    "shard_batch",
-    "vocab_parallel_cross_entropy",
-    "wgrad_accumulate",
+    # tiers
+    "ops", "functional", "nn", "models", "parallel", "grads", "optim", "training", "testing",
 ]

@@ -10,10 +10,6 @@ import ctypes
 import importlib.metadata
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-
 
 def _cuda_gpu_usable() -> bool:
     """A jax CUDA plugin is installed and the driver reports a device (checked without
@@ -36,6 +32,10 @@ if "JAX_PLATFORMS" not in os.environ and _cuda_gpu_usable():
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+import jax_wgrad  # noqa: E402
+
+jax_wgrad.use_virtual_cpu_devices(8)
 
 
 def _has_gpu() -> bool:

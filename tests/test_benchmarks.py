@@ -37,7 +37,7 @@ def test_step_vs_plain_jax_prints_one_json_line(capsys):
 
 def test_model_flops_formula():
     bench = _load("step_vs_plain_jax")
-    from jax_wgrad.config import GPTConfig
+    from jax_wgrad import GPTConfig
 
     cfg = GPTConfig(num_layers=2, hidden_size=64, seq_length=32, vocab_size=256)
     per_token = 2 * (2 * (4 * 64 * 64 + 2 * 64 * 256) + 2 * 32 * 64) + 2 * 64 * 256

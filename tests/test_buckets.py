@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from jax_wgrad.buckets import (
+from jax_wgrad.grads.plan import (
     Bucket,
     BucketPlan,
     bucket_end_divisor,

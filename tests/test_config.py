@@ -5,8 +5,9 @@ import re
 import jax
 import pytest
 
-from jax_wgrad.config import GPTConfig, ParallelConfig, validate
-from jax_wgrad.mesh import AXES, make_mesh
+from jax_wgrad import GPTConfig, ParallelConfig
+from jax_wgrad.models.gpt import validate
+from jax_wgrad.parallel.mesh import AXES, make_mesh
 
 
 def test_derived_sizes():
@@ -117,7 +118,7 @@ def test_make_mesh_device_mismatch():
 
 
 def test_ddp_config_validation_and_megatron_bucket_size_rule():
-    from jax_wgrad.config import DDPConfig
+    from jax_wgrad import DDPConfig
 
     assert DDPConfig().effective_bucket_size(8) is None  # no overlap: one bucket
     assert DDPConfig(bucket_size=1000).effective_bucket_size(8) is None

@@ -13,13 +13,11 @@ import pytest
 
 from hlo_util import (collective_arrays, computations, copies_of, custom_calls, entry_name,
                       reachable, while_bodies)
-from jax_wgrad import _ffi, fusion_available
-from jax_wgrad.config import DDPConfig, GPTConfig, ParallelConfig
-from jax_wgrad.data import ByteDataset
-from jax_wgrad.gpt import reference_loss
-from jax_wgrad.mesh import make_mesh
-from jax_wgrad.train import (build_train_step, default_optimizer, init_train_state,
-                             make_optimizer, shard_batch)
+from jax_wgrad import (ByteDataset, DDPConfig, GPTConfig, ParallelConfig, TrainPlan,
+                       build_train_step, default_optimizer, fusion_available,
+                       init_train_state, make_mesh, shard_batch)
+from jax_wgrad.ops import registry
+from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -77,9 +75,10 @@ def _setup(dp_tp_pp, ddp, *, fusion, sp, hook=None):
                          gradient_accumulation_fusion=fusion)
     mesh = make_mesh(par)
     opt = default_optimizer(LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS)
-    state = init_train_state(MODEL, mesh, opt, seed=SEED, ddp=ddp)
-    step = build_train_step(MODEL, par, mesh, opt, state, ddp=ddp, debug_grad_hook=hook)
-    return par, mesh, state, step
+    plan = TrainPlan.create(MODEL, par, mesh, opt, ddp=ddp)
+    state = init_train_state(plan, seed=SEED)
+    step = build_train_step(plan, state, debug_grad_hook=hook)
+    return plan, mesh, state, step
 
 
 def _train(dp_tp_pp, ddp, *, fusion, sp, hook=None):
@@ -130,9 +129,8 @@ def _ddp(dist, buckets, clip, **kw):
 def test_five_steps_equal_single_device_optax(mesh_shape, dist, buckets, clip):
     tp = mesh_shape[1]
     ddp = _ddp(dist, buckets, clip)
-    layout, _ = make_optimizer(MODEL, make_mesh(ParallelConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=mesh_shape[2])),
-        default_optimizer(LR), ddp)
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=mesh_shape[2])
+    layout = TrainPlan.create(MODEL, par, make_mesh(par), default_optimizer(LR), ddp=ddp).layout
     if buckets == "small":
         assert layout.stage.num_buckets >= 2
     else:
@@ -176,8 +174,8 @@ def test_non_finite_gradient_skips_the_step_and_training_continues(mesh_shape):
 
 
 def _compiled(dp_tp_pp, ddp, fusion=True, sp=False):
-    par, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp)
-    layout, _ = make_optimizer(MODEL, mesh, default_optimizer(LR), ddp)
+    plan, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp)
+    layout = plan.layout
     hlo = step.lower(state, shard_batch(mesh, _batch(0))).compile().as_text()
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)  # logical ids, (d, t, p)
     data_groups = [ids[:, t, p] for t in range(ids.shape[1]) for p in range(ids.shape[2])]
@@ -200,13 +198,13 @@ def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
     for n in set(layout.buffer.bucket_numels):
         assert copies_of("\n".join(in_loop), "f32", (n,)) == [], n
     if fusion_available("cpu"):  # fused linears of the stage's layers and the output layer
-        assert len(custom_calls("\n".join(in_loop), _ffi.TARGET)) >= 4 + 1
+        assert len(custom_calls("\n".join(in_loop), registry.TARGET)) >= 4 + 1
     # Every other gradient goes into its block through the aliased bucket_add call, never
     # a dynamic-update-slice of a bucket at a constant offset (XLA:GPU copies the whole
     # bucket for that, ../shared/gpu/FINDINGS.md #6). The only bucket-sized updates left
     # in the loop are the distributed optimizer's write-back of each stage bucket's
     # reduce-scattered shard in the cooldown, at the rank's (traced) offset.
-    assert custom_calls("\n".join(in_loop), _ffi.BUCKET_ADD_TARGET)
+    assert custom_calls("\n".join(in_loop), registry.BUCKET_ADD_TARGET)
     dus = [re.search(rf"= f32\[{n}\]\S* dynamic-update-slice\(([^)]*)\)", line)
            for line in in_loop for n in set(layout.buffer.bucket_numels)]
     dus = [m.group(1).split(", ") for m in dus if m]

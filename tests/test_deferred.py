@@ -13,10 +13,12 @@ from jax.sharding import PartitionSpec as P
 
 from hlo_util import computations
 from jax_wgrad import fusion_available
-from jax_wgrad.config import GPTConfig, ParallelConfig, validate
-from jax_wgrad.gpt import GPTStages, init_params, param_specs, reference_loss
-from jax_wgrad.mesh import make_mesh
-from jax_wgrad.pipeline import pipeline_gradients
+from jax_wgrad import GPTConfig, ParallelConfig
+from jax_wgrad.models.gpt import validate
+from jax_wgrad import GPTStages, init_params, param_specs
+from jax_wgrad.testing import reference_loss
+from jax_wgrad import make_mesh
+from jax_wgrad import pipeline_gradients
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 

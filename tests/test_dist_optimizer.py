@@ -7,9 +7,9 @@ import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_wgrad.dist_optimizer import (DistributedOptimizer, adamw, clip_by_total_norm,
+from jax_wgrad.optim import (DistributedOptimizer, adamw, clip_by_total_norm,
                                       global_grad_norm)
-from jax_wgrad.grad_buffer import GradBuffer, sync_buckets
+from jax_wgrad.grads import GradBuffer, sync_buckets
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 

@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from hlo_util import compiled_text, copies_of, custom_calls
-from jax_wgrad import _ffi
-from jax_wgrad.buckets import plan_buckets, shard_range
-from jax_wgrad.grad_buffer import GradBuffer, shard_buckets, sync_buckets
+from jax_wgrad.ops import registry
+from jax_wgrad.grads.plan import plan_buckets, shard_range
+from jax_wgrad.grads import GradBuffer, flat_mask, local_mask, shard_buckets, sync_buckets
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -32,7 +32,7 @@ def _random_tree(buf, seed, dtype=F32):
 
 
 def _padding_mask(buf):
-    return [m == 0 for m in buf.flat_mask([True] * len(buf.slots))]
+    return [m == 0 for m in flat_mask(buf, [True] * len(buf.slots))]
 
 
 @pytest.mark.parametrize("dist,bucket_size", [(True, 30), (False, 30), (True, None)])
@@ -100,7 +100,7 @@ def test_add_tree_in_place_when_donated():
 
 
 def test_fused_wgrad_and_add_tree_into_bucket_in_scan_are_in_place():
-    if not _ffi.fusion_available("cpu"):
+    if not registry.fusion_available("cpu"):
         pytest.skip("CPU handler not built")
     buf = GradBuffer.create(_params(), dp_size=2, bucket_size=None, use_distributed_optimizer=True)
     (n,) = buf.bucket_numels
@@ -123,7 +123,7 @@ def test_fused_wgrad_and_add_tree_into_bucket_in_scan_are_in_place():
     args = (buf.zeros(), *xs, jnp.asarray(small["b_bias"], F32), jnp.asarray(small["d_ln"], F32))
     hlo = compiled_text(run, *args, donate_argnums=0)
     assert copies_of(hlo, "f32", (n,)) == [], hlo
-    assert len(custom_calls(hlo, _ffi.TARGET)) == 2
+    assert len(custom_calls(hlo, registry.TARGET)) == 2
     got = buf.to_tree(jax.jit(run)(*args))
     np.testing.assert_allclose(got["a_w"], np.einsum("mto,mti->oi", dya, xa), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["c_w"], np.einsum("mto,mti->oi", dyc, xc), rtol=1e-5, atol=1e-5)
@@ -259,12 +259,12 @@ def test_local_mask_matches_flat_mask():
     mesh = _mesh((8,), ("data",))
     buf = GradBuffer.create(_params(), dp_size=8, bucket_size=30, use_distributed_optimizer=True)
     flags = {"a_w": True, "b_bias": False, "c_w": True, "d_ln": False}
-    f = lambda: tuple(m[None] for m in buf.local_mask(flags, axis_name="data"))
+    f = lambda: tuple(m[None] for m in local_mask(buf, flags, axis_name="data"))
     got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(), out_specs=P("data")))()
-    for g, want in zip(got, buf.flat_mask(flags)):
+    for g, want in zip(got, flat_mask(buf, flags)):
         np.testing.assert_array_equal(np.asarray(g).reshape(-1), want.astype(bool))
-    whole = buf.local_mask(flags, axis_name=None)
-    for g, want in zip(whole, buf.flat_mask(flags)):
+    whole = local_mask(buf, flags, axis_name=None)
+    for g, want in zip(whole, flat_mask(buf, flags)):
         np.testing.assert_array_equal(g, want.astype(bool))
 
 

@@ -9,13 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad.layers import (
-    ColumnParallelLinear,
-    LayerNorm,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-)
+from jax_wgrad.functional import vocab_parallel_cross_entropy
+from jax_wgrad.nn import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 
 TP = 4
 B, S, H, F, V = 2, 8, 16, 32, 64

@@ -8,10 +8,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad import fusion_available
-from jax_wgrad.config import GPTConfig, ParallelConfig, validate
-from jax_wgrad.gpt import GPTStages, init_params, param_specs, reference_loss
-from jax_wgrad.mesh import make_mesh
-from jax_wgrad.pipeline import num_slots, pipeline_gradients, schedule
+from jax_wgrad import GPTConfig, ParallelConfig
+from jax_wgrad.models.gpt import validate
+from jax_wgrad import GPTStages, init_params, param_specs
+from jax_wgrad.testing import reference_loss
+from jax_wgrad import make_mesh
+from jax_wgrad import pipeline_gradients
+from jax_wgrad.parallel.pipeline import IDLE, ScheduleTable, one_f_one_b
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -23,7 +26,10 @@ MESHES = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (2, 1, 4), (1, 2, 4)]
 
 @pytest.mark.parametrize("p, m", [(1, 3), (2, 2), (4, 1), (4, 3), (4, 8), (3, 16)])
 def test_schedule_is_1f1b_with_bounded_in_flight(p, m):
-    table = schedule(p, m)
+    sched = one_f_one_b(p, m)
+    assert sched.num_slots == min(2 * p - 1, m)  # the stage-0 window, at most M
+    table = [[(None if f < 0 else int(f), None if b < 0 else int(b)) for f, b in zip(fr, br)]
+             for fr, br in zip(sched.forward, sched.backward)]
     assert len(table) == m + 2 * p - 2
     for s in range(p):
         fwd = [row[s][0] for row in table if row[s][0] is not None]
@@ -33,7 +39,8 @@ def test_schedule_is_1f1b_with_bounded_in_flight(p, m):
         for t, row in enumerate(table):
             f, b = row[s]
             in_flight += (f is not None) - (b is not None)
-            assert 0 <= in_flight <= 2 * (p - 1 - s) + 1 <= num_slots(p)
+            assert 0 <= in_flight <= min(2 * (p - 1 - s) + 1, sched.num_slots)
+            assert in_flight <= sched.in_flight(s)
             if b is not None:  # backward needs this stage's forward and the next stage's backward
                 assert any(table[u][s][0] == b for u in range(t + 1))
                 if s < p - 1:
@@ -45,7 +52,7 @@ def test_schedule_is_1f1b_with_bounded_in_flight(p, m):
 # --------------------------------------------------------------------------- gradients
 
 
-def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32"):
+def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32", table=None):
     if fusion and not fusion_available("cpu"):
         pytest.skip("the CPU wgrad_accumulate handler was not built")
     cfg = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8,
@@ -63,7 +70,7 @@ def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32")
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
                              is_leaf=lambda x: isinstance(x, P))
     stages = GPTStages(cfg, par)
-    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t))(
+    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t, table=table))(
         jax.device_put(params, shardings), jax.device_put(tokens, NamedSharding(mesh, P("data"))))
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     return loss, ref_loss, grads, ref_grads
@@ -130,3 +137,53 @@ def test_fused_pipeline_calls_the_fused_op():
                  in_shardings=(shardings, NamedSharding(mesh, P("data"))))
     hlo = fn.lower(params, tokens).compile().as_text()
     assert "jax_wgrad_wgrad_accumulate" in hlo
+
+
+# --------------------------------------------------------------------------- schedules as data
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> ScheduleTable:
+    """GPipe, test-only: every forward, then every backward. Adding a schedule is adding a
+    table: the executor runs it unchanged."""
+    p, m = num_stages, num_microbatches
+    fwd = np.full((2 * (m + p - 1), p), IDLE)
+    bwd = np.full_like(fwd, IDLE)
+    for s in range(p):
+        for i in range(m):
+            fwd[i + s, s] = i
+            bwd[m + p - 1 + i + (p - 1 - s), s] = i
+    return ScheduleTable("gpipe", fwd, bwd)
+
+
+def test_gpipe_table_facts():
+    table = gpipe(4, 3)
+    assert table.num_ticks == 12 and table.num_slots == 3  # every microbatch in flight
+    assert table.inbox_depth("F") == table.inbox_depth("B") == 1
+    assert [table.last_backward_tick(s) for s in range(4)] == [11, 10, 9, 8]
+    # Lock-step ticks at unit costs: both take 2 (M + P - 1); GPipe holds all M inputs.
+    assert table.makespan() == one_f_one_b(4, 3).makespan() == 12
+
+
+@pytest.mark.parametrize("dp, tp, pp, sp, fusion", [(2, 2, 2, True, True), (1, 2, 4, False, True),
+                                                  (2, 1, 4, False, False)], ids=str)
+def test_gpipe_through_the_same_executor_equals_jax_grad(dp, tp, pp, sp, fusion):
+    table = gpipe(pp, 3)
+    _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=fusion, m=3, table=table))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("order", "stage 0 runs F of microbatches \\[1, 0\\]"),
+    ("early", "runs F before its input arrives"),
+    ("b_first", "runs B before F"),
+])
+def test_schedule_table_validation(bad, match):
+    good = one_f_one_b(2, 2)
+    fwd, bwd = good.forward.copy(), good.backward.copy()
+    if bad == "order":  # stage 0 forwards microbatch 1 first
+        fwd[0, 0], fwd[1, 0] = 1, 0
+    elif bad == "early":  # stage 1 forwards microbatch 0 in the tick stage 0 does
+        fwd[:, 1] = [0, 1, IDLE, IDLE]
+    else:  # stage 1 backwards microbatch 0 before it forwarded it
+        bwd[:, 1] = [0, 1, IDLE, IDLE]
+    with pytest.raises(ValueError, match=match):
+        ScheduleTable("bad", fwd, bwd)

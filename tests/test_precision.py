@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_wgrad import linear, ops
-from jax_wgrad.linear import WgradBuckets
+from jax_wgrad.functional import WgradBuckets
 
 SETTINGS = [None, "bfloat16", "tensorfloat32", "float32", "default", "high", "highest",
             jax.lax.Precision.HIGH, ("float32", "bfloat16")]

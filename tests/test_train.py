@@ -4,12 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jax_wgrad import fusion_available
-from jax_wgrad.config import GPTConfig, ParallelConfig
-from jax_wgrad.data import ByteDataset
-from jax_wgrad.gpt import init_params
-from jax_wgrad.mesh import make_mesh
-from jax_wgrad.train import build_train_step, default_optimizer, init_train_state, shard_batch
+from jax_wgrad import (ByteDataset, GPTConfig, ParallelConfig, TrainPlan, build_train_step,
+                       default_optimizer, fusion_available, init_params, init_train_state,
+                       make_mesh, shard_batch)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -24,8 +21,9 @@ def _train(tp, pp, steps=3, sp=False, fusion=False):
                          gradient_accumulation_fusion=fusion)
     mesh = make_mesh(par)
     opt = default_optimizer(1e-2)
-    state = init_train_state(MODEL, mesh, opt, seed=7)
-    step = build_train_step(MODEL, par, mesh, opt, state)
+    plan = TrainPlan.create(MODEL, par, mesh, opt)
+    state = init_train_state(plan, seed=7)
+    step = build_train_step(plan, state)
     losses, norms = [], []
     for i in range(steps):
         state, m = step(state, shard_batch(mesh, DATA.batch(i, 16, MODEL.seq_length, seed=7)))
@@ -48,7 +46,8 @@ def test_init_params_independent_of_layout():
     params = []
     for tp, pp in [(1, 1), (2, 2), (2, 4)]:
         par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        state = init_train_state(MODEL, make_mesh(par), default_optimizer(1e-3), seed=7)
+        plan = TrainPlan.create(MODEL, par, make_mesh(par), default_optimizer(1e-3))
+        state = init_train_state(plan, seed=7)
         params.append(jax.device_get(state.params))
     for other in params[1:]:  # bitwise identical whatever the layout
         for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(params[0])):
@@ -76,8 +75,9 @@ def test_step_donates_state():
     par = ParallelConfig(pipeline_model_parallel_size=2, micro_batch_size=2, global_batch_size=8)
     mesh = make_mesh(par)
     opt = default_optimizer(1e-3)
-    state = init_train_state(MODEL, mesh, opt, seed=0)
-    step = build_train_step(MODEL, par, mesh, opt, state)
+    plan = TrainPlan.create(MODEL, par, mesh, opt)
+    state = init_train_state(plan, seed=0)
+    step = build_train_step(plan, state)
     new_state, metrics = step(state, shard_batch(mesh, DATA.batch(0, 8, 16, seed=0)))
     assert set(metrics) == {"loss", "grad_norm", "skipped"}
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
@@ -98,8 +98,9 @@ def test_bf16_step_has_no_16bit_scatter(tp):
                          gradient_accumulation_fusion=fusion_available("cpu"))
     mesh = make_mesh(par)
     opt = default_optimizer(1e-3)
-    state = init_train_state(model, mesh, opt, seed=0)
-    step = build_train_step(model, par, mesh, opt, state)
+    plan = TrainPlan.create(model, par, mesh, opt)
+    state = init_train_state(plan, seed=0)
+    step = build_train_step(plan, state)
     lowered = step.lower(state, shard_batch(mesh, DATA.batch(0, 8, 16, seed=0)))
     # As jax wrote it (XLA:CPU itself widens a bf16 scatter, XLA:GPU does not) ...
     types = re.findall(r'"stablehlo.scatter".*?\}\) : \([^)]*\) -> tensor<[^>]*x(\w+)>',

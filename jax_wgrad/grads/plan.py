@@ -239,60 +239,12 @@ def plan_buckets(
             )
     use_distributed_optimizer = bool(use_distributed_optimizer)
     pad_buckets_for_high_nccl_busbw = bool(pad_buckets_for_high_nccl_busbw)
-    end_divisor = bucket_end_divisor(dp_size, pad_buckets_for_high_nccl_busbw)
-
-    def pad_param_start(index: int) -> int:
-        return _pad(index, PARAM_ALIGNMENT) if use_distributed_optimizer else index
-
-    def pad_bucket_end(index: int) -> int:
-        return _pad(index, end_divisor) if use_distributed_optimizer else index
-
-    def requires_own_bucket(k: int) -> bool:
-        return shared[k] and use_distributed_optimizer
-
-    param_ranges: list[tuple[int, int, int] | None] = [None] * len(numels)
-    buckets: list[Bucket] = []
-    bucket_start = 0
-    bucket_params: list[int] = []
-
-    def close_bucket(last_end: int) -> int:
-        # Megatron's _update_bucket_metadata: numel_unpadded runs to the passed-in index,
-        # the bucket end is padded, and the next bucket starts there.
-        nonlocal bucket_start, bucket_params
-        end = pad_bucket_end(last_end)
-        buckets.append(
-            Bucket(
-                bucket_id=len(buckets),
-                offset=bucket_start,
-                numel_unpadded=last_end - bucket_start,
-                numel=end - bucket_start,
-                param_indices=tuple(bucket_params),
-            )
-        )
-        bucket_start, bucket_params = end, []
-        return end
-
-    param_start = 0
-    for k in reversed(range(len(numels))):
-        param_start = pad_param_start(param_start)
-        if requires_own_bucket(k) and bucket_params:
-            # Close the pending bucket at the embedding's aligned start (as Megatron does).
-            param_start = close_bucket(param_start)
-        param_end = param_start + numels[k]
-        param_ranges[k] = (param_start, param_end, len(buckets))
-        bucket_params.append(k)
-        if (bucket_size is not None and param_end - bucket_start >= bucket_size) or (
-            requires_own_bucket(k)
-        ):
-            param_start = close_bucket(param_end)
-        else:
-            param_start = param_end
-    if bucket_params:
-        close_bucket(param_end)
-
+    walk = _BucketWalk(bucket_end_divisor(dp_size, pad_buckets_for_high_nccl_busbw),
+                       use_distributed_optimizer)
+    param_ranges, buckets = walk.run(numels, shared, bucket_size)
     plan = BucketPlan(
-        param_ranges=tuple(param_ranges),  # type: ignore[arg-type]
-        buckets=tuple(buckets),
+        param_ranges=param_ranges,
+        buckets=buckets,
         numel=buckets[-1].end,
         numel_unpadded=sum(b.numel_unpadded for b in buckets),
         dp_size=dp_size,
@@ -307,6 +259,51 @@ def plan_buckets(
     else:
         assert plan.numel == plan.numel_unpadded
     return plan
+
+
+class _BucketWalk:
+    """Megatron's walk over the parameters in reverse registration order, closing buckets
+    (``_ParamAndGradBuffer.__init__``; the rules are in the module docstring)."""
+
+    def __init__(self, end_divisor: int, use_distributed_optimizer: bool):
+        self.end_divisor = end_divisor
+        self.distributed = use_distributed_optimizer
+        self.buckets: list[Bucket] = []
+        self.bucket_start = 0
+        self.bucket_params: list[int] = []
+
+    def pad_param_start(self, index: int) -> int:
+        return _pad(index, PARAM_ALIGNMENT) if self.distributed else index
+
+    def close(self, last_end: int) -> int:
+        """Megatron's ``_update_bucket_metadata``: ``numel_unpadded`` runs to ``last_end``,
+        the bucket end is padded, and the next bucket starts there (returned)."""
+        end = _pad(last_end, self.end_divisor) if self.distributed else last_end
+        self.buckets.append(Bucket(
+            bucket_id=len(self.buckets), offset=self.bucket_start,
+            numel_unpadded=last_end - self.bucket_start, numel=end - self.bucket_start,
+            param_indices=tuple(self.bucket_params)))
+        self.bucket_start, self.bucket_params = end, []
+        return end
+
+    def run(self, numels: list[int], shared: list[bool], bucket_size: int | None):
+        """``(param_ranges, buckets)`` of the plan."""
+        param_ranges: list[tuple[int, int, int] | None] = [None] * len(numels)
+        param_start = param_end = 0
+        for k in reversed(range(len(numels))):
+            own_bucket = shared[k] and self.distributed
+            param_start = self.pad_param_start(param_start)
+            if own_bucket and self.bucket_params:
+                # Close the pending bucket at the embedding's aligned start (as Megatron does).
+                param_start = self.close(param_start)
+            param_end = param_start + numels[k]
+            param_ranges[k] = (param_start, param_end, len(self.buckets))
+            self.bucket_params.append(k)
+            full = bucket_size is not None and param_end - self.bucket_start >= bucket_size
+            param_start = self.close(param_end) if full or own_bucket else param_end
+        if self.bucket_params:
+            self.close(param_end)
+        return tuple(param_ranges), tuple(self.buckets)
 
 
 def shard_range(bucket: Bucket, dp_rank: int, dp_size: int) -> tuple[int, int]:

@@ -4,14 +4,14 @@ A module created with ``gradient_accumulation_fusion=True`` owns a :class:`MainG
 variable (fp32 ``[out, in]``) next to its ``weight``. Split the model into
 ``nnx.Param`` and ``MainGrad`` states and differentiate with respect to both: the
 gradient of the ``MainGrad`` state is the updated accumulator (see
-:mod:`jax_wgrad.linear`), the weight's own gradient is zero::
+:mod:`jax_wgrad.functional.linear`), the weight's own gradient is zero::
 
     graphdef, params, main_grads, rest = nnx.split(model, nnx.Param, MainGrad, ...)
     def loss(params, main_grads):
         return loss_fn(nnx.merge(graphdef, params, main_grads, rest), batch)
     g_params, new_main_grads = jax.grad(loss, argnums=(0, 1))(params, main_grads)
 
-:func:`jax_wgrad.accumulate_gradients` does this over microbatches.
+:func:`jax_wgrad.training.accumulate_gradients` does this over microbatches.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_wgrad import _ffi
-from jax_wgrad.linear import linear
-from jax_wgrad.ops import PrecisionLike
+from jax_wgrad.functional.linear import linear
+from jax_wgrad.nn.facts import param_facts
+from jax_wgrad.ops import PrecisionLike, require_fusion
 
 __all__ = ["Linear", "MainGrad"]
 
@@ -60,14 +60,15 @@ class Linear(nnx.Module):
                 f"Linear: in_features ({in_features}) and out_features ({out_features}) "
                 "must be >= 1")
         if gradient_accumulation_fusion:
-            _ffi.require_fusion(who="Linear")
+            require_fusion(who="Linear")
         self.in_features = in_features
         self.out_features = out_features
         self.precision = precision
         # lecun_normal expects [fan_in, fan_out]; store the transpose as [out, in].
         w = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
-        self.weight = nnx.Param(w.T)
-        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+        self.weight = nnx.Param(w.T, **param_facts(None, weight_decay=True, fused_wgrad=True))
+        self.bias = (nnx.Param(jnp.zeros((out_features,), param_dtype), **param_facts(None))
+                     if use_bias else None)
         self.main_grad = (
             MainGrad(jnp.zeros((out_features, in_features), jnp.float32))
             if gradient_accumulation_fusion else None

@@ -1,31 +1,16 @@
-"""Flat, padded gradient buckets (Megatron's ``_ParamAndGradBuffer``) and their sync.
+"""Flat, padded gradient buckets (Megatron's ``_ParamAndGradBuffer``).
 
 A :class:`GradBuffer` is the static layout; the buffer's *value* is a plain tuple of flat
 1-D arrays, one per bucket (``buckets[i].shape == (buffer.bucket_numels[i],)``). Everything
 here is meant to run on per-device shards inside ``jax.shard_map``: shapes are the local
 (per-device) parameter shapes.
 
-**Why a tuple of per-bucket arrays and not one flat array with bucket offsets.** A bucket is
-the unit of communication (one reduce-scatter or all-reduce each) and, in the pipeline
-cooldown, the unit whose sync can start once its last gradient is in. With one array per
-bucket each collective consumes a whole array (no slice that XLA might copy), each bucket
-is its own scan-carry leaf (updated in place, donated independently) and a bucket can be
-reduced, freed or kept without touching the others. Megatron's single allocation with
-bucket *views* has no JAX counterpart (arrays have no views), so contiguity across buckets
-buys nothing here. Inside a bucket the layout is exactly Megatron's
-(:func:`jax_wgrad.buckets.plan_buckets`), so ``offset`` values and shard ranges match.
-
 **Parameter order.** Registration (forward) order is the flatten order of the parameter
 tree (``jax.tree.leaves``). Note that ``dict`` and ``nnx.State`` flatten by *sorted key*,
 not insertion order; pass lists/tuples or ``collections.OrderedDict`` (flattened in
-insertion order) if the bucket order matters to you (:func:`jax_wgrad.gpt.forward_order`
-does this for the GPT). As in Megatron the walk is reversed: the last leaf lands at
+insertion order) if the bucket order matters to you (the GPT's ``forward_order``
+does this). As in Megatron the walk is reversed: the last leaf lands at
 offset 0 of bucket 0.
-
-**Chunks.** Megatron keeps one buffer per model chunk (and dtype); :meth:`concatenate`
-joins separately planned buffers into one whose tree is the tuple of their trees and whose
-buckets are theirs, in order -- e.g. a pipeline stage's own layers and the embedding/head
-parameters that are shared between stages and synced at a different time.
 
 **Dtype groups.** Like Megatron, parameters are grouped by ``(param dtype, grad dtype)``
 (groups in order of first appearance); each group gets its own :class:`BucketPlan` and its
@@ -39,7 +24,8 @@ Example, inside ``shard_map`` over ``data``::
     buckets = buf.zeros()
     buckets = buf.add_tree(buckets, grads)              # ordinary gradients
     buckets = buf.wgrad_accumulate(buckets, "['w']", x, dy)   # fused GEMM, in place
-    shards = sync_buckets(buckets, axis_name="data", use_distributed_optimizer=True)
+    shards = jax_wgrad.grads.sync_buckets(buckets, axis_name=DATA,
+                                          use_distributed_optimizer=True)
 """
 
 from __future__ import annotations
@@ -54,79 +40,13 @@ import numpy as np
 from jax import lax
 
 from jax_wgrad import ops
-from jax_wgrad.buckets import BucketPlan, plan_buckets
+from jax_wgrad.grads.plan import plan_buckets
+from jax_wgrad.grads.slots import BufferGroup, ParamSlot, flag_tree, leaf_shape_dtype
 
-__all__ = ["GradBuffer", "ParamSlot", "BufferGroup", "sync_buckets", "shard_buckets"]
+__all__ = ["GradBuffer", "ParamSlot", "BufferGroup"]
 
 PyTree = Any
 Buckets = tuple[jax.Array, ...]
-AxisName = str | tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter's gradient lives.
-
-    Attributes:
-      path: ``jax.tree_util.keystr`` of the leaf's key path (e.g. ``"['layer']['w']"``).
-      index: position of the leaf in the tree's flatten order.
-      shape, param_dtype: the (per-device) parameter's shape and dtype.
-      bucket: index of its bucket in the buffer's tuple.
-      offset: start of its elements within that bucket array (row-major flattening).
-      size: number of elements.
-    """
-
-    path: str
-    index: int
-    shape: tuple[int, ...]
-    param_dtype: np.dtype
-    bucket: int
-    offset: int
-    size: int
-
-
-@dataclasses.dataclass(frozen=True)
-class BufferGroup:
-    """One ``(param dtype, grad dtype)`` group: Megatron's per-dtype ``_ParamAndGradBuffer``.
-
-    Attributes:
-      param_dtype, grad_dtype: the group's dtypes.
-      leaf_indices: flatten indices of its parameters, in registration order.
-      plan: the bucket layout (``plan.param_ranges[k]`` is for ``leaf_indices[k]``;
-        offsets there are relative to the group's buffer, not to a bucket).
-      first_bucket: index of the group's bucket 0 in the buffer's tuple.
-    """
-
-    param_dtype: np.dtype
-    grad_dtype: np.dtype
-    leaf_indices: tuple[int, ...]
-    plan: BucketPlan
-    first_bucket: int
-
-
-def _leaf_shape_dtype(path: str, leaf) -> tuple[tuple[int, ...], np.dtype]:
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-        raise ValueError(
-            f"GradBuffer: leaf {path} must be an array or jax.ShapeDtypeStruct, got "
-            f"{type(leaf).__name__}")
-    shape = tuple(int(d) for d in leaf.shape)
-    dtype = np.dtype(leaf.dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"GradBuffer: leaf {path} has non-float dtype {dtype}")
-    if int(np.prod(shape, dtype=np.int64)) == 0:
-        raise ValueError(f"GradBuffer: leaf {path} has no elements (shape {shape})")
-    return shape, dtype
-
-
-def _flags(name: str, tree: PyTree, treedef, n: int) -> tuple[bool, ...]:
-    """Per-leaf booleans from a tree shaped like the parameters (or ``None``: all False)."""
-    if tree is None:
-        return (False,) * n
-    leaves, got = jax.tree.flatten(tree)
-    if got != treedef:
-        raise ValueError(
-            f"GradBuffer: {name} must have the parameter tree's structure {treedef}, got {got}")
-    return tuple(bool(v) for v in leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +94,7 @@ class GradBuffer:
           param_tree: pytree of per-device parameters (arrays or ``jax.ShapeDtypeStruct``);
             only shapes and dtypes are read. Flatten order is registration order.
           dp_size, bucket_size, use_distributed_optimizer, pad_buckets_for_high_nccl_busbw:
-            as in :func:`jax_wgrad.buckets.plan_buckets` (Megatron's names).
+            as in :func:`jax_wgrad.grads.plan_buckets` (Megatron's names).
           shared_embedding: optional tree of bools shaped like ``param_tree`` flagging the
             word embedding tied between first and last pipeline stage (own bucket under
             the distributed optimizer).
@@ -190,8 +110,8 @@ class GradBuffer:
         if not with_path:
             raise ValueError("GradBuffer.create: param_tree has no leaves")
         paths = [jax.tree_util.keystr(p) for p, _ in with_path]
-        shapes_dtypes = [_leaf_shape_dtype(p, leaf) for p, (_, leaf) in zip(paths, with_path)]
-        shared = _flags("shared_embedding", shared_embedding, treedef, len(paths))
+        shapes_dtypes = [leaf_shape_dtype(p, leaf) for p, (_, leaf) in zip(paths, with_path)]
+        shared = flag_tree("shared_embedding", shared_embedding, treedef, len(paths))
 
         # Group by (param dtype, grad dtype), in order of first appearance (Megatron's dict).
         keyed: dict[tuple[np.dtype, np.dtype], list[int]] = {}
@@ -331,7 +251,7 @@ class GradBuffer:
           varying_axes: inside ``shard_map`` (with its default ``check_vma``), mark the
             zeros as varying over these mesh axes (``jax.lax.pcast(..., to="varying")``).
             Needed when the buckets start a ``lax.scan`` carry that accumulates per-device
-            gradients: the carry's type must already vary over e.g. ``("data",)``.
+            gradients: the carry's type must already vary over e.g. ``(DATA,)``.
         """
         out = tuple(jnp.zeros((n,), d) for n, d in zip(self.bucket_numels, self.bucket_dtypes))
         if varying_axes:
@@ -418,7 +338,7 @@ class GradBuffer:
         """
         self._check_buckets(buckets, "add_tree")
         leaves = self._check_tree(tree, "add_tree")
-        use = (True,) * len(leaves) if where is None else self._flag_values(where)
+        use = (True,) * len(leaves) if where is None else self.flag_values(where)
         per_bucket: dict[int, tuple[list[jax.Array], list[int]]] = {}
         for s, leaf, u in zip(self.slots, leaves, use):
             if u:
@@ -451,164 +371,10 @@ class GradBuffer:
         out[s.bucket] = ops.wgrad_accumulate(x, dy, out[s.bucket], offset=s.offset)
         return tuple(out)
 
-    def flat_mask(self, flags: PyTree | Sequence[bool], *, dtype: Any = np.float32
-                  ) -> tuple[np.ndarray, ...]:
-        """Per-element version of a per-parameter flag: one numpy array per bucket.
-
-        Args:
-          flags: tree of bools shaped like the parameters, or a sequence of bools in
-            flatten order (e.g. ``True`` where weight decay applies).
-          dtype: dtype of the result (float32: 1.0 / 0.0).
-        Returns:
-          Static numpy arrays, ``[bucket_numels[i]]`` each; padding is 0.
-        """
-        values = self._flag_values(flags)
-        out = [np.zeros((n,), dtype) for n in self.bucket_numels]
-        for s, v in zip(self.slots, values):
-            if v:
-                out[s.bucket][s.offset:s.offset + s.size] = 1
-        return tuple(out)
-
-    def _flag_values(self, flags: PyTree | Sequence[bool]) -> tuple[bool, ...]:
+    def flag_values(self, flags: PyTree | Sequence[bool]) -> tuple[bool, ...]:
+        """Per-leaf flags in flatten order, from a tree of bools shaped like the parameters
+        or a sequence of bools in flatten order."""
         if isinstance(flags, (list, tuple)) and len(flags) == len(self.slots) and all(
                 isinstance(f, (bool, np.bool_)) for f in flags):
             return tuple(bool(f) for f in flags)
-        return _flags("mask flags", flags, self.treedef, len(self.slots))
-
-    def local_mask(self, flags: PyTree | Sequence[bool], *, axis_name: AxisName | None
-                   ) -> Buckets:
-        """Per-element bool mask of this rank's shard of each bucket (or whole buckets).
-
-        The traced counterpart of :meth:`flat_mask` for use inside ``shard_map``: built from
-        the flagged parameters' ``[start, end)`` runs with ``searchsorted`` over the rank's
-        global element indices, so no bucket-sized constant enters the program.
-
-        Args:
-          flags: as in :meth:`flat_mask`.
-          axis_name: the data axis whose rank selects the shard (``shard_buckets``'s
-            slicing); ``None`` for the whole buckets.
-        Returns:
-          One bool array per bucket, ``[shard_numels[i]]`` or ``[bucket_numels[i]]``.
-        """
-        values = self._flag_values(flags)
-        if axis_name is None:
-            dp, rank = 1, 0
-        else:
-            dp, rank = _axis_size(axis_name), _axis_index(axis_name)
-        out = []
-        for i, n in enumerate(self.bucket_numels):
-            if n % dp:
-                raise ValueError(f"GradBuffer.local_mask: bucket {i} ({n} elements) is not "
-                                 f"divisible by the {dp} ranks of {axis_name!r}")
-            size = n // dp
-            runs: list[list[int]] = []  # merged [start, end) of flagged slots, in order
-            for k in self.bucket_leaves[i]:
-                s = self.slots[k]
-                if not values[k]:
-                    continue
-                if runs and runs[-1][1] == s.offset:
-                    runs[-1][1] = s.offset + s.size
-                else:
-                    runs.append([s.offset, s.offset + s.size])
-            if not runs:
-                out.append(jnp.zeros((size,), bool))
-                continue
-            if runs == [[0, n]]:
-                out.append(jnp.ones((size,), bool))
-                continue
-            starts = jnp.asarray([r[0] for r in runs], jnp.int32)
-            ends = jnp.asarray([r[1] for r in runs], jnp.int32)
-            idx = rank * size + lax.iota(jnp.int32, size)
-            pos = jnp.searchsorted(starts, idx, side="right") - 1
-            out.append((pos >= 0) & (idx < ends[jnp.maximum(pos, 0)]))
-        return tuple(out)
-
-
-def _axis_size(axis_name: AxisName) -> int:
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    size = 1
-    for n in names:
-        size *= lax.axis_size(n)
-    return size
-
-
-def _axis_index(axis_name: AxisName) -> jax.Array:
-    return lax.axis_index(axis_name if isinstance(axis_name, str) else tuple(axis_name))
-
-
-def sync_buckets(
-    buckets: Sequence[jax.Array],
-    *,
-    axis_name: AxisName,
-    use_distributed_optimizer: bool,
-    gradient_scaling_factor: float | jax.Array | None = None,
-    average_in_collective: bool = False,
-) -> Buckets:
-    """Data-parallel gradient sync, one collective per bucket (Megatron's ``start_grad_sync``).
-
-    Call inside ``shard_map``. Each bucket is first multiplied by
-    ``gradient_scaling_factor`` (skipped when it is the constant 1), then
-
-    * ``use_distributed_optimizer``: ``psum_scatter(tiled=True)`` over ``axis_name``; rank
-      ``r`` keeps the ``r``-th contiguous ``numel / dp`` slice (= ``buckets.shard_range``);
-    * otherwise: ``psum`` (all-reduce), every rank keeps the whole bucket.
-
-    With ``average_in_collective`` the factor defaults to 1 and the reduced result is divided
-    by the axis size after the collective (the JAX spelling of NCCL's ``ReduceOp.AVG``:
-    XLA has no averaging reduce-scatter; dividing the shard costs ``numel / dp`` flops).
-    Without it the factor defaults to ``1 / dp`` (pre-scaling, Megatron's default).
-
-    Args:
-      buckets: flat per-bucket arrays ``[numel_i]`` (this device's accumulated grads).
-      axis_name: the data-parallel mesh axis (or a tuple of axes, e.g. data and context).
-      use_distributed_optimizer: reduce-scatter instead of all-reduce.
-      gradient_scaling_factor: pre-collective scale; default as above (MoE expert grads
-        pass ``expert_dp / dp`` here, as Megatron does).
-      average_in_collective: Megatron's ``average_in_collective``.
-    Returns:
-      Tuple of ``[numel_i / dp]`` shards (distributed optimizer) or ``[numel_i]`` buckets.
-    Raises:
-      ValueError: under the distributed optimizer, if a bucket is not divisible by dp.
-    """
-    dp = _axis_size(axis_name)
-    if gradient_scaling_factor is None:
-        gradient_scaling_factor = 1.0 if average_in_collective else 1.0 / dp
-    out = []
-    for i, b in enumerate(buckets):
-        if b.ndim != 1:
-            raise ValueError(f"sync_buckets: bucket {i} must be flat, got shape {b.shape}")
-        if not (isinstance(gradient_scaling_factor, (int, float))
-                and gradient_scaling_factor == 1.0):
-            b = b * jnp.asarray(gradient_scaling_factor, b.dtype)
-        if use_distributed_optimizer:
-            if b.shape[0] % dp:
-                raise ValueError(
-                    f"sync_buckets: bucket {i} has {b.shape[0]} elements, not divisible by the "
-                    f"{dp} ranks of {axis_name!r}; plan the buffer with "
-                    f"use_distributed_optimizer=True and dp_size={dp}")
-            r = lax.psum_scatter(b, axis_name, scatter_dimension=0, tiled=True)
-        else:
-            r = lax.psum(b, axis_name)
-        if average_in_collective:
-            r = r / jnp.asarray(dp, r.dtype)
-        out.append(r)
-    return tuple(out)
-
-
-def shard_buckets(buckets: Sequence[jax.Array | np.ndarray], *, axis_name: AxisName
-                  ) -> Buckets:
-    """This rank's contiguous ``numel / dp`` slice of each (replicated) bucket.
-
-    The slice a tiled reduce-scatter leaves on the rank (``buckets.shard_range``). Used for
-    master weights and per-element masks. Call inside ``shard_map``.
-    """
-    dp = _axis_size(axis_name)
-    rank = _axis_index(axis_name)
-    out = []
-    for i, b in enumerate(buckets):
-        if b.ndim != 1 or b.shape[0] % dp:
-            raise ValueError(f"shard_buckets: bucket {i} of shape {b.shape} is not a flat "
-                             f"array divisible by the {dp} ranks of {axis_name!r}")
-        size = b.shape[0] // dp
-        out.append(lax.dynamic_slice(jnp.asarray(b), (rank * size,), (size,)))
-    return tuple(out)
+        return flag_tree("mask flags", flags, self.treedef, len(self.slots))

@@ -77,7 +77,7 @@ def _probe(platform: str) -> str | None:
     """Runs both handlers once on ``platform``'s first device; ``None`` if right."""
     import numpy as np
 
-    from jax_wgrad import ops  # late: ops imports this module
+    from jax_wgrad import ops  # late: the ops import this module
 
     try:
         device = jax.devices(platform)[0]

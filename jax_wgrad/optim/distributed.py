@@ -1,6 +1,6 @@
 """Distributed optimizer (Megatron's ``use_distributed_optimizer``) and gradient finalization.
 
-Runs inside ``shard_map``, after :func:`jax_wgrad.grad_buffer.sync_buckets`:
+Runs inside ``shard_map``, after :func:`jax_wgrad.grads.sync_buckets`:
 
 * **distributed** (the buffer was planned with ``use_distributed_optimizer=True``): each
   data-parallel rank keeps fp32 master weights and optax state only for its contiguous
@@ -17,11 +17,11 @@ parameters.
 
 **Per-parameter options on flat shards.** A shard cuts through parameters, so per-leaf optax
 masks (``optax.adamw(mask=...)``) cannot be used in distributed mode. Per-parameter flags
-are turned into per-element masks of the rank's shard (:meth:`GradBuffer.local_mask`, from
-the parameters' ranges) and handed to the optax chain as the extra argument
-``weight_decay_mask``; :func:`adamw` / :func:`add_decayed_weights` consume it. Only
-element-wise optimizers are correct on flat shards (Adam, SGD, ... as in Megatron; not
-LAMB/LARS trust ratios or Adafactor's factored moments).
+are turned into per-element masks of the rank's shard
+(:func:`jax_wgrad.grads.local_mask`, from the parameters' ranges) and handed to the optax
+chain as the extra argument ``weight_decay_mask``; :func:`jax_wgrad.optim.adamw` consumes
+it. Only element-wise optimizers are correct on flat shards (Adam, SGD, ... as in
+Megatron; not LAMB/LARS trust ratios or Adafactor's factored moments).
 """
 
 from __future__ import annotations
@@ -36,129 +36,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from jax_wgrad.grad_buffer import AxisName, GradBuffer, _axis_size, shard_buckets
+from jax_wgrad.grads.buffer import GradBuffer
+from jax_wgrad.grads.masks import local_mask
+from jax_wgrad.grads.sync import AxisName, axis_size, shard_buckets
+from jax_wgrad.optim.transforms import clip_by_total_norm, global_grad_norm
+from jax_wgrad.parallel.mesh import DATA
 
-__all__ = [
-    "DistributedOptimizer",
-    "OptimizerState",
-    "StepInfo",
-    "add_decayed_weights",
-    "adamw",
-    "clip_by_total_norm",
-    "global_grad_norm",
-]
+__all__ = ["DistributedOptimizer", "OptimizerState", "StepInfo"]
 
 PyTree = Any
-
-
-# ----------------------------------------------------------------------------- optax pieces
-
-
-def add_decayed_weights(weight_decay: float) -> optax.GradientTransformationExtraArgs:
-    """``updates + weight_decay * mask * params`` with a per-element mask from extra args.
-
-    Like :func:`optax.add_decayed_weights`, but the mask arrives at update time as the extra
-    argument ``weight_decay_mask``: a pytree like ``params`` whose leaves broadcast against
-    them (bool/float per element on flat shards, or a scalar per leaf on a tree). Missing or
-    ``None``: decay everything.
-    """
-
-    def init_fn(params):
-        del params
-        return optax.EmptyState()
-
-    def update_fn(updates, state, params=None, *, weight_decay_mask=None, **extra_args):
-        del extra_args
-        if params is None:
-            raise ValueError("add_decayed_weights needs params")
-        if weight_decay_mask is None:
-            decayed = jax.tree.map(lambda g, p: g + weight_decay * p, updates, params)
-        else:
-            decayed = jax.tree.map(
-                lambda g, p, m: g + weight_decay * jnp.asarray(m, p.dtype) * p,
-                updates, params, weight_decay_mask)
-        return decayed, state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def adamw(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    weight_decay: float = 1e-4,
-) -> optax.GradientTransformationExtraArgs:
-    """:func:`optax.adamw` whose weight-decay mask is the ``weight_decay_mask`` extra arg.
-
-    The same chain as optax (``scale_by_adam`` -> decay -> ``scale_by_learning_rate``), so
-    results equal ``optax.adamw(..., mask=tree)`` on the full tree.
-    """
-    return optax.chain(
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
-        add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-
-
-# ----------------------------------------------------------------------------- finalization
-
-
-def global_grad_norm(
-    grads: PyTree,
-    *,
-    axis_names: Sequence[str] = (),
-    weights: PyTree | None = None,
-) -> jax.Array:
-    """L2 norm in fp32 of gradients spread over devices (Megatron's ``get_grad_norm_fp32``).
-
-    ``sqrt(psum_{axis_names}(sum_leaves sum(weights * g**2)))``. ``weights`` (a pytree like
-    ``grads`` whose leaves broadcast against them, e.g. a 0/1 scalar per leaf or a
-    per-element mask) makes every element count once overall: set it to 0 on all but one
-    of the devices holding a copy.
-
-    Args:
-      grads: pytree of gradient arrays (any float dtype; squared in fp32).
-      axis_names: mesh axes over which devices hold *different* parts (summed).
-      weights: optional per-leaf/per-element multipliers.
-    Returns:
-      fp32 scalar, identical on all devices of ``axis_names``.
-    """
-    leaves = jax.tree.leaves(grads)
-    if weights is None:
-        ws = [None] * len(leaves)
-    else:
-        ws = jax.tree.leaves(weights)
-        if len(ws) != len(leaves):
-            raise ValueError(f"global_grad_norm: {len(ws)} weight leaves for {len(leaves)} "
-                             "gradient leaves")
-    total = jnp.zeros((), jnp.float32)
-    for g, w in zip(leaves, ws):
-        sq = jnp.square(g.astype(jnp.float32))
-        if w is not None:
-            sq = sq * jnp.asarray(w, jnp.float32)
-        total = total + jnp.sum(sq)
-    if axis_names:
-        total = lax.psum(total, tuple(axis_names))
-    return jnp.sqrt(total)
-
-
-def clip_by_total_norm(grads: PyTree, max_norm: float, total_norm: jax.Array
-                       ) -> tuple[PyTree, jax.Array]:
-    """Megatron's ``clip_grad_by_total_norm_fp32``: scale by ``max_norm / (norm + 1e-6)``.
-
-    The coefficient is clamped to 1 (multiplying by 1.0 leaves gradients bit-identical), so
-    gradients change only when it is below 1.
-
-    Returns:
-      ``(clipped grads, coefficient)``.
-    """
-    coeff = jnp.minimum(jnp.float32(max_norm) / (total_norm + 1e-6), 1.0).astype(jnp.float32)
-    return jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads), coeff
-
-
-# ----------------------------------------------------------------------------- optimizer
 
 
 class OptimizerState(NamedTuple):
@@ -236,7 +122,7 @@ class DistributedOptimizer:
 
     buffer: GradBuffer
     tx: optax.GradientTransformationExtraArgs
-    data_axis: AxisName = "data"
+    data_axis: AxisName = DATA
     model_axes: tuple[str, ...] = ()
     clip_grad: float | None = None
     weight_decay_flags: tuple[bool, ...] | None = None
@@ -248,7 +134,7 @@ class DistributedOptimizer:
         buffer: GradBuffer,
         tx: optax.GradientTransformation,
         *,
-        data_axis: AxisName = "data",
+        data_axis: AxisName = DATA,
         model_axes: Sequence[str] = (),
         clip_grad: float | None = None,
         weight_decay_mask: PyTree | None = None,
@@ -302,7 +188,7 @@ class DistributedOptimizer:
         return self.buffer.use_distributed_optimizer
 
     def _check_axis(self) -> None:
-        dp = _axis_size(self.data_axis)
+        dp = axis_size(self.data_axis)
         if dp != self.buffer.dp_size:
             raise ValueError(f"DistributedOptimizer: axis {self.data_axis!r} has {dp} devices "
                              f"but the buffer was planned for dp_size={self.buffer.dp_size}")
@@ -334,7 +220,7 @@ class DistributedOptimizer:
         if self.weight_decay_flags is None:
             return None
         if self.distributed:
-            return self.buffer.local_mask(self.weight_decay_flags, axis_name=self.data_axis)
+            return local_mask(self.buffer, self.weight_decay_flags, axis_name=self.data_axis)
         return self._leaf_mask_tree(self.weight_decay_flags)
 
     def _norm_weights(self) -> PyTree | None:
@@ -342,7 +228,7 @@ class DistributedOptimizer:
         for axis, flags in self.duplicated:
             not_first = lax.axis_index(axis) != 0
             if self.distributed:
-                dup = self.buffer.local_mask(flags, axis_name=self.data_axis)
+                dup = local_mask(self.buffer, flags, axis_name=self.data_axis)
                 w = tuple(jnp.where(d & not_first, 0.0, 1.0).astype(jnp.float32) for d in dup)
             else:
                 w = jax.tree.unflatten(self.buffer.treedef, [

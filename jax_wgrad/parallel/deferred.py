@@ -36,8 +36,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad import ops
-from jax_wgrad.config import ParallelConfig
-from jax_wgrad.layers import vocab_parallel_cross_entropy
+from jax_wgrad.functional.cross_entropy import (
+    logits_grad,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logsumexp,
+    vocab_shard_index,
+)
+from jax_wgrad.parallel.config import ParallelConfig
+from jax_wgrad.parallel.mesh import TENSOR
 
 __all__ = ["stash_shapes", "init_stash", "stash_put", "stash_bytes", "is_deferred",
            "head_backward", "ring_shift", "recompute_dy", "drain"]
@@ -80,39 +86,29 @@ def is_deferred(par: ParallelConfig, microbatch):
     return microbatch < par.num_deferred_microbatches
 
 
-def _logsumexp(logits: jax.Array, tp: int, axis_name: str) -> jax.Array:
-    lf = logits.astype(jnp.float32)
-    mx = jnp.max(lf, axis=-1)
-    if tp > 1:
-        mx = lax.pmax(mx, axis_name)
-    mx = lax.stop_gradient(mx)
-    se = jnp.sum(jnp.exp(lf - mx[..., None]), axis=-1)
-    if tp > 1:
-        se = lax.psum(se, axis_name)
-    return mx + jnp.log(se)
-
-
-def head_backward(stages, params, x: jax.Array, labels: jax.Array, *,
-                  scale: float = 1.0, axis_name: str = "tensor") -> dict[str, Any]:
+def head_backward(stages, shared, x: jax.Array, labels: jax.Array, *,
+                  scale: float = 1.0, axis_name: str = TENSOR) -> dict[str, Any]:
     """Explicit forward + backward of the head with the output layer's weight gradient
     left out: final norm -> output projection -> vocab-parallel cross entropy.
 
     Args:
-      stages: :class:`jax_wgrad.gpt.GPTStages`.
-      params: this device's parameter dict (embedding, head).
+      stages: the model's per-stage functions (:class:`jax_wgrad.models.gpt.GPTStages`:
+        ``final_norm`` and ``output_weight`` of the shared tree).
+      shared: this device's shared parameter tree (embedding, head).
       x: ``[mb, s(/tp), H]`` last transformer layer output.
       labels: int ``[mb, S]``.
       scale: seed of the loss SUM's gradient (the loss scale).
     Returns:
-      dict with ``loss`` (token-loss sum), ``dx`` (``[mb, s(/tp), H]``), ``dhead`` (head
-      parameter gradients; the output weight's entry is zero), ``x_local`` (output-layer
+      dict with ``loss`` (token-loss sum), ``dx`` (``[mb, s(/tp), H]``), ``dshared`` (the
+      shared tree's gradients from the final norm; the output weight's entry is zero),
+      ``x_local`` (output-layer
       input, this rank's chunk), ``x_full`` (gathered over the sequence under SP), ``dy``
       (``[mb, S, V/tp]`` dlogits) and ``lse`` (``[mb, S]`` fp32 logsumexp).
     """
     par = stages.parallel
     tp, sp = par.tensor_model_parallel_size, par.sequence_parallel
-    w = stages.output_weight(params)
-    xn, norm_vjp = jax.vjp(lambda hp, x: stages.final_norm(hp, x), params["head"], x)
+    w = stages.output_weight(shared)
+    xn, norm_vjp = jax.vjp(stages.final_norm, shared, x)
     xg = lax.all_gather(xn, axis_name, axis=1, tiled=True) if sp else xn
     logits = jnp.matmul(xg, w.T.astype(xg.dtype))
     tok_loss, ce_vjp = jax.vjp(
@@ -126,11 +122,11 @@ def head_backward(stages, params, x: jax.Array, labels: jax.Array, *,
         dxn = lax.psum(dxg, axis_name)
     else:
         dxn = dxg
-    dhead, dx = norm_vjp(dxn)
+    dshared, dx = norm_vjp(dxn)
     lse = None
     if par.defer_mode == "recompute":
-        lse = _logsumexp(logits, tp, axis_name)
-    return dict(loss=jnp.sum(tok_loss), dx=dx, dhead=dhead, x_local=xn, x_full=xg, dy=dy,
+        lse = vocab_parallel_logsumexp(logits, tp, axis_name)
+    return dict(loss=jnp.sum(tok_loss), dx=dx, dshared=dshared, x_local=xn, x_full=xg, dy=dy,
                 lse=lse)
 
 
@@ -141,7 +137,7 @@ def stash_items(par: ParallelConfig, head: dict[str, Any], labels: jax.Array) ->
     return (head["x_local"], head["lse"], labels.astype(jnp.int32))
 
 
-def ring_shift(a: jax.Array, tp: int, axis_name: str = "tensor") -> jax.Array:
+def ring_shift(a: jax.Array, tp: int, axis_name: str = TENSOR) -> jax.Array:
     """Rank ``r``'s ``a`` goes to rank ``(r + 1) % tp`` (rank ``r`` receives ``r - 1``'s).
 
     Written as two ACYCLIC permutes (the chain ``i -> i+1`` and the wrap ``tp-1 -> 0``)
@@ -155,24 +151,20 @@ def ring_shift(a: jax.Array, tp: int, axis_name: str = "tensor") -> jax.Array:
 
 
 def recompute_dy(x: jax.Array, w: jax.Array, lse: jax.Array, labels: jax.Array, *,
-                 tp: int, scale: float = 1.0, axis_name: str = "tensor") -> jax.Array:
+                 tp: int, scale: float = 1.0, axis_name: str = TENSOR) -> jax.Array:
     """``dy = scale * (softmax - onehot)`` over this rank's vocabulary shard for the
     tokens of ``x`` ``[..., H]`` (``lse``, ``labels``: ``[...]``): the vocab-parallel
     cross entropy's gradient, rebuilt from the stashed logsumexp."""
     logits = jnp.matmul(x, w.T.astype(x.dtype))
-    v_local = logits.shape[-1]
-    start = lax.axis_index(axis_name) * v_local if tp > 1 else 0
-    local = labels - start
-    in_range = (local >= 0) & (local < v_local)
-    onehot = jax.nn.one_hot(jnp.where(in_range, local, 0), v_local, dtype=jnp.float32)
+    local, in_range = vocab_shard_index(labels, logits.shape[-1], axis_name if tp > 1 else None)
     soft = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
-    dy = (soft - onehot * in_range[..., None].astype(jnp.float32)) * scale
+    dy = logits_grad(soft, local, in_range) * scale
     return dy.astype(x.dtype)
 
 
 def drain(par: ParallelConfig, stash: Stash, bucket: jax.Array, offset: int,
           weight: jax.Array, *, active=None, scale: float = 1.0,
-          axis_name: str = "tensor") -> jax.Array:
+          axis_name: str = TENSOR) -> jax.Array:
     """Accumulates every stashed microbatch's ``dy^T x`` into the output layer's block
     ``[offset, offset + V/tp * H)`` of the flat ``bucket`` with the fused op.
 

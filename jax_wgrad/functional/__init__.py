@@ -1,0 +1,40 @@
+"""Tier 2: pure functions over arrays -- the custom_vjp linears that route weight
+gradients into fp32 main grads or flat buckets, Megatron's conjugate collectives, the
+vocab-parallel cross entropy and the attention core. No modules, no parameters."""
+
+from jax_wgrad.functional.attention import causal_attention
+from jax_wgrad.functional.collectives import (
+    SEQ_DIM,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_last_dim,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from jax_wgrad.functional.cross_entropy import (
+    logits_grad,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logsumexp,
+    vocab_shard_index,
+)
+from jax_wgrad.functional.linear import BucketSlot, WgradBuckets, linear, linear_into_bucket
+
+__all__ = [
+    "SEQ_DIM",
+    "BucketSlot",
+    "WgradBuckets",
+    "causal_attention",
+    "copy_to_tensor_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "gather_last_dim",
+    "linear",
+    "linear_into_bucket",
+    "logits_grad",
+    "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_logsumexp",
+    "vocab_shard_index",
+]

@@ -1,0 +1,61 @@
+"""Gradient buffers, their data-parallel sync and the optimizer step's clipping
+(Megatron's ``DistributedDataParallelConfig`` plus ``clip_grad``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_wgrad._validation import check_positive
+
+__all__ = ["DDPConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """Gradient buffers, their data-parallel sync, and the optimizer step.
+
+    Megatron's ``DistributedDataParallelConfig`` fields (same names and meaning) plus
+    ``clip_grad`` (from Megatron's ``OptimizerConfig``), because this library's
+    optimizer step (:class:`jax_wgrad.dist_optimizer.DistributedOptimizer`) owns clipping.
+    """
+
+    use_distributed_optimizer: bool = False
+    """Shard fp32 master weights and optimizer state over ``data``: buckets are
+    reduce-scattered, each rank updates its shard, parameters are all-gathered."""
+    overlap_grad_reduce: bool = False
+    """Sync a pipeline stage's gradient buckets in the cooldown, as soon as the stage's
+    last backward is done (inside the schedule); otherwise after the schedule."""
+    bucket_size: int | None = None
+    """Approximate elements per bucket. As in Megatron: ``None`` means
+    ``max(40_000_000, 1_000_000 * dp)`` with ``overlap_grad_reduce`` and is ignored (one
+    bucket per buffer) without it; see :meth:`effective_bucket_size`."""
+    average_in_collective: bool = False
+    """Average in the collective (divide after the sum) instead of pre-scaling by 1/dp."""
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad bucket ends to a multiple of ``lcm(dp, 128, 2**16)`` (distributed optimizer)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (Megatron's
+    ``--clip-grad``, default 1.0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce",
+                     "average_in_collective", "pad_buckets_for_high_nccl_busbw"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.bucket_size is not None:
+            check_positive("bucket_size", self.bucket_size)
+        clip = self.clip_grad
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (
+                0.0 <= clip < float("inf")):
+            raise ValueError(f"clip_grad must be a finite number >= 0 (0 disables "
+                             f"clipping), got {clip!r}")
+
+    def effective_bucket_size(self, data_parallel_size: int) -> int | None:
+        """Megatron's rule (``DistributedDataParallel.__init__``): without
+        ``overlap_grad_reduce`` a single bucket (``None``); with it ``bucket_size`` or,
+        if unset, ``max(40_000_000, 1_000_000 * dp)``."""
+        if not self.overlap_grad_reduce:
+            return None
+        if self.bucket_size is None:
+            return max(40_000_000, 1_000_000 * data_parallel_size)
+        return self.bucket_size

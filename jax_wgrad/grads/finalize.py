@@ -1,0 +1,110 @@
+"""Megatron's gradient finalization of the bucketed gradients of one step.
+
+Everything runs per device inside ``shard_map`` over the ``(data, tensor, pipeline)`` mesh,
+on the buckets of a :class:`~jax_wgrad.grads.layout.GradLayout`: the :data:`STAGE` chunk
+(synced over ``data`` in the pipeline cooldown with ``overlap_grad_reduce``, else here) and
+the :data:`SHARED` chunk (every stage's replica of the embedding/head).
+
+**Finalization** (:func:`finalize_grads`), in Megatron's order:
+
+1. data-parallel sync of each bucket: scale by ``1/dp`` (or 1 with
+   ``average_in_collective``, which divides after the sum) and reduce-scatter (distributed
+   optimizer) or all-reduce -- one collective per bucket;
+2. all-reduce over ``tensor`` of the gradients of parameters replicated over tensor ranks
+   under sequence parallelism (LayerNorms, row-parallel biases, positions);
+3. the tied word-embedding all-reduce over ``pipeline`` (the whole ``shared`` chunk);
+4. scaling by the number of tokens: the backward is seeded with the token-loss SUM, so
+   gradients are multiplied by ``dp / num_tokens`` (the data-parallel average of step 1
+   times ``dp`` gives the global sum; divided by the global token count: the gradient of
+   the global mean token loss).
+
+The norm / clipping / skip / update that follow are
+:class:`jax_wgrad.dist_optimizer.DistributedOptimizer`'s.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_wgrad.grads.config import DDPConfig
+from jax_wgrad.grads.layout import GradLayout
+from jax_wgrad.grads.masks import flat_mask, local_mask
+from jax_wgrad.grads.sync import shard_buckets, sync_buckets
+from jax_wgrad.parallel.mesh import DATA, PIPELINE, TENSOR
+
+__all__ = ["sync_stage_buckets", "finalize_grads"]
+
+Buckets = tuple[jax.Array, ...]
+
+
+def sync_stage_buckets(buckets: Buckets, ddp: DDPConfig, *, axis_name: str = DATA
+                       ) -> Buckets:
+    """The data-parallel sync of a stage's buckets, in place (for the cooldown).
+
+    Returns buckets of the same shapes: all-reduced buckets, or (distributed optimizer)
+    each bucket with its reduce-scattered shard written into the rank's own range -- where
+    Megatron's reduce-scatter leaves it in the grad buffer. :func:`finalize_grads` takes
+    the shards out again with ``overlapped=True``.
+    """
+    synced = sync_buckets(buckets, axis_name=axis_name,
+                          use_distributed_optimizer=ddp.use_distributed_optimizer,
+                          average_in_collective=ddp.average_in_collective)
+    if not ddp.use_distributed_optimizer:
+        return synced
+    rank = lax.axis_index(axis_name)
+    return tuple(lax.dynamic_update_slice(b, s, (rank * s.shape[0],))
+                 for b, s in zip(buckets, synced))
+
+
+def finalize_grads(
+    layout: GradLayout,
+    ddp: DDPConfig,
+    buckets: Buckets,
+    *,
+    stage_synced: bool,
+    num_tokens: jax.Array,
+    sequence_parallel: bool,
+    pipeline_parallel: bool,
+) -> Buckets:
+    """Megatron's gradient finalization (module docstring, steps 1-4).
+
+    Args:
+      buckets: this device's buckets (``layout.buffer``): local sums of token-loss
+        gradients; the stage chunk already synced in place if ``stage_synced``.
+      num_tokens: fp32 scalar, tokens of this data rank's batch (summed over ``data``
+        here, like Megatron's all-reduce of ``num_tokens``).
+    Returns:
+      Synced gradients of the mean token loss: ``[numel_i / dp]`` shards (distributed
+      optimizer) or full ``[numel_i]`` buckets, one per bucket of ``layout.buffer``.
+    """
+    dist = ddp.use_distributed_optimizer
+    stage_bk, shared_bk = layout.split(buckets)
+    with jax.named_scope("data_parallel_sync"):
+        if stage_synced:
+            stage_out = shard_buckets(stage_bk, axis_name=DATA) if dist else stage_bk
+        else:
+            stage_out = sync_buckets(stage_bk, axis_name=DATA, use_distributed_optimizer=dist,
+                                     average_in_collective=ddp.average_in_collective)
+        shared_out = sync_buckets(shared_bk, axis_name=DATA, use_distributed_optimizer=dist,
+                                  average_in_collective=ddp.average_in_collective)
+    synced = stage_out + shared_out
+    if sequence_parallel:
+        with jax.named_scope("sequence_parallel_grads_all_reduce"):
+            rep = layout.tensor_replicated_flags
+            masks = local_mask(layout.buffer, rep, axis_name=DATA if dist else None)
+            has = flat_mask(layout.buffer, rep)
+            synced = tuple(
+                jnp.where(m, lax.psum(jnp.where(m, g, 0.0), TENSOR), g) if h.any() else g
+                for g, m, h in zip(synced, masks, has))
+    if pipeline_parallel:
+        with jax.named_scope("embedding_grads_all_reduce"):
+            n = layout.num_stage_buckets
+            synced = synced[:n] + tuple(lax.psum(synced[n:], PIPELINE))
+    with jax.named_scope("token_scaling"):
+        dp = lax.axis_size(DATA)
+        total = lax.psum(num_tokens, DATA)
+        scale = (jnp.float32(dp) / total).astype(jnp.float32)
+        synced = tuple(g * scale for g in synced)
+    return synced

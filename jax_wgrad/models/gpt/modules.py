@@ -1,0 +1,183 @@
+"""The GPT's NNX modules, one per pipeline role: embedding (first stage), decoder layer
+(every stage), head (last stage).
+
+* :class:`GPTEmbedding`: vocab-parallel word embedding + learned positions.
+* :class:`TransformerLayer`: pre-LN decoder layer (causal attention, GELU MLP); every
+  stage holds ``num_layers / P`` of them.
+* :class:`GPTHead`: final LayerNorm, column-parallel output layer (the word embedding table
+  when tied) and the vocab-parallel cross entropy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_wgrad.functional.attention import causal_attention
+from jax_wgrad.functional.cross_entropy import vocab_parallel_cross_entropy
+from jax_wgrad.models.gpt.config import GPTConfig
+from jax_wgrad.nn.facts import param_facts
+from jax_wgrad.nn.norm import LayerNorm
+from jax_wgrad.nn.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_std_for_output_layers,
+)
+from jax_wgrad.parallel.mesh import TENSOR
+
+__all__ = ["LINEAR_LAYERS", "TransformerLayer", "GPTEmbedding", "GPTHead"]
+
+LINEAR_LAYERS: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
+"""Names of the linear layers of a :class:`TransformerLayer`."""
+
+
+def _dtype(cfg: GPTConfig) -> jnp.dtype:
+    return jnp.dtype(cfg.compute_dtype)
+
+
+class TransformerLayer(nnx.Module):
+    """Pre-LN decoder layer: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``.
+
+    Activations ``[b, s, H]`` (``[b, s / tp, H]`` with sequence parallelism).
+    """
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        axis_name: str = TENSOR,
+        attention: str = "xla",
+        rngs: nnx.Rngs,
+    ):
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        common = dict(tp_size=tp_size, axis_name=axis_name, sequence_parallel=sequence_parallel)
+        out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
+        self.heads = cfg.num_attention_heads // tp_size
+        self.head_dim = cfg.head_dim
+        self.attention = attention
+        self.ln1 = LayerNorm(h, epsilon=cfg.layernorm_epsilon)
+        self.qkv = ColumnParallelLinear(h, 3 * h, init_std=cfg.init_method_std, rngs=rngs, **common)
+        self.proj = RowParallelLinear(h, h, init_std=out_std, rngs=rngs, **common)
+        self.ln2 = LayerNorm(h, epsilon=cfg.layernorm_epsilon)
+        self.fc1 = ColumnParallelLinear(h, f, init_std=cfg.init_method_std, rngs=rngs, **common)
+        self.fc2 = RowParallelLinear(f, h, init_std=out_std, rngs=rngs, **common)
+
+    def __call__(
+        self, x: jax.Array, *, main_grads: Mapping[str, jax.Array] | None = None
+    ) -> jax.Array:
+        """``x``: ``[b, s(/tp), H]`` -> same shape.
+
+        ``main_grads``: optional ``{name: fp32 accumulator}`` for the weights of
+        ``qkv``, ``proj``, ``fc1``, ``fc2`` (gradient accumulation fusion).
+        """
+        mg = main_grads or {}
+        with jax.named_scope("attention"):
+            qkv = self.qkv(self.ln1(x), main_grad=mg.get("qkv"))
+            b, s = qkv.shape[:2]
+            qkv = qkv.reshape(b, s, self.heads, 3, self.head_dim)
+            attn = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
+                                    implementation=self.attention)
+            x = x + self.proj(attn, main_grad=mg.get("proj"))
+        with jax.named_scope("mlp"):
+            hidden = jax.nn.gelu(self.fc1(self.ln2(x), main_grad=mg.get("fc1")), approximate=False)
+            x = x + self.fc2(hidden, main_grad=mg.get("fc2"))
+        return x
+
+
+class GPTEmbedding(nnx.Module):
+    """Word (vocab-parallel) plus learned position embedding; first pipeline stage."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        axis_name: str = TENSOR,
+        rngs: nnx.Rngs,
+    ):
+        self.tp_size = tp_size
+        self.axis_name = axis_name
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.dtype = _dtype(cfg)
+        self.word = VocabParallelEmbedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            tp_size=tp_size,
+            axis_name=axis_name,
+            sequence_parallel=sequence_parallel,
+            init_std=cfg.init_method_std,
+            rngs=rngs,
+        )
+        self.position = nnx.Param(
+            cfg.init_method_std
+            * jax.random.normal(rngs.params(), (cfg.seq_length, cfg.hidden_size), jnp.float32),
+            **param_facts(None),
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """``ids``: int ``[b, s]`` -> ``[b, s(/tp), H]`` in the compute dtype."""
+        with jax.named_scope("embedding"):
+            x = self.word(ids, dtype=self.dtype)
+            s_local = x.shape[1]
+            start = 0
+            if self.sequence_parallel:
+                start = jax.lax.axis_index(self.axis_name) * s_local
+            pos = jax.lax.dynamic_slice_in_dim(self.position[...], start, s_local, axis=0)
+            return x + pos.astype(self.dtype)[None]
+
+
+class GPTHead(nnx.Module):
+    """Final LayerNorm, output layer and vocab-parallel cross entropy; last stage.
+
+    With tied embeddings the output layer allocates no weight and is given the word
+    embedding table ``[V / tp, H]`` at call time.
+    """
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        axis_name: str = TENSOR,
+        rngs: nnx.Rngs,
+    ):
+        self.tp_size = tp_size
+        self.axis_name = axis_name
+        self.final_norm = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon)
+        self.output = ColumnParallelLinear(
+            cfg.hidden_size,
+            cfg.vocab_size,
+            tp_size=tp_size,
+            axis_name=axis_name,
+            use_bias=False,
+            sequence_parallel=sequence_parallel,
+            skip_weight_param_allocation=not cfg.untie_embeddings_and_output_weights,
+            init_std=cfg.init_method_std,
+            rngs=rngs,
+        )
+
+    def __call__(
+        self,
+        x: jax.Array,
+        labels: jax.Array,
+        *,
+        weight: jax.Array | None = None,
+        main_grad: jax.Array | None = None,
+    ) -> jax.Array:
+        """``x``: ``[b, s(/tp), H]``, ``labels``: int ``[b, s]`` -> fp32 scalar SUM of the
+        per-token losses (identical on every tensor rank)."""
+        with jax.named_scope("output_layer"):
+            logits = self.output(self.final_norm(x), weight, main_grad=main_grad)
+        with jax.named_scope("cross_entropy"):
+            losses = vocab_parallel_cross_entropy(
+                logits, labels, tp_size=self.tp_size, axis_name=self.axis_name
+            )
+        return jnp.sum(losses)

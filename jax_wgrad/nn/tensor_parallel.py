@@ -1,0 +1,249 @@
+"""Tensor-parallel layers (Megatron semantics) as Flax NNX modules.
+
+Every module here runs on ONE device's shard inside ``jax.shard_map`` and talks to its
+tensor-parallel peers with the conjugate collectives of
+:mod:`jax_wgrad.functional.collectives` over ``axis_name`` (default
+:data:`jax_wgrad.parallel.TENSOR`). With ``tp_size == 1`` the collectives are skipped, so
+the same modules run unsharded outside ``shard_map`` too.
+
+Activations are ``[batch, seq, hidden]``. With sequence parallelism the activations
+between blocks are ``[batch, seq / tp, hidden]``: column-parallel layers all-gather the
+sequence before their GEMM and row-parallel layers reduce-scatter after theirs.
+
+With ``main_grad=acc`` a linear layer's weight gradient goes through
+:func:`jax_wgrad.functional.linear` into the fp32 accumulator ``acc`` (gradient
+accumulation fusion); see that function for the cotangent convention. ``main_grad`` may
+also be a :class:`jax_wgrad.functional.BucketSlot`: the weight's block of a flat gradient
+bucket threaded through the layers.
+
+Every parameter carries its facts as NNX variable metadata (:func:`param_facts`): the
+dim split over ``tensor`` (``tensor_axis``), whether weight decay applies, and whether its
+gradient can come from the fused GEMM. Models read them back to lay out gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_wgrad.functional.collectives import (
+    SEQ_DIM,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_last_dim,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from jax_wgrad.functional.cross_entropy import vocab_shard_index
+from jax_wgrad.functional.linear import BucketSlot, linear
+from jax_wgrad.nn.facts import param_facts
+from jax_wgrad.ops import PrecisionLike
+from jax_wgrad.parallel.mesh import TENSOR
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "init_std_for_output_layers",
+]
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class ColumnParallelLinear(nnx.Module):
+    """``Y = X A^T + b`` with ``A`` (``[out, in]``) split over its output dim.
+
+    Each rank holds ``weight [out / tp, in]`` and ``bias [out / tp]`` and produces its
+    ``[..., out / tp]`` slice of ``Y`` (all-gathered to ``[..., out]`` when
+    ``gather_output``). Input: ``[b, s, in]``, or ``[b, s / tp, in]`` with sequence
+    parallelism (all-gathered on the sequence before the GEMM).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_size: int = 1,
+        axis_name: str = TENSOR,
+        use_bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        skip_weight_param_allocation: bool = False,
+        init_std: float = 0.02,
+        precision: PrecisionLike = None,
+        rngs: nnx.Rngs,
+    ):
+        if out_features % tp_size != 0:
+            raise ValueError(
+                f"ColumnParallelLinear: out_features ({out_features}) must be divisible "
+                f"by tensor_model_parallel_size ({tp_size})"
+            )
+        self.tp_size = tp_size
+        self.axis_name = axis_name
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.precision = precision
+        local_out = out_features // tp_size
+        self.weight = (
+            None
+            if skip_weight_param_allocation
+            else nnx.Param(_normal(rngs, (local_out, in_features), init_std),
+                           **param_facts(0, weight_decay=True, fused_wgrad=True))
+        )
+        self.bias = (
+            nnx.Param(jnp.zeros((local_out,), jnp.float32), **param_facts(0))
+            if use_bias
+            else None
+        )
+
+    def __call__(
+        self,
+        x: jax.Array,
+        weight: jax.Array | None = None,
+        *,
+        main_grad: jax.Array | BucketSlot | None = None,
+    ) -> jax.Array:
+        """``x``: ``[b, s(/tp), in]`` -> ``[b, s, out / tp]`` (or ``out``).
+
+        Args:
+          weight: overrides the layer's own weight (Megatron's tied output layer);
+            required when built with ``skip_weight_param_allocation``.
+          main_grad: fp32 ``[out / tp, in]`` accumulator for fused wgrad accumulation,
+            or a :class:`~jax_wgrad.linear.BucketSlot` in threaded flat buckets.
+        """
+        with jax.named_scope("column_parallel_linear"):
+            if weight is None:
+                if self.weight is None:
+                    raise ValueError("ColumnParallelLinear: weight was not allocated; pass it")
+                weight = self.weight[...]
+            if self.tp_size > 1:
+                if self.sequence_parallel:
+                    x = gather_from_sequence_parallel_region(x, self.axis_name, SEQ_DIM)
+                else:
+                    x = copy_to_tensor_parallel_region(x, self.axis_name)
+            bias = None if self.bias is None else self.bias[...]
+            y = linear(x, weight, bias, main_grad=main_grad, precision=self.precision)
+            if self.gather_output and self.tp_size > 1:
+                y = gather_last_dim(y, self.axis_name)
+            return y
+
+
+class RowParallelLinear(nnx.Module):
+    """``Y = X A^T + b`` with ``A`` (``[out, in]``) split over its input dim.
+
+    Each rank holds ``weight [out, in / tp]`` and consumes its ``[..., in / tp]`` slice of
+    ``X`` (Megatron's ``input_is_parallel=True``). The partial products are all-reduced
+    (or reduce-scattered on the sequence with sequence parallelism); the bias
+    ``[out]`` is added after the reduction, once.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_size: int = 1,
+        axis_name: str = TENSOR,
+        use_bias: bool = True,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        precision: PrecisionLike = None,
+        rngs: nnx.Rngs,
+    ):
+        if in_features % tp_size != 0:
+            raise ValueError(
+                f"RowParallelLinear: in_features ({in_features}) must be divisible "
+                f"by tensor_model_parallel_size ({tp_size})"
+            )
+        self.tp_size = tp_size
+        self.axis_name = axis_name
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.precision = precision
+        self.weight = nnx.Param(
+            _normal(rngs, (out_features, in_features // tp_size), init_std),
+            **param_facts(1, weight_decay=True, fused_wgrad=True),
+        )
+        self.bias = (
+            nnx.Param(jnp.zeros((out_features,), jnp.float32), **param_facts(None))
+            if use_bias
+            else None
+        )
+
+    def __call__(
+        self, x: jax.Array, *, main_grad: jax.Array | BucketSlot | None = None
+    ) -> jax.Array:
+        """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``; ``main_grad`` as in
+        :class:`ColumnParallelLinear`."""
+        with jax.named_scope("row_parallel_linear"):
+            y = linear(x, self.weight[...], None, main_grad=main_grad, precision=self.precision)
+            if self.tp_size > 1:
+                if self.sequence_parallel:
+                    y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name, SEQ_DIM)
+                else:
+                    y = reduce_from_tensor_parallel_region(y, self.axis_name)
+            if self.bias is not None:
+                y = y + self.bias[...].astype(y.dtype)
+            return y
+
+
+class VocabParallelEmbedding(nnx.Module):
+    """Embedding table ``[vocab, hidden]`` split over the vocab dim.
+
+    Each rank looks up the ids in its vocab range, zeroes the others, and the partial
+    results are all-reduced over ``tensor`` (reduce-scattered on the sequence with
+    ``sequence_parallel``: output ``[b, s / tp, hidden]``).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_size: int = 1,
+        axis_name: str = TENSOR,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+        rngs: nnx.Rngs,
+    ):
+        if num_embeddings % tp_size != 0:
+            raise ValueError(
+                f"VocabParallelEmbedding: vocab size ({num_embeddings}) must be divisible "
+                f"by tensor_model_parallel_size ({tp_size})"
+            )
+        self.tp_size = tp_size
+        self.axis_name = axis_name
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.embedding = nnx.Param(
+            _normal(rngs, (num_embeddings // tp_size, embedding_dim), init_std),
+            **param_facts(0, weight_decay=True),
+        )
+
+    def __call__(self, ids: jax.Array, *, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """``ids``: int ``[b, s]`` -> ``[b, s(/tp), hidden]`` in ``dtype``.
+
+        The rows are gathered from the table in its own dtype (fp32) and cast afterwards,
+        so the backward scatter-adds the token gradients in fp32: a 16-bit scatter-add
+        rounds every partial sum and, on text-like ids (a few rows hit by most tokens),
+        is two orders of magnitude slower on a GPU (../shared/gpu/FINDINGS.md #7).
+        """
+        with jax.named_scope("vocab_parallel_embedding"):
+            table = self.embedding[...]
+            if self.tp_size == 1:
+                return jnp.take(table, ids, axis=0).astype(dtype)
+            local, in_range = vocab_shard_index(ids, table.shape[0], self.axis_name)
+            out = jnp.take(table, local, axis=0).astype(dtype)
+            out = jnp.where(in_range[..., None], out, jnp.zeros((), dtype))
+            if self.sequence_parallel:
+                return reduce_scatter_to_sequence_parallel_region(out, self.axis_name, SEQ_DIM)
+            return reduce_from_tensor_parallel_region(out, self.axis_name)
+
+
+def init_std_for_output_layers(init_method_std: float, num_layers: int) -> float:
+    """Megatron's ``scaled_init_method_normal``: ``std / sqrt(2 * num_layers)``."""
+    return init_method_std / math.sqrt(2.0 * num_layers)

@@ -1,0 +1,34 @@
+"""Tier 1: the XLA FFI ops and their registry.
+
+* :func:`wgrad_accumulate`: ``main_grad += dy^T x`` as one GEMM with beta = 1, in place
+  (optionally into a flat bucket at a static offset).
+* :func:`bucket_add`: many gradients added into their own blocks of a flat bucket, in place.
+* :func:`fusion_status` / :func:`fusion_available` / :func:`require_fusion`: whether the
+  handlers were shown to work on a platform (:mod:`jax_wgrad.ops.registry`).
+* :func:`matmul_precision`: ``jnp.dot``'s ``precision`` as the handlers' number.
+"""
+
+from jax_wgrad.ops.bucket_add import bucket_add, bucket_add_p, bucket_add_ref
+from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
+from jax_wgrad.ops.registry import fusion_available, fusion_status, require_fusion
+from jax_wgrad.ops.wgrad import (
+    WORKSPACE_BYTES,
+    wgrad_accumulate,
+    wgrad_accumulate_p,
+    wgrad_accumulate_ref,
+)
+
+__all__ = [
+    "PrecisionLike",
+    "WORKSPACE_BYTES",
+    "bucket_add",
+    "bucket_add_p",
+    "bucket_add_ref",
+    "fusion_available",
+    "fusion_status",
+    "matmul_precision",
+    "require_fusion",
+    "wgrad_accumulate",
+    "wgrad_accumulate_p",
+    "wgrad_accumulate_ref",
+]

@@ -1,0 +1,119 @@
+"""In-place block adds into a flat gradient bucket (Megatron's ``main_grad.add_(grad)``).
+
+:func:`bucket_add` binds the ``bucket_add`` primitive, lowered to the XLA FFI custom call
+``jax_wgrad_bucket_add`` with the bucket (operand 0) aliased to the result: every gradient
+reads and writes only its own block, so on a donated argument or a scan carry no bucket is
+copied, on CPU and GPU alike (a ``dynamic_update_slice`` at a constant offset copies the
+whole bucket per block on XLA:GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jax_wgrad.ops import registry
+from jax_wgrad.ops.wgrad import FLOAT_DTYPES
+
+__all__ = ["bucket_add", "bucket_add_p", "bucket_add_ref"]
+
+bucket_add_p = Primitive("bucket_add")
+"""``bucket_add(bucket, *grads, offsets)``: each gradient added into its block, in place."""
+
+
+def _bucket_add_xla(bucket, *grads, offsets):
+    """The same update in plain XLA: one dynamic-slice/add/dynamic-update-slice per block.
+
+    In place on XLA:CPU, but XLA:GPU copies the whole bucket for each block when the
+    offsets are constants (../shared/gpu/FINDINGS.md #6-7); used only on platforms
+    without a built handler.
+    """
+    for g, o in zip(grads, offsets):
+        flat = jnp.ravel(g).astype(jnp.float32)
+        cur = jax.lax.dynamic_slice(bucket, (o,), (flat.shape[0],)).astype(jnp.float32)
+        bucket = jax.lax.dynamic_update_slice(bucket, (cur + flat).astype(bucket.dtype), (o,))
+    return bucket
+
+
+bucket_add_p.def_impl(functools.partial(jax.jit, static_argnames="offsets")(
+    lambda bucket, *grads, offsets: bucket_add_p.bind(bucket, *grads, offsets=offsets)))
+bucket_add_p.def_abstract_eval(lambda bucket, *grads, offsets: bucket)
+
+
+def _bucket_add_lowering(platform: str):
+    if not registry.handler_loaded(platform):
+        return mlir.lower_fun(_bucket_add_xla, multiple_results=False)
+    rule = jax.ffi.ffi_lowering(registry.BUCKET_ADD_TARGET, operand_output_aliases={0: 0})
+    return lambda ctx, *args, offsets: rule(ctx, *args,
+                                            offsets=np.asarray(offsets, np.int64))
+
+
+for _platform in registry.PLATFORMS:
+    mlir.register_lowering(bucket_add_p, _bucket_add_lowering(_platform), platform=_platform)
+# Any other platform (TPU, ROCm, ...): plain XLA.
+mlir.register_lowering(bucket_add_p, mlir.lower_fun(_bucket_add_xla, multiple_results=False))
+
+
+def _validate_bucket_add(bucket, grads, offsets) -> None:
+    if bucket.ndim != 1 or bucket.dtype not in FLOAT_DTYPES:
+        raise ValueError("bucket_add: the bucket must be a flat float32, bfloat16 or float16 "
+                         f"array, got {bucket.dtype}{list(bucket.shape)}")
+    if len(grads) != len(offsets):
+        raise ValueError(f"bucket_add: {len(offsets)} offsets for {len(grads)} gradients")
+    spans = []
+    for k, (g, o) in enumerate(zip(grads, offsets)):
+        where = f"bucket_add: gradient {k} ({g.dtype}{list(g.shape)} at offset {o!r})"
+        if g.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{where} must be float32, bfloat16 or float16")
+        if not isinstance(o, (int, np.integer)) or isinstance(o, bool) or not (
+                0 <= o <= bucket.shape[0] - g.size):
+            raise ValueError(f"{where} must be a static int with the block inside the "
+                             f"bucket of {bucket.shape[0]} elements")
+        if g.size:
+            spans.append((int(o), int(o) + g.size))
+    spans.sort()
+    for (s0, e0), (s1, _) in zip(spans, spans[1:]):
+        if e0 > s1:
+            raise ValueError(f"bucket_add: the blocks [{s0}, {e0}) and [{s1}, ...) overlap")
+
+
+def bucket_add(bucket: jax.Array, grads, offsets) -> jax.Array:
+    """Adds each gradient into its own block of a flat gradient bucket, in place.
+
+    ``bucket[o_k : o_k + size(g_k)] += ravel(g_k)`` for every ``k``, computed in fp32 and
+    stored in the bucket's dtype: Megatron's ``param.main_grad.add_(param.grad)`` for a
+    whole set of parameters. One XLA custom call whose result aliases the bucket: on a
+    donated argument or a scan carry no copy of the bucket is made on any backend, and
+    the work is proportional to the gradients, not to the bucket. (On a platform without
+    a built handler it lowers to plain XLA dynamic-update-slices instead.)
+
+    Args:
+      bucket: flat ``[N]`` float32 (or 16-bit) gradient bucket.
+      grads: sequence of float32/bfloat16/float16 arrays of any shapes.
+      offsets: static element offsets, one per gradient; the blocks must lie inside the
+        bucket and not overlap.
+    Returns:
+      The updated bucket (``bucket`` itself when there is nothing to add).
+    Raises:
+      ValueError: on a bad bucket, dtype, offset or overlapping blocks.
+    """
+    grads = list(grads)
+    offsets = [int(o) if isinstance(o, np.integer) else o for o in offsets]
+    _validate_bucket_add(bucket, grads, offsets)
+    keep = [(g, o) for g, o in zip(grads, offsets) if g.size]
+    if not keep:
+        return bucket
+    return bucket_add_p.bind(bucket, *(g for g, _ in keep),
+                             offsets=tuple(o for _, o in keep))
+
+
+def bucket_add_ref(bucket: jax.Array, grads, offsets) -> jax.Array:
+    """Plain-XLA reference of :func:`bucket_add` (same rounding)."""
+    grads = list(grads)
+    _validate_bucket_add(bucket, grads, list(offsets))
+    return _bucket_add_xla(bucket, *grads, offsets=tuple(int(o) for o in offsets))

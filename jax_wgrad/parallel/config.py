@@ -1,0 +1,141 @@
+"""How one training step is laid out over devices (Megatron's parallel arguments)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Literal
+
+from jax_wgrad._validation import check_positive
+from jax_wgrad.parallel.pipeline.schedules import SCHEDULES
+
+__all__ = ["ParallelConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How one training step is laid out over devices.
+
+    The mesh is ``(data, tensor, pipeline)``; the data-parallel size and the number of
+    microbatches are derived, as in Megatron.
+    """
+
+    tensor_model_parallel_size: int = 1
+    """Devices a layer's weights are split over (Megatron TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; the transformer layers are split evenly over them."""
+    micro_batch_size: int = 1
+    """Sequences per microbatch per data-parallel rank."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks. ``None``: one
+    microbatch per data-parallel rank (``micro_batch_size * data_parallel_size``)."""
+    sequence_parallel: bool = False
+    """Shard activations between blocks on the sequence dim over ``tensor``."""
+    gradient_accumulation_fusion: bool = False
+    """Accumulate every linear weight gradient in an fp32 main-grad buffer through the
+    fused ``wgrad_accumulate`` op instead of producing ordinary gradients."""
+    world_size: int | None = None
+    """Total devices in the mesh; ``None`` means ``jax.device_count()``."""
+    defer_embedding_wgrad_compute: bool = False
+    """Megatron's option: on the last pipeline stage compute only the output layer's data
+    gradient during the schedule, stash what its weight gradient needs, and do the
+    weight-gradient GEMMs after the schedule (issue #4, :mod:`jax_wgrad.deferred`)."""
+    wgrad_deferral_limit: int = 0
+    """Number of microbatches whose output-layer weight gradient is deferred (the first
+    ``min(limit, M)``); 0 defers all of them (Megatron's default)."""
+    defer_mode: Literal["stash", "recompute"] = "stash"
+    """``stash``: keep ``(x, dy)`` per deferred microbatch (Megatron; ``dy`` is
+    ``[T, V/tp]``). ``recompute``: keep ``(x, logsumexp, labels)`` and rebuild ``dy``
+    chunk by chunk in the drain (``O(T H)`` instead of ``O(T V/tp)``; one extra GEMM)."""
+    pipeline_schedule: str = "1f1b"
+    """The pipeline schedule (a name in
+    :data:`jax_wgrad.parallel.pipeline.SCHEDULES`): ``1f1b``, Megatron's one-forward-
+    one-backward schedule in lock step."""
+
+    def __post_init__(self) -> None:
+        check_positive("tensor_model_parallel_size", self.tensor_model_parallel_size)
+        check_positive("pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        check_positive("micro_batch_size", self.micro_batch_size)
+        if self.world_size is None:
+            import jax
+
+            object.__setattr__(self, "world_size", jax.device_count())
+        check_positive("world_size", self.world_size)
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if self.world_size % model_parallel != 0:
+            raise ValueError(
+                f"world size ({self.world_size}) is not divisible by "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}) x "
+                f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size})"
+            )
+        dp = self.world_size // model_parallel
+        if self.global_batch_size is None:
+            object.__setattr__(self, "global_batch_size", self.micro_batch_size * dp)
+        check_positive("global_batch_size", self.global_batch_size)
+        if self.global_batch_size % (self.micro_batch_size * dp) != 0:
+            raise ValueError(
+                f"global batch size ({self.global_batch_size}) is not divisible by "
+                f"micro batch size ({self.micro_batch_size}) times data parallel size ({dp})"
+            )
+        self._validate_deferral()
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {sorted(SCHEDULES)}, got "
+                             f"{self.pipeline_schedule!r}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # Megatron does the same (model_parallel_config.py).
+            warnings.warn(
+                "Disabling sequence parallelism because tensor model parallelism is disabled",
+                stacklevel=2,
+            )
+            object.__setattr__(self, "sequence_parallel", False)
+
+    def _validate_deferral(self) -> None:
+        if not isinstance(self.defer_embedding_wgrad_compute, bool):
+            raise ValueError("defer_embedding_wgrad_compute must be a bool, got "
+                             f"{self.defer_embedding_wgrad_compute!r}")
+        limit = self.wgrad_deferral_limit
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            raise ValueError(f"wgrad_deferral_limit must be an integer >= 0, got {limit!r}")
+        if self.defer_mode not in ("stash", "recompute"):
+            raise ValueError(
+                f"defer_mode must be 'stash' or 'recompute', got {self.defer_mode!r}")
+        if not self.defer_embedding_wgrad_compute:
+            return
+        # Megatron's checks and wording (model_parallel_config.py), in its order.
+        if self.pipeline_model_parallel_size == 1:
+            raise ValueError("Cannot defer embedding wgrad when pipeline parallel not used")
+        if not self.gradient_accumulation_fusion:
+            raise ValueError(
+                "Cannot defer embedding wgrad without gradient accumulation fusion")
+        if limit < 0:
+            raise ValueError(f"Wgrad deferral limit must be >= 0 (got {limit})")
+
+    @property
+    def num_deferred_microbatches(self) -> int:
+        """Microbatches whose output-layer wgrad is deferred: ``min(L, M)``, ``M`` for
+        ``L = 0``, 0 without deferral."""
+        if not self.defer_embedding_wgrad_compute:
+            return 0
+        m = self.num_microbatches
+        return m if self.wgrad_deferral_limit == 0 else min(self.wgrad_deferral_limit, m)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """``world_size // (tp * pp)``."""
+        return self.world_size // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        )
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per data-parallel rank per step (``M``)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """``(data, tensor, pipeline)`` sizes."""
+        return (
+            self.data_parallel_size,
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+        )

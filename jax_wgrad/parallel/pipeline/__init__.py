@@ -1,0 +1,13 @@
+"""Pipeline parallelism: schedules as data (:mod:`.schedules`, imported here), the
+one-program executor that runs any schedule table (:mod:`.executor`) and a step's
+gradients (:mod:`.gradients`: :func:`~.gradients.pipeline_gradients`)."""
+
+from jax_wgrad.parallel.pipeline.schedules import (
+    IDLE,
+    SCHEDULES,
+    ScheduleTable,
+    get_schedule,
+    one_f_one_b,
+)
+
+__all__ = ["IDLE", "SCHEDULES", "ScheduleTable", "get_schedule", "one_f_one_b"]

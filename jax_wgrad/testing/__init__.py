@@ -1,0 +1,5 @@
+"""Public testing utilities: the single-device reference model users check layouts with."""
+
+from jax_wgrad.testing.reference import reference_loss
+
+__all__ = ["reference_loss"]

@@ -1,0 +1,136 @@
+"""Train state and the jitted, donating train step over the ``(data, tensor, pipeline)`` mesh.
+
+``step(state, tokens) -> (state, metrics)`` is ONE ``shard_map`` program: the 1F1B
+pipeline accumulates gradients in flat fp32 buckets (:mod:`jax_wgrad.parallel.pipeline`),
+the buckets are synced and finalized (:mod:`jax_wgrad.grads`: data-parallel reduce-scatter or
+all-reduce per bucket -- in the pipeline cooldown with ``overlap_grad_reduce`` --, the
+sequence-parallel and tied-embedding all-reduces, token scaling), and
+:class:`jax_wgrad.optim.DistributedOptimizer` takes the step: global fp32 norm
+(each parameter counted once), clipping, skip on a non-finite norm, optax on this rank's
+shards (``use_distributed_optimizer``) or on the replicated tree, all-gather of the
+updated parameters. Everything static comes from one
+:class:`~jax_wgrad.training.TrainPlan`.
+
+Metrics: ``loss`` (global mean token loss), ``grad_norm`` (global L2 norm before
+clipping), ``skipped`` (the step was skipped: non-finite norm; nothing changed).
+
+The optimizer state is per device (fp32 master weights and optax state of the device's
+shard); it is stored as global arrays with a leading device axis
+(``PartitionSpec(AXES)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_wgrad.optim import transforms
+from jax_wgrad.parallel.mesh import AXES, DATA
+from jax_wgrad.parallel.pipeline.gradients import reduce_gradients
+from jax_wgrad.training.plan import TrainPlan
+
+__all__ = ["TrainState", "default_optimizer", "init_train_state", "shard_batch",
+           "build_train_step"]
+
+
+class TrainState(NamedTuple):
+    """Everything that changes from step to step (a pytree)."""
+
+    step: jax.Array
+    params: dict[str, Any]
+    opt_state: Any
+
+
+def default_optimizer(
+    lr: float | optax.Schedule,
+    *,
+    weight_decay: float = 0.01,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+) -> optax.GradientTransformationExtraArgs:
+    """Megatron's defaults: AdamW, decay only where the parameters' specs say so (weights
+    and the word embedding; not biases, LayerNorms, positions). The decay mask is applied
+    per element by the train step (:func:`jax_wgrad.optim.adamw`); clipping is
+    ``DDPConfig.clip_grad``."""
+    return transforms.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+
+
+def _stack(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _unstack(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def init_train_state(plan: TrainPlan, seed: int) -> TrainState:
+    """Full parameters from ``seed`` (identical for every layout), created sharded, and
+    each device's optimizer state (fp32 master + optax state of its shard)."""
+    stages, opt = plan.stages, plan.optimizer
+    params = jax.jit(lambda: stages.init_params(seed), out_shardings=plan.param_shardings)()
+    init = jax.shard_map(lambda p: _stack(opt.init(stages.device_tree(p))), mesh=plan.mesh,
+                         in_specs=(stages.param_specs(),), out_specs=P(AXES), check_vma=False)
+    opt_state = jax.jit(init)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(plan.mesh, P()))
+    return TrainState(step, params, opt_state)
+
+
+def shard_batch(mesh: Mesh, tokens: np.ndarray) -> jax.Array:
+    """Global ``[global_batch, S + 1]`` host batch -> array sharded over ``data``.
+
+    Every process passes the same global batch (see :mod:`jax_wgrad.training.data`); each
+    keeps the rows of its own devices, so this works for multi-process runs too.
+    """
+    sharding = NamedSharding(mesh, P(DATA))
+    return jax.make_array_from_callback(tokens.shape, sharding, lambda idx: tokens[idx])
+
+
+def build_train_step(
+    plan: TrainPlan,
+    state: TrainState,
+    *,
+    debug_grad_hook: Callable[[tuple[jax.Array, ...], jax.Array], tuple[jax.Array, ...]]
+    | None = None,
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """A jitted ``step(state, tokens) -> (state, metrics)`` donating ``state``.
+
+    Args:
+      plan: the run's plan.
+      state: an initial state from :func:`init_train_state` with the same plan (only its
+        shardings are used, to pin the output shardings so donated buffers are reused).
+      debug_grad_hook: for fault-injection tests: ``hook(local buckets, step) -> buckets``
+        applied to each device's accumulated buckets before they are synced.
+    """
+    stages, opt, specs = plan.stages, plan.optimizer, plan.stages.param_specs()
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    def body(params, opt_state, tokens, step):
+        hook = None if debug_grad_hook is None else (lambda b: debug_grad_hook(b, step))
+        tree = stages.device_tree(params)
+        synced, loss = reduce_gradients(stages, plan.layout, plan.ddp, plan.table, tree,
+                                        tokens, grad_hook=hook)
+        new_tree, new_opt_state, info = opt.step(tree, synced, _unstack(opt_state))
+        metrics = {"loss": loss, "grad_norm": info.grad_norm, "skipped": info.skipped}
+        return stages.canonical_tree(new_tree), _stack(new_opt_state), metrics
+
+    per_device = jax.shard_map(
+        body, mesh=plan.mesh,
+        in_specs=(specs, P(AXES), P(DATA), P()),
+        out_specs=(specs, P(AXES), P()),
+        check_vma=False,
+    )
+
+    def step(state: TrainState, tokens: jax.Array):
+        params, opt_state, metrics = per_device(state.params, state.opt_state, tokens,
+                                                state.step)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
