@@ -3,7 +3,8 @@
 
 Measures, for the jitted train step of :func:`jax_wgrad.build_train_step`:
 
-* ``memory``: ``compile().memory_analysis().temp_size_in_bytes`` at several M (pp = 4).
+* ``memory``: ``compile().memory_analysis().temp_size_in_bytes`` at M = 4 and 32 (pp = 4),
+  for ``--pipeline-schedule`` and ``--recompute-granularity``.
 * ``compile``: lower + compile time at several M (pp = 4).
 * ``step``: CPU step time of two layouts at the same global batch.
 
@@ -31,11 +32,16 @@ from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, ByteDataset, build_
                        default_optimizer, init_train_state, make_mesh, shard_batch)
 
 
+SCHEDULE = {"pipeline_schedule": "1f1b", "recompute_granularity": None}
+"""Set from --pipeline-schedule / --recompute-granularity."""
+
+
 def _setup(model, dp_tp_pp, mbs, m, fusion=False, sp=False):
     dp, tp, pp = dp_tp_pp
     par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          micro_batch_size=mbs, global_batch_size=mbs * dp * m,
-                         sequence_parallel=sp, gradient_accumulation_fusion=fusion)
+                         sequence_parallel=sp, gradient_accumulation_fusion=fusion,
+                         **SCHEDULE)
     mesh = make_mesh(par)
     opt = default_optimizer(1e-3)
     plan = TrainPlan.create(model, par, mesh, opt)
@@ -122,20 +128,27 @@ def main():
     p.add_argument("--gradient-accumulation-fusion", action="store_true")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--pipeline-schedule", choices=("1f1b", "zb-h1"), default="1f1b")
+    p.add_argument("--recompute-granularity", choices=("none", "full", "selective"),
+                   default="none")
     p.add_argument("--step-layouts", default="8,1,1;2,2,2",
                    help="(dp,tp,pp) layouts for step, ';'-separated; the first is the baseline")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    SCHEDULE.update(pipeline_schedule=args.pipeline_schedule,
+                    recompute_granularity=None if args.recompute_granularity == "none"
+                    else args.recompute_granularity)
     model = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length)
     layout = tuple(int(x) for x in args.layout.split(","))
     fusion = args.gradient_accumulation_fusion
     results = {"devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
-               "cpu_cores": os.cpu_count(), "model": vars(model) | {}, "layout": layout}
+               "cpu_cores": os.cpu_count(), "model": vars(model) | {}, "layout": layout,
+               **SCHEDULE}
     if "memory" in args.what:
-        results["memory"] = memory(model, layout, [4, 16], args.micro_batch_size, fusion)
+        results["memory"] = memory(model, layout, [4, 32], args.micro_batch_size, fusion)
         r = results["memory"]
-        print(f"temp ratio M=16 / M=4: {r[16]['temp_bytes'] / r[4]['temp_bytes']:.3f}")
+        print(f"temp ratio M=32 / M=4: {r[32]['temp_bytes'] / r[4]['temp_bytes']:.3f}")
     if "compile" in args.what:
         results["compile"] = compile_time(model, layout, [4, 32], args.micro_batch_size, fusion)
         r = results["compile"]

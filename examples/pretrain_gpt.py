@@ -43,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--gradient-accumulation-fusion)")
     g.add_argument("--wgrad-deferral-limit", type=int, default=0,
                    help="microbatches whose output-layer wgrad is deferred (0: all)")
+    g.add_argument("--pipeline-schedule", choices=("1f1b", "zb-h1"), default="1f1b",
+                   help="1f1b (Megatron's) or zb-h1 (zero bubble: weight-gradient GEMMs fill "
+                        "the bubbles; needs --gradient-accumulation-fusion)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="recompute activations in the backward: full (the whole stage "
+                        "forward) or selective (the attention core); absent: none")
     g.add_argument("--defer-mode", choices=("stash", "recompute"), default="stash",
                    help="stash (x, dy) per deferred microbatch, or (x, logsumexp, labels) "
                         "and recompute dy in the drain")
@@ -116,7 +122,9 @@ def build_configs(args: argparse.Namespace):
             sequence_parallel=args.sequence_parallel,
             gradient_accumulation_fusion=args.gradient_accumulation_fusion,
             defer_embedding_wgrad_compute=args.defer_embedding_wgrad_compute,
-            wgrad_deferral_limit=args.wgrad_deferral_limit, defer_mode=args.defer_mode)
+            wgrad_deferral_limit=args.wgrad_deferral_limit, defer_mode=args.defer_mode,
+            pipeline_schedule=args.pipeline_schedule,
+            recompute_granularity=args.recompute_granularity)
         validate(parallel, model)
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
@@ -154,7 +162,8 @@ def describe(plan, data, state) -> list[str]:
         f"devices: {jax.device_count()} x {jax.devices()[0].platform} | mesh (data, tensor, "
         f"pipeline) = {par.mesh_shape} | microbatches per step: {par.num_microbatches} | "
         f"sequence parallel: {par.sequence_parallel} | gradient accumulation fusion: "
-        f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name}",
+        f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name} | recompute: "
+        f"{par.recompute_granularity}",
         f"data: {data.name}, {len(data) / 1e6:.1f} MB",
         f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
         f"{ddp.overlap_grad_reduce} | bucket size "
@@ -230,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     import jax_wgrad
 
+    from jax_wgrad.training.gpu import apply_gpu_xla_flags
+
+    gpu_flags = apply_gpu_xla_flags()  # before jax initialises its backends
     jax_wgrad.use_virtual_cpu_devices(args.num_cpu_devices)
     import numpy as np
     from tqdm import tqdm
@@ -246,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
     state = jax_wgrad.init_train_state(plan, args.seed)
     for line in describe(plan, data, state):
         log(line)
+    if gpu_flags:
+        log(f"XLA flags for the GPU: {' '.join(gpu_flags)}")
     losses, times, skipped_steps, compile_s = train(args, plan, state, data, log)
     buf = plan.layout.buffer
     steady = times[1:] or times

@@ -6,25 +6,19 @@ imported), so it is jax's default backend, while tests marked ``gpu`` place thei
 on ``jax.devices("gpu")`` explicitly.
 """
 
-import ctypes
-import importlib.metadata
+import importlib.util
 import os
+from pathlib import Path
 
 
 def _cuda_gpu_usable() -> bool:
-    """A jax CUDA plugin is installed and the driver reports a device (checked without
-    importing jax, whose platform order must be set first)."""
-    names = {(d.metadata["Name"] or "").lower().replace("_", "-")
-             for d in importlib.metadata.distributions()}
-    if not any(n.startswith("jax-cuda") for n in names):
-        return False
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    count = ctypes.c_int(0)
-    return libcuda.cuInit(0) == 0 and libcuda.cuDeviceGetCount(ctypes.byref(count)) == 0 \
-        and count.value > 0
+    # jax_wgrad/_cuda_probe.py by path: importing the package would import jax, whose
+    # platform order must be chosen first.
+    path = Path(__file__).resolve().parents[1] / "jax_wgrad" / "_cuda_probe.py"
+    spec = importlib.util.spec_from_file_location("_jax_wgrad_cuda_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cuda_gpu_usable()
 
 
 if "JAX_PLATFORMS" not in os.environ and _cuda_gpu_usable():

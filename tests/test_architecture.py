@@ -16,7 +16,8 @@ MODULES = sorted(p for p in PKG.rglob("*.py"))
 # Import tiers, bottom up: a module may import its own tier and the ones below. The
 # foundation (mesh with the axis names, the parallel config, the schedule tables, argument
 # checks) is importable from anywhere.
-FOUNDATION = ("jax_wgrad._validation", "jax_wgrad.parallel.mesh", "jax_wgrad.parallel.config",
+FOUNDATION = ("jax_wgrad._validation", "jax_wgrad._cuda_probe", "jax_wgrad.parallel.mesh",
+              "jax_wgrad.parallel.config",
               "jax_wgrad.parallel.pipeline.schedules", "jax_wgrad.parallel")
 TIERS = [
     ("jax_wgrad.ops",),
@@ -26,7 +27,7 @@ TIERS = [
     ("jax_wgrad.optim",),
     ("jax_wgrad.parallel.pipeline", "jax_wgrad.parallel.deferred"),
     ("jax_wgrad.training",),
-    ("jax_wgrad.testing",),
+    ("jax_wgrad.testing", "jax_wgrad.schedules"),
 ]
 
 

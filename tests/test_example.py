@@ -107,3 +107,30 @@ def test_deferral_errors(example):
         example.main(SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion",
                               "--pipeline-model-parallel-size", "2",
                               "--wgrad-deferral-limit", "-2"])
+
+
+def _schedule_runs():
+    runs = [("zb-h1", "selective"), ("1f1b", "full")]
+    slow = [("1f1b", "selective"), ("zb-h1", None), ("zb-h1", "full")]
+    return ([pytest.param(s, r, id=f"{s}-{r}") for s, r in runs]
+            + [pytest.param(s, r, id=f"{s}-{r}", marks=pytest.mark.slow) for s, r in slow])
+
+
+@pytest.mark.skipif(not fusion_available("cpu"), reason="zb-h1 needs the fused op")
+@pytest.mark.parametrize("schedule, recompute", _schedule_runs())
+def test_loss_curve_unchanged_by_schedule_and_recompute(example, tmp_path, schedule, recompute):
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--sequence-parallel", "--gradient-accumulation-fusion"]
+    base = _curve(example, tmp_path, "1f1b-none", layout)
+    extra = ["--pipeline-schedule", schedule] + (
+        ["--recompute-granularity", recompute] if recompute else [])
+    curve = _curve(example, tmp_path, f"{schedule}-{recompute}", layout + extra)
+    for a, b in zip(curve, base):
+        assert abs(a - b) <= 1e-5 * abs(b), (schedule, recompute, curve, base)
+
+
+def test_schedule_errors(example):
+    with pytest.raises(SystemExit, match="Cannot use the zb-h1 pipeline schedule without "
+                                         "gradient accumulation fusion"):
+        example.main(SMALL + ["--pipeline-model-parallel-size", "2",
+                              "--pipeline-schedule", "zb-h1"])

@@ -24,43 +24,46 @@ MESHES = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (2, 1, 4), (1, 2, 4)]
 # --------------------------------------------------------------------------- schedule
 
 
+def _task_order(table, s):
+    """Stage ``s``'s tasks in tick order, e.g. ``[("F", 0), ("F", 1), ("B", 0), ...]``."""
+    order = []
+    for t in range(table.num_ticks):
+        for task, col in (("F", table.forward), ("B", table.backward), ("W", table.weight)):
+            if col[t, s] >= 0:
+                order.append((task, int(col[t, s])))
+    return order
+
+
 @pytest.mark.parametrize("p, m", [(1, 3), (2, 2), (4, 1), (4, 3), (4, 8), (3, 16)])
-def test_schedule_is_1f1b_with_bounded_in_flight(p, m):
+def test_schedule_is_megatron_1f1b_with_p_minus_s_in_flight(p, m):
     sched = one_f_one_b(p, m)
-    assert sched.num_slots == min(2 * p - 1, m)  # the stage-0 window, at most M
-    table = [[(None if f < 0 else int(f), None if b < 0 else int(b)) for f, b in zip(fr, br)]
-             for fr, br in zip(sched.forward, sched.backward)]
-    assert len(table) == m + 2 * p - 2
+    assert sched.num_ticks == 2 * (m + p - 1) and not sched.split_backward
     for s in range(p):
-        fwd = [row[s][0] for row in table if row[s][0] is not None]
-        bwd = [row[s][1] for row in table if row[s][1] is not None]
-        assert fwd == list(range(m)) and bwd == list(range(m))
-        in_flight = 0
-        for t, row in enumerate(table):
-            f, b = row[s]
-            in_flight += (f is not None) - (b is not None)
-            assert 0 <= in_flight <= min(2 * (p - 1 - s) + 1, sched.num_slots)
-            assert in_flight <= sched.in_flight(s)
-            if b is not None:  # backward needs this stage's forward and the next stage's backward
-                assert any(table[u][s][0] == b for u in range(t + 1))
-                if s < p - 1:
-                    assert table[t - 1][s + 1][1] == b
-            if f is not None and s > 0:
-                assert table[t - 1][s - 1][0] == f
+        assert sched.in_flight(s) == min(p - s, m)
+        # Megatron's order: P - s - 1 warm-up forwards, one forward one backward, cool-down.
+        warm = min(p - s - 1, m)
+        expected = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            expected += [("F", warm + i), ("B", i)]
+        expected += [("B", i) for i in range(m - warm, m)]
+        assert _task_order(sched, s) == expected, s
+    assert sched.num_slots == min(p, m)
 
 
 # --------------------------------------------------------------------------- gradients
 
 
-def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32", table=None):
+def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32", table=None,
+                     schedule="1f1b", recompute=None):
     if fusion and not fusion_available("cpu"):
         pytest.skip("the CPU wgrad_accumulate handler was not built")
-    cfg = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8,
+    cfg = GPTConfig(num_layers=max(4, pp), hidden_size=32, num_attention_heads=4, seq_length=8,
                     vocab_size=64, untie_embeddings_and_output_weights=not tied,
                     compute_dtype=dtype)
     par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          micro_batch_size=2, global_batch_size=2 * dp * m,
-                         sequence_parallel=sp, gradient_accumulation_fusion=fusion)
+                         sequence_parallel=sp, gradient_accumulation_fusion=fusion,
+                         pipeline_schedule=schedule, recompute_granularity=recompute)
     validate(par, cfg)
     mesh = make_mesh(par)
     params = init_params(cfg, seed=0)
@@ -158,10 +161,12 @@ def gpipe(num_stages: int, num_microbatches: int) -> ScheduleTable:
 def test_gpipe_table_facts():
     table = gpipe(4, 3)
     assert table.num_ticks == 12 and table.num_slots == 3  # every microbatch in flight
-    assert table.inbox_depth("F") == table.inbox_depth("B") == 1
-    assert [table.last_backward_tick(s) for s in range(4)] == [11, 10, 9, 8]
-    # Lock-step ticks at unit costs: both take 2 (M + P - 1); GPipe holds all M inputs.
-    assert table.makespan() == one_f_one_b(4, 3).makespan() == 12
+    # The last stage keeps its head's loss gradients from its F until its B: all M.
+    assert table.inbox_depth("F") == 1 and table.inbox_depth("B") == 3
+    assert [table.last_grad_tick(s) for s in range(4)] == [11, 10, 9, 8]
+    # Lock-step ticks, F = 1 and a full backward = B + W = 2: GPipe's M + P - 1 forward
+    # ticks then M + P - 1 backward ticks (6 + 12), holding all M microbatches on stage 0.
+    assert table.makespan() == 18 and table.in_flight(0) == 3
 
 
 @pytest.mark.parametrize("dp, tp, pp, sp, fusion", [(2, 2, 2, True, True), (1, 2, 4, False, True),
@@ -177,8 +182,10 @@ def test_gpipe_through_the_same_executor_equals_jax_grad(dp, tp, pp, sp, fusion)
     ("b_first", "runs B before F"),
 ])
 def test_schedule_table_validation(bad, match):
-    good = one_f_one_b(2, 2)
-    fwd, bwd = good.forward.copy(), good.backward.copy()
+    # A valid 2-stage, 2-microbatch table (F and B in one tick on the last stage).
+    fwd = np.array([[0, IDLE], [1, 0], [IDLE, 1], [IDLE, IDLE]])
+    bwd = np.array([[IDLE, IDLE], [IDLE, 0], [0, 1], [1, IDLE]])
+    ScheduleTable("good", fwd, bwd)
     if bad == "order":  # stage 0 forwards microbatch 1 first
         fwd[0, 0], fwd[1, 0] = 1, 0
     elif bad == "early":  # stage 1 forwards microbatch 0 in the tick stage 0 does
@@ -187,3 +194,38 @@ def test_schedule_table_validation(bad, match):
         bwd[:, 1] = [0, 1, IDLE, IDLE]
     with pytest.raises(ValueError, match=match):
         ScheduleTable("bad", fwd, bwd)
+
+
+# --------------------------------------------------------------------------- issue 9 grid
+
+GRID_MESHES = [(8, 1, 1, False), (2, 2, 2, True), (1, 2, 4, True), (2, 1, 4, False),
+               (1, 1, 8, False)]
+# (mesh index, schedule, recompute, m, tied) run by default: every mesh, schedule and
+# recompute mode at least once, with M = 1, M < P and an untied output layer among them.
+DEFAULT_GRID = [(1, "zb-h1", None, 2, True), (2, "zb-h1", "selective", 3, False),
+                (3, "1f1b", "full", 1, True), (4, "zb-h1", None, 3, True),
+                (0, "zb-h1", "full", 2, True), (2, "1f1b", "selective", 5, True)]
+
+
+def _grid_params():
+    out = []
+    for i, (dp, tp, pp, sp) in enumerate(GRID_MESHES):
+        for schedule in ("1f1b", "zb-h1"):
+            for recompute in (None, "full", "selective"):
+                for m, tied in ((1, True), (3, True), (2, False)):
+                    default = (i, schedule, recompute, m, tied) in DEFAULT_GRID
+                    out.append(pytest.param(
+                        dp, tp, pp, sp, schedule, recompute, m, tied,
+                        id=f"{dp}{tp}{pp}{'-sp' if sp else ''}-{schedule}-{recompute}-m{m}"
+                           f"{'' if tied else '-untied'}",
+                        marks=() if default else pytest.mark.slow))
+    extra = [(*GRID_MESHES[i][:4], s, r, m, t) for i, s, r, m, t in DEFAULT_GRID
+             if (m, t) not in ((1, True), (3, True), (2, False))]
+    out += [pytest.param(*e, id=f"default-{e[4]}-{e[5]}-m{e[6]}") for e in extra]
+    return out
+
+
+@pytest.mark.parametrize("dp, tp, pp, sp, schedule, recompute, m, tied", _grid_params())
+def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recompute, m, tied):
+    _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=True, m=m, tied=tied,
+                                          schedule=schedule, recompute=recompute))

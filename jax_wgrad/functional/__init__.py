@@ -18,12 +18,21 @@ from jax_wgrad.functional.cross_entropy import (
     vocab_parallel_logsumexp,
     vocab_shard_index,
 )
-from jax_wgrad.functional.linear import BucketSlot, WgradBuckets, linear, linear_into_bucket
+from jax_wgrad.functional.linear import (
+    BucketSlot,
+    SplitSlot,
+    WgradBuckets,
+    WgradSplit,
+    linear,
+    linear_into_bucket,
+)
 
 __all__ = [
     "SEQ_DIM",
     "BucketSlot",
+    "SplitSlot",
     "WgradBuckets",
+    "WgradSplit",
     "causal_attention",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",

@@ -46,7 +46,8 @@ import jax.numpy as jnp
 
 from jax_wgrad import ops
 
-__all__ = ["linear", "linear_into_bucket", "WgradBuckets", "BucketSlot"]
+__all__ = ["linear", "linear_into_bucket", "WgradBuckets", "BucketSlot", "WgradSplit",
+           "SplitSlot"]
 
 
 def _check(x: jax.Array, w: jax.Array, b: jax.Array | None) -> None:
@@ -191,6 +192,52 @@ class WgradBuckets:
         return y
 
 
+class WgradSplit:
+    """Splits each fused linear's backward for zero-bubble pipelining (B and W tasks).
+
+    Create it INSIDE the function being differentiated from that function's ``probes``
+    argument (one zero array per fused linear, shaped like its output; ``None`` entries
+    only record the linears' inputs and outputs, e.g. under ``jax.eval_shape``) and hand
+    :meth:`slot`\\ s to the layers (``main_grad=slot``). Fused linear ``k`` then computes
+    ``x @ stop_gradient(w).T + b + probes[k]`` and records its input ``x`` in
+    :attr:`inputs` (return them as auxiliary outputs). Differentiating with respect to the
+    probes gives every linear's output gradient ``dy_k`` while no weight-gradient GEMM is
+    computed (the weights are held out of differentiation); the ``W`` task later runs
+    ``wgrad_accumulate(x_k, dy_k, bucket, offset)`` for each.
+    """
+
+    def __init__(self, probes):
+        self._probes = list(probes)
+        self.inputs: list[jax.Array | None] = [None] * len(self._probes)
+        self.outputs: list[jax.Array | None] = [None] * len(self._probes)
+
+    def slot(self, index: int) -> SplitSlot:
+        """The split main grad of fused linear number ``index``."""
+        if not 0 <= index < len(self._probes):
+            raise ValueError(f"WgradSplit.slot: linear {index} out of range "
+                             f"(have {len(self._probes)} probes)")
+        return SplitSlot(self, index)
+
+    def _linear(self, x, w, b, index: int, precision: int) -> jax.Array:
+        probe = self._probes[index]
+        y = _forward(x, jax.lax.stop_gradient(w), b, precision)
+        if probe is not None:  # None: only record (to learn the shapes)
+            if probe.shape != y.shape:
+                raise ValueError(f"WgradSplit: probe {index} has shape {probe.shape}, the "
+                                 f"linear's output {y.shape}")
+            y = y + probe.astype(y.dtype)
+        self.inputs[index], self.outputs[index] = x, y
+        return y
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSlot:
+    """Fused linear ``index`` of a :class:`WgradSplit` (``main_grad=`` of :func:`linear`)."""
+
+    owner: WgradSplit
+    index: int
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketSlot:
     """Where one weight's main grad lives in threaded buckets (``main_grad=`` of
@@ -206,7 +253,7 @@ def linear(
     w: jax.Array,
     b: jax.Array | None = None,
     *,
-    main_grad: jax.Array | BucketSlot | None = None,
+    main_grad: jax.Array | BucketSlot | SplitSlot | None = None,
     precision: ops.PrecisionLike = None,
 ) -> jax.Array:
     """``y = x @ w.T + b``.
@@ -219,7 +266,8 @@ def linear(
         the backward accumulates ``dy^T x`` into it through the fused op and returns the
         updated buffer as its cotangent; ``w`` then receives a zero gradient. Or a
         :class:`BucketSlot`: the weight's block in threaded flat buckets
-        (:func:`linear_into_bucket`).
+        (:func:`linear_into_bucket`), or a :class:`SplitSlot` (zero-bubble: the weight
+        gradient is left to a later task, :class:`WgradSplit`).
       precision: matmul precision of the forward, data-gradient and weight-gradient
         GEMMs, with ``jnp.dot``'s meaning and default (``jax.default_matmul_precision``;
         see :func:`jax_wgrad.ops.matmul_precision`): on a GPU float32 uses TF32 unless
@@ -233,6 +281,8 @@ def linear(
         return _forward(x, w, b, level)
     if isinstance(main_grad, BucketSlot):
         return main_grad.owner._linear(x, w, b, main_grad.bucket, main_grad.offset, level)
+    if isinstance(main_grad, SplitSlot):
+        return main_grad.owner._linear(x, w, b, main_grad.index, level)
     if main_grad.shape != w.shape:
         raise ValueError(
             f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"

@@ -47,10 +47,16 @@ class ParallelConfig:
     """``stash``: keep ``(x, dy)`` per deferred microbatch (Megatron; ``dy`` is
     ``[T, V/tp]``). ``recompute``: keep ``(x, logsumexp, labels)`` and rebuild ``dy``
     chunk by chunk in the drain (``O(T H)`` instead of ``O(T V/tp)``; one extra GEMM)."""
-    pipeline_schedule: str = "1f1b"
-    """The pipeline schedule (a name in
-    :data:`jax_wgrad.parallel.pipeline.SCHEDULES`): ``1f1b``, Megatron's one-forward-
-    one-backward schedule in lock step."""
+    pipeline_schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    """The pipeline schedule (:data:`jax_wgrad.parallel.pipeline.SCHEDULES`): ``1f1b``
+    (Megatron's; stage ``s`` holds at most ``P - s`` microbatches) or ``zb-h1`` (zero
+    bubble: backward split into input- and weight-gradient tasks, the weight-gradient
+    GEMMs filling the bubbles; needs gradient accumulation fusion)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Megatron's activation recomputation: ``None`` (the backward uses the residuals its
+    forward saved; no forward GEMM is recomputed), ``"selective"`` (save the GEMM outputs,
+    recompute the attention core) or ``"full"`` (save only the stage input, recompute the
+    whole stage forward in the backward)."""
 
     def __post_init__(self) -> None:
         check_positive("tensor_model_parallel_size", self.tensor_model_parallel_size)
@@ -81,6 +87,13 @@ class ParallelConfig:
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {sorted(SCHEDULES)}, got "
                              f"{self.pipeline_schedule!r}")
+        if self.pipeline_schedule == "zb-h1" and not self.gradient_accumulation_fusion:
+            raise ValueError("Cannot use the zb-h1 pipeline schedule without gradient "
+                             "accumulation fusion (its weight-gradient tasks are the fused "
+                             "wgrad GEMMs)")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError("recompute_granularity must be None, 'full' or 'selective', "
+                             f"got {self.recompute_granularity!r}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron does the same (model_parallel_config.py).
             warnings.warn(

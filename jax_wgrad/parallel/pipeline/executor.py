@@ -2,35 +2,33 @@
 
 The executor reads the :class:`~jax_wgrad.parallel.pipeline.schedules.ScheduleTable` (as
 arrays indexed by the scan's tick and this device's stage) and knows no schedule formula:
-per tick a stage runs the forward and then the backward task the table names for it
-(``lax.cond`` skips an idle one), optionally syncs its gradient buckets in the cooldown, and
-exchanges activations and gradients with its neighbours (two acyclic ``ppermute``\\ s).
+per tick a stage runs the ``F``, ``B`` and ``W`` task the table names for it (``lax.cond``
+skips an idle one), optionally syncs its gradient buckets in the cooldown, and exchanges
+activations and gradients with its neighbours (two acyclic ``ppermute``\\ s) into
+per-microbatch inbox slots.
 
-* **Forward** of microbatch ``f``: the stage input is the embedding of its tokens on the
-  first stage, else the activation received for ``f``; it is stored at slot
-  ``f % num_slots`` (the stage's in-flight inputs) and the stage's layers run on it (the
-  last stage only stores its input).
-* **Backward** of microbatch ``b``: an explicit ``jax.vjp`` of the stage recomputing its
-  forward from the stored input (Megatron's full activation recompute), seeded with the
-  gradient received for ``b`` (with the head's loss on the last stage, seeded with 1: the
-  buckets hold gradients of the token-loss SUM). The stage function is
-  ``f(params, buckets, x) -> (y, buckets)``: the buckets thread through every fused linear
-  (:func:`jax_wgrad.functional.linear_into_bucket`), so ``vjp((dy, carried buckets))``
-  returns them with each fused weight's block added once, in place; every other gradient
-  is added to its block by :meth:`~jax_wgrad.grads.GradBuffer.add_tree` (in-place
-  ``bucket_add``). Which leaves each part adds comes from the layout's specs
-  (:meth:`~jax_wgrad.grads.GradLayout.added_by`).
-* **Cooldown sync** (``overlap_grad_reduce``): at the tick of the stage's last backward
-  (from the table) its stage buckets are synced over ``data`` while earlier stages still
-  compute; the predicate depends only on ``(stage, tick)``, so every member of a data group
-  takes the same branch.
-* **Deferred output-layer wgrad** (:mod:`jax_wgrad.parallel.deferred`): the last stage
-  stashes the output layer's weight-gradient inputs of the microbatches the deferral
-  predicate names and drains them after the scan.
+* **F** of microbatch ``f``: the stage input (the embedding of its tokens on the first
+  stage, else the activation received for ``f``) goes through the stage's layers under
+  ``jax.vjp``; the pullback's residuals are stored at slot ``f % num_slots``
+  (:class:`~jax_wgrad.parallel.pipeline.residuals.ResidualStore`: what
+  ``recompute_granularity`` keeps, never a weight or a bucket). On the last stage the
+  head runs too: loss, and the head's backward, whose gradient for the layers' output is
+  kept in the gradient inbox for this stage's own ``B``.
+* **B** of microbatch ``b``: the stored pullback, seeded with the gradient received for
+  ``b``. The stage function is ``f((params, buckets), x) -> (y, buckets)``: the buckets
+  thread through every fused linear (:func:`jax_wgrad.functional.linear_into_bucket`), so
+  the pullback returns them with each fused weight's block added once, in place; every
+  other gradient is added to its block by :meth:`~jax_wgrad.grads.GradBuffer.add_tree`
+  (in-place ``bucket_add``), for the leaves the layout's specs name. With a split backward
+  (zero bubble) the fused linears instead add a probe to their outputs
+  (:class:`~jax_wgrad.functional.WgradSplit`): ``B`` computes input gradients and each
+  linear's output gradient only, storing ``(x, dy)`` pairs in the W stash.
+* **W** of microbatch ``w`` (split backward only): the fused ``wgrad_accumulate`` GEMMs of
+  its stored pairs into the stage's buckets (and, on the last stage, the output layer's).
+* **Cooldown sync** (``overlap_grad_reduce``): at the stage's last ``B``/``W`` tick (from
+  the table) its stage buckets are synced over ``data`` while earlier stages still compute.
 
-Carried state per device (:class:`PipelineCarry`): the buckets, ``num_slots`` stored stage
-inputs, the inboxes of received activations and gradients, the loss sum and the stash;
-bounded by the table, not by ``M``, so compile time does not grow with ``M``.
+Carried state per device (:class:`PipelineCarry`) is bounded by the table, not by ``M``.
 """
 
 from __future__ import annotations
@@ -42,13 +40,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad import ops
-from jax_wgrad.functional.linear import WgradBuckets
+from jax_wgrad.functional.linear import WgradBuckets, WgradSplit
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import sync_stage_buckets
 from jax_wgrad.grads.layout import GradLayout
 from jax_wgrad.grads.spec import INPUT, LAYERS, OUTPUT, SHARED, STAGE
 from jax_wgrad.parallel import deferred
 from jax_wgrad.parallel.mesh import PIPELINE
+from jax_wgrad.parallel.pipeline import head
+from jax_wgrad.parallel.pipeline.residuals import ResidualStore
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
 
 __all__ = ["PipelineCarry", "cooldown_sync", "stage_gradients"]
@@ -59,17 +59,21 @@ class PipelineCarry(NamedTuple):
 
     buckets: tuple[jax.Array, ...]
     """Flat fp32 gradient buckets (:class:`~jax_wgrad.grads.GradLayout`): the accumulators."""
-    slots: jax.Array
-    """``[num_slots, mb, s(/tp), H]`` stage inputs of in-flight microbatches."""
+    residuals: tuple[jax.Array, ...]
+    """``[num_slots, ...]`` per stored residual of the stage forward (the stage input alone
+    with full recomputation)."""
     x_inbox: jax.Array
     """``[depth + 1, mb, s(/tp), H]`` activations received, by microbatch; the last slot
     takes what arrives in a tick where the sender ran no forward."""
     g_inbox: jax.Array
-    """``[depth + 1, mb, s(/tp), H]`` gradients received, likewise."""
+    """``[depth + 1, mb, s(/tp), H]`` gradients received (the last stage: its head's)."""
     loss_sum: jax.Array
     """fp32 scalar: sum of token losses computed on this device (last stage)."""
     stash: tuple[jax.Array, ...] = ()
     """Deferred output-layer wgrad stash, indexed by microbatch (last stage only)."""
+    wstash: tuple[jax.Array, ...] = ()
+    """Split backward: per fused linear ``[weight_slots, ...]`` inputs then output
+    gradients, then the output layer's pair (:class:`head.OutputStash`)."""
 
 
 def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
@@ -91,7 +95,7 @@ def stage_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: ScheduleT
       stages: the model's per-stage functions (:class:`jax_wgrad.models.gpt.GPTStages`).
       layout: where this device's gradients live.
       ddp: with ``overlap_grad_reduce`` the stage's buckets are synced over ``data`` inside
-        the schedule, at the stage's last backward.
+        the schedule, after the stage's last backward or weight task.
       table: the schedule; its stages and microbatches must match ``stages.parallel``.
       params: this device's parameters as the device tree ``(layers, shared)``.
       tokens: int ``[global_batch / dp, S + 1]`` this data rank's sequences.
@@ -112,85 +116,93 @@ class _StageRun:
                  params, tokens: jax.Array):
         par, cfg = stages.parallel, stages.model
         self.stages, self.layout, self.ddp, self.table, self.par = stages, layout, ddp, table, par
-        self.pp, self.m, self.mb = par.pipeline_model_parallel_size, par.num_microbatches, \
+        self.pp, self.m, mb = par.pipeline_model_parallel_size, par.num_microbatches, \
             par.micro_batch_size
         if (table.num_stages, table.num_microbatches) != (self.pp, self.m):
             raise ValueError(f"stage_gradients: schedule {table.name!r} is for "
                              f"{table.num_stages} stages x {table.num_microbatches} "
                              f"microbatches, the layout has {self.pp} x {self.m}")
+        if table.split_backward and not par.gradient_accumulation_fusion:
+            raise ValueError(f"stage_gradients: schedule {table.name!r} splits the backward, "
+                             "which needs gradient accumulation fusion")
         seq = cfg.seq_length
-        if tokens.shape != (self.m * self.mb, seq + 1):
+        if tokens.shape != (self.m * mb, seq + 1):
             raise ValueError(f"stage_gradients: expected local tokens "
-                             f"[{self.m * self.mb}, {seq + 1}], got {tokens.shape}")
-        self.micro = tokens.reshape(self.m, self.mb, seq + 1)
+                             f"[{self.m * mb}, {seq + 1}], got {tokens.shape}")
+        self.micro = tokens.reshape(self.m, mb, seq + 1)
         s_local = seq // par.tensor_model_parallel_size if par.sequence_parallel else seq
-        self.act = jnp.zeros((self.mb, s_local, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
+        self.act = jnp.zeros((mb, s_local, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
         self.layer_params, self.shared = params
         self.stage = lax.axis_index(PIPELINE) if self.pp > 1 else jnp.int32(0)
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
-        self.fusion = par.gradient_accumulation_fusion
+        self.fusion, self.split = par.gradient_accumulation_fusion, table.split_backward
         self.overlap = cooldown_sync(ddp, self.pp)
-        self.defer = par.num_deferred_microbatches > 0
-        self.stash_shapes = deferred.stash_shapes(par, seq, cfg.hidden_size, cfg.vocab_size,
-                                                  self.act.dtype)
-        self.num_slots = table.num_slots
         self.depth = (table.inbox_depth("F"), table.inbox_depth("B"))
-        self.last_tick = jnp.asarray([table.last_backward_tick(s) for s in range(self.pp)])
-        self.out_slot = layout.fused_slot(SHARED, OUTPUT) if self.fusion else None
+        self.last_tick = jnp.asarray([table.last_grad_tick(s) for s in range(self.pp)])
+        self.head = head.LastStage(stages, layout, table, self.act, seq)
+        stage_bk = layout.stage.zeros()
+        if self.split:
+            self.wlist = _fused_list(layout)
+            self.store = ResidualStore.create(self._split_fn, par.recompute_granularity,
+                                              self.layer_params, self.act, self._zero_probes(),
+                                              has_aux=True)
+        else:
+            self.store = ResidualStore.create(self._layers_fn, par.recompute_granularity,
+                                              (self.layer_params, stage_bk), self.act)
 
     # ------------------------------------------------------------------------ the scan
 
     def init_carry(self) -> PipelineCarry:
         inbox = lambda d: jnp.zeros((d + 1, *self.act.shape), self.act.dtype)
+        wstash = ()
+        if self.split:
+            k = self.table.weight_slots
+            xs, ys = self._linear_shapes()
+            wstash = tuple(jnp.zeros((k, *s.shape), s.dtype) for s in xs + ys)
         return PipelineCarry(
             buckets=self.layout.buffer.zeros(),
-            slots=jnp.zeros((self.num_slots, *self.act.shape), self.act.dtype),
+            residuals=self.store.buffers(self.table.num_slots),
             x_inbox=inbox(self.depth[0]), g_inbox=inbox(self.depth[1]),
-            loss_sum=jnp.float32(0.0), stash=deferred.init_stash(self.stash_shapes))
+            loss_sum=jnp.float32(0.0), stash=self.head.init_stash(),
+            wstash=wstash + self.head.init_output_stash())
 
     def tick_inputs(self):
         """The scan's xs: per tick, its index and the table rows (``int32 [P]`` each)."""
-        return (jnp.arange(self.table.num_ticks), jnp.asarray(self.table.forward),
-                jnp.asarray(self.table.backward))
+        t = self.table
+        return (jnp.arange(t.num_ticks), jnp.asarray(t.forward), jnp.asarray(t.backward),
+                jnp.asarray(t.weight))
 
     def tick(self, c: PipelineCarry, xs) -> tuple[PipelineCarry, None]:
-        t, fwd_row, bwd_row = xs
-        f, b = fwd_row[self.stage], bwd_row[self.stage]
+        t, fwd_row, bwd_row, w_row = xs
+        f, b, w = fwd_row[self.stage], bwd_row[self.stage], w_row[self.stage]
         with jax.named_scope("forward"):
-            slots, y = lax.cond(f >= 0, self.forward, lambda c, f: (c.slots, self.act), c, f)
-        c = c._replace(slots=slots)
+            c, y = lax.cond(f >= 0, self.forward, lambda c, f: (c, self.act), c, f)
         with jax.named_scope("backward"):
-            buckets, dx, loss, stash = lax.cond(
-                b >= 0, self.backward,
-                lambda c, b: (c.buckets, self.act, jnp.float32(0.0), c.stash), c, b)
+            c, dx = lax.cond(b >= 0, self.backward, lambda c, b: (c, self.act), c, b)
+        if self.split:
+            with jax.named_scope("weight_gradients"):
+                c = lax.cond(w >= 0, self.weight, lambda c, w: c, c, w)
         if self.overlap:
-            buckets = self.cooldown(buckets, t)
-        x_inbox, g_inbox = self.exchange(c, y, dx, fwd_row, bwd_row)
-        return PipelineCarry(buckets, slots, x_inbox, g_inbox, c.loss_sum + loss, stash), None
+            c = c._replace(buckets=self.cooldown(c.buckets, t))
+        return self.exchange(c, y, dx, fwd_row, bwd_row), None
 
-    def exchange(self, c: PipelineCarry, y, dx, fwd_row, bwd_row):
+    def exchange(self, c: PipelineCarry, y, dx, fwd_row, bwd_row) -> PipelineCarry:
         """Activations go ``s -> s+1``, gradients ``s+1 -> s`` (acyclic permutes); each is
         kept at its microbatch's inbox slot until the task that consumes it runs."""
         if self.pp == 1:
-            return c.x_inbox, c.g_inbox
+            return c
         with jax.named_scope("send_recv"):
             x_recv = lax.ppermute(y, PIPELINE, [(i, i + 1) for i in range(self.pp - 1)])
             g_recv = lax.ppermute(dx, PIPELINE, [(i + 1, i) for i in range(self.pp - 1)])
         prev = fwd_row[jnp.maximum(self.stage - 1, 0)]
         nxt = bwd_row[jnp.minimum(self.stage + 1, self.pp - 1)]
-        x_inbox = lax.dynamic_update_index_in_dim(
-            c.x_inbox, x_recv, self._inbox_slot(prev, self.depth[0], self.is_first), 0)
-        g_inbox = lax.dynamic_update_index_in_dim(
-            c.g_inbox, g_recv, self._inbox_slot(nxt, self.depth[1], self.is_last), 0)
-        return x_inbox, g_inbox
-
-    @staticmethod
-    def _inbox_slot(microbatch, depth: int, no_sender):
-        # Nothing sent (idle sender, or no neighbour): the spare slot `depth`, never read.
-        return jnp.where((microbatch < 0) | no_sender, depth, microbatch % depth)
+        x_slot = _inbox_slot(prev, self.depth[0], self.is_first)
+        g_slot = _inbox_slot(nxt, self.depth[1], self.is_last)
+        return c._replace(x_inbox=lax.dynamic_update_index_in_dim(c.x_inbox, x_recv, x_slot, 0),
+                          g_inbox=lax.dynamic_update_index_in_dim(c.g_inbox, g_recv, g_slot, 0))
 
     def cooldown(self, buckets, t):
-        """This stage's last backward is done: sync its buckets now (inside the loop)."""
+        """This stage's last gradient task is done: sync its buckets now (in the loop)."""
         with jax.named_scope("grad_sync_in_cooldown"):
             stage_bk, shared_bk = self.layout.split(buckets)
             stage_bk = lax.cond(t == self.last_tick[self.stage],
@@ -204,42 +216,75 @@ class _StageRun:
         return lax.dynamic_index_in_dim(self.micro, jnp.clip(i, 0, self.m - 1), 0,
                                         keepdims=False)
 
-    def forward(self, c: PipelineCarry, f) -> tuple[jax.Array, jax.Array]:
-        ids = self._tokens(f)[:, :-1]
+    def forward(self, c: PipelineCarry, f):
+        tok = self._tokens(f)
         received = lax.dynamic_index_in_dim(c.x_inbox, f % self.depth[0], 0, keepdims=False)
-        x_in = lax.cond(self.is_first, lambda: self.stages.embed(self.shared, ids),
+        x_in = lax.cond(self.is_first, lambda: self.stages.embed(self.shared, tok[:, :-1]),
                         lambda: received)
-        # The last stage only stores its input: its backward recomputes everything.
-        y = lax.cond(self.is_last, lambda: self.act,
-                     lambda: self.stages.layers(self.layer_params, None, x_in))
-        slots = lax.dynamic_update_index_in_dim(c.slots, x_in, f % self.num_slots, 0)
-        return slots, y
+        slot = f % self.table.num_slots
+        stage_bk, shared_bk = self.layout.split(c.buckets)
+        wstash = c.wstash
+        if self.split:
+            y, xs, residuals = self.store.forward(c.residuals, slot, self.layer_params, x_in,
+                                                  self._zero_probes())
+            n = len(self.wlist)
+            wstash = _put(wstash[:n], xs, f % self.table.weight_slots) + wstash[n:]
+        else:
+            (y, _), residuals = self.store.forward(c.residuals, slot,
+                                                   (self.layer_params, stage_bk), x_in)
+        # The last stage: loss and the head's backward now; its gradient for the layers'
+        # output waits in the gradient inbox for this stage's B.
+        shared_bk, g_inbox, loss, stash, wstash = lax.cond(
+            self.is_last, self.head.run, self.head.skip, self.shared, shared_bk, c.g_inbox,
+            c.stash, wstash, y, tok[:, 1:], f)
+        c = c._replace(buckets=stage_bk + shared_bk, residuals=residuals, g_inbox=g_inbox,
+                       loss_sum=c.loss_sum + loss, stash=stash, wstash=wstash)
+        return c, y
 
     def backward(self, c: PipelineCarry, b):
-        tok = self._tokens(b)
-        ids, labels = tok[:, :-1], tok[:, 1:]
-        x_in = lax.dynamic_index_in_dim(c.slots, b % self.num_slots, 0, keepdims=False)
-        received = lax.dynamic_index_in_dim(c.g_inbox, b % self.depth[1], 0, keepdims=False)
+        ids = self._tokens(b)[:, :-1]
+        dy = lax.dynamic_index_in_dim(c.g_inbox, b % self.depth[1], 0, keepdims=False)
+        slot = b % self.table.num_slots
         stage_bk, shared_bk = self.layout.split(c.buckets)
-        (h, _), layers_vjp = jax.vjp(self._layers_fn, self.layer_params, stage_bk, x_in)
-        if self.defer:
-            dh, shared_bk, loss, stash = lax.cond(
-                self.is_last, lambda a, st: self._deferred_head_backward(a, st, h, labels, b),
-                lambda a, st: (received, a, jnp.float32(0.0), st), shared_bk, c.stash)
+        wstash = c.wstash
+        if self.split:
+            dp, dx, dys = self.store.pullback(c.residuals, slot, self.layer_params)(dy)
+            n = len(self.wlist)
+            wstash = wstash[:n] + _put(wstash[n:2 * n], dys, b % self.table.weight_slots) \
+                + wstash[2 * n:]
         else:
-            dh, shared_bk, loss = lax.cond(
-                self.is_last, lambda a: self._head_backward(a, h, labels),
-                lambda a: (received, a, jnp.float32(0.0)), shared_bk)
-            stash = c.stash
-        dp, stage_bk, dx = layers_vjp((dh, stage_bk))
+            pullback = self.store.pullback(c.residuals, slot, (self.layer_params, stage_bk))
+            (dp, stage_bk), dx = pullback((dy, stage_bk))
         stage_bk = self.layout.stage.add_tree(stage_bk, dp,
                                               where=self.layout.added_by(STAGE, LAYERS))
         shared_bk = lax.cond(self.is_first, lambda a: self._embed_backward(a, dx, ids),
                              lambda a: a, shared_bk)
-        return stage_bk + shared_bk, dx, loss, stash
+        return c._replace(buckets=stage_bk + shared_bk, wstash=wstash), dx
 
-    def _layers_fn(self, lp, bks, x):
-        # f(params, buckets, x) -> (y, buckets): the buckets thread through the fused linears.
+    def weight(self, c: PipelineCarry, w):
+        """The fused weight-gradient GEMMs of microbatch ``w``'s stored ``(x, dy)`` pairs."""
+        slot, n = w % self.table.weight_slots, len(self.wlist)
+        stage_bk, shared_bk = self.layout.split(c.buckets)
+        stage_bk = list(stage_bk)
+        for k, (bi, off) in enumerate(self.wlist):
+            x = lax.dynamic_index_in_dim(c.wstash[k], slot, 0, keepdims=False)
+            dy = lax.dynamic_index_in_dim(c.wstash[n + k], slot, 0, keepdims=False)
+            stage_bk[bi] = ops.wgrad_accumulate(x, dy, stage_bk[bi], offset=off)
+        shared_bk = lax.cond(self.is_last, self.head.weight, lambda bk, st, w: bk, shared_bk,
+                             c.wstash[2 * n:], w)
+        return c._replace(buckets=tuple(stage_bk) + shared_bk)
+
+    def _embed_backward(self, shared_bk, dx, ids):
+        _, vjp = jax.vjp(lambda sh: self.stages.embed(sh, ids), self.shared)
+        (dshared,) = vjp(dx)
+        return self.layout.shared.add_tree(shared_bk, dshared,
+                                           where=self.layout.added_by(SHARED, INPUT))
+
+    # ------------------------------------------------------------------------ stage functions
+
+    def _layers_fn(self, live, x):
+        # ((params, buckets), x) -> (y, buckets): the buckets thread through the fused linears.
+        lp, bks = live
         wb = WgradBuckets(bks)
         mg = None
         if self.fusion:
@@ -248,63 +293,55 @@ class _StageRun:
             mg = self.stages.layer_main_grads(trees)
         return self.stages.layers(lp, mg, x), wb.buckets
 
-    def _head_backward(self, shared_bk, h, labels):
-        def fn(shared, bks, x):
-            wb = WgradBuckets(bks)
-            mg = wb.slot(*self.out_slot) if self.fusion else None
-            return self.stages.head_loss(shared, mg, x, labels), wb.buckets
+    def _split_fn(self, lp, x, probes):
+        # (params, x, probes) -> (y, aux = inputs of the fused linears): zero bubble's B.
+        y, ws = self._split_layers(lp, x, probes)
+        return y, list(ws.inputs)
 
-        (loss, _), vjp = jax.vjp(fn, self.shared, shared_bk, h)
-        # Seeded with 1: gradients of the token-loss SUM (token scaling in finalize_grads).
-        dshared, shared_bk, dh = vjp((jnp.float32(1.0), shared_bk))
-        shared_bk = self.layout.shared.add_tree(shared_bk, dshared,
-                                                where=self.layout.added_by(SHARED, OUTPUT))
-        return dh, shared_bk, loss
+    def _split_layers(self, lp, x, probes):
+        ws = WgradSplit(probes)
+        slots = self.layout.fused_slots(STAGE, LAYERS)
+        leaves, treedef = jax.tree.flatten(slots, is_leaf=lambda s: isinstance(s, tuple))
+        numbered = iter(range(len(self.wlist)))
+        trees = jax.tree.unflatten(treedef, [None if s is None else ws.slot(next(numbered))
+                                             for s in leaves])
+        return self.stages.layers(lp, self.stages.layer_main_grads(trees), x), ws
 
-    def _deferred_head_backward(self, shared_bk, stash, h, labels, b):
-        # Explicit head backward; the output weight's block is accumulated now (fused op)
-        # or its inputs are stashed for the drain, by Megatron's predicate.
-        head = deferred.head_backward(self.stages, self.shared, h, labels)
-        shared_bk = self.layout.shared.add_tree(shared_bk, head["dshared"],
-                                                where=self.layout.added_by(SHARED, OUTPUT))
-        bi, off = self.out_slot
-        n_stash = max(self.par.num_deferred_microbatches, 1)
+    def _linear_shapes(self):
+        """Shapes of the fused linears' inputs and outputs (the W stash's pairs), traced
+        once without probes."""
+        if not hasattr(self, "_shapes"):
+            def trace(lp, x):
+                _, ws = self._split_layers(lp, x, [None] * len(self.wlist))
+                return list(ws.inputs), list(ws.outputs)
+            self._shapes = jax.eval_shape(trace, self.layer_params, self.act)
+        return self._shapes
 
-        def now(bk, st):
-            bk = list(bk)
-            bk[bi] = ops.wgrad_accumulate(head["x_full"], head["dy"], bk[bi], offset=off)
-            return tuple(bk), st
-
-        def later(bk, st):
-            items = deferred.stash_items(self.par, head, labels)
-            return bk, deferred.stash_put(st, jnp.clip(b, 0, n_stash - 1), items)
-
-        if self.par.num_deferred_microbatches == self.m:
-            shared_bk, stash = later(shared_bk, stash)
-        else:
-            shared_bk, stash = lax.cond(deferred.is_deferred(self.par, b), later, now,
-                                        shared_bk, stash)
-        return head["dx"], shared_bk, head["loss"], stash
-
-    def _embed_backward(self, shared_bk, dx, ids):
-        _, vjp = jax.vjp(lambda sh: self.stages.embed(sh, ids), self.shared)
-        (dshared,) = vjp(dx)
-        return self.layout.shared.add_tree(shared_bk, dshared,
-                                           where=self.layout.added_by(SHARED, INPUT))
+    def _zero_probes(self):
+        return [jnp.zeros(s.shape, s.dtype) for s in self._linear_shapes()[1]]
 
     # ------------------------------------------------------------------------ after
 
     def drain(self, carry: PipelineCarry) -> tuple[jax.Array, ...]:
-        """The deferred output-layer wgrad drain, GEMMs on the last stage only (the ring's
-        permutes run everywhere, see :func:`deferred.drain`), BEFORE the shared buckets
-        are reduced over ``data`` and between the tied first/last stage copies."""
-        if not self.defer:
-            return carry.buckets
-        with jax.named_scope("deferred_wgrad_drain"):
-            stage_bk, shared_bk = self.layout.split(carry.buckets)
-            bi, off = self.out_slot
-            shared_bk = list(shared_bk)
-            shared_bk[bi] = deferred.drain(self.par, carry.stash, shared_bk[bi], off,
-                                           self.stages.output_weight(self.shared),
-                                           active=self.is_last)
-            return stage_bk + tuple(shared_bk)
+        """The deferred output-layer wgrad drain (:func:`head.LastStage.drain`), before the
+        shared buckets are reduced over ``data`` and between the tied stage copies."""
+        stage_bk, shared_bk = self.layout.split(carry.buckets)
+        return stage_bk + self.head.drain(shared_bk, carry.stash, self.shared, self.is_last)
+
+
+def _inbox_slot(microbatch, depth: int, no_sender):
+    # Nothing sent (idle sender, or no neighbour): the spare slot `depth`, never read.
+    return jnp.where((microbatch < 0) | no_sender, depth, microbatch % depth)
+
+
+def _put(buffers, values, slot) -> tuple[jax.Array, ...]:
+    return tuple(lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0)
+                 for b, v in zip(buffers, values))
+
+
+def _fused_list(layout: GradLayout) -> list[tuple[int, int]]:
+    """``(bucket, offset)`` of the stage's fused weights, in the slot tree's flatten order
+    (the numbering of :class:`WgradSplit`'s linears)."""
+    slots = layout.fused_slots(STAGE, LAYERS)
+    return [s for s in jax.tree.leaves(slots, is_leaf=lambda s: isinstance(s, tuple))
+            if s is not None]

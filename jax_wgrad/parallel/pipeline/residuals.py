@@ -1,0 +1,114 @@
+"""A stage forward's ``jax.vjp`` residuals, kept in fixed-size slot buffers of the scan
+carry and turned back into the pullback by the backward task.
+
+The stage function is wrapped in ``jax.checkpoint`` with the policy of
+``recompute_granularity`` before ``jax.vjp``: the residuals are then only what the policy
+saves plus the function's inputs. Inputs that are *live* -- the parameters and the gradient
+buckets, the same arrays whenever the backward runs -- are recognised by identity and not
+stored: a slot never holds a weight copy or a bucket. Everything else (the stage input and
+the saved activations) is written at ``slot`` of one ``[num_slots, ...]`` buffer per
+residual, and read back from it, in place.
+
+* ``None``: ``dots_saveable``: every GEMM output is saved, so the backward recomputes no
+  GEMM of the forward (only casts, norms and elementwise ops);
+* ``"selective"``: ``dots_with_no_batch_dims_saveable``: the linear layers' outputs are
+  saved, the attention core (its batched ``QK^T`` and ``PV`` GEMMs, the softmax) is
+  recomputed -- Megatron's selective recomputation;
+* ``"full"``: ``nothing_saveable``: only the stage input is stored and the whole stage
+  forward is recomputed in the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+__all__ = ["POLICIES", "ResidualStore"]
+
+POLICIES = {
+    None: jax.checkpoint_policies.dots_saveable,
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+"""``jax.checkpoint`` policy per ``ParallelConfig.recompute_granularity``."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResidualStore:
+    """How one stage function's residuals are stored (see the module docstring).
+
+    Build with :meth:`create`. ``fn(live, *args)`` is differentiated with respect to all
+    its arguments; ``live`` is the pytree of arrays that need not be stored.
+
+    Attributes:
+      treedef: structure of the pullback (its backward jaxpr is static data; the residual
+        arrays are its leaves, so one trace's structure serves every microbatch).
+      live_index: per residual leaf, its index in ``jax.tree.leaves(live)`` or ``None``
+        (stored).
+      shapes: the stored residuals' shapes and dtypes.
+    """
+
+    fn: Callable
+    policy: Any
+    has_aux: bool
+    treedef: Any
+    live_index: tuple[int | None, ...]
+    shapes: tuple[jax.ShapeDtypeStruct, ...]
+
+    @classmethod
+    def create(cls, fn: Callable, recompute: str | None, live, *args,
+               has_aux: bool = False) -> ResidualStore:
+        """Traces ``fn(live, *args)`` once (shapes only) to lay its residuals out."""
+        policy = POLICIES[recompute]
+        found = {}
+
+        def probe(live, *args):
+            _, pullback, *_ = jax.vjp(jax.checkpoint(fn, policy=policy), live, *args,
+                                      has_aux=has_aux)
+            leaves, found["treedef"] = jax.tree.flatten(pullback)
+            found["live"] = _live_index(leaves, live)
+            return [x for x, k in zip(leaves, found["live"]) if k is None]
+
+        shapes = jax.eval_shape(probe, live, *args)
+        return cls(fn, policy, has_aux, found["treedef"], tuple(found["live"]),
+                   tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes))
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of one slot (one microbatch's stored residuals)."""
+        return sum(x.size * x.dtype.itemsize for x in self.shapes)
+
+    def buffers(self, num_slots: int) -> tuple[jax.Array, ...]:
+        """Fresh ``[num_slots, ...]`` buffers, one per stored residual."""
+        return tuple(jax.numpy.zeros((num_slots, *x.shape), x.dtype) for x in self.shapes)
+
+    def forward(self, buffers: Sequence[jax.Array], slot, live, *args):
+        """Runs ``fn`` and stores its residuals at ``slot``: ``(out[, aux], buffers)``."""
+        out = jax.vjp(jax.checkpoint(self.fn, policy=self.policy), live, *args,
+                      has_aux=self.has_aux)
+        leaves = jax.tree.leaves(out[1])
+        stored = [x for x, k in zip(leaves, self.live_index) if k is None]
+        if (_live_index(leaves, live) != list(self.live_index)
+                or [(x.shape, x.dtype) for x in stored] != [(x.shape, x.dtype)
+                                                           for x in self.shapes]):
+            raise ValueError("ResidualStore.forward: the stage function's residuals differ "
+                             "from those the store was created for")
+        new = tuple(lax.dynamic_update_index_in_dim(b, x, slot, 0)
+                    for b, x in zip(buffers, stored))
+        return (out[0], out[2], new) if self.has_aux else (out[0], new)
+
+    def pullback(self, buffers: Sequence[jax.Array], slot, live) -> Callable:
+        """The pullback of the forward stored at ``slot``, with ``live`` as it is now."""
+        stored = iter(lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in buffers)
+        live_leaves = jax.tree.leaves(live)
+        leaves = [next(stored) if k is None else live_leaves[k] for k in self.live_index]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _live_index(leaves, live) -> list[int | None]:
+    ids = {id(x): i for i, x in enumerate(jax.tree.leaves(live))}
+    return [ids.get(id(x)) for x in leaves]

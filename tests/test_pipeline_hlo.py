@@ -1,0 +1,100 @@
+"""Compiled-HLO facts of the pipeline executor: what each task computes, in place, memory.
+
+GEMMs and custom calls are attributed to the ``F``/``B``/``W`` task by the named scopes of
+the executor's tick (``forward``, ``backward``, ``weight_gradients``) in their metadata.
+The model: one decoder layer per stage (pp = 4, 4 layers), fused linears.
+"""
+
+import collections
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, build_train_step,
+                       default_optimizer, fusion_available, init_train_state, make_mesh,
+                       shard_batch)
+from hlo_util import computations, copies_of, entry_name, reachable, while_bodies
+
+pytestmark = [
+    pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices"),
+    pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler"),
+]
+
+MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
+
+
+def _step(schedule, recompute, m=2, dp=2):
+    par = ParallelConfig(pipeline_model_parallel_size=4, micro_batch_size=2,
+                         global_batch_size=2 * dp * m, gradient_accumulation_fusion=True,
+                         pipeline_schedule=schedule, recompute_granularity=recompute)
+    mesh = make_mesh(par)
+    plan = TrainPlan.create(MODEL, par, mesh, default_optimizer(1e-3))
+    state = init_train_state(plan, 0)
+    tokens = shard_batch(mesh, np.zeros((par.global_batch_size, 17), np.int32))
+    return build_train_step(plan, state).lower(state, tokens).compile()
+
+
+def _by_task(hlo: str) -> collections.Counter:
+    count = collections.Counter()
+    for line in hlo.splitlines():
+        if " dot(" not in line and "custom_call_target" not in line:
+            continue
+        op = (re.search(r'op_name="([^"]*)"', line) or re.search("()", "")).group(1)
+        task = ("F" if "/forward/" in op else "B" if "/backward/" in op
+                else "W" if "/weight_gradients/" in op else "-")
+        kind = "dot" if " dot(" in line else re.search(r'custom_call_target="(\w+)"',
+                                                      line).group(1)
+        count[task, kind] += 1
+    return count
+
+
+WGRAD = "jax_wgrad_wgrad_accumulate"
+# Per stage (one layer): forward GEMMs qkv, QK^T, PV, proj, fc1, fc2 (6) and on the last
+# stage the head's logits and its data gradient (2) = 8 in F; backward: 4 data-gradient
+# GEMMs + 4 attention-backward GEMMs = 8, plus the 4 fused wgrad calls (1F1B).
+BACKWARD_DOTS = 8
+
+
+@pytest.mark.parametrize("recompute, recomputed", [(None, 0), ("selective", 2), ("full", 5)])
+def test_backward_task_recomputes_only_what_the_granularity_says(recompute, recomputed):
+    # None: no forward GEMM in B. Selective: the attention core's two batched GEMMs.
+    # Full: the forward GEMMs the backward needs (fc2's output is not needed: 5 of 6).
+    count = _by_task(_step("1f1b", recompute).as_text())
+    assert count["B", "dot"] == BACKWARD_DOTS + recomputed, count
+    assert count["F", "dot"] == 8 and count["B", WGRAD] == 4 and count["F", WGRAD] == 1
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_zb_h1_weight_gradients_only_in_w_tasks(recompute):
+    count = _by_task(_step("zb-h1", recompute).as_text())
+    # B: data gradients only -- no wgrad call, and no more dots than 1F1B's backward.
+    assert count["B", WGRAD] == 0 and count["F", WGRAD] == 0, count
+    assert count["B", "dot"] == BACKWARD_DOTS + (5 if recompute == "full" else 0), count
+    # W: the 4 layers' fused GEMMs and the output layer's (last stage), nothing else.
+    assert count["W", WGRAD] == 5 and count["W", "dot"] == 0, count
+    assert sum(v for (task, kind), v in count.items() if kind == WGRAD) == 5
+
+
+@pytest.mark.parametrize("schedule, recompute", [("1f1b", None), ("zb-h1", "selective")])
+def test_no_copy_of_a_carried_buffer_inside_the_loop(schedule, recompute):
+    hlo = _step(schedule, recompute).as_text()
+    comps = computations(hlo)
+    loops = [(line, body) for line, body in while_bodies(comps, entry_name(hlo))
+             if line.count("[") > 20]  # the schedule's scan: the big carried tuple
+    (line, body), = loops
+    carried = {(m.group(1), tuple(int(d) for d in m.group(2).split(",") if d))
+               for m in re.finditer(r"(f32|bf16|s32)\[([\d,]*)\]", line.split(" while(")[0])}
+    inside = "\n".join(l for c in reachable(comps, body) for l in comps[c])
+    big = [(d, s) for d, s in carried if np.prod(s or (1,)) >= 256]
+    assert big, line
+    for dtype, shape in big:
+        assert copies_of(inside, dtype, shape) == [], (dtype, shape)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_temp_memory_independent_of_microbatches(schedule):
+    small = _step(schedule, None, m=4, dp=2).memory_analysis().temp_size_in_bytes
+    large = _step(schedule, None, m=32, dp=2).memory_analysis().temp_size_in_bytes
+    assert large <= 1.25 * small, (small, large)

@@ -1,0 +1,94 @@
+"""Schedule tables and the simulator: Megatron's 1F1B bound, ZB-H1, lock-step makespans."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jax_wgrad import schedules as sim
+from jax_wgrad.parallel.pipeline import IDLE, ScheduleTable, one_f_one_b
+from jax_wgrad.parallel.pipeline.schedules import get_schedule, zb_h1
+
+
+def _walk(table: ScheduleTable, cf=1.0, cb=1.0, cw=1.0):
+    """Independent re-implementation: walk the table tick by tick; a tick lasts as long as
+    its busiest stage's work; count each stage's live microbatches."""
+    p = table.num_stages
+    makespan, held, peak = 0.0, [0] * p, [0] * p
+    for t in range(table.num_ticks):
+        busiest = 0.0
+        for s in range(p):
+            work = 0.0
+            if table.forward[t, s] != IDLE:
+                work += cf
+                held[s] += 1
+                peak[s] = max(peak[s], held[s])
+            if table.backward[t, s] != IDLE:
+                work += cb if table.split_backward else cb + cw
+                held[s] -= 0 if table.split_backward else 1
+            if table.weight[t, s] != IDLE:
+                work += cw
+                held[s] -= 1
+            busiest = max(busiest, work)
+        makespan += busiest
+    return makespan, peak
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("p, m", [(4, 8), (1, 3), (2, 2), (4, 1), (4, 3), (8, 16)])
+def test_walking_the_table_reproduces_makespan_and_in_flight(name, p, m):
+    table = get_schedule(name, p, m)
+    for costs in [(1, 1, 1), (1, 2, 1), (2, 1, 0.5)]:
+        makespan, peak = _walk(table, *costs)
+        assert table.makespan(*costs) == makespan
+        assert [table.in_flight(s) for s in range(p)] == peak == [min(p - s, m) for s in range(p)]
+
+
+def test_zb_h1_beats_1f1b_at_unit_costs():
+    out = {n: sim.main(["--schedule", n, "--stages", "4", "--microbatches", "8", "--json"])
+           for n in ("1f1b", "zb-h1")}
+    assert out["1f1b"]["makespan"] == 40 and out["zb-h1"]["makespan"] == 30
+    assert out["zb-h1"]["makespan"] <= 0.85 * out["1f1b"]["makespan"]
+    assert out["zb-h1"]["bubble_fraction"] < out["1f1b"]["bubble_fraction"]
+    assert out["1f1b"]["max_in_flight"] == out["zb-h1"]["max_in_flight"] == [4, 3, 2, 1]
+
+
+def test_simulator_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "zb.png"
+    sim.main(["--schedule", "zb-h1", "--stages", "3", "--microbatches", "5", "--cost-w",
+              "0.5", "--json", "--plot", str(png)])
+    row = json.loads(capsys.readouterr().out)
+    assert {"makespan", "bubble_fraction", "max_in_flight", "num_ticks", "schedule"} <= set(row)
+    assert row["costs"] == {"F": 1.0, "B": 1.0, "W": 0.5} and row["max_in_flight"] == [3, 2, 1]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv", [["--stages", "0", "--microbatches", "2"],
+                                  ["--stages", "2", "--microbatches", "2", "--cost-f", "0"],
+                                  ["--schedule", "gpipe", "--stages", "2", "--microbatches", "2"]])
+def test_simulator_bad_arguments(argv):
+    with pytest.raises(SystemExit) as err:
+        sim.main(argv)
+    assert err.value.code == 2
+
+
+def test_zb_h1_splits_every_backward_and_keeps_1f1b_order():
+    z, o = zb_h1(4, 8), one_f_one_b(4, 8)
+    assert z.split_backward and not o.split_backward and (o.weight == IDLE).all()
+    for s in range(4):
+        # The same F/B order as 1F1B; every W after its B, in order.
+        fb = lambda t: [(k, int(c[i, s])) for i in range(t.num_ticks)
+                        for k, c in (("F", t.forward), ("B", t.backward)) if c[i, s] >= 0]
+        assert fb(z) == fb(o)
+        assert (z.ticks("W", s) >= z.ticks("B", s)).all()
+        assert z.last_grad_tick(s) == z.ticks("W", s).max()
+
+
+def test_table_validation_of_w_tasks():
+    f = np.array([[0], [1], [IDLE], [IDLE]])
+    b = np.array([[IDLE], [0], [1], [IDLE]])
+    with pytest.raises(ValueError, match="W tasks need split_backward"):
+        ScheduleTable("x", f, b, np.array([[IDLE], [IDLE], [0], [1]]))
+    with pytest.raises(ValueError, match="runs W before B"):
+        ScheduleTable("x", f, b, np.array([[0], [IDLE], [1], [IDLE]]), split_backward=True)
+    ScheduleTable("x", f, b, np.array([[IDLE], [0], [IDLE], [1]]), split_backward=True)
