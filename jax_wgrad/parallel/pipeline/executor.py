@@ -143,9 +143,10 @@ class _StageRun:
         stage_bk = layout.stage.zeros()
         if self.split:
             self.wlist = _fused_list(layout)
+            # The probes are zeros and live like the weights: never stored.
             self.store = ResidualStore.create(self._split_fn, par.recompute_granularity,
-                                              self.layer_params, self.act, self._zero_probes(),
-                                              has_aux=True)
+                                              (self.layer_params, self._zero_probes()),
+                                              self.act, has_aux=True)
         else:
             self.store = ResidualStore.create(self._layers_fn, par.recompute_granularity,
                                               (self.layer_params, stage_bk), self.act)
@@ -225,8 +226,8 @@ class _StageRun:
         stage_bk, shared_bk = self.layout.split(c.buckets)
         wstash = c.wstash
         if self.split:
-            y, xs, residuals = self.store.forward(c.residuals, slot, self.layer_params, x_in,
-                                                  self._zero_probes())
+            y, xs, residuals = self.store.forward(
+                c.residuals, slot, (self.layer_params, self._zero_probes()), x_in)
             n = len(self.wlist)
             wstash = _put(wstash[:n], xs, f % self.table.weight_slots) + wstash[n:]
         else:
@@ -248,7 +249,9 @@ class _StageRun:
         stage_bk, shared_bk = self.layout.split(c.buckets)
         wstash = c.wstash
         if self.split:
-            dp, dx, dys = self.store.pullback(c.residuals, slot, self.layer_params)(dy)
+            pullback = self.store.pullback(c.residuals, slot,
+                                           (self.layer_params, self._zero_probes()))
+            (dp, dys), dx = pullback(dy)
             n = len(self.wlist)
             wstash = wstash[:n] + _put(wstash[n:2 * n], dys, b % self.table.weight_slots) \
                 + wstash[2 * n:]
@@ -293,8 +296,9 @@ class _StageRun:
             mg = self.stages.layer_main_grads(trees)
         return self.stages.layers(lp, mg, x), wb.buckets
 
-    def _split_fn(self, lp, x, probes):
-        # (params, x, probes) -> (y, aux = inputs of the fused linears): zero bubble's B.
+    def _split_fn(self, live, x):
+        # ((params, probes), x) -> (y, aux = inputs of the fused linears): zero bubble's B.
+        lp, probes = live
         y, ws = self._split_layers(lp, x, probes)
         return y, list(ws.inputs)
 
