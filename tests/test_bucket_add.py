@@ -91,6 +91,7 @@ def test_in_place_as_scan_carry_with_many_blocks():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.cuda_handler
 def test_cuda_lowering_is_the_aliased_custom_call():
     # What a GPU compiles (lowered here without one): the FFI call, aliased, offsets attr.
     bucket, g = jnp.zeros(64), jnp.ones((2, 3))

@@ -54,6 +54,7 @@ def test_bad_precision(bad):
         ops.wgrad_accumulate(x, dy, acc, precision=bad)
 
 
+@pytest.mark.cuda_handler
 @pytest.mark.parametrize("precision", SETTINGS)
 def test_cuda_lowering_precision_equals_jnp_dot(precision):
     # The fused op must compute at the precision XLA gives jnp.dot with the same argument:
@@ -65,6 +66,7 @@ def test_cuda_lowering_precision_equals_jnp_dot(precision):
     assert _custom_call_precisions(ours) == _dot_precisions(xla)
 
 
+@pytest.mark.cuda_handler
 @pytest.mark.parametrize("context", [None, "float32", "tensorfloat32"])
 def test_default_follows_jax_default_matmul_precision(context):
     x, dy, acc = jnp.ones((8, 4)), jnp.ones((8, 3)), jnp.zeros((3, 4))
@@ -78,6 +80,7 @@ def test_default_follows_jax_default_matmul_precision(context):
     assert _custom_call_precisions(got) == _dot_precisions(want)
 
 
+@pytest.mark.cuda_handler
 def test_cuda_lowering_has_workspace_result():
     x, dy, acc = jnp.ones((8, 4)), jnp.ones((8, 3)), jnp.zeros((3, 4))
     text = _cuda_text(lambda x, dy, a: ops.wgrad_accumulate(x, dy, a), x, dy, acc)
@@ -91,7 +94,8 @@ def test_cuda_lowering_has_workspace_result():
 
 
 @pytest.mark.parametrize("precision", [None, "float32", "tensorfloat32"])
-@pytest.mark.parametrize("fused", ["plain", "accumulator", "bucket"])
+@pytest.mark.parametrize("fused", ["plain", pytest.param("accumulator", marks=pytest.mark.cuda_handler),
+                                   pytest.param("bucket", marks=pytest.mark.cuda_handler)])
 def test_linear_gemms_all_use_the_precision(precision, fused):
     # Forward, data gradient and (fused) weight gradient: one precision for all three.
     x, w, b = jnp.ones((8, 4)), jnp.ones((3, 4)), jnp.ones(3)

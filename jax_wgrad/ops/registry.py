@@ -24,8 +24,8 @@ import threading
 
 import jax
 
-__all__ = ["TARGET", "BUCKET_ADD_TARGET", "PLATFORMS", "handler_loaded", "fusion_status",
-           "fusion_available", "require_fusion"]
+__all__ = ["TARGET", "BUCKET_ADD_TARGET", "PLATFORMS", "load_error", "handler_loaded",
+           "fusion_status", "fusion_available", "require_fusion"]
 
 TARGET = "jax_wgrad_wgrad_accumulate"
 """FFI target of the fused weight-gradient GEMM (one name for CPU and CUDA)."""
@@ -67,10 +67,16 @@ def normalize_platform(platform: str | None) -> str:
     return "cuda" if platform == "gpu" else platform
 
 
+def load_error(platform: str) -> str | None:
+    """``None`` when the handlers for ``platform`` were built, imported and registered
+    (what the lowering needs; says nothing about whether a call works), else why not."""
+    platform = normalize_platform(platform)
+    return _LOADED.get(platform, f"jax_wgrad has no handler for platform '{platform}'")
+
+
 def handler_loaded(platform: str) -> bool:
-    """Whether the handlers for ``platform`` were built, imported and registered (what
-    the lowering needs; says nothing about whether a call works)."""
-    return _LOADED.get(normalize_platform(platform), "unknown platform") is None
+    """Whether :func:`load_error` is ``None`` for ``platform``."""
+    return load_error(platform) is None
 
 
 def _probe(platform: str) -> str | None:
@@ -105,7 +111,7 @@ def _probe(platform: str) -> str | None:
 
 
 def _status(platform: str) -> str | None:
-    loaded = _LOADED.get(platform, f"jax_wgrad has no handler for platform '{platform}'")
+    loaded = load_error(platform)
     if loaded is not None:
         return loaded
     with _PROBE_LOCK:
