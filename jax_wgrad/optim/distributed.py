@@ -210,6 +210,45 @@ class DistributedOptimizer:
             master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
         return OptimizerState(master, self.tx.init(master))
 
+    # -- layout-independent form (checkpoints)
+
+    def map_param_parts(self, fn, state: OptimizerState) -> OptimizerState:
+        """Applies ``fn`` to ``master`` and to every parameter-shaped part of the optax
+        state (located with :func:`optax.tree_map_params`: the subtrees shaped like
+        ``master``), leaving counts and the like as they are."""
+        structure = jax.tree.structure(state.master)
+        is_part = lambda v: jax.tree.structure(v) == structure
+        inner = optax.tree_map_params(self.tx, fn, state.inner, is_leaf=is_part)
+        return OptimizerState(fn(state.master), inner)
+
+    def state_to_tree(self, state: OptimizerState) -> OptimizerState:
+        """The per-device state with every parameter-shaped part (master weights, Adam
+        moments) as this device's parameter tree: bucket shards are all-gathered over the
+        data axis and unpacked. Call inside ``shard_map``; the inverse of
+        :meth:`state_from_tree`."""
+        if not self.distributed:
+            return state
+        self._check_axis()
+
+        def gather(shards):
+            full = tuple(lax.all_gather(s, self.data_axis, axis=0, tiled=True) for s in shards)
+            return self.buffer.to_tree(full)
+
+        return self.map_param_parts(gather, state)
+
+    def state_from_tree(self, state: OptimizerState) -> OptimizerState:
+        """Inverse of :meth:`state_to_tree`: parameter trees back to this rank's fp32
+        bucket shards (distributed) or as they are (replicated)."""
+        if not self.distributed:
+            return state
+        self._check_axis()
+
+        def shard(tree):
+            return shard_buckets(self.buffer.from_tree(tree, dtype=jnp.float32),
+                                 axis_name=self.data_axis)
+
+        return self.map_param_parts(shard, state)
+
     # -- masks
 
     def _leaf_mask_tree(self, flags: tuple[bool, ...]) -> PyTree:

@@ -33,11 +33,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.optim import transforms
 from jax_wgrad.parallel.mesh import AXES, DATA
+from jax_wgrad.parallel.pipeline.evaluate import eval_loss
 from jax_wgrad.parallel.pipeline.gradients import reduce_gradients
 from jax_wgrad.training.plan import TrainPlan
 
-__all__ = ["TrainState", "default_optimizer", "init_train_state", "shard_batch",
-           "build_train_step"]
+__all__ = ["TrainState", "default_optimizer", "init_optimizer_state", "init_train_state",
+           "shard_batch", "build_train_step", "build_eval_step"]
 
 
 class TrainState(NamedTuple):
@@ -71,16 +72,21 @@ def _unstack(tree):
     return jax.tree.map(lambda x: x[0], tree)
 
 
-def init_train_state(plan: TrainPlan, seed: int) -> TrainState:
-    """Full parameters from ``seed`` (identical for every layout), created sharded, and
-    each device's optimizer state (fp32 master + optax state of its shard)."""
+def init_optimizer_state(plan: TrainPlan, params) -> Any:
+    """Each device's optimizer state for ``params`` (canonical, sharded as the plan's):
+    fp32 master + optax state of its shard, stacked on a leading device axis."""
     stages, opt = plan.stages, plan.optimizer
-    params = jax.jit(lambda: stages.init_params(seed), out_shardings=plan.param_shardings)()
     init = jax.shard_map(lambda p: _stack(opt.init(stages.device_tree(p))), mesh=plan.mesh,
                          in_specs=(stages.param_specs(),), out_specs=P(AXES), check_vma=False)
-    opt_state = jax.jit(init)(params)
+    return jax.jit(init)(params)
+
+
+def init_train_state(plan: TrainPlan, seed: int) -> TrainState:
+    """Full parameters from ``seed`` (identical for every layout), created sharded, and
+    each device's optimizer state (:func:`init_optimizer_state`)."""
+    params = jax.jit(lambda: plan.stages.init_params(seed), out_shardings=plan.param_shardings)()
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(plan.mesh, P()))
-    return TrainState(step, params, opt_state)
+    return TrainState(step, params, init_optimizer_state(plan, params))
 
 
 def shard_batch(mesh: Mesh, tokens: np.ndarray) -> jax.Array:
@@ -134,3 +140,13 @@ def build_train_step(
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
+
+
+def build_eval_step(plan: TrainPlan) -> Callable[[dict[str, Any], jax.Array], jax.Array]:
+    """A jitted ``eval_step(params, tokens) -> mean token loss`` of one global batch: the
+    forward-only pipeline (:mod:`jax_wgrad.parallel.pipeline.evaluate`), no gradients."""
+    stages = plan.stages
+    fn = jax.shard_map(lambda p, t: eval_loss(stages, stages.device_tree(p), t),
+                       mesh=plan.mesh, in_specs=(stages.param_specs(), P(DATA)),
+                       out_specs=P(), check_vma=False)
+    return jax.jit(fn)

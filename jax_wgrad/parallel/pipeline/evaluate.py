@@ -1,0 +1,65 @@
+"""The forward-only pipeline of an evaluation step: no backward, no gradients.
+
+A table of forward tasks only (:func:`forward_table`: stage ``s`` forwards microbatch
+``t - s`` in tick ``t``, ``M + P - 1`` ticks), run as one ``lax.scan`` like the training
+executor: the first stage embeds, every stage runs its layers and sends the activation on
+(one acyclic ``ppermute``), the last stage sums the token losses of its head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_wgrad.parallel.mesh import DATA, PIPELINE
+from jax_wgrad.parallel.pipeline.schedules import IDLE
+
+__all__ = ["forward_table", "eval_loss"]
+
+
+def forward_table(num_stages: int, num_microbatches: int) -> np.ndarray:
+    """``int32 [M + P - 1, P]``: the microbatch each stage forwards per tick, or IDLE."""
+    t = np.arange(num_microbatches + num_stages - 1)[:, None]
+    f = t - np.arange(num_stages)[None, :]
+    return np.where((f >= 0) & (f < num_microbatches), f, IDLE).astype(np.int32)
+
+
+def eval_loss(stages, params, tokens: jax.Array) -> jax.Array:
+    """Mean token loss of one global batch (inside ``shard_map``; ``params``: the device
+    tree; ``tokens``: int ``[global_batch / dp, S + 1]``)."""
+    par, cfg = stages.parallel, stages.model
+    pp, m, mb = par.pipeline_model_parallel_size, par.num_microbatches, par.micro_batch_size
+    seq = cfg.seq_length
+    if tokens.shape != (m * mb, seq + 1):
+        raise ValueError(f"eval_loss: expected local tokens [{m * mb}, {seq + 1}], got "
+                         f"{tokens.shape}")
+    micro = tokens.reshape(m, mb, seq + 1)
+    layers, shared = params
+    stage = lax.axis_index(PIPELINE) if pp > 1 else jnp.int32(0)
+    s_local = seq // par.tensor_model_parallel_size if par.sequence_parallel else seq
+    act = jnp.zeros((mb, s_local, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
+
+    def tick(carry, row):
+        x_recv, loss_sum = carry
+        f = row[stage]
+
+        def forward(x_recv):
+            tok = lax.dynamic_index_in_dim(micro, jnp.clip(f, 0, m - 1), 0, keepdims=False)
+            x = lax.cond(stage == 0, lambda: stages.embed(shared, tok[:, :-1]), lambda: x_recv)
+            y = stages.layers(layers, None, x)
+            loss = lax.cond(stage == pp - 1,
+                            lambda: stages.head_loss(shared, None, y, tok[:, 1:]),
+                            lambda: jnp.float32(0.0))
+            return y, loss
+
+        y, loss = lax.cond(f >= 0, forward, lambda x: (act, jnp.float32(0.0)), x_recv)
+        if pp > 1:
+            y = lax.ppermute(y, PIPELINE, [(i, i + 1) for i in range(pp - 1)])
+        return (y, loss_sum + loss), None
+
+    (_, loss_sum), _ = lax.scan(tick, (act, jnp.float32(0.0)),
+                                jnp.asarray(forward_table(pp, m)))
+    n_local = jnp.float32(m * mb * seq)
+    return lax.psum(loss_sum, (DATA, PIPELINE)) / lax.psum(n_local, DATA)

@@ -1,0 +1,195 @@
+"""Checkpoints of a train state in a layout-independent form, written by orbax.
+
+A :class:`Checkpointer` saves, per step, three items with an ``orbax``
+``CheckpointManager``:
+
+* ``params``: the canonical parameters (:mod:`jax_wgrad.models.gpt.params`), the same
+  arrays whatever the ``(dp, tp, pp)`` layout or optimizer mode;
+* ``opt``: the optimizer state in the same canonical form -- fp32 master weights and
+  every optax moment as a canonical parameter tree (bucket shards of the distributed
+  optimizer are gathered, :meth:`DistributedOptimizer.state_to_tree`), counts as scalars;
+* ``meta`` (JSON): step, data position, seed and the three configs.
+
+So a checkpoint loads onto ANY layout, with or without the distributed optimizer
+(restored straight into the new mesh's shardings, then re-sharded into the new plan's
+buckets) -- what Megatron needs offline conversion tools for. Saves are asynchronous (the
+step loop goes on while orbax writes) and atomic (orbax writes into a temporary directory
+and renames it when complete, so a save killed half-way never becomes the latest
+checkpoint). A checkpoint of a differently shaped model fails to load with a message
+naming the mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_wgrad.optim.distributed import OptimizerState
+from jax_wgrad.parallel.mesh import AXES
+from jax_wgrad.training.plan import TrainPlan
+from jax_wgrad.training.step import TrainState, init_optimizer_state
+
+__all__ = ["Checkpointer", "MODEL_FIELDS", "canonical_state", "state_from_canonical"]
+
+MODEL_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
+                "seq_length", "ffn_hidden_size", "untie_embeddings_and_output_weights")
+"""GPTConfig fields that fix the parameters' shapes: a checkpoint must agree on them."""
+
+
+def _opt_specs(plan: TrainPlan, per_device_state) -> OptimizerState:
+    """Partition specs of the canonical optimizer state: the parameter specs for every
+    parameter-shaped part, replicated for the rest (counts)."""
+    specs = plan.stages.param_specs()
+    structure = jax.tree.structure(per_device_state.master)
+    inner = optax.tree_map_params(plan.optimizer.tx, lambda _: specs, per_device_state.inner,
+                                  transform_non_params=lambda _: P(),
+                                  is_leaf=lambda v: jax.tree.structure(v) == structure)
+    return OptimizerState(specs, inner)
+
+
+def _unstacked_abstract(plan: TrainPlan, state: TrainState):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.opt_state)
+
+
+def canonical_state(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
+    """``{"params", "opt"}`` of ``state`` in the canonical (layout-independent) form."""
+    stages, opt = plan.stages, plan.optimizer
+    out_opt = _opt_specs(plan, _unstacked_abstract(plan, state))
+    canon = lambda tree: stages.canonical_tree(tree)
+
+    def body(params, opt_state):
+        tree_state = opt.state_to_tree(jax.tree.map(lambda x: x[0], opt_state))
+        return opt.map_param_parts(canon, tree_state)
+
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(stages.param_specs(), P(AXES)),
+                       out_specs=out_opt, check_vma=False)
+    return {"params": state.params, "opt": jax.jit(fn)(state.params, state.opt_state)}
+
+
+def state_from_canonical(plan: TrainPlan, template: TrainState, params, opt,
+                         step: int) -> TrainState:
+    """The plan's :class:`TrainState` from canonical ``params`` and ``opt`` (as
+    :func:`canonical_state` gives them); ``template``: a state of the plan (shapes)."""
+    stages, optimizer = plan.stages, plan.optimizer
+    in_opt = _opt_specs(plan, _unstacked_abstract(plan, template))
+
+    def body(opt_state):
+        state = optimizer.map_param_parts(stages.device_tree, opt_state)
+        return jax.tree.map(lambda x: x[None], optimizer.state_from_tree(state))
+
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(in_opt,), out_specs=P(AXES),
+                       check_vma=False)
+    shardings = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), in_opt,
+                             is_leaf=lambda x: isinstance(x, P))
+    opt_state = jax.jit(fn)(jax.device_put(opt, shardings))
+    return TrainState(_step_array(plan, step), jax.device_put(params, plan.param_shardings),
+                      opt_state)
+
+
+def _step_array(plan: TrainPlan, step: int) -> jax.Array:
+    return jax.device_put(jnp.asarray(step, jnp.int32), NamedSharding(plan.mesh, P()))
+
+
+class Checkpointer:
+    """Asynchronous, atomic orbax checkpoints of canonical train states (module docstring).
+
+    Args:
+      directory: where the steps' checkpoints live (created if missing).
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_names=("params", "opt", "meta"))
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or ``None``."""
+        return self.manager.latest_step()
+
+    def save(self, plan: TrainPlan, state: TrainState, *, step: int, data_step: int,
+             seed: int) -> None:
+        """Starts an asynchronous save of ``state`` at ``step`` (returns when the arrays
+        are copied; :meth:`wait` for completion)."""
+        canon = canonical_state(plan, state)
+        meta = {"step": step, "data_step": data_step, "seed": seed,
+                "model": dataclasses.asdict(plan.model),
+                "parallel": dataclasses.asdict(plan.parallel),
+                "ddp": dataclasses.asdict(plan.ddp)}
+        self.manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(canon["params"]),
+            opt=ocp.args.StandardSave(canon["opt"]),
+            meta=ocp.args.JsonSave(json.loads(json.dumps(meta, default=str)))))
+
+    def restore(self, plan: TrainPlan, state: TrainState, *, step: int | None = None,
+                load_optim: bool = True) -> tuple[TrainState, dict[str, Any]]:
+        """Loads ``step`` (default: the latest) into ``plan``'s layout.
+
+        Args:
+          state: a fresh state of the plan (gives the shapes; its optimizer state is kept
+            when ``load_optim`` is False -- Megatron's ``--no-load-optim``, the optimizer
+            then starts from the loaded parameters).
+        Returns:
+          ``(state, meta)``.
+        Raises:
+          ValueError: no checkpoint, or one of a model with other shapes (named).
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"no checkpoint in {self.directory}")
+        meta = self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+        _check_model(meta, plan, self.directory, step)
+        abstract = canonical_abstract(plan, state)
+        items = {"params": ocp.args.StandardRestore(abstract["params"])}
+        if load_optim:
+            items["opt"] = ocp.args.StandardRestore(abstract["opt"])
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        if load_optim:
+            new = state_from_canonical(plan, state, restored["params"], restored["opt"],
+                                       int(meta["step"]))
+        else:  # the optimizer starts afresh from the loaded parameters
+            params = jax.device_put(restored["params"], plan.param_shardings)
+            new = TrainState(_step_array(plan, int(meta["step"])), params,
+                             init_optimizer_state(plan, params))
+        return new, meta
+
+    def wait(self) -> None:
+        """Blocks until every started save is complete."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def canonical_abstract(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
+    """Shapes, dtypes and target shardings of :func:`canonical_state` on ``plan``."""
+    shapes = jax.eval_shape(lambda s: canonical_state(plan, s), state)
+    opt_specs = _opt_specs(plan, _unstacked_abstract(plan, state))
+    shard = lambda spec: NamedSharding(plan.mesh, spec)
+    with_sharding = lambda tree, specs: jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard(s)), tree,
+        specs, is_leaf=lambda x: isinstance(x, P))
+    return {"params": with_sharding(shapes["params"], plan.stages.param_specs()),
+            "opt": jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                  sharding=shard(s)),
+                                opt_specs, shapes["opt"], is_leaf=lambda x: isinstance(x, P))}
+
+
+def _check_model(meta: dict, plan: TrainPlan, directory: str, step: int) -> None:
+    saved, now = meta.get("model", {}), dataclasses.asdict(plan.model)
+    diff = [f"{k}={saved.get(k)!r} in the checkpoint, {now[k]!r} in this run"
+            for k in MODEL_FIELDS if saved.get(k) != now[k]]
+    if diff:
+        raise ValueError(f"checkpoint {directory} (step {step}) was saved for a different "
+                         f"model: {'; '.join(diff)}")
