@@ -19,13 +19,10 @@ The same ``--seed`` gives the same initial parameters and batches for every layo
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import sys
-import time
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -37,6 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="virtual CPU devices when running on CPU (default 8)")
     g.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() (multi-process launch)")
+    g.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0 (with --distributed; or JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
     g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
                    help="defer the output layer's weight-gradient GEMMs of the last stage "
                         "to after the pipeline schedule (needs pipeline parallelism and "
@@ -88,29 +89,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--clip-grad", type=float, default=1.0,
                    help="clip the global gradient norm to this value (0: no clipping)")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--data-path", default=None,
-                   help="a text file or directory (default: the Python stdlib sources)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="a text file or directory, a Megatron PREFIX (PREFIX.bin/.idx), or "
+                        "weighted prefixes 'w1 PREFIX1 w2 PREFIX2 ...' (default: the Python "
+                        "standard library's sources)")
+    g.add_argument("--split", default="98,2,0",
+                   help="train,validation,test proportions of every dataset (Megatron's)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="default: bytes 256; Megatron data: largest id + 1, padded")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g = p.add_argument_group("checkpointing and evaluation")
+    g.add_argument("--save", default=None, help="save checkpoints in this directory")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="steps between checkpoints (a final one is always written)")
+    g.add_argument("--load", default=None, help="resume from the latest checkpoint here")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load only the parameters; the optimizer starts afresh")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="evaluate on the validation split every this many steps")
+    g.add_argument("--eval-iters", type=int, default=10,
+                   help="validation batches per evaluation")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=5)
     g.add_argument("--metrics-file", default=None,
-                   help="JSON lines: step, loss, grad_norm, skipped, step_time_s, tokens_per_s")
+                   help="JSON lines: step, loss, grad_norm, skipped, step_time_s, tokens_per_s "
+                        "(and valid_loss, valid_ppl)")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     g.add_argument("--profile-dir", default=None,
                    help="write a jax.profiler trace of a few steps after compilation")
     g.add_argument("--profile-steps", type=int, default=3)
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none when stdout is not a terminal)")
+    return p
 
 
-def build_configs(args: argparse.Namespace):
+def build_configs(args: argparse.Namespace, vocab_size: int, parser):
     """``(GPTConfig, ParallelConfig, DDPConfig)`` from the flags; a bad combination ends
     the program with an argparse-style error naming it."""
     from jax_wgrad import DDPConfig, GPTConfig, ParallelConfig
     from jax_wgrad.models.gpt import validate
-    from jax_wgrad.training import VOCAB_SIZE
 
     try:
         model = GPTConfig(
-            vocab_size=VOCAB_SIZE, num_layers=args.num_layers, hidden_size=args.hidden_size,
+            vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
             seq_length=args.seq_length,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
@@ -133,8 +155,30 @@ def build_configs(args: argparse.Namespace):
             pad_buckets_for_high_nccl_busbw=args.pad_buckets_for_high_nccl_busbw,
             clip_grad=args.clip_grad)
     except ValueError as exc:
-        raise SystemExit(f"pretrain_gpt.py: error: {exc}") from None
+        parser.error(str(exc))
     return model, parallel, ddp
+
+
+def load_data(args, parser):
+    """``(train, valid, vocab size)``; a bad ``--data-path``/``--split`` is an
+    argparse-style error."""
+    from jax_wgrad.training.data import load_data as load, padded_vocab_size
+
+    try:
+        train, valid, _ = load(args.data_path, args.split)
+        vocab = train.vocab_size if getattr(train, "vocab_size", None) else padded_vocab_size(
+            train.max_token_id, args.make_vocab_size_divisible_by)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.vocab_size is not None:
+        if args.vocab_size <= train.max_token_id:
+            parser.error(f"--vocab-size {args.vocab_size} must exceed the data's largest "
+                         f"token id {train.max_token_id}")
+        vocab = args.vocab_size
+    if args.eval_interval and len(valid) <= args.seq_length + 1:
+        parser.error(f"--eval-interval needs a validation split: --split {args.split!r} "
+                     f"leaves {len(valid)} tokens ({valid.name})")
+    return train, valid, vocab
 
 
 def learning_rate(args: argparse.Namespace):
@@ -143,7 +187,7 @@ def learning_rate(args: argparse.Namespace):
 
     if args.min_lr is not None:
         return optax.warmup_cosine_decay_schedule(
-            0.0, args.lr, max(args.lr_warmup_iters, 1), args.train_iters, args.min_lr)
+            0.0, args.lr, max(args.lr_warmup_iters, 1), max(args.train_iters, 1), args.min_lr)
     if args.lr_warmup_iters:
         return optax.join_schedules(
             [optax.linear_schedule(0.0, args.lr, args.lr_warmup_iters),
@@ -159,12 +203,13 @@ def describe(plan, data, state) -> list[str]:
     par, model, ddp = plan.parallel, plan.model, plan.ddp
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     return [
-        f"devices: {jax.device_count()} x {jax.devices()[0].platform} | mesh (data, tensor, "
-        f"pipeline) = {par.mesh_shape} | microbatches per step: {par.num_microbatches} | "
-        f"sequence parallel: {par.sequence_parallel} | gradient accumulation fusion: "
+        f"devices: {jax.device_count()} x {jax.devices()[0].platform} in "
+        f"{jax.process_count()} process(es) | mesh (data, tensor, pipeline) = "
+        f"{par.mesh_shape} | microbatches per step: {par.num_microbatches} | sequence "
+        f"parallel: {par.sequence_parallel} | gradient accumulation fusion: "
         f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name} | recompute: "
         f"{par.recompute_granularity}",
-        f"data: {data.name}, {len(data) / 1e6:.1f} MB",
+        f"data: {data.name}, {len(data) / 1e6:.1f} M tokens for training",
         f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
         f"{ddp.overlap_grad_reduce} | bucket size "
         f"{ddp.effective_bucket_size(par.data_parallel_size)} | average in collective "
@@ -172,105 +217,76 @@ def describe(plan, data, state) -> list[str]:
         plan.buffer_summary(),
         f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
         f"{model.hidden_size}, heads {model.num_attention_heads}, seq {model.seq_length}, "
-        f"{model.compute_dtype}",
+        f"vocab {model.vocab_size}, {model.compute_dtype}",
     ]
 
 
-def train(args, plan, state, data, log) -> tuple[list[float], list[float], int, float]:
-    """The step loop: compile once (timed), then ``--train-iters`` steps with metrics,
-    progress bar and the optional profile. Returns losses, step times, skipped steps and
-    the compile time."""
-    import jax
-    from tqdm import tqdm
-
-    from jax_wgrad import build_train_step, shard_batch
-
-    gb, seq = plan.parallel.global_batch_size, plan.model.seq_length
-    batch = lambda i: shard_batch(plan.mesh, data.batch(i, gb, seq, args.seed))
-    t0 = time.perf_counter()
-    compiled = build_train_step(plan, state).lower(state, batch(0)).compile()
-    compile_s = time.perf_counter() - t0
-    log(f"compile time: {compile_s:.2f} s")
-    is_main = jax.process_index() == 0
-    metrics_file = None
-    if args.metrics_file and is_main:
-        pathlib.Path(args.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(args.metrics_file, "w")
-    profile_start = min(1, args.train_iters - 1)
-    profile_stop = min(profile_start + args.profile_steps, args.train_iters)
-    losses, times, skipped_steps = [], [], 0
-    bar = tqdm(range(args.train_iters), desc="train", disable=args.no_progress or not is_main,
-               dynamic_ncols=True)
-    for i in bar:
-        if args.profile_dir and i == profile_start:
-            jax.profiler.start_trace(args.profile_dir)
-        tokens = batch(i)
-        t0 = time.perf_counter()
-        with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
-            state, metrics = compiled(state, tokens)
-            loss = float(metrics["loss"])  # waits for the step
-            grad_norm, skipped = float(metrics["grad_norm"]), bool(metrics["skipped"])
-        dt = time.perf_counter() - t0
-        if args.profile_dir and i + 1 == profile_stop:
-            jax.profiler.stop_trace()
-            log(f"profile of steps {profile_start}..{profile_stop - 1} written to "
-                f"{args.profile_dir}")
-        losses.append(loss)
-        times.append(dt)
-        skipped_steps += skipped
-        record = {"step": i + 1, "loss": loss, "grad_norm": grad_norm, "skipped": skipped,
-                  "step_time_s": dt, "tokens_per_s": gb * seq / dt}
-        if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-        bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
-        if (i + 1) % args.log_interval == 0 or i == 0 or i + 1 == args.train_iters:
-            log(f"iteration {i + 1:5d}/{args.train_iters} | loss {loss:.4f} | grad norm "
-                f"{grad_norm:.3f} | skipped {skipped_steps} | step {dt * 1e3:.1f} ms | "
-                f"{gb * seq / dt:,.0f} tokens/s")
-    if metrics_file:
-        metrics_file.close()
-    return losses, times, skipped_steps, compile_s
-
-
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     import jax
 
     import jax_wgrad
-
     from jax_wgrad.training.gpu import apply_gpu_xla_flags
+    from jax_wgrad.training.loop import LoopOptions, run
+    from jax_wgrad.training.metrics import MetricsWriter
 
     gpu_flags = apply_gpu_xla_flags()  # before jax initialises its backends
     jax_wgrad.use_virtual_cpu_devices(args.num_cpu_devices)
-    import numpy as np
-    from tqdm import tqdm
-
     if args.distributed:
-        jax_wgrad.initialize_distributed()
-    log = (lambda msg: tqdm.write(msg)) if jax.process_index() == 0 else (lambda msg: None)
-    model, parallel, ddp = build_configs(args)
-    data = (jax_wgrad.ByteDataset.from_path(args.data_path) if args.data_path
-            else jax_wgrad.ByteDataset.from_stdlib())
+        jax_wgrad.initialize_distributed(**{k: v for k, v in dict(
+            coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+            process_id=args.process_id).items() if v is not None})
+    is_main = jax.process_index() == 0
+    log = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
+    train, valid, vocab = load_data(args, parser)
+    model, parallel, ddp = build_configs(args, vocab, parser)
+    try:
+        opts = LoopOptions(
+            train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
+            eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
+            save_interval=args.save_interval, load=args.load,
+            load_optim=not args.no_load_optim, profile_dir=args.profile_dir,
+            profile_steps=args.profile_steps, progress=not args.no_progress)
+    except ValueError as exc:
+        parser.error(str(exc))
     optimizer = jax_wgrad.default_optimizer(learning_rate(args), weight_decay=args.weight_decay)
     plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel), optimizer,
                                       ddp=ddp)
     state = jax_wgrad.init_train_state(plan, args.seed)
-    for line in describe(plan, data, state):
+    for line in describe(plan, train, state):
         log(line)
     if gpu_flags:
         log(f"XLA flags for the GPU: {' '.join(gpu_flags)}")
-    losses, times, skipped_steps, compile_s = train(args, plan, state, data, log)
-    buf = plan.layout.buffer
+    metrics = MetricsWriter(args.metrics_file if is_main else None,
+                            args.tensorboard_dir if is_main else None,
+                            append=bool(args.load) and args.load == args.save)
+    try:
+        out = run(plan, state, train, valid, opts, metrics=metrics, log=log)
+    except ValueError as exc:  # e.g. a checkpoint of another model
+        parser.error(str(exc))
+    return summarize(plan, out, log)
+
+
+def summarize(plan, out: dict, log) -> dict:
+    import numpy as np
+
+    buf, losses, times = plan.layout.buffer, out["losses"], out["times"]
     steady = times[1:] or times
     summary = {
-        "compile_time_s": compile_s, "mean_step_time_s": float(np.mean(steady)),
-        "first_loss": losses[0], "last_loss": losses[-1], "skipped_steps": skipped_steps,
+        "compile_time_s": out["compile_time_s"], "steps": len(losses),
+        "mean_step_time_s": float(np.mean(steady)) if steady else 0.0,
+        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+        "skipped_steps": out["skipped_steps"], "valid": out["valid"],
         "num_buckets": buf.num_buckets, "buffer_numel": buf.numel, "grad_numel": buf.param_numel,
         "padding_fraction": (buf.numel - buf.param_numel) / buf.numel,
     }
-    log(f"done: compile {compile_s:.2f} s | mean step {summary['mean_step_time_s'] * 1e3:.1f} ms "
-        f"(steps 2..{len(times)}) | loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if losses:
+        log(f"done: compile {summary['compile_time_s']:.2f} s | mean step "
+            f"{summary['mean_step_time_s'] * 1e3:.1f} ms | loss {losses[0]:.4f} -> "
+            f"{losses[-1]:.4f}")
+    else:
+        log("done: no training step to run")
     return summary
 
 

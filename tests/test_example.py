@@ -74,10 +74,18 @@ def test_profile_dir(example, tmp_path):
     assert list(prof.rglob("*.xplane.pb"))
 
 
-def test_clear_error(example):
-    with pytest.raises(SystemExit, match=r"num_layers \(4\) must be divisible by "
-                                         r"pipeline_model_parallel_size \(8\)"):
-        example.main(SMALL + ["--pipeline-model-parallel-size", "8"])
+def usage_error(example, capsys, argv: list[str], message: str) -> None:
+    """``argv`` ends the example with an argparse-style error (exit code 2, usage and
+    ``pretrain_gpt.py: error: <message>`` on stderr, no traceback)."""
+    with pytest.raises(SystemExit) as exc:
+        example.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"error: {message}" in err, err
+
+
+def test_clear_error(example, capsys):
+    usage_error(example, capsys, SMALL + ["--pipeline-model-parallel-size", "8"],
+                "num_layers (4) must be divisible by pipeline_model_parallel_size (8)")
 
 
 @pytest.mark.slow  # ~1 min alone (5 runs of 6 steps)
@@ -98,15 +106,14 @@ def test_loss_curve_unchanged_by_deferred_output_wgrad(example, tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b), (name, curve, base)
 
 
-def test_deferral_errors(example):
-    with pytest.raises(SystemExit, match="Cannot defer embedding wgrad when pipeline "
-                                         "parallel not used"):
-        example.main(SMALL + ["--defer-embedding-wgrad-compute",
-                              "--gradient-accumulation-fusion"])
-    with pytest.raises(SystemExit, match="Wgrad deferral limit must be >= 0"):
-        example.main(SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion",
-                              "--pipeline-model-parallel-size", "2",
-                              "--wgrad-deferral-limit", "-2"])
+def test_deferral_errors(example, capsys):
+    usage_error(example, capsys,
+                SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion"],
+                "Cannot defer embedding wgrad when pipeline parallel not used")
+    usage_error(example, capsys,
+                SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion",
+                         "--pipeline-model-parallel-size", "2", "--wgrad-deferral-limit", "-2"],
+                "Wgrad deferral limit must be >= 0")
 
 
 def _schedule_runs():
@@ -129,8 +136,7 @@ def test_loss_curve_unchanged_by_schedule_and_recompute(example, tmp_path, sched
         assert abs(a - b) <= 1e-5 * abs(b), (schedule, recompute, curve, base)
 
 
-def test_schedule_errors(example):
-    with pytest.raises(SystemExit, match="Cannot use the zb-h1 pipeline schedule without "
-                                         "gradient accumulation fusion"):
-        example.main(SMALL + ["--pipeline-model-parallel-size", "2",
-                              "--pipeline-schedule", "zb-h1"])
+def test_schedule_errors(example, capsys):
+    usage_error(example, capsys,
+                SMALL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+                "Cannot use the zb-h1 pipeline schedule without gradient accumulation fusion")
