@@ -1,15 +1,18 @@
 """Benchmark of the fused weight-gradient accumulation against XLA's own paths.
 
-For each (dtype, T, out, in) case, in one process, times (median of --iters runs after
+For each (dtype, T, out, in) case -- or (dtype, E, T, out, in) for expert weights
+[E, out, in], the grouped op, E experts in one call -- in one process, times (median of --iters runs after
 --warmup runs, each call blocked on), all at the same matmul precision (--precision,
 default jax's: TF32 for float32 on a GPU, as XLA's own dot):
-  fused    jax_wgrad.wgrad_accumulate (FFI, accumulator donated: in place)
+  fused    jax_wgrad.wgrad_accumulate (FFI, accumulator donated: in place); grouped:
+           jax_wgrad.ops.grouped_wgrad_accumulate
   xla      acc + jnp.dot(dy.T, x, preferred_element_type=f32) in one jit, acc donated
-           (XLA's own fused path; on GPU a cuBLAS GEMM with beta = 1)
+           (XLA's own fused path; on GPU a cuBLAS GEMM with beta = 1); grouped: the
+           batched dot (einsum) over the experts
   unfused  dW = dot(dy.T, x) in one call, acc + dW in another (acc donated)
   gemm     the plain GEMM dot(dy.T, x) alone (the lower bound)
 and prints one JSON line per case:
-  platform, dtype, precision, T, out, in, fused_ms, xla_ms, unfused_ms, gemm_ms,
+  platform, dtype, precision, E (grouped only), T, out, in, fused_ms, xla_ms, unfused_ms, gemm_ms,
   fused_over_xla, fused_over_gemm, rel_diff (fused vs xla, checked against the tolerance
   of the precision used) (and tflops on GPU, blas_core on CPU).
 
@@ -19,6 +22,7 @@ an older, slower kernel.
 
     python benchmarks/wgrad_kernel.py                 # default cases of the platform
     python benchmarks/wgrad_kernel.py --cases 4096x1024x1024 --dtypes float32
+    python benchmarks/wgrad_kernel.py --cases 8x1024x1024x4096   # 8 experts
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ import jax.numpy as jnp
 
 import jax_wgrad
 
-CPU_CASES = [(4096, 1024, 1024), (8192, 4096, 1024), (2048, 4096, 4096)]
+# (T, out, in), or (E, T, out, in) for the grouped expert op (T tokens per expert).
+CPU_CASES = [(4096, 1024, 1024), (8192, 4096, 1024), (2048, 4096, 4096),
+             (8, 512, 1024, 1024), (4, 1024, 2048, 512)]
 GPU_CASES = [(4096, 1024, 1024), (8192, 4096, 1024), (2048, 4096, 4096),
-             (16384, 8192, 8192), (32768, 4096, 4096), (8192, 12288, 4096)]
+             (16384, 8192, 8192), (32768, 4096, 4096), (8192, 12288, 4096),
+             (8, 2048, 4096, 1024), (8, 2048, 1024, 4096), (64, 512, 2048, 1024)]
 
 
 def blas_core() -> str:
@@ -80,17 +87,21 @@ def tolerance(dtype: jnp.dtype, precision: str | None) -> float:
 
 
 def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, iters: int,
-               precision: str | None = None) -> dict:
+               precision: str | None = None, experts: int | None = None) -> dict:
+    """Times one case; ``experts``: the grouped op on ``[E, T, ...]`` inputs."""
     k1, k2 = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(k1, (T, n_in), dtype)
-    dy = jax.random.normal(k2, (T, n_out), dtype)
-    zeros = lambda: jnp.zeros((n_out, n_in), jnp.float32)
+    lead = () if experts is None else (experts,)
+    x = jax.random.normal(k1, lead + (T, n_in), dtype)
+    dy = jax.random.normal(k2, lead + (T, n_out), dtype)
+    zeros = lambda: jnp.zeros(lead + (n_out, n_in), jnp.float32)
 
     def dw(x, dy):
-        return jnp.dot(dy.T, x, preferred_element_type=jnp.float32, precision=precision)
+        return jnp.einsum("...to,...ti->...oi", dy, x, preferred_element_type=jnp.float32,
+                          precision=precision)
 
-    fused = jax.jit(functools.partial(jax_wgrad.wgrad_accumulate, precision=precision),
-                    donate_argnums=2)
+    op = jax_wgrad.wgrad_accumulate if experts is None else \
+        jax_wgrad.ops.grouped_wgrad_accumulate
+    fused = jax.jit(functools.partial(op, precision=precision), donate_argnums=2)
     xla = jax.jit(lambda x, dy, acc: acc + dw(x, dy), donate_argnums=2)
     gemm = jax.jit(dw)
     add = jax.jit(lambda acc, d: acc + d, donate_argnums=0)
@@ -103,6 +114,7 @@ def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, ite
         "platform": jax.default_backend(),
         "dtype": jnp.dtype(dtype).name,
         "precision": precision or str(jax.config.jax_default_matmul_precision or "default"),
+        **({} if experts is None else {"E": experts}),
         "T": T, "out": n_out, "in": n_in,
         "fused_ms": _time(fused, acc_args, warmup, iters),
         "xla_ms": _time(xla, acc_args, warmup, iters),
@@ -121,24 +133,29 @@ def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, ite
     if result["platform"] == "cpu":
         result["blas_core"] = blas_core()
     if result["platform"] == "gpu":
-        result["tflops"] = round(2 * T * n_out * n_in / (result["fused_ms"] * 1e-3) / 1e12, 2)
+        flops = 2 * (experts or 1) * T * n_out * n_in
+        result["tflops"] = round(flops / (result["fused_ms"] * 1e-3) / 1e12, 2)
     for key in ("fused_ms", "xla_ms", "unfused_ms", "gemm_ms"):
         result[key] = round(result[key], 4)
     return result
 
 
-def _parse_case(text: str) -> tuple[int, int, int]:
+def _parse_case(text: str) -> tuple[int, ...]:
     try:
-        T, n_out, n_in = (int(v) for v in text.lower().split("x"))
+        case = tuple(int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"case '{text}' is not TxOUTxIN, e.g. 4096x1024x1024")
-    return T, n_out, n_in
+        case = ()
+    if len(case) not in (3, 4) or min(case) < 1:
+        raise argparse.ArgumentTypeError(
+            f"case '{text}' is not TxOUTxIN or ExTxOUTxIN (experts), e.g. 4096x1024x1024")
+    return case
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=_parse_case, nargs="+",
-                        help="TxOUTxIN (default: the platform's case list)")
+                        help="TxOUTxIN, or ExTxOUTxIN for E experts' grouped weights "
+                             "(default: the platform's case list)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--precision", default=None,
@@ -154,9 +171,11 @@ def main(argv: list[str] | None = None) -> None:
                  f"{jax_wgrad.fusion_status()}")
     cases = args.cases or (GPU_CASES if jax.default_backend() == "gpu" else CPU_CASES)
     for dtype in args.dtypes:
-        for T, n_out, n_in in cases:
+        for case in cases:
+            experts = case[0] if len(case) == 4 else None
+            T, n_out, n_in = case[-3:]
             print(json.dumps(bench_case(T, n_out, n_in, jnp.dtype(dtype), args.warmup,
-                                        args.iters, args.precision)), flush=True)
+                                        args.iters, args.precision, experts)), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 //
 // Operation, per batch element b (batch dims only appear under jax.vmap):
 //   main_grad[b, out, in] += dy[b, T, out]^T @ x[b, T, in]
+// Grouped (experts): x [..., G, T, in], dy [..., G, T, out] and a flat main_grad [..., N]
+// one rank lower than in the flat layout, whose G [out, in] blocks lie back to back from
+// element `offset` on: block g at [offset + g * out * in, offset + (g + 1) * out * in).
 // x and dy are f32, bf16 or f16 (the same dtype); main_grad is f32 for any input dtype,
 // or the input dtype itself when it is 16-bit (accumulated in fp32, rounded once).
 #ifndef JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
@@ -24,18 +27,25 @@ enum class Precision : int32_t { kDefault = 0, kHigh = 1, kHighest = 2 };
 // Problem sizes of one call, after validation.
 struct WgradDims {
   int64_t batch = 1;       // product of leading (vmap) dims
+  int64_t groups = 1;      // G: [out, in] blocks back to back in one flat accumulator
   int64_t tokens = 0;      // T
   int64_t in = 0;          // x features (columns of main_grad)
   int64_t out = 0;         // dy features (rows of main_grad)
   int64_t offset = 0;      // element offset of the [out, in] block in the accumulator
   int64_t acc_stride = 0;  // elements per batch element of the accumulator
   Precision precision = Precision::kDefault;
+
+  // Element offset in the accumulator of the block of batch element b, group g.
+  int64_t AccOffset(int64_t b, int64_t g) const {
+    return b * acc_stride + offset + g * out * in;
+  }
 };
 
 // Validates ranks, shapes and dtypes; fills `dims`. Returns an InvalidArgument error
 // naming the offending operands otherwise. The accumulator is either a matrix
-// [..., out, in] (offset 0) or a flat buffer [..., N] holding the row-major [out, in]
-// block at elements [offset, offset + out * in) (a parameter's slice of a gradient bucket).
+// [..., out, in] (offset 0), a flat buffer [..., N] holding the row-major [out, in]
+// block at elements [offset, offset + out * in) (a parameter's slice of a gradient
+// bucket), or, grouped, a flat buffer [..., N] two ranks below x holding G blocks.
 inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
                                  const ffi::AnyBuffer& acc, const ffi::AnyBuffer& out,
                                  int64_t offset, int32_t precision, WgradDims* dims) {
@@ -45,19 +55,27 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   };
   auto xd = x.dimensions(), gd = dy.dimensions(), ad = acc.dimensions();
   const size_t rank = xd.size();
-  const bool flat = ad.size() + 1 == rank;
+  const bool grouped = rank >= 3 && ad.size() + 2 == rank;
+  const bool flat = grouped || ad.size() + 1 == rank;
   if (rank < 2 || gd.size() != rank || !(ad.size() == rank || flat)) {
     return ffi::Error::InvalidArgument(
         "wgrad_accumulate: x and dy must have equal rank >= 2 and main_grad the same "
-        "rank, or one less (flat buffer)" + describe());
+        "rank, one less (flat buffer) or two less (flat buffer of grouped blocks)" +
+        describe());
   }
+  const size_t batch_dims = grouped ? rank - 3 : rank - 2;
   int64_t batch = 1;
-  for (size_t i = 0; i + 2 < rank; ++i) {
+  for (size_t i = 0; i < batch_dims; ++i) {
     if (xd[i] != gd[i] || xd[i] != ad[i]) {
       return ffi::Error::InvalidArgument(
           "wgrad_accumulate: leading (batch) dims differ" + describe());
     }
     batch *= xd[i];
+  }
+  const int64_t groups = grouped ? xd[rank - 3] : 1;
+  if (grouped && gd[rank - 3] != groups) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: x and dy must have the same number of groups" + describe());
   }
   if (xd[rank - 2] != gd[rank - 2]) {
     return ffi::Error::InvalidArgument(
@@ -66,10 +84,11 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   const int64_t block = gd[rank - 1] * xd[rank - 1];
   if (flat) {
     const int64_t n = ad[ad.size() - 1];
-    if (offset < 0 || offset > n - block) {
+    if (offset < 0 || offset > n - groups * block) {
       return ffi::Error::InvalidArgument(
-          "wgrad_accumulate: block [offset, offset + out * in) = [" + std::to_string(offset) +
-          ", " + std::to_string(offset + block) + ") exceeds the flat main_grad" + describe());
+          "wgrad_accumulate: block [offset, offset + groups * out * in) = [" +
+          std::to_string(offset) + ", " + std::to_string(offset + groups * block) +
+          ") exceeds the flat main_grad" + describe());
     }
     dims->acc_stride = n;
   } else {
@@ -102,6 +121,7 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
         "wgrad_accumulate: result must have main_grad's shape and dtype" + describe());
   }
   dims->batch = batch;
+  dims->groups = groups;
   dims->tokens = xd[rank - 2];
   dims->in = xd[rank - 1];
   dims->out = gd[rank - 1];

@@ -33,12 +33,20 @@ void SgemmAccumulate(const float* x, const float* dy, float* c, int64_t tokens,
 }
 
 // --- typed implementations ----------------------------------------------------------
-// f32 inputs, f32 accumulator: one sgemm per batch element, no temporaries.
-void ImplF32(const WgradDims& d, const float* x, const float* dy, float* c) {
+// Visits every (batch element, group) GEMM: fn(index into x / dy, accumulator offset).
+template <typename Fn>
+void ForEachGemm(const WgradDims& d, Fn fn) {
   for (int64_t b = 0; b < d.batch; ++b) {
-    SgemmAccumulate(x + b * d.tokens * d.in, dy + b * d.tokens * d.out,
-                    c + b * d.acc_stride + d.offset, d.tokens, d.in, d.out);
+    for (int64_t g = 0; g < d.groups; ++g) fn(b * d.groups + g, d.AccOffset(b, g));
   }
+}
+
+// f32 inputs, f32 accumulator: one sgemm per batch element and group, no temporaries.
+void ImplF32(const WgradDims& d, const float* x, const float* dy, float* c) {
+  ForEachGemm(d, [&](int64_t i, int64_t acc) {
+    SgemmAccumulate(x + i * d.tokens * d.in, dy + i * d.tokens * d.out, c + acc, d.tokens,
+                    d.in, d.out);
+  });
 }
 
 // 16-bit inputs into an f32 accumulator `c`: widen kTokenBlock tokens at a time.
@@ -59,21 +67,18 @@ void ImplWidenInputs(const WgradDims& d, const In* x, const In* dy, float* c,
 
 template <typename In>
 void ImplF32Acc(const WgradDims& d, const In* x, const In* dy, float* c) {
-  for (int64_t b = 0; b < d.batch; ++b) {
-    ImplWidenInputs(d, x, dy, c + b * d.acc_stride + d.offset, b);
-  }
+  ForEachGemm(d, [&](int64_t i, int64_t acc) { ImplWidenInputs(d, x, dy, c + acc, i); });
 }
 
 // 16-bit inputs and 16-bit accumulator: accumulate in f32, round once per call.
 template <typename In>
 void ImplLowAcc(const WgradDims& d, const In* x, const In* dy, In* c) {
   std::vector<float> c32(d.out * d.in);
-  for (int64_t b = 0; b < d.batch; ++b) {
-    In* cb = c + b * d.acc_stride + d.offset;
-    Widen(cb, c32.data(), d.out * d.in);
-    ImplWidenInputs(d, x, dy, c32.data(), b);
-    Narrow(c32.data(), cb, d.out * d.in);
-  }
+  ForEachGemm(d, [&](int64_t i, int64_t acc) {
+    Widen(c + acc, c32.data(), d.out * d.in);
+    ImplWidenInputs(d, x, dy, c32.data(), i);
+    Narrow(c32.data(), c + acc, d.out * d.in);
+  });
 }
 
 // --- dtype dispatch -------------------------------------------------------------------
@@ -116,7 +121,7 @@ ffi::Error WgradAccumulateCpuBody(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyB
   if (result->untyped_data() != acc.untyped_data()) {
     std::memcpy(result->untyped_data(), acc.untyped_data(), acc.size_bytes());
   }
-  if (d.batch == 0 || d.tokens == 0 || d.in == 0 || d.out == 0) {
+  if (d.batch == 0 || d.groups == 0 || d.tokens == 0 || d.in == 0 || d.out == 0) {
     return ffi::Error::Success();
   }
   return Dispatch(d, x.element_type(), acc.element_type(), x.untyped_data(),

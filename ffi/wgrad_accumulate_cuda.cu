@@ -1,7 +1,8 @@
 // CUDA handler of the jax_wgrad_wgrad_accumulate FFI target:
 //   main_grad[out, in] += dy[T, out]^T @ x[T, in]
 // One cublasGemmStridedBatchedEx with beta = 1 on the stream XLA passes in (the GEMM
-// epilogue does the accumulation: no temporary dW). Compute type: fp32 accumulation;
+// epilogue does the accumulation: no temporary dW); grouped (expert) blocks
+// [G, out, in] back to back in a flat bucket are one strided-batched call over G. Compute type: fp32 accumulation;
 // float32 inputs use TF32 tensor cores unless the precision is HIGHEST (XLA:GPU's rule
 // for a float32 dot), 16-bit inputs are multiplied exactly.
 //
@@ -94,7 +95,8 @@ ffi::Error WgradAccumulateCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
         "bytes, got " + ShapeString(*workspace));
   }
   constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
-  if (d.tokens > kMaxInt || d.in > kMaxInt || d.out > kMaxInt || d.batch > kMaxInt) {
+  if (d.tokens > kMaxInt || d.in > kMaxInt || d.out > kMaxInt || d.batch > kMaxInt ||
+      d.groups > kMaxInt) {
     return ffi::Error::InvalidArgument(
         "wgrad_accumulate: a dimension exceeds cuBLAS's 32-bit index range");
   }
@@ -105,7 +107,7 @@ ffi::Error WgradAccumulateCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
       return CudaError("cudaMemcpyAsync", e);
     }
   }
-  if (d.batch == 0 || d.tokens == 0 || d.in == 0 || d.out == 0) {
+  if (d.batch == 0 || d.groups == 0 || d.tokens == 0 || d.in == 0 || d.out == 0) {
     return ffi::Error::Success();
   }
   int device = 0;
@@ -139,14 +141,35 @@ ffi::Error WgradAccumulateCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
   const cudaDataType_t acc_t = CudaType(acc.element_type());
   const int m = static_cast<int>(d.in), n = static_cast<int>(d.out),
             k = static_cast<int>(d.tokens);
-  char* c = static_cast<char*>(result->untyped_data()) +
-            d.offset * static_cast<int64_t>(ffi::ByteWidth(acc.element_type()));
-  cublasStatus_t s = cublasGemmStridedBatchedEx(
-      h, CUBLAS_OP_N, CUBLAS_OP_T, m, n, k, &alpha, x.untyped_data(), in_t, m,
-      d.tokens * d.in, dy.untyped_data(), in_t, n, d.tokens * d.out, &beta,
-      c, acc_t, m, d.acc_stride, static_cast<int>(d.batch),
-      ComputeType(x.element_type(), d.precision), CUBLAS_GEMM_DEFAULT);
-  if (s != CUBLAS_STATUS_SUCCESS) return CublasError("cublasGemmStridedBatchedEx", s);
+  const int64_t in_bytes = ffi::ByteWidth(x.element_type());
+  const int64_t acc_bytes = ffi::ByteWidth(acc.element_type());
+  // One strided-batched GEMM over `count` problems from element index `first` of x / dy
+  // (problems are [T, in] / [T, out] back to back), accumulators `stride_c` elements apart.
+  auto gemm = [&](int64_t first, int64_t acc_offset, int64_t count, int64_t stride_c) {
+    return cublasGemmStridedBatchedEx(
+        h, CUBLAS_OP_N, CUBLAS_OP_T, m, n, k, &alpha,
+        static_cast<const char*>(x.untyped_data()) + first * d.tokens * d.in * in_bytes, in_t,
+        m, d.tokens * d.in,
+        static_cast<const char*>(dy.untyped_data()) + first * d.tokens * d.out * in_bytes,
+        in_t, n, d.tokens * d.out, &beta,
+        static_cast<char*>(result->untyped_data()) + acc_offset * acc_bytes, acc_t, m,
+        stride_c, static_cast<int>(count), ComputeType(x.element_type(), d.precision),
+        CUBLAS_GEMM_DEFAULT);
+  };
+  if (d.groups == 1) {  // batch elements' blocks are acc_stride apart: one call
+    if (cublasStatus_t s = gemm(0, d.offset, d.batch, d.acc_stride);
+        s != CUBLAS_STATUS_SUCCESS) {
+      return CublasError("cublasGemmStridedBatchedEx", s);
+    }
+    return ffi::Error::Success();
+  }
+  // Grouped (experts): one call per batch element over its G back-to-back blocks.
+  for (int64_t b = 0; b < d.batch; ++b) {
+    if (cublasStatus_t s = gemm(b * d.groups, d.AccOffset(b, 0), d.groups, d.out * d.in);
+        s != CUBLAS_STATUS_SUCCESS) {
+      return CublasError("cublasGemmStridedBatchedEx", s);
+    }
+  }
   return ffi::Error::Success();
 }
 

@@ -46,8 +46,14 @@ def test_model_flops_formula():
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
 def test_wgrad_kernel_prints_rows(capsys):
-    _load("wgrad_kernel").main(["--cases", "64x16x8", "--dtypes", "float32", "bfloat16",
-                                "--warmup", "0", "--iters", "1"])
+    _load("wgrad_kernel").main(["--cases", "64x16x8", "4x32x16x8", "--dtypes", "float32",
+                                "bfloat16", "--warmup", "0", "--iters", "1"])
     rows = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
-    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    assert [r["dtype"] for r in rows] == ["float32"] * 2 + ["bfloat16"] * 2
+    assert [r.get("E") for r in rows] == [None, 4] * 2  # the grouped (expert) case
     assert all(r["rel_diff"] <= 1e-4 and r["precision"] == "default" for r in rows)
+
+
+def test_wgrad_kernel_bad_case():
+    with pytest.raises(SystemExit):
+        _load("wgrad_kernel").main(["--cases", "4x16"])

@@ -2,6 +2,8 @@
 
 * :func:`wgrad_accumulate`: ``main_grad += dy^T x`` as one GEMM with beta = 1, in place
   (optionally into a flat bucket at a static offset).
+* :func:`grouped_wgrad_accumulate`: the same for expert weights ``[E, out, in]``, all
+  experts in one call (one strided-batched GEMM on a GPU), into a bucket or an array.
 * :func:`bucket_add`: many gradients added into their own blocks of a flat bucket, in place.
 * :func:`fusion_status` / :func:`fusion_available` / :func:`require_fusion`: whether the
   handlers were shown to work on a platform (:mod:`jax_wgrad.ops.registry`).
@@ -9,6 +11,7 @@
 """
 
 from jax_wgrad.ops.bucket_add import bucket_add, bucket_add_p, bucket_add_ref
+from jax_wgrad.ops.grouped import grouped_wgrad_accumulate, grouped_wgrad_accumulate_ref
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 from jax_wgrad.ops.registry import fusion_available, fusion_status, require_fusion
 from jax_wgrad.ops.wgrad import (
@@ -26,6 +29,8 @@ __all__ = [
     "bucket_add_ref",
     "fusion_available",
     "fusion_status",
+    "grouped_wgrad_accumulate",
+    "grouped_wgrad_accumulate_ref",
     "matmul_precision",
     "require_fusion",
     "wgrad_accumulate",
