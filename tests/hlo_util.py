@@ -94,3 +94,33 @@ def collective_arrays(lines, op: str, dtype: str = "f32", replica_groups=None) -
         if m:
             out += [int(n) for n in re.findall(rf"{dtype}\[(\d+)\]", m.group(1))]
     return out
+
+
+INSTRUCTION = re.compile(r"(?:ROOT )?%?([\w.\-]+) = ")
+"""An instruction line's start (compiled HLO prints ``%name``, lowered HLO ``name``)."""
+
+
+def dataflow(lines) -> dict[str, set[str]]:
+    """``{instruction: its operand instructions}`` (control predecessors included) of
+    instruction lines, in either HLO text style."""
+    defs = {}
+    for line in lines:
+        m = INSTRUCTION.match(line.strip())
+        if m:
+            rhs = re.sub(r'(metadata=\{[^}]*\}|"[^"]*")', "", line.strip()[m.end():])
+            # %-style: operands are the %names; bare style: names not followed by "("
+            # (which are opcodes).
+            token = r"%([\w.\-]+)" if "%" in line else r"(?<![\w.\-])([\w.\-]+)(?![\w.\-(])"
+            defs[m.group(1)] = re.findall(token, rhs)
+    return {name: {o for o in ops if o in defs and o != name} for name, ops in defs.items()}
+
+
+def ancestors(graph: dict[str, set[str]], name: str) -> set[str]:
+    """Every instruction ``name`` depends on (transitively), itself excluded."""
+    seen, todo = set(), list(graph[name])
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += graph[n]
+    return seen

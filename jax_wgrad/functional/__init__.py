@@ -1,6 +1,6 @@
 """Tier 2: pure functions over arrays -- the custom_vjp linears that route weight
 gradients into fp32 main grads or flat buckets, Megatron's conjugate collectives, the
-vocab-parallel cross entropy and the attention core. No modules, no parameters."""
+vocab-parallel cross entropy, the attention core and the expert-parallel MoE MLP. No modules, no parameters."""
 
 from jax_wgrad.functional.attention import causal_attention
 from jax_wgrad.functional.collectives import (
@@ -18,6 +18,7 @@ from jax_wgrad.functional.cross_entropy import (
     vocab_parallel_logsumexp,
     vocab_shard_index,
 )
+from jax_wgrad.functional.moe import MoEConfig, MoEStats, grouped_linear, moe_mlp
 from jax_wgrad.functional.linear import (
     BucketSlot,
     SplitSlot,
@@ -30,6 +31,8 @@ from jax_wgrad.functional.linear import (
 __all__ = [
     "SEQ_DIM",
     "BucketSlot",
+    "MoEConfig",
+    "MoEStats",
     "SplitSlot",
     "WgradBuckets",
     "WgradSplit",
@@ -37,9 +40,11 @@ __all__ = [
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_last_dim",
+    "grouped_linear",
     "linear",
     "linear_into_bucket",
     "logits_grad",
+    "moe_mlp",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",

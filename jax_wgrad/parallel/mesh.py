@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh
 
 from jax_wgrad.parallel.config import ParallelConfig
 
-__all__ = ["AXES", "DATA", "TENSOR", "PIPELINE", "make_mesh", "initialize_distributed",
+__all__ = ["AXES", "DATA", "TENSOR", "PIPELINE", "EXPERT", "make_mesh", "initialize_distributed",
            "use_virtual_cpu_devices", "local_shape"]
 
 DATA = "data"
@@ -31,6 +31,10 @@ PIPELINE = "pipeline"
 """Pipeline axis: one stage of transformer layers per index."""
 AXES: tuple[str, str, str] = (DATA, TENSOR, PIPELINE)
 """All mesh axes, in mesh order (per-device state is stacked over all of them)."""
+EXPERT = "expert"
+"""Expert-parallel axis of a Mixture-of-Experts layer (:func:`jax_wgrad.functional.moe_mlp`):
+carved out of data parallelism, each rank holds its own tokens and ``E / EP`` experts. Not
+yet part of the GPT mesh (:data:`AXES`)."""
 
 
 def use_virtual_cpu_devices(count: int) -> None:

@@ -1,0 +1,295 @@
+"""Mixture-of-Experts MLP with expert parallelism, as pure functions over arrays.
+
+Megatron's ``MoELayer`` with the ``alltoall`` token dispatcher, in static shapes (so it
+runs on every backend, the CPU included), called inside ``shard_map`` where the expert
+axis (``expert_axis``, e.g. :data:`jax_wgrad.parallel.mesh.EXPERT`) holds ``EP`` ranks,
+each with its own tokens (EP is carved out of data parallelism) and ``E / EP`` experts:
+
+1. **Router**: fp32 logits ``x @ w_router^T`` ``[T, E]``, top-k, gates = softmax over the
+   k selected logits (Megatron's default, ``moe_router_pre_softmax=False``).
+2. **Dispatch**: every (token, choice) gets a position in its expert's queue, choices
+   ranked first by ``k`` then by token order (Megatron's ``moe_token_drop_policy=
+   "position"``); positions ``>= capacity`` are dropped. Tokens are scattered into an
+   ``[E, C, H]`` buffer (zero-padded to the capacity ``C``) and exchanged by one
+   ``all_to_all`` over the expert axis: each rank receives ``[E/EP, EP * C, H]``.
+3. **Experts**: two grouped linears ``[E/EP, F, H]`` and ``[E/EP, H, F]`` (no biases) with a
+   GeLU between. Their weight gradients can go through :func:`grouped_linear`'s fused
+   path: ONE :func:`jax_wgrad.ops.grouped_wgrad_accumulate` call per expert linear, in
+   place into an accumulator or a flat bucket.
+4. **Combine**: the inverse ``all_to_all``, then each token's output is the gate-weighted
+   sum of its kept choices (a dropped choice contributes nothing).
+5. **Aux loss**: Megatron's ``switch_load_balancing_loss_func``:
+   ``E * coeff / (k * T^2) * sum_e(sum_t probs[t, e] * tokens_per_expert[e])`` with the
+   full softmax ``probs`` and the routed (pre-drop) counts.
+
+**Delayed expert wgrad** (``overlap_wgrad=True``, Megatron's
+``--overlap-dispatch-backward-with-experts-wgrad``): the expert weight-gradient GEMM is
+made to start only after the expert data-gradient GEMM (an ``optimization_barrier`` on
+``(x, dy, dx)``) and nothing downstream depends on it except the gradient itself, so
+XLA may run it while the dispatch-backward all-to-all is in flight. Without it the
+data gradient is released only after the weight gradient (the baseline order: the
+all-to-all waits for the wgrad). Both compute the same operations: bitwise equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_wgrad import ops
+
+__all__ = ["MoEConfig", "MoEStats", "route", "dispatch_slots", "grouped_linear",
+           "moe_mlp", "load_balancing_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Megatron's MoE options (``--num-experts``, ``--moe-router-topk``, ...).
+
+    Attributes:
+      num_experts: ``E`` (``num_moe_experts``).
+      ffn_hidden_size: ``F`` of each expert (``moe_ffn_hidden_size``).
+      topk: experts per token (``moe_router_topk``).
+      capacity_factor: ``moe_expert_capacity_factor``; ``None``: no token is ever dropped
+        (capacity = all routed choices of a rank, ``T * k``).
+      load_balancing_type: ``"aux_loss"`` or ``"none"`` (``moe_router_load_balancing_type``).
+      aux_loss_coeff: ``moe_aux_loss_coeff``.
+      overlap_wgrad: ``overlap_dispatch_backward_with_experts_wgrad`` (module docstring).
+    """
+
+    num_experts: int
+    ffn_hidden_size: int
+    topk: int = 2
+    capacity_factor: float | None = 1.0
+    load_balancing_type: Literal["aux_loss", "none"] = "aux_loss"
+    aux_loss_coeff: float = 1e-2
+    overlap_wgrad: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise ValueError(f"num_moe_experts ({self.num_experts!r}) must be a positive int")
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"moe_router_topk ({self.topk}) must be in [1, num_moe_experts "
+                             f"= {self.num_experts}]")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"moe_expert_capacity_factor ({self.capacity_factor}) must be "
+                             "> 0, or None for no token dropping")
+        if self.load_balancing_type not in ("aux_loss", "none"):
+            raise ValueError(f"moe_router_load_balancing_type {self.load_balancing_type!r} "
+                             "is not supported; choose 'aux_loss' or 'none'")
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert per source rank: ``ceil(T * k * factor / E)`` (Megatron's
+        ``get_capacity``), or ``T * k`` without dropping."""
+        if self.capacity_factor is None:
+            return tokens * self.topk
+        return max(1, math.ceil(tokens * self.topk * self.capacity_factor / self.num_experts))
+
+
+class MoEStats(NamedTuple):
+    """Per-call statistics of one rank's tokens."""
+
+    aux_loss: jax.Array
+    """Scalar load-balancing loss (already scaled by ``aux_loss_coeff``; 0 with ``"none"``)."""
+    tokens_per_expert: jax.Array
+    """``[E]`` routed choices per expert, before dropping."""
+    dropped_fraction: jax.Array
+    """Scalar: dropped choices / routed choices."""
+
+
+def route(x: jax.Array, w_router: jax.Array, topk: int):
+    """Router: ``(probs [T, E] fp32 softmax, experts [T, k] int32, gates [T, k] fp32)``."""
+    logits = jnp.matmul(x.astype(jnp.float32), w_router.astype(jnp.float32).T,
+                        precision=jax.lax.Precision.HIGHEST)
+    top_logits, experts = jax.lax.top_k(logits, topk)
+    return jax.nn.softmax(logits, axis=-1), experts.astype(jnp.int32), \
+        jax.nn.softmax(top_logits, axis=-1)
+
+
+def dispatch_slots(experts: jax.Array, num_experts: int, capacity: int):
+    """Queue positions of every (token, choice): ``(slot [T, k], kept [T, k] bool)``.
+
+    Choices are queued k-major (all first choices in token order, then all second
+    choices, ...); a choice whose position reaches ``capacity`` is dropped.
+    """
+    t, k = experts.shape
+    onehot = jax.nn.one_hot(experts.T.reshape(-1), num_experts, dtype=jnp.int32)  # [k*T, E]
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    slot = position.reshape(k, t).T
+    return slot, slot < capacity
+
+
+def load_balancing_loss(probs: jax.Array, tokens_per_expert: jax.Array, topk: int,
+                        coeff: float) -> jax.Array:
+    """Megatron's ``switch_load_balancing_loss_func`` over this rank's ``T`` tokens."""
+    t, e = probs.shape
+    return jnp.sum(jnp.sum(probs, axis=0) * tokens_per_expert) * (e * coeff / (topk * t * t))
+
+
+# ---------------------------------------------------------------- grouped expert linear
+def _gforward(x, w, precision):
+    return jnp.einsum("eci,eoi->eco", x, w.astype(x.dtype),
+                      precision=jax.lax.Precision(precision))
+
+
+def _gdgrad(dy, w, precision, dtype):
+    return jnp.einsum("eco,eoi->eci", dy, w.astype(dy.dtype),
+                      precision=jax.lax.Precision(precision)).astype(dtype)
+
+
+def _ordered(x, dy, dx, wgrad, overlap):
+    """Runs ``wgrad(x, dy)`` after the data gradient ``dx`` (overlap) or holds ``dx`` back
+    until the weight gradient is done (the serial baseline); returns ``(dx, wgrad)``."""
+    if overlap:
+        x, dy, dx = jax.lax.optimization_barrier((x, dy, dx))
+        return dx, wgrad(x, dy)
+    new = wgrad(x, dy)
+    return jax.lax.optimization_barrier((dx, new))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_threaded(x, w, bucket, offset, precision, overlap):
+    return _gforward(x, w, precision), bucket
+
+
+def _grouped_threaded_fwd(x, w, bucket, offset, precision, overlap):
+    return (_gforward(x, w, precision), bucket), (x, w)
+
+
+def _grouped_threaded_bwd(offset, precision, overlap, res, cts):
+    x, w = res
+    dy, ct_bucket = cts
+    dx = _gdgrad(dy, w, precision, x.dtype)
+    wgrad = lambda x, dy: ops.grouped_wgrad_accumulate(x, dy, ct_bucket, offset=offset,
+                                                       precision=precision)
+    dx, new_bucket = _ordered(x, dy, dx, wgrad, overlap)
+    return dx, jnp.zeros_like(w), new_bucket
+
+
+_grouped_threaded.defvjp(_grouped_threaded_fwd, _grouped_threaded_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _grouped_plain(x, w, precision, overlap):
+    return _gforward(x, w, precision)
+
+
+def _grouped_plain_fwd(x, w, precision, overlap):
+    return _gforward(x, w, precision), (x, w)
+
+
+def _grouped_plain_bwd(precision, overlap, res, dy):
+    x, w = res
+    dx = _gdgrad(dy, w, precision, x.dtype)
+    wgrad = lambda x, dy: jnp.einsum(
+        "eco,eci->eoi", dy, x, preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision(precision)).astype(w.dtype)
+    return _ordered(x, dy, dx, wgrad, overlap)
+
+
+_grouped_plain.defvjp(_grouped_plain_fwd, _grouped_plain_bwd)
+
+
+def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = None,
+                   offset: int = 0, precision: ops.PrecisionLike = None,
+                   overlap_wgrad: bool = False):
+    """Per-expert ``y[e] = x[e] @ w[e]^T``.
+
+    Args:
+      x: ``[E, C, in]``; w: ``[E, out, in]``.
+      bucket: optional flat fp32 gradient bucket threaded like
+        :func:`jax_wgrad.functional.linear_into_bucket`: the backward adds every expert's
+        ``dy[e]^T x[e]`` to its blocks ``[offset, offset + E * out * in)`` with ONE
+        grouped fused call (``w`` then gets a zero gradient).
+      overlap_wgrad: the delayed-wgrad order (module docstring).
+    Returns:
+      ``y [E, C, out]``, and the bucket token when ``bucket`` is given.
+    """
+    if x.ndim != 3 or w.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"grouped_linear: x must be [E, C, in] and w [E, out, in]; got x "
+                         f"{list(x.shape)}, w {list(w.shape)}")
+    level = ops.matmul_precision(precision)
+    if bucket is None:
+        return _grouped_plain(x, w, level, overlap_wgrad)
+    if bucket.ndim != 1 or bucket.dtype != jnp.float32 or not (
+            0 <= offset <= bucket.shape[0] - w.size):
+        raise ValueError(f"grouped_linear: the {list(w.shape)} blocks at offset {offset} do not "
+                         f"fit in a flat float32 bucket, got {bucket.dtype}{list(bucket.shape)}")
+    return _grouped_threaded(x, w, bucket, offset, level, overlap_wgrad)
+
+
+# ------------------------------------------------------------------------------ layer
+def _exchange(buf: jax.Array, axis: str | None, ep: int) -> jax.Array:
+    """``[E, C, H]`` per source rank -> ``[E/EP, EP*C, H]`` on each expert's rank."""
+    if axis is not None:
+        buf = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)  # [EP(src)*E_local, C, H]
+    e, c, h = buf.shape
+    return buf.reshape(ep, e // ep, c, h).transpose(1, 0, 2, 3).reshape(e // ep, ep * c, h)
+
+
+def _exchange_back(buf: jax.Array, axis: str | None, ep: int) -> jax.Array:
+    """Inverse of :func:`_exchange`."""
+    el, ec, h = buf.shape
+    buf = buf.reshape(el, ep, ec // ep, h).transpose(1, 0, 2, 3).reshape(el * ep, ec // ep, h)
+    return buf if axis is None else jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)
+
+
+def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
+            expert_axis: str | None = None, buckets: tuple[jax.Array, int, int] | None = None,
+            precision: ops.PrecisionLike = None) -> tuple[Any, MoEStats]:
+    """The MoE MLP of this rank's tokens.
+
+    Args:
+      params: ``router [E, H]`` (replicated), ``fc1 [E/EP, F, H]``, ``fc2 [E/EP, H, F]``
+        (this rank's experts: rank ``r`` holds experts ``[r * E/EP, (r + 1) * E/EP)``).
+      x: ``[T, H]`` this rank's tokens.
+      cfg: the MoE options.
+      expert_axis: the ``shard_map`` axis of the ``EP`` expert ranks; ``None``: one rank.
+      buckets: optional ``(bucket, fc1 offset, fc2 offset)``: expert weight gradients go
+        into that flat fp32 bucket (threaded, see :func:`grouped_linear`).
+    Returns:
+      ``(y [T, H], stats)``, or ``((y, bucket), stats)`` with ``buckets``; ``stats``: a
+      :class:`MoEStats`.
+    """
+    e, k = cfg.num_experts, cfg.topk
+    ep = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
+    e_local = params["fc1"].shape[0]
+    if e_local * ep != e or params["router"].shape != (e, x.shape[-1]):
+        raise ValueError(
+            f"moe_mlp: num_moe_experts ({e}) must equal expert_model_parallel_size ({ep}) x "
+            f"local experts ({e_local}), router [E, H] = {list(params['router'].shape)} for "
+            f"x {list(x.shape)}")
+    t, h = x.shape
+    cap = cfg.capacity(t)
+    probs, experts, gates = route(x, params["router"], k)
+    slot, kept = dispatch_slots(experts, e, cap)
+    # Dropped choices are scattered to slot C (out of bounds: mode="drop").
+    target = jnp.where(kept, slot, cap)
+    buf = jnp.zeros((e, cap, h), x.dtype).at[experts, target].set(
+        jnp.broadcast_to(x[:, None, :], (t, k, h)), mode="drop")
+    local = _exchange(buf, expert_axis, ep)
+    gelu = functools.partial(jax.nn.gelu, approximate=False)
+    opts = dict(precision=precision, overlap_wgrad=cfg.overlap_wgrad)
+    if buckets is None:
+        out = grouped_linear(gelu(grouped_linear(local, params["fc1"], **opts)),
+                             params["fc2"], **opts)
+    else:
+        bucket, off1, off2 = buckets
+        hid, bucket = grouped_linear(local, params["fc1"], bucket=bucket, offset=off1, **opts)
+        out, bucket = grouped_linear(gelu(hid), params["fc2"], bucket=bucket, offset=off2,
+                                     **opts)
+    back = _exchange_back(out, expert_axis, ep)
+    picked = back.at[experts, target].get(mode="fill", fill_value=0)  # [T, k, H]
+    weights = jnp.where(kept, gates, 0.0).astype(x.dtype)
+    y = jnp.einsum("tkh,tk->th", picked, weights)
+    tokens_per_expert = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))
+    aux = (load_balancing_loss(probs, jax.lax.stop_gradient(tokens_per_expert), k,
+                               cfg.aux_loss_coeff)
+           if cfg.load_balancing_type == "aux_loss" else jnp.zeros((), jnp.float32))
+    stats = MoEStats(aux, tokens_per_expert, jnp.sum(~kept) / jnp.float32(kept.size))
+    return ((y, bucket) if buckets is not None else y), stats
