@@ -53,3 +53,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "cuda_handler" in item.keywords and cuda_handler is not None:
             item.add_marker(skip_handler)
+
+
+@pytest.fixture(scope="module")
+def example():
+    """``examples/pretrain_gpt.py`` loaded as a module (its ``main(argv)`` runs the job)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

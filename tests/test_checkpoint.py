@@ -1,7 +1,6 @@
 """Checkpoint and resume through the example: exact on the same layout, onto other layouts
 (and optimizer modes), after a killed save, and a clear error for another model."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -22,14 +21,6 @@ SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--lr", "3e-3", "--no-progress", "--seed", "3"]
 L222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--sequence-parallel", "--use-distributed-optimizer"]
-
-
-@pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples" / "pretrain_gpt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _losses(path):
@@ -94,7 +85,6 @@ def test_other_model_is_a_clear_error(example, straight_and_saved, capsys):
 _KILL_DURING_SAVE = r"""
 import os, signal, sys
 sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
-import importlib.util
 spec = importlib.util.spec_from_file_location("pretrain_gpt", sys.argv[0] if False else %r)
 ex = importlib.util.module_from_spec(spec); spec.loader.exec_module(ex)
 from jax_wgrad.training import checkpoint

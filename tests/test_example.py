@@ -1,6 +1,5 @@
 """examples/pretrain_gpt.py end to end (in-process: the test session already has 8 devices)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,14 +11,6 @@ from jax_wgrad import fusion_available
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
-
-
-@pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples" / "pretrain_gpt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
-from jax_wgrad.ops.wgrad import FLOAT_DTYPES, wgrad_accumulate_p
+from jax_wgrad.ops.wgrad import add_to_block, check_dtypes, wgrad_accumulate_p
 
 __all__ = ["grouped_wgrad_accumulate", "grouped_wgrad_accumulate_ref"]
 
@@ -40,15 +40,7 @@ def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: int | N
             f"grouped_wgrad_accumulate: with offset={offset!r}, main_grad must be a flat "
             f"buffer [N] holding the [E, out, in] blocks at [offset, offset + {size}) within "
             f"N; got {shapes}")
-    if x.dtype not in FLOAT_DTYPES or dy.dtype != x.dtype:
-        raise ValueError(
-            "grouped_wgrad_accumulate: x and dy must both be float32, bfloat16 or float16; "
-            f"got {shapes}")
-    if main_grad.dtype != jnp.float32 and not (
-            x.dtype != jnp.float32 and main_grad.dtype == x.dtype):
-        raise ValueError(
-            "grouped_wgrad_accumulate: main_grad must be float32, or the 16-bit dtype of x "
-            f"and dy; got {shapes}")
+    check_dtypes("grouped_wgrad_accumulate", x, dy, main_grad, shapes)
 
 
 def grouped_wgrad_accumulate(
@@ -96,7 +88,4 @@ def grouped_wgrad_accumulate_ref(
     _validate(x, dy, main_grad, offset)
     upd = jnp.einsum("eto,eti->eoi", dy, x, preferred_element_type=jnp.float32,
                      precision=jax.lax.Precision(matmul_precision(precision)))
-    if offset is None:
-        return (main_grad.astype(jnp.float32) + upd).astype(main_grad.dtype)
-    block = main_grad[offset:offset + upd.size].astype(jnp.float32) + upd.reshape(-1)
-    return main_grad.at[offset:offset + upd.size].set(block.astype(main_grad.dtype))
+    return add_to_block(main_grad, upd, offset)

@@ -110,16 +110,30 @@ def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: int | N
         raise ValueError(
             f"wgrad_accumulate: with offset={offset!r}, main_grad must be a flat buffer [N] "
             f"holding the [out, in] block at [offset, offset + {block}) within N; got {shapes}")
+    check_dtypes("wgrad_accumulate", x, dy, main_grad, shapes)
+
+
+def check_dtypes(who: str, x: jax.Array, dy: jax.Array, main_grad: jax.Array,
+                 shapes: str) -> None:
+    """The dtypes the handlers take: x and dy f32/bf16/f16 alike; main_grad f32 or theirs."""
     if x.dtype not in FLOAT_DTYPES or dy.dtype != x.dtype:
-        raise ValueError(
-            "wgrad_accumulate: x and dy must both be float32, bfloat16 or float16; "
-            f"got {shapes}")
+        raise ValueError(f"{who}: x and dy must both be float32, bfloat16 or float16; "
+                         f"got {shapes}")
     if main_grad.dtype != jnp.float32 and not (
         x.dtype != jnp.float32 and main_grad.dtype == x.dtype
     ):
         raise ValueError(
-            "wgrad_accumulate: main_grad must be float32, or the 16-bit dtype of x and dy "
+            f"{who}: main_grad must be float32, or the 16-bit dtype of x and dy "
             f"(accumulated in fp32, rounded once); got {shapes}")
+
+
+def add_to_block(main_grad: jax.Array, update: jax.Array, offset: int | None) -> jax.Array:
+    """Reference accumulation: ``main_grad + update`` in fp32, rounded once to its dtype;
+    with ``offset``, into the flat elements ``[offset, offset + update.size)`` only."""
+    if offset is None:
+        return (main_grad.astype(jnp.float32) + update).astype(main_grad.dtype)
+    block = main_grad[offset:offset + update.size].astype(jnp.float32) + update.reshape(-1)
+    return main_grad.at[offset:offset + update.size].set(block.astype(main_grad.dtype))
 
 
 def wgrad_accumulate(
@@ -175,7 +189,4 @@ def wgrad_accumulate_ref(
     dy2 = dy.reshape(-1, dy.shape[-1])
     upd = jnp.dot(dy2.T, x2, preferred_element_type=jnp.float32,
                   precision=jax.lax.Precision(matmul_precision(precision)))
-    if offset is None:
-        return (main_grad.astype(jnp.float32) + upd).astype(main_grad.dtype)
-    block = main_grad[offset:offset + upd.size].astype(jnp.float32) + upd.reshape(-1)
-    return main_grad.at[offset:offset + upd.size].set(block.astype(main_grad.dtype))
+    return add_to_block(main_grad, upd, offset)
