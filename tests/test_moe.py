@@ -215,3 +215,12 @@ def test_experts_not_divisible_by_the_expert_ranks():
     with pytest.raises(ValueError, match=r"num_moe_experts \(6\) must equal "
                                          r"expert_model_parallel_size \(4\) x local experts"):
         fn(params, jnp.zeros((4 * T, H)))
+
+
+def test_expert_weights_must_match_the_ffn_hidden_size():
+    cfg = MoEConfig(num_experts=4, ffn_hidden_size=8)
+    params = {"router": jnp.zeros((4, 4)), "fc1": jnp.zeros((4, 6, 4)),
+              "fc2": jnp.zeros((4, 4, 6))}
+    with pytest.raises(ValueError, match=r"fc1 \[E/EP, moe_ffn_hidden_size, H\] = \[4, 8, 4\]"
+                                         r".*got fc1 \[4, 6, 4\]"):
+        moe_mlp(params, jnp.zeros((8, 4)), cfg)

@@ -265,6 +265,12 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
             f"local experts ({e_local}), router [E, H] = {list(params['router'].shape)} for "
             f"x {list(x.shape)}")
     t, h = x.shape
+    f = cfg.ffn_hidden_size
+    if params["fc1"].shape != (e_local, f, h) or params["fc2"].shape != (e_local, h, f):
+        raise ValueError(
+            f"moe_mlp: expert weights must be fc1 [E/EP, moe_ffn_hidden_size, H] = "
+            f"{[e_local, f, h]} and fc2 [E/EP, H, moe_ffn_hidden_size] = {[e_local, h, f]}; "
+            f"got fc1 {list(params['fc1'].shape)}, fc2 {list(params['fc2'].shape)}")
     cap = cfg.capacity(t)
     probs, experts, gates = route(x, params["router"], k)
     slot, kept = dispatch_slots(experts, e, cap)
