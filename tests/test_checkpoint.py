@@ -85,6 +85,7 @@ def test_other_model_is_a_clear_error(example, straight_and_saved, capsys):
 _KILL_DURING_SAVE = r"""
 import os, signal, sys
 sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
+import importlib.util
 spec = importlib.util.spec_from_file_location("pretrain_gpt", sys.argv[0] if False else %r)
 ex = importlib.util.module_from_spec(spec); spec.loader.exec_module(ex)
 from jax_wgrad.training import checkpoint
