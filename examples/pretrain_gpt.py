@@ -27,6 +27,9 @@ def make_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="devices each MoE layer's experts are split over, carved out of the "
+                        "data-parallel ranks (Megatron EP)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--gradient-accumulation-fusion", action="store_true",
                    help="accumulate weight gradients in fp32 main grads with the fused op")
@@ -73,6 +76,30 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g = p.add_argument_group("mixture of experts (Megatron's flags)")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer (absent: a dense model)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's MLP width (default --ffn-hidden-size)")
+    g.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "none"),
+                   default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall",
+                   help="only alltoall is implemented")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="drop tokens over ceil(T k f / E) per expert (absent: no dropping)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="pad each expert's input to its capacity (required with a capacity "
+                        "factor: static shapes)")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="expert weight gradients by one grouped fused wgrad call per expert "
+                        "linear (with --gradient-accumulation-fusion)")
+    g.add_argument("--moe-layer-freq", type=int, default=1,
+                   help="every N-th layer is an MoE layer (layers 0, N, 2N, ...)")
+    g.add_argument("--overlap-dispatch-backward-with-experts-wgrad", action="store_true",
+                   help="expert wgrad after the expert dgrad, independent of the dispatch "
+                        "all-to-all's backward (needs --moe-grouped-gemm; bitwise equal)")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--fp32", action="store_true", help="fp32 compute (default)")
     prec.add_argument("--bf16", action="store_true",
@@ -136,10 +163,21 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
             seq_length=args.seq_length,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-            compute_dtype="bfloat16" if args.bf16 else "float32")
+            compute_dtype="bfloat16" if args.bf16 else "float32",
+            num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+            moe_grouped_gemm=args.moe_grouped_gemm, moe_layer_freq=args.moe_layer_freq,
+            overlap_dispatch_backward_with_experts_wgrad=(
+                args.overlap_dispatch_backward_with_experts_wgrad))
         parallel = ParallelConfig(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             sequence_parallel=args.sequence_parallel,
             gradient_accumulation_fusion=args.gradient_accumulation_fusion,
@@ -204,7 +242,7 @@ def describe(plan, data, state) -> list[str]:
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     return [
         f"devices: {jax.device_count()} x {jax.devices()[0].platform} in "
-        f"{jax.process_count()} process(es) | mesh (data, tensor, pipeline) = "
+        f"{jax.process_count()} process(es) | mesh (data, expert, tensor, pipeline) = "
         f"{par.mesh_shape} | microbatches per step: {par.num_microbatches} | sequence "
         f"parallel: {par.sequence_parallel} | gradient accumulation fusion: "
         f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name} | recompute: "
@@ -217,7 +255,12 @@ def describe(plan, data, state) -> list[str]:
         plan.buffer_summary(),
         f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
         f"{model.hidden_size}, heads {model.num_attention_heads}, seq {model.seq_length}, "
-        f"vocab {model.vocab_size}, {model.compute_dtype}",
+        f"vocab {model.vocab_size}, {model.compute_dtype}"
+        + ("" if model.num_moe_experts is None else
+           f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}), "
+           f"top-{model.moe_router_topk}, {sum(model.moe_layer_pattern)} MoE layers, "
+           f"capacity factor {model.moe_expert_capacity_factor}, overlap dispatch backward "
+           f"with experts wgrad {model.overlap_dispatch_backward_with_experts_wgrad}"),
     ]
 
 

@@ -17,7 +17,7 @@ def test_derived_sizes():
     )
     assert par.data_parallel_size == 2
     assert par.num_microbatches == 4
-    assert par.mesh_shape == (2, 2, 2)
+    assert par.mesh_shape == (2, 1, 2, 2)  # (data = dp / EP, expert, tensor, pipeline)
 
 
 def test_global_batch_defaults_to_one_microbatch_per_rank():
@@ -108,7 +108,7 @@ def test_make_mesh():
     par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     mesh = make_mesh(par)
     assert mesh.axis_names == AXES
-    assert dict(mesh.shape) == {"data": 2, "tensor": 2, "pipeline": 2}
+    assert dict(mesh.shape) == {"data": 2, "expert": 1, "tensor": 2, "pipeline": 2}
 
 
 def test_make_mesh_device_mismatch():

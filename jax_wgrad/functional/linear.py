@@ -186,10 +186,15 @@ class WgradBuckets:
                              f"(have {len(self._buckets)})")
         return BucketSlot(self, bucket, offset)
 
+    def thread(self, bucket: int, fn):
+        """``out, new = fn(buckets[bucket])``; keeps ``new`` as that bucket's token and
+        returns ``out`` (how a fused layer threads its bucket)."""
+        out, self._buckets[bucket] = fn(self._buckets[bucket])
+        return out
+
     def _linear(self, x, w, b, bucket: int, offset: int, precision) -> jax.Array:
-        y, self._buckets[bucket] = linear_into_bucket(x, w, b, self._buckets[bucket],
-                                                      offset=offset, precision=precision)
-        return y
+        return self.thread(bucket, lambda bk: linear_into_bucket(
+            x, w, b, bk, offset=offset, precision=precision))
 
 
 class WgradSplit:

@@ -20,7 +20,12 @@ each with its own tokens (EP is carved out of data parallelism) and ``E / EP`` e
    sum of its kept choices (a dropped choice contributes nothing).
 5. **Aux loss**: Megatron's ``switch_load_balancing_loss_func``:
    ``E * coeff / (k * T^2) * sum_e(sum_t probs[t, e] * tokens_per_expert[e])`` with the
-   full softmax ``probs`` and the routed (pre-drop) counts.
+   full softmax ``probs`` and the routed (pre-drop) counts. Under sequence parallelism
+   (``sequence_axis``) each tensor rank routes its own slice of the sequence; as in
+   Megatron the counts are summed over the tensor ranks and ``T`` is the whole sequence's,
+   so the tensor ranks' losses add up to the loss of the whole sequence.
+   :func:`attach_aux_loss` adds its gradient in the backward (Megatron's
+   ``MoEAuxLossAutoScaler``).
 
 **Delayed expert wgrad** (``overlap_wgrad=True``, Megatron's
 ``--overlap-dispatch-backward-with-experts-wgrad``): the expert weight-gradient GEMM is
@@ -42,9 +47,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_wgrad import ops
+from jax_wgrad.functional.linear import BucketSlot, WgradBuckets
 
 __all__ = ["MoEConfig", "MoEStats", "route", "dispatch_slots", "grouped_linear",
-           "moe_mlp", "load_balancing_loss"]
+           "moe_mlp", "load_balancing_loss", "attach_aux_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +131,36 @@ def dispatch_slots(experts: jax.Array, num_experts: int, capacity: int):
 
 
 def load_balancing_loss(probs: jax.Array, tokens_per_expert: jax.Array, topk: int,
-                        coeff: float) -> jax.Array:
-    """Megatron's ``switch_load_balancing_loss_func`` over this rank's ``T`` tokens."""
+                        coeff: float, num_tokens: int | None = None) -> jax.Array:
+    """Megatron's ``switch_load_balancing_loss_func`` over ``num_tokens`` tokens (default
+    this rank's ``T``; the whole sequence's under sequence parallelism)."""
     t, e = probs.shape
+    t = t if num_tokens is None else num_tokens
     return jnp.sum(jnp.sum(probs, axis=0) * tokens_per_expert) * (e * coeff / (topk * t * t))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def attach_aux_loss(y: jax.Array, aux_loss: jax.Array, scale: float) -> jax.Array:
+    """Returns ``y``; its backward also gives ``aux_loss`` the gradient ``scale``
+    (Megatron's ``MoEAuxLossAutoScaler``): the aux loss joins the loss being
+    differentiated, weighted by ``scale``, without being an output of the model.
+
+    The pipeline seeds each microbatch's backward with its token-loss SUM, so a layer
+    passes ``scale`` = the microbatch's tokens: after the final ``1 / tokens`` scaling the
+    aux loss enters as its mean over microbatches and data-parallel ranks.
+    """
+    return y
+
+
+def _attach_fwd(y, aux_loss, scale):
+    return y, None
+
+
+def _attach_bwd(scale, _, dy):
+    return dy, jnp.full((), scale, jnp.float32)
+
+
+attach_aux_loss.defvjp(_attach_fwd, _attach_bwd)
 
 
 # ---------------------------------------------------------------- grouped expert linear
@@ -196,8 +228,8 @@ _grouped_plain.defvjp(_grouped_plain_fwd, _grouped_plain_bwd)
 
 
 def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = None,
-                   offset: int = 0, precision: ops.PrecisionLike = None,
-                   overlap_wgrad: bool = False):
+                   offset: int = 0, main_grad: BucketSlot | None = None,
+                   precision: ops.PrecisionLike = None, overlap_wgrad: bool = False):
     """Per-expert ``y[e] = x[e] @ w[e]^T``.
 
     Args:
@@ -206,6 +238,9 @@ def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = Non
         :func:`jax_wgrad.functional.linear_into_bucket`: the backward adds every expert's
         ``dy[e]^T x[e]`` to its blocks ``[offset, offset + E * out * in)`` with ONE
         grouped fused call (``w`` then gets a zero gradient).
+      main_grad: instead of ``bucket``/``offset``, the weight's
+        :class:`~jax_wgrad.functional.BucketSlot` in buckets threaded by a
+        :class:`~jax_wgrad.functional.WgradBuckets` (returns ``y`` only).
       overlap_wgrad: the delayed-wgrad order (module docstring).
     Returns:
       ``y [E, C, out]``, and the bucket token when ``bucket`` is given.
@@ -213,6 +248,12 @@ def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = Non
     if x.ndim != 3 or w.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
         raise ValueError(f"grouped_linear: x must be [E, C, in] and w [E, out, in]; got x "
                          f"{list(x.shape)}, w {list(w.shape)}")
+    if main_grad is not None:
+        if bucket is not None:
+            raise ValueError("grouped_linear: give bucket or main_grad, not both")
+        return main_grad.owner.thread(main_grad.bucket, lambda bk: grouped_linear(
+            x, w, bucket=bk, offset=main_grad.offset, precision=precision,
+            overlap_wgrad=overlap_wgrad))
     level = ops.matmul_precision(precision)
     if bucket is None:
         return _grouped_plain(x, w, level, overlap_wgrad)
@@ -240,7 +281,9 @@ def _exchange_back(buf: jax.Array, axis: str | None, ep: int) -> jax.Array:
 
 
 def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
-            expert_axis: str | None = None, buckets: tuple[jax.Array, int, int] | None = None,
+            expert_axis: str | None = None, sequence_axis: str | None = None,
+            buckets: tuple[jax.Array, int, int] | None = None,
+            main_grads: tuple[BucketSlot, BucketSlot] | None = None,
             precision: ops.PrecisionLike = None) -> tuple[Any, MoEStats]:
     """The MoE MLP of this rank's tokens.
 
@@ -250,8 +293,12 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
       x: ``[T, H]`` this rank's tokens.
       cfg: the MoE options.
       expert_axis: the ``shard_map`` axis of the ``EP`` expert ranks; ``None``: one rank.
+      sequence_axis: under sequence parallelism, the tensor axis the sequence is split
+        over (the aux loss counts the whole sequence, see the module docstring).
       buckets: optional ``(bucket, fc1 offset, fc2 offset)``: expert weight gradients go
         into that flat fp32 bucket (threaded, see :func:`grouped_linear`).
+      main_grads: instead of ``buckets``, the ``(fc1, fc2)`` weights'
+        BucketSlot objects (returns ``y`` only).
     Returns:
       ``(y [T, H], stats)``, or ``((y, bucket), stats)`` with ``buckets``; ``stats``: a
       :class:`MoEStats`.
@@ -281,21 +328,26 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
     local = _exchange(buf, expert_axis, ep)
     gelu = functools.partial(jax.nn.gelu, approximate=False)
     opts = dict(precision=precision, overlap_wgrad=cfg.overlap_wgrad)
-    if buckets is None:
-        out = grouped_linear(gelu(grouped_linear(local, params["fc1"], **opts)),
-                             params["fc2"], **opts)
-    else:
-        bucket, off1, off2 = buckets
-        hid, bucket = grouped_linear(local, params["fc1"], bucket=bucket, offset=off1, **opts)
-        out, bucket = grouped_linear(gelu(hid), params["fc2"], bucket=bucket, offset=off2,
-                                     **opts)
+    owner = None
+    if buckets is not None:
+        if main_grads is not None:
+            raise ValueError("moe_mlp: give buckets or main_grads, not both")
+        owner = WgradBuckets((buckets[0],))
+        main_grads = (owner.slot(0, buckets[1]), owner.slot(0, buckets[2]))
+    mg1, mg2 = main_grads or (None, None)
+    hid = grouped_linear(local, params["fc1"], main_grad=mg1, **opts)
+    out = grouped_linear(gelu(hid), params["fc2"], main_grad=mg2, **opts)
     back = _exchange_back(out, expert_axis, ep)
     picked = back.at[experts, target].get(mode="fill", fill_value=0)  # [T, k, H]
     weights = jnp.where(kept, gates, 0.0).astype(x.dtype)
     y = jnp.einsum("tkh,tk->th", picked, weights)
     tokens_per_expert = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))
-    aux = (load_balancing_loss(probs, jax.lax.stop_gradient(tokens_per_expert), k,
-                               cfg.aux_loss_coeff)
+    counts, total = tokens_per_expert, t
+    if sequence_axis is not None:
+        counts = jax.lax.psum(tokens_per_expert, sequence_axis)
+        total = t * jax.lax.axis_size(sequence_axis)
+    aux = (load_balancing_loss(probs, jax.lax.stop_gradient(counts), k, cfg.aux_loss_coeff,
+                               total)
            if cfg.load_balancing_type == "aux_loss" else jnp.zeros((), jnp.float32))
     stats = MoEStats(aux, tokens_per_expert, jnp.sum(~kept) / jnp.float32(kept.size))
-    return ((y, bucket) if buckets is not None else y), stats
+    return ((y, owner.buckets[0]) if owner is not None else y), stats

@@ -63,7 +63,11 @@ class GradBuffer:
       bucket_dtypes: gradient dtype of each bucket.
       bucket_param_dtypes: parameter dtype of each bucket (the all-gather dtype).
       bucket_leaves: flatten indices of each bucket's leaves, in buffer (offset) order.
-      dp_size, use_distributed_optimizer: as passed to :meth:`create`.
+      dp_size, use_distributed_optimizer: as passed to :meth:`create` (``dp_size``: the
+        first part's for a concatenated buffer).
+      bucket_dp_sizes: the data-parallel size each bucket is sharded over (a concatenated
+        buffer's parts may be synced over different groups: expert buckets over the
+        expert-data-parallel ranks); default ``dp_size`` for every bucket.
     """
 
     treedef: Any
@@ -75,6 +79,24 @@ class GradBuffer:
     bucket_leaves: tuple[tuple[int, ...], ...]
     dp_size: int
     use_distributed_optimizer: bool
+    bucket_dp_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.bucket_dp_sizes:
+            object.__setattr__(self, "bucket_dp_sizes", (self.dp_size,) * len(self.bucket_numels))
+        if len(self.bucket_dp_sizes) != len(self.bucket_numels):
+            raise ValueError(f"GradBuffer: {len(self.bucket_dp_sizes)} bucket_dp_sizes for "
+                             f"{len(self.bucket_numels)} buckets")
+
+    @classmethod
+    def empty(cls, treedef, *, dp_size: int, use_distributed_optimizer: bool) -> GradBuffer:
+        """The layout of a tree without leaves (e.g. a dense model's expert chunk): no
+        slots, no buckets."""
+        if treedef.num_leaves:
+            raise ValueError(f"GradBuffer.empty: the tree has {treedef.num_leaves} leaves")
+        return cls(treedef=treedef, slots=(), groups=(), bucket_numels=(), bucket_dtypes=(),
+                   bucket_param_dtypes=(), bucket_leaves=(), dp_size=dp_size,
+                   use_distributed_optimizer=bool(use_distributed_optimizer))
 
     @classmethod
     def create(
@@ -161,13 +183,13 @@ class GradBuffer:
 
         Each part keeps its own plan (bucket boundaries never span two parts); bucket ``i``
         of part ``k`` becomes bucket ``sum(num_buckets of parts < k) + i``; paths get the
-        ``[k]`` prefix of the tuple. All parts must share ``dp_size`` and
-        ``use_distributed_optimizer``.
+        ``[k]`` prefix of the tuple. All parts must share ``use_distributed_optimizer``; each
+        bucket keeps its part's data-parallel size (``bucket_dp_sizes``).
         """
         if not buffers:
             raise ValueError("GradBuffer.concatenate: no buffers")
-        if len({(b.dp_size, b.use_distributed_optimizer) for b in buffers}) != 1:
-            raise ValueError("GradBuffer.concatenate: parts must share dp_size and "
+        if len({b.use_distributed_optimizer for b in buffers}) != 1:
+            raise ValueError("GradBuffer.concatenate: parts must share "
                              "use_distributed_optimizer")
         slots, groups, numels, dtypes, pdtypes, leaves_of = [], [], [], [], [], []
         leaf0 = bucket0 = 0
@@ -190,7 +212,8 @@ class GradBuffer:
             slots=tuple(slots), groups=tuple(groups), bucket_numels=tuple(numels),
             bucket_dtypes=tuple(dtypes), bucket_param_dtypes=tuple(pdtypes),
             bucket_leaves=tuple(leaves_of), dp_size=buffers[0].dp_size,
-            use_distributed_optimizer=buffers[0].use_distributed_optimizer)
+            use_distributed_optimizer=buffers[0].use_distributed_optimizer,
+            bucket_dp_sizes=sum((b.bucket_dp_sizes for b in buffers), ()))
 
     # ----------------------------------------------------------------------------- layout
 
@@ -201,8 +224,9 @@ class GradBuffer:
 
     @property
     def shard_numels(self) -> tuple[int, ...]:
-        """Length of one data-parallel rank's shard of each bucket (``numel // dp_size``)."""
-        return tuple(n // self.dp_size for n in self.bucket_numels)
+        """Length of one data-parallel rank's shard of each bucket
+        (``numel // bucket_dp_sizes[i]``)."""
+        return tuple(n // d for n, d in zip(self.bucket_numels, self.bucket_dp_sizes))
 
     def slot(self, path: str | Sequence[Any]) -> ParamSlot:
         """The :class:`ParamSlot` of a leaf, by ``keystr`` string or key-path tuple."""

@@ -1,15 +1,20 @@
 """Megatron's gradient finalization of the bucketed gradients of one step.
 
-Everything runs per device inside ``shard_map`` over the ``(data, tensor, pipeline)`` mesh,
-on the buckets of a :class:`~jax_wgrad.grads.layout.GradLayout`: the :data:`STAGE` chunk
-(synced over ``data`` in the pipeline cooldown with ``overlap_grad_reduce``, else here) and
-the :data:`SHARED` chunk (every stage's replica of the embedding/head).
+Everything runs per device inside ``shard_map`` over the ``(data, expert, tensor,
+pipeline)`` mesh, on the buckets of a :class:`~jax_wgrad.grads.layout.GradLayout`: the
+:data:`STAGE` and :data:`EXPERTS` chunks (synced in the pipeline cooldown with
+``overlap_grad_reduce``, else here) and the :data:`SHARED` chunk (every stage's replica of
+the embedding/head).
 
 **Finalization** (:func:`finalize_grads`), in Megatron's order:
 
-1. data-parallel sync of each bucket: scale by ``1/dp`` (or 1 with
-   ``average_in_collective``, which divides after the sum) and reduce-scatter (distributed
-   optimizer) or all-reduce -- one collective per bucket;
+1. data-parallel sync of each bucket over its chunk's group (:data:`SYNC_AXES`): scale by
+   ``1/dp`` (or 1 with ``average_in_collective``, which divides after the sum) and
+   reduce-scatter (distributed optimizer) or all-reduce -- one collective per bucket.
+   Expert buckets are synced over the ``dp / EP`` expert-data-parallel ranks with
+   Megatron's expert factor: ``1/dp`` as well (``edp/dp`` with ``average_in_collective``,
+   whose division is then by ``edp``), so every gradient is the mean over all ``dp``
+   data-parallel ranks' tokens;
 2. all-reduce over ``tensor`` of the gradients of parameters replicated over tensor ranks
    under sequence parallelism (LayerNorms, row-parallel biases, positions);
 3. the tied word-embedding all-reduce over ``pipeline`` (the whole ``shared`` chunk);
@@ -29,31 +34,46 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad.grads.config import DDPConfig
-from jax_wgrad.grads.layout import GradLayout
+from jax_wgrad.grads.layout import SYNC_AXES, GradLayout
 from jax_wgrad.grads.masks import flat_mask, local_mask
-from jax_wgrad.grads.sync import shard_buckets, sync_buckets
-from jax_wgrad.parallel.mesh import DATA, PIPELINE, TENSOR
+from jax_wgrad.grads.spec import EXPERTS, SHARED, STAGE
+from jax_wgrad.grads.sync import axis_index, axis_size, shard_buckets, sync_buckets
+from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR
 
-__all__ = ["sync_stage_buckets", "finalize_grads"]
+__all__ = ["sync_chunk", "sync_stage_buckets", "finalize_grads"]
 
 Buckets = tuple[jax.Array, ...]
 
 
-def sync_stage_buckets(buckets: Buckets, ddp: DDPConfig, *, axis_name: str = DATA
-                       ) -> Buckets:
-    """The data-parallel sync of a stage's buckets, in place (for the cooldown).
+def sync_chunk(buckets: Buckets, ddp: DDPConfig, chunk: str) -> Buckets:
+    """The data-parallel sync of one chunk's buckets over its group (:data:`SYNC_AXES`),
+    with Megatron's scaling: ``1/dp`` before the collective, or with
+    ``average_in_collective`` 1 for dense and ``edp/dp`` for expert buckets, then divided by
+    the group size after it (``ReduceOp.AVG``)."""
+    axis = SYNC_AXES[chunk]
+    factor = None
+    if chunk == EXPERTS:
+        dp, edp = axis_size(DATA_PARALLEL), axis_size(axis)
+        factor = edp / dp if ddp.average_in_collective else 1.0 / dp
+    return sync_buckets(buckets, axis_name=axis,
+                        use_distributed_optimizer=ddp.use_distributed_optimizer,
+                        gradient_scaling_factor=factor,
+                        average_in_collective=ddp.average_in_collective)
+
+
+def sync_stage_buckets(buckets: Buckets, ddp: DDPConfig, chunk: str = STAGE) -> Buckets:
+    """The data-parallel sync of a stage's buckets (chunk ``chunk``), in place (for the
+    cooldown).
 
     Returns buckets of the same shapes: all-reduced buckets, or (distributed optimizer)
     each bucket with its reduce-scattered shard written into the rank's own range -- where
     Megatron's reduce-scatter leaves it in the grad buffer. :func:`finalize_grads` takes
-    the shards out again with ``overlapped=True``.
+    the shards out again with ``stage_synced=True``.
     """
-    synced = sync_buckets(buckets, axis_name=axis_name,
-                          use_distributed_optimizer=ddp.use_distributed_optimizer,
-                          average_in_collective=ddp.average_in_collective)
+    synced = sync_chunk(buckets, ddp, chunk)
     if not ddp.use_distributed_optimizer:
         return synced
-    rank = lax.axis_index(axis_name)
+    rank = axis_index(SYNC_AXES[chunk])
     return tuple(lax.dynamic_update_slice(b, s, (rank * s.shape[0],))
                  for b, s in zip(buckets, synced))
 
@@ -72,7 +92,8 @@ def finalize_grads(
 
     Args:
       buckets: this device's buckets (``layout.buffer``): local sums of token-loss
-        gradients; the stage chunk already synced in place if ``stage_synced``.
+        gradients; the stage and expert chunks already synced in place if
+        ``stage_synced``.
       num_tokens: fp32 scalar, tokens of this data rank's batch (summed over ``data``
         here, like Megatron's all-reduce of ``num_tokens``).
     Returns:
@@ -80,31 +101,32 @@ def finalize_grads(
       optimizer) or full ``[numel_i]`` buckets, one per bucket of ``layout.buffer``.
     """
     dist = ddp.use_distributed_optimizer
-    stage_bk, shared_bk = layout.split(buckets)
+    stage_bk, expert_bk, shared_bk = layout.split(buckets)
     with jax.named_scope("data_parallel_sync"):
-        if stage_synced:
-            stage_out = shard_buckets(stage_bk, axis_name=DATA) if dist else stage_bk
-        else:
-            stage_out = sync_buckets(stage_bk, axis_name=DATA, use_distributed_optimizer=dist,
-                                     average_in_collective=ddp.average_in_collective)
-        shared_out = sync_buckets(shared_bk, axis_name=DATA, use_distributed_optimizer=dist,
-                                  average_in_collective=ddp.average_in_collective)
-    synced = stage_out + shared_out
+        own = []
+        for name, bk in ((STAGE, stage_bk), (EXPERTS, expert_bk)):
+            if stage_synced:
+                own += shard_buckets(bk, axis_name=SYNC_AXES[name]) if dist else bk
+            else:
+                own += sync_chunk(bk, ddp, name)
+        shared_out = sync_chunk(shared_bk, ddp, SHARED)
+    synced = tuple(own) + shared_out
     if sequence_parallel:
         with jax.named_scope("sequence_parallel_grads_all_reduce"):
             rep = layout.tensor_replicated_flags
-            masks = local_mask(layout.buffer, rep, axis_name=DATA if dist else None)
+            masks = local_mask(layout.buffer, rep, axis_name=None,
+                               bucket_axes=layout.bucket_axes if dist else None)
             has = flat_mask(layout.buffer, rep)
             synced = tuple(
                 jnp.where(m, lax.psum(jnp.where(m, g, 0.0), TENSOR), g) if h.any() else g
                 for g, m, h in zip(synced, masks, has))
     if pipeline_parallel:
         with jax.named_scope("embedding_grads_all_reduce"):
-            n = layout.num_stage_buckets
+            n = layout.num_own_buckets
             synced = synced[:n] + tuple(lax.psum(synced[n:], PIPELINE))
     with jax.named_scope("token_scaling"):
-        dp = lax.axis_size(DATA)
-        total = lax.psum(num_tokens, DATA)
+        dp = axis_size(DATA_PARALLEL)
+        total = lax.psum(num_tokens, DATA_PARALLEL)
         scale = (jnp.float32(dp) / total).astype(jnp.float32)
         synced = tuple(g * scale for g in synced)
     return synced

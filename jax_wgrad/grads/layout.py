@@ -2,9 +2,13 @@
 
 :class:`GradLayout` is built from two trees of the same structure -- the per-device
 parameter shapes and their :class:`~jax_wgrad.grads.spec.GradSpec` -- given by a model,
-one subtree per chunk in :data:`~jax_wgrad.grads.spec.CHUNKS` order (``(stage, shared)``).
-Each chunk gets its own :class:`~jax_wgrad.grads.GradBuffer`, Megatron's exact bucket plan
-(a forced bucket boundary between chunks, as Megatron keeps one buffer per model chunk);
+one subtree per chunk in :data:`~jax_wgrad.grads.spec.CHUNKS` order (``(stage, experts,
+shared)``). Each chunk gets its own :class:`~jax_wgrad.grads.GradBuffer`, Megatron's exact
+bucket plan (a forced bucket boundary between chunks, as Megatron keeps one buffer per model
+chunk and separate expert-parallel buffers); the expert chunk is planned for the
+expert-data-parallel size and synced over :data:`~jax_wgrad.parallel.mesh.EXPERT_DATA_PARALLEL`
+(:attr:`GradLayout.bucket_axes`), the others over
+:data:`~jax_wgrad.parallel.mesh.DATA_PARALLEL`;
 :attr:`GradLayout.buffer` is their concatenation, the optimizer's view. Under the
 distributed optimizer a tied word embedding gets a bucket of its own (Megatron's
 ``shared_embedding`` rule). Nothing here knows the model: every per-parameter decision
@@ -21,9 +25,15 @@ import jax
 
 from jax_wgrad.grads.buffer import GradBuffer
 from jax_wgrad.grads.config import DDPConfig
-from jax_wgrad.grads.spec import CHUNKS, SHARED, STAGE, GradSpec
+from jax_wgrad.grads.spec import CHUNKS, EXPERTS, SHARED, STAGE, GradSpec
+from jax_wgrad.grads.sync import AxisName
+from jax_wgrad.parallel.mesh import DATA_PARALLEL, EXPERT_DATA_PARALLEL
 
-__all__ = ["GradLayout"]
+__all__ = ["GradLayout", "SYNC_AXES"]
+
+SYNC_AXES: dict[str, AxisName] = {STAGE: DATA_PARALLEL, EXPERTS: EXPERT_DATA_PARALLEL,
+                                  SHARED: DATA_PARALLEL}
+"""The mesh axes each chunk's buckets are synced (and sharded) over."""
 
 Buckets = tuple[jax.Array, ...]
 
@@ -51,7 +61,8 @@ class GradLayout:
     fusion: bool
 
     @classmethod
-    def create(cls, shapes, specs, *, dp_size: int, ddp: DDPConfig, fusion: bool) -> GradLayout:
+    def create(cls, shapes, specs, *, dp_size: int, ddp: DDPConfig, fusion: bool,
+               expert_dp_size: int | None = None) -> GradLayout:
         """Lays out the buckets of a device tree.
 
         Args:
@@ -60,22 +71,31 @@ class GradLayout:
           specs: the same structure with a :class:`GradSpec` per leaf; each leaf's
             ``chunk`` must be the chunk of its subtree.
           dp_size: data-parallel size; ddp: bucket options; fusion: as the attribute.
+          expert_dp_size: the expert-data-parallel size the expert chunk is planned for
+            (default ``dp_size``).
         """
         if len(shapes) != len(CHUNKS) or len(specs) != len(CHUNKS):
             raise ValueError(f"GradLayout.create: expected one tree per chunk {CHUNKS}, got "
                              f"{len(shapes)} shape trees and {len(specs)} spec trees")
-        kw = dict(dp_size=dp_size, bucket_size=ddp.effective_bucket_size(dp_size),
-                  use_distributed_optimizer=ddp.use_distributed_optimizer,
-                  pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw)
         parts, flat_specs = [], []
         for name, shape_tree, spec_tree in zip(CHUNKS, shapes, specs):
+            dp = expert_dp_size or dp_size if name == EXPERTS else dp_size
             chunk_specs = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
             wrong = [s.chunk for s in chunk_specs if s.chunk != name]
             if wrong:
                 raise ValueError(f"GradLayout.create: the {name!r} subtree holds specs of "
                                  f"chunks {sorted(set(wrong))}")
+            if not chunk_specs:
+                parts.append(GradBuffer.empty(
+                    jax.tree.structure(shape_tree), dp_size=dp,
+                    use_distributed_optimizer=ddp.use_distributed_optimizer))
+                continue
             tied = jax.tree.map(lambda s: s.tied_embedding, spec_tree, is_leaf=_is_spec)
-            parts.append(GradBuffer.create(shape_tree, shared_embedding=tied, **kw))
+            parts.append(GradBuffer.create(
+                shape_tree, shared_embedding=tied, dp_size=dp,
+                bucket_size=ddp.effective_bucket_size(dp),
+                use_distributed_optimizer=ddp.use_distributed_optimizer,
+                pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw))
             flat_specs += chunk_specs
         buffer = GradBuffer.concatenate(parts)
         if len(flat_specs) != len(buffer.slots):
@@ -100,16 +120,47 @@ class GradLayout:
         return self.chunk(SHARED)
 
     @property
+    def experts(self) -> GradBuffer:
+        """The :data:`EXPERTS` chunk: this stage's expert weights (no buckets if dense)."""
+        return self.chunk(EXPERTS)
+
+    @property
     def num_stage_buckets(self) -> int:
         return self.stage.num_buckets
 
+    @property
+    def num_own_buckets(self) -> int:
+        """Buckets of the stage's own parameters: the stage and expert chunks."""
+        return self.stage.num_buckets + self.experts.num_buckets
+
+    @property
+    def bucket_axes(self) -> tuple[AxisName, ...]:
+        """Per bucket of :attr:`buffer`: the mesh axes it is synced and sharded over."""
+        return sum(((SYNC_AXES[n],) * p.num_buckets for n, p in zip(CHUNKS, self.parts)), ())
+
     def split(self, buckets: Buckets) -> tuple[Buckets, ...]:
-        """The concatenated bucket tuple -> one tuple per chunk (``(stage, shared)``)."""
+        """The concatenated bucket tuple -> one tuple per chunk (``(stage, experts,
+        shared)``)."""
         out, first = [], 0
         for part in self.parts:
             out.append(tuple(buckets[first:first + part.num_buckets]))
             first += part.num_buckets
         return tuple(out)
+
+    def split_own(self, buckets: Buckets) -> tuple[Buckets, Buckets]:
+        """The bucket tuple -> ``(own, shared)``: the stage's own buckets (stage chunk
+        then expert chunk, what its layers thread) and the shared chunk's."""
+        n = self.num_own_buckets
+        return tuple(buckets[:n]), tuple(buckets[n:])
+
+    def own_fused_slots(self, role: str) -> Any:
+        """``(stage tree, experts tree)`` of :meth:`fused_slots` with bucket indices into
+        the ``own`` tuple of :meth:`split_own`."""
+        n = self.num_stage_buckets
+        shift = lambda s: None if s is None else (s[0] + n, s[1])
+        experts = jax.tree.map(shift, self.fused_slots(EXPERTS, role),
+                               is_leaf=lambda s: s is None or isinstance(s, tuple))
+        return self.fused_slots(STAGE, role), experts
 
     def _chunk_specs(self, name: str) -> tuple[GradSpec, ...]:
         first = sum(len(p.slots) for p in self.parts[:CHUNKS.index(name)])

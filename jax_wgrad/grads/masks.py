@@ -45,7 +45,8 @@ def flat_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
 
 
 def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
-               axis_name: AxisName | None) -> Buckets:
+               axis_name: AxisName | None,
+               bucket_axes: Sequence[AxisName] | None = None) -> Buckets:
     """Per-element bool mask of this rank's shard of each bucket (or whole buckets).
 
     The traced counterpart of :func:`flat_mask` for use inside ``shard_map``: built from
@@ -56,16 +57,21 @@ def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
       flags: as in :func:`flat_mask`.
       axis_name: the data axis whose rank selects the shard (``shard_buckets``'s
         slicing); ``None`` for the whole buckets.
+      bucket_axes: instead of ``axis_name`` for every bucket, one axis per bucket (a
+        buffer whose parts are sharded over different groups).
     Returns:
       One bool array per bucket, ``[shard_numels[i]]`` or ``[bucket_numels[i]]``.
     """
     values = buffer.flag_values(flags)
-    if axis_name is None:
-        dp, rank = 1, 0
-    else:
-        dp, rank = axis_size(axis_name), axis_index(axis_name)
+    if bucket_axes is None:
+        bucket_axes = [axis_name] * buffer.num_buckets
     out = []
     for i, n in enumerate(buffer.bucket_numels):
+        axis_name = bucket_axes[i]
+        if axis_name is None:
+            dp, rank = 1, 0
+        else:
+            dp, rank = axis_size(axis_name), axis_index(axis_name)
         if n % dp:
             raise ValueError(f"local_mask: bucket {i} ({n} elements) is not "
                              f"divisible by the {dp} ranks of {axis_name!r}")

@@ -6,9 +6,11 @@ parameter path it is looking at.
 
 **Chunks** are separately planned groups of buckets (Megatron keeps one buffer per model
 chunk): :data:`STAGE` holds a pipeline stage's own layers (synced over ``data`` in the
-cooldown as soon as the stage's last backward is done), :data:`SHARED` the parameters every
-pipeline stage holds a replica of (embedding, head: synced after the schedule, then summed
-over ``pipeline``).
+cooldown as soon as the stage's last backward is done), :data:`EXPERTS` the stage's expert
+weights of its MoE layers (Megatron's expert-parallel buffers: synced like the stage chunk,
+but over the expert-data-parallel ranks with Megatron's expert scaling; empty for a dense
+model), :data:`SHARED` the parameters every pipeline stage holds a replica of (embedding,
+head: synced after the schedule, then summed over ``pipeline``).
 
 **Roles** are the parts of a pipeline step whose backward produces gradients:
 :data:`INPUT` (the first stage, before the layers: the embedding), :data:`LAYERS` (every
@@ -20,13 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["GradSpec", "STAGE", "SHARED", "INPUT", "LAYERS", "OUTPUT", "CHUNKS", "ROLES"]
+__all__ = ["GradSpec", "STAGE", "EXPERTS", "SHARED", "INPUT", "LAYERS", "OUTPUT", "CHUNKS",
+           "ROLES"]
 
 STAGE = "stage"
-"""Chunk of a pipeline stage's own parameters."""
+"""Chunk of a pipeline stage's own (dense) parameters."""
+EXPERTS = "experts"
+"""Chunk of a pipeline stage's expert weights (different on every expert-parallel rank)."""
 SHARED = "shared"
 """Chunk of the parameters replicated on every pipeline stage."""
-CHUNKS: tuple[str, ...] = (STAGE, SHARED)
+CHUNKS: tuple[str, ...] = (STAGE, EXPERTS, SHARED)
 """Chunks in bucket order."""
 
 INPUT = "input"

@@ -88,6 +88,10 @@ def _all_gather_params(shard: jax.Array, axis_name: AxisName) -> jax.Array:
         return lax.all_gather(shard, axis_name, axis=0, tiled=True)
 
 
+def _names(axis: AxisName) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
 def _normalize_flags(buffer: GradBuffer, name: str, tree: PyTree | None
                      ) -> tuple[bool, ...] | None:
     if tree is None:
@@ -108,7 +112,11 @@ class DistributedOptimizer:
 
       buffer: the bucket layout; its ``use_distributed_optimizer`` selects the mode.
       tx: the optax transformation (extra-args capable; see :func:`adamw`).
-      data_axis: the data-parallel mesh axis (size must equal ``buffer.dp_size``).
+      data_axis: the data-parallel mesh axis (or axes; size must equal ``buffer.dp_size``).
+      bucket_axes: per bucket, the axes it is synced and sharded over (default
+        ``data_axis`` for all); their sizes must equal ``buffer.bucket_dp_sizes``. Expert
+        buckets use a subset of ``data_axis`` (the expert-data-parallel ranks): the
+        experts differ along the rest, so there they are summed in the norm.
       model_axes: other mesh axes the model is split over (``tensor``, ``pipeline``,
         ...): partial norms are summed over them.
       clip_grad: Megatron's ``clip_grad``; ``None`` or 0 disables clipping.
@@ -123,6 +131,7 @@ class DistributedOptimizer:
     buffer: GradBuffer
     tx: optax.GradientTransformationExtraArgs
     data_axis: AxisName = DATA
+    bucket_axes: tuple[AxisName, ...] | None = None
     model_axes: tuple[str, ...] = ()
     clip_grad: float | None = None
     weight_decay_flags: tuple[bool, ...] | None = None
@@ -135,6 +144,7 @@ class DistributedOptimizer:
         tx: optax.GradientTransformation,
         *,
         data_axis: AxisName = DATA,
+        bucket_axes: Sequence[AxisName] | None = None,
         model_axes: Sequence[str] = (),
         clip_grad: float | None = None,
         weight_decay_mask: PyTree | None = None,
@@ -146,7 +156,9 @@ class DistributedOptimizer:
           buffer: layout of the gradient buckets (per-device parameter shapes).
           tx: any optax transformation of element-wise type; plain ones are wrapped with
             :func:`optax.with_extra_args_support`. Use :func:`adamw` for a masked decay.
-          data_axis: data-parallel axis name.
+          data_axis: data-parallel axis name (or a tuple of axes).
+          bucket_axes: see the class docstring; each must be ``data_axis`` or a subset
+            of its axes.
           model_axes: axes over which devices hold different parameters; must not
             contain ``data_axis``.
           clip_grad: clip the global norm to this value (> 0); ``None``/0: no clipping.
@@ -170,12 +182,22 @@ class DistributedOptimizer:
                 raise ValueError(f"DistributedOptimizer: duplicated axis {axis!r} is not one "
                                  f"of model_axes {model_axes}")
             dup.append((axis, _normalize_flags(buffer, f"duplicated[{axis!r}]", tree)))
+        if bucket_axes is not None:
+            bucket_axes = tuple(bucket_axes)
+            if len(bucket_axes) != buffer.num_buckets:
+                raise ValueError(f"DistributedOptimizer: {len(bucket_axes)} bucket_axes for "
+                                 f"{buffer.num_buckets} buckets")
+            wrong = [a for a in bucket_axes if not set(_names(a)) <= set(data_names)]
+            if wrong:
+                raise ValueError(f"DistributedOptimizer: bucket axes {wrong} are not within "
+                                 f"the data axis {data_axis!r}")
         if not isinstance(tx, optax.GradientTransformationExtraArgs):
             tx = optax.with_extra_args_support(tx)
         return cls(
             buffer=buffer,
             tx=tx,
             data_axis=data_axis,
+            bucket_axes=bucket_axes,
             model_axes=model_axes,
             clip_grad=float(clip_grad) if clip_grad else None,
             weight_decay_flags=_normalize_flags(buffer, "weight_decay_mask", weight_decay_mask),
@@ -187,11 +209,35 @@ class DistributedOptimizer:
         """Whether master weights and optax state are sharded over ``data_axis``."""
         return self.buffer.use_distributed_optimizer
 
+    def _axes(self) -> tuple[AxisName, ...]:
+        """Per bucket: the axes it is sharded over."""
+        return self.bucket_axes or (self.data_axis,) * self.buffer.num_buckets
+
+    def _shard(self, buckets: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        return tuple(shard_buckets((b,), axis_name=a)[0] for b, a in zip(buckets, self._axes()))
+
+    def _spread_axes(self) -> tuple[tuple[str, tuple[bool, ...]], ...]:
+        """Replicated mode: ``(axis, per-leaf flags)`` for each data axis that some
+        buckets are NOT synced over (their parameters differ along it, e.g. experts over
+        ``expert``): the norm sums over it, counting the flagged leaves (replicated along
+        it) once."""
+        axes = self._axes()
+        out = []
+        for name in _names(self.data_axis):
+            over = [name in _names(a) for a in axes]
+            if not all(over):
+                out.append((name, tuple(over[s.bucket] for s in self.buffer.slots)))
+        return tuple(out)
+
     def _check_axis(self) -> None:
         dp = axis_size(self.data_axis)
         if dp != self.buffer.dp_size:
             raise ValueError(f"DistributedOptimizer: axis {self.data_axis!r} has {dp} devices "
                              f"but the buffer was planned for dp_size={self.buffer.dp_size}")
+        for i, (a, n) in enumerate(zip(self._axes(), self.buffer.bucket_dp_sizes)):
+            if axis_size(a) != n:
+                raise ValueError(f"DistributedOptimizer: bucket {i} is sharded over {a!r} "
+                                 f"({axis_size(a)} devices) but was planned for {n}")
 
     # -- init
 
@@ -203,8 +249,7 @@ class DistributedOptimizer:
         """
         self._check_axis()
         if self.distributed:
-            full = self.buffer.from_tree(params, dtype=jnp.float32)
-            master = shard_buckets(full, axis_name=self.data_axis)
+            master = self._shard(self.buffer.from_tree(params, dtype=jnp.float32))
         else:
             self.buffer._check_tree(params, "init")
             master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
@@ -231,7 +276,8 @@ class DistributedOptimizer:
         self._check_axis()
 
         def gather(shards):
-            full = tuple(lax.all_gather(s, self.data_axis, axis=0, tiled=True) for s in shards)
+            full = tuple(lax.all_gather(s, a, axis=0, tiled=True)
+                         for s, a in zip(shards, self._axes()))
             return self.buffer.to_tree(full)
 
         return self.map_param_parts(gather, state)
@@ -244,8 +290,7 @@ class DistributedOptimizer:
         self._check_axis()
 
         def shard(tree):
-            return shard_buckets(self.buffer.from_tree(tree, dtype=jnp.float32),
-                                 axis_name=self.data_axis)
+            return self._shard(self.buffer.from_tree(tree, dtype=jnp.float32))
 
         return self.map_param_parts(shard, state)
 
@@ -259,15 +304,17 @@ class DistributedOptimizer:
         if self.weight_decay_flags is None:
             return None
         if self.distributed:
-            return local_mask(self.buffer, self.weight_decay_flags, axis_name=self.data_axis)
+            return local_mask(self.buffer, self.weight_decay_flags, axis_name=None,
+                              bucket_axes=self._axes())
         return self._leaf_mask_tree(self.weight_decay_flags)
 
     def _norm_weights(self) -> PyTree | None:
         weights = None
-        for axis, flags in self.duplicated:
+        spread = () if self.distributed else self._spread_axes()
+        for axis, flags in self.duplicated + spread:
             not_first = lax.axis_index(axis) != 0
             if self.distributed:
-                dup = local_mask(self.buffer, flags, axis_name=self.data_axis)
+                dup = local_mask(self.buffer, flags, axis_name=None, bucket_axes=self._axes())
                 w = tuple(jnp.where(d & not_first, 0.0, 1.0).astype(jnp.float32) for d in dup)
             else:
                 w = jax.tree.unflatten(self.buffer.treedef, [
@@ -281,9 +328,10 @@ class DistributedOptimizer:
     def grad_norm(self, grads: PyTree) -> jax.Array:
         """Global fp32 norm of synced gradients (shards or tree), each element counted once."""
         axes = self.model_axes
-        if self.distributed:  # ranks hold disjoint shards: sum over data too
-            data = (self.data_axis,) if isinstance(self.data_axis, str) else self.data_axis
-            axes = tuple(data) + axes
+        if self.distributed:  # ranks hold disjoint shards (or other experts): sum over data
+            axes = _names(self.data_axis) + axes
+        else:
+            axes = tuple(a for a, _ in self._spread_axes()) + axes
         return global_grad_norm(grads, axis_names=axes, weights=self._norm_weights())
 
     def step(self, params: PyTree, synced: Sequence[jax.Array], state: OptimizerState
@@ -315,8 +363,8 @@ class DistributedOptimizer:
         master = optax.apply_updates(state.master, updates)
 
         if self.distributed:
-            gathered = tuple(_all_gather_params(m.astype(dt), self.data_axis)
-                             for m, dt in zip(master, self.buffer.bucket_param_dtypes))
+            gathered = tuple(_all_gather_params(m.astype(dt), a) for m, dt, a in
+                             zip(master, self.buffer.bucket_param_dtypes, self._axes()))
             new_params = self.buffer.to_tree(gathered)
         else:
             new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)

@@ -9,6 +9,9 @@ from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import (
     AXES,
     DATA,
+    DATA_PARALLEL,
+    EXPERT,
+    EXPERT_DATA_PARALLEL,
     PIPELINE,
     TENSOR,
     initialize_distributed,
@@ -17,5 +20,5 @@ from jax_wgrad.parallel.mesh import (
     use_virtual_cpu_devices,
 )
 
-__all__ = ["AXES", "DATA", "PIPELINE", "TENSOR", "ParallelConfig", "initialize_distributed",
+__all__ = ["AXES", "DATA", "DATA_PARALLEL", "EXPERT", "EXPERT_DATA_PARALLEL", "PIPELINE", "TENSOR", "ParallelConfig", "initialize_distributed",
            "local_shape", "make_mesh", "use_virtual_cpu_devices"]

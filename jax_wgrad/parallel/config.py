@@ -16,14 +16,19 @@ __all__ = ["ParallelConfig"]
 class ParallelConfig:
     """How one training step is laid out over devices.
 
-    The mesh is ``(data, tensor, pipeline)``; the data-parallel size and the number of
-    microbatches are derived, as in Megatron.
+    The mesh is ``(data, expert, tensor, pipeline)``; the data-parallel size and the
+    number of microbatches are derived, as in Megatron, and expert parallelism is carved out
+    of data parallelism (``data = dp / EP``).
     """
 
     tensor_model_parallel_size: int = 1
     """Devices a layer's weights are split over (Megatron TP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages; the transformer layers are split evenly over them."""
+    expert_model_parallel_size: int = 1
+    """Devices the experts of every MoE layer are split over (Megatron EP), carved out of
+    the data-parallel ranks: each holds its own tokens and ``E / EP`` experts. Experts are
+    replicated over ``tensor`` (Megatron's ``expert_tensor_parallel_size = 1``)."""
     micro_batch_size: int = 1
     """Sequences per microbatch per data-parallel rank."""
     global_batch_size: int | None = None
@@ -61,6 +66,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_positive("tensor_model_parallel_size", self.tensor_model_parallel_size)
         check_positive("pipeline_model_parallel_size", self.pipeline_model_parallel_size)
+        check_positive("expert_model_parallel_size", self.expert_model_parallel_size)
         check_positive("micro_batch_size", self.micro_batch_size)
         if self.world_size is None:
             import jax
@@ -75,6 +81,11 @@ class ParallelConfig:
                 f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size})"
             )
         dp = self.world_size // model_parallel
+        if dp % self.expert_model_parallel_size != 0:
+            raise ValueError(
+                f"data parallel size ({dp}) is not divisible by expert_model_parallel_size "
+                f"({self.expert_model_parallel_size}): expert parallelism is carved out of "
+                "data parallelism")
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * dp)
         check_positive("global_batch_size", self.global_batch_size)
@@ -140,15 +151,21 @@ class ParallelConfig:
         )
 
     @property
+    def expert_data_parallel_size(self) -> int:
+        """Megatron's expert-data-parallel size: ``dp / EP`` replicas of each expert."""
+        return self.data_parallel_size // self.expert_model_parallel_size
+
+    @property
     def num_microbatches(self) -> int:
         """Microbatches per data-parallel rank per step (``M``)."""
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        """``(data, tensor, pipeline)`` sizes."""
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """``(data, expert, tensor, pipeline)`` sizes: ``(dp / EP, EP, tp, pp)``."""
         return (
-            self.data_parallel_size,
+            self.expert_data_parallel_size,
+            self.expert_model_parallel_size,
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
         )

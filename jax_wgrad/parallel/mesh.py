@@ -1,7 +1,14 @@
-"""The ``('data', 'tensor', 'pipeline')`` device mesh and its axis names.
+"""The ``('data', 'expert', 'tensor', 'pipeline')`` device mesh and its axis names.
 
 This module is the ONLY place the mesh axis names are spelled: every other module uses
-:data:`DATA`, :data:`TENSOR`, :data:`PIPELINE` (or :data:`AXES`, all of them in mesh order).
+:data:`DATA`, :data:`EXPERT`, :data:`TENSOR`, :data:`PIPELINE` (or :data:`AXES`, all of
+them in mesh order) and the two data-parallel groups built from them:
+:data:`DATA_PARALLEL` (Megatron's data-parallel group: ``data x expert``, over which dense
+gradients are synced and the batch is split) and :data:`EXPERT_DATA_PARALLEL` (Megatron's
+expert-data-parallel group, over which expert gradients are synced). Expert parallelism
+is carved out of data parallelism, as in Megatron: ``dp = edp * EP``. With ``EP = 1`` the
+``expert`` axis has size 1 and every collective over :data:`DATA_PARALLEL` is the same as
+over ``data`` alone.
 
 The mesh is built with :func:`jax.make_mesh`, which picks a topology-aware device order
 on GPU/TPU and the plain device order on CPU. Multi-process runs call
@@ -20,21 +27,29 @@ from jax.sharding import AxisType, Mesh
 
 from jax_wgrad.parallel.config import ParallelConfig
 
-__all__ = ["AXES", "DATA", "TENSOR", "PIPELINE", "EXPERT", "make_mesh", "initialize_distributed",
+__all__ = ["AXES", "DATA", "EXPERT", "TENSOR", "PIPELINE", "DATA_PARALLEL",
+           "EXPERT_DATA_PARALLEL", "make_mesh", "initialize_distributed",
            "use_virtual_cpu_devices", "local_shape"]
 
 DATA = "data"
-"""Data-parallel axis: replicas of the model, gradient buckets reduced over it."""
+"""Expert-data-parallel axis (``dp / EP`` replicas of every parameter, experts included);
+the whole data parallelism when ``EP = 1``."""
+EXPERT = "expert"
+"""Expert-parallel axis (Megatron EP): carved out of data parallelism, each index holds its
+own tokens and ``E / EP`` experts of every Mixture-of-Experts layer
+(:func:`jax_wgrad.functional.moe_mlp`); dense parameters are replicated over it."""
 TENSOR = "tensor"
 """Tensor-parallel axis: a layer's weights split over it (Megatron TP, and SP)."""
 PIPELINE = "pipeline"
 """Pipeline axis: one stage of transformer layers per index."""
-AXES: tuple[str, str, str] = (DATA, TENSOR, PIPELINE)
+AXES: tuple[str, str, str, str] = (DATA, EXPERT, TENSOR, PIPELINE)
 """All mesh axes, in mesh order (per-device state is stacked over all of them)."""
-EXPERT = "expert"
-"""Expert-parallel axis of a Mixture-of-Experts layer (:func:`jax_wgrad.functional.moe_mlp`):
-carved out of data parallelism, each rank holds its own tokens and ``E / EP`` experts. Not
-yet part of the GPT mesh (:data:`AXES`)."""
+DATA_PARALLEL: tuple[str, str] = (DATA, EXPERT)
+"""Megatron's data-parallel group (``dp`` ranks): the batch is split over it and dense
+gradients are synced over it."""
+EXPERT_DATA_PARALLEL: str = DATA
+"""Megatron's expert-data-parallel group (``dp / EP`` ranks): expert gradients are synced
+over it (the experts differ along :data:`EXPERT`)."""
 
 
 def use_virtual_cpu_devices(count: int) -> None:
@@ -88,7 +103,7 @@ def initialize_distributed(**kwargs) -> bool:
 
 
 def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ``(data, tensor, pipeline)`` mesh of ``config.mesh_shape``.
+    """Builds the ``(data, expert, tensor, pipeline)`` mesh of ``config.mesh_shape``.
 
     Args:
       config: the layout; its ``world_size`` must equal the number of devices.

@@ -17,15 +17,15 @@ from jax_wgrad.models.gpt.stages import GPTStages
 from jax_wgrad.ops import require_fusion
 from jax_wgrad.optim.distributed import DistributedOptimizer
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.parallel.mesh import AXES, DATA, PIPELINE, TENSOR
+from jax_wgrad.parallel.mesh import AXES, DATA_PARALLEL, PIPELINE, TENSOR
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, schedule_of
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
 
 __all__ = ["TrainPlan", "mesh_shape"]
 
 
-def mesh_shape(mesh: Mesh) -> tuple[int, int, int]:
-    """``(data, tensor, pipeline)`` sizes of ``mesh``."""
+def mesh_shape(mesh: Mesh) -> tuple[int, int, int, int]:
+    """``(data, expert, tensor, pipeline)`` sizes of ``mesh``."""
     return tuple(int(mesh.shape[a]) for a in AXES)  # type: ignore[return-value]
 
 
@@ -37,7 +37,7 @@ class TrainPlan:
 
     Attributes:
       model, parallel, ddp: the three configs (validated against each other).
-      mesh: the ``(data, tensor, pipeline)`` mesh.
+      mesh: the ``(data, expert, tensor, pipeline)`` mesh.
       stages: the model's per-stage functions for this layout and platform.
       layout: where every device's gradients live (flat buckets per chunk).
       optimizer: the distributed (or replicated) optimizer over those buckets.
@@ -69,7 +69,8 @@ class TrainPlan:
         ddp = ddp or DDPConfig()
         validate(parallel, model)
         if parallel.mesh_shape != mesh_shape(mesh):
-            raise ValueError(f"TrainPlan: mesh (data, tensor, pipeline) = {mesh_shape(mesh)} "
+            raise ValueError(f"TrainPlan: mesh (data, expert, tensor, pipeline) = "
+                             f"{mesh_shape(mesh)} "
                              f"does not match the parallel config's {parallel.mesh_shape}")
         platform = mesh.devices.flat[0].platform
         if parallel.gradient_accumulation_fusion:
@@ -77,7 +78,8 @@ class TrainPlan:
         stages = GPTStages(model, parallel, platform=platform)
         layout = grad_layout(stages, ddp)
         optimizer = DistributedOptimizer.create(
-            layout.buffer, tx, data_axis=DATA, model_axes=(TENSOR, PIPELINE),
+            layout.buffer, tx, data_axis=DATA_PARALLEL, bucket_axes=layout.bucket_axes,
+            model_axes=(TENSOR, PIPELINE),
             clip_grad=ddp.clip_grad or None, weight_decay_mask=layout.weight_decay_flags(),
             duplicated={TENSOR: layout.tensor_replicated(), PIPELINE: layout.shared_flags()})
         return cls(model, parallel, ddp, mesh, stages, layout, optimizer, schedule_of(stages))
@@ -93,6 +95,8 @@ class TrainPlan:
         buf, lay = self.layout.buffer, self.layout
         padding = (buf.numel - buf.param_numel) / buf.numel
         return (f"gradient buffer of pipeline stage 0: {buf.num_buckets} bucket(s) "
-                f"({lay.stage.num_buckets} stage + {lay.shared.num_buckets} embedding/head), "
+                f"({lay.stage.num_buckets} stage + "
+                + (f"{lay.experts.num_buckets} expert + " if lay.experts.num_buckets else "")
+                + f"{lay.shared.num_buckets} embedding/head), "
                 f"{buf.param_numel:,} gradient elements, {buf.numel:,} buffer elements, "
                 f"padding {100 * padding:.2f}%")

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.optim import transforms
-from jax_wgrad.parallel.mesh import AXES, DATA
+from jax_wgrad.parallel.mesh import AXES, DATA_PARALLEL
 from jax_wgrad.parallel.pipeline.evaluate import eval_loss
 from jax_wgrad.parallel.pipeline.gradients import reduce_gradients
 from jax_wgrad.training.plan import TrainPlan
@@ -90,12 +90,13 @@ def init_train_state(plan: TrainPlan, seed: int) -> TrainState:
 
 
 def shard_batch(mesh: Mesh, tokens: np.ndarray) -> jax.Array:
-    """Global ``[global_batch, S + 1]`` host batch -> array sharded over ``data``.
+    """Global ``[global_batch, S + 1]`` host batch -> array sharded over the data-parallel
+    axes (:data:`~jax_wgrad.parallel.mesh.DATA_PARALLEL`).
 
     Every process passes the same global batch (see :mod:`jax_wgrad.training.data`); each
     keeps the rows of its own devices, so this works for multi-process runs too.
     """
-    sharding = NamedSharding(mesh, P(DATA))
+    sharding = NamedSharding(mesh, P(DATA_PARALLEL))
     return jax.make_array_from_callback(tokens.shape, sharding, lambda idx: tokens[idx])
 
 
@@ -129,7 +130,7 @@ def build_train_step(
 
     per_device = jax.shard_map(
         body, mesh=plan.mesh,
-        in_specs=(specs, P(AXES), P(DATA), P()),
+        in_specs=(specs, P(AXES), P(DATA_PARALLEL), P()),
         out_specs=(specs, P(AXES), P()),
         check_vma=False,
     )
@@ -147,6 +148,6 @@ def build_eval_step(plan: TrainPlan) -> Callable[[dict[str, Any], jax.Array], ja
     forward-only pipeline (:mod:`jax_wgrad.parallel.pipeline.evaluate`), no gradients."""
     stages = plan.stages
     fn = jax.shard_map(lambda p, t: eval_loss(stages, stages.device_tree(p), t),
-                       mesh=plan.mesh, in_specs=(stages.param_specs(), P(DATA)),
+                       mesh=plan.mesh, in_specs=(stages.param_specs(), P(DATA_PARALLEL)),
                        out_specs=P(), check_vma=False)
     return jax.jit(fn)

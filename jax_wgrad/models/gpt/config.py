@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from jax_wgrad._validation import check_positive
+from jax_wgrad.functional.moe import MoEConfig
 from jax_wgrad.parallel.config import ParallelConfig
 
 __all__ = ["GPTConfig", "validate"]
@@ -37,6 +38,32 @@ class GPTConfig:
     ``auto`` picks ``cudnn`` on a CUDA GPU with bfloat16 compute and a head size cuDNN
     takes (a multiple of 8, at most 128), ``xla`` otherwise."""
 
+    # -- Mixture of Experts (Megatron's names and defaults, except the dispatcher)
+    num_moe_experts: int | None = None
+    """Experts per MoE layer (``--num-experts``); ``None``: a dense model."""
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's MLP width; ``None`` means ``ffn_hidden_size``."""
+    moe_router_load_balancing_type: Literal["aux_loss", "none"] = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: Literal["alltoall"] = "alltoall"
+    """Only ``alltoall`` exists here (Megatron's default is ``allgather``)."""
+    moe_expert_capacity_factor: float | None = None
+    """``None``: no token is dropped; else Megatron's capacity ``ceil(T k f / E)``."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad each expert's input to its capacity. Needs a capacity factor; with one it is
+    required here, because XLA's static shapes always pad (see :meth:`__post_init__`)."""
+    moe_grouped_gemm: bool = False
+    """Expert weight gradients by ONE grouped fused wgrad call per expert linear into the
+    gradient bucket (with gradient accumulation fusion); off: ordinary gradients (XLA's
+    batched einsum), added to the bucket like a bias gradient."""
+    moe_layer_freq: int = 1
+    """Every ``moe_layer_freq``-th layer (0, N, 2N, ...) is an MoE layer (Megatron's
+    ``[1 if i % N == 0 else 0 for i in range(num_layers)]``); the others are dense."""
+    overlap_dispatch_backward_with_experts_wgrad: bool = False
+    """Megatron PR 3766: the expert wgrad runs after the expert dgrad and independent of the
+    dispatch-backward all-to-all (:func:`jax_wgrad.functional.moe_mlp`); bitwise equal."""
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
                      "seq_length"):
@@ -60,6 +87,63 @@ class GPTConfig:
             raise ValueError("attention_backend 'cudnn' needs compute_dtype 'bfloat16' "
                              f"(cuDNN flash attention takes 16-bit inputs), got "
                              f"{self.compute_dtype!r}")
+        self._validate_moe()
+
+    _MOE_DEFAULTS = dict(moe_router_topk=2, moe_ffn_hidden_size=None,
+                         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                         moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None,
+                         moe_pad_expert_input_to_capacity=False, moe_grouped_gemm=False,
+                         moe_layer_freq=1, overlap_dispatch_backward_with_experts_wgrad=False)
+
+    def _validate_moe(self) -> None:
+        if self.num_moe_experts is None:
+            given = [k for k, v in self._MOE_DEFAULTS.items() if getattr(self, k) != v]
+            if given:
+                raise ValueError(f"MoE options {given} need num_moe_experts (a dense model "
+                                 "has no experts)")
+            return
+        check_positive("num_moe_experts", self.num_moe_experts)
+        if self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        check_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        check_positive("moe_layer_freq", self.moe_layer_freq)
+        if self.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is "
+                             "not supported; only 'alltoall' is implemented")
+        if not isinstance(self.moe_aux_loss_coeff, (int, float)) or self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff!r}")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            # Megatron's check (transformer_config.py).
+            raise ValueError("moe_expert_capacity_factor must be set to use "
+                             "moe_pad_expert_input_to_capacity")
+        if self.moe_expert_capacity_factor is not None and \
+                not self.moe_pad_expert_input_to_capacity:
+            raise ValueError("moe_expert_capacity_factor needs "
+                             "moe_pad_expert_input_to_capacity here: XLA's static shapes "
+                             "always pad each expert's input to its capacity")
+        if self.overlap_dispatch_backward_with_experts_wgrad and not self.moe_grouped_gemm:
+            raise ValueError("overlap_dispatch_backward_with_experts_wgrad requires "
+                             "moe_grouped_gemm")
+        self.moe_config()  # MoEConfig checks top-k, the capacity factor and the loss type
+
+    def moe_config(self) -> MoEConfig | None:
+        """The MoE layers' :class:`~jax_wgrad.functional.MoEConfig` (``None``: dense)."""
+        if self.num_moe_experts is None:
+            return None
+        return MoEConfig(
+            num_experts=self.num_moe_experts, ffn_hidden_size=self.moe_ffn_hidden_size,
+            topk=self.moe_router_topk, capacity_factor=self.moe_expert_capacity_factor,
+            load_balancing_type=self.moe_router_load_balancing_type,
+            aux_loss_coeff=float(self.moe_aux_loss_coeff),
+            overlap_wgrad=self.overlap_dispatch_backward_with_experts_wgrad)
+
+    @property
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Per layer: an MoE layer (Megatron's ``moe_layer_freq`` pattern); all False for
+        a dense model."""
+        if self.num_moe_experts is None:
+            return (False,) * self.num_layers
+        return tuple(i % self.moe_layer_freq == 0 for i in range(self.num_layers))
 
     @property
     def head_dim(self) -> int:
@@ -94,3 +178,27 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
             f"seq_length ({model.seq_length}) must be divisible by "
             f"tensor_model_parallel_size ({tp}) with sequence parallelism"
         )
+    _validate_moe_layout(parallel, model)
+
+
+def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:
+    ep = parallel.expert_model_parallel_size
+    if model.num_moe_experts is None:
+        if ep > 1:  # Megatron's wording (arguments.py)
+            raise ValueError("num_experts must be not None to use expert model parallelism "
+                             f"(expert_model_parallel_size = {ep})")
+        return
+    if model.num_moe_experts % ep != 0:
+        raise ValueError(f"Number of experts ({model.num_moe_experts}) should be a multiple of "
+                         f"expert model parallel_size ({ep}).")
+    if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+        raise ValueError("When using MoE and tensor parallelism, sequence parallelism must "
+                         "be used.")
+    per_stage = model.num_layers // parallel.pipeline_model_parallel_size
+    if per_stage % model.moe_layer_freq != 0:
+        raise ValueError(f"layers per pipeline stage ({per_stage}) must be divisible by "
+                         f"moe_layer_freq ({model.moe_layer_freq}) so that every stage has "
+                         "the same pattern of MoE and dense layers")
+    if parallel.pipeline_schedule == "zb-h1":
+        raise ValueError("the zb-h1 schedule does not support MoE layers yet (the expert "
+                         "weight gradients have no W task); use pipeline_schedule='1f1b'")

@@ -2,8 +2,9 @@
 (every stage), head (last stage).
 
 * :class:`GPTEmbedding`: vocab-parallel word embedding + learned positions.
-* :class:`TransformerLayer`: pre-LN decoder layer (causal attention, GELU MLP); every
-  stage holds ``num_layers / P`` of them.
+* :class:`TransformerLayer`: pre-LN decoder layer (causal attention, GELU MLP, or a
+  Mixture-of-Experts MLP on the layers of ``GPTConfig.moe_layer_pattern``); every stage
+  holds ``num_layers / P`` of them.
 * :class:`GPTHead`: final LayerNorm, column-parallel output layer (the word embedding table
   when tied) and the vocab-parallel cross entropy.
 """
@@ -18,6 +19,7 @@ from flax import nnx
 
 from jax_wgrad.functional.attention import causal_attention
 from jax_wgrad.functional.cross_entropy import vocab_parallel_cross_entropy
+from jax_wgrad.functional.moe import attach_aux_loss, moe_mlp
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.nn.facts import param_facts
 from jax_wgrad.nn.norm import LayerNorm
@@ -27,9 +29,9 @@ from jax_wgrad.nn.tensor_parallel import (
     VocabParallelEmbedding,
     init_std_for_output_layers,
 )
-from jax_wgrad.parallel.mesh import TENSOR
+from jax_wgrad.parallel.mesh import EXPERT, TENSOR
 
-__all__ = ["LINEAR_LAYERS", "TransformerLayer", "GPTEmbedding", "GPTHead"]
+__all__ = ["LINEAR_LAYERS", "TransformerLayer", "MoEExperts", "GPTEmbedding", "GPTHead"]
 
 LINEAR_LAYERS: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
 """Names of the linear layers of a :class:`TransformerLayer`."""
@@ -39,10 +41,28 @@ def _dtype(cfg: GPTConfig) -> jnp.dtype:
     return jnp.dtype(cfg.compute_dtype)
 
 
+class MoEExperts(nnx.Module):
+    """The expert weights of one MoE layer: ``fc1 [E/EP, F, H]``, ``fc2 [E/EP, H, F]``
+    (split over the expert axis on dim 0, replicated over tensor ranks; no biases)."""
+
+    def __init__(self, cfg: GPTConfig, *, ep_size: int, rngs: nnx.Rngs):
+        e, h, f = cfg.num_moe_experts // ep_size, cfg.hidden_size, cfg.moe_ffn_hidden_size
+        facts = param_facts(None, weight_decay=True, fused_wgrad=cfg.moe_grouped_gemm,
+                            expert_axis=0)
+        out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
+        self.fc1 = nnx.Param(cfg.init_method_std
+                             * jax.random.normal(rngs.params(), (e, f, h), jnp.float32), **facts)
+        self.fc2 = nnx.Param(out_std * jax.random.normal(rngs.params(), (e, h, f), jnp.float32),
+                             **facts)
+
+
 class TransformerLayer(nnx.Module):
     """Pre-LN decoder layer: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``.
 
-    Activations ``[b, s, H]`` (``[b, s / tp, H]`` with sequence parallelism).
+    Activations ``[b, s, H]`` (``[b, s / tp, H]`` with sequence parallelism). With
+    ``moe=True`` the MLP is ``cfg``'s Mixture of Experts (:func:`~jax_wgrad.functional.moe_mlp`):
+    a router ``[E, H]`` and :class:`MoEExperts` (``ep_size`` expert-parallel ranks over
+    :data:`~jax_wgrad.parallel.mesh.EXPERT`); each tensor rank routes its own tokens.
     """
 
     def __init__(
@@ -53,6 +73,8 @@ class TransformerLayer(nnx.Module):
         sequence_parallel: bool = False,
         axis_name: str = TENSOR,
         attention: str = "xla",
+        moe: bool = False,
+        ep_size: int = 1,
         rngs: nnx.Rngs,
     ):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
@@ -65,8 +87,18 @@ class TransformerLayer(nnx.Module):
         self.qkv = ColumnParallelLinear(h, 3 * h, init_std=cfg.init_method_std, rngs=rngs, **common)
         self.proj = RowParallelLinear(h, h, init_std=out_std, rngs=rngs, **common)
         self.ln2 = LayerNorm(h, epsilon=cfg.layernorm_epsilon)
-        self.fc1 = ColumnParallelLinear(h, f, init_std=cfg.init_method_std, rngs=rngs, **common)
-        self.fc2 = RowParallelLinear(f, h, init_std=out_std, rngs=rngs, **common)
+        self.moe = cfg.moe_config() if moe else None
+        if self.moe is None:
+            self.fc1 = ColumnParallelLinear(h, f, init_std=cfg.init_method_std, rngs=rngs,
+                                            **common)
+            self.fc2 = RowParallelLinear(f, h, init_std=out_std, rngs=rngs, **common)
+            return
+        self.router = nnx.Param(cfg.init_method_std * jax.random.normal(
+            rngs.params(), (cfg.num_moe_experts, h), jnp.float32),
+            **param_facts(None, weight_decay=True))
+        self.experts = MoEExperts(cfg, ep_size=ep_size, rngs=rngs)
+        self.ep_size, self.tp_size = ep_size, tp_size
+        self.sequence_parallel = sequence_parallel and tp_size > 1
 
     def __call__(
         self, x: jax.Array, *, main_grads: Mapping[str, jax.Array] | None = None
@@ -74,7 +106,9 @@ class TransformerLayer(nnx.Module):
         """``x``: ``[b, s(/tp), H]`` -> same shape.
 
         ``main_grads``: optional ``{name: fp32 accumulator}`` for the weights of
-        ``qkv``, ``proj``, ``fc1``, ``fc2`` (gradient accumulation fusion).
+        ``qkv``, ``proj``, ``fc1``, ``fc2`` (gradient accumulation fusion); an MoE layer
+        takes ``"experts"``: the ``(fc1, fc2)`` expert weights'
+        BucketSlot objects.
         """
         mg = main_grads or {}
         with jax.named_scope("attention"):
@@ -84,10 +118,26 @@ class TransformerLayer(nnx.Module):
             attn = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
                                     implementation=self.attention)
             x = x + self.proj(attn, main_grad=mg.get("proj"))
+        if self.moe is not None:
+            return x + self._moe_mlp(self.ln2(x), mg.get("experts"))
         with jax.named_scope("mlp"):
             hidden = jax.nn.gelu(self.fc1(self.ln2(x), main_grad=mg.get("fc1")), approximate=False)
             x = x + self.fc2(hidden, main_grad=mg.get("fc2"))
         return x
+
+    def _moe_mlp(self, h: jax.Array, main_grads) -> jax.Array:
+        """``[b, s(/tp), H]`` -> the MoE MLP's output; its aux loss joins the backward
+        weighted by the microbatch's token count (:func:`attach_aux_loss`)."""
+        b, s, hid = h.shape
+        with jax.named_scope("moe"):
+            params = {"router": self.router[...], "fc1": self.experts.fc1[...],
+                      "fc2": self.experts.fc2[...]}
+            y, stats = moe_mlp(params, h.reshape(b * s, hid), self.moe,
+                               expert_axis=EXPERT if self.ep_size > 1 else None,
+                               sequence_axis=TENSOR if self.sequence_parallel else None,
+                               main_grads=main_grads)
+            tokens = b * s * (self.tp_size if self.sequence_parallel else 1)
+            return attach_aux_loss(y, stats.aux_loss, float(tokens)).reshape(b, s, hid)
 
 
 class GPTEmbedding(nnx.Module):

@@ -8,13 +8,21 @@ Parameters live outside the modules as one plain nested dict, the *canonical lay
                    'proj': {...}, 'ln2': {...}, 'fc1': {...}, 'fc2': {...}},  # stacked [L]
      'head':      {'final_norm': {...}, 'output': {'weight': [V, H]}}}  # output if untied
 
+An MoE model (``GPTConfig.num_moe_experts``) stacks its dense layers in ``'layers'``
+(``[L_dense]``, absent if every layer is an MoE layer) and its MoE layers in
+``'moe_layers'`` (``[L_moe]``: ``ln1``, ``qkv``, ``proj``, ``ln2``, ``'router': [L_moe, E, H]``,
+``'experts': {'fc1': [L_moe, E, F, H], 'fc2': [L_moe, E, H, F]}``), both split over
+``pipeline`` on the stacked dim and the experts over ``expert`` on ``E``. Every stage has
+the same local pattern of MoE and dense layers (``config.validate`` checks it).
+
 The qkv output dim is ordered ``(heads, 3, head_dim)`` (Megatron's interleaved layout) so
 a contiguous split over ``tensor`` gives each rank whole heads. :func:`init_params` builds
 the full parameters from a seed only, :func:`param_specs` says how they are sharded over
 the mesh (layers over ``pipeline`` on their stacked dim, embedding and head replicated over
 ``pipeline``). On a device the gradients are laid out over the *device tree*
-(:func:`device_tree`): ``(per-layer trees of the stage's layers, shared tree)``, both in
-forward (registration) order, with :func:`grad_specs` saying what each leaf is.
+(:func:`device_tree`): ``(per-layer trees of the stage's layers, the expert weights of its
+MoE layers, shared tree)`` -- one subtree per gradient chunk -- in forward (registration)
+order, with :func:`grad_specs` saying what each leaf is.
 """
 
 from __future__ import annotations
@@ -29,10 +37,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad.grads.spec import INPUT, LAYERS, OUTPUT, SHARED, STAGE, GradSpec
+from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, SHARED, STAGE, GradSpec
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.modules import GPTEmbedding, GPTHead, TransformerLayer
-from jax_wgrad.parallel.mesh import PIPELINE, TENSOR
+from jax_wgrad.parallel.mesh import EXPERT, PIPELINE, TENSOR
 
 __all__ = [
     "FORWARD_KEY_ORDER",
@@ -48,11 +56,12 @@ __all__ = [
 ]
 
 Params = dict[str, Any]
-DeviceTree = tuple[list, Any]
+DeviceTree = tuple[list, list, Any]
 
 FORWARD_KEY_ORDER: tuple[str, ...] = (
-    "embedding", "word", "position", "layers", "ln1", "qkv", "proj", "ln2", "fc1", "fc2",
-    "head", "final_norm", "output", "weight", "scale", "bias")
+    "embedding", "word", "position", "layers", "moe_layers", "ln1", "qkv", "proj", "ln2",
+    "router", "experts", "fc1", "fc2", "head", "final_norm", "output", "weight", "scale",
+    "bias")
 """Registration (forward) order of the parameter names: siblings are ordered by their
 rank here (embedding -> layers -> head; ln1 -> qkv -> proj -> ln2 -> fc1 -> fc2; a
 linear's weight before its bias; a LayerNorm's scale before its bias), as Megatron's
@@ -93,20 +102,58 @@ def unstack_layers(stacked: Params) -> list[Params]:
     return [jax.tree.map(lambda a, i=i: index(a, i), stacked) for i in range(n)]
 
 
-def device_tree(params: Params) -> DeviceTree:
-    """Canonical per-device params -> ``(stage layers, shared)`` in forward order: the tree
-    the gradient buckets are laid out over (chunks :data:`~jax_wgrad.grads.spec.STAGE`,
-    :data:`~jax_wgrad.grads.spec.SHARED`)."""
-    layers = [forward_order(p) for p in unstack_layers(params["layers"])]
-    return layers, forward_order({"embedding": params["embedding"], "head": params["head"]})
+def _stacks(pattern) -> list[tuple[str, int]]:
+    """``(canonical key, index in that stack)`` of each layer of ``pattern``."""
+    seen = {"layers": 0, "moe_layers": 0}
+    out = []
+    for moe in pattern:
+        key = "moe_layers" if moe else "layers"
+        out.append((key, seen[key]))
+        seen[key] += 1
+    return out
 
 
-def canonical_tree(tree: DeviceTree) -> Params:
+def device_tree(params: Params, pattern: tuple[bool, ...] | None = None) -> DeviceTree:
+    """Canonical per-device params -> ``(stage layers, stage experts, shared)`` in forward
+    order: the tree the gradient buckets are laid out over (chunks
+    :data:`~jax_wgrad.grads.spec.STAGE`, :data:`~jax_wgrad.grads.spec.EXPERTS`,
+    :data:`~jax_wgrad.grads.spec.SHARED`).
+
+    ``pattern``: per local layer, an MoE layer (default: all dense). An MoE layer's tree
+    has no ``'experts'``: those are the second subtree, one ``{fc1, fc2}`` per MoE layer.
+    """
+    stacks = {k: unstack_layers(params[k]) for k in ("layers", "moe_layers") if k in params}
+    if pattern is None:
+        pattern = (False,) * len(stacks.get("layers", []))
+    layers, experts = [], []
+    for key, i in _stacks(pattern):
+        p = dict(stacks[key][i])
+        if key == "moe_layers":
+            experts.append(forward_order(p.pop("experts")))
+        layers.append(forward_order(p))
+    return layers, experts, forward_order({"embedding": params["embedding"],
+                                           "head": params["head"]})
+
+
+def canonical_tree(tree: DeviceTree, pattern: tuple[bool, ...] | None = None) -> Params:
     """Inverse of :func:`device_tree` (layers stacked again)."""
-    layers, shared = tree
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[from_forward_order(p) for p in layers])
+    layers, experts, shared = tree
+    if pattern is None:
+        pattern = (False,) * len(layers)
+    per_key: dict[str, list] = {"layers": [], "moe_layers": []}
+    moe_experts = iter(experts)
+    for (key, _), p in zip(_stacks(pattern), layers):
+        p = from_forward_order(p)
+        if key == "moe_layers":
+            p["experts"] = from_forward_order(next(moe_experts))
+        per_key[key].append(p)
     shared = from_forward_order(shared)
-    return {"embedding": shared["embedding"], "layers": stacked, "head": shared["head"]}
+    out = {"embedding": shared["embedding"]}
+    for key, ps in per_key.items():
+        if ps:
+            out[key] = jax.tree.map(lambda *xs: jnp.stack(xs), *ps)
+    out["head"] = shared["head"]
+    return out
 
 
 def _pure(module: nnx.Module) -> Params:
@@ -128,25 +175,30 @@ def init_params(cfg: GPTConfig, seed: int) -> Params:
     """
     key = jax.random.key(seed)
     embedding = GPTEmbedding(cfg, rngs=nnx.Rngs(jax.random.fold_in(key, 0)))
-    layers = [
-        _pure(TransformerLayer(cfg, rngs=nnx.Rngs(jax.random.fold_in(key, 1 + i))))
-        for i in range(cfg.num_layers)
-    ]
+    per_key: dict[str, list] = {"layers": [], "moe_layers": []}
+    for i, moe in enumerate(cfg.moe_layer_pattern):
+        layer = TransformerLayer(cfg, moe=moe, rngs=nnx.Rngs(jax.random.fold_in(key, 1 + i)))
+        per_key["moe_layers" if moe else "layers"].append(_pure(layer))
     head = GPTHead(cfg, rngs=nnx.Rngs(jax.random.fold_in(key, 1 + cfg.num_layers)))
-    return {
-        "embedding": _pure(embedding),
-        "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers),
-        "head": _pure(head),
-    }
+    out = {"embedding": _pure(embedding)}
+    for k, ps in per_key.items():
+        if ps:
+            out[k] = jax.tree.map(lambda *xs: jnp.stack(xs), *ps)
+    out["head"] = _pure(head)
+    return out
 
 
-def abstract_modules(cfg: GPTConfig, tp: int = 1, sp: bool = False, attention: str = "xla"):
-    """``(embedding, layer, head)`` modules of the layout, shapes only (no arrays)."""
+def abstract_modules(cfg: GPTConfig, tp: int = 1, sp: bool = False, attention: str = "xla",
+                     ep: int = 1):
+    """``(embedding, dense layer, MoE layer or None, head)`` modules of the layout, shapes
+    only (no arrays)."""
     kw = dict(tp_size=tp, sequence_parallel=sp)
+    layer = lambda moe: nnx.eval_shape(lambda: TransformerLayer(
+        cfg, **kw, attention=attention, moe=moe, ep_size=ep, rngs=nnx.Rngs(0)))
     return (
         nnx.eval_shape(lambda: GPTEmbedding(cfg, **kw, rngs=nnx.Rngs(0))),
-        nnx.eval_shape(lambda: TransformerLayer(cfg, **kw, attention=attention,
-                                                rngs=nnx.Rngs(0))),
+        layer(False),
+        layer(True) if cfg.num_moe_experts is not None else None,
         nnx.eval_shape(lambda: GPTHead(cfg, **kw, rngs=nnx.Rngs(0))),
     )
 
@@ -154,24 +206,29 @@ def abstract_modules(cfg: GPTConfig, tp: int = 1, sp: bool = False, attention: s
 def _specs(module: nnx.Module, prefix: tuple[str | None, ...]) -> Params:
     def spec(v: nnx.Variable) -> P:
         dims: list[str | None] = [None] * v.get_value().ndim
-        axis = v.get_metadata().get("tensor_axis")
-        if axis is not None:
-            dims[axis] = TENSOR
+        facts = v.get_metadata()
+        for fact, axis_name in (("tensor_axis", TENSOR), ("expert_axis", EXPERT)):
+            if facts.get(fact) is not None:
+                dims[facts[fact]] = axis_name
         return P(*prefix, *dims)
 
     return _walk(nnx.split(module)[1], spec)
 
 
 def param_specs(cfg: GPTConfig) -> Params:
-    """``PartitionSpec`` for every canonical parameter on the ``(data, tensor,
-    pipeline)`` mesh: layers split over ``pipeline`` on the stacked dim; embedding and
-    head replicated over ``pipeline`` (only the first / last stage uses them)."""
-    emb, layer, head = abstract_modules(cfg)
-    return {
-        "embedding": _specs(emb, ()),
-        "layers": _specs(layer, (PIPELINE,)),
-        "head": _specs(head, ()),
-    }
+    """``PartitionSpec`` for every canonical parameter on the ``(data, expert, tensor,
+    pipeline)`` mesh: layers split over ``pipeline`` on the stacked dim (expert weights
+    over ``expert`` too); embedding and head replicated over ``pipeline`` (only the first /
+    last stage uses them)."""
+    emb, layer, moe_layer, head = abstract_modules(cfg)
+    out = {"embedding": _specs(emb, ())}
+    pattern = cfg.moe_layer_pattern
+    if not all(pattern):
+        out["layers"] = _specs(layer, (PIPELINE,))
+    if any(pattern):
+        out["moe_layers"] = _specs(moe_layer, (PIPELINE,))
+    out["head"] = _specs(head, ())
+    return out
 
 
 def _grad_spec(v: nnx.Variable, chunk: str, roles: set[str], fused_in: str | None) -> GradSpec:
@@ -186,12 +243,24 @@ def _grad_spec(v: nnx.Variable, chunk: str, roles: set[str], fused_in: str | Non
 def grad_specs(cfg: GPTConfig, num_local_layers: int) -> DeviceTree:
     """The :class:`GradSpec` of every leaf of :func:`device_tree`, from the modules'
     parameter metadata and the model's roles: layers in the stage chunk (their linear
-    weights fused in :data:`LAYERS`); embedding and head in the shared chunk, the
-    embedding produced by :data:`INPUT`, the head by :data:`OUTPUT`; a tied word embedding
-    by both, fused in :data:`OUTPUT` (it is the output layer's weight)."""
-    emb, layer, head = (nnx.split(m)[1] for m in abstract_modules(cfg))
+    weights fused in :data:`LAYERS`), the MoE layers' expert weights in the expert chunk;
+    embedding and head in the shared chunk, the embedding produced by :data:`INPUT`, the
+    head by :data:`OUTPUT`; a tied word embedding by both, fused in :data:`OUTPUT` (it is
+    the output layer's weight)."""
+    emb, layer, moe_layer, head = (None if m is None else nnx.split(m)[1]
+                                   for m in abstract_modules(cfg))
     tied = not cfg.untie_embeddings_and_output_weights
     layer_spec = _walk(layer, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS))
+    layer_specs, expert_specs = [], []
+    for moe in cfg.moe_layer_pattern[:num_local_layers]:
+        if not moe:
+            layer_specs.append(forward_order(layer_spec))
+            continue
+        spec = {k: v for k, v in moe_layer.items() if k != "experts"}
+        layer_specs.append(forward_order(
+            _walk(spec, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS))))
+        expert_specs.append(forward_order(
+            _walk(moe_layer["experts"], lambda v: _grad_spec(v, EXPERTS, {LAYERS}, LAYERS))))
     word = _grad_spec(emb["word"]["embedding"], SHARED, {INPUT}, None)
     if tied:  # the output layer's weight IS the word embedding: also OUTPUT's, fused there
         word = dataclasses.replace(word, roles=frozenset({INPUT, OUTPUT}), fused_in=OUTPUT,
@@ -199,5 +268,4 @@ def grad_specs(cfg: GPTConfig, num_local_layers: int) -> DeviceTree:
     emb_spec = {"word": {"embedding": word},
                 "position": _grad_spec(emb["position"], SHARED, {INPUT}, None)}
     head_spec = _walk(head, lambda v: _grad_spec(v, SHARED, {OUTPUT}, OUTPUT))
-    return ([forward_order(layer_spec) for _ in range(num_local_layers)],
-            forward_order({"embedding": emb_spec, "head": head_spec}))
+    return (layer_specs, expert_specs, forward_order({"embedding": emb_spec, "head": head_spec}))

@@ -31,9 +31,10 @@ Params = dict[str, Any]
 class GPTStages:
     """The model's pieces as pure functions of one device's parameter shards.
 
-    Everything works on the *device tree* ``(layers, shared)`` of
+    Everything works on the *device tree* ``(layers, experts, shared)`` of
     :func:`~jax_wgrad.models.gpt.params.device_tree`: ``layers`` is the list of this
-    stage's per-layer trees, ``shared`` the embedding/head tree every stage holds. The
+    stage's per-layer trees, ``experts`` the expert weights of its MoE layers (empty for a
+    dense model), ``shared`` the embedding/head tree every stage holds. The
     pipeline executor (:mod:`jax_wgrad.parallel.pipeline`) calls :meth:`embed` on the first
     stage, :meth:`layers` everywhere and :meth:`head_loss` on the last stage; gradients
     are laid out over the same tree (:meth:`grad_specs`).
@@ -49,11 +50,14 @@ class GPTStages:
     def __post_init__(self) -> None:
         if self.platform is None:
             object.__setattr__(self, "platform", jax.default_backend())
-        emb, layer, head = abstract_modules(
+        emb, layer, moe_layer, head = abstract_modules(
             self.model, self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel,
-            self.model.attention_implementation(self.platform))
+            self.model.attention_implementation(self.platform),
+            self.parallel.expert_model_parallel_size)
         object.__setattr__(self, "_emb_def", nnx.split(emb)[0])
         object.__setattr__(self, "_layer_def", nnx.split(layer)[0])
+        object.__setattr__(self, "_moe_layer_def",
+                           None if moe_layer is None else nnx.split(moe_layer)[0])
         object.__setattr__(self, "_head_def", nnx.split(head)[0])
 
     @property
@@ -63,6 +67,11 @@ class GPTStages:
     @property
     def num_local_layers(self) -> int:
         return self.model.num_layers // self.parallel.pipeline_model_parallel_size
+
+    @property
+    def local_pattern(self) -> tuple[bool, ...]:
+        """Per layer of a stage: an MoE layer (the same on every stage)."""
+        return self.model.moe_layer_pattern[:self.num_local_layers]
 
     # -- parameters and the device tree
 
@@ -75,12 +84,12 @@ class GPTStages:
         return param_specs(self.model)
 
     def device_tree(self, params: Params):
-        """Canonical per-device params -> ``(layers, shared)``."""
-        return device_tree(params)
+        """Canonical per-device params -> ``(layers, experts, shared)``."""
+        return device_tree(params, self.local_pattern)
 
     def canonical_tree(self, tree) -> Params:
         """Inverse of :meth:`device_tree`."""
-        return canonical_tree(tree)
+        return canonical_tree(tree, self.local_pattern)
 
     def grad_specs(self):
         """:class:`~jax_wgrad.grads.GradSpec` of every leaf of the device tree."""
@@ -94,28 +103,47 @@ class GPTStages:
 
     def layers(
         self,
-        layer_params: Sequence[Mapping],
+        stage_params: tuple[Sequence[Mapping], Sequence[Mapping]],
         main_grads: Sequence[Mapping[str, Any]] | None,
         x: jax.Array,
     ) -> jax.Array:
         """This stage's ``L / P`` layers in order, unrolled.
 
         Unrolled, not scanned, so that each layer's main grads are STATIC slices of the
-        flat gradient buckets. ``main_grads``: per layer ``{linear name: main grad}`` (an
-        ``[out, in]`` accumulator or a :class:`~jax_wgrad.functional.BucketSlot`), or
-        ``None``; :meth:`layer_main_grads` builds them from per-leaf slot trees.
+        flat gradient buckets. ``stage_params``: ``(layers, experts)`` of the device tree.
+        ``main_grads``: per layer ``{linear name: main grad}`` (an ``[out, in]``
+        accumulator or a :class:`~jax_wgrad.functional.BucketSlot`; an MoE layer's
+        ``"experts"``: its two expert weights' slots), or ``None``;
+        :meth:`layer_main_grads` builds them from per-leaf slot trees.
         """
+        layer_params, expert_params = stage_params
+        experts = iter(expert_params)
         with jax.named_scope("transformer_layers"):
-            for i, p in enumerate(layer_params):
+            for i, (p, moe) in enumerate(zip(layer_params, self.local_pattern)):
                 mg = None if main_grads is None else main_grads[i]
-                x = nnx.merge(self._layer_def, from_forward_order(p))(x, main_grads=mg)
+                p = from_forward_order(p)
+                if moe:
+                    p["experts"] = from_forward_order(next(experts))
+                x = nnx.merge(self._moe_layer_def if moe else self._layer_def, p)(
+                    x, main_grads=mg)
             return x
 
-    def layer_main_grads(self, slot_trees: Sequence[Mapping]) -> list[dict[str, Any]]:
-        """Per-layer trees (shaped like the layer's parameters) holding a main grad at each
-        fused weight -> per-layer ``{linear name: main grad}`` for :meth:`layers`."""
-        return [{n: tree[n]["weight"] for n in LINEAR_LAYERS if tree[n]["weight"] is not None}
-                for tree in slot_trees]
+    def layer_main_grads(self, slot_trees) -> list[dict[str, Any]]:
+        """``(layers, experts)`` trees (shaped like the stage's parameters) holding a main
+        grad at each fused weight -> per-layer ``{linear name: main grad}`` for
+        :meth:`layers`."""
+        layer_trees, expert_trees = slot_trees
+        experts = iter(expert_trees)
+        out = []
+        for tree, moe in zip(layer_trees, self.local_pattern):
+            mg = {n: tree[n]["weight"] for n in LINEAR_LAYERS
+                  if n in tree and tree[n]["weight"] is not None}
+            if moe:
+                e = next(experts)
+                if e["fc1"] is not None:
+                    mg["experts"] = (e["fc1"], e["fc2"])
+            out.append(mg)
+        return out
 
     def head_loss(self, shared, main_grad, x: jax.Array, labels: jax.Array) -> jax.Array:
         """Sum of per-token losses of ``x`` ``[b, s(/tp), H]`` (last stage); ``main_grad``

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_wgrad.parallel.mesh import DATA, PIPELINE
+from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE
 from jax_wgrad.parallel.pipeline.schedules import IDLE
 
 __all__ = ["forward_table", "eval_loss"]
@@ -62,4 +62,4 @@ def eval_loss(stages, params, tokens: jax.Array) -> jax.Array:
     (_, loss_sum), _ = lax.scan(tick, (act, jnp.float32(0.0)),
                                 jnp.asarray(forward_table(pp, m)))
     n_local = jnp.float32(m * mb * seq)
-    return lax.psum(loss_sum, (DATA, PIPELINE)) / lax.psum(n_local, DATA)
+    return lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE)) / lax.psum(n_local, DATA_PARALLEL)

@@ -19,14 +19,17 @@ per-microbatch inbox slots.
   thread through every fused linear (:func:`jax_wgrad.functional.linear_into_bucket`), so
   the pullback returns them with each fused weight's block added once, in place; every
   other gradient is added to its block by :meth:`~jax_wgrad.grads.GradBuffer.add_tree`
-  (in-place ``bucket_add``), for the leaves the layout's specs name. With a split backward
+  (in-place ``bucket_add``), for the leaves the layout's specs name. The stage's own
+  buckets are its stage chunk and its expert chunk (the expert weights of its MoE layers).
+  With a split backward
   (zero bubble) the fused linears instead add a probe to their outputs
   (:class:`~jax_wgrad.functional.WgradSplit`): ``B`` computes input gradients and each
   linear's output gradient only, storing ``(x, dy)`` pairs in the W stash.
 * **W** of microbatch ``w`` (split backward only): the fused ``wgrad_accumulate`` GEMMs of
   its stored pairs into the stage's buckets (and, on the last stage, the output layer's).
 * **Cooldown sync** (``overlap_grad_reduce``): at the stage's last ``B``/``W`` tick (from
-  the table) its stage buckets are synced over ``data`` while earlier stages still compute.
+  the table) its stage buckets are synced over the data-parallel ranks, and its expert
+  buckets over the expert-data-parallel ranks, while earlier stages still compute.
 
 Carried state per device (:class:`PipelineCarry`) is bounded by the table, not by ``M``.
 """
@@ -44,7 +47,7 @@ from jax_wgrad.functional.linear import WgradBuckets, WgradSplit
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import sync_stage_buckets
 from jax_wgrad.grads.layout import GradLayout
-from jax_wgrad.grads.spec import INPUT, LAYERS, OUTPUT, SHARED, STAGE
+from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, SHARED, STAGE
 from jax_wgrad.parallel import deferred
 from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline import head
@@ -132,7 +135,8 @@ class _StageRun:
         self.micro = tokens.reshape(self.m, mb, seq + 1)
         s_local = seq // par.tensor_model_parallel_size if par.sequence_parallel else seq
         self.act = jnp.zeros((mb, s_local, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
-        self.layer_params, self.shared = params
+        layers, experts, self.shared = params
+        self.layer_params = (layers, experts)
         self.stage = lax.axis_index(PIPELINE) if self.pp > 1 else jnp.int32(0)
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
         self.fusion, self.split = par.gradient_accumulation_fusion, table.split_backward
@@ -140,7 +144,7 @@ class _StageRun:
         self.depth = (table.inbox_depth("F"), table.inbox_depth("B"))
         self.last_tick = jnp.asarray([table.last_grad_tick(s) for s in range(self.pp)])
         self.head = head.LastStage(stages, layout, table, self.act, seq)
-        stage_bk = layout.stage.zeros()
+        own_bk, _ = layout.split_own(layout.buffer.zeros())
         if self.split:
             self.wlist = _fused_list(layout)
             # The probes are zeros and live like the weights: never stored.
@@ -149,7 +153,7 @@ class _StageRun:
                                               self.act, has_aux=True)
         else:
             self.store = ResidualStore.create(self._layers_fn, par.recompute_granularity,
-                                              (self.layer_params, stage_bk), self.act)
+                                              (self.layer_params, own_bk), self.act)
 
     # ------------------------------------------------------------------------ the scan
 
@@ -205,11 +209,15 @@ class _StageRun:
     def cooldown(self, buckets, t):
         """This stage's last gradient task is done: sync its buckets now (in the loop)."""
         with jax.named_scope("grad_sync_in_cooldown"):
-            stage_bk, shared_bk = self.layout.split(buckets)
-            stage_bk = lax.cond(t == self.last_tick[self.stage],
-                                lambda bk: sync_stage_buckets(bk, self.ddp), lambda bk: bk,
-                                stage_bk)
-            return stage_bk + shared_bk
+            stage_bk, expert_bk, shared_bk = self.layout.split(buckets)
+
+            def sync(bks):
+                return (sync_stage_buckets(bks[0], self.ddp, STAGE),
+                        sync_stage_buckets(bks[1], self.ddp, EXPERTS))
+
+            stage_bk, expert_bk = lax.cond(t == self.last_tick[self.stage], sync,
+                                           lambda bks: bks, (stage_bk, expert_bk))
+            return stage_bk + expert_bk + shared_bk
 
     # ------------------------------------------------------------------------ tasks
 
@@ -223,7 +231,7 @@ class _StageRun:
         x_in = lax.cond(self.is_first, lambda: self.stages.embed(self.shared, tok[:, :-1]),
                         lambda: received)
         slot = f % self.table.num_slots
-        stage_bk, shared_bk = self.layout.split(c.buckets)
+        own_bk, shared_bk = self.layout.split_own(c.buckets)
         wstash = c.wstash
         if self.split:
             y, xs, residuals = self.store.forward(
@@ -232,13 +240,13 @@ class _StageRun:
             wstash = _put(wstash[:n], xs, f % self.table.weight_slots) + wstash[n:]
         else:
             (y, _), residuals = self.store.forward(c.residuals, slot,
-                                                   (self.layer_params, stage_bk), x_in)
+                                                   (self.layer_params, own_bk), x_in)
         # The last stage: loss and the head's backward now; its gradient for the layers'
         # output waits in the gradient inbox for this stage's B.
         shared_bk, g_inbox, loss, stash, wstash = lax.cond(
             self.is_last, self.head.run, self.head.skip, self.shared, shared_bk, c.g_inbox,
             c.stash, wstash, y, tok[:, 1:], f)
-        c = c._replace(buckets=stage_bk + shared_bk, residuals=residuals, g_inbox=g_inbox,
+        c = c._replace(buckets=own_bk + shared_bk, residuals=residuals, g_inbox=g_inbox,
                        loss_sum=c.loss_sum + loss, stash=stash, wstash=wstash)
         return c, y
 
@@ -246,7 +254,7 @@ class _StageRun:
         ids = self._tokens(b)[:, :-1]
         dy = lax.dynamic_index_in_dim(c.g_inbox, b % self.depth[1], 0, keepdims=False)
         slot = b % self.table.num_slots
-        stage_bk, shared_bk = self.layout.split(c.buckets)
+        own_bk, shared_bk = self.layout.split_own(c.buckets)
         wstash = c.wstash
         if self.split:
             pullback = self.store.pullback(c.residuals, slot,
@@ -256,19 +264,29 @@ class _StageRun:
             wstash = wstash[:n] + _put(wstash[n:2 * n], dys, b % self.table.weight_slots) \
                 + wstash[2 * n:]
         else:
-            pullback = self.store.pullback(c.residuals, slot, (self.layer_params, stage_bk))
-            (dp, stage_bk), dx = pullback((dy, stage_bk))
-        stage_bk = self.layout.stage.add_tree(stage_bk, dp,
-                                              where=self.layout.added_by(STAGE, LAYERS))
+            pullback = self.store.pullback(c.residuals, slot, (self.layer_params, own_bk))
+            (dp, own_bk), dx = pullback((dy, own_bk))
+        own_bk = self._add_own(own_bk, dp)
         shared_bk = lax.cond(self.is_first, lambda a: self._embed_backward(a, dx, ids),
                              lambda a: a, shared_bk)
-        return c._replace(buckets=stage_bk + shared_bk, wstash=wstash), dx
+        return c._replace(buckets=own_bk + shared_bk, wstash=wstash), dx
+
+    def _add_own(self, own_bk, dp):
+        """Adds the layers' ordinary gradients ``dp = (layers, experts)`` to the stage and
+        expert chunks (the leaves their specs say the backward adds)."""
+        n, lay = self.layout.num_stage_buckets, self.layout
+        stage_bk = lay.stage.add_tree(own_bk[:n], dp[0], where=lay.added_by(STAGE, LAYERS))
+        expert_bk = own_bk[n:]
+        if lay.experts.num_buckets:
+            expert_bk = lay.experts.add_tree(expert_bk, dp[1],
+                                             where=lay.added_by(EXPERTS, LAYERS))
+        return stage_bk + expert_bk
 
     def weight(self, c: PipelineCarry, w):
         """The fused weight-gradient GEMMs of microbatch ``w``'s stored ``(x, dy)`` pairs."""
         slot, n = w % self.table.weight_slots, len(self.wlist)
-        stage_bk, shared_bk = self.layout.split(c.buckets)
-        stage_bk = list(stage_bk)
+        own_bk, shared_bk = self.layout.split_own(c.buckets)
+        stage_bk = list(own_bk)
         for k, (bi, off) in enumerate(self.wlist):
             x = lax.dynamic_index_in_dim(c.wstash[k], slot, 0, keepdims=False)
             dy = lax.dynamic_index_in_dim(c.wstash[n + k], slot, 0, keepdims=False)
@@ -291,8 +309,9 @@ class _StageRun:
         wb = WgradBuckets(bks)
         mg = None
         if self.fusion:
-            trees = jax.tree.map(lambda s: wb.slot(*s), self.layout.fused_slots(STAGE, LAYERS),
-                                 is_leaf=lambda s: isinstance(s, tuple))
+            trees = tuple(jax.tree.map(lambda s: wb.slot(*s), t,
+                                       is_leaf=lambda s: isinstance(s, tuple))
+                          for t in self.layout.own_fused_slots(LAYERS))
             mg = self.stages.layer_main_grads(trees)
         return self.stages.layers(lp, mg, x), wb.buckets
 
@@ -309,7 +328,8 @@ class _StageRun:
         numbered = iter(range(len(self.wlist)))
         trees = jax.tree.unflatten(treedef, [None if s is None else ws.slot(next(numbered))
                                              for s in leaves])
-        return self.stages.layers(lp, self.stages.layer_main_grads(trees), x), ws
+        # config.validate keeps MoE layers (an expert chunk) out of split schedules.
+        return self.stages.layers(lp, self.stages.layer_main_grads((trees, [])), x), ws
 
     def _linear_shapes(self):
         """Shapes of the fused linears' inputs and outputs (the W stash's pairs), traced
@@ -329,8 +349,8 @@ class _StageRun:
     def drain(self, carry: PipelineCarry) -> tuple[jax.Array, ...]:
         """The deferred output-layer wgrad drain (:func:`head.LastStage.drain`), before the
         shared buckets are reduced over ``data`` and between the tied stage copies."""
-        stage_bk, shared_bk = self.layout.split(carry.buckets)
-        return stage_bk + self.head.drain(shared_bk, carry.stash, self.shared, self.is_last)
+        own_bk, shared_bk = self.layout.split_own(carry.buckets)
+        return own_bk + self.head.drain(shared_bk, carry.stash, self.shared, self.is_last)
 
 
 def _inbox_slot(microbatch, depth: int, no_sender):

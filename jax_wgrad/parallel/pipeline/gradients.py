@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import finalize_grads
 from jax_wgrad.grads.layout import GradLayout
-from jax_wgrad.parallel.mesh import AXES, DATA, PIPELINE, local_shape
+from jax_wgrad.parallel.mesh import AXES, DATA_PARALLEL, PIPELINE, local_shape
 from jax_wgrad.parallel.pipeline.executor import cooldown_sync, stage_gradients
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
 
@@ -30,7 +30,8 @@ def grad_layout(stages, ddp: DDPConfig) -> GradLayout:
                          full, stages.param_specs(), is_leaf=lambda x: isinstance(x, P))
     return GradLayout.create(stages.device_tree(local), stages.grad_specs(),
                              dp_size=par.data_parallel_size, ddp=ddp,
-                             fusion=par.gradient_accumulation_fusion)
+                             fusion=par.gradient_accumulation_fusion,
+                             expert_dp_size=par.expert_data_parallel_size)
 
 
 def schedule_of(stages) -> ScheduleTable:
@@ -58,7 +59,7 @@ def reduce_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: Schedule
         layout, ddp, buckets, stage_synced=cooldown_sync(ddp, par.pipeline_model_parallel_size),
         num_tokens=n_local, sequence_parallel=par.sequence_parallel,
         pipeline_parallel=par.pipeline_model_parallel_size > 1)
-    loss = lax.psum(loss_sum, (DATA, PIPELINE)) / lax.psum(n_local, DATA)
+    loss = lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE)) / lax.psum(n_local, DATA_PARALLEL)
     return synced, loss
 
 
@@ -69,7 +70,7 @@ def pipeline_gradients(stages, mesh: Mesh, params, tokens: jax.Array,
     Args:
       stages: the model's per-stage functions (:class:`jax_wgrad.GPTStages`).
       params: canonical parameters sharded as ``stages.param_specs()``.
-      tokens: int ``[global_batch_size, S + 1]`` sharded over ``data``.
+      tokens: int ``[global_batch_size, S + 1]`` sharded over the data-parallel axes.
       ddp: bucket options (its ``use_distributed_optimizer`` is ignored: the buckets are
         all-reduced so that every rank gets the whole gradient tree).
       table: the schedule (default: ``stages.parallel.pipeline_schedule``'s table).
@@ -85,6 +86,7 @@ def pipeline_gradients(stages, mesh: Mesh, params, tokens: jax.Array,
         synced, loss = reduce_gradients(stages, layout, ddp, table, stages.device_tree(p), t)
         return stages.canonical_tree(layout.buffer.to_tree(synced)), loss
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA_PARALLEL)),
+                       out_specs=(specs, P()),
                        check_vma=False)
     return fn(params, tokens)
