@@ -165,7 +165,7 @@ def test_layout_checks(kw, par_kw, match):
 ])
 def test_config_checks(kw, match):
     with pytest.raises(ValueError, match=match):
-        _model(**kw)
+        GPTConfig(**kw) if kw.get("num_moe_experts", 8) is None else _model(**kw)
 
 
 def test_expert_parallel_size_must_divide_data_parallel_size():
