@@ -63,11 +63,9 @@ class GradBuffer:
       bucket_dtypes: gradient dtype of each bucket.
       bucket_param_dtypes: parameter dtype of each bucket (the all-gather dtype).
       bucket_leaves: flatten indices of each bucket's leaves, in buffer (offset) order.
-      dp_size, use_distributed_optimizer: as passed to :meth:`create` (``dp_size``: the
-        first part's for a concatenated buffer).
-      bucket_dp_sizes: the data-parallel size each bucket is sharded over (a concatenated
-        buffer's parts may be synced over different groups: expert buckets over the
-        expert-data-parallel ranks); default ``dp_size`` for every bucket.
+      dp_size, use_distributed_optimizer: as passed to :meth:`create`.
+      bucket_dp_sizes: the data-parallel size each bucket is sharded over (default
+        ``dp_size``; a concatenated buffer's expert part has the expert-data-parallel size).
     """
 
     treedef: Any
@@ -84,9 +82,6 @@ class GradBuffer:
     def __post_init__(self) -> None:
         if not self.bucket_dp_sizes:
             object.__setattr__(self, "bucket_dp_sizes", (self.dp_size,) * len(self.bucket_numels))
-        if len(self.bucket_dp_sizes) != len(self.bucket_numels):
-            raise ValueError(f"GradBuffer: {len(self.bucket_dp_sizes)} bucket_dp_sizes for "
-                             f"{len(self.bucket_numels)} buckets")
 
     @classmethod
     def empty(cls, treedef, *, dp_size: int, use_distributed_optimizer: bool) -> GradBuffer:

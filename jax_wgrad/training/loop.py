@@ -149,13 +149,17 @@ def _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, l
     summary["losses"].append(loss)
     summary["times"].append(dt)
     summary["skipped_steps"] += skipped
+    moe = {k: np.asarray(v).tolist() for k, v in m.items() if k.startswith("moe_")}
     metrics.write({"step": i + 1, "loss": loss, "grad_norm": grad_norm, "skipped": skipped,
-                   "step_time_s": dt, "tokens_per_s": gb_tokens / dt})
+                   "step_time_s": dt, "tokens_per_s": gb_tokens / dt, **moe})
     bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
     if (i + 1) % opts.log_interval == 0 or i == summary["start_step"] or i + 1 == opts.train_iters:
         log(f"iteration {i + 1:5d}/{opts.train_iters} | loss {loss:.4f} | grad norm "
             f"{grad_norm:.3f} | skipped {summary['skipped_steps']} | step {dt * 1e3:.1f} ms | "
-            f"{gb_tokens / dt:,.0f} tokens/s")
+            f"{gb_tokens / dt:,.0f} tokens/s" + (
+                f" | MoE aux loss {moe['moe_aux_loss']:.4f} | max expert load "
+                f"{moe['moe_max_load']:.2f} x mean | dropped "
+                f"{100 * moe['moe_dropped_fraction']:.1f}%" if moe else ""))
     return state
 
 

@@ -12,7 +12,8 @@ updated parameters. Everything static comes from one
 :class:`~jax_wgrad.training.TrainPlan`.
 
 Metrics: ``loss`` (global mean token loss), ``grad_norm`` (global L2 norm before
-clipping), ``skipped`` (the step was skipped: non-finite norm; nothing changed).
+clipping), ``skipped`` (the step was skipped: non-finite norm; nothing changed); an MoE
+model adds :func:`~jax_wgrad.parallel.pipeline.gradients.moe_metrics`' ``moe_*`` figures.
 
 The optimizer state is per device (fp32 master weights and optax state of the device's
 shard); it is stored as global arrays with a leading device axis
@@ -122,10 +123,10 @@ def build_train_step(
     def body(params, opt_state, tokens, step):
         hook = None if debug_grad_hook is None else (lambda b: debug_grad_hook(b, step))
         tree = stages.device_tree(params)
-        synced, loss = reduce_gradients(stages, plan.layout, plan.ddp, plan.table, tree,
-                                        tokens, grad_hook=hook)
+        synced, loss, moe = reduce_gradients(stages, plan.layout, plan.ddp, plan.table, tree,
+                                             tokens, grad_hook=hook)
         new_tree, new_opt_state, info = opt.step(tree, synced, _unstack(opt_state))
-        metrics = {"loss": loss, "grad_norm": info.grad_norm, "skipped": info.skipped}
+        metrics = {"loss": loss, "grad_norm": info.grad_norm, "skipped": info.skipped, **moe}
         return stages.canonical_tree(new_tree), _stack(new_opt_state), metrics
 
     per_device = jax.shard_map(

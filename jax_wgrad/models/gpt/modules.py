@@ -101,14 +101,16 @@ class TransformerLayer(nnx.Module):
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
     def __call__(
-        self, x: jax.Array, *, main_grads: Mapping[str, jax.Array] | None = None
+        self, x: jax.Array, *, main_grads: Mapping[str, jax.Array] | None = None,
+        moe_stats: list | None = None,
     ) -> jax.Array:
         """``x``: ``[b, s(/tp), H]`` -> same shape.
 
         ``main_grads``: optional ``{name: fp32 accumulator}`` for the weights of
         ``qkv``, ``proj``, ``fc1``, ``fc2`` (gradient accumulation fusion); an MoE layer
         takes ``"experts"``: the ``(fc1, fc2)`` expert weights'
-        BucketSlot objects.
+        BucketSlot objects. ``moe_stats``: a list an MoE layer appends its
+        :class:`~jax_wgrad.functional.MoEStats` to (return them from the traced function).
         """
         mg = main_grads or {}
         with jax.named_scope("attention"):
@@ -119,13 +121,13 @@ class TransformerLayer(nnx.Module):
                                     implementation=self.attention)
             x = x + self.proj(attn, main_grad=mg.get("proj"))
         if self.moe is not None:
-            return x + self._moe_mlp(self.ln2(x), mg.get("experts"))
+            return x + self._moe_mlp(self.ln2(x), mg.get("experts"), moe_stats)
         with jax.named_scope("mlp"):
             hidden = jax.nn.gelu(self.fc1(self.ln2(x), main_grad=mg.get("fc1")), approximate=False)
             x = x + self.fc2(hidden, main_grad=mg.get("fc2"))
         return x
 
-    def _moe_mlp(self, h: jax.Array, main_grads) -> jax.Array:
+    def _moe_mlp(self, h: jax.Array, main_grads, moe_stats: list | None) -> jax.Array:
         """``[b, s(/tp), H]`` -> the MoE MLP's output; its aux loss joins the backward
         weighted by the microbatch's token count (:func:`attach_aux_loss`)."""
         b, s, hid = h.shape
@@ -136,6 +138,8 @@ class TransformerLayer(nnx.Module):
                                expert_axis=EXPERT if self.ep_size > 1 else None,
                                sequence_axis=TENSOR if self.sequence_parallel else None,
                                main_grads=main_grads)
+            if moe_stats is not None:
+                moe_stats.append(stats)
             tokens = b * s * (self.tp_size if self.sequence_parallel else 1)
             return attach_aux_loss(y, stats.aux_loss, float(tokens)).reshape(b, s, hid)
 

@@ -7,7 +7,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+
+from jax_wgrad.functional.moe import MoEStats
 
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.modules import LINEAR_LAYERS
@@ -106,7 +109,9 @@ class GPTStages:
         stage_params: tuple[Sequence[Mapping], Sequence[Mapping]],
         main_grads: Sequence[Mapping[str, Any]] | None,
         x: jax.Array,
-    ) -> jax.Array:
+        *,
+        with_stats: bool = False,
+    ):
         """This stage's ``L / P`` layers in order, unrolled.
 
         Unrolled, not scanned, so that each layer's main grads are STATIC slices of the
@@ -115,8 +120,12 @@ class GPTStages:
         accumulator or a :class:`~jax_wgrad.functional.BucketSlot`; an MoE layer's
         ``"experts"``: its two expert weights' slots), or ``None``;
         :meth:`layer_main_grads` builds them from per-leaf slot trees.
+
+        Returns ``y``, or with ``with_stats`` ``(y, stats)``: the stage's MoE layers'
+        statistics summed (:meth:`moe_stats_zeros` for a stage without MoE layers).
         """
         layer_params, expert_params = stage_params
+        stats: list = []
         experts = iter(expert_params)
         with jax.named_scope("transformer_layers"):
             for i, (p, moe) in enumerate(zip(layer_params, self.local_pattern)):
@@ -125,8 +134,23 @@ class GPTStages:
                 if moe:
                     p["experts"] = from_forward_order(next(experts))
                 x = nnx.merge(self._moe_layer_def if moe else self._layer_def, p)(
-                    x, main_grads=mg)
+                    x, main_grads=mg, moe_stats=stats)
+        if not with_stats:
             return x
+        total = self.moe_stats_zeros()
+        for st in stats:
+            routed = jnp.sum(st.tokens_per_expert)
+            total = MoEStats(total.aux_loss + st.aux_loss,
+                             total.tokens_per_expert + st.tokens_per_expert,
+                             total.dropped_fraction + st.dropped_fraction * routed)
+        return x, total
+
+    def moe_stats_zeros(self) -> MoEStats:
+        """Zero :class:`~jax_wgrad.functional.MoEStats` sums: ``aux_loss``,
+        ``tokens_per_expert [E]`` and, in ``dropped_fraction``'s place, the dropped COUNT
+        (what :meth:`layers` sums over a stage's MoE layers)."""
+        e = self.model.num_moe_experts or 0
+        return MoEStats(jnp.float32(0.0), jnp.zeros((e,), jnp.float32), jnp.float32(0.0))
 
     def layer_main_grads(self, slot_trees) -> list[dict[str, Any]]:
         """``(layers, experts)`` trees (shaped like the stage's parameters) holding a main

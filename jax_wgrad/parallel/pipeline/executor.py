@@ -77,6 +77,9 @@ class PipelineCarry(NamedTuple):
     wstash: tuple[jax.Array, ...] = ()
     """Split backward: per fused linear ``[weight_slots, ...]`` inputs then output
     gradients, then the output layer's pair (:class:`head.OutputStash`)."""
+    moe_stats: tuple[jax.Array, ...] = ()
+    """MoE models: this device's sums over its forwards of the stage's MoE statistics
+    (:meth:`GPTStages.moe_stats_zeros`: aux loss, tokens per expert, dropped count)."""
 
 
 def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
@@ -103,13 +106,14 @@ def stage_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: ScheduleT
       params: this device's parameters as the device tree ``(layers, shared)``.
       tokens: int ``[global_batch / dp, S + 1]`` this data rank's sequences.
     Returns:
-      ``(buckets, loss_sum)``: this device's buckets of token-loss-SUM gradients (stage
-      chunk already synced when overlapping; nothing else reduced) and its sum of token
-      losses. :func:`jax_wgrad.grads.finalize_grads` does the rest.
+      ``(buckets, loss_sum, moe_stats)``: this device's buckets of token-loss-SUM
+      gradients (stage chunk already synced when overlapping; nothing else reduced), its
+      sum of token losses, and its MoE statistics' sums (``()`` for a dense model).
+      :func:`jax_wgrad.grads.finalize_grads` does the rest.
     """
     run = _StageRun(stages, layout, ddp, table, params, tokens)
     carry, _ = lax.scan(run.tick, run.init_carry(), run.tick_inputs())
-    return run.drain(carry), carry.loss_sum
+    return run.drain(carry), carry.loss_sum, carry.moe_stats
 
 
 class _StageRun:
@@ -140,6 +144,7 @@ class _StageRun:
         self.stage = lax.axis_index(PIPELINE) if self.pp > 1 else jnp.int32(0)
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
         self.fusion, self.split = par.gradient_accumulation_fusion, table.split_backward
+        self.moe = cfg.num_moe_experts is not None
         self.overlap = cooldown_sync(ddp, self.pp)
         self.depth = (table.inbox_depth("F"), table.inbox_depth("B"))
         self.last_tick = jnp.asarray([table.last_grad_tick(s) for s in range(self.pp)])
@@ -153,7 +158,8 @@ class _StageRun:
                                               self.act, has_aux=True)
         else:
             self.store = ResidualStore.create(self._layers_fn, par.recompute_granularity,
-                                              (self.layer_params, own_bk), self.act)
+                                              (self.layer_params, own_bk), self.act,
+                                              has_aux=self.moe)
 
     # ------------------------------------------------------------------------ the scan
 
@@ -169,7 +175,8 @@ class _StageRun:
             residuals=self.store.buffers(self.table.num_slots),
             x_inbox=inbox(self.depth[0]), g_inbox=inbox(self.depth[1]),
             loss_sum=jnp.float32(0.0), stash=self.head.init_stash(),
-            wstash=wstash + self.head.init_output_stash())
+            wstash=wstash + self.head.init_output_stash(),
+            moe_stats=tuple(self.stages.moe_stats_zeros()) if self.moe else ())
 
     def tick_inputs(self):
         """The scan's xs: per tick, its index and the table rows (``int32 [P]`` each)."""
@@ -238,6 +245,10 @@ class _StageRun:
                 c.residuals, slot, (self.layer_params, self._zero_probes()), x_in)
             n = len(self.wlist)
             wstash = _put(wstash[:n], xs, f % self.table.weight_slots) + wstash[n:]
+        elif self.moe:
+            (y, _), stats, residuals = self.store.forward(c.residuals, slot,
+                                                          (self.layer_params, own_bk), x_in)
+            c = c._replace(moe_stats=tuple(a + b for a, b in zip(c.moe_stats, stats)))
         else:
             (y, _), residuals = self.store.forward(c.residuals, slot,
                                                    (self.layer_params, own_bk), x_in)
@@ -313,6 +324,9 @@ class _StageRun:
                                        is_leaf=lambda s: isinstance(s, tuple))
                           for t in self.layout.own_fused_slots(LAYERS))
             mg = self.stages.layer_main_grads(trees)
+        if self.moe:  # the MoE statistics are the forward's auxiliary output
+            y, stats = self.stages.layers(lp, mg, x, with_stats=True)
+            return (y, wb.buckets), tuple(stats)
         return self.stages.layers(lp, mg, x), wb.buckets
 
     def _split_fn(self, live, x):

@@ -17,7 +17,7 @@ from jax_wgrad.parallel.mesh import AXES, DATA_PARALLEL, PIPELINE, local_shape
 from jax_wgrad.parallel.pipeline.executor import cooldown_sync, stage_gradients
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
 
-__all__ = ["grad_layout", "schedule_of", "reduce_gradients", "pipeline_gradients"]
+__all__ = ["grad_layout", "schedule_of", "reduce_gradients", "moe_metrics", "pipeline_gradients"]
 
 
 def grad_layout(stages, ddp: DDPConfig) -> GradLayout:
@@ -43,15 +43,17 @@ def schedule_of(stages) -> ScheduleTable:
 
 def reduce_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: ScheduleTable,
                      params, tokens: jax.Array, *, grad_hook=None):
-    """Schedule + finalization (inside ``shard_map``): ``(synced grads, mean loss)``.
+    """Schedule + finalization (inside ``shard_map``): ``(synced grads, mean loss, MoE
+    metrics)``.
 
     ``params``: the device tree. The synced gradients are
     :func:`~jax_wgrad.grads.finalize_grads`'s: shards (distributed optimizer) or full
     buckets of the global mean token loss's gradient. ``grad_hook`` (tests: fault
-    injection) maps the local buckets before they are finalized.
+    injection) maps the local buckets before they are finalized. The MoE metrics
+    (:func:`moe_metrics`) are ``{}`` for a dense model.
     """
     par = stages.parallel
-    buckets, loss_sum = stage_gradients(stages, layout, ddp, table, params, tokens)
+    buckets, loss_sum, stats = stage_gradients(stages, layout, ddp, table, params, tokens)
     if grad_hook is not None:
         buckets = tuple(grad_hook(buckets))
     n_local = jnp.float32(par.num_microbatches * par.micro_batch_size * stages.model.seq_length)
@@ -60,7 +62,24 @@ def reduce_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: Schedule
         num_tokens=n_local, sequence_parallel=par.sequence_parallel,
         pipeline_parallel=par.pipeline_model_parallel_size > 1)
     loss = lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE)) / lax.psum(n_local, DATA_PARALLEL)
-    return synced, loss
+    return synced, loss, moe_metrics(stats, par)
+
+
+def moe_metrics(stats, par) -> dict[str, jax.Array]:
+    """The step's MoE figures from every device's sums (inside ``shard_map``):
+    ``moe_aux_loss`` (the load-balancing losses of all MoE layers, each the mean over
+    microbatches and data-parallel ranks: the term the gradients include),
+    ``moe_tokens_per_expert`` ``[E]`` (routed choices per expert over all MoE layers and
+    tokens of the step, before dropping), ``moe_max_load`` (the busiest expert's load over
+    the mean: 1 is perfect balance) and ``moe_dropped_fraction`` (dropped / routed)."""
+    if not stats:
+        return {}
+    aux, tokens, dropped = (lax.psum(s, AXES) for s in stats)
+    routed = jnp.sum(tokens)
+    return {"moe_aux_loss": aux / (par.data_parallel_size * par.num_microbatches),
+            "moe_tokens_per_expert": tokens,
+            "moe_max_load": jnp.max(tokens) / jnp.maximum(jnp.mean(tokens), 1.0),
+            "moe_dropped_fraction": dropped / jnp.maximum(routed, 1.0)}
 
 
 def pipeline_gradients(stages, mesh: Mesh, params, tokens: jax.Array,
@@ -83,7 +102,7 @@ def pipeline_gradients(stages, mesh: Mesh, params, tokens: jax.Array,
     specs = stages.param_specs()
 
     def body(p, t):
-        synced, loss = reduce_gradients(stages, layout, ddp, table, stages.device_tree(p), t)
+        synced, loss, _ = reduce_gradients(stages, layout, ddp, table, stages.device_tree(p), t)
         return stages.canonical_tree(layout.buffer.to_tree(synced)), loss
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA_PARALLEL)),
