@@ -177,8 +177,9 @@ def _compiled(dp_tp_pp, ddp, fusion=True, sp=False):
     plan, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp)
     layout = plan.layout
     hlo = step.lower(state, shard_batch(mesh, _batch(0))).compile().as_text()
-    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)  # logical ids, (d, t, p)
-    data_groups = [ids[:, t, p] for t in range(ids.shape[1]) for p in range(ids.shape[2])]
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)  # logical ids, (d, e, t, p)
+    ranks = ids.reshape(ids.shape[0] * ids.shape[1], -1)  # data-parallel ranks x (t, p)
+    data_groups = [ranks[:, j] for j in range(ranks.shape[1])]
     comps = computations(hlo)
     entry = entry_name(hlo)
     # The schedule's scan: the while loop whose state holds every bucket.

@@ -328,6 +328,12 @@ def test_concatenate_keeps_each_chunks_plan_and_add_tree_where():
     added = ab.to_tree(ab.add_tree(ab.zeros(), tree, where=where))
     for got, want, w in zip(jax.tree.leaves(added), jax.tree.leaves(tree), jax.tree.leaves(where)):
         np.testing.assert_array_equal(got, want if w else np.zeros_like(want))
-    with pytest.raises(ValueError, match="share dp_size"):
-        GradBuffer.concatenate([a, GradBuffer.create(_params(), dp_size=4, bucket_size=None,
-                                                     use_distributed_optimizer=True)])
+    with pytest.raises(ValueError, match="share use_distributed_optimizer"):
+        GradBuffer.concatenate([a, GradBuffer.create(_params(), dp_size=2, bucket_size=None,
+                                                     use_distributed_optimizer=False)])
+    # Parts synced over different groups (expert buckets over the expert-data-parallel
+    # ranks) keep their own data-parallel size per bucket, and their shards follow it.
+    c = GradBuffer.create(_params(), dp_size=4, bucket_size=None, use_distributed_optimizer=True)
+    ac = GradBuffer.concatenate([a, c])
+    assert ac.bucket_dp_sizes == (2,) * a.num_buckets + (4,) * c.num_buckets
+    assert ac.shard_numels == a.shard_numels + c.shard_numels

@@ -89,16 +89,17 @@ def _aux(params, tokens, cfg, par) -> float:
                                            micro_batch_size=par.micro_batch_size))
 
 
-def _train(cfg, par, ddp, steps=3):
-    plan = TrainPlan.create(cfg, par, make_mesh(par), default_optimizer(1e-2), ddp=ddp)
+def _train(cfg, par, ddp, steps=3, tx=None):
+    plan = TrainPlan.create(cfg, par, make_mesh(par), tx or default_optimizer(1e-2), ddp=ddp)
     state = init_train_state(plan, seed=3)
     step = build_train_step(plan, state)
-    losses = []
+    losses, norms = [], []
     for i in range(steps):
         state, m = step(state, shard_batch(plan.mesh, DATA.batch(i, par.global_batch_size,
                                                                  cfg.seq_length, seed=5)))
         losses.append(np.asarray(m["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state.params)
+        norms.append(np.asarray(m["grad_norm"]))
+    return np.array(losses), jax.tree.map(np.asarray, state.params), np.array(norms)
 
 
 # Megatron's test: 4 layers, 8 experts, EP=4, 3 optimizer steps, torch.equal everywhere.
@@ -125,11 +126,32 @@ def test_overlap_option_is_bitwise_equal_over_three_steps(ep, tp, pp, topk, dist
         par = _par(ep, tp, pp, gradient_accumulation_fusion=True)
         runs.append(_train(cfg, par, DDPConfig(use_distributed_optimizer=dist,
                                                overlap_grad_reduce=True)))
-    (loss_off, params_off), (loss_on, params_on) = runs
+    (loss_off, params_off, _), (loss_on, params_on, _) = runs
     assert np.isfinite(loss_off).all() and loss_off[-1] < loss_off[0]
     np.testing.assert_array_equal(loss_on, loss_off)
     for a, b in zip(jax.tree.leaves(params_on), jax.tree.leaves(params_off)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
+    """3 clipped SGD steps of an MoE GPT: EP=2, pp=2 with the distributed optimizer (expert
+    shards over the 2 expert-data-parallel ranks, dense shards over all 4 data-parallel
+    ranks) = the same layout with the replicated optimizer = EP=1 on 8 data-parallel ranks:
+    losses, global grad norms (each expert counted once) and parameters, up to fp32
+    summation order."""
+    import optax
+
+    cfg = _model()
+    runs = [_train(cfg, _par(ep, 1, pp, gradient_accumulation_fusion=FUSION),
+                   DDPConfig(use_distributed_optimizer=dist, clip_grad=0.5), tx=optax.sgd(0.5))
+            for ep, pp, dist in [(2, 2, True), (2, 2, False), (1, 1, False)]]
+    (loss, params, norms), others = runs[0], runs[1:]
+    assert (norms > 0.5).all()  # clipping is active: the norm shapes every update
+    for other_loss, other_params, other_norms in others:
+        np.testing.assert_allclose(other_loss, loss, rtol=1e-5)
+        np.testing.assert_allclose(other_norms, norms, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(other_params), jax.tree.leaves(params)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kw, par_kw, match", [
@@ -173,3 +195,55 @@ def test_expert_parallel_size_must_divide_data_parallel_size():
                                          r"expert_model_parallel_size \(4\)"):
         ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                        expert_model_parallel_size=4)
+
+
+def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
+    """The compiled train step (EP=2 on 8 devices: 4 expert-data-parallel ranks; the
+    distributed optimizer, sync after the schedule): the expert bucket is reduce-scattered
+    and all-gathered over the expert-data-parallel groups, the dense buckets over the
+    data-parallel groups (data x expert); the expert bucket's reduce-scatter consumes the
+    schedule's loop, in which every expert linear's weight gradient is one grouped fused
+    call writing that bucket in place."""
+    if not FUSION:
+        pytest.skip("the CPU FFI handler is not built")
+    import re
+
+    from hlo_util import (ancestors, collective_arrays, computations, custom_calls, dataflow,
+                          entry_name, reachable, while_bodies)
+    from jax_wgrad.ops import registry
+
+    cfg = _model(overlap_dispatch_backward_with_experts_wgrad=True)
+    par = _par(2, 1, 1, gradient_accumulation_fusion=True)
+    plan = TrainPlan.create(cfg, par, make_mesh(par), default_optimizer(1e-2),
+                            ddp=DDPConfig(use_distributed_optimizer=True))
+    state = init_train_state(plan, seed=3)
+    tokens = shard_batch(plan.mesh, DATA.batch(0, par.global_batch_size, cfg.seq_length, seed=5))
+    hlo = build_train_step(plan, state).lower(state, tokens).compile().as_text()
+    ids = np.arange(8).reshape(plan.mesh.devices.shape)  # logical ids, (d, e, t, p)
+    expert_groups = [ids[:, e, 0, 0] for e in range(2)]
+    data_groups = [ids.reshape(8, 1)[:, 0]]
+    lay = plan.layout
+    (expert_numel,) = lay.experts.bucket_numels
+    dense = sorted(n // 8 for n in lay.stage.bucket_numels + lay.shared.bucket_numels)
+    lines = hlo.splitlines()
+    assert collective_arrays(lines, "reduce-scatter", replica_groups=expert_groups) == [
+        expert_numel // 4]
+    assert sorted(collective_arrays(lines, "reduce-scatter", replica_groups=data_groups)) == dense
+    assert expert_numel in collective_arrays(lines, "all-gather", replica_groups=expert_groups)
+
+    comps = computations(hlo)
+    entry = entry_name(hlo)
+    bucket = f"f32[{expert_numel}]"
+    (loop,) = [(line, body) for line, body in while_bodies(comps, entry)
+               if bucket in line.split(" while(")[0]]
+    inside = reachable(comps, loop[1])
+    grouped = [c for c in custom_calls(hlo, registry.TARGET)
+               if re.search(rf"= {re.escape(bucket)}\S* custom-call\(", c)
+               and any(c in [x.strip() for x in comps[n]] for n in inside)]
+    assert len(grouped) == 2 * cfg.num_layers  # fc1 and fc2 of every MoE layer, one call each
+    assert all("output_to_operand_aliasing" in c for c in grouped)
+    graph = dataflow(comps[entry])
+    loop_name = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", loop[0]).group(1)
+    (rs,) = [re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line).group(1) for line in comps[entry]
+             if "reduce-scatter" in line and f"f32[{expert_numel // 4}]" in line.split("=")[1]]
+    assert loop_name in ancestors(graph, rs)

@@ -36,7 +36,7 @@ def eval_loss(stages, params, tokens: jax.Array) -> jax.Array:
         raise ValueError(f"eval_loss: expected local tokens [{m * mb}, {seq + 1}], got "
                          f"{tokens.shape}")
     micro = tokens.reshape(m, mb, seq + 1)
-    layers, shared = params
+    layers, experts, shared = params
     stage = lax.axis_index(PIPELINE) if pp > 1 else jnp.int32(0)
     s_local = seq // par.tensor_model_parallel_size if par.sequence_parallel else seq
     act = jnp.zeros((mb, s_local, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
@@ -48,7 +48,7 @@ def eval_loss(stages, params, tokens: jax.Array) -> jax.Array:
         def forward(x_recv):
             tok = lax.dynamic_index_in_dim(micro, jnp.clip(f, 0, m - 1), 0, keepdims=False)
             x = lax.cond(stage == 0, lambda: stages.embed(shared, tok[:, :-1]), lambda: x_recv)
-            y = stages.layers(layers, None, x)
+            y = stages.layers((layers, experts), None, x)
             loss = lax.cond(stage == pp - 1,
                             lambda: stages.head_loss(shared, None, y, tok[:, 1:]),
                             lambda: jnp.float32(0.0))

@@ -103,7 +103,7 @@ def stage_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: ScheduleT
       ddp: with ``overlap_grad_reduce`` the stage's buckets are synced over ``data`` inside
         the schedule, after the stage's last backward or weight task.
       table: the schedule; its stages and microbatches must match ``stages.parallel``.
-      params: this device's parameters as the device tree ``(layers, shared)``.
+      params: this device's parameters as the device tree ``(layers, experts, shared)``.
       tokens: int ``[global_batch / dp, S + 1]`` this data rank's sequences.
     Returns:
       ``(buckets, loss_sum, moe_stats)``: this device's buckets of token-loss-SUM
