@@ -50,13 +50,33 @@ def _par(ep, tp, pp, *, gbs=16, **kw) -> ParallelConfig:
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 
 
-@pytest.mark.parametrize("ep, tp, pp", LAYOUTS, ids=str)
-@pytest.mark.parametrize("fusion, freq", [(True, 1), (False, 2)], ids=["fused", "mixed-plain"])
+def _grid():
+    # All-MoE with the grouped fused wgrad, and MoE + dense layers with plain gradients;
+    # the default run keeps one of each EP = 2 / 4 layout (the rest: -m slow).
+    for ep, tp, pp in LAYOUTS:
+        for fusion, freq, name in [(True, 1, "fused"), (False, 2, "mixed-plain")]:
+            slow = ep == 1 or (not fusion and (ep, tp, pp) != (2, 1, 2))
+            yield pytest.param(ep, tp, pp, fusion, freq, id=f"{name}-{ep}-{tp}-{pp}",
+                               marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("ep, tp, pp, fusion, freq", list(_grid()))
 def test_gradients_equal_single_device_reference(ep, tp, pp, fusion, freq):
+    _check_gradients(ep, tp, pp, fusion, freq)
+
+
+@pytest.mark.parametrize("ep, tp, pp", [(2, 1, 2), (2, 2, 2)], ids=str)
+def test_zero_bubble_schedule_equals_single_device_reference(ep, tp, pp):
+    """zb-h1 with MoE and dense layers: the dense linears' W tasks fill the bubbles, the
+    expert linears' grouped wgrad stays in B."""
+    _check_gradients(ep, tp, pp, True, 2, pipeline_schedule="zb-h1")
+
+
+def _check_gradients(ep, tp, pp, fusion, freq, **par_kw):
     if fusion and not FUSION:
         pytest.skip("the CPU FFI handler is not built")
     cfg = _model(moe_layer_freq=freq, moe_grouped_gemm=fusion)
-    par = _par(ep, tp, pp, gradient_accumulation_fusion=fusion)
+    par = _par(ep, tp, pp, gradient_accumulation_fusion=fusion, **par_kw)
     validate(par, cfg)
     mesh = make_mesh(par)
     params = init_params(cfg, seed=0)
@@ -110,11 +130,13 @@ BITWISE = [
     pytest.param(2, 1, 2, 1, False, None, id="ep2-pp2-top1", marks=pytest.mark.slow),
     pytest.param(4, 1, 1, 1, False, None, id="ep4-top1", marks=pytest.mark.slow),
     pytest.param(2, 2, 1, 2, True, None, id="ep2-tp2-sp-top2-distopt", marks=pytest.mark.slow),
+    pytest.param(2, 1, 2, 2, False, None, id="ep2-pp2-top2-zb-h1", marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.parametrize("ep, tp, pp, topk, dist, capacity", BITWISE)
-def test_overlap_option_is_bitwise_equal_over_three_steps(ep, tp, pp, topk, dist, capacity):
+def test_overlap_option_is_bitwise_equal_over_three_steps(ep, tp, pp, topk, dist, capacity,
+                                                          request):
     if not FUSION:
         pytest.skip("the option needs the grouped fused wgrad (CPU FFI handler not built)")
     pad = capacity is not None
@@ -123,7 +145,8 @@ def test_overlap_option_is_bitwise_equal_over_three_steps(ep, tp, pp, topk, dist
         cfg = _model(moe_router_topk=topk, moe_expert_capacity_factor=capacity,
                      moe_pad_expert_input_to_capacity=pad,
                      overlap_dispatch_backward_with_experts_wgrad=overlap)
-        par = _par(ep, tp, pp, gradient_accumulation_fusion=True)
+        par = _par(ep, tp, pp, gradient_accumulation_fusion=True,
+                   pipeline_schedule="zb-h1" if "zb-h1" in request.node.name else "1f1b")
         runs.append(_train(cfg, par, DDPConfig(use_distributed_optimizer=dist,
                                                overlap_grad_reduce=True)))
     (loss_off, params_off, _), (loss_on, params_on, _) = runs
@@ -163,8 +186,6 @@ def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
      "When using MoE and tensor parallelism, sequence parallelism must be used"),
     (dict(moe_layer_freq=3), dict(pipeline_model_parallel_size=2),
      r"layers per pipeline stage \(2\) must be divisible by moe_layer_freq \(3\)"),
-    (dict(), dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1",
-                  gradient_accumulation_fusion=True), "zb-h1 schedule does not support MoE"),
 ])
 def test_layout_checks(kw, par_kw, match):
     cfg = GPTConfig(num_layers=4) if kw is None else _model(**kw)

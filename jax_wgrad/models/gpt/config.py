@@ -199,6 +199,3 @@ def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:
         raise ValueError(f"layers per pipeline stage ({per_stage}) must be divisible by "
                          f"moe_layer_freq ({model.moe_layer_freq}) so that every stage has "
                          "the same pattern of MoE and dense layers")
-    if parallel.pipeline_schedule == "zb-h1":
-        raise ValueError("the zb-h1 schedule does not support MoE layers yet (the expert "
-                         "weight gradients have no W task); use pipeline_schedule='1f1b'")

@@ -24,7 +24,9 @@ per-microbatch inbox slots.
   With a split backward
   (zero bubble) the fused linears instead add a probe to their outputs
   (:class:`~jax_wgrad.functional.WgradSplit`): ``B`` computes input gradients and each
-  linear's output gradient only, storing ``(x, dy)`` pairs in the W stash.
+  linear's output gradient only, storing ``(x, dy)`` pairs in the W stash. The expert
+  linears of MoE layers keep their grouped weight-gradient call in ``B`` (their buckets
+  thread through ``B``; they get no ``W`` task).
 * **W** of microbatch ``w`` (split backward only): the fused ``wgrad_accumulate`` GEMMs of
   its stored pairs into the stage's buckets (and, on the last stage, the output layer's).
 * **Cooldown sync** (``overlap_grad_reduce``): at the stage's last ``B``/``W`` tick (from
@@ -153,9 +155,10 @@ class _StageRun:
         if self.split:
             self.wlist = _fused_list(layout)
             # The probes are zeros and live like the weights: never stored.
-            self.store = ResidualStore.create(self._split_fn, par.recompute_granularity,
-                                              (self.layer_params, self._zero_probes()),
-                                              self.act, has_aux=True)
+            self.store = ResidualStore.create(
+                self._split_fn, par.recompute_granularity,
+                (self.layer_params, self._zero_probes(), own_bk[layout.num_stage_buckets:]),
+                self.act, has_aux=True)
         else:
             self.store = ResidualStore.create(self._layers_fn, par.recompute_granularity,
                                               (self.layer_params, own_bk), self.act,
@@ -241,10 +244,13 @@ class _StageRun:
         own_bk, shared_bk = self.layout.split_own(c.buckets)
         wstash = c.wstash
         if self.split:
-            y, xs, residuals = self.store.forward(
-                c.residuals, slot, (self.layer_params, self._zero_probes()), x_in)
+            ebk = own_bk[self.layout.num_stage_buckets:]
+            (y, _), (xs, stats), residuals = self.store.forward(
+                c.residuals, slot, (self.layer_params, self._zero_probes(), ebk), x_in)
             n = len(self.wlist)
             wstash = _put(wstash[:n], xs, f % self.table.weight_slots) + wstash[n:]
+            if self.moe:
+                c = c._replace(moe_stats=tuple(a + b for a, b in zip(c.moe_stats, stats)))
         elif self.moe:
             (y, _), stats, residuals = self.store.forward(c.residuals, slot,
                                                           (self.layer_params, own_bk), x_in)
@@ -268,9 +274,11 @@ class _StageRun:
         own_bk, shared_bk = self.layout.split_own(c.buckets)
         wstash = c.wstash
         if self.split:
+            ns = self.layout.num_stage_buckets
             pullback = self.store.pullback(c.residuals, slot,
-                                           (self.layer_params, self._zero_probes()))
-            (dp, dys), dx = pullback(dy)
+                                           (self.layer_params, self._zero_probes(), own_bk[ns:]))
+            (dp, dys, ebk), dx = pullback((dy, own_bk[ns:]))
+            own_bk = own_bk[:ns] + tuple(ebk)
             n = len(self.wlist)
             wstash = wstash[:n] + _put(wstash[n:2 * n], dys, b % self.table.weight_slots) \
                 + wstash[2 * n:]
@@ -330,20 +338,27 @@ class _StageRun:
         return self.stages.layers(lp, mg, x), wb.buckets
 
     def _split_fn(self, live, x):
-        # ((params, probes), x) -> (y, aux = inputs of the fused linears): zero bubble's B.
-        lp, probes = live
-        y, ws = self._split_layers(lp, x, probes)
-        return y, list(ws.inputs)
+        # ((params, probes, expert buckets), x) -> ((y, expert buckets), aux = (inputs of
+        # the fused linears, MoE statistics)): zero bubble's B.
+        lp, probes, ebk = live
+        wb = WgradBuckets(ebk)
+        out, ws = self._split_layers(lp, x, probes, wb)
+        y, stats = out if self.moe else (out, ())
+        return (y, wb.buckets), (list(ws.inputs), tuple(stats))
 
-    def _split_layers(self, lp, x, probes):
+    def _split_layers(self, lp, x, probes, wb: WgradBuckets | None = None):
         ws = WgradSplit(probes)
         slots = self.layout.fused_slots(STAGE, LAYERS)
         leaves, treedef = jax.tree.flatten(slots, is_leaf=lambda s: isinstance(s, tuple))
         numbered = iter(range(len(self.wlist)))
         trees = jax.tree.unflatten(treedef, [None if s is None else ws.slot(next(numbered))
                                              for s in leaves])
-        # config.validate keeps MoE layers (an expert chunk) out of split schedules.
-        return self.stages.layers(lp, self.stages.layer_main_grads((trees, [])), x), ws
+        # Expert linears: their grouped fused call into the threaded expert buckets.
+        experts = jax.tree.map(lambda s: None if wb is None else wb.slot(*s),
+                               self.layout.fused_slots(EXPERTS, LAYERS),
+                               is_leaf=lambda s: isinstance(s, tuple))
+        mg = self.stages.layer_main_grads((trees, experts))
+        return self.stages.layers(lp, mg, x, with_stats=self.moe), ws
 
     def _linear_shapes(self):
         """Shapes of the fused linears' inputs and outputs (the W stash's pairs), traced
