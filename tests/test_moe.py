@@ -1,7 +1,6 @@
 """Expert-parallel MoE MLP: against the dense single-device reference, pinned token
 dropping, the delayed expert wgrad bitwise equal to the serial order, and its HLO."""
 
-import functools
 import re
 
 import jax
@@ -11,7 +10,6 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad import ops
 from jax_wgrad.functional import MoEConfig, moe_mlp
 from jax_wgrad.functional.moe import dispatch_slots
 from jax_wgrad.ops import registry

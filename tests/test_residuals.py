@@ -3,7 +3,6 @@ a gradient bucket, and less with more recomputation."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jax_wgrad import GPTConfig, GPTStages, ParallelConfig, fusion_available

@@ -80,15 +80,17 @@ def _resume(plan: TrainPlan, state: TrainState, opts: LoopOptions, log) -> tuple
         log(f"no checkpoint in {opts.load}: starting from scratch")
         return state, 0
     state, meta = ckpt.restore(plan, state, load_optim=opts.load_optim)
-    log(f"resumed from {opts.load} at step {meta['step']} (saved on mesh (data, tensor, "
-        f"pipeline) = {_mesh(meta)}; optimizer {'loaded' if opts.load_optim else 'fresh'})")
+    log(f"resumed from {opts.load} at step {meta['step']} (saved on mesh (data, expert, "
+        f"tensor, pipeline) = {_mesh(meta)}; optimizer "
+        f"{'loaded' if opts.load_optim else 'fresh'})")
     return state, int(meta["data_step"])
 
 
-def _mesh(meta) -> tuple[int, int, int]:
+def _mesh(meta) -> tuple[int, int, int, int]:
     par = meta["parallel"]
     tp, pp = par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]
-    return (par["world_size"] // (tp * pp), tp, pp)
+    ep = par.get("expert_model_parallel_size", 1)  # checkpoints from before EP: 1
+    return (par["world_size"] // (tp * pp * ep), ep, tp, pp)
 
 
 def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOptions, *,

@@ -49,8 +49,7 @@ from jax_wgrad.functional.linear import WgradBuckets, WgradSplit
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import sync_stage_buckets
 from jax_wgrad.grads.layout import GradLayout
-from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, SHARED, STAGE
-from jax_wgrad.parallel import deferred
+from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, SHARED, STAGE
 from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline import head
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
