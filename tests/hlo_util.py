@@ -2,6 +2,8 @@
 
 import re
 
+import numpy as np
+
 
 def compiled_text(fn, *args, donate_argnums=()) -> str:
     import jax
@@ -86,14 +88,29 @@ def collective_arrays(lines, op: str, dtype: str = "f32", replica_groups=None) -
         m = re.search(rf"= (\([^)]*\)|\S+) {op}(?:-start)?\(", line)
         if m and want is not None:
             g = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+            named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
             got = [] if g is None else [
                 tuple(sorted(int(x) for x in grp.split(",") if x))
                 for grp in re.findall(r"\{([\d,]*)\}", g.group(1))]
+            if named is not None:
+                got = _mesh_groups(named.group(1), named.group(2))
             if sorted(got) != want:
                 continue
         if m:
             out += [int(n) for n in re.findall(rf"{dtype}\[(\d+)\]", m.group(1))]
     return out
+
+
+def _mesh_groups(mesh: str, axes: str) -> list[tuple[int, ...]]:
+    """Device groups of newer XLA's ``replica_groups=mesh['data'=4,'expert'=2,...]
+    {'data'}`` form: the devices varying along the named axes, the others fixed."""
+    names = re.findall(r"'(\w+)'=\d+", mesh)
+    sizes = [int(n) for n in re.findall(r"'\w+'=(\d+)", mesh)]
+    over = [names.index(a) for a in re.findall(r"'(\w+)'", axes)]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    rest = [i for i in range(len(sizes)) if i not in over]
+    size = int(np.prod([sizes[i] for i in over]))
+    return [tuple(sorted(int(x) for x in r)) for r in ids.transpose(rest + over).reshape(-1, size)]
 
 
 INSTRUCTION = re.compile(r"(?:ROOT )?%?([\w.\-]+) = ")
