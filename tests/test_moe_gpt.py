@@ -11,6 +11,8 @@ expert-data-parallel ranks) and the distributed optimizer.
 * The configuration's checks (Megatron's wording where it has them).
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -103,7 +105,7 @@ def _check_gradients(ep, tp, pp, fusion, freq, **par_kw):
 
 def _aux(params, tokens, cfg, par) -> float:
     """The reference's aux-loss term (the step reports the language-model loss only)."""
-    no_aux = GPTConfig(**{**cfg.__dict__, "moe_aux_loss_coeff": 0.0})
+    no_aux = dataclasses.replace(cfg, moe_aux_loss_coeff=0.0)
     with_aux = reference_loss(params, tokens, cfg, micro_batch_size=par.micro_batch_size)
     return float(with_aux - reference_loss(params, tokens, no_aux,
                                            micro_batch_size=par.micro_batch_size))

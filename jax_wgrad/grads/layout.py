@@ -79,7 +79,7 @@ class GradLayout:
                              f"{len(shapes)} shape trees and {len(specs)} spec trees")
         parts, flat_specs = [], []
         for name, shape_tree, spec_tree in zip(CHUNKS, shapes, specs):
-            dp = expert_dp_size or dp_size if name == EXPERTS else dp_size
+            dp = (expert_dp_size or dp_size) if name == EXPERTS else dp_size
             chunk_specs = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
             wrong = [s.chunk for s in chunk_specs if s.chunk != name]
             if wrong:

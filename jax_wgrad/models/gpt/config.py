@@ -89,15 +89,12 @@ class GPTConfig:
                              f"{self.compute_dtype!r}")
         self._validate_moe()
 
-    _MOE_DEFAULTS = dict(moe_router_topk=2, moe_ffn_hidden_size=None,
-                         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
-                         moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None,
-                         moe_pad_expert_input_to_capacity=False, moe_grouped_gemm=False,
-                         moe_layer_freq=1, overlap_dispatch_backward_with_experts_wgrad=False)
-
     def _validate_moe(self) -> None:
         if self.num_moe_experts is None:
-            given = [k for k, v in self._MOE_DEFAULTS.items() if getattr(self, k) != v]
+            given = [f.name for f in dataclasses.fields(self)
+                     if (f.name.startswith("moe_")
+                         or f.name == "overlap_dispatch_backward_with_experts_wgrad")
+                     and getattr(self, f.name) != f.default]
             if given:
                 raise ValueError(f"MoE options {given} need num_moe_experts (a dense model "
                                  "has no experts)")

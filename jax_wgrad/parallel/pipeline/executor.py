@@ -248,15 +248,14 @@ class _StageRun:
                 c.residuals, slot, (self.layer_params, self._zero_probes(), ebk), x_in)
             n = len(self.wlist)
             wstash = _put(wstash[:n], xs, f % self.table.weight_slots) + wstash[n:]
-            if self.moe:
-                c = c._replace(moe_stats=tuple(a + b for a, b in zip(c.moe_stats, stats)))
         elif self.moe:
             (y, _), stats, residuals = self.store.forward(c.residuals, slot,
                                                           (self.layer_params, own_bk), x_in)
-            c = c._replace(moe_stats=tuple(a + b for a, b in zip(c.moe_stats, stats)))
         else:
             (y, _), residuals = self.store.forward(c.residuals, slot,
                                                    (self.layer_params, own_bk), x_in)
+        if self.moe:  # this forward's MoE statistics join the step's sums
+            c = c._replace(moe_stats=tuple(a + b for a, b in zip(c.moe_stats, stats)))
         # The last stage: loss and the head's backward now; its gradient for the layers'
         # output waits in the gradient inbox for this stage's B.
         shared_bk, g_inbox, loss, stash, wstash = lax.cond(
