@@ -166,7 +166,7 @@ def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
     summation order."""
     import optax
 
-    cfg = _model()
+    cfg = _model(moe_grouped_gemm=FUSION)
     runs = [_train(cfg, _par(ep, 1, pp, gradient_accumulation_fusion=FUSION),
                    DDPConfig(use_distributed_optimizer=dist, clip_grad=0.5), tx=optax.sgd(0.5))
             for ep, pp, dist in [(2, 2, True), (2, 2, False), (1, 1, False)]]
@@ -188,6 +188,7 @@ def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
      "When using MoE and tensor parallelism, sequence parallelism must be used"),
     (dict(moe_layer_freq=3), dict(pipeline_model_parallel_size=2),
      r"layers per pipeline stage \(2\) must be divisible by moe_layer_freq \(3\)"),
+    (dict(), dict(), "moe_grouped_gemm needs gradient_accumulation_fusion"),
 ])
 def test_layout_checks(kw, par_kw, match):
     cfg = GPTConfig(num_layers=4) if kw is None else _model(**kw)

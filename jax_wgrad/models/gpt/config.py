@@ -196,3 +196,7 @@ def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:
         raise ValueError(f"layers per pipeline stage ({per_stage}) must be divisible by "
                          f"moe_layer_freq ({model.moe_layer_freq}) so that every stage has "
                          "the same pattern of MoE and dense layers")
+    if model.moe_grouped_gemm and not parallel.gradient_accumulation_fusion:
+        raise ValueError("moe_grouped_gemm needs gradient_accumulation_fusion: it selects the "
+                         "grouped fused wgrad into the gradient bucket (without fusion the "
+                         "expert weight gradients are XLA's batched einsum either way)")
