@@ -74,7 +74,7 @@ class IndexedDataset:
                 raise ValueError(f"{idx}: unknown dtype code {code}")
             num_seq, num_doc = struct.unpack("<QQ", f.read(16))
             offset = f.tell()
-        want = offset + 20 * num_seq + 8 * num_doc
+        want = offset + 12 * num_seq + 8 * num_doc  # int32 lengths, int64 pointers, int64 docs
         if idx_size != want:
             raise ValueError(f"{idx}: {idx_size} bytes, but its header announces {num_seq} "
                              f"sequences and {num_doc} document-index entries, which take "
