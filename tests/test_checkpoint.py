@@ -1,6 +1,7 @@
 """Checkpoint and resume through the example: exact on the same layout, onto other layouts
 (and optimizer modes), after a killed save, and a clear error for another model."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -199,22 +200,42 @@ def test_fallback_to_the_newest_intact_step_when_told(example, straight_and_save
     assert _losses(out) == straight[3:4]  # bitwise, as a plain resume
 
 
-def test_moe_checkpoint_loaded_as_dense_names_the_fields(example, tmp_path, capsys):
-    tiny = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "16", "--no-progress"]
-    ckpt = str(tmp_path / "moe")
-    example.main(tiny + ["--train-iters", "1", "--num-experts", "4", "--save", ckpt])
-    capsys.readouterr()
-    line = _usage_error(example, capsys, tiny + ["--train-iters", "2", "--load", ckpt])
+def _as_moe(ckpt: Path, experts: int) -> None:
+    """Rewrites a checkpoint's stored model config as an MoE model's (the config is what is
+    compared, before any array is read)."""
+    meta = ckpt / "3" / "meta" / "metadata"
+    record = json.loads(meta.read_text())
+    record["model"].update(num_moe_experts=experts, moe_ffn_hidden_size=128)
+    meta.write_text(json.dumps(record))
+
+
+def test_moe_checkpoint_loaded_as_dense_names_the_fields(example, straight_and_saved, tmp_path,
+                                                         capsys):
+    d, _ = straight_and_saved
+    ckpt = _damaged_copy(d / "ckpt", tmp_path / "moe", lambda c: _as_moe(c, 4))
+    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load",
+                                                         str(ckpt)])
     assert line.endswith("was saved for a different model: --num-experts=4 in the checkpoint, "
                          "None in this run"), line
-    line = _usage_error(example, capsys, tiny + ["--train-iters", "2", "--load", ckpt,
-                                                 "--num-experts", "8"])
+    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load",
+                                                         str(ckpt), "--num-experts", "8"])
     assert line.endswith("--num-experts=4 in the checkpoint, 8 in this run"), line
-    line = _usage_error(example, capsys, tiny + ["--train-iters", "2", "--load", ckpt,
-                                                 "--num-experts", "4", "--moe-ffn-hidden-size",
-                                                 "64"])
-    assert line.endswith("--moe-ffn-hidden-size=128 in the checkpoint, 64 in this run"), line
+
+
+def test_model_differences_field_by_field():
+    from jax_wgrad import GPTConfig
+    from jax_wgrad.training.checkpoint import model_differences
+
+    moe = GPTConfig(num_moe_experts=4, moe_ffn_hidden_size=128, moe_layer_freq=2)
+    saved = dataclasses.asdict(moe)
+    assert model_differences(saved, moe) == []
+    assert model_differences(saved, GPTConfig()) == [("num_moe_experts", 4, None)]
+    assert model_differences(saved, dataclasses.replace(moe, moe_ffn_hidden_size=64,
+                                                        moe_layer_freq=1)) == [
+        ("moe_ffn_hidden_size", 128, 64), ("moe_layer_freq", 2, 1)]
+    old = {k: v for k, v in dataclasses.asdict(GPTConfig()).items() if not k.startswith("moe")
+           and k != "num_moe_experts"}  # a checkpoint from before MoE: the defaults
+    assert model_differences(old, GPTConfig()) == []
 
 
 def test_save_target_that_cannot_be_written_fails_before_training(example, tmp_path, capsys,
