@@ -17,19 +17,23 @@ import threading
 
 __all__ = ["GLOO_CONNECTED", "LineFilter"]
 
-GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
-"""gloo's connection chatter (``gloo/rendezvous/context.cc``)."""
+GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank|connected peer ranks|is connected to +\d* *peer")
+"""gloo's connection chatter (``gloo/rendezvous/context.cc``). Its threads write to
+``std::cout`` without a lock, so two messages can come out interleaved
+(``[Gloo] Rank [Gloo] Rank 01 is connected to  is connected to 11 peer ranks. ...``): any
+line holding a piece of one is dropped."""
 
 
 class LineFilter:
-    """Drops the lines of file descriptor ``fd`` that match ``pattern`` until :meth:`close`.
+    """Drops the lines of file descriptor ``fd`` in which ``pattern`` is found, until
+    :meth:`close`.
 
     Output reaches the original destination line by line, after a short delay (the copying
     thread); a partial last line is passed on at :meth:`close`. While it is active ``fd`` is a
     pipe, so ``isatty()`` is False (no progress bar).
 
     Args:
-      pattern: a compiled bytes regex, matched at the start of each line.
+      pattern: a compiled bytes regex, searched in each line.
       fd: the file descriptor to filter (1: stdout).
     """
 
@@ -57,7 +61,7 @@ class LineFilter:
             self._write(pending)
 
     def _drop(self, line: bytes) -> bool:
-        if self.pattern.match(line):
+        if self.pattern.search(line):
             self.dropped += 1
             return True
         return False
