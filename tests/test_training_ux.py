@@ -230,14 +230,17 @@ def _launch_two_processes(tmp_path: Path, tag: str, extra: list[str]) -> list[Pa
 
 
 def test_two_processes_equal_one_process(example, tmp_path):
-    """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) train,
-    evaluate, save and resume; the curve equals the 8-device single-process run."""
+    """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) train
+    with gradient accumulation fusion, evaluate, save and resume; the curve equals the
+    8-device single-process run. (Every process checks the fused handlers on a device of
+    its own: process 1 cannot run anything on process 0's devices.)"""
+    fused = EVAL + ["--gradient-accumulation-fusion"]
     single = tmp_path / "single.jsonl"
-    example.main(SMALL + L222 + EVAL + ["--train-iters", "6", "--no-progress",
-                                        "--metrics-file", str(single)])
+    example.main(SMALL + L222 + fused + ["--train-iters", "6", "--no-progress",
+                                         "--metrics-file", str(single)])
     ckpt = str(tmp_path / "ckpt")
-    first = _launch_two_processes(tmp_path, "first", EVAL + ["--train-iters", "4", "--save", ckpt])[0]
-    second = _launch_two_processes(tmp_path, "second", EVAL + ["--train-iters", "6", "--load", ckpt])[0]
+    first = _launch_two_processes(tmp_path, "first", fused + ["--train-iters", "4", "--save", ckpt])[0]
+    second = _launch_two_processes(tmp_path, "second", fused + ["--train-iters", "6", "--load", ckpt])[0]
     got, want = _rows(first) + _rows(second), _rows(single)
     assert [(r["step"], r.get("loss"), r.get("valid_loss")) for r in got] == \
         [(r["step"], r.get("loss"), r.get("valid_loss")) for r in want]  # bitwise
