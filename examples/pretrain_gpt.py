@@ -155,7 +155,6 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
     """``(GPTConfig, ParallelConfig, DDPConfig)`` from the flags; a bad combination ends
     the program with an argparse-style error naming it."""
     from jax_wgrad import DDPConfig, GPTConfig, ParallelConfig
-    from jax_wgrad.models.gpt import validate
 
     try:
         model = GPTConfig(
@@ -185,7 +184,6 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             wgrad_deferral_limit=args.wgrad_deferral_limit, defer_mode=args.defer_mode,
             pipeline_schedule=args.pipeline_schedule,
             recompute_granularity=args.recompute_granularity)
-        validate(parallel, model)
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
@@ -294,8 +292,11 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     optimizer = jax_wgrad.default_optimizer(learning_rate(args), weight_decay=args.weight_decay)
-    plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel), optimizer,
-                                      ddp=ddp)
+    try:  # the plan checks the model against the layout (the one place it is checked)
+        plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel),
+                                          optimizer, ddp=ddp)
+    except ValueError as exc:
+        parser.error(str(exc))
     state = jax_wgrad.init_train_state(plan, args.seed)
     for line in describe(plan, train, state):
         log(line)
