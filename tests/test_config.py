@@ -259,3 +259,17 @@ def test_train_plan_validates_once(monkeypatch):
         TrainPlan.create(GPTConfig(), bad, make_mesh(bad), optax.sgd(0.1))
     example = (Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py").read_text()
     assert "validate(" not in example
+
+
+def test_resume_log_reads_the_saved_layouts_mesh_shape():
+    """The resume line's mesh comes from the checkpoint's saved ParallelConfig, derived by
+    ParallelConfig.mesh_shape (checkpoints from before EP count as EP = 1)."""
+    import dataclasses
+
+    from jax_wgrad.training.loop import _mesh
+
+    par = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    assert _mesh({"parallel": dataclasses.asdict(par)}) == par.mesh_shape == (2, 2, 2, 1)
+    old = {k: v for k, v in dataclasses.asdict(par).items()
+           if k != "expert_model_parallel_size"}
+    assert _mesh({"parallel": old}) == (4, 1, 2, 1)
