@@ -267,7 +267,6 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
     """``(GPTConfig, ParallelConfig, DDPConfig)`` from the flags; a bad combination ends
     the program with an argparse-style error naming it."""
     from jax_wgrad import DDPConfig, GPTConfig, ParallelConfig
-    from jax_wgrad.models.gpt import validate
 
     try:
         model = GPTConfig(
@@ -297,7 +296,6 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             wgrad_deferral_limit=args.wgrad_deferral_limit, defer_mode=args.defer_mode,
             pipeline_schedule=args.pipeline_schedule,
             recompute_granularity=args.recompute_granularity)
-        validate(parallel, model)
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
@@ -432,8 +430,11 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
     train_data, valid, vocab = load_data(args, parser)
     model, parallel, ddp = build_configs(args, vocab, parser)
     optimizer = jax_wgrad.default_optimizer(learning_rate(args), weight_decay=args.weight_decay)
-    plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel), optimizer,
-                                      ddp=ddp)
+    try:  # the plan checks the model against the layout (the one place it is checked)
+        plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel),
+                                          optimizer, ddp=ddp)
+    except ValueError as exc:
+        usage_error(parser, exc)
     try:
         state = jax_wgrad.init_train_state(plan, args.seed)
     except RuntimeError as exc:

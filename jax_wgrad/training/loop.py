@@ -162,10 +162,13 @@ def _resume(plan: TrainPlan, state: TrainState, opts: LoopOptions, log) -> tuple
 
 
 def _mesh(meta) -> tuple[int, int, int, int]:
+    from jax_wgrad.parallel.config import ParallelConfig
+
     par = meta["parallel"]
-    tp, pp = par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]
-    ep = par.get("expert_model_parallel_size", 1)  # checkpoints from before EP: 1
-    return (par["world_size"] // (tp * pp * ep), ep, tp, pp)
+    return ParallelConfig(  # checkpoints from before EP: 1
+        world_size=par["world_size"], tensor_model_parallel_size=par["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=par["pipeline_model_parallel_size"],
+        expert_model_parallel_size=par.get("expert_model_parallel_size", 1)).mesh_shape
 
 
 def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOptions, *,
