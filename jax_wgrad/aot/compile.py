@@ -118,6 +118,9 @@ class AotReport:
     collectives: tuple[Collectives, ...]
     launches: hlo.LaunchCount | None
     """Launches per tick, from the thunk sequence (``None`` if it was not dumped)."""
+    launches_per_microbatch: float | None
+    """The busiest stage's launches over the schedule's ticks, per microbatch (each
+    tick's tasks busy or idle as the schedule table says)."""
     num_microbatches: int
     num_ticks: int
     xla_flags: tuple[str, ...]
@@ -190,6 +193,8 @@ class AotReport:
                 + f"; {lc.command_buffers} command buffers holding "
                 f"{lc.kernels_in_command_buffers} kernels, {lc.custom_calls_outside} custom "
                 f"calls outside command buffers, {lc.conditionals} conditionals")
+            lines.append(f"  launches per microbatch (the busiest stage's ticks / "
+                         f"microbatches): {self.launches_per_microbatch:.1f}")
         lines.append("  collectives:")
         lines += [f"    {c.format()}" for c in self.collectives]
         return "\n".join(lines)
@@ -339,10 +344,30 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
         loop_bucket_ops=tuple(loop_ops), cooldown_bucket_ops=tuple(cooldown_ops),
         scatters_16bit=tuple(f"{i.name} {i.shape}" for i in hlo.scatters_16bit(text)),
         collectives=_collectives(comps),
-        launches=launches, num_microbatches=par.num_microbatches,
+        launches=launches,
+        launches_per_microbatch=None if launches is None else _per_microbatch(launches,
+                                                                              plan.table),
+        num_microbatches=par.num_microbatches,
         num_ticks=plan.table.num_ticks,
         xla_flags=tuple(f"--{k}={v}".replace("=True", "=true").replace("=False", "=false")
                         for k, v in opts.items()))
+
+
+def _per_microbatch(lc: hlo.LaunchCount, table) -> float:
+    rows = {"forward": np.asarray(table.forward), "backward": np.asarray(table.backward),
+            "weight_gradients": np.asarray(table.weight)}
+    most = 0
+    for s in range(table.num_stages):
+        n = 0
+        for t in range(table.num_ticks):
+            n += lc.overhead
+            for key, (idle, busy) in lc.tasks.items():
+                key = key.rstrip("'")
+                on = (rows[key][t, s] >= 0 if key in rows else
+                      t == table.last_grad_tick(s) if key == "grad_sync_in_cooldown" else True)
+                n += busy if on else idle
+        most = max(most, n)
+    return most / table.num_microbatches
 
 
 def _collectives(comps) -> tuple[Collectives, ...]:

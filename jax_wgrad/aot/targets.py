@@ -40,6 +40,10 @@ class GpuTarget:
         """Device memory as CUDA reports it (``device_memory_size``)."""
         return int(re.search(r"device_memory_size: (\d+)", self.config).group(1))
 
+    def with_memory(self, nbytes: int) -> GpuTarget:
+        """The same GPU with ``nbytes`` of device memory (a smaller or larger variant)."""
+        return GpuTarget(self.name, _with(self.config, device_memory_size=int(nbytes)))
+
 
 def _h100() -> str:
     return resources.files("jax_wgrad.aot").joinpath("h100_target_config.txtpb").read_text()
