@@ -54,28 +54,41 @@ inline ffi::Error CheckBucketAddArgs(const ffi::AnyBuffer& bucket,
   for (size_t k = 0; k < grads.size(); ++k) {
     ffi::ErrorOr<ffi::AnyBuffer> g = grads.get<ffi::AnyBuffer>(k);
     if (g.has_error()) return g.error();
-    const std::string where = "bucket_add: gradient " + std::to_string(k) + " (" +
-                              ShapeString(*g) + " at offset " +
-                              std::to_string(offsets[k]) + ")";
+    // Error text is only formatted on the error path: this runs per gradient per call.
+    auto where = [&] {
+      return "bucket_add: gradient " + std::to_string(k) + " (" + ShapeString(*g) +
+             " at offset " + std::to_string(offsets[k]) + ")";
+    };
     if (!IsSupportedFloat(g->element_type())) {
-      return ffi::Error::InvalidArgument(where +
+      return ffi::Error::InvalidArgument(where() +
                                          " must be float32, bfloat16 or float16");
     }
     const int64_t n = static_cast<int64_t>(g->element_count());
     if (offsets[k] < 0 || offsets[k] > numel - n) {
-      return ffi::Error::InvalidArgument(where + " does not fit in the bucket of " +
+      return ffi::Error::InvalidArgument(where() + " does not fit in the bucket of " +
                                          std::to_string(numel) + " elements");
     }
     if (n > 0) segments->push_back({g->untyped_data(), offsets[k], n, g->element_type()});
   }
-  std::vector<BucketSegment> sorted = *segments;
-  std::sort(sorted.begin(), sorted.end(),
-            [](const BucketSegment& a, const BucketSegment& b) { return a.offset < b.offset; });
-  for (size_t k = 1; k < sorted.size(); ++k) {
-    if (sorted[k - 1].offset + sorted[k - 1].n > sorted[k].offset) {
-      return ffi::Error::InvalidArgument(
-          "bucket_add: the blocks at offsets " + std::to_string(sorted[k - 1].offset) +
-          " and " + std::to_string(sorted[k].offset) + " overlap");
+  // Disjoint blocks (no races, no double counting). The library emits them in ascending
+  // order, so the sort (of a copy) only happens for callers that do not.
+  auto before = [](const BucketSegment& a, const BucketSegment& b) {
+    return a.offset < b.offset;
+  };
+  const std::vector<BucketSegment>* ordered = segments;
+  std::vector<BucketSegment> sorted;
+  if (!std::is_sorted(segments->begin(), segments->end(), before)) {
+    sorted = *segments;
+    std::sort(sorted.begin(), sorted.end(), before);
+    ordered = &sorted;
+  }
+  for (size_t k = 1; k < ordered->size(); ++k) {
+    const BucketSegment& a = (*ordered)[k - 1];
+    const BucketSegment& b = (*ordered)[k];
+    if (a.offset + a.n > b.offset) {
+      return ffi::Error::InvalidArgument("bucket_add: the blocks at offsets " +
+                                         std::to_string(a.offset) + " and " +
+                                         std::to_string(b.offset) + " overlap");
     }
   }
   return ffi::Error::Success();

@@ -4,7 +4,9 @@
 // gradients: the segment table travels by value as a kernel parameter (no device copy
 // of pointers), blockIdx.y picks the segment and a grid-stride loop covers it. Blocks
 // are disjoint (checked), so there are no races. Only the blocks are read and written:
-// the cost is proportional to the gradients, not to the bucket.
+// the cost is proportional to the gradients, not to the bucket. The handler only enqueues
+// stream work (a copy when XLA did not alias, the kernels), so it declares the
+// command-buffer trait: XLA may capture it into a CUDA graph with its neighbours.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -151,6 +153,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BucketAddCuda, BucketAddCudaImpl,
                                   .Arg<ffi::AnyBuffer>()  // bucket   [N]
                                   .RemainingArgs()        // grads    any shapes
                                   .Ret<ffi::AnyBuffer>()  // bucket   (aliased)
-                                  .Attr<ffi::Span<const int64_t>>("offsets"));
+                                  .Attr<ffi::Span<const int64_t>>("offsets"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_wgrad

@@ -1,6 +1,7 @@
 // Python extension exporting the CPU handlers of the jax_wgrad FFI targets.
 #include <pybind11/pybind11.h>
 
+#include "metadata.h"
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* WgradAccumulateCpu(XLA_FFI_CallFrame* call_frame);
@@ -17,4 +18,10 @@ PYBIND11_MODULE(_wgrad_ffi_cpu, m) {
     d["jax_wgrad_bucket_add"] = py::capsule(reinterpret_cast<void*>(&BucketAddCpu));
     return d;
   });
+  m.def("handler_metadata", []() {
+    py::dict d;
+    d["jax_wgrad_wgrad_accumulate"] = jax_wgrad::MetadataDict(&WgradAccumulateCpu);
+    d["jax_wgrad_bucket_add"] = jax_wgrad::MetadataDict(&BucketAddCpu);
+    return d;
+  }, "What each execute handler declares to XLA (FFI API version, traits).");
 }

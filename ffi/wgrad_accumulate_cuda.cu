@@ -2,19 +2,27 @@
 //   main_grad[out, in] += dy[T, out]^T @ x[T, in]
 // One cublasGemmStridedBatchedEx with beta = 1 on the stream XLA passes in (the GEMM
 // epilogue does the accumulation: no temporary dW); grouped (expert) blocks
-// [G, out, in] back to back in a flat bucket are one strided-batched call over G. Compute type: fp32 accumulation;
-// float32 inputs use TF32 tensor cores unless the precision is HIGHEST (XLA:GPU's rule
-// for a float32 dot), 16-bit inputs are multiplied exactly.
+// [G, out, in] back to back in a flat bucket are one strided-batched call over G. Compute
+// type: fp32 accumulation; float32 inputs use TF32 tensor cores unless the precision is
+// HIGHEST (XLA:GPU's rule for a float32 dot), 16-bit inputs are multiplied exactly.
 //
 // Workspace: the custom call's second result, a uint8 buffer that XLA allocates from its
 // own memory with the program's other temporaries (sized at lowering time; no allocation
 // in the handler, no dependence on XLA's ScratchAllocator, which hands out nothing on
 // some jax versions). The handler aligns it to the 256 bytes cublasSetWorkspace needs.
 //
-// cuBLAS handles are created once per device and reused, guarded by a mutex because the
-// stream and workspace are set per call (cublasSetStream resets the workspace, so it is
-// set after). The handler is not marked command-buffer compatible, so XLA never captures
-// it into a CUDA graph. Every error is returned as an FFI error, never thrown.
+// Two execution stages (registered as a handler bundle):
+// * initialize (once per executable and device, before any run or CUDA-graph capture):
+//   creates the cuBLAS handle of the stream's device, with that device current.
+// * execute: only enqueues work on XLA's stream (a copy when XLA did not alias, the
+//   GEMM), so it may be captured into a CUDA graph: the handler declares the
+//   command-buffer trait and XLA records it into its command buffers instead of launching
+//   it on its own. cuBLAS is given its workspace explicitly, so it allocates nothing while
+//   captured.
+// cuBLAS handles are kept per device for the process lifetime (like XLA's own), guarded
+// by a mutex because the stream and workspace are set per call (cublasSetStream resets
+// the workspace, so it is set after). Every error is returned as an FFI error, never
+// thrown.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -42,26 +50,79 @@ ffi::Error CudaError(const char* what, cudaError_t e) {
                               " failed: " + cudaGetErrorString(e));
 }
 
-// One cuBLAS handle per device, created on first use and never destroyed (process
-// lifetime, like XLA's own handles).
+// One cuBLAS handle per device, created by the initialize stage (or, should a runtime
+// skip that stage, by the first execute) and never destroyed (process lifetime, like
+// XLA's own handles).
 struct HandleEntry {
   cublasHandle_t handle = nullptr;
   std::mutex mu;
 };
 
-ffi::ErrorOr<HandleEntry*> GetHandle(int device) {
-  static std::mutex registry_mu;
+std::mutex& RegistryMutex() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::unordered_map<int, HandleEntry*>& Registry() {
   static auto* registry = new std::unordered_map<int, HandleEntry*>();
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = registry->find(device);
-  if (it != registry->end()) return it->second;
+  return *registry;
+}
+
+// The device that owns XLA's stream (not whatever device is current on this thread).
+ffi::ErrorOr<int> StreamDevice(cudaStream_t stream) {
+  int device = 0;
+  if (cudaError_t e = cudaStreamGetDevice(stream, &device); e != cudaSuccess) {
+    return ffi::Unexpected(CudaError("cudaStreamGetDevice", e));
+  }
+  return device;
+}
+
+// Creates `device`'s handle with `device` current (a cuBLAS handle belongs to the device
+// that is current when it is created), then restores the thread's current device.
+ffi::ErrorOr<HandleEntry*> CreateHandle(int device) {
+  int previous = 0;
+  if (cudaError_t e = cudaGetDevice(&previous); e != cudaSuccess) {
+    return ffi::Unexpected(CudaError("cudaGetDevice", e));
+  }
+  if (previous != device) {
+    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
+      return ffi::Unexpected(CudaError("cudaSetDevice", e));
+    }
+  }
   auto* entry = new HandleEntry();
-  if (cublasStatus_t s = cublasCreate(&entry->handle); s != CUBLAS_STATUS_SUCCESS) {
+  const cublasStatus_t s = cublasCreate(&entry->handle);
+  if (previous != device) cudaSetDevice(previous);
+  if (s != CUBLAS_STATUS_SUCCESS) {
     delete entry;
     return ffi::Unexpected(CublasError("cublasCreate", s));
   }
-  (*registry)[device] = entry;
   return entry;
+}
+
+// The handle of `device`, created if `create` and missing; nullptr if missing otherwise.
+ffi::ErrorOr<HandleEntry*> GetHandle(int device, bool create) {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  auto it = Registry().find(device);
+  if (it != Registry().end()) return it->second;
+  if (!create) return static_cast<HandleEntry*>(nullptr);
+  auto entry = CreateHandle(device);
+  if (entry.has_error()) return entry;
+  Registry()[device] = *entry;
+  return *entry;
+}
+
+// Execute-stage fallback when no initialize stage ran: create the handle with this
+// thread's stream capture relaxed, so that cuBLAS's own allocations are legal even if
+// XLA is capturing the call into a CUDA graph right now (they are not stream work).
+ffi::ErrorOr<HandleEntry*> GetHandleInExecute(int device) {
+  auto found = GetHandle(device, /*create=*/false);
+  if (found.has_error() || *found != nullptr) return found;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  if (cudaError_t e = cudaThreadExchangeStreamCaptureMode(&mode); e != cudaSuccess) {
+    return ffi::Unexpected(CudaError("cudaThreadExchangeStreamCaptureMode", e));
+  }
+  auto created = GetHandle(device, /*create=*/true);
+  cudaThreadExchangeStreamCaptureMode(&mode);  // restores the caller's mode
+  return created;
 }
 
 cudaDataType_t CudaType(ffi::DataType t) {
@@ -110,12 +171,9 @@ ffi::Error WgradAccumulateCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
   if (d.batch == 0 || d.groups == 0 || d.tokens == 0 || d.in == 0 || d.out == 0) {
     return ffi::Error::Success();
   }
-  int device = 0;
-  // The device that owns XLA's stream (not whatever device is current on this thread).
-  if (cudaError_t e = cudaStreamGetDevice(stream, &device); e != cudaSuccess) {
-    return CudaError("cudaStreamGetDevice", e);
-  }
-  auto entry = GetHandle(device);
+  auto device = StreamDevice(stream);
+  if (device.has_error()) return device.error();
+  auto entry = GetHandleInExecute(*device);
   if (entry.has_error()) return entry.error();
 
   // Align the workspace start up to 256 bytes; the result has 256 bytes of slack.
@@ -183,7 +241,23 @@ ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
   });
 }
 
+// Initialize stage: the cuBLAS handle of the stream's device, outside any capture.
+ffi::Error WgradAccumulateCudaInitializeImpl(cudaStream_t stream) {
+  return Guarded("wgrad_accumulate", [&]() -> ffi::Error {
+    auto device = StreamDevice(stream);
+    if (device.has_error()) return device.error();
+    auto entry = GetHandle(*device, /*create=*/true);
+    if (entry.has_error()) return entry.error();
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCudaInitialize,
+                              WgradAccumulateCudaInitializeImpl,
+                              ffi::Ffi::BindInitialize()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCuda, WgradAccumulateCudaImpl,
                               ffi::Ffi::Bind()
@@ -194,6 +268,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCuda, WgradAccumulateCudaImpl,
                                   .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
                                   .Ret<ffi::AnyBuffer>()   // cuBLAS workspace, uint8
                                   .Attr<int64_t>("offset")       // block start (flat)
-                                  .Attr<int32_t>("precision"));  // 0/1/2: TF32 unless 2
+                                  .Attr<int32_t>("precision"),   // 0/1/2: TF32 unless 2
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_wgrad

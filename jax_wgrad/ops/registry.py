@@ -2,35 +2,56 @@
 
 Two extension modules are built from ``ffi/``: ``_wgrad_ffi_cpu`` (always) and
 ``_wgrad_ffi_cuda`` (when CMake found a CUDA compiler). Each exports ``registrations()``,
-a ``{target_name: PyCapsule}`` dict, registered here in a loop for its platform.
+a ``{target_name: PyCapsule or {stage: PyCapsule}}`` dict, registered here in a loop for
+its platform, and ``handler_metadata()``, what each handler declares to XLA.
+
+**Handlers that cannot break jax.** A handler declares the XLA FFI API version of the
+headers it was built with, and XLA rejects a handler newer than itself -- when the backend
+initializes, so the whole backend (and with the CUDA plugin, jax's own GPU custom calls)
+goes down. The build pins the oldest supported jax's headers (``pyproject.toml``,
+``ffi/CMakeLists.txt``); here, before anything is registered, each module's declared
+version is compared with the running jaxlib's (:func:`runtime_ffi_api`), and a newer one
+(or any registration error) becomes that platform's :func:`fusion_status` reason instead.
 
 **Platform names.** XLA keeps a registration made before its platform's plugin is
 initialised in a pending list keyed by the name as given, and the CUDA plugin flushes only
 the key ``"CUDA"`` (``jaxlib.xla_client`` maps ``"cpu"`` and ``"gpu"``, not ``"cuda"``). So
 the CUDA handlers are registered under ``"CUDA"`` -- the spelling of jax's FFI tutorial --
-which reaches the handler on jax 0.10 and 0.11 alike (``../shared/gpu/FINDINGS.md`` #1).
+which reaches the handler on jax 0.10, 0.11 and 0.12 alike (``../shared/gpu/FINDINGS.md`` #1).
 
 **Status that is shown, not assumed.** Registering a handler proves nothing (a CUDA
 registration on a CPU-only jaxlib succeeds silently). :func:`fusion_status` therefore runs
-each loaded handler once, on the first query per platform: a tiny ``wgrad_accumulate`` and
-``bucket_add`` on that platform's first device, checked against numpy. A platform is
-available only if that call ran and was right; otherwise the status is the reason.
+each loaded handler once, on the first query per platform, on a device of *this* process
+(multi-process runs: every process checks its own): one program calling every kernel
+variant the library uses (:func:`_probe`), each result checked against numpy. The probe
+runs in a thread of its own, outside any ``jit``/``eval_shape``/NNX trace of the caller.
+A success or a wrong answer is remembered; a failure that may pass (no device yet, out of
+memory, a trace) is not, and the next query tries again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import re
 import threading
+from pathlib import Path
+from typing import Any
 
 import jax
 
-__all__ = ["TARGET", "BUCKET_ADD_TARGET", "PLATFORMS", "load_error", "handler_loaded",
+__all__ = ["TARGET", "BUCKET_ADD_TARGET", "PLATFORMS", "OLDEST_SUPPORTED_FFI_API",
+           "load_error", "handler_loaded", "handler_metadata", "runtime_ffi_api",
            "fusion_status", "fusion_available", "require_fusion"]
 
 TARGET = "jax_wgrad_wgrad_accumulate"
 """FFI target of the fused weight-gradient GEMM (one name for CPU and CUDA)."""
 BUCKET_ADD_TARGET = "jax_wgrad_bucket_add"
 """FFI target of the in-place block add into a flat gradient bucket."""
+
+OLDEST_SUPPORTED_FFI_API: tuple[int, int] = (0, 3)
+"""XLA FFI API version of the oldest supported jax (0.10.2; 0.11.2 speaks 0.4, 0.12 0.5):
+the version the handlers are built against, so that every supported jax accepts them."""
 
 # jax platform -> (extension module, platform name to register under)
 _MODULES = {
@@ -41,21 +62,60 @@ PLATFORMS: tuple[str, ...] = tuple(_MODULES)
 
 # platform -> None when the module loaded and registered, else why not.
 _LOADED: dict[str, str | None] = {}
-# platform -> None when the probe call ran and was right, else why not (lazy).
+# platform -> the module's handler_metadata() when it was imported.
+_METADATA: dict[str, dict[str, dict[str, Any]]] = {}
+# platform -> None when the probe call ran and was right, else why not (lazy; only
+# outcomes that cannot change within the process are kept).
 _VERIFIED: dict[str, str | None] = {}
 _PROBE_LOCK = threading.Lock()
 
 
+def runtime_ffi_api() -> tuple[int, int] | None:
+    """The XLA FFI API version of the running jaxlib (from the ``c_api.h`` it ships next
+    to ``jax.ffi.include_dir()``), or ``None`` if it cannot be read."""
+    try:
+        text = (Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h").read_text()
+    except (OSError, AttributeError):
+        return None
+    major = re.search(r"^#define XLA_FFI_API_MAJOR (\d+)", text, re.M)
+    minor = re.search(r"^#define XLA_FFI_API_MINOR (\d+)", text, re.M)
+    if major is None or minor is None:
+        return None
+    return int(major.group(1)), int(minor.group(1))
+
+
+def _register_module(platform: str, module_name: str, xla_name: str) -> str | None:
+    """Imports one handler module and registers its targets; ``None`` or why not."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:  # not built, or a shared library is missing
+        return f"{module_name} could not be imported: {exc}"
+    try:
+        metadata = dict(module.handler_metadata())
+        _METADATA[platform] = metadata
+        runtime = runtime_ffi_api()
+        for name, meta in metadata.items():
+            version = tuple(meta["api_version"])
+            if runtime is not None and version > runtime:
+                return (f"{module_name} was built against XLA FFI API "
+                        f"{version[0]}.{version[1]}, newer than this jaxlib's "
+                        f"{runtime[0]}.{runtime[1]} (jax {jax.__version__}), which would "
+                        f"reject {name} and fail to initialize its {platform} backend; it "
+                        "was not registered. Rebuild jax_wgrad in pip's isolated build "
+                        "environment (it uses the headers of jax 0.10.2, the oldest "
+                        "supported: FFI API "
+                        f"{OLDEST_SUPPORTED_FFI_API[0]}.{OLDEST_SUPPORTED_FFI_API[1]}).")
+        for name, handler in module.registrations().items():
+            jax.ffi.register_ffi_target(name, handler, platform=xla_name)
+    except Exception as exc:  # noqa: BLE001 -- any failure is the platform's reason
+        return (f"registering the handlers of {module_name} failed: "
+                f"{type(exc).__name__}: {exc}")
+    return None
+
+
 def _register_all() -> None:
     for platform, (module_name, xla_name) in _MODULES.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:  # not built, or a shared library is missing
-            _LOADED[platform] = f"{module_name} could not be imported: {exc}"
-            continue
-        for name, capsule in module.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform=xla_name)
-        _LOADED[platform] = None
+        _LOADED[platform] = _register_module(platform, module_name, xla_name)
 
 
 _register_all()
@@ -79,35 +139,115 @@ def handler_loaded(platform: str) -> bool:
     return load_error(platform) is None
 
 
-def _probe(platform: str) -> str | None:
-    """Runs both handlers once on ``platform``'s first device; ``None`` if right."""
+def handler_metadata(platform: str) -> dict[str, dict[str, Any]]:
+    """What each of ``platform``'s handlers declares to XLA, per target:
+    ``{"api_version": (major, minor), "traits": int, "command_buffer_compatible": bool}``
+    (empty when the module could not be imported)."""
+    return dict(_METADATA.get(normalize_platform(platform), {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    reason: str | None
+    """``None``: every kernel variant ran and was right; else why not."""
+    final: bool
+    """Whether the outcome holds for the rest of the process (kept by the cache)."""
+
+
+# Status codes of a failure that another attempt may not repeat.
+_TRANSIENT = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED",
+              "CANCELLED", "Out of memory")
+
+
+def _probe_cases():
+    """Every kernel variant the library calls, on small integer data that every
+    precision (TF32 included) and dtype represents exactly: ``(name, fn, args, want)``."""
+    import jax.numpy as jnp
     import numpy as np
 
     from jax_wgrad import ops  # late: the ops import this module
 
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(5, 4)).astype(np.float32)
+    dy = rng.integers(-3, 4, size=(5, 3)).astype(np.float32)
+    acc = rng.integers(-8, 9, size=(3, 4)).astype(np.float32)
+    want = acc + dy.T @ x
+    cases = []
+    for precision in ("default", "highest"):  # TF32 on GPUs unless highest
+        cases.append((f"float32 {precision}", lambda x, dy, a, p=precision:
+                      ops.wgrad_accumulate(x, dy, a, precision=p), (x, dy, acc), want))
+    for dt in (jnp.bfloat16, jnp.float16):
+        name = jnp.dtype(dt).name
+        cases.append((f"{name} into float32", ops.wgrad_accumulate,
+                      (x.astype(dt), dy.astype(dt), acc), want))
+        cases.append((f"{name} into {name}", ops.wgrad_accumulate,
+                      (x.astype(dt), dy.astype(dt), acc.astype(dt)), want))
+    flat = rng.integers(-8, 9, size=40).astype(np.float32)
+    block = flat.copy()
+    block[7:19] += (dy.T @ x).ravel()
+    cases.append(("offset block of a flat bucket",
+                  lambda x, dy, b: ops.wgrad_accumulate(x, dy, b, offset=7),
+                  (x, dy, flat), block))
+    gx = rng.integers(-3, 4, size=(2, 5, 4)).astype(np.float32)
+    gdy = rng.integers(-3, 4, size=(2, 5, 3)).astype(np.float32)
+    grouped = flat.copy()
+    grouped[4:28] += np.einsum("eto,eti->eoi", gdy, gx).ravel()
+    cases.append(("grouped experts into a bucket",
+                  lambda x, dy, b: ops.grouped_wgrad_accumulate(x, dy, b, offset=4),
+                  (gx, gdy, flat), grouped))
+    g1 = np.arange(1, 4, dtype=np.float32)
+    g2 = (np.arange(6, dtype=np.float32) - 2).reshape(2, 3)
+    added = flat.copy()
+    added[2:5] += g1
+    added[30:36] += g2.ravel()
+    cases.append(("bucket_add of several blocks",
+                  lambda b, g1, g2: ops.bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
+                  (flat, g1, g2), added))
+    return cases
+
+
+def _probe(platform: str) -> _Outcome:
+    """Runs every kernel variant once on a device of this process; checks each result."""
+    import numpy as np
+
     try:
-        device = jax.devices(platform)[0]
+        device = jax.local_devices(backend=platform)[0]
     except RuntimeError as exc:
-        return f"the handler is built, but jax sees no {platform} device ({exc})"
+        return _Outcome(f"the handler is built, but jax sees no {platform} device of this "
+                        f"process ({exc})", final=False)
+    cases = _probe_cases()
     try:
-        x = np.arange(6, dtype=np.float32).reshape(3, 2)
-        dy = np.arange(9, dtype=np.float32).reshape(3, 3) - 4.0
-        acc = np.ones((3, 2), np.float32)
-        bucket = np.zeros(8, np.float32)
-        grad = np.array([1.0, 2.0, 3.0], np.float32)
-        args = jax.device_put((x, dy, acc, bucket, grad), device)
-        got_acc, got_bucket = jax.jit(lambda x, dy, acc, b, g: (
-            ops.wgrad_accumulate(x, dy, acc, precision="highest"),
-            ops.bucket_add(b, [g], [4])))(*args)
-        want_bucket = bucket.copy()
-        want_bucket[4:7] += grad
-        if not np.allclose(np.asarray(got_acc), acc + dy.T @ x, rtol=1e-6) or not (
-                np.array_equal(np.asarray(got_bucket), want_bucket)):
-            return f"the {platform} handler ran on {device} but returned wrong values"
+        args = jax.device_put([c[2] for c in cases], device)
+        got = jax.jit(lambda args: [c[1](*a) for c, a in zip(cases, args)])(args)
+        got = [np.asarray(g, np.float64) for g in got]
     except Exception as exc:  # noqa: BLE001 -- any failure is the reason
-        return f"a test call of the {platform} handler on {device} failed: " \
-               f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    return None
+        message = str(exc).splitlines()[0][:300] if str(exc) else ""
+        return _Outcome(f"a test call of the {platform} handler on {device} failed: "
+                        f"{type(exc).__name__}: {message}",
+                        final=not any(code in str(exc) for code in _TRANSIENT))
+    for (name, _, _, want), value in zip(cases, got):
+        if not np.array_equal(value, want):
+            return _Outcome(f"the {platform} handler ran on {device} but returned wrong "
+                            f"values ({name})", final=True)
+    return _Outcome(None, final=True)
+
+
+def _probe_outside_traces(platform: str) -> _Outcome:
+    """:func:`_probe` in a thread of its own: jax's trace state is per thread, so a query
+    made while the caller traces (``jit``, ``eval_shape``, NNX transforms) runs concrete."""
+    box: list[_Outcome] = []
+
+    def run() -> None:
+        try:
+            box.append(_probe(platform))
+        except Exception as exc:  # noqa: BLE001 -- never leave the caller without an answer
+            box.append(_Outcome(f"the {platform} handler check failed: "
+                                f"{type(exc).__name__}: {exc}", final=False))
+
+    thread = threading.Thread(target=run, name=f"jax_wgrad-fusion-probe-{platform}")
+    thread.start()
+    thread.join()
+    return box[0]
 
 
 def _status(platform: str) -> str | None:
@@ -115,17 +255,24 @@ def _status(platform: str) -> str | None:
     if loaded is not None:
         return loaded
     with _PROBE_LOCK:
-        if platform not in _VERIFIED:
-            _VERIFIED[platform] = _probe(platform)
-        return _VERIFIED[platform]
+        if platform in _VERIFIED:
+            return _VERIFIED[platform]
+        outcome = _probe_outside_traces(platform)
+        if outcome.final:
+            _VERIFIED[platform] = outcome.reason
+        return outcome.reason
 
 
 def fusion_status() -> dict[str, str | None]:
     """Per platform (``"cpu"``, ``"cuda"``): ``None`` if the fused handlers were shown to
-    work by a test call on that platform's first device, else the reason they cannot be
-    used (not built, library missing, no device, the call failed).
+    work by a test call on a device of this process (every kernel variant: float32 at
+    default (TF32 on GPUs) and highest precision, bf16/fp16 into fp32 and into 16-bit, an
+    offset block, grouped experts, ``bucket_add`` of several blocks), else the reason they
+    cannot be used (not built, built for a newer jax, library missing, no device, a call
+    failed or was wrong).
 
-    The first query of a platform compiles and runs two tiny programs on it.
+    The first query of a platform compiles and runs one small program on it; it may be
+    made anywhere, also while tracing.
     """
     return {p: _status(p) for p in PLATFORMS}
 

@@ -1,0 +1,253 @@
+"""The built FFI handlers as jax meets them: the API version they declare, registration
+that can fail without breaking jax, a status that tells the truth everywhere (under
+tracing, after a transient failure, on every process), the CUDA library's architectures
+and command-buffer (CUDA graph) compatibility."""
+
+import importlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jax_wgrad
+from jax_wgrad import ops
+from jax_wgrad.ops import registry
+
+
+def _loaded_platforms() -> list[str]:
+    return [p for p in registry.PLATFORMS if registry.load_error(p) is None]
+
+
+# ---- 1. handlers that load into every supported jax ----------------------------------
+
+def test_built_handlers_declare_the_oldest_supported_api():
+    # Asked the way XLA asks at registration (a metadata call frame): every handler must
+    # declare an FFI API that jax 0.10.2 (0.3) accepts -- XLA rejects newer handlers.
+    assert registry.OLDEST_SUPPORTED_FFI_API == (0, 3)
+    assert "cpu" in _loaded_platforms()
+    for platform in _loaded_platforms():
+        metadata = registry.handler_metadata(platform)
+        assert set(metadata) == {registry.TARGET, registry.BUCKET_ADD_TARGET}
+        for name, meta in metadata.items():
+            assert tuple(meta["api_version"]) <= registry.OLDEST_SUPPORTED_FFI_API, (
+                platform, name, meta)
+
+
+def test_runtime_ffi_api_is_read_from_the_running_jaxlib():
+    runtime = registry.runtime_ffi_api()
+    assert runtime is not None and runtime >= registry.OLDEST_SUPPORTED_FFI_API
+    if jax.__version__ == "0.10.2":
+        assert runtime == (0, 3)
+
+
+_REAL_IMPORT = importlib.import_module
+
+
+def _importing(monkeypatch, name, fake):
+    """``importlib.import_module(name)`` returns ``fake`` (an object, or an exception to
+    raise); every other import is the real one."""
+    def import_module(requested, *args, **kwargs):
+        if requested != name:
+            return _REAL_IMPORT(requested, *args, **kwargs)
+        if isinstance(fake, Exception):
+            raise fake
+        return fake
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+
+
+class _FakeModule:
+    """A handler module as a build against other headers would export it."""
+
+    def __init__(self, version=(0, 3), registrations=None):
+        self.version, self._registrations, self.registered = version, registrations, False
+
+    def handler_metadata(self):
+        return {"fake_target": {"api_version": self.version, "traits": 0,
+                                "command_buffer_compatible": False}}
+
+    def registrations(self):
+        self.registered = True
+        if self._registrations is None:
+            raise RuntimeError("INVALID_ARGUMENT: duplicate registration")
+        return self._registrations
+
+
+def test_newer_handler_api_is_a_status_not_a_broken_backend(monkeypatch):
+    fake = _FakeModule(version=(0, 99))
+    _importing(monkeypatch, "jax_wgrad._fake", fake)
+    monkeypatch.setattr(registry, "_METADATA", {})
+    reason = registry._register_module("cpu", "jax_wgrad._fake", "cpu")
+    assert "built against XLA FFI API 0.99, newer than this jaxlib's" in reason
+    assert "Rebuild jax_wgrad" in reason
+    assert not fake.registered  # nothing reached XLA
+    # ... and jax's CPU backend still works.
+    assert float(jnp.ones(3).sum()) == 3.0
+
+
+def test_registration_error_is_a_status(monkeypatch):
+    fake = _FakeModule(version=(0, 1), registrations=None)
+    _importing(monkeypatch, "jax_wgrad._fake", fake)
+    monkeypatch.setattr(registry, "_METADATA", {})
+    reason = registry._register_module("cuda", "jax_wgrad._fake", "CUDA")
+    assert reason.startswith("registering the handlers of jax_wgrad._fake failed: ")
+    assert "duplicate registration" in reason
+
+
+def test_import_error_is_a_status(monkeypatch):
+    _importing(monkeypatch, "jax_wgrad._wgrad_ffi_cuda",
+               ImportError("libcublas.so.13: cannot open shared object file"))
+    reason = registry._register_module("cuda", "jax_wgrad._wgrad_ffi_cuda", "CUDA")
+    assert "could not be imported: libcublas.so.13" in reason
+
+
+# ---- 2. a status that tells the truth everywhere ---------------------------------------
+
+@pytest.fixture
+def fresh_status(monkeypatch):
+    """No status remembered: the next query probes again."""
+    monkeypatch.setattr(registry, "_VERIFIED", {})
+
+
+def test_status_asked_while_tracing_is_not_a_failure(fresh_status):
+    seen = []
+
+    def f(x):
+        seen.append(ops.fusion_status()["cpu"])
+        return x + 1
+
+    jax.jit(f)(1.0)
+    jax.eval_shape(f, jax.ShapeDtypeStruct((2,), jnp.float32))
+    assert seen == [None, None]
+    assert registry._VERIFIED["cpu"] is None
+
+
+def test_fused_linear_built_inside_nnx_eval_shape(fresh_status):
+    # Building the module runs require_fusion (a probe) inside NNX's abstract trace.
+    layer = nnx.eval_shape(lambda: jax_wgrad.Linear(
+        4, 3, gradient_accumulation_fusion=True, rngs=nnx.Rngs(0)))
+    assert layer.weight.get_value().shape == (3, 4) == layer.main_grad.get_value().shape
+    assert ops.fusion_status()["cpu"] is None
+
+
+def test_probe_runs_on_a_device_of_this_process(fresh_status, monkeypatch):
+    # jax.devices() lists every process's devices; only local ones can run the probe.
+    def no_global_devices(*args, **kwargs):
+        raise AssertionError("the probe must not pick a device from jax.devices()")
+
+    monkeypatch.setattr(jax, "devices", no_global_devices)
+    assert registry._status("cpu") is None
+
+
+def test_transient_failure_is_not_remembered(fresh_status, monkeypatch):
+    real = jax.local_devices
+
+    def none_yet(*args, **kwargs):
+        raise RuntimeError("Unknown backend cpu")
+
+    monkeypatch.setattr(jax, "local_devices", none_yet)
+    assert "jax sees no cpu device of this process" in registry._status("cpu")
+    assert "cpu" not in registry._VERIFIED
+    monkeypatch.setattr(jax, "local_devices", real)
+    assert registry._status("cpu") is None and registry._VERIFIED["cpu"] is None
+
+
+def test_out_of_memory_is_not_remembered(fresh_status, monkeypatch):
+    def oom(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+
+    monkeypatch.setattr(ops, "wgrad_accumulate", oom)
+    assert "RESOURCE_EXHAUSTED" in registry._status("cpu")
+    assert "cpu" not in registry._VERIFIED
+
+
+@pytest.mark.parametrize("broken,case", [
+    ("grouped_wgrad_accumulate", "grouped experts into a bucket"),
+    ("bucket_add", "bucket_add of several blocks"),
+])
+def test_probe_checks_every_kernel_variant(fresh_status, monkeypatch, broken, case):
+    monkeypatch.setattr(ops, broken, lambda *args, **kwargs: args[2] if broken ==
+                        "grouped_wgrad_accumulate" else args[0])
+    assert registry._status("cpu").endswith(f"returned wrong values ({case})")
+
+
+def test_probe_cases_cover_the_variants():
+    names = [c[0] for c in registry._probe_cases()]
+    assert names == [
+        "float32 default", "float32 highest", "bfloat16 into float32",
+        "bfloat16 into bfloat16", "float16 into float32", "float16 into float16",
+        "offset block of a flat bucket", "grouped experts into a bucket",
+        "bucket_add of several blocks"]
+
+
+# ---- 4. CUDA architectures; 5. command buffers ------------------------------------------
+
+def _cuobjdump() -> str | None:
+    try:
+        import nvidia.cu13
+        for root in nvidia.cu13.__path__:
+            tool = Path(root) / "bin" / "cuobjdump"
+            if tool.exists():
+                return str(tool)
+    except ImportError:
+        pass
+    return shutil.which("cuobjdump")
+
+
+def _cuda_library() -> Path | None:
+    spec = importlib.util.find_spec("jax_wgrad._wgrad_ffi_cuda")
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def test_cuda_library_holds_sm80_sm90_sm100_code_and_ptx():
+    library, tool = _cuda_library(), _cuobjdump()
+    if library is None:
+        pytest.skip("the CUDA handler was not built (no nvcc, or JAX_WGRAD_CUDA=OFF)")
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    elf = subprocess.run([tool, "--list-elf", str(library)], capture_output=True, text=True,
+                         check=True).stdout
+    ptx = subprocess.run([tool, "--list-ptx", str(library)], capture_output=True, text=True,
+                         check=True).stdout
+    for arch in ("sm_80", "sm_90", "sm_100"):
+        assert f".{arch}.cubin" in elf, elf
+    assert ".sm_100.ptx" in ptx, ptx
+
+
+@pytest.mark.cuda_handler
+def test_cuda_handlers_may_be_captured_into_cuda_graphs():
+    metadata = registry.handler_metadata("cuda")
+    for name in (registry.TARGET, registry.BUCKET_ADD_TARGET):
+        assert metadata[name]["command_buffer_compatible"], metadata
+    # The wgrad target is a bundle: its initialize stage creates the cuBLAS handle before
+    # any capture, so the execute stage only enqueues stream work.
+    module = importlib.import_module("jax_wgrad._wgrad_ffi_cuda")
+    assert set(module.registrations()[registry.TARGET]) == {"initialize", "execute"}
+
+
+def test_a_newer_jax_build_refuses_at_configure_time(tmp_path):
+    # CMake reads the headers' version and stops with a clear message (no handler that
+    # would break older jax is ever built), unless explicitly allowed.
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("cmake not found")
+    headers = tmp_path / "include" / "xla" / "ffi" / "api"
+    headers.mkdir(parents=True)
+    (headers / "c_api.h").write_text("#define XLA_FFI_API_MAJOR 0\n#define XLA_FFI_API_MINOR 5\n")
+    script = tmp_path / "check.cmake"
+    source = (Path(__file__).resolve().parents[1] / "ffi" / "CMakeLists.txt").read_text()
+    block = source[source.index("set(JAX_WGRAD_OLDEST_FFI_API"):source.index(
+        "message(STATUS \"jax_wgrad: XLA FFI API")]
+    script.write_text(f'set(XLA_FFI_INCLUDE_DIR "{tmp_path / "include"}")\n' + block)
+    out = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "declare API 0.5, newer than 0.3" in " ".join(out.stderr.split())
+    allowed = subprocess.run([cmake, "-DJAX_WGRAD_ALLOW_NEWER_FFI_API=ON", "-P", str(script)],
+                             capture_output=True, text=True)
+    assert allowed.returncode == 0, allowed.stderr
+
