@@ -281,3 +281,27 @@ def test_example_exits_1_when_it_does_not_fit(plugin, example, monkeypatch, caps
                       "--micro-batch-size", "2"])
     assert exc.value.code == 1
     assert "verdict: DOES NOT FIT: needs" in capsys.readouterr().out
+
+
+_GRAPH_COND = """\
+003: kWhile         [source | sink]
+condition:
+    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    000: kCommandBuffer [source | sink]
+        008: kConditional  [source | sink]
+          false_branch:
+            009: kCustomKernel [source | sink] fusion_a grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            011: kCustomCall    [prev=009 (1) | sink] kCustomCall
+          true_branch:
+            No thunks.
+"""
+
+
+def test_conditional_captured_in_a_command_buffer_is_one_launch():
+    count = hlo.loop_launches(hlo.parse_thunks(_GRAPH_COND), hlo.thunk_names(_META), "while.1",
+                              {"cond.1": "jit(step)/while/body/backward/cond"})
+    assert count.tasks == {"backward": (1, 1)} and count.overhead == 1
+    assert count.tasks_in_command_buffers == ("backward",) and count.conditionals == 0
+    assert (count.command_buffers, count.kernels_in_command_buffers,
+            count.custom_calls_outside) == (1, 2, 0)

@@ -192,7 +192,9 @@ class AotReport:
                 + (f", the cooldown sync's tick +{sum(sync)}" if sync else "")
                 + f"; {lc.command_buffers} command buffers holding "
                 f"{lc.kernels_in_command_buffers} kernels, {lc.custom_calls_outside} custom "
-                f"calls outside command buffers, {lc.conditionals} conditionals")
+                f"calls outside command buffers, {lc.conditionals} conditionals on the host"
+                + (f" ({', '.join(lc.tasks_in_command_buffers)} captured as a whole in a "
+                   "command buffer)" if lc.tasks_in_command_buffers else ""))
             lines.append(f"  launches per microbatch (the busiest stage's ticks / "
                          f"microbatches): {self.launches_per_microbatch:.1f}")
         lines.append("  collectives:")

@@ -392,7 +392,10 @@ class LaunchCount:
     custom_calls_outside: int
     """Custom-call thunks (FFI handlers) run on their own, outside command buffers."""
     conditionals: int
-    """Conditional thunks in a tick (each reads its predicate back to the host)."""
+    """Conditional thunks in a tick outside command buffers (each reads its predicate
+    back to the host)."""
+    tasks_in_command_buffers: tuple[str, ...] = ()
+    """Tasks whose conditional XLA captured in a command buffer (one launch either way)."""
 
     def tick(self, *busy_tasks: str) -> int:
         """Launches of a tick running ``busy_tasks`` (the others idle)."""
@@ -423,19 +426,30 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
     t = find_thunk(thunks, ids[0]) if ids else None
     if t is None or t.kind != "kWhile":
         return None
-    overhead, tasks, conds, once_ids = 0, {}, 0, set()
+    overhead, tasks, conds, once_ids, in_graphs = 0, {}, 0, set(), []
     seqs = list(t.nested.values())
+
+    def task_key(cond: Thunk) -> str:
+        key = _task_of(op_names.get(names.get(cond.id, ""), ""), scopes)
+        while key in tasks:
+            key += "'"
+        return key
+
     for seq in seqs:
         for x in seq:
             if x.kind == "kConditional":
                 conds += 1
-                key = _task_of(op_names.get(names.get(x.id, ""), ""), scopes)
-                if key in once:
+                key = task_key(x)
+                if key.rstrip("'") in once:
                     once_ids.add(x.id)
-                idle, busy = launches([x], busy=False), launches([x], busy=True)
-                while key in tasks:
-                    key += "'"
-                tasks[key] = (idle, busy)
+                tasks[key] = (launches([x], busy=False), launches([x], busy=True))
+            elif x.kind == "kCommandBuffer" and any(
+                    y.kind == "kConditional" for y in x.walk()):
+                # A conditional captured in a command buffer (a CUDA graph's conditional
+                # node): the graph is one launch, busy or idle.
+                key = task_key(next(y for y in x.walk() if y.kind == "kConditional"))
+                in_graphs.append(key)
+                tasks[key] = (1, 1)
             else:
                 overhead += launches([x])
     busy_nodes = [x for seq in seqs for top in seq for x in _busy_walk(top, once_ids)]
@@ -444,10 +458,10 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
         command_buffers=sum(x.kind == "kCommandBuffer" for x in busy_nodes),
         kernels_in_command_buffers=sum(
             len([y for s in x.nested.values() for top in s for y in top.walk()
-                 if y.kind not in _CONTAINERS and y.kind != "kCommandBuffer"])
+                 if y.kind not in _CONTAINERS and y.kind not in ("kCommandBuffer", "kConditional", "kWhile")])
             for x in busy_nodes if x.kind == "kCommandBuffer"),
         custom_calls_outside=sum(x.kind == "kCustomCall" for x in busy_nodes),
-        conditionals=conds)
+        conditionals=conds, tasks_in_command_buffers=tuple(in_graphs))
 
 
 def _busy_walk(t: Thunk, idle=frozenset()):
