@@ -305,3 +305,15 @@ def test_conditional_captured_in_a_command_buffer_is_one_launch():
     assert count.tasks_in_command_buffers == ("backward",) and count.conditionals == 0
     assert (count.command_buffers, count.kernels_in_command_buffers,
             count.custom_calls_outside) == (1, 2, 0)
+
+
+def test_example_compile_only_without_plugin_is_a_clear_error(example, capsys):
+    if _plugin_error() is None:
+        pytest.skip("jax's CUDA plugin is here: the compile would run (see the aot tests)")
+    with pytest.raises(SystemExit) as exc:
+        example.main(["--compile-only", "--num-layers", "2", "--hidden-size", "64",
+                      "--seq-length", "32", "--global-batch-size", "16",
+                      "--micro-batch-size", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "compiling for a GPU needs jax's CUDA plugin" in err or "cannot be lowered" in err
