@@ -16,7 +16,7 @@ from jax import lax
 
 from jax_wgrad import GPTConfig, ParallelConfig, DDPConfig, TrainPlan, default_optimizer
 from jax_wgrad import fusion_available, make_mesh, wgrad_accumulate
-from jax_wgrad.aot import gpu_target, hlo
+from jax_wgrad.aot import gpu_target, hlo, thunks
 from jax_wgrad.ops import registry
 
 # --------------------------------------------------------------- everywhere (text analyses)
@@ -138,16 +138,16 @@ _META = "".join(f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{
 
 
 def test_thunk_sequence_launch_counts():
-    seq = hlo.parse_thunks(_THUNKS)
+    seq = thunks.parse_thunks(_THUNKS)
     assert [t.kind for t in seq] == ["kCommandBuffer", "kWhile", "kCommandBuffer"]
     loop = seq[1]
     assert set(loop.nested) == {"condition", "body"}
-    inner = hlo.find_thunk(seq, 12)
+    inner = thunks.find_thunk(seq, 12)
     assert inner.kind == "kWhile" and set(inner.nested) == {"condition", "body"}
     # once: 2 command buffers + the while (condition 1, body: async copy 1, busy branches
     # 1 graph + 1 custom call + inner while 2, and 1 custom call)
-    assert hlo.launches(seq) == 2 + 1 + 1 + 4 + 1
-    count = hlo.loop_launches(seq, hlo.thunk_names(_META), "while.1",
+    assert thunks.launches(seq) == 2 + 1 + 1 + 4 + 1
+    count = thunks.loop_launches(seq, thunks.thunk_names(_META), "while.1",
                               {"cond.1": "jit(step)/while/body/forward/cond",
                                "cond.2": "jit(step)/while/body/grad_sync_in_cooldown/cond"})
     assert count.overhead == 2  # the condition's compare and the async slice copy
@@ -299,7 +299,7 @@ condition:
 
 
 def test_conditional_captured_in_a_command_buffer_is_one_launch():
-    count = hlo.loop_launches(hlo.parse_thunks(_GRAPH_COND), hlo.thunk_names(_META), "while.1",
+    count = thunks.loop_launches(thunks.parse_thunks(_GRAPH_COND), thunks.thunk_names(_META), "while.1",
                               {"cond.1": "jit(step)/while/body/backward/cond"})
     assert count.tasks == {"backward": (1, 1)} and count.overhead == 1
     assert count.tasks_in_command_buffers == ("backward",) and count.conditionals == 0
