@@ -8,7 +8,7 @@ Measures, for the jitted train step of :func:`jax_wgrad.build_train_step`:
 * ``compile``: lower + compile time at several M (pp = 4).
 * ``step``: CPU step time of two layouts at the same global batch.
 
-Run (8 virtual CPU devices are set up here)::
+Run (8 virtual CPU devices are set up here; no argument runs all three)::
 
     python benchmarks/pipeline_scaling.py memory compile step
 """
@@ -115,9 +115,14 @@ def step_time(model, layouts, global_batch, mbs, fusion, sp, iters):
     return out
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", nargs="+", choices=["memory", "compile", "step"])
+WHAT = ("memory", "compile", "step")
+
+
+def main(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("what", nargs="*", metavar="{memory,compile,step}",
+                   help="what to measure (absent: all three)")
     p.add_argument("--layout", default="2,1,4", help="(dp,tp,pp) for memory/compile")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=128)
@@ -134,7 +139,11 @@ def main():
     p.add_argument("--step-layouts", default="8,1,1;2,2,2",
                    help="(dp,tp,pp) layouts for step, ';'-separated; the first is the baseline")
     p.add_argument("--json", default=None, help="write the results here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    unknown = [w for w in args.what if w not in WHAT]
+    if unknown:  # not choices=: argparse rejects an empty list for nargs="*" with choices
+        p.error(f"argument what: invalid choice: {unknown[0]!r} (choose from {', '.join(WHAT)})")
+    args.what = args.what or list(WHAT)
     SCHEDULE.update(pipeline_schedule=args.pipeline_schedule,
                     recompute_granularity=None if args.recompute_granularity == "none"
                     else args.recompute_granularity)

@@ -19,28 +19,103 @@ The same ``--seed`` gives the same initial parameters and batches for every layo
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
+
+FIELD_DESTS = {"num_moe_experts": "num_experts", "bucket_size": "ddp_bucket_size",
+               "average_in_collective": "ddp_average_in_collective",
+               "load_optim": "no_load_optim"}
+"""Config fields whose flag has another name (the rest are spelled like their flag)."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with every flag's default appended (flags absent by default say
+    in their help what absence means)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and "%(default)" not in text
+                and action.default is not None and action.default is not False
+                and action.default is not argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (``nan``/``inf`` are refused, naming the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+EPILOG = """\
+--load DIR resumes from the newest checkpoint in DIR; a DIR that does not exist or holds no
+checkpoint is an error, unless DIR is also the --save directory (Megatron's "resume if
+there": the run then starts from scratch and says so). A damaged newest checkpoint is an
+error naming the step and the damage; --load-fallback-to-intact loads the newest intact one
+instead."""
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="devices each MoE layer's experts are split over, carved out of the "
-                        "data-parallel ranks (Megatron EP)")
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--gradient-accumulation-fusion", action="store_true",
-                   help="accumulate weight gradients in fp32 main grads with the fused op")
-    g.add_argument("--num-cpu-devices", type=int, default=8,
-                   help="virtual CPU devices when running on CPU (default 8)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                                usage="%(prog)s [flags] (all flags: --help)",
+                                formatter_class=HelpFormatter)
+    g = p.add_argument_group("launch")
+    g.add_argument("--num-cpu-devices", type=positive_int, default=8,
+                   help="virtual CPU devices of this process when running on CPU")
     g.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() (multi-process launch)")
     g.add_argument("--coordinator-address", default=None,
                    help="host:port of process 0 (with --distributed; or JAX_COORDINATOR_ADDRESS)")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--num-processes", type=positive_int, default=None,
+                   help="processes of a --distributed launch (absent: from the cluster's "
+                        "environment)")
+    g.add_argument("--process-id", type=nonnegative_int, default=None,
+                   help="this process's rank in a --distributed launch (absent: from the "
+                        "cluster's environment)")
+    g.add_argument("--verbose-collectives", action="store_true",
+                   help="keep the CPU collectives' (gloo) connection messages on stdout "
+                        "(absent: filtered out)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
+                   help="devices each layer's weights are split over (Megatron TP)")
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1,
+                   help="pipeline stages (Megatron PP); data-parallel size = devices / (TP x PP)")
+    g.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
+                   help="devices each MoE layer's experts are split over, carved out of the "
+                        "data-parallel ranks (Megatron EP)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="shard layer norms and dropout over the sequence on the tensor-parallel "
+                        "ranks (needs TP > 1 to matter)")
+    g.add_argument("--gradient-accumulation-fusion", action="store_true",
+                   help="accumulate weight gradients in fp32 main grads with the fused op")
     g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
                    help="defer the output layer's weight-gradient GEMMs of the last stage "
                         "to after the pipeline schedule (needs pipeline parallelism and "
@@ -64,30 +139,38 @@ def make_parser() -> argparse.ArgumentParser:
                    help="sync each stage's gradient buckets in the pipeline cooldown")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (only with --overlap-grad-reduce; "
-                        "default max(40M, 1M x dp), Megatron's rule)")
+                        "absent: max(40M, 1M x dp), Megatron's rule)")
     g.add_argument("--ddp-average-in-collective", action="store_true",
                    help="average gradients in the collective instead of pre-scaling by 1/dp")
     g.add_argument("--pad-buckets-for-high-nccl-busbw", action="store_true",
                    help="pad buckets to a multiple of lcm(dp, 128, 2^16) (distributed optimizer)")
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--num-layers", type=int, default=2, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=128, help="model width")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP width (absent: 4 x --hidden-size)")
+    g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output layer instead of the word embeddings' transpose")
+    g = p.add_argument_group("precision")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--fp32", action="store_true", help="fp32 compute (the default)")
+    prec.add_argument("--bf16", action="store_true",
+                      help="bf16 activations/GEMMs; fp32 params, grads, optimizer")
     g = p.add_argument_group("mixture of experts (Megatron's flags)")
     g.add_argument("--num-experts", type=int, default=None,
                    help="experts per MoE layer (absent: a dense model)")
-    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
-                   help="each expert's MLP width (default --ffn-hidden-size)")
+                   help="each expert's MLP width (absent: --ffn-hidden-size)")
     g.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "none"),
-                   default="aux_loss")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+                   default="aux_loss", help="the router's load-balancing loss")
+    g.add_argument("--moe-aux-loss-coeff", type=finite_float, default=0.0,
+                   help="weight of the load-balancing loss")
     g.add_argument("--moe-token-dispatcher-type", default="alltoall",
                    help="only alltoall is implemented")
-    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+    g.add_argument("--moe-expert-capacity-factor", type=finite_float, default=None,
                    help="drop tokens over ceil(T k f / E) per expert (absent: no dropping)")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad each expert's input to its capacity (required with a capacity "
@@ -100,52 +183,63 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-dispatch-backward-with-experts-wgrad", action="store_true",
                    help="expert wgrad after the expert dgrad, independent of the dispatch "
                         "all-to-all's backward (needs --moe-grouped-gemm; bitwise equal)")
-    prec = g.add_mutually_exclusive_group()
-    prec.add_argument("--fp32", action="store_true", help="fp32 compute (default)")
-    prec.add_argument("--bf16", action="store_true",
-                      help="bf16 activations/GEMMs; fp32 params, grads, optimizer")
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=4)
-    g.add_argument("--global-batch-size", type=int, default=32)
-    g.add_argument("--train-iters", type=int, default=40)
-    g.add_argument("--lr", type=float, default=2e-3)
-    g.add_argument("--min-lr", type=float, default=None,
-                   help="cosine-decay floor (default: constant lr after warm-up)")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0,
+    g.add_argument("--micro-batch-size", type=int, default=4,
+                   help="samples per microbatch and data-parallel rank")
+    g.add_argument("--global-batch-size", type=int, default=32, help="samples per step")
+    g.add_argument("--train-iters", type=int, default=40,
+                   help="steps to train to (counted from step 0, also when resuming)")
+    g.add_argument("--lr", type=finite_float, default=2e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=finite_float, default=None,
+                   help="cosine-decay floor (absent: constant lr after warm-up)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="steps of linear warm-up from 0 to --lr")
+    g.add_argument("--weight-decay", type=finite_float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--clip-grad", type=finite_float, default=1.0,
                    help="clip the global gradient norm to this value (0: no clipping)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="initial parameters and batches (the same for every layout)")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="a text file or directory, a Megatron PREFIX (PREFIX.bin/.idx), or "
-                        "weighted prefixes 'w1 PREFIX1 w2 PREFIX2 ...' (default: the Python "
+                        "weighted prefixes 'w1 PREFIX1 w2 PREFIX2 ...' (absent: the Python "
                         "standard library's sources)")
     g.add_argument("--split", default="98,2,0",
                    help="train,validation,test proportions of every dataset (Megatron's)")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="default: bytes 256; Megatron data: largest id + 1, padded")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g = p.add_argument_group("checkpointing and evaluation")
-    g.add_argument("--save", default=None, help="save checkpoints in this directory")
+                   help="absent: bytes 256; Megatron data: largest id + 1, padded")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad a vocabulary sized from the data to a multiple of this")
+    g = p.add_argument_group("checkpointing (see below)")
+    g.add_argument("--save", default=None,
+                   help="save checkpoints in this directory (checked writable before the "
+                        "first step)")
     g.add_argument("--save-interval", type=int, default=None,
                    help="steps between checkpoints (a final one is always written)")
-    g.add_argument("--load", default=None, help="resume from the latest checkpoint here")
+    g.add_argument("--load", default=None,
+                   help="resume from the newest checkpoint here; must exist unless it is "
+                        "also --save")
+    g.add_argument("--load-fallback-to-intact", action="store_true",
+                   help="if the newest checkpoint is damaged, load the newest intact one "
+                        "(absent: a damaged newest checkpoint is an error)")
     g.add_argument("--no-load-optim", action="store_true",
                    help="load only the parameters; the optimizer starts afresh")
+    g = p.add_argument_group("evaluation")
     g.add_argument("--eval-interval", type=int, default=None,
-                   help="evaluate on the validation split every this many steps")
+                   help="evaluate on the validation split every this many steps (absent: "
+                        "never)")
     g.add_argument("--eval-iters", type=int, default=10,
                    help="validation batches per evaluation")
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=5)
+    g.add_argument("--log-interval", type=int, default=5, help="steps between log lines")
     g.add_argument("--metrics-file", default=None,
                    help="JSON lines: step, loss, grad_norm, skipped, step_time_s, tokens_per_s "
-                        "(and valid_loss, valid_ppl)")
+                        "(and valid_loss, valid_ppl); a resumed run keeps the steps up to "
+                        "its checkpoint")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     g.add_argument("--profile-dir", default=None,
                    help="write a jax.profiler trace of a few steps after compilation")
-    g.add_argument("--profile-steps", type=int, default=3)
+    g.add_argument("--profile-steps", type=int, default=3, help="steps the profile covers")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none when stdout is not a terminal)")
     g = p.add_argument_group("compile for a GPU (no GPU needed)")
@@ -163,11 +257,28 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flag_names(parser: argparse.ArgumentParser, message: str) -> str:
+    """``message`` with the config fields it names (``hidden_size``) spelled as the flags
+    the user typed (``--hidden-size``); the table comes from the parser's own actions."""
+    flags = {a.dest: a.option_strings[-1] for a in parser._actions
+             if a.option_strings and a.option_strings[-1].startswith("--")}
+    flags |= {field: flags[dest] for field, dest in FIELD_DESTS.items() if dest in flags}
+    names = sorted((n for n in flags if "_" in n), key=len, reverse=True)  # not "lr", "load"
+    if not names:
+        return message
+    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, names)) + r")(?![\w])")
+    return pattern.sub(lambda m: flags[m.group(1)], message)
+
+
+def usage_error(parser: argparse.ArgumentParser, exc: Exception):
+    """Ends the program like argparse does (exit 2), naming flags rather than fields."""
+    parser.error(flag_names(parser, str(exc)))
+
+
 def build_configs(args: argparse.Namespace, vocab_size: int, parser):
     """``(GPTConfig, ParallelConfig, DDPConfig)`` from the flags; a bad combination ends
     the program with an argparse-style error naming it."""
     from jax_wgrad import DDPConfig, GPTConfig, ParallelConfig
-    from jax_wgrad.models.gpt import validate
 
     try:
         model = GPTConfig(
@@ -197,7 +308,6 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             wgrad_deferral_limit=args.wgrad_deferral_limit, defer_mode=args.defer_mode,
             pipeline_schedule=args.pipeline_schedule,
             recompute_granularity=args.recompute_granularity)
-        validate(parallel, model)
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
@@ -205,7 +315,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             pad_buckets_for_high_nccl_busbw=args.pad_buckets_for_high_nccl_busbw,
             clip_grad=args.clip_grad)
     except ValueError as exc:
-        parser.error(str(exc))
+        usage_error(parser, exc)
     return model, parallel, ddp
 
 
@@ -219,7 +329,7 @@ def load_data(args, parser):
         vocab = train.vocab_size if getattr(train, "vocab_size", None) else padded_vocab_size(
             train.max_token_id, args.make_vocab_size_divisible_by)
     except ValueError as exc:
-        parser.error(str(exc))
+        usage_error(parser, exc)
     if args.vocab_size is not None:
         if args.vocab_size <= train.max_token_id:
             parser.error(f"--vocab-size {args.vocab_size} must exceed the data's largest "
@@ -276,14 +386,49 @@ def describe(plan, data, state) -> list[str]:
     ]
 
 
+def loop_options(args: argparse.Namespace):
+    """The loop's :class:`LoopOptions` from the flags (raises ValueError)."""
+    from jax_wgrad.training.loop import LoopOptions
+
+    return LoopOptions(
+        train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
+        save_interval=args.save_interval, load=args.load, load_optim=not args.no_load_optim,
+        load_fallback=args.load_fallback_to_intact, profile_dir=args.profile_dir,
+        profile_steps=args.profile_steps, progress=not args.no_progress)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = make_parser()
     args = parser.parse_args(argv)
+    from jax_wgrad.training.console import LineFilter
+    from jax_wgrad.training.loop import OutOfMemoryError, check_paths
+
+    try:
+        opts = loop_options(args)
+        check_paths(opts)  # before anything is built: a typo in --load, a read-only --save
+    except ValueError as exc:
+        usage_error(parser, exc)
+    quiet = LineFilter() if args.distributed and not args.verbose_collectives else None
+    try:
+        return train(parser, args, opts)
+    except OutOfMemoryError as exc:
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, f"{parser.prog}: interrupted\n")
+    finally:
+        if quiet is not None:
+            quiet.close()
+
+
+def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> dict:
+    """The run of :func:`main` once the flags are checked."""
     import jax
 
     import jax_wgrad
     from jax_wgrad.training.gpu import apply_gpu_xla_flags
-    from jax_wgrad.training.loop import LoopOptions, run
+    from jax_wgrad.training.loop import (OutOfMemoryError, is_out_of_memory,
+                                         out_of_memory_message, run)
     from jax_wgrad.training.metrics import MetricsWriter
 
     if args.compile_only:  # compile for GPUs that are not here; nothing is run
@@ -313,32 +458,30 @@ def main(argv: list[str] | None = None) -> dict:
             process_id=args.process_id).items() if v is not None})
     is_main = jax.process_index() == 0
     log = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
-    train, valid, vocab = load_data(args, parser)
+    train_data, valid, vocab = load_data(args, parser)
     model, parallel, ddp = build_configs(args, vocab, parser)
-    try:
-        opts = LoopOptions(
-            train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
-            eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
-            save_interval=args.save_interval, load=args.load,
-            load_optim=not args.no_load_optim, profile_dir=args.profile_dir,
-            profile_steps=args.profile_steps, progress=not args.no_progress)
-    except ValueError as exc:
-        parser.error(str(exc))
     optimizer = jax_wgrad.default_optimizer(learning_rate(args), weight_decay=args.weight_decay)
-    plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel), optimizer,
-                                      ddp=ddp)
-    state = jax_wgrad.init_train_state(plan, args.seed)
-    for line in describe(plan, train, state):
+    try:  # the plan checks the model against the layout (the one place it is checked)
+        plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel),
+                                          optimizer, ddp=ddp)
+    except ValueError as exc:
+        usage_error(parser, exc)
+    try:
+        state = jax_wgrad.init_train_state(plan, args.seed)
+    except RuntimeError as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise OutOfMemoryError(out_of_memory_message(plan, None, "initialization", exc)) from None
+    for line in describe(plan, train_data, state):
         log(line)
     if gpu_flags:
         log(f"XLA flags for the GPU: {' '.join(gpu_flags)}")
     metrics = MetricsWriter(args.metrics_file if is_main else None,
-                            args.tensorboard_dir if is_main else None,
-                            append=bool(args.load) and args.load == args.save)
+                            args.tensorboard_dir if is_main else None)
     try:
-        out = run(plan, state, train, valid, opts, metrics=metrics, log=log)
-    except ValueError as exc:  # e.g. a checkpoint of another model
-        parser.error(str(exc))
+        out = run(plan, state, train_data, valid, opts, metrics=metrics, log=log)
+    except ValueError as exc:  # a checkpoint that is missing, damaged or of another model
+        usage_error(parser, exc)
     return summarize(plan, out, log)
 
 

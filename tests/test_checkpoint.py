@@ -1,6 +1,7 @@
 """Checkpoint and resume through the example: exact on the same layout, onto other layouts
 (and optimizer modes), after a killed save, and a clear error for another model."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -78,8 +79,8 @@ def test_other_model_is_a_clear_error(example, straight_and_saved, capsys):
         example.main(other + ["--train-iters", "4", "--load", str(d / "ckpt")])
     assert exc.value.code == 2  # argparse's usage error
     err = capsys.readouterr().err
-    assert "was saved for a different model: hidden_size=32 in the checkpoint, 64 in this run" \
-        in err, err
+    assert "was saved for a different model: --hidden-size=32 in the checkpoint, 64 in this " \
+        "run; --seq-length=32 in the checkpoint, 64 in this run" in err, err
 
 
 _KILL_DURING_SAVE = r"""
@@ -100,10 +101,13 @@ ex.main(sys.argv[1:])
 
 
 def test_killed_async_save_leaves_the_previous_checkpoint_loadable(example, tmp_path):
-    ckpt = tmp_path / "ckpt"
+    """SIGKILL during the save of step 4; the resumed run (same metrics file) continues from
+    the newest complete checkpoint and the metrics file holds every step exactly once."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     script = _KILL_DURING_SAVE % str(ROOT / "examples" / "pretrain_gpt.py")
     run = subprocess.run([sys.executable, "-c", script, *SMALL, "--train-iters", "6",
-                          "--save", str(ckpt), "--save-interval", "2"],
+                          "--save", str(ckpt), "--save-interval", "2",
+                          "--metrics-file", str(metrics)],
                          capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
@@ -112,9 +116,145 @@ def test_killed_async_save_leaves_the_previous_checkpoint_loadable(example, tmp_
     latest = Checkpointer(ckpt).latest_step()
     assert latest in (2, 4), latest  # 4 only if its write finished before the kill
     leftovers = [p.name for p in ckpt.iterdir() if not p.name.isdigit()]
-    out = tmp_path / "after.jsonl"
+    killed_steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert killed_steps == [1, 2, 3, 4]  # steps after the checkpoint are in the file
     example.main(SMALL + ["--train-iters", str(latest + 1), "--load", str(ckpt),
-                          "--metrics-file", str(out)])
-    assert [json.loads(line)["step"] for line in out.read_text().splitlines()] == [latest + 1]
+                          "--metrics-file", str(metrics)])
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, latest + 2))  # each step once: the redone ones replaced
     assert all("tmp" in name for name in leftovers), leftovers
-    assert np.isfinite(_losses(out)).all()
+    assert np.isfinite(_losses(metrics)).all()
+
+
+def _usage_error(example, capsys, argv) -> str:
+    """``argv`` ends the example with exit code 2 and one error line (no traceback)."""
+    with pytest.raises(SystemExit) as exc:
+        example.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    (line,) = [ln for ln in err.splitlines() if ": error: " in ln]
+    return line
+
+
+def test_load_of_a_missing_directory_is_an_error(example, tmp_path, capsys):
+    typo = tmp_path / "ckpt-typo"
+    line = _usage_error(example, capsys, SMALL + ["--train-iters", "2", "--load", str(typo)])
+    assert f"--load {typo}: no such directory" in line and "--save" in line
+    assert not typo.exists()  # nothing created
+    (tmp_path / "empty").mkdir()
+    line = _usage_error(example, capsys, SMALL + ["--train-iters", "2", "--load",
+                                                  str(tmp_path / "empty")])
+    assert "no checkpoint in this directory" in line
+
+
+def test_load_equal_to_save_starts_from_scratch_and_says_so(example, tmp_path, capsys):
+    d = str(tmp_path / "new")
+    example.main(["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
+                  "--micro-batch-size", "2", "--global-batch-size", "16", "--no-progress",
+                  "--train-iters", "1", "--load", d, "--save", d])
+    assert f"no checkpoint in {d} yet: starting from scratch" in capsys.readouterr().out
+    from jax_wgrad.training import Checkpointer
+
+    assert Checkpointer(d).latest_step() == 1
+
+
+def _damaged_copy(src: Path, dst: Path, damage) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+def _data_chunk(step_dir: Path) -> Path:
+    """The largest data file of a step's parameters (tensorstore's OCDBT chunks)."""
+    return max((p for p in (step_dir / "params").rglob("*") if p.is_file()
+                and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "9").mkdir(), "step 9 is damaged: item 'meta' is missing"),
+    (lambda d: (d / "3" / "meta" / "metadata").unlink(), "step 3 is damaged: missing file "),
+    (lambda d: _data_chunk(d / "3").unlink(), "step 3 is damaged: ValueError: "),
+], ids=["fake-step-folder", "deleted-meta", "deleted-data-chunk"])
+def test_damaged_checkpoint_is_one_line(example, straight_and_saved, tmp_path, capsys, damage,
+                                        message):
+    d, _ = straight_and_saved
+    ckpt = _damaged_copy(d / "ckpt", tmp_path / "ckpt", damage)
+    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load",
+                                                         str(ckpt)])
+    assert f"checkpoint {ckpt} {message}" in line, line
+    assert len(line) < 400
+
+
+def test_fallback_to_the_newest_intact_step_when_told(example, straight_and_saved, tmp_path,
+                                                      capsys):
+    d, straight = straight_and_saved
+    ckpt = _damaged_copy(d / "ckpt", tmp_path / "ckpt", lambda d: (d / "9").mkdir())
+    out = tmp_path / "m.jsonl"
+    example.main(SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt),
+                                 "--load-fallback-to-intact", "--metrics-file", str(out)])
+    log = capsys.readouterr().out
+    assert "step 9 is damaged: item 'meta' is missing; trying the previous step" in log
+    assert f"resumed from {ckpt} at step 3" in log
+    assert _losses(out) == straight[3:4]  # bitwise, as a plain resume
+
+
+def _as_moe(ckpt: Path, experts: int) -> None:
+    """Rewrites a checkpoint's stored model config as an MoE model's (the config is what is
+    compared, before any array is read)."""
+    meta = ckpt / "3" / "meta" / "metadata"
+    record = json.loads(meta.read_text())
+    record["model"].update(num_moe_experts=experts, moe_ffn_hidden_size=128)
+    meta.write_text(json.dumps(record))
+
+
+def test_moe_checkpoint_loaded_as_dense_names_the_fields(example, straight_and_saved, tmp_path,
+                                                         capsys):
+    d, _ = straight_and_saved
+    ckpt = _damaged_copy(d / "ckpt", tmp_path / "moe", lambda c: _as_moe(c, 4))
+    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load",
+                                                         str(ckpt)])
+    assert line.endswith("was saved for a different model: --num-experts=4 in the checkpoint, "
+                         "None in this run"), line
+    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load",
+                                                         str(ckpt), "--num-experts", "8"])
+    assert line.endswith("--num-experts=4 in the checkpoint, 8 in this run"), line
+
+
+def test_model_differences_field_by_field():
+    from jax_wgrad import GPTConfig
+    from jax_wgrad.training.checkpoint import model_differences
+
+    moe = GPTConfig(num_moe_experts=4, moe_ffn_hidden_size=128, moe_layer_freq=2)
+    saved = dataclasses.asdict(moe)
+    assert model_differences(saved, moe) == []
+    assert model_differences(saved, GPTConfig()) == [("num_moe_experts", 4, None)]
+    assert model_differences(saved, dataclasses.replace(moe, moe_ffn_hidden_size=64,
+                                                        moe_layer_freq=1)) == [
+        ("moe_ffn_hidden_size", 128, 64), ("moe_layer_freq", 2, 1)]
+    old = {k: v for k, v in dataclasses.asdict(GPTConfig()).items() if not k.startswith("moe")
+           and k != "num_moe_experts"}  # a checkpoint from before MoE: the defaults
+    assert model_differences(old, GPTConfig()) == []
+
+
+def test_save_target_that_cannot_be_written_fails_before_training(example, tmp_path, capsys,
+                                                                  monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    line = _usage_error(example, capsys, SMALL + ["--save", str(tmp_path / "a-file" / "ckpt")])
+    assert f"--save {tmp_path / 'a-file' / 'ckpt'}: cannot write there" in line
+    if os.geteuid() != 0:  # root writes into read-only directories
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        line = _usage_error(example, capsys, SMALL + ["--save", str(ro)])
+        assert "cannot write there (Permission denied)" in line
+    import collections
+
+    from jax_wgrad.training import loop
+
+    full = collections.namedtuple("usage", "total used free")(10 << 20, 10 << 20, 1024)
+    monkeypatch.setattr(loop.shutil, "disk_usage", lambda path: full)
+    line = _usage_error(example, capsys, SMALL + ["--train-iters", "2", "--save",
+                                                  str(tmp_path / "full")])
+    assert f"--save {tmp_path / 'full'}: 0.0 MiB free, a checkpoint of this model takes up " \
+        "to" in line

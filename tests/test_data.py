@@ -124,3 +124,45 @@ def test_bad_data_path(tmp_path):
     assert padded_vocab_size(300, 128) == 384 and padded_vocab_size(255, 128) == 256
     with pytest.raises(ValueError, match="token ids must be integers"):
         TokenDataset(np.zeros(4, np.float32))
+
+
+def _dataset(tmp_path, name="d"):
+    write_indexed_dataset(tmp_path / name, [np.arange(100) % 200] * 30, np.uint16)
+    return tmp_path / name
+
+
+def test_truncated_or_padded_bin_is_an_error_naming_the_file(tmp_path):
+    """A .bin cut short would train on part of the data (and size the vocabulary from it):
+    Megatron's index fixes the .bin's size, so the reader refuses it, naming the file."""
+    prefix = _dataset(tmp_path)
+    data = (tmp_path / "d.bin").read_bytes()
+    (tmp_path / "d.bin").write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match=r"d\.bin: 2000 bytes, but .*d\.idx describes 3000 "
+                                         r"uint16 tokens \(6000 bytes\); truncated"):
+        IndexedDataset(prefix)
+    with pytest.raises(ValueError, match=r"d\.bin: .*truncated"):
+        load_data([str(prefix)])
+    (tmp_path / "d.bin").write_bytes(data + b"\0\0")
+    with pytest.raises(ValueError, match="2 bytes more than that"):
+        IndexedDataset(prefix)
+
+
+def test_truncated_idx_is_an_error_naming_the_file(tmp_path):
+    prefix = _dataset(tmp_path)
+    idx = (tmp_path / "d.idx").read_bytes()
+    (tmp_path / "d.idx").write_bytes(idx[:-40])
+    with pytest.raises(ValueError, match=r"d\.idx: .* bytes, but its header announces 30 "
+                                         r"sequences .*\(truncated\)"):
+        IndexedDataset(prefix)
+    (tmp_path / "d.idx").write_bytes(idx[:20])
+    with pytest.raises(ValueError, match=r"d\.idx: 20 bytes, shorter than the 34-byte header"):
+        IndexedDataset(prefix)
+
+
+def test_a_file_of_the_dataset_instead_of_its_prefix_is_named(tmp_path):
+    prefix = _dataset(tmp_path)
+    with pytest.raises(ValueError, match=r"names a file of the Megatron dataset .*pass the prefix"):
+        load_data([str(prefix) + ".bin"])
+    (tmp_path / "d.idx").unlink()
+    with pytest.raises(ValueError, match=r"d\.idx is missing"):
+        load_data([str(prefix)])

@@ -75,8 +75,9 @@ def usage_error(example, capsys, argv: list[str], message: str) -> None:
 
 
 def test_clear_error(example, capsys):
+    # The config's error names its fields; the example names the flags the user typed.
     usage_error(example, capsys, SMALL + ["--pipeline-model-parallel-size", "8"],
-                "num_layers (4) must be divisible by pipeline_model_parallel_size (8)")
+                "--num-layers (4) must be divisible by --pipeline-model-parallel-size (8)")
 
 
 @pytest.mark.slow  # ~1 min alone (5 runs of 6 steps)

@@ -79,7 +79,8 @@ def _reference_loss(params, x, r, cfg, ep):
 @pytest.mark.parametrize("ep,topk", [(1, 1), (2, 2), (4, 1), (4, 2)])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 def test_no_drop_equals_dense_reference(ep, topk, fused):
-    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=None)
+    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=None,
+                    aux_loss_coeff=1e-2)
     params, (x, r) = _params(), _data(ep)
     loss, grads, dx, stats = _sharded_loss_and_grads(cfg, ep, fused)(params, x, r)
     want, (wgrads, wdx) = jax.value_and_grad(_reference_loss, argnums=(0, 1))(
@@ -139,7 +140,8 @@ def _train(cfg, ep, steps=3, lr=0.1):
 def test_delayed_wgrad_is_bitwise_the_serial_order(ep, topk, factor):
     # Megatron's test of --overlap-dispatch-backward-with-experts-wgrad: same seed, 3
     # optimizer steps, every loss and every final parameter bitwise equal.
-    base = dict(num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=factor)
+    base = dict(num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=factor,
+                aux_loss_coeff=1e-2)
     off_losses, off_params = _train(MoEConfig(**base, overlap_wgrad=False), ep)
     on_losses, on_params = _train(MoEConfig(**base, overlap_wgrad=True), ep)
     assert [l.tobytes() for l in on_losses] == [l.tobytes() for l in off_losses]
@@ -151,7 +153,8 @@ def test_delayed_wgrad_is_bitwise_the_serial_order(ep, topk, factor):
 def _backward_graph(overlap, compiled):
     """Dataflow of the loss-and-gradient program on EP=4: the HLO given to XLA
     (``compiled=False``: optimization barriers still visible) or XLA's compiled HLO."""
-    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=2, overlap_wgrad=overlap)
+    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=2, capacity_factor=1.0,
+                    aux_loss_coeff=1e-2, overlap_wgrad=overlap)
     params, (x, r) = _params(), _data(4)
     lowered = _sharded_loss_and_grads(cfg, 4, fused=True).lower(params, x, r)
     hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
@@ -204,7 +207,7 @@ def test_bad_config():
 
 
 def test_experts_not_divisible_by_the_expert_ranks():
-    cfg = MoEConfig(num_experts=6, ffn_hidden_size=F)
+    cfg = MoEConfig(num_experts=6, ffn_hidden_size=F, capacity_factor=1.0, aux_loss_coeff=1e-2)
     params = {"router": jnp.zeros((6, H)), "fc1": jnp.zeros((6, F, H)),
               "fc2": jnp.zeros((6, H, F))}
     fn = jax.shard_map(lambda p, x: moe_mlp(p, x, cfg, expert_axis=EXPERT)[0], mesh=_mesh(4),
@@ -216,7 +219,7 @@ def test_experts_not_divisible_by_the_expert_ranks():
 
 
 def test_expert_weights_must_match_the_ffn_hidden_size():
-    cfg = MoEConfig(num_experts=4, ffn_hidden_size=8)
+    cfg = MoEConfig(num_experts=4, ffn_hidden_size=8, capacity_factor=1.0, aux_loss_coeff=1e-2)
     params = {"router": jnp.zeros((4, 4)), "fc1": jnp.zeros((4, 6, 4)),
               "fc2": jnp.zeros((4, 4, 6))}
     with pytest.raises(ValueError, match=r"fc1 \[E/EP, moe_ffn_hidden_size, H\] = \[4, 8, 4\]"

@@ -1,12 +1,50 @@
-"""Every Python code sample of the README runs as written (each in a fresh namespace)."""
+"""Every code sample and every command of the README runs as printed.
 
+Python samples run in-process, each in a fresh namespace. Each ``bash`` block runs in a
+fresh directory (with ``examples/``, ``tools/`` and ``benchmarks/`` linked in, so relative
+paths and the ``runs/`` outputs behave as in a checkout), its lines in order, through
+``bash``, with ``.venv/bin/python`` / ``python`` meaning this interpreter: the virtual
+environment the README's setup creates is the one running the tests. Blocks that train are
+``slow``; every block must be classified in :data:`BLOCKS`, so a new README command cannot
+go untested unnoticed.
+"""
+
+import os
 import re
+import shlex
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+TEXT = README.read_text()
+SAMPLES = re.findall(r"```python\n(.*?)```", TEXT, re.S)
+COMMANDS = [textwrap.dedent(block) for block in
+            re.findall(r"^ *```bash\n(.*?)^ *```", TEXT, re.S | re.M)]
+
+SETUP = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install (-q )?-e '\.\[test\]' && ")
+"""The README's setup prefix: already done for the interpreter running this test."""
+
+BLOCKS = {
+    # a distinctive part of the block: how it is run
+    "examples/pretrain_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+    "--sequence-parallel": "slow",
+    "pip install -q -e '.[test]' && .venv/bin/python -m pytest": "skip: it is this test suite",
+    "-m jax_wgrad.schedules": "fast",
+    "--save runs/ckpt --save-interval 10": "slow",
+    "examples/plot_metrics.py": "slow",
+    "tools/preprocess_data.py": "slow",
+    "--num-processes 2": "slow",
+    'pip install "jax[cuda13]"': "skip: installs jax's CUDA plugin from the network",
+    "fusion_status()": "fast",
+    "pytest -m gpu": "skip: it is this test suite",
+    "benchmarks/pipeline_scaling.py": "slow",
+    "benchmarks/step_vs_plain_jax.py": "gpu",
+}
 
 
 def test_readme_has_samples():
@@ -16,3 +54,57 @@ def test_readme_has_samples():
 @pytest.mark.parametrize("index", range(len(SAMPLES)))
 def test_readme_sample_runs(index, capsys):
     exec(compile(SAMPLES[index], f"README.md sample {index}", "exec"), {"__name__": "__readme__"})
+
+
+def _kind(block: str) -> str:
+    kinds = [kind for key, kind in BLOCKS.items() if key in block]
+    assert len(kinds) == 1, f"classify this README command in BLOCKS:\n{block}"
+    return kinds[0]
+
+
+def test_every_readme_command_is_classified():
+    assert len(COMMANDS) >= 10
+    for block in COMMANDS:
+        _kind(block)
+
+
+def _params():
+    out = []
+    for i, block in enumerate(COMMANDS):
+        kind = _kind(block)
+        marks = {"slow": [pytest.mark.slow], "gpu": [pytest.mark.gpu], "fast": []}.get(
+            kind, [pytest.mark.skip(reason=kind[len("skip: "):])])
+        first = block.strip().splitlines()[0]
+        out.append(pytest.param(block, marks=marks, id=f"{i}-{first[:60]}"))
+    return out
+
+
+def as_run_here(line: str) -> str:
+    """A README command line as this test runs it: the setup prefix dropped, the README's
+    interpreter replaced by this one."""
+    line = SETUP.sub("", line)
+    python = shlex.quote(sys.executable)
+    line = re.sub(r"(?<![\w/.-])\.venv/bin/python(?=\s)", python, line)
+    return re.sub(r"(?<![\w/.-])python(?=\s)", python, line)
+
+
+@pytest.mark.parametrize("block", _params())
+def test_readme_command_runs_as_printed(block, tmp_path):
+    for name in ("examples", "tools", "benchmarks", "docs"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # the commands set their own device count
+    for line in block.strip().splitlines():
+        cmd = as_run_here(line)
+        run = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True,
+                             env=env, timeout=1800)
+        assert run.returncode == 0, (line, run.stdout[-2000:], run.stderr[-3000:])
+        assert "Traceback" not in run.stderr, (line, run.stderr[-3000:])
+
+
+def test_readme_command_rewrite():
+    line = ".venv/bin/python examples/pretrain_gpt.py --x 1 && python -c 'print(1)'"
+    got = as_run_here("python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && " + line)
+    py = shlex.quote(sys.executable)
+    assert got == f"{py} examples/pretrain_gpt.py --x 1 && {py} -c 'print(1)'"
+    assert "$(" + py in as_run_here("--input $(.venv/bin/python -c 'x')/*.py")

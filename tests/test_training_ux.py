@@ -3,8 +3,10 @@ data, a true 2-process launch, and the small defects (``--train-iters 0``, a bad
 ``--data-path``, progress bars in logs)."""
 
 import importlib.util
+import io
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -221,20 +223,27 @@ def _launch_two_processes(tmp_path: Path, tag: str, extra: list[str]) -> list[Pa
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
+        assert "[Gloo]" not in out, out[:3000]  # gloo's connection chatter is filtered out
     assert "devices: 8 x cpu in 2 process(es)" in outs[0]
     assert not files[1].exists()  # only process 0 writes metrics
     return files
 
 
 def test_two_processes_equal_one_process(example, tmp_path):
-    """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) train,
-    evaluate, save and resume; the curve equals the 8-device single-process run."""
+    """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) train
+    with gradient accumulation fusion, evaluate, save and resume; the curve equals the
+    8-device single-process run. (Every process checks the fused handlers on a device of
+    its own: process 1 cannot run anything on process 0's devices.)"""
+    # No clipping: the global grad norm's cross-process all-reduce runs in gloo, which sums
+    # in its own order (below), and a clip factor off by an ulp may move a parameter by an
+    # ulp; without clipping the norm never enters the update, so losses are bitwise.
+    fused = EVAL + ["--gradient-accumulation-fusion", "--clip-grad", "0"]
     single = tmp_path / "single.jsonl"
-    example.main(SMALL + L222 + EVAL + ["--train-iters", "6", "--no-progress",
-                                        "--metrics-file", str(single)])
+    example.main(SMALL + L222 + fused + ["--train-iters", "6", "--no-progress",
+                                         "--metrics-file", str(single)])
     ckpt = str(tmp_path / "ckpt")
-    first = _launch_two_processes(tmp_path, "first", EVAL + ["--train-iters", "4", "--save", ckpt])[0]
-    second = _launch_two_processes(tmp_path, "second", EVAL + ["--train-iters", "6", "--load", ckpt])[0]
+    first = _launch_two_processes(tmp_path, "first", fused + ["--train-iters", "4", "--save", ckpt])[0]
+    second = _launch_two_processes(tmp_path, "second", fused + ["--train-iters", "6", "--load", ckpt])[0]
     got, want = _rows(first) + _rows(second), _rows(single)
     assert [(r["step"], r.get("loss"), r.get("valid_loss")) for r in got] == \
         [(r["step"], r.get("loss"), r.get("valid_loss")) for r in want]  # bitwise
@@ -243,3 +252,163 @@ def test_two_processes_equal_one_process(example, tmp_path):
     for a, b in zip(got, want):
         if "grad_norm" in a:
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6, abs=0)
+
+
+def _one_error_line(example, capsys, argv: list[str], code: int = 2) -> str:
+    """``argv`` ends the example with exit ``code`` and exactly one error line on stderr
+    (after argparse's one-line usage), no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        example.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == code and "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("usage: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "nan"], "argument --lr: must be a finite number, got 'nan'"),
+    (["--min-lr", "inf"], "argument --min-lr: must be a finite number, got 'inf'"),
+    (["--weight-decay=-inf"], "argument --weight-decay: must be a finite number"),
+    (["--clip-grad", "NaN"], "argument --clip-grad: must be a finite number"),
+    (["--moe-aux-loss-coeff", "nan"], "argument --moe-aux-loss-coeff: must be a finite number"),
+    (["--num-cpu-devices", "0"], "argument --num-cpu-devices: must be >= 1, got 0"),
+    (["--tensor-model-parallel-size", "0"], "argument --tensor-model-parallel-size: must be >= 1"),
+])
+def test_bad_numbers_are_refused_naming_the_flag(example, capsys, argv, message):
+    assert f"error: {message}" in _one_error_line(example, capsys, argv)
+
+
+def test_every_float_flag_is_finite_and_every_flag_has_help(example):
+    parser = example.make_parser()
+    actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert [a.option_strings for a in actions if not (a.help or "").strip()] == []
+    assert [a.option_strings for a in actions if a.type is float] == []  # finite_float instead
+    text = parser.format_help()
+    for flag, default in [("--train-iters", "40"), ("--lr", "0.002"), ("--seed", "1234"),
+                          ("--moe-aux-loss-coeff", "0.0"), ("--split", "98,2,0")]:
+        block = text[text.index(flag + " "):]
+        assert f"(default: {default})" in block[:block.index("\n  --")].replace("\n", " ")
+    groups = {g.title: [a.option_strings[0] for a in g._group_actions]
+              for g in parser._action_groups}
+    assert {"--fp32", "--bf16"} <= set(groups["precision"])
+    assert {"--num-cpu-devices", "--distributed", "--process-id"} <= set(groups["launch"])
+    assert not {"--num-cpu-devices", "--distributed"} & set(groups["parallelism"])
+
+
+def test_config_errors_name_the_flags(example, capsys):
+    line = _one_error_line(example, capsys, SMALL + ["--num-layers", "3",
+                                                     "--pipeline-model-parallel-size", "2"])
+    assert line.endswith("error: --num-layers (3) must be divisible by "
+                         "--pipeline-model-parallel-size (2)"), line
+
+
+def test_flag_names_leave_words_alone(example):
+    parser = example.make_parser()
+    assert example.flag_names(parser, "cannot load: hidden_size (4) and ffn_hidden_size, "
+                                      "num_moe_experts, world_size") == \
+        "cannot load: --hidden-size (4) and --ffn-hidden-size, --num-experts, world_size"
+
+
+class _FakeOOM:
+    """Stands in for ``build_train_step``: its compile (or its first call) raises XLA's
+    out-of-memory error."""
+
+    def __init__(self, plan, state, at):
+        self.at = at
+
+    def lower(self, *args):
+        return self
+
+    def compile(self):
+        if self.at == "compile":
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123456789 bytes.\n"
+                "BufferAssignment OOM Debugging.\n" + "details\n" * 50)
+        return self
+
+    def __call__(self, state, batch):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating "
+                                         "2147483648 bytes.")
+
+
+@pytest.mark.parametrize("at, where", [("compile", "compilation"), ("step", "first step")])
+def test_out_of_memory_is_one_line(example, capsys, monkeypatch, at, where):
+    from jax_wgrad.training import loop
+
+    monkeypatch.setattr(loop, "build_train_step", lambda plan, state: _FakeOOM(plan, state, at))
+    line = _one_error_line(example, capsys, SMALL + ["--train-iters", "2"], code=1)
+    assert f"error: out of memory in the {where}: 4 layers, hidden 32, seq 32, micro batch 2" \
+        in line, line
+    assert "M parameters, train state " in line and " MiB per device" in line, line
+    assert ("XLA tried to allocate 117.7 MiB" if at == "compile"
+            else "XLA tried to allocate 2048.0 MiB") in line, line
+    assert line.endswith("(run with --compile-only to see the per-device memory report)")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_log_lines_are_written_above_the_progress_bar(example, monkeypatch):
+    """On a terminal the bar (stderr) and the log (stdout) share a screen: every log line
+    starts on a cleared line, never after the bar's text."""
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    example.main(["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
+                  "--micro-batch-size", "2", "--global-batch-size", "16",
+                  "--train-iters", "3", "--log-interval", "1"])
+    text = screen.getvalue()
+    assert "it/s" in text or "s/it" in text  # the bar was drawn
+    starts = [m.start() for m in re.finditer(r"iteration +\d+/3", text)]
+    assert len(starts) == 3
+    assert all(text[s - 1] in "\r\n" for s in starts), text
+
+
+def test_interrupted_run_resumes_with_each_step_once_in_the_metrics(example, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Ctrl-C after step 5 (checkpoints at 2 and 4): the run waits for its saves, says where
+    to resume, exits 130 without a traceback; the resumed run replaces step 5's record."""
+    from jax_wgrad.training.metrics import MetricsWriter
+
+    tiny = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "16", "--no-progress"]
+    ckpt, metrics = str(tmp_path / "ckpt"), tmp_path / "m.jsonl"
+    write = MetricsWriter.write
+
+    def write_then_interrupt(self, record):
+        write(self, record)
+        if record["step"] == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(MetricsWriter, "write", write_then_interrupt)
+    with pytest.raises(SystemExit) as exc:
+        example.main(tiny + ["--train-iters", "6", "--save", ckpt, "--save-interval", "2",
+                             "--metrics-file", str(metrics)])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 130 and "Traceback" not in err
+    assert f"interrupted after step 4; the newest checkpoint is step 4 in {ckpt}" in out
+    assert [r["step"] for r in _rows(metrics)] == [1, 2, 3, 4, 5]
+    monkeypatch.setattr(MetricsWriter, "write", write)
+    example.main(tiny + ["--train-iters", "6", "--load", ckpt, "--save", ckpt,
+                         "--metrics-file", str(metrics)])
+    assert [r["step"] for r in _rows(metrics)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_line_filter_drops_only_gloo_chatter(tmp_path):
+    from jax_wgrad.training.console import LineFilter
+
+    with open(tmp_path / "out", "wb") as f:
+        with LineFilter(fd=f.fileno()) as quiet:
+            os.write(f.fileno(), b"keep 1\n[Gloo] Rank 0 is connected to 7 peer ranks. Expected "
+                                 b"number of connected peer ranks is : 7\nkeep [Gloo] 2\n")
+            os.write(f.fileno(), b"[Gloo] Rank 12 is connected to 1 peer ranks. x\npartial")
+            # two threads' messages interleaved, as gloo writes them without a lock
+            os.write(f.fileno(), b"\n[Gloo] Rank [Gloo] Rank 01 is connected to  is connected "
+                                 b"to 11 peer ranks.  peer ranks. Expected number of connected "
+                                 b"peer ranks is : 1\nExpected number of connected peer ranks "
+                                 b"is : 1\nlast")
+    assert (tmp_path / "out").read_bytes() == b"keep 1\nkeep [Gloo] 2\npartial\nlast"
+    assert quiet.dropped == 4

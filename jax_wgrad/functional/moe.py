@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_wgrad import ops
+from jax_wgrad._validation import check_positive
 from jax_wgrad.functional.linear import BucketSlot, WgradBuckets
 
 __all__ = ["MoEConfig", "MoEStats", "route", "dispatch_slots", "grouped_linear",
@@ -55,31 +56,38 @@ __all__ = ["MoEConfig", "MoEStats", "route", "dispatch_slots", "grouped_linear",
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Megatron's MoE options (``--num-experts``, ``--moe-router-topk``, ...).
+    """Megatron's MoE options (``--num-experts``, ``--moe-router-topk``, ...): the ONE place
+    their defaults (Megatron's) and their checks are written.
+
+    :class:`~jax_wgrad.models.gpt.GPTConfig` forwards its flat Megatron-named fields
+    (``num_moe_experts``, ``moe_router_topk``, ...) here: their defaults are read from these
+    fields and :meth:`GPTConfig.moe_config` builds this class, whose ``__post_init__``
+    checks them.
 
     Attributes:
       num_experts: ``E`` (``num_moe_experts``).
       ffn_hidden_size: ``F`` of each expert (``moe_ffn_hidden_size``).
       topk: experts per token (``moe_router_topk``).
-      capacity_factor: ``moe_expert_capacity_factor``; ``None``: no token is ever dropped
-        (capacity = all routed choices of a rank, ``T * k``).
+      capacity_factor: ``moe_expert_capacity_factor``; ``None`` (Megatron's default): no
+        token is ever dropped (capacity = all routed choices of a rank, ``T * k``).
       load_balancing_type: ``"aux_loss"`` or ``"none"`` (``moe_router_load_balancing_type``).
-      aux_loss_coeff: ``moe_aux_loss_coeff``.
+      aux_loss_coeff: ``moe_aux_loss_coeff`` (Megatron's default 0: the loss is computed
+        and reported, its gradient is zero).
       overlap_wgrad: ``overlap_dispatch_backward_with_experts_wgrad`` (module docstring).
     """
 
     num_experts: int
     ffn_hidden_size: int
     topk: int = 2
-    capacity_factor: float | None = 1.0
+    capacity_factor: float | None = None
     load_balancing_type: Literal["aux_loss", "none"] = "aux_loss"
-    aux_loss_coeff: float = 1e-2
+    aux_loss_coeff: float = 0.0
     overlap_wgrad: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise ValueError(f"num_moe_experts ({self.num_experts!r}) must be a positive int")
-        if not 1 <= self.topk <= self.num_experts:
+        check_positive("num_moe_experts", self.num_experts)
+        check_positive("moe_ffn_hidden_size", self.ffn_hidden_size)
+        if not isinstance(self.topk, int) or not 1 <= self.topk <= self.num_experts:
             raise ValueError(f"moe_router_topk ({self.topk}) must be in [1, num_moe_experts "
                              f"= {self.num_experts}]")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
@@ -88,6 +96,10 @@ class MoEConfig:
         if self.load_balancing_type not in ("aux_loss", "none"):
             raise ValueError(f"moe_router_load_balancing_type {self.load_balancing_type!r} "
                              "is not supported; choose 'aux_loss' or 'none'")
+        coeff = self.aux_loss_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not coeff >= 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {coeff!r}")
+        object.__setattr__(self, "aux_loss_coeff", float(coeff))
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert per source rank: ``ceil(T * k * factor / E)`` (Megatron's

@@ -160,9 +160,17 @@ class ParallelConfig:
         """Microbatches per data-parallel rank per step (``M``)."""
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
 
+    def local_seq_length(self, seq_length: int) -> int:
+        """Tokens of a ``seq_length`` sequence that each tensor rank holds between the
+        blocks: ``S / tp`` under sequence parallelism, else ``S``."""
+        return seq_length // self.tensor_model_parallel_size if self.sequence_parallel \
+            else seq_length
+
     @property
     def mesh_shape(self) -> tuple[int, int, int, int]:
-        """``(data, expert, tensor, pipeline)`` sizes: ``(dp / EP, EP, tp, pp)``."""
+        """``(data, expert, tensor, pipeline)`` sizes: ``(dp / EP, EP, tp, pp)``: the one
+        derivation of the mesh's shape (:func:`~jax_wgrad.parallel.mesh.make_mesh`,
+        :func:`~jax_wgrad.parallel.mesh.axis_sizes`)."""
         return (
             self.expert_data_parallel_size,
             self.expert_model_parallel_size,

@@ -58,8 +58,8 @@ def stash_shapes(par: ParallelConfig, seq_length: int, hidden: int, vocab: int,
     if md == 0:
         return ()
     tp, mb = par.tensor_model_parallel_size, par.micro_batch_size
-    s_local = seq_length // tp if par.sequence_parallel else seq_length
-    x = jax.ShapeDtypeStruct((md, mb, s_local, hidden), jnp.dtype(dtype))
+    x = jax.ShapeDtypeStruct((md, mb, par.local_seq_length(seq_length), hidden),
+                             jnp.dtype(dtype))
     if par.defer_mode == "stash":
         return (x, jax.ShapeDtypeStruct((md, mb, seq_length, vocab // tp), jnp.dtype(dtype)))
     return (x, jax.ShapeDtypeStruct((md, mb, seq_length), jnp.float32),

@@ -29,7 +29,7 @@ from jax_wgrad.parallel.config import ParallelConfig
 
 __all__ = ["AXES", "DATA", "EXPERT", "TENSOR", "PIPELINE", "DATA_PARALLEL",
            "EXPERT_DATA_PARALLEL", "make_mesh", "initialize_distributed",
-           "use_virtual_cpu_devices", "local_shape"]
+           "use_virtual_cpu_devices", "local_shape", "axis_sizes", "mesh_shape"]
 
 DATA = "data"
 """Expert-data-parallel axis (``dp / EP`` replicas of every parameter, experts included);
@@ -72,6 +72,18 @@ def use_virtual_cpu_devices(count: int) -> None:
         if have != count:
             raise ValueError(f"use_virtual_cpu_devices({count}): jax already runs with {have} "
                              "CPU devices; call it before the first jax computation") from exc
+
+
+def axis_sizes(config: ParallelConfig) -> dict[str, int]:
+    """``{axis name: size}`` of ``config``'s mesh (its :attr:`~ParallelConfig.mesh_shape`,
+    named by :data:`AXES`)."""
+    return dict(zip(AXES, config.mesh_shape))
+
+
+def mesh_shape(mesh: Mesh) -> tuple[int, int, int, int]:
+    """``(data, expert, tensor, pipeline)`` sizes of a built ``mesh`` (to compare with
+    :attr:`ParallelConfig.mesh_shape`)."""
+    return tuple(int(mesh.shape[a]) for a in AXES)  # type: ignore[return-value]
 
 
 def local_shape(shape: Sequence[int], spec, sizes: dict[str, int]) -> tuple[int, ...]:

@@ -22,8 +22,15 @@ naming the mismatch.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import inspect
 import json
+import logging
 import os
+import re
+import sys
+import threading
+import warnings
 from typing import Any
 
 import jax
@@ -38,11 +45,21 @@ from jax_wgrad.parallel.mesh import AXES
 from jax_wgrad.training.plan import TrainPlan
 from jax_wgrad.training.step import TrainState, init_optimizer_state
 
-__all__ = ["Checkpointer", "MODEL_FIELDS", "canonical_state", "state_from_canonical"]
+__all__ = ["Checkpointer", "CheckpointError", "MODEL_FIELDS", "canonical_state",
+           "state_from_canonical", "model_differences"]
 
 MODEL_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
-                "seq_length", "ffn_hidden_size", "untie_embeddings_and_output_weights")
+                "seq_length", "ffn_hidden_size", "untie_embeddings_and_output_weights",
+                "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq")
 """GPTConfig fields that fix the parameters' shapes: a checkpoint must agree on them."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint step that cannot be read: ``step`` and the damage, in one line."""
+
+    def __init__(self, directory: str, step: int, damage: str):
+        self.directory, self.step, self.damage = directory, step, damage
+        super().__init__(f"checkpoint {directory} step {step} is damaged: {damage}")
 
 
 def _opt_specs(plan: TrainPlan, per_device_state) -> OptimizerState:
@@ -103,14 +120,25 @@ class Checkpointer:
     """Asynchronous, atomic orbax checkpoints of canonical train states (module docstring).
 
     Args:
-      directory: where the steps' checkpoints live (created if missing).
+      directory: where the steps' checkpoints live.
+      create: create ``directory`` if it is missing (for saving); a reading checkpointer
+        (``create=False``) leaves the file system as it is.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, *, create: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
-        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("params", "opt", "meta"))
+        self._create = create
+        self.manager = self._manager()
+
+    def _manager(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True,
+                                               create=self._create)
+        return ocp.CheckpointManager(self.directory, options=options,
+                                     item_names=("params", "opt", "meta"))
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, newest first."""
+        return sorted(self.manager.all_steps(), reverse=True)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or ``None``."""
@@ -146,14 +174,17 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise ValueError(f"no checkpoint in {self.directory}")
-        meta = self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
+        meta = self._read(step, lambda: self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"])
+        if not isinstance(meta, dict) or "step" not in meta or "model" not in meta:
+            raise CheckpointError(self.directory, step, "its meta item holds no step and model")
         _check_model(meta, plan, self.directory, step)
         abstract = canonical_abstract(plan, state)
         items = {"params": ocp.args.StandardRestore(abstract["params"])}
         if load_optim:
             items["opt"] = ocp.args.StandardRestore(abstract["opt"])
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        restored = self._read(step, lambda: self.manager.restore(
+            step, args=ocp.args.Composite(**items)))
         if load_optim:
             new = state_from_canonical(plan, state, restored["params"], restored["opt"],
                                        int(meta["step"]))
@@ -162,6 +193,42 @@ class Checkpointer:
             new = TrainState(_step_array(plan, int(meta["step"])), params,
                              init_optimizer_state(plan, params))
         return new, meta
+
+    def restore_latest(self, plan: TrainPlan, state: TrainState, *, load_optim: bool = True,
+                       fallback: bool = False, log=print) -> tuple[TrainState, dict[str, Any]]:
+        """Loads the newest step; a damaged one is a :class:`CheckpointError`, or, with
+        ``fallback``, is reported through ``log`` and the next older step is tried.
+
+        Raises:
+          ValueError: no checkpoint; another model (named field by field);
+          CheckpointError: the newest step is damaged (without ``fallback``) or every step is.
+        """
+        steps = self.all_steps()
+        if not steps:
+            raise ValueError(f"no checkpoint in {self.directory}")
+        for k, step in enumerate(steps):
+            try:
+                return self.restore(plan, state, step=step, load_optim=load_optim)
+            except CheckpointError as exc:
+                if not fallback:
+                    raise CheckpointError(exc.directory, exc.step, exc.damage + (
+                        f" (--load-fallback-to-intact would try step {steps[k + 1]})"
+                        if k + 1 < len(steps) else "")) from None
+                log(f"{exc}; trying the previous step" if k + 1 < len(steps) else str(exc))
+                self.manager.close()  # a failed restore may leave orbax's manager unusable
+                self.manager = self._manager()
+        raise CheckpointError(self.directory, steps[-1],
+                              f"no intact step among {sorted(steps)}") from None
+
+    def _read(self, step: int, read):
+        """``read()``, with any failure of the files (orbax, tensorstore, the OS) turned into
+        a one-line :class:`CheckpointError` naming the step."""
+        try:
+            return read()
+        except Exception as exc:  # noqa: BLE001 -- orbax/tensorstore raise many types
+            _quiet_failed_restore()
+            gc.collect()  # the failed reads' coroutines report now, quietly
+            raise CheckpointError(self.directory, step, _damage(exc)) from exc
 
     def wait(self) -> None:
         """Blocks until every started save is complete."""
@@ -186,10 +253,82 @@ def canonical_abstract(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
                                 opt_specs, shapes["opt"], is_leaf=lambda x: isinstance(x, P))}
 
 
+def model_differences(saved: dict, model) -> list[tuple[str, Any, Any]]:
+    """``(field, in the checkpoint, in this run)`` for every :data:`MODEL_FIELDS` field on
+    which a checkpoint's model config (``meta["model"]``) and ``model`` disagree; a field
+    missing from an older checkpoint counts as its default. The ``moe_*`` shape fields
+    count only when both models have experts (else ``num_moe_experts`` names it)."""
+    now = dataclasses.asdict(model)
+    defaults = {f.name: f.default for f in dataclasses.fields(model)}
+    then = {k: saved.get(k, defaults[k]) for k in MODEL_FIELDS}
+    dense = then["num_moe_experts"] is None or now["num_moe_experts"] is None
+    return [(k, then[k], now[k]) for k in MODEL_FIELDS if then[k] != now[k]
+            and not (dense and k.startswith("moe_"))]  # a dense model has no MoE shapes
+
+
 def _check_model(meta: dict, plan: TrainPlan, directory: str, step: int) -> None:
-    saved, now = meta.get("model", {}), dataclasses.asdict(plan.model)
-    diff = [f"{k}={saved.get(k)!r} in the checkpoint, {now[k]!r} in this run"
-            for k in MODEL_FIELDS if saved.get(k) != now[k]]
+    diff = model_differences(meta.get("model", {}), plan.model)
     if diff:
         raise ValueError(f"checkpoint {directory} (step {step}) was saved for a different "
-                         f"model: {'; '.join(diff)}")
+                         "model: " + "; ".join(f"{k}={a!r} in the checkpoint, {b!r} in this run"
+                                               for k, a, b in diff))
+
+
+def _damage(exc: BaseException) -> str:
+    """One line saying what is wrong with a checkpoint's files, from the (often very long,
+    chained) error orbax or tensorstore raised."""
+    chain, e = [], exc
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        text = str(e)
+        if isinstance(e, KeyError) and "was not found" in text:
+            found = re.search(r'Item \\?"?(\w+)\\?"? was not found', text)
+            return f"item {found.group(1)!r} is missing" if found else text.strip("'\"")
+        missing = re.search(r"File (\S+) not found", text)
+        if isinstance(e, FileNotFoundError):
+            return f"missing file {e.filename or (missing.group(1) if missing else text)}"
+    # tensorstore reports an absl status ("NOT_FOUND: ...", "DATA_LOSS: ..."): the most
+    # specific line of the chain.
+    status = [e for e in chain if re.match(r"[A-Z_]{5,}: ", str(e))]
+    e = status[-1] if status else exc
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    line = re.sub(r"\s*\[(tensorstore_spec|source locations)\b.*$", "", line)
+    line = re.sub(r'Error opening "\w+" driver: ', "", line)
+    line = re.sub(r"\s*See full TensorStore details:.*$", "", line)
+    out = f"{type(e).__name__}: {line}" if line else type(e).__name__
+    return out if len(out) <= 300 else out[:297] + "..."
+
+
+def _quiet_failed_restore() -> None:
+    """After an orbax restore fails, its reads still under way fail too, each reporting
+    itself (asyncio's "exception was never retrieved", coroutines never awaited, tensorstore
+    calling back into the closed event loop: hundreds of lines). The
+    :class:`CheckpointError` already says what is wrong, once: keep those reports (and only
+    those) off the console from now on."""
+    if getattr(sys.unraisablehook, "_quiet_failed_restore", False):
+        return
+    closed = lambda v: isinstance(v, RuntimeError) and str(v) == "Event loop is closed"
+    previous = sys.excepthook, sys.unraisablehook, threading.excepthook
+
+    def excepthook(kind, value, tb):
+        if not closed(value):
+            previous[0](kind, value, tb)
+
+    def unraisablehook(args):
+        if not (closed(args.exc_value) or inspect.iscoroutine(args.object)):
+            previous[1](args)
+
+    def thread_excepthook(args):
+        if not closed(args.exc_value):
+            previous[2](args)
+
+    unraisablehook._quiet_failed_restore = True
+    sys.excepthook, sys.unraisablehook, threading.excepthook = (
+        excepthook, unraisablehook, thread_excepthook)
+    logging.getLogger("asyncio").addFilter(
+        lambda record: "exception was never retrieved" not in record.getMessage())
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                            category=RuntimeWarning)

@@ -209,7 +209,11 @@ def load_data(data_path: Sequence[str] | None, split: str = "98,2,0"):
             raise ValueError(f"--data-path {' '.join(items)!r}: a weight without a prefix")
     parts = []
     for path in paths:
-        if os.path.isfile(path + ".idx") and os.path.isfile(path + ".bin"):
+        stem, suffix = os.path.splitext(path)
+        if suffix in (".bin", ".idx") and os.path.isfile(stem + ".idx"):
+            raise ValueError(f"--data-path {path!r} names a file of the Megatron dataset "
+                             f"{stem!r}: pass the prefix, --data-path {stem}")
+        if os.path.isfile(path + ".idx") or os.path.isfile(path + ".bin"):
             parts.append(_indexed_parts(path, fractions))
         elif len(paths) == 1:
             parts.append(ByteDataset.from_path(path).split(fractions))

@@ -34,6 +34,8 @@ DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int3
                                 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 """Megatron's ``DType`` enum: code -> numpy dtype."""
 _CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+_HEADER_BYTES = 9 + 8 + 1 + 8 + 8
+"""magic, version, dtype code, number of sequences, of document-index entries."""
 
 
 def optimal_dtype(vocab_size: int) -> type:
@@ -55,6 +57,10 @@ class IndexedDataset:
         for path in (idx, bin_path):
             if not os.path.isfile(path):
                 raise ValueError(f"Megatron indexed dataset {self.prefix!r}: {path} is missing")
+        idx_size = os.path.getsize(idx)
+        if idx_size < _HEADER_BYTES:
+            raise ValueError(f"{idx}: {idx_size} bytes, shorter than the {_HEADER_BYTES}-byte "
+                             "header of a Megatron MMap index (truncated?)")
         with open(idx, "rb") as f:
             header = f.read(9)
             if header != INDEX_HEADER:
@@ -68,6 +74,11 @@ class IndexedDataset:
                 raise ValueError(f"{idx}: unknown dtype code {code}")
             num_seq, num_doc = struct.unpack("<QQ", f.read(16))
             offset = f.tell()
+        want = offset + 12 * num_seq + 8 * num_doc  # int32 lengths, int64 pointers, int64 docs
+        if idx_size != want:
+            raise ValueError(f"{idx}: {idx_size} bytes, but its header announces {num_seq} "
+                             f"sequences and {num_doc} document-index entries, which take "
+                             f"{want} bytes ({'truncated' if idx_size < want else 'trailing bytes'})")
         self.dtype = np.dtype(DTYPE_CODES[code])
         buf = np.memmap(idx, mode="r", dtype=np.uint8)
         self.sequence_lengths = np.frombuffer(buf, np.int32, num_seq, offset)
@@ -75,10 +86,38 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(buf, np.int64, num_seq, offset)
         offset += self.sequence_pointers.nbytes
         self.document_index = np.frombuffer(buf, np.int64, num_doc, offset)
-        if num_doc == 0 or self.document_index[-1] != num_seq:
-            raise ValueError(f"{idx}: the document index must end with the number of "
+        self._check_index(idx, num_seq)
+        self._check_bin(bin_path)
+        self.tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype)
+                       if os.path.getsize(bin_path) else np.zeros(0, self.dtype))
+
+    def _check_index(self, idx: str, num_seq: int) -> None:
+        """The index is self-consistent: sequences back to back from byte 0, documents in
+        order and ending with the number of sequences."""
+        doc = self.document_index
+        if doc.size == 0 or doc[-1] != num_seq or doc[0] != 0 or (np.diff(doc) < 0).any():
+            raise ValueError(f"{idx}: the document index must rise from 0 to the number of "
                              f"sequences ({num_seq})")
-        self.tokens = np.memmap(bin_path, mode="r", dtype=self.dtype)
+        if (self.sequence_lengths < 0).any():
+            raise ValueError(f"{idx}: negative sequence lengths")
+        nbytes = self.sequence_lengths.astype(np.int64) * self.dtype.itemsize
+        expected = np.concatenate([[0], np.cumsum(nbytes)[:-1]]) if num_seq else nbytes
+        bad = np.flatnonzero(self.sequence_pointers != expected)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{idx}: sequence {i} starts at byte {int(self.sequence_pointers[i])} "
+                             f"of the .bin, expected {int(expected[i])} (sequences back to back)")
+
+    def _check_bin(self, bin_path: str) -> None:
+        """The ``.bin`` holds exactly the tokens the index describes (Megatron's layout fixes
+        its size): a truncated file would otherwise train on part of the data."""
+        tokens = int(self.sequence_lengths.astype(np.int64).sum())
+        want, have = tokens * self.dtype.itemsize, os.path.getsize(bin_path)
+        if have != want:
+            what = (f"truncated: it holds {have // self.dtype.itemsize} of them" if have < want
+                    else f"{have - want} bytes more than that")
+            raise ValueError(f"{bin_path}: {have} bytes, but {self.prefix}.idx describes "
+                             f"{tokens} {self.dtype} tokens ({want} bytes); {what}")
 
     def __len__(self) -> int:
         """Number of sequences."""

@@ -6,13 +6,27 @@ from the latest checkpoint (also onto another layout), ``--save`` writes asynchr
 checkpoints every ``--save-interval`` steps and at the end, ``--eval-interval`` runs
 ``--eval-iters`` held-out batches through the forward-only pipeline, metrics go to a
 JSON-lines file and TensorBoard, a ``jax.profiler`` trace of a few steps to
-``--profile-dir``, and the progress bar appears only on a terminal.
+``--profile-dir``, and the progress bar appears only on a terminal (log lines are written
+above it, never onto it).
+
+Nothing is lost quietly: a ``--load`` directory that does not exist is an error (unless it is
+also the ``--save`` directory: Megatron's "resume if there"), a damaged newest checkpoint
+is an error naming the step and the damage (``load_fallback``: the newest intact step is
+loaded instead, and the skipped ones are reported), a ``--save`` target that cannot be
+written or is too small fails before the first step, a resumed run's metrics file holds
+every step once, out of memory at the first step is one line with the sizes, and an
+interrupted run waits for its checkpoint writes before it stops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import re
+import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -21,12 +35,20 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jax_wgrad.training.checkpoint import Checkpointer
+from jax_wgrad.training.checkpoint import Checkpointer, canonical_abstract
 from jax_wgrad.training.metrics import MetricsWriter
 from jax_wgrad.training.plan import TrainPlan
 from jax_wgrad.training.step import TrainState, build_eval_step, build_train_step, shard_batch
 
-__all__ = ["LoopOptions", "run", "evaluate"]
+__all__ = ["LoopOptions", "OutOfMemoryError", "check_paths", "evaluate", "is_out_of_memory",
+           "out_of_memory_message", "run"]
+
+COMPILE_ONLY_HINT = "run with --compile-only to see the per-device memory report"
+"""Where an out-of-memory message points."""
+
+
+class OutOfMemoryError(RuntimeError):
+    """The device memory did not hold the first step (one line: what did not fit)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +65,12 @@ class LoopOptions:
     save_interval: int | None = None
     """Save every this many steps; a final save happens at the end whenever ``save``."""
     load: str | None = None
+    """Resume from the newest checkpoint here. A missing or empty directory is an error,
+    unless it is also ``save`` (then the run starts from scratch and says so)."""
     load_optim: bool = True
+    load_fallback: bool = False
+    """A damaged newest checkpoint: load the newest intact one (``True``) or stop with an
+    error naming the step and the damage (``False``, the default)."""
     profile_dir: str | None = None
     profile_steps: int = 3
     progress: bool = True
@@ -72,14 +99,62 @@ def evaluate(plan: TrainPlan, eval_step, params, valid, opts: LoopOptions) -> fl
     return float(np.mean(losses))
 
 
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_paths(opts: LoopOptions) -> None:
+    """Fails fast (before anything is built) on a ``load`` that is not there and a
+    ``save`` directory that cannot be created or written.
+
+    Raises:
+      ValueError: one line naming the flag, the path and what is wrong.
+    """
+    if opts.load and not _same_dir(opts.load, opts.save):
+        if not os.path.exists(opts.load):
+            raise ValueError(f"--load {opts.load}: no such directory (to start from scratch "
+                             "when it holds no checkpoint yet, pass the same directory to "
+                             "--save as well)")
+        if not os.path.isdir(opts.load):
+            raise ValueError(f"--load {opts.load}: not a directory")
+    if opts.save:
+        probe = os.path.join(opts.save, f".write-probe-{socket.gethostname()}-{os.getpid()}")
+        try:
+            os.makedirs(opts.save, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"jax_wgrad")
+            os.remove(probe)
+        except OSError as exc:
+            raise ValueError(f"--save {opts.save}: cannot write there "
+                             f"({exc.strerror or exc})") from None
+
+
+def _check_free_space(plan: TrainPlan, state: TrainState, opts: LoopOptions) -> None:
+    """A checkpoint must fit in ``opts.save``'s file system (orbax compresses, so the
+    uncompressed size is an upper bound; one step is written at a time)."""
+    need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
+        canonical_abstract(plan, state)))
+    free = shutil.disk_usage(opts.save).free
+    if free < need:
+        raise ValueError(f"--save {opts.save}: {free / 2**20:.1f} MiB free, a checkpoint of "
+                         f"this model takes up to {need / 2**20:.1f} MiB")
+
+
 def _resume(plan: TrainPlan, state: TrainState, opts: LoopOptions, log) -> tuple[TrainState, int]:
     if not opts.load:
         return state, 0
-    ckpt = Checkpointer(opts.load)
-    if ckpt.latest_step() is None:
-        log(f"no checkpoint in {opts.load}: starting from scratch")
-        return state, 0
-    state, meta = ckpt.restore(plan, state, load_optim=opts.load_optim)
+    ckpt = Checkpointer(opts.load, create=False) if os.path.isdir(opts.load) else None
+    if ckpt is None or not ckpt.all_steps():
+        if _same_dir(opts.load, opts.save):
+            log(f"no checkpoint in {opts.load} yet: starting from scratch (--load is the "
+                "--save directory)")
+            return state, 0
+        raise ValueError(f"--load {opts.load}: no checkpoint in this directory")
+    try:
+        state, meta = ckpt.restore_latest(plan, state, load_optim=opts.load_optim,
+                                          fallback=opts.load_fallback, log=log)
+    finally:
+        ckpt.close()
     log(f"resumed from {opts.load} at step {meta['step']} (saved on mesh (data, expert, "
         f"tensor, pipeline) = {_mesh(meta)}; optimizer "
         f"{'loaded' if opts.load_optim else 'fresh'})")
@@ -87,42 +162,78 @@ def _resume(plan: TrainPlan, state: TrainState, opts: LoopOptions, log) -> tuple
 
 
 def _mesh(meta) -> tuple[int, int, int, int]:
+    from jax_wgrad.parallel.config import ParallelConfig
+
     par = meta["parallel"]
-    tp, pp = par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"]
-    ep = par.get("expert_model_parallel_size", 1)  # checkpoints from before EP: 1
-    return (par["world_size"] // (tp * pp * ep), ep, tp, pp)
+    return ParallelConfig(  # checkpoints from before EP: 1
+        world_size=par["world_size"], tensor_model_parallel_size=par["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=par["pipeline_model_parallel_size"],
+        expert_model_parallel_size=par.get("expert_model_parallel_size", 1)).mesh_shape
 
 
 def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOptions, *,
         metrics: MetricsWriter | None = None, log: Callable[[str], None] = print) -> dict:
     """Trains from ``state`` (or the checkpoint in ``opts.load``) to ``opts.train_iters``
-    steps; returns a summary (losses, step times, compile time, validation losses)."""
+    steps; returns a summary (losses, step times, compile time, validation losses).
+
+    Raises:
+      ValueError: a path of ``opts`` (see :func:`check_paths`), a missing or damaged
+        checkpoint, a checkpoint of another model (one line each).
+      OutOfMemoryError: the first step does not fit in device memory.
+      KeyboardInterrupt: after the checkpoint writes under way are complete.
+    """
     metrics = metrics or MetricsWriter()
+    check_paths(opts)
     state, start = _resume(plan, state, opts, log)
+    metrics.start(start)
     gb, seq = plan.parallel.global_batch_size, plan.model.seq_length
     batch = lambda i: shard_batch(plan.mesh, train_data.batch(i, gb, seq, opts.seed))
     compiled, compile_s = None, 0.0
     eval_step = build_eval_step(plan) if opts.eval_interval else None
-    ckpt = Checkpointer(opts.save) if opts.save else None
+    ckpt = None
+    if opts.save:
+        _check_free_space(plan, state, opts)
+        ckpt = Checkpointer(opts.save)
     summary = {"losses": [], "times": [], "skipped_steps": 0, "valid": [], "start_step": start}
     if start < opts.train_iters:
         t0 = time.perf_counter()
-        compiled = build_train_step(plan, state).lower(state, batch(start)).compile()
+        with _first_step_memory(plan, state, "compilation"):
+            compiled = build_train_step(plan, state).lower(state, batch(start)).compile()
         compile_s = time.perf_counter() - t0
         log(f"compile time: {compile_s:.2f} s")
     summary["compile_time_s"] = compile_s
     is_main = jax.process_index() == 0
+    show_bar = opts.progress and is_main and sys.stdout.isatty()
     bar = tqdm(range(start, opts.train_iters), desc="train", dynamic_ncols=True,
-               disable=not (opts.progress and is_main and sys.stdout.isatty()))
+               disable=not show_bar)
+    step_log = _above_the_bar(log) if show_bar else log
     profile = (start + min(1, opts.train_iters - start - 1), opts.profile_steps)
-    for i in bar:
-        state = _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, log)
-        done = i + 1
-        if eval_step and (done % opts.eval_interval == 0 or done == opts.train_iters):
-            _evaluate_and_log(plan, eval_step, state, valid_data, opts, done, summary, metrics,
-                              log)
-        if ckpt and opts.save_interval and done % opts.save_interval == 0:
-            ckpt.save(plan, state, step=done, data_step=done, seed=opts.seed)
+    done = start
+    try:
+        for i in bar:
+            if i == start:
+                with _first_step_memory(plan, state, "first step"):
+                    state = _one_step(compiled, state, batch, i, profile, opts, summary,
+                                      metrics, bar, step_log)
+            else:
+                state = _one_step(compiled, state, batch, i, profile, opts, summary, metrics,
+                                  bar, step_log)
+            done = i + 1
+            if eval_step and (done % opts.eval_interval == 0 or done == opts.train_iters):
+                _evaluate_and_log(plan, eval_step, state, valid_data, opts, done, summary,
+                                  metrics, step_log)
+            if ckpt and opts.save_interval and done % opts.save_interval == 0:
+                ckpt.save(plan, state, step=done, data_step=done, seed=opts.seed)
+    except KeyboardInterrupt:
+        bar.close()
+        if ckpt:
+            ckpt.close()  # let the saves under way finish: they are the resume point
+        metrics.close()
+        latest = ckpt.latest_step() if ckpt else None
+        log(f"interrupted after step {done}" + (
+            f"; the newest checkpoint is step {latest} in {opts.save} (resume with --load "
+            f"{opts.save})" if latest is not None else "; no checkpoint was written"))
+        raise
     if ckpt:
         end = max(start, opts.train_iters)
         if ckpt.latest_step() != end and opts.train_iters > start:
@@ -130,8 +241,63 @@ def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOp
         ckpt.close()
         log(f"checkpoint of step {end} in {opts.save}")
     metrics.close()
+    steps = len(summary["losses"])
+    if steps and summary["skipped_steps"] == steps:
+        log(f"warning: all {steps} steps were skipped (non-finite gradients): the parameters "
+            "did not change")
     summary["state"] = state
     return summary
+
+
+def _above_the_bar(log: Callable[[str], None]) -> Callable[[str], None]:
+    """``log`` that clears the progress bar, writes the line, then redraws the bar (so a
+    log line never lands on the bar's line)."""
+    def write(msg: str) -> None:
+        with tqdm.external_write_mode(file=sys.stdout):
+            log(msg)
+    return write
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is XLA's out-of-memory error (``RESOURCE_EXHAUSTED``)."""
+    return isinstance(exc, RuntimeError) and bool(
+        re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory", str(exc)))
+
+
+@contextlib.contextmanager
+def _first_step_memory(plan: TrainPlan, state: TrainState, where: str):
+    """Turns XLA's out-of-memory error inside the block into a one-line
+    :class:`OutOfMemoryError` with the sizes that did not fit."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise OutOfMemoryError(out_of_memory_message(plan, state, where, exc)) from None
+
+
+def out_of_memory_message(plan: TrainPlan, state: TrainState | None, where: str,
+                          exc: BaseException) -> str:
+    """One line: the model, the train state's bytes per device, what XLA tried to
+    allocate, and where to look next."""
+    model, par = plan.model, plan.parallel
+    parts = [f"out of memory in the {where}: {model.num_layers} layers, hidden "
+             f"{model.hidden_size}, seq {model.seq_length}, micro batch "
+             f"{par.micro_batch_size}, mesh (data, expert, tensor, pipeline) = {par.mesh_shape}"]
+    if state is not None:
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+        per_device = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                         for x in jax.tree.leaves(state))  # shapes only: state may be donated
+        parts.append(f"{n_params / 1e6:.2f} M parameters, train state {per_device / 2**20:.1f} "
+                     f"MiB per device")
+    text = str(exc)
+    tried = re.search(r"allocat\w*\s+(\d+)\s*bytes", text)
+    if tried:
+        parts.append(f"XLA tried to allocate {int(tried.group(1)) / 2**20:.1f} MiB")
+    else:
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+        parts.append(f"XLA: {first[:200]}")
+    return "; ".join(parts) + f" ({COMPILE_ONLY_HINT})"
 
 
 def _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, log):

@@ -18,16 +18,11 @@ from jax_wgrad.ops import require_fusion
 from jax_wgrad.ops.registry import load_error
 from jax_wgrad.optim.distributed import DistributedOptimizer
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.parallel.mesh import AXES, DATA_PARALLEL, PIPELINE, TENSOR
+from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR, mesh_shape
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, schedule_of
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
 
 __all__ = ["TrainPlan", "mesh_shape"]
-
-
-def mesh_shape(mesh: Mesh) -> tuple[int, int, int, int]:
-    """``(data, expert, tensor, pipeline)`` sizes of ``mesh``."""
-    return tuple(int(mesh.shape[a]) for a in AXES)  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -11,6 +11,23 @@ from jax_wgrad.parallel.config import ParallelConfig
 
 __all__ = ["GPTConfig", "validate"]
 
+_MOE = "moe_config"
+"""Field metadata key of the GPT's MoE options: the :class:`MoEConfig` field an option is
+forwarded to, or ``None`` for the GPT's own MoE options (dispatcher, padding, grouped GEMM,
+layer frequency)."""
+
+
+def _forwarded(name: str):
+    """A GPT field forwarded to :class:`MoEConfig`'s field ``name``, with that field's
+    default (the option's one default)."""
+    return dataclasses.field(default=MoEConfig.__dataclass_fields__[name].default,
+                             metadata={_MOE: name})
+
+
+def _gpt_moe_option(default):
+    """An MoE option of the GPT itself (not read by the MoE layer)."""
+    return dataclasses.field(default=default, metadata={_MOE: None})
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -38,29 +55,34 @@ class GPTConfig:
     ``auto`` picks ``cudnn`` on a CUDA GPU with bfloat16 compute and a head size cuDNN
     takes (a multiple of 8, at most 128), ``xla`` otherwise."""
 
-    # -- Mixture of Experts (Megatron's names and defaults, except the dispatcher)
-    num_moe_experts: int | None = None
+    # -- Mixture of Experts (Megatron's names and defaults, except the dispatcher). The
+    # options the MoE layer reads are forwarded to :class:`MoEConfig` (field metadata
+    # ``"moe_config"``: its field's name), whose field defaults and checks are the only ones.
+    num_moe_experts: int | None = dataclasses.field(default=None,
+                                                    metadata={_MOE: "num_experts"})
     """Experts per MoE layer (``--num-experts``); ``None``: a dense model."""
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = _forwarded("topk")
+    moe_ffn_hidden_size: int | None = dataclasses.field(default=None,
+                                                        metadata={_MOE: "ffn_hidden_size"})
     """Each expert's MLP width; ``None`` means ``ffn_hidden_size``."""
-    moe_router_load_balancing_type: Literal["aux_loss", "none"] = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_token_dispatcher_type: Literal["alltoall"] = "alltoall"
+    moe_router_load_balancing_type: Literal["aux_loss", "none"] = _forwarded(
+        "load_balancing_type")
+    moe_aux_loss_coeff: float = _forwarded("aux_loss_coeff")
+    moe_token_dispatcher_type: Literal["alltoall"] = _gpt_moe_option("alltoall")
     """Only ``alltoall`` exists here (Megatron's default is ``allgather``)."""
-    moe_expert_capacity_factor: float | None = None
+    moe_expert_capacity_factor: float | None = _forwarded("capacity_factor")
     """``None``: no token is dropped; else Megatron's capacity ``ceil(T k f / E)``."""
-    moe_pad_expert_input_to_capacity: bool = False
+    moe_pad_expert_input_to_capacity: bool = _gpt_moe_option(False)
     """Pad each expert's input to its capacity. Needs a capacity factor; with one it is
     required here, because XLA's static shapes always pad (see :meth:`__post_init__`)."""
-    moe_grouped_gemm: bool = False
+    moe_grouped_gemm: bool = _gpt_moe_option(False)
     """Expert weight gradients by ONE grouped fused wgrad call per expert linear into the
     gradient bucket (with gradient accumulation fusion); off: ordinary gradients (XLA's
     batched einsum), added to the bucket like a bias gradient."""
-    moe_layer_freq: int = 1
+    moe_layer_freq: int = _gpt_moe_option(1)
     """Every ``moe_layer_freq``-th layer (0, N, 2N, ...) is an MoE layer (Megatron's
     ``[1 if i % N == 0 else 0 for i in range(num_layers)]``); the others are dense."""
-    overlap_dispatch_backward_with_experts_wgrad: bool = False
+    overlap_dispatch_backward_with_experts_wgrad: bool = _forwarded("overlap_wgrad")
     """Megatron PR 3766: the expert wgrad runs after the expert dgrad and independent of the
     dispatch-backward all-to-all (:func:`jax_wgrad.functional.moe_mlp`); bitwise equal."""
 
@@ -90,25 +112,22 @@ class GPTConfig:
         self._validate_moe()
 
     def _validate_moe(self) -> None:
+        """The GPT's own MoE options; the layer's options are checked once, by
+        :class:`MoEConfig` (built here by :meth:`moe_config`)."""
         if self.num_moe_experts is None:
             given = [f.name for f in dataclasses.fields(self)
-                     if (f.name.startswith("moe_")
-                         or f.name == "overlap_dispatch_backward_with_experts_wgrad")
-                     and getattr(self, f.name) != f.default]
+                     if _MOE in f.metadata and getattr(self, f.name) != f.default]
             if given:
                 raise ValueError(f"MoE options {given} need num_moe_experts (a dense model "
                                  "has no experts)")
             return
-        check_positive("num_moe_experts", self.num_moe_experts)
         if self.moe_ffn_hidden_size is None:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
-        check_positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        self.moe_config()  # checks num_experts, F, top-k, capacity factor, loss type, coeff
         check_positive("moe_layer_freq", self.moe_layer_freq)
         if self.moe_token_dispatcher_type != "alltoall":
             raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is "
                              "not supported; only 'alltoall' is implemented")
-        if not isinstance(self.moe_aux_loss_coeff, (int, float)) or self.moe_aux_loss_coeff < 0:
-            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff!r}")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             # Megatron's check (transformer_config.py).
             raise ValueError("moe_expert_capacity_factor must be set to use "
@@ -121,18 +140,14 @@ class GPTConfig:
         if self.overlap_dispatch_backward_with_experts_wgrad and not self.moe_grouped_gemm:
             raise ValueError("overlap_dispatch_backward_with_experts_wgrad requires "
                              "moe_grouped_gemm")
-        self.moe_config()  # MoEConfig checks top-k, the capacity factor and the loss type
 
     def moe_config(self) -> MoEConfig | None:
-        """The MoE layers' :class:`~jax_wgrad.functional.MoEConfig` (``None``: dense)."""
+        """The MoE layers' :class:`~jax_wgrad.functional.MoEConfig` (``None``: dense): every
+        field with ``"moe_config"`` metadata, passed under its MoEConfig name."""
         if self.num_moe_experts is None:
             return None
-        return MoEConfig(
-            num_experts=self.num_moe_experts, ffn_hidden_size=self.moe_ffn_hidden_size,
-            topk=self.moe_router_topk, capacity_factor=self.moe_expert_capacity_factor,
-            load_balancing_type=self.moe_router_load_balancing_type,
-            aux_loss_coeff=float(self.moe_aux_loss_coeff),
-            overlap_wgrad=self.overlap_dispatch_backward_with_experts_wgrad)
+        return MoEConfig(**{f.metadata[_MOE]: getattr(self, f.name)
+                            for f in dataclasses.fields(self) if f.metadata.get(_MOE)})
 
     @property
     def moe_layer_pattern(self) -> tuple[bool, ...]:

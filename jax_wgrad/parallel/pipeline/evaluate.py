@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE
+from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline.schedules import IDLE
+from jax_wgrad.parallel.pipeline.setup import StageSetup
 
 __all__ = ["forward_table", "eval_loss"]
 
@@ -29,17 +30,12 @@ def forward_table(num_stages: int, num_microbatches: int) -> np.ndarray:
 def eval_loss(stages, params, tokens: jax.Array) -> jax.Array:
     """Mean token loss of one global batch (inside ``shard_map``; ``params``: the device
     tree; ``tokens``: int ``[global_batch / dp, S + 1]``)."""
-    par, cfg = stages.parallel, stages.model
-    pp, m, mb = par.pipeline_model_parallel_size, par.num_microbatches, par.micro_batch_size
-    seq = cfg.seq_length
-    if tokens.shape != (m * mb, seq + 1):
-        raise ValueError(f"eval_loss: expected local tokens [{m * mb}, {seq + 1}], got "
-                         f"{tokens.shape}")
-    micro = tokens.reshape(m, mb, seq + 1)
+    setup = StageSetup.of(stages)
+    pp, m = setup.num_stages, setup.num_microbatches
+    micro = setup.microbatches(tokens, "eval_loss")
     layers, experts, shared = params
-    stage = lax.axis_index(PIPELINE) if pp > 1 else jnp.int32(0)
-    s_local = seq // par.tensor_model_parallel_size if par.sequence_parallel else seq
-    act = jnp.zeros((mb, s_local, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
+    stage = setup.stage_index()
+    act = setup.zero_activation()
 
     def tick(carry, row):
         x_recv, loss_sum = carry
@@ -61,5 +57,4 @@ def eval_loss(stages, params, tokens: jax.Array) -> jax.Array:
 
     (_, loss_sum), _ = lax.scan(tick, (act, jnp.float32(0.0)),
                                 jnp.asarray(forward_table(pp, m)))
-    n_local = jnp.float32(m * mb * seq)
-    return lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE)) / lax.psum(n_local, DATA_PARALLEL)
+    return setup.mean_loss(loss_sum)

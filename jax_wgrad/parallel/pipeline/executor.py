@@ -54,6 +54,7 @@ from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline import head
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
+from jax_wgrad.parallel.pipeline.setup import StageSetup
 
 __all__ = ["PipelineCarry", "cooldown_sync", "stage_gradients"]
 
@@ -122,10 +123,9 @@ class _StageRun:
 
     def __init__(self, stages, layout: GradLayout, ddp: DDPConfig, table: ScheduleTable,
                  params, tokens: jax.Array):
-        par, cfg = stages.parallel, stages.model
+        par, cfg, setup = stages.parallel, stages.model, StageSetup.of(stages)
         self.stages, self.layout, self.ddp, self.table, self.par = stages, layout, ddp, table, par
-        self.pp, self.m, mb = par.pipeline_model_parallel_size, par.num_microbatches, \
-            par.micro_batch_size
+        self.pp, self.m = setup.num_stages, setup.num_microbatches
         if (table.num_stages, table.num_microbatches) != (self.pp, self.m):
             raise ValueError(f"stage_gradients: schedule {table.name!r} is for "
                              f"{table.num_stages} stages x {table.num_microbatches} "
@@ -133,23 +133,18 @@ class _StageRun:
         if table.split_backward and not par.gradient_accumulation_fusion:
             raise ValueError(f"stage_gradients: schedule {table.name!r} splits the backward, "
                              "which needs gradient accumulation fusion")
-        seq = cfg.seq_length
-        if tokens.shape != (self.m * mb, seq + 1):
-            raise ValueError(f"stage_gradients: expected local tokens "
-                             f"[{self.m * mb}, {seq + 1}], got {tokens.shape}")
-        self.micro = tokens.reshape(self.m, mb, seq + 1)
-        s_local = seq // par.tensor_model_parallel_size if par.sequence_parallel else seq
-        self.act = jnp.zeros((mb, s_local, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
+        self.micro = setup.microbatches(tokens, "stage_gradients")
+        self.act = setup.zero_activation()
         layers, experts, self.shared = params
         self.layer_params = (layers, experts)
-        self.stage = lax.axis_index(PIPELINE) if self.pp > 1 else jnp.int32(0)
+        self.stage = setup.stage_index()
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
         self.fusion, self.split = par.gradient_accumulation_fusion, table.split_backward
         self.moe = cfg.num_moe_experts is not None
         self.overlap = cooldown_sync(ddp, self.pp)
         self.depth = (table.inbox_depth("F"), table.inbox_depth("B"))
         self.last_tick = jnp.asarray([table.last_grad_tick(s) for s in range(self.pp)])
-        self.head = head.LastStage(stages, layout, table, self.act, seq)
+        self.head = head.LastStage(stages, layout, table, self.act, setup.seq_length)
         own_bk, _ = layout.split_own(layout.buffer.zeros())
         if self.split:
             self.wlist = _fused_list(layout)

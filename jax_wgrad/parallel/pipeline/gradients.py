@@ -13,9 +13,10 @@ from jax.sharding import PartitionSpec as P
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import finalize_grads
 from jax_wgrad.grads.layout import GradLayout
-from jax_wgrad.parallel.mesh import AXES, DATA_PARALLEL, PIPELINE, local_shape
+from jax_wgrad.parallel.mesh import AXES, DATA_PARALLEL, axis_sizes, local_shape
 from jax_wgrad.parallel.pipeline.executor import cooldown_sync, stage_gradients
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
+from jax_wgrad.parallel.pipeline.setup import StageSetup
 
 __all__ = ["grad_layout", "schedule_of", "reduce_gradients", "moe_metrics", "pipeline_gradients"]
 
@@ -24,7 +25,7 @@ def grad_layout(stages, ddp: DDPConfig) -> GradLayout:
     """The layout of one device's gradient buckets for ``stages`` (its model and parallel
     layout): the device tree's per-device shapes with the model's grad specs."""
     par = stages.parallel
-    sizes = dict(zip(AXES, par.mesh_shape))
+    sizes = axis_sizes(par)
     full = jax.eval_shape(stages.init_params)
     local = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(local_shape(a.shape, s, sizes), a.dtype),
                          full, stages.param_specs(), is_leaf=lambda x: isinstance(x, P))
@@ -56,13 +57,13 @@ def reduce_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: Schedule
     buckets, loss_sum, stats = stage_gradients(stages, layout, ddp, table, params, tokens)
     if grad_hook is not None:
         buckets = tuple(grad_hook(buckets))
-    n_local = jnp.float32(par.num_microbatches * par.micro_batch_size * stages.model.seq_length)
+    setup = StageSetup.of(stages)
+    n_local = jnp.float32(setup.num_tokens)
     synced = finalize_grads(
         layout, ddp, buckets, stage_synced=cooldown_sync(ddp, par.pipeline_model_parallel_size),
         num_tokens=n_local, sequence_parallel=par.sequence_parallel,
         pipeline_parallel=par.pipeline_model_parallel_size > 1)
-    loss = lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE)) / lax.psum(n_local, DATA_PARALLEL)
-    return synced, loss, moe_metrics(stats, par)
+    return synced, setup.mean_loss(loss_sum), moe_metrics(stats, par)
 
 
 def moe_metrics(stats, par) -> dict[str, jax.Array]:

@@ -1,0 +1,104 @@
+"""What every pipeline program of a step sets up the same way (:class:`StageSetup`).
+
+The training executor (:func:`~jax_wgrad.parallel.pipeline.executor.stage_gradients`),
+the forward-only evaluation (:func:`~jax_wgrad.parallel.pipeline.evaluate.eval_loss`) and
+the step's finalization (:func:`~jax_wgrad.parallel.pipeline.gradients.reduce_gradients`)
+read the same facts: this data rank's token shape and its microbatches, the activation
+between stages (its sequence length under sequence parallelism), this device's pipeline
+stage, and the number of tokens the loss is normalized by. They are written here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_wgrad.parallel.config import ParallelConfig
+from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE
+
+__all__ = ["StageSetup"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSetup:
+    """Static set-up of one device's pipeline program (see the module docstring).
+
+    Attributes:
+      num_stages: ``P``; num_microbatches: ``M`` per data rank; micro_batch_size: ``mb``.
+      seq_length: ``S`` tokens per sequence (a row of tokens holds ``S + 1``: inputs and
+        the shifted labels).
+      local_seq_length: ``S / tp`` under sequence parallelism, else ``S``
+        (:meth:`ParallelConfig.local_seq_length`).
+      hidden_size: ``H``; dtype: the activations' dtype.
+    """
+
+    num_stages: int
+    num_microbatches: int
+    micro_batch_size: int
+    seq_length: int
+    local_seq_length: int
+    hidden_size: int
+    dtype: jnp.dtype
+
+    @classmethod
+    def create(cls, parallel: ParallelConfig, *, seq_length: int, hidden_size: int,
+               dtype) -> StageSetup:
+        return cls(num_stages=parallel.pipeline_model_parallel_size,
+                   num_microbatches=parallel.num_microbatches,
+                   micro_batch_size=parallel.micro_batch_size, seq_length=seq_length,
+                   local_seq_length=parallel.local_seq_length(seq_length),
+                   hidden_size=hidden_size, dtype=jnp.dtype(dtype))
+
+    @classmethod
+    def of(cls, stages) -> StageSetup:
+        """The set-up of ``stages`` (its ``parallel`` layout and its model's sequence
+        length, width and compute dtype)."""
+        cfg = stages.model
+        return cls.create(stages.parallel, seq_length=cfg.seq_length,
+                          hidden_size=cfg.hidden_size, dtype=cfg.compute_dtype)
+
+    # ---------------------------------------------------------------------- tokens
+
+    @property
+    def tokens_shape(self) -> tuple[int, int]:
+        """This data rank's tokens: ``[M * mb, S + 1]``."""
+        return (self.num_microbatches * self.micro_batch_size, self.seq_length + 1)
+
+    def microbatches(self, tokens: jax.Array, who: str) -> jax.Array:
+        """``tokens [M * mb, S + 1]`` -> ``[M, mb, S + 1]``; ``who`` names the caller in
+        the ``ValueError`` of a wrong shape."""
+        if tokens.shape != self.tokens_shape:
+            m_mb, s1 = self.tokens_shape
+            raise ValueError(f"{who}: expected local tokens [{m_mb}, {s1}], got "
+                             f"{tokens.shape}")
+        return tokens.reshape(self.num_microbatches, self.micro_batch_size,
+                              self.seq_length + 1)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of this data rank's batch (``M * mb * S``): the loss and the gradients
+        are normalized by their sum over the data-parallel ranks."""
+        return self.num_microbatches * self.micro_batch_size * self.seq_length
+
+    def mean_loss(self, loss_sum: jax.Array) -> jax.Array:
+        """The global mean token loss from every device's token-loss sum (inside
+        ``shard_map``; the losses live on the last stage, the tokens on every rank)."""
+        return (lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE))
+                / lax.psum(jnp.float32(self.num_tokens), DATA_PARALLEL))
+
+    # ---------------------------------------------------------------------- activations
+
+    @property
+    def activation_shape(self) -> tuple[int, int, int]:
+        """``[mb, s(/tp), H]``: what one stage hands the next."""
+        return (self.micro_batch_size, self.local_seq_length, self.hidden_size)
+
+    def zero_activation(self) -> jax.Array:
+        return jnp.zeros(self.activation_shape, self.dtype)
+
+    def stage_index(self) -> jax.Array:
+        """This device's pipeline stage (traced; ``0`` without pipeline parallelism)."""
+        return lax.axis_index(PIPELINE) if self.num_stages > 1 else jnp.int32(0)
