@@ -250,10 +250,10 @@ def make_parser() -> argparse.ArgumentParser:
                         "compile time and the step's structure (needs jax's CUDA plugin; "
                         "run with JAX_PLATFORMS=cpu)")
     g.add_argument("--target", choices=("h100", "h200"), default="h100",
-                   help="GPU to compile for with --compile-only (default h100)")
-    g.add_argument("--target-gpus-per-host", "--target-gpus", type=int, default=1,
-                   dest="target_gpus_per_host", help="GPUs per host (default 1)")
-    g.add_argument("--target-hosts", type=int, default=1, help="hosts (default 1)")
+                   help="GPU to compile for with --compile-only")
+    g.add_argument("--target-gpus-per-host", "--target-gpus", type=positive_int, default=1,
+                   dest="target_gpus_per_host", help="GPUs per host")
+    g.add_argument("--target-hosts", type=positive_int, default=1, help="hosts")
     return p
 
 
@@ -444,8 +444,8 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
                 model, parallel, ddp, target=args.target, hosts=args.target_hosts,
                 gpus_per_host=args.target_gpus_per_host, tx=jax_wgrad.default_optimizer(
                     learning_rate(args), weight_decay=args.weight_decay))
-        except (RuntimeError, ValueError) as exc:
-            parser.error(str(exc))
+        except (RuntimeError, ValueError) as exc:  # no plugin or handler; a bad layout
+            usage_error(parser, exc)
         print(report.format(), flush=True)
         if not report.fits:
             raise SystemExit(1)
