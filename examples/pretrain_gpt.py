@@ -242,6 +242,18 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-steps", type=int, default=3, help="steps the profile covers")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none when stdout is not a terminal)")
+    g = p.add_argument_group("compile for a GPU (no GPU needed)")
+    g.add_argument("--compile-only", action="store_true",
+                   help="compile the train step of this layout for --target GPUs and run "
+                        "nothing: print per-device memory against the GPU's with a fits / "
+                        "DOES NOT FIT verdict (exit status 1 when it does not fit), the "
+                        "compile time and the step's structure (needs jax's CUDA plugin; "
+                        "run with JAX_PLATFORMS=cpu)")
+    g.add_argument("--target", choices=("h100", "h200"), default="h100",
+                   help="GPU to compile for with --compile-only")
+    g.add_argument("--target-gpus-per-host", "--target-gpus", type=positive_int, default=1,
+                   dest="target_gpus_per_host", help="GPUs per host")
+    g.add_argument("--target-hosts", type=positive_int, default=1, help="hosts")
     return p
 
 
@@ -419,6 +431,25 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
                                          out_of_memory_message, run)
     from jax_wgrad.training.metrics import MetricsWriter
 
+    if args.compile_only:  # compile for GPUs that are not here; nothing is run
+        from jax_wgrad import aot
+
+        try:  # the configs are checked against the target's GPU count
+            jax_wgrad.use_virtual_cpu_devices(args.target_gpus_per_host * args.target_hosts)
+        except ValueError:  # jax already started (in-process callers): checked below
+            pass
+        model, parallel, ddp = build_configs(args, load_data(args, parser)[2], parser)
+        try:
+            report = aot.compile_for_target(
+                model, parallel, ddp, target=args.target, hosts=args.target_hosts,
+                gpus_per_host=args.target_gpus_per_host, tx=jax_wgrad.default_optimizer(
+                    learning_rate(args), weight_decay=args.weight_decay))
+        except (RuntimeError, ValueError) as exc:  # no plugin or handler; a bad layout
+            usage_error(parser, exc)
+        print(report.format(), flush=True)
+        if not report.fits:
+            raise SystemExit(1)
+        return {"aot": report}
     gpu_flags = apply_gpu_xla_flags()  # before jax initialises its backends
     jax_wgrad.use_virtual_cpu_devices(args.num_cpu_devices)
     if args.distributed:

@@ -4,6 +4,9 @@ import re
 
 import numpy as np
 
+# Module parsing shared with the library's compile reports.
+from jax_wgrad.aot.hlo import computations, entry_name, reachable, while_bodies  # noqa: F401
+
 
 def compiled_text(fn, *args, donate_argnums=()) -> str:
     import jax
@@ -24,54 +27,6 @@ def custom_calls(hlo: str, target: str) -> list[str]:
 def entry_aliases_param(hlo: str, param: int) -> bool:
     header = hlo.splitlines()[0]
     return re.search(rf"input_output_alias=\{{.*\({param}, \{{\}}, may-alias\)", header) is not None
-
-
-def computations(hlo: str) -> dict[str, list[str]]:
-    """``{computation name: its instruction lines}`` of a compiled HLO module's text."""
-    comps: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$", line)
-        if m and not line.startswith(" "):
-            current = m.group(1)
-            comps[current] = []
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            comps[current].append(line.strip())
-    return comps
-
-
-_CALLEES = re.compile(
-    r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
-
-
-def reachable(comps: dict[str, list[str]], root: str) -> set[str]:
-    """Computations called (transitively) from ``root``, ``root`` included."""
-    seen, todo = set(), [root]
-    while todo:
-        c = todo.pop()
-        if c in seen or c not in comps:
-            continue
-        seen.add(c)
-        for line in comps[c]:
-            todo += _CALLEES.findall(line)
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                todo += [n.strip().lstrip("%") for n in group.split(",")]
-    return seen
-
-
-def while_bodies(comps: dict[str, list[str]], computation: str) -> list[tuple[str, str]]:
-    """``(while instruction line, body computation name)`` for the whiles of a computation."""
-    out = []
-    for line in comps[computation]:
-        if " while(" in line:
-            out.append((line, re.search(r"body=%([\w.\-]+)", line).group(1)))
-    return out
-
-
-def entry_name(hlo: str) -> str:
-    return re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
 
 
 def collective_arrays(lines, op: str, dtype: str = "f32", replica_groups=None) -> list[int]:

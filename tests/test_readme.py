@@ -44,6 +44,7 @@ BLOCKS = {
     "pytest -m gpu": "skip: it is this test suite",
     "benchmarks/pipeline_scaling.py": "slow",
     "benchmarks/step_vs_plain_jax.py": "gpu",
+    "--compile-only": "skip: needs jax's CUDA plugin (tests/test_aot.py runs it where it is)",
 }
 
 

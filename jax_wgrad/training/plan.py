@@ -15,6 +15,7 @@ from jax_wgrad.grads.layout import GradLayout
 from jax_wgrad.models.gpt.config import GPTConfig, validate
 from jax_wgrad.models.gpt.stages import GPTStages
 from jax_wgrad.ops import require_fusion
+from jax_wgrad.ops.registry import load_error
 from jax_wgrad.optim.distributed import DistributedOptimizer
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR, mesh_shape
@@ -50,16 +51,23 @@ class TrainPlan:
 
     @classmethod
     def create(cls, model: GPTConfig, parallel: ParallelConfig, mesh: Mesh,
-               tx: optax.GradientTransformation, *, ddp: DDPConfig | None = None) -> TrainPlan:
+               tx: optax.GradientTransformation, *, ddp: DDPConfig | None = None,
+               check_fusion: bool = True) -> TrainPlan:
         """Validates the configs against each other and the mesh, and builds the plan.
 
         Args:
           tx: the optax transformation (element-wise; :func:`default_optimizer` is
             Megatron's AdamW with its weight-decay mask).
+          check_fusion: with ``gradient_accumulation_fusion``, prove the fused handler
+            works by running a test call on the mesh's platform
+            (:func:`~jax_wgrad.ops.require_fusion`). ``False`` when only compiling
+            (:mod:`jax_wgrad.aot`: nothing can run): then only the handler's being
+            built and registered -- what the lowering needs -- is required.
         Raises:
           ValueError: a layout that does not divide the model, or a mesh that is not
             ``parallel``'s; RuntimeError: fusion asked for on a platform without a
-            working handler (Megatron's wording).
+            working handler (Megatron's wording), or, with ``check_fusion=False``,
+            without a loaded one.
         """
         ddp = ddp or DDPConfig()
         validate(parallel, model)
@@ -68,8 +76,11 @@ class TrainPlan:
                              f"{mesh_shape(mesh)} "
                              f"does not match the parallel config's {parallel.mesh_shape}")
         platform = mesh.devices.flat[0].platform
-        if parallel.gradient_accumulation_fusion:
+        if parallel.gradient_accumulation_fusion and check_fusion:
             require_fusion(platform, who="gradient_accumulation_fusion")
+        elif parallel.gradient_accumulation_fusion and load_error(platform) is not None:
+            raise RuntimeError(f"gradient_accumulation_fusion: the fused path cannot be "
+                               f"lowered for platform '{platform}': {load_error(platform)}")
         stages = GPTStages(model, parallel, platform=platform)
         layout = grad_layout(stages, ddp)
         optimizer = DistributedOptimizer.create(

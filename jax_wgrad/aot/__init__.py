@@ -1,0 +1,23 @@
+"""Compile the train step for GPUs without one (deviceless XLA:GPU compilation).
+
+* :func:`compile_for_target` (configs) / :func:`compile_plan` (a plan on target devices)
+  -> :class:`AotReport`: per-device memory against the target's with a fits / DOES NOT
+  FIT verdict, compile time, and structural facts of the compiled step
+  (``report.format()`` prints them).
+* :func:`gpu_target` / :data:`TARGETS` (``"h100"``, ``"h200"``), :func:`target_devices`.
+* :mod:`jax_wgrad.aot.hlo` (compiled HLO text) and :mod:`jax_wgrad.aot.thunks` (XLA:GPU's
+  thunk sequence, e.g. :func:`~jax_wgrad.aot.thunks.loop_launches`: launches per loop
+  iteration, a command buffer counting as one): the analyses, reusable on any module.
+
+Needs jax's CUDA plugin (e.g. ``pip install 'jax[cuda13]'``), run with
+``JAX_PLATFORMS=cpu``; the CUDA handler must be built for the fused path to lower.
+"""
+
+from jax_wgrad.aot import hlo, thunks
+from jax_wgrad.aot.compile import abstract_train_state, compile_for_target, compile_plan
+from jax_wgrad.aot.report import AotReport, Collectives
+from jax_wgrad.aot.targets import TARGETS, GpuTarget, gpu_target, target_devices
+
+__all__ = ["AotReport", "Collectives", "GpuTarget", "TARGETS", "abstract_train_state",
+           "compile_for_target", "compile_plan", "gpu_target", "hlo", "target_devices",
+           "thunks"]

@@ -1,0 +1,244 @@
+"""Compile the real train step for GPUs that are not there, and report what XLA made of it.
+
+:func:`compile_for_target` builds the :class:`~jax_wgrad.training.TrainPlan` of a layout
+on compile-only devices of a GPU topology (jax's CUDA plugin: no driver, no GPU), traces
+the jitted, donating train step on abstract inputs (``jax.ShapeDtypeStruct`` with the
+plan's shardings: no array is created), compiles it with XLA:GPU and returns an
+:class:`AotReport`: per-device memory against the target's, compile time, and the
+structural facts this library promises (fused calls aliased, no bucket-sized kernel or
+copy in the schedule loop, no 16-bit scatter, launches per tick, collectives overlapped).
+
+Nothing is run, so the fused handler's test call (:func:`~jax_wgrad.ops.require_fusion`)
+is skipped (``TrainPlan.create(..., check_fusion=False)``); the lowering only needs the
+CUDA handler built and registered. The compile uses the flags a GPU run gets
+(:data:`~jax_wgrad.training.gpu.GPU_XLA_FLAGS`) unless ``XLA_FLAGS`` sets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_wgrad.aot import hlo, thunks
+from jax_wgrad.aot.report import DEFAULT_MEM_FRACTION, FUSION_SKIPPED, AotReport, collectives
+from jax_wgrad.aot.targets import GpuTarget, gpu_target, target_devices
+
+__all__ = ["abstract_train_state", "compile_for_target", "compile_plan"]
+
+def _with_shardings(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        tree, shardings)
+
+
+def abstract_train_state(plan) -> Any:
+    """A :class:`~jax_wgrad.training.TrainState` of ``jax.ShapeDtypeStruct`` with the
+    plan's shardings (what :func:`~jax_wgrad.training.init_train_state` would create),
+    traced only: no array is made, no device is used."""
+    from jax_wgrad.parallel.mesh import AXES
+    from jax_wgrad.training.step import TrainState, _stack
+
+    stages, opt, mesh = plan.stages, plan.optimizer, plan.mesh
+    params = _with_shardings(jax.eval_shape(lambda: stages.init_params(0)),
+                             plan.param_shardings)
+    init = jax.shard_map(lambda p: _stack(opt.init(stages.device_tree(p))), mesh=mesh,
+                         in_specs=(stages.param_specs(),), out_specs=P(AXES),
+                         check_vma=False)
+    per_device = NamedSharding(mesh, P(AXES))
+    opt_state = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=per_device),
+        jax.eval_shape(init, params))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return TrainState(step, params, opt_state)
+
+
+def _device_bytes(tree) -> int:
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape)
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def _xla_options(extra: dict[str, Any] | None) -> dict[str, Any]:
+    from jax_wgrad.training.gpu import GPU_XLA_FLAGS
+
+    env = os.environ.get("XLA_FLAGS", "")
+    opts = {k.lstrip("-"): (v == "true" if v in ("true", "false") else v)
+            for k, v in GPU_XLA_FLAGS.items() if k not in env}
+    opts.update(extra or {})
+    return opts
+
+
+def _compile_dumped(lowered, opts: dict[str, Any]):
+    """``(compiled, thunk sequence text, thunk metadata text)``: compiled with ``opts``
+    and a dump into a temporary directory (removed) for XLA:GPU's thunk sequence."""
+    with tempfile.TemporaryDirectory(prefix="jax_wgrad_aot_") as dump:
+        compiled = lowered.compile({**opts, "xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+
+        def largest(*patterns):
+            for pattern in patterns:
+                files = glob.glob(os.path.join(dump, pattern))
+                if files:
+                    with open(max(files, key=os.path.getsize)) as f:
+                        return f.read()
+            return None
+
+        return (compiled, largest("*thunk_sequence_after_thunk_passes.txt",
+                                  "*thunk_sequence.txt"), largest("*thunk_metadata.txt"))
+
+
+def _loop_facts(text: str, comps, sizes) -> tuple[tuple[str, str] | None, list[str], list[str]]:
+    """The schedule loop, and the bucket-sized kernels or copies run every tick and in the
+    cooldown sync's branch (once per step)."""
+    loop = hlo.schedule_loop(text, sizes)
+    if loop is None:
+        return None, [], []
+    cooldown: set[str] = set()
+    for ins in hlo.instructions(comps[loop[1]]):
+        if ins.opcode == "conditional" and "/grad_sync_in_cooldown" in ins.op_name:
+            for b in hlo.branches(ins.line):
+                cooldown |= hlo.reachable(comps, b)
+    every_tick = hlo.reachable(comps, loop[1]) - cooldown
+    name = lambda i: f"{i.opcode} {i.name} {i.shape}"  # noqa: E731
+    return (loop, [name(i) for i in hlo.sized_ops(comps, every_tick, sizes)],
+            [name(i) for i in hlo.sized_ops(comps, cooldown, sizes)])
+
+
+def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int | None = None,
+                 hosts: int = 1, xla_options: dict[str, Any] | None = None,
+                 fusion: str | None = None) -> AotReport:
+    """Compiles ``plan``'s train step (the plan's mesh must be of compile-only devices of
+    ``target``, :func:`~jax_wgrad.aot.target_devices`) and reports on it.
+
+    Args:
+      xla_options: more XLA debug options for this compile (e.g.
+        ``{"xla_gpu_enable_command_buffer": ""}``), on top of the GPU run's flags.
+      fusion: the line that says how the fused path was checked (default: skipped when
+        fusion is on).
+    """
+    from jax_wgrad.ops.registry import BUCKET_ADD_TARGET, TARGET
+    from jax_wgrad.parallel.mesh import DATA_PARALLEL
+    from jax_wgrad.training.step import build_train_step
+
+    target = gpu_target(target) if isinstance(target, str) else target
+    devices = plan.mesh.devices.size
+    gpus_per_host = gpus_per_host or devices // hosts
+    par = plan.parallel
+    t0 = time.perf_counter()
+    state = abstract_train_state(plan)
+    tokens = jax.ShapeDtypeStruct(
+        (par.global_batch_size, plan.model.seq_length + 1), jnp.int32,
+        sharding=NamedSharding(plan.mesh, P(DATA_PARALLEL)))
+    step = build_train_step(plan, state)
+    lowered = step.trace(state, tokens).lower()
+    t1 = time.perf_counter()
+    opts = _xla_options(xla_options)
+    compiled, thunk_text, meta_text = _compile_dumped(lowered, opts)
+    t2 = time.perf_counter()
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+
+    buf = plan.layout.buffer
+    bucket_bytes = sum(int(n) * np.dtype(d).itemsize
+                       for n, d in zip(buf.bucket_numels, buf.bucket_dtypes))
+    sizes = sorted({int(n) for n in buf.bucket_numels if n >= 1 << 16}
+                   | {int(max(buf.bucket_numels))}, reverse=True)
+    comps = hlo.computations(text)
+    loop, loop_ops, cooldown_ops = _loop_facts(text, comps, sizes)
+    wgrad = hlo.custom_calls(text, TARGET)
+    badd = hlo.custom_calls(text, BUCKET_ADD_TARGET)
+
+    launches = None
+    if loop is not None and thunk_text and meta_text:
+        op_names = {i.name: i.op_name for i in hlo.instructions(text.splitlines())}
+        launches = thunks.loop_launches(thunks.parse_thunks(thunk_text),
+                                        thunks.thunk_names(meta_text), loop[0], op_names)
+
+    # jax's GPU allocator is capped at this share whether it preallocates or not.
+    frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
+    return AotReport(
+        target=target.description, gpus_per_host=gpus_per_host, hosts=hosts,
+        mesh_shape=tuple(int(plan.mesh.shape[a]) for a in plan.mesh.axis_names),
+        num_params=sum(int(np.prod(a.shape, dtype=np.int64))
+                       for a in jax.tree.leaves(state.params)),
+        device_memory=target.memory_bytes, mem_fraction=frac,
+        param_bytes=_device_bytes(state.params), optimizer_bytes=_device_bytes(state.opt_state),
+        bucket_bytes=bucket_bytes, argument_bytes=mem.argument_size_in_bytes,
+        output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
+        temp_bytes=mem.temp_size_in_bytes,
+        generated_code_bytes=mem.generated_code_size_in_bytes,
+        trace_lower_s=t1 - t0, compile_s=t2 - t1,
+        fusion=fusion or (FUSION_SKIPPED if par.gradient_accumulation_fusion
+                          else "gradient accumulation fusion off"),
+        wgrad_calls=len(wgrad), wgrad_aliased=sum(map(hlo.aliased, wgrad)),
+        bucket_add_calls=len(badd), bucket_add_aliased=sum(map(hlo.aliased, badd)),
+        loop=None if loop is None else loop[0], bucket_sizes=tuple(sizes),
+        loop_bucket_ops=tuple(loop_ops), cooldown_bucket_ops=tuple(cooldown_ops),
+        scatters_16bit=tuple(f"{i.name} {i.shape}" for i in hlo.scatters_16bit(text)),
+        collectives=collectives(comps),
+        launches=launches,
+        launches_per_microbatch=None if launches is None else _per_microbatch(launches,
+                                                                              plan.table),
+        num_microbatches=par.num_microbatches,
+        num_ticks=plan.table.num_ticks,
+        xla_flags=tuple(f"--{k}={v}".replace("=True", "=true").replace("=False", "=false")
+                        for k, v in opts.items()))
+
+
+def _per_microbatch(lc: thunks.LaunchCount, table) -> float:
+    rows = {"forward": np.asarray(table.forward), "backward": np.asarray(table.backward),
+            "weight_gradients": np.asarray(table.weight)}
+    most = 0
+    for s in range(table.num_stages):
+        n = 0
+        for t in range(table.num_ticks):
+            n += lc.overhead
+            for key, (idle, busy) in lc.tasks.items():
+                key = key.rstrip("'")
+                on = (rows[key][t, s] >= 0 if key in rows else
+                      t == table.last_grad_tick(s) if key == "grad_sync_in_cooldown" else True)
+                n += busy if on else idle
+        most = max(most, n)
+    return most / table.num_microbatches
+
+
+def compile_for_target(model, parallel, ddp=None, *, target: GpuTarget | str = "h100",
+                       gpus_per_host: int = 1, hosts: int = 1, tx=None,
+                       xla_options: dict[str, Any] | None = None) -> AotReport:
+    """Compiles the train step of ``model`` laid out as ``parallel`` for ``hosts`` hosts
+    of ``gpus_per_host`` GPUs ``target`` each, without a GPU, and reports on it.
+
+    Args:
+      model, parallel, ddp: the run's configs (``parallel.world_size`` is set to the
+        target's GPU count).
+      target: ``"h100"``, ``"h200"`` or a :class:`~jax_wgrad.aot.GpuTarget`.
+      tx: the optax transformation (default: Megatron's AdamW, lr 1e-4).
+      xla_options: see :func:`compile_plan`.
+    Raises:
+      RuntimeError: jax's CUDA plugin is missing, or the fused path cannot be lowered
+        (the CUDA handler was not built or could not be imported; the message says why).
+      ValueError: a layout that does not fit the GPU count or the model.
+    """
+    from jax_wgrad.grads.config import DDPConfig
+    from jax_wgrad.parallel.mesh import make_mesh
+    from jax_wgrad.training.plan import TrainPlan
+    from jax_wgrad.training.step import default_optimizer
+
+    target = gpu_target(target) if isinstance(target, str) else target
+    devices = target_devices(target, gpus_per_host, hosts)
+    parallel = dataclasses.replace(parallel, world_size=len(devices))
+    plan = TrainPlan.create(model, parallel, make_mesh(parallel, devices),
+                            tx if tx is not None else default_optimizer(1e-4),
+                            ddp=ddp or DDPConfig(), check_fusion=False)
+    return compile_plan(plan, target, gpus_per_host=gpus_per_host, hosts=hosts,
+                        xla_options=xla_options)

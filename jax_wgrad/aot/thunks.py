@@ -1,0 +1,223 @@
+"""XLA:GPU's thunk sequence: what the GPU executable launches, command buffers included.
+
+Read from an ``--xla_dump_to`` dump: ``*thunk_sequence_after_thunk_passes.txt`` (the
+executable's thunks, nested: a while's ``condition``/``body``, a conditional's branches,
+the thunks a command buffer -- a CUDA graph -- or an async start holds) and
+``*thunk_metadata.txt`` (each thunk's HLO instruction). :func:`loop_launches` counts the
+launches of one iteration of a loop: a command buffer is ONE launch however many kernels it
+holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+__all__ = ["Thunk", "parse_thunks", "thunk_names", "find_thunk", "launches", "LaunchCount",
+           "loop_launches"]
+
+
+@dataclasses.dataclass
+class Thunk:
+    """One thunk of XLA:GPU's executable: its id, kind (``kCustomKernel``, ``kCopy``,
+    ``kCommandBuffer``, ``kWhile``, ``kConditional``, ...) and nested thunks, grouped
+    by label (``body``/``condition`` of a while, ``*_branch`` of a conditional, ``""`` for
+    the thunks a command buffer or an async start wraps)."""
+
+    id: int
+    kind: str
+    text: str
+    nested: dict[str, list[Thunk]] = dataclasses.field(default_factory=dict)
+
+    def walk(self):
+        yield self
+        for seq in self.nested.values():
+            for t in seq:
+                yield from t.walk()
+
+
+_THUNK = re.compile(r"^(\s*)(\d+): (k\w+)\b(.*)$")
+_LABEL = re.compile(r"^(\s*)([A-Za-z_][\w ]*):\s*$")
+
+
+def parse_thunks(text: str) -> list[Thunk]:
+    """The top-level thunk sequence of a ``*thunk_sequence*.txt`` dump."""
+    root = Thunk(-1, "root", "")
+    root.nested[""] = []
+    # stack of (indent, thunk, label): where a line of larger indent goes
+    stack: list[tuple[int, Thunk, str]] = [(-1, root, "")]
+    for line in text.splitlines():
+        t, lab = _THUNK.match(line), _LABEL.match(line)
+        if not t and not lab:
+            continue
+        indent = len((t or lab).group(1))
+        while len(stack) > 1 and stack[-1][0] >= indent:
+            stack.pop()
+        _, parent, label = stack[-1]
+        if lab:
+            # A while's "condition:" is printed at the indent of the while itself; any
+            # other label belongs to the thunk (or the label's owner) a level up.
+            last = parent.nested.get(label, [])[-1:]
+            if lab.group(2) == "condition" and last and last[0].kind == "kWhile":
+                owner = last[0]
+            else:
+                owner = parent
+            owner.nested.setdefault(lab.group(2), [])
+            stack.append((indent, owner, lab.group(2)))
+            continue
+        thunk = Thunk(int(t.group(2)), t.group(3), t.group(4).strip())
+        parent.nested.setdefault(label, []).append(thunk)
+        stack.append((indent, thunk, ""))
+    return root.nested[""]
+
+
+def thunk_names(metadata: str) -> dict[int, str]:
+    """``{thunk id: HLO instruction name}`` from a ``*thunk_metadata.txt`` dump."""
+    out = {}
+    for block in metadata.split("thunk_metadata {")[1:]:
+        name = re.search(r'profile_annotation: "([^"]*)"', block)
+        tid = re.search(r"thunk_id: (\d+)", block)
+        if name and tid:
+            out[int(tid.group(1))] = name.group(1)
+    return out
+
+
+def find_thunk(thunks: Sequence[Thunk], id_: int) -> Thunk | None:
+    for top in thunks:
+        for t in top.walk():
+            if t.id == id_ and t.kind != "kCommandBuffer":
+                return t
+    return None
+
+
+_NO_LAUNCH = {"kAsyncDone", "kWaitForStreams", "kPartitionId", "kReplicaId"}
+_CONTAINERS = {"kAsyncStart", "kSequential", "kDynamicSliceFusion"}
+
+
+def launches(thunks: Sequence[Thunk], *, busy: bool = True) -> int:
+    """Device launches of a thunk sequence run once.
+
+    A command buffer (a CUDA graph) counts as ONE launch however many kernels it holds;
+    every other leaf thunk that puts work on a stream (a kernel, a copy, a custom call, a
+    cuDNN or cuBLAS call, a collective) as one; a ``*Done`` or stream wait as none. A
+    conditional counts its busier branch (``busy``) or its lighter one; a nested while
+    counts its condition and body once (one iteration).
+    """
+    n = 0
+    for t in thunks:
+        if t.kind == "kCommandBuffer":
+            n += 1
+        elif t.kind == "kConditional":
+            per = [launches(seq, busy=busy) for seq in t.nested.values()] or [0]
+            n += max(per) if busy else min(per)
+        elif t.kind == "kWhile" or t.kind in _CONTAINERS:
+            inner = sum(launches(seq, busy=busy) for seq in t.nested.values())
+            n += inner if (inner or t.kind == "kWhile") else 1
+        elif t.kind in _NO_LAUNCH or t.kind.endswith("Done"):
+            continue
+        else:
+            n += 1
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchCount:
+    """Launches of one tick of the schedule loop (its body and condition run once)."""
+
+    overhead: int
+    """The loop's condition and the body's thunks outside any conditional."""
+    tasks: dict[str, tuple[int, int]]
+    """Per conditional of the body, named by its ``op_name`` scope (``forward``,
+    ``backward``, ``weight_gradients``, ``grad_sync_in_cooldown``, ...): launches of its
+    ``(idle, busy)`` branch."""
+    command_buffers: int
+    """Command buffers launched by a tick with every conditional busy."""
+    kernels_in_command_buffers: int
+    custom_calls_outside: int
+    """Custom-call thunks (FFI handlers) run on their own, outside command buffers."""
+    conditionals: int
+    """Conditional thunks in a tick outside command buffers (each reads its predicate
+    back to the host)."""
+    tasks_in_command_buffers: tuple[str, ...] = ()
+    """Tasks whose conditional XLA captured in a command buffer (one launch either way)."""
+
+    def tick(self, *busy_tasks: str) -> int:
+        """Launches of a tick running ``busy_tasks`` (the others idle)."""
+        return self.overhead + sum(b if k in busy_tasks else i
+                                   for k, (i, b) in self.tasks.items())
+
+
+def _task_of(op_name: str, scopes: Sequence[str]) -> str:
+    for s in scopes:
+        if f"/{s}/" in op_name or op_name.endswith(f"/{s}"):
+            return s
+    return op_name.rsplit("/", 1)[-1] or "?"
+
+
+def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
+                  op_names: dict[str, str],
+                  scopes: Sequence[str] = ("forward", "backward", "weight_gradients",
+                                           "grad_sync_in_cooldown"),
+                  once: Sequence[str] = ("grad_sync_in_cooldown",)) -> LaunchCount | None:
+    """Launch counts of one iteration of the while loop named ``loop`` (an HLO
+    instruction name; ``names`` maps thunk ids to instruction names, ``op_names``
+    instruction names to their ``op_name``), or ``None`` when its thunk is not found.
+
+    Conditionals are named by the first of ``scopes`` in their ``op_name``; the
+    command-buffer and custom-call counts take every conditional's busier branch except
+    those of ``once`` (a task that is busy in one tick per step)."""
+    ids = [i for i, n in names.items() if n == loop]
+    t = find_thunk(thunks, ids[0]) if ids else None
+    if t is None or t.kind != "kWhile":
+        return None
+    overhead, tasks, conds, once_ids, in_graphs = 0, {}, 0, set(), []
+    seqs = list(t.nested.values())
+
+    def task_key(cond: Thunk) -> str:
+        key = _task_of(op_names.get(names.get(cond.id, ""), ""), scopes)
+        while key in tasks:
+            key += "'"
+        return key
+
+    for seq in seqs:
+        for x in seq:
+            if x.kind == "kConditional":
+                conds += 1
+                key = task_key(x)
+                if key.rstrip("'") in once:
+                    once_ids.add(x.id)
+                tasks[key] = (launches([x], busy=False), launches([x], busy=True))
+            elif x.kind == "kCommandBuffer" and any(
+                    y.kind == "kConditional" for y in x.walk()):
+                # A conditional captured in a command buffer (a CUDA graph's conditional
+                # node): the graph is one launch, busy or idle.
+                key = task_key(next(y for y in x.walk() if y.kind == "kConditional"))
+                in_graphs.append(key)
+                tasks[key] = (1, 1)
+            else:
+                overhead += launches([x])
+    busy_nodes = [x for seq in seqs for top in seq for x in _busy_walk(top, once_ids)]
+    return LaunchCount(
+        overhead=overhead, tasks=tasks,
+        command_buffers=sum(x.kind == "kCommandBuffer" for x in busy_nodes),
+        kernels_in_command_buffers=sum(
+            len([y for s in x.nested.values() for top in s for y in top.walk()
+                 if y.kind not in _CONTAINERS and y.kind not in ("kCommandBuffer", "kConditional", "kWhile")])
+            for x in busy_nodes if x.kind == "kCommandBuffer"),
+        custom_calls_outside=sum(x.kind == "kCustomCall" for x in busy_nodes),
+        conditionals=conds, tasks_in_command_buffers=tuple(in_graphs))
+
+
+def _busy_walk(t: Thunk, idle=frozenset()):
+    """``t`` and what it runs, taking every conditional's busier branch (the lighter one
+    for the ids in ``idle``), not entering command buffers."""
+    yield t
+    if t.kind == "kCommandBuffer":
+        return
+    seqs = list(t.nested.values())
+    if t.kind == "kConditional" and seqs:
+        seqs = [(min if t.id in idle else max)(seqs, key=lambda s: launches(s))]
+    for s in seqs:
+        for x in s:
+            yield from _busy_walk(x, idle)
