@@ -2,8 +2,10 @@
 """A jax_wgrad train step against the same model written in plain JAX, on one device.
 
 Three train steps of the example's GPT, in one process, on jax's default backend (first
-device, mesh 1 x 1 x 1), each jitted with its state donated, timed as the median of
-``--steps`` steps after ``--warmup``:
+device, mesh 1 x 1 x 1), each jitted with its state donated. All three are compiled and
+warmed up (``--warmup`` steps) first, then timed in ``--rounds`` interleaved rounds of
+``--steps`` steps each (the order rotates every round, so a burst of load on a shared
+machine hits all three alike); each time is the median over all timed steps:
 
   fused    jax_wgrad's step with --gradient-accumulation-fusion: weight gradients
            accumulated by the FFI GEMM into flat fp32 buckets, every other gradient
@@ -16,7 +18,8 @@ device, mesh 1 x 1 x 1), each jitted with its state donated, timed as the median
            weight-decay mask)
 
 and prints ONE JSON line for the configuration: ``plain_ms``, ``fused_ms``,
-``unfused_ms``, ``fused_over_plain``, ``unfused_over_plain``, the first-step losses of all
+``unfused_ms``, ``fused_over_plain``, ``unfused_over_plain``, ``fused_over_unfused`` (each
+ratio the median of the per-round ratios), the first-step losses of all
 three (same parameters and batch: they must agree), the model FLOPs of a step and ``mfu``
 (model FLOPs / step time / the device's peak; ``peak_tflops`` and ``peak_source`` say
 which peak: the datasheet dense peak of a known GPU for the compute dtype, else a plain
@@ -61,14 +64,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--bf16", action="store_true", help="bfloat16 compute (fp32 params)")
     p.add_argument("--attention-backend", choices=("auto", "xla", "cudnn"), default="auto")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved timing rounds (fused, unfused, plain; rotating order)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak for the MFU (default: datasheet or measured)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        p.error(f"--steps ({args.steps}) and --warmup ({args.warmup}) must be >= 1")
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+        p.error(f"--steps ({args.steps}), --rounds ({args.rounds}) and --warmup "
+                f"({args.warmup}) must be >= 1")
     return args
 
 
@@ -146,21 +152,44 @@ def plain_step_fn(cfg: GPTConfig, num_micro: int, attention: str, tx):
 # ----------------------------------------------------------------------------- timing
 
 
-def _time_steps(step, state, batches, warmup: int, steps: int):
-    """(median ms over ``steps`` after ``warmup``, first-step loss, compile s)."""
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batches[0]).compile()
-    compile_s = time.perf_counter() - t0
-    times, first_loss = [], None
-    for i in range(warmup + steps):
+class _Timed:
+    """One compiled, donated train step and its running state."""
+
+    def __init__(self, step, state, batches):
         t0 = time.perf_counter()
-        state, loss = compiled(state, batches[i % len(batches)])
-        loss = float(loss if not isinstance(loss, dict) else loss["loss"])
-        dt = time.perf_counter() - t0
-        first_loss = loss if first_loss is None else first_loss
-        if i >= warmup:
-            times.append(dt * 1e3)
-    return statistics.median(times), first_loss, compile_s
+        self.compiled = step.lower(state, batches[0]).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.state, self.batches, self.calls = state, batches, 0
+        self.first_loss, self.times = None, []
+
+    def run(self, n: int, record: bool) -> list[float]:
+        """Runs ``n`` steps (blocking on each loss); their ms if ``record``."""
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.state, loss = self.compiled(self.state,
+                                             self.batches[self.calls % len(self.batches)])
+            loss = float(loss if not isinstance(loss, dict) else loss["loss"])
+            times.append((time.perf_counter() - t0) * 1e3)
+            self.first_loss = loss if self.first_loss is None else self.first_loss
+            self.calls += 1
+        if record:
+            self.times.extend(times)
+        return times
+
+
+def _time_interleaved(variants: dict[str, _Timed], warmup: int, steps: int,
+                      rounds: int) -> dict[str, list[float]]:
+    """Warms every variant up, then ``rounds`` rounds of ``steps`` timed steps each, the
+    variants' order rotated per round. Returns each variant's per-round medians (ms)."""
+    for v in variants.values():
+        v.run(warmup, record=False)
+    names = list(variants)
+    per_round = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            per_round[n].append(statistics.median(variants[n].run(steps, record=True)))
+    return per_round
 
 
 def model_flops_per_step(cfg: GPTConfig, tokens: int) -> float:
@@ -212,6 +241,7 @@ def main(argv=None) -> dict:
               "global_batch_size": args.global_batch_size, "dtype": cfg.compute_dtype,
               "attention": attention}
 
+    variants: dict[str, _Timed] = {}
     for name, fusion in (("fused", True), ("unfused", False)):
         par = ParallelConfig(micro_batch_size=args.micro_batch_size,
                              global_batch_size=args.global_batch_size, world_size=1,
@@ -222,26 +252,31 @@ def main(argv=None) -> dict:
         plan = TrainPlan.create(cfg, par, mesh, tx, ddp=ddp)
         state = init_train_state(plan, args.seed)
         step = build_train_step(plan, state)
-        sharded = [shard_batch(mesh, b) for b in batches]
-        ms, loss, compile_s = _time_steps(step, state, sharded, args.warmup, args.steps)
-        result.update({f"{name}_ms": round(ms, 3), f"{name}_first_loss": loss,
-                       f"{name}_compile_s": round(compile_s, 2)})
+        variants[name] = _Timed(step, state, [shard_batch(mesh, b) for b in batches])
         num_micro = par.num_microbatches
 
     params = jax.device_put(init_params(cfg, args.seed), device)
     tx = plain_optimizer(params)
-    state = (params, tx.init(params))
-    step = plain_step_fn(cfg, num_micro, attention, tx)
-    placed = [jax.device_put(b, device) for b in batches]
-    ms, loss, compile_s = _time_steps(step, state, placed, args.warmup, args.steps)
-    result.update({"plain_ms": round(ms, 3), "plain_first_loss": loss,
-                   "plain_compile_s": round(compile_s, 2)})
+    variants["plain"] = _Timed(plain_step_fn(cfg, num_micro, attention, tx),
+                               (params, tx.init(params)),
+                               [jax.device_put(b, device) for b in batches])
+
+    per_round = _time_interleaved(variants, args.warmup, args.steps, args.rounds)
+    for name, v in variants.items():
+        result.update({f"{name}_ms": round(statistics.median(v.times), 3),
+                       f"{name}_first_loss": v.first_loss,
+                       f"{name}_compile_s": round(v.compile_s, 2)})
+
+    def ratio(a: str, b: str) -> float:
+        return round(statistics.median(x / y for x, y in zip(per_round[a], per_round[b])), 4)
 
     flops = model_flops_per_step(cfg, args.global_batch_size * cfg.seq_length)
     peak, source = device_peak(device, cfg.compute_dtype, args.peak_tflops)
     result.update({
-        "fused_over_plain": round(result["fused_ms"] / result["plain_ms"], 4),
-        "unfused_over_plain": round(result["unfused_ms"] / result["plain_ms"], 4),
+        "steps": args.steps, "rounds": args.rounds,
+        "fused_over_plain": ratio("fused", "plain"),
+        "unfused_over_plain": ratio("unfused", "plain"),
+        "fused_over_unfused": ratio("fused", "unfused"),
         "model_tflop_per_step": round(flops / 1e12, 4),
         "mfu": round(flops / (result["fused_ms"] * 1e-3) / (peak * 1e12), 4),
         "mfu_plain": round(flops / (result["plain_ms"] * 1e-3) / (peak * 1e12), 4),

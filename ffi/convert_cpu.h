@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace jax_wgrad {
 
 struct Bf16 { uint16_t bits; };
@@ -47,6 +51,60 @@ template <typename T>
 void Narrow(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = FromFloat<T>(src[i]);
 }
+
+// float16 arrays: the loops above call libgcc's software conversion per element when the
+// extension is built for baseline x86-64 (~10 ns each, slower than the GEMM they feed).
+// With F16C (every x86-64 CPU since 2012), 8 elements per instruction, bit-identical:
+// the conversion to float is exact, the one from float rounds to nearest even like the
+// software cast.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define JAX_WGRAD_HAVE_F16C_PATH 1
+__attribute__((target("avx,f16c"))) inline void WidenF16C(const F16* src, float* dst,
+                                                         int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  if (i < n) {  // the last < 8 elements through a zero-padded block
+    uint16_t h[8] = {};
+    float f[8];
+    std::memcpy(h, src + i, (n - i) * sizeof(uint16_t));
+    _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+    std::memcpy(dst + i, f, (n - i) * sizeof(float));
+  }
+}
+__attribute__((target("avx,f16c"))) inline void NarrowF16C(const float* src, F16* dst,
+                                                          int64_t n) {
+  int64_t i = 0;
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), kRound);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  if (i < n) {  // the last < 8 elements through a zero-padded block
+    float f[8] = {};
+    uint16_t h[8];
+    std::memcpy(f, src + i, (n - i) * sizeof(float));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h), _mm256_cvtps_ph(_mm256_loadu_ps(f), kRound));
+    std::memcpy(dst + i, h, (n - i) * sizeof(uint16_t));
+  }
+}
+inline bool HasF16C() {
+  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  return has;
+}
+template <>
+inline void Widen<F16>(const F16* src, float* dst, int64_t n) {
+  if (HasF16C()) return WidenF16C(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = ToFloat(src[i]);
+}
+template <>
+inline void Narrow<F16>(const float* src, F16* dst, int64_t n) {
+  if (HasF16C()) return NarrowF16C(src, dst, n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = FromFloat<F16>(src[i]);
+}
+#endif
 
 }  // namespace jax_wgrad
 

@@ -6,107 +6,198 @@
 // main_grad is widened once, accumulated in f32 and rounded once per call.
 // The `precision` attribute is validated and otherwise ignored: like XLA:CPU, which
 // computes float32 dots in float32 at every jax.lax.Precision, this handler always does.
+//
+// Threads: OpenBLAS is used single-threaded (its own thread server, next to XLA's
+// intra-op pool on the same cores, made the fused train step up to 10x slower on a
+// loaded 2-core machine: notes/issue17_cpu_perf.md). Instead each GEMM's output block is
+// split into tiles (row or column ranges of main_grad, each its own sgemm) that run on
+// the calling thread and on XLA's intra-op pool (parallel_cpu.h), as XLA's own dots do;
+// a GEMM too small to amortize a task runs on the calling thread alone.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "cblas.h"  // scipy-openblas32: scipy_cblas_* symbols
 #include "common.h"
 #include "convert_cpu.h"
+#include "parallel_cpu.h"
 #include "wgrad_accumulate.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_wgrad {
 namespace {
 
-constexpr int64_t kTokenBlock = 512;  // tokens converted to f32 per GEMM
+constexpr int64_t kTokenBlock = 512;      // tokens converted to f32 per GEMM
+constexpr double kMinTileFlops = 8.0e6;   // smallest GEMM tile worth a pool task
+constexpr int64_t kTilesPerThread = 1;    // tiles per thread (2 measured slower)
+constexpr int64_t kTileAlign = 16;        // tile boundaries: multiples of 16 elements
+constexpr int64_t kMinConvertPart = 1 << 16;  // elements per parallel conversion part
+
+// OpenBLAS's own threads off, once per process (the library is scipy-openblas32's copy,
+// loaded for this extension; numpy and scipy use their own).
+void UseSingleThreadedBlas() {
+  static const bool done = [] {
+    scipy_openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)done;
+}
 
 // --- plain compute: C[out, in] += dy[T, out]^T @ x[T, in], all f32 ---------------------
-void SgemmAccumulate(const float* x, const float* dy, float* c, int64_t tokens,
-                     int64_t in, int64_t out) {
-  scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans,
-                    static_cast<blasint>(out), static_cast<blasint>(in),
-                    static_cast<blasint>(tokens), 1.0f, dy, static_cast<blasint>(out), x,
-                    static_cast<blasint>(in), 1.0f, c, static_cast<blasint>(in));
-}
+// One GEMM of a call: x [tokens, in], dy [tokens, out], C [out, in], all row-major.
+struct Gemm {
+  const float* x;
+  const float* dy;
+  float* c;
+  int64_t tokens, in, out;
+};
 
-// --- typed implementations ----------------------------------------------------------
-// Visits every (batch element, group) GEMM: fn(index into x / dy, accumulator offset).
-template <typename Fn>
-void ForEachGemm(const WgradDims& d, Fn fn) {
-  for (int64_t b = 0; b < d.batch; ++b) {
-    for (int64_t g = 0; g < d.groups; ++g) fn(b * d.groups + g, d.AccOffset(b, g));
+// Tile t of `tiles` of the GEMM: a range of rows (out) or columns (in) of C, whichever
+// dimension is larger, and its own sgemm over all tokens. Tiles never overlap, and each
+// element is summed over the tokens in the same order as by one whole-block sgemm.
+void GemmTile(const Gemm& g, int64_t tiles, int64_t t) {
+  int64_t o0 = 0, o1 = g.out, i0 = 0, i1 = g.in;
+  if (g.out >= g.in) {
+    std::tie(o0, o1) = SplitRange(g.out, tiles, t, kTileAlign);
+  } else {
+    std::tie(i0, i1) = SplitRange(g.in, tiles, t, kTileAlign);
   }
+  if (o0 >= o1 || i0 >= i1) return;
+  scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<blasint>(o1 - o0),
+                    static_cast<blasint>(i1 - i0), static_cast<blasint>(g.tokens), 1.0f,
+                    g.dy + o0, static_cast<blasint>(g.out), g.x + i0,
+                    static_cast<blasint>(g.in), 1.0f, g.c + o0 * g.in + i0,
+                    static_cast<blasint>(g.in));
 }
 
-// f32 inputs, f32 accumulator: one sgemm per batch element and group, no temporaries.
-void ImplF32(const WgradDims& d, const float* x, const float* dy, float* c) {
-  ForEachGemm(d, [&](int64_t i, int64_t acc) {
-    SgemmAccumulate(x + i * d.tokens * d.in, dy + i * d.tokens * d.out, c + acc, d.tokens,
-                    d.in, d.out);
+// Tiles per GEMM for `count` GEMMs of this size run together: enough items to keep
+// `width` threads busy, none smaller than kMinTileFlops, at most one per 16 rows/columns.
+int64_t TilesPerGemm(int64_t count, int64_t tokens, int64_t in, int64_t out,
+                     int64_t width) {
+  const double flops = 2.0 * static_cast<double>(tokens) * static_cast<double>(in) *
+                       static_cast<double>(out) * static_cast<double>(count);
+  const double by_size = std::max(1.0, flops / kMinTileFlops);
+  const int64_t items = static_cast<int64_t>(
+      std::min(by_size, static_cast<double>(width * kTilesPerThread)));
+  const int64_t dim = std::max(in, out);
+  const int64_t max_tiles = (dim + kTileAlign - 1) / kTileAlign;
+  return std::clamp<int64_t>((items + count - 1) / count, 1, max_tiles);
+}
+
+// Runs `count` GEMMs (gemm(i) describes the i-th) split into tiles on the pool.
+template <typename GemmAt>
+void RunGemms(ffi::ThreadPool* pool, int64_t count, const Gemm& shape, GemmAt gemm) {
+  const int64_t width = ParallelWidth(pool);
+  const int64_t tiles = width == 1 ? 1 : TilesPerGemm(count, shape.tokens, shape.in,
+                                                     shape.out, width);
+  ParallelFor(pool, count * tiles, width - 1,
+              [&](int64_t item) { GemmTile(gemm(item / tiles), tiles, item % tiles); });
+}
+
+// dst[0, n) = float(src[0, n)), in parts on the pool when n is large.
+template <typename T>
+void ParallelWiden(ffi::ThreadPool* pool, const T* src, float* dst, int64_t n) {
+  const int64_t width = ParallelWidth(pool);
+  const int64_t parts = std::clamp<int64_t>(n / kMinConvertPart, 1, width);
+  ParallelFor(pool, parts, width - 1, [&](int64_t p) {
+    auto [b, e] = SplitRange(n, parts, p, kTileAlign);
+    Widen(src + b, dst + b, e - b);
   });
 }
 
-// 16-bit inputs into an f32 accumulator `c`: widen kTokenBlock tokens at a time.
+template <typename T>
+void ParallelNarrow(ffi::ThreadPool* pool, const float* src, T* dst, int64_t n) {
+  const int64_t width = ParallelWidth(pool);
+  const int64_t parts = std::clamp<int64_t>(n / kMinConvertPart, 1, width);
+  ParallelFor(pool, parts, width - 1, [&](int64_t p) {
+    auto [b, e] = SplitRange(n, parts, p, kTileAlign);
+    Narrow(src + b, dst + b, e - b);
+  });
+}
+
+// --- typed implementations ----------------------------------------------------------
+// f32 inputs, f32 accumulator: every (batch element, group) GEMM's tiles in one parallel
+// loop, no temporaries.
+void ImplF32(ffi::ThreadPool* pool, const WgradDims& d, const float* x, const float* dy,
+             float* c) {
+  const Gemm shape{nullptr, nullptr, nullptr, d.tokens, d.in, d.out};
+  RunGemms(pool, d.batch * d.groups, shape, [&](int64_t i) {
+    const int64_t b = i / d.groups, g = i % d.groups;
+    return Gemm{x + i * d.tokens * d.in, dy + i * d.tokens * d.out, c + d.AccOffset(b, g),
+                d.tokens, d.in, d.out};
+  });
+}
+
+// 16-bit inputs of GEMM `i` into an f32 accumulator `c`: widen kTokenBlock tokens at a
+// time (in parallel), then the block's GEMM tiles (in parallel).
 template <typename In>
-void ImplWidenInputs(const WgradDims& d, const In* x, const In* dy, float* c,
-                     int64_t batch_index) {
+void ImplWidenInputs(ffi::ThreadPool* pool, const WgradDims& d, const In* x, const In* dy,
+                     float* c, int64_t i, std::vector<float>& xs, std::vector<float>& gs) {
   const int64_t block = std::min<int64_t>(kTokenBlock, d.tokens);
-  std::vector<float> xs(block * d.in), gs(block * d.out);
-  const In* xb = x + batch_index * d.tokens * d.in;
-  const In* gb = dy + batch_index * d.tokens * d.out;
+  xs.resize(block * d.in);
+  gs.resize(block * d.out);
+  const In* xb = x + i * d.tokens * d.in;
+  const In* gb = dy + i * d.tokens * d.out;
   for (int64_t t0 = 0; t0 < d.tokens; t0 += block) {
     const int64_t tb = std::min(block, d.tokens - t0);
-    Widen(xb + t0 * d.in, xs.data(), tb * d.in);
-    Widen(gb + t0 * d.out, gs.data(), tb * d.out);
-    SgemmAccumulate(xs.data(), gs.data(), c, tb, d.in, d.out);
+    ParallelWiden(pool, xb + t0 * d.in, xs.data(), tb * d.in);
+    ParallelWiden(pool, gb + t0 * d.out, gs.data(), tb * d.out);
+    const Gemm gemm{xs.data(), gs.data(), c, tb, d.in, d.out};
+    RunGemms(pool, 1, gemm, [&](int64_t) { return gemm; });
   }
 }
 
 template <typename In>
-void ImplF32Acc(const WgradDims& d, const In* x, const In* dy, float* c) {
-  ForEachGemm(d, [&](int64_t i, int64_t acc) { ImplWidenInputs(d, x, dy, c + acc, i); });
+void ImplF32Acc(ffi::ThreadPool* pool, const WgradDims& d, const In* x, const In* dy,
+                float* c) {
+  std::vector<float> xs, gs;
+  for (int64_t i = 0; i < d.batch * d.groups; ++i) {
+    ImplWidenInputs(pool, d, x, dy, c + d.AccOffset(i / d.groups, i % d.groups), i, xs, gs);
+  }
 }
 
 // 16-bit inputs and 16-bit accumulator: accumulate in f32, round once per call.
 template <typename In>
-void ImplLowAcc(const WgradDims& d, const In* x, const In* dy, In* c) {
-  std::vector<float> c32(d.out * d.in);
-  ForEachGemm(d, [&](int64_t i, int64_t acc) {
-    Widen(c + acc, c32.data(), d.out * d.in);
-    ImplWidenInputs(d, x, dy, c32.data(), i);
-    Narrow(c32.data(), c + acc, d.out * d.in);
-  });
+void ImplLowAcc(ffi::ThreadPool* pool, const WgradDims& d, const In* x, const In* dy,
+                In* c) {
+  std::vector<float> c32(d.out * d.in), xs, gs;
+  for (int64_t i = 0; i < d.batch * d.groups; ++i) {
+    In* block = c + d.AccOffset(i / d.groups, i % d.groups);
+    ParallelWiden(pool, block, c32.data(), d.out * d.in);
+    ImplWidenInputs(pool, d, x, dy, c32.data(), i, xs, gs);
+    ParallelNarrow(pool, c32.data(), block, d.out * d.in);
+  }
 }
 
 // --- dtype dispatch -------------------------------------------------------------------
-ffi::Error Dispatch(const WgradDims& d, ffi::DataType in_t, ffi::DataType acc_t,
-                    const void* x, const void* dy, void* c) {
+ffi::Error Dispatch(ffi::ThreadPool* pool, const WgradDims& d, ffi::DataType in_t,
+                    ffi::DataType acc_t, const void* x, const void* dy, void* c) {
   using DT = ffi::DataType;
   if (in_t == DT::F32) {
-    ImplF32(d, static_cast<const float*>(x), static_cast<const float*>(dy),
+    ImplF32(pool, d, static_cast<const float*>(x), static_cast<const float*>(dy),
             static_cast<float*>(c));
   } else if (in_t == DT::BF16 && acc_t == DT::F32) {
-    ImplF32Acc(d, static_cast<const Bf16*>(x), static_cast<const Bf16*>(dy),
+    ImplF32Acc(pool, d, static_cast<const Bf16*>(x), static_cast<const Bf16*>(dy),
                static_cast<float*>(c));
   } else if (in_t == DT::F16 && acc_t == DT::F32) {
-    ImplF32Acc(d, static_cast<const F16*>(x), static_cast<const F16*>(dy),
+    ImplF32Acc(pool, d, static_cast<const F16*>(x), static_cast<const F16*>(dy),
                static_cast<float*>(c));
   } else if (in_t == DT::BF16) {
-    ImplLowAcc(d, static_cast<const Bf16*>(x), static_cast<const Bf16*>(dy),
+    ImplLowAcc(pool, d, static_cast<const Bf16*>(x), static_cast<const Bf16*>(dy),
                static_cast<Bf16*>(c));
   } else {
-    ImplLowAcc(d, static_cast<const F16*>(x), static_cast<const F16*>(dy),
+    ImplLowAcc(pool, d, static_cast<const F16*>(x), static_cast<const F16*>(dy),
                static_cast<F16*>(c));
   }
   return ffi::Error::Success();
 }
 
-ffi::Error WgradAccumulateCpuBody(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer acc,
-                                  ffi::Result<ffi::AnyBuffer> result, int64_t offset,
-                                  int32_t precision) {
+ffi::Error WgradAccumulateCpuBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                                  ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> result,
+                                  int64_t offset, int32_t precision) {
   WgradDims d;
   if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, precision, &d);
       err.failure()) {
@@ -124,15 +215,16 @@ ffi::Error WgradAccumulateCpuBody(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyB
   if (d.batch == 0 || d.groups == 0 || d.tokens == 0 || d.in == 0 || d.out == 0) {
     return ffi::Error::Success();
   }
-  return Dispatch(d, x.element_type(), acc.element_type(), x.untyped_data(),
+  UseSingleThreadedBlas();
+  return Dispatch(pool, d, x.element_type(), acc.element_type(), x.untyped_data(),
                   dy.untyped_data(), result->untyped_data());
 }
 
-ffi::Error WgradAccumulateCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer acc,
-                                  ffi::Result<ffi::AnyBuffer> result, int64_t offset,
-                                  int32_t precision) {
+ffi::Error WgradAccumulateCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                                  ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> result,
+                                  int64_t offset, int32_t precision) {
   return Guarded("wgrad_accumulate", [&] {
-    return WgradAccumulateCpuBody(x, dy, acc, result, offset, precision);
+    return WgradAccumulateCpuBody(&pool, x, dy, acc, result, offset, precision);
   });
 }
 
@@ -140,6 +232,7 @@ ffi::Error WgradAccumulateCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyB
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCpu, WgradAccumulateCpuImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., out, in]

@@ -77,6 +77,34 @@ def test_large_token_count_blocks_exactly():
     _check_against_float64(jax.jit(ops.wgrad_accumulate)(x, dy, acc), x, dy, acc)
 
 
+# Shapes big enough for the CPU handler to split each GEMM (for 16-bit inputs: the GEMM of
+# each 512-token conversion block) into row (out >= in) or column tiles run on XLA's
+# threads (at least 2 tiles of >= 8 MFLOP on a machine with 2+ cores); features that are
+# not multiples of the 16-element tile alignment, T beyond one conversion block.
+TILED_CASES = [((700,), 200, 97), ((600,), 61, 301), ((2, 515), 130, 129)]
+
+
+@pytest.mark.parametrize("in_dtype,acc_dtype", DTYPE_COMBOS)
+@pytest.mark.parametrize("lead,n_in,n_out", TILED_CASES)
+def test_tiled_gemm_matches_float64(in_dtype, acc_dtype, lead, n_in, n_out):
+    x, dy, acc = _data(20, lead, n_in, n_out, in_dtype, acc_dtype)
+    _check_against_float64(jax.jit(ops.wgrad_accumulate)(x, dy, acc), x, dy, acc)
+
+
+@pytest.mark.parametrize("in_dtype", [F32, BF16])
+def test_tiled_gemm_flat_offset_and_vmap(in_dtype):
+    # Tiles write only their block of a flat buffer; under vmap every batch element's.
+    xs, dys, _ = _data(21, (2, 640), 112, 150, in_dtype, F32)
+    block = 150 * 112
+    flats = jnp.asarray(np.random.default_rng(3).standard_normal((2, block + 37)), F32)
+    got = jax.jit(jax.vmap(functools.partial(ops.wgrad_accumulate, offset=21)))(xs, dys, flats)
+    for i in range(2):
+        np.testing.assert_array_equal(got[i, :21], flats[i, :21])
+        np.testing.assert_array_equal(got[i, 21 + block:], flats[i, 21 + block:])
+        _check_against_float64(got[i, 21:21 + block].reshape(150, 112), xs[i], dys[i],
+                               flats[i, 21:21 + block].reshape(150, 112))
+
+
 def test_repeated_accumulation_in_scan():
     xs, dys, acc = _data(3, (6, 33), 20, 12, F32, F32)
 
