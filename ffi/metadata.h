@@ -60,6 +60,14 @@ inline pybind11::dict MetadataDict(XLA_FFI_Handler* handler) {
   return d;
 }
 
+// Whether CMake built this module against FFI headers newer than the oldest supported
+// jax's, because the builder allowed it (JAX_WGRAD_ALLOW_NEWER_FFI_API=ON).
+#ifdef JAX_WGRAD_NEWER_FFI_BUILD
+inline constexpr bool kBuiltForNewerFfiApi = true;
+#else
+inline constexpr bool kBuiltForNewerFfiApi = false;
+#endif
+
 }  // namespace jax_wgrad
 
 #endif  // JAX_WGRAD_FFI_METADATA_H_

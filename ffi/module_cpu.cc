@@ -24,4 +24,5 @@ PYBIND11_MODULE(_wgrad_ffi_cpu, m) {
     d["jax_wgrad_bucket_add"] = jax_wgrad::MetadataDict(&BucketAddCpu);
     return d;
   }, "What each execute handler declares to XLA (FFI API version, traits).");
+  m.attr("built_for_newer_ffi_api") = jax_wgrad::kBuiltForNewerFfiApi;
 }

@@ -31,6 +31,10 @@ def test_built_handlers_declare_the_oldest_supported_api():
     assert registry.OLDEST_SUPPORTED_FFI_API == (0, 3)
     assert "cpu" in _loaded_platforms()
     for platform in _loaded_platforms():
+        module = importlib.import_module(registry._MODULES[platform][0])
+        if module.built_for_newer_ffi_api:
+            pytest.skip(f"the {platform} handlers were built with "
+                        "JAX_WGRAD_ALLOW_NEWER_FFI_API=ON (they load into that jax and newer)")
         metadata = registry.handler_metadata(platform)
         assert set(metadata) == {registry.TARGET, registry.BUCKET_ADD_TARGET}
         for name, meta in metadata.items():
