@@ -97,25 +97,27 @@ void RunGemms(ffi::ThreadPool* pool, int64_t count, const Gemm& shape, GemmAt ge
               [&](int64_t item) { GemmTile(gemm(item / tiles), tiles, item % tiles); });
 }
 
-// dst[0, n) = float(src[0, n)), in parts on the pool when n is large.
-template <typename T>
-void ParallelWiden(ffi::ThreadPool* pool, const T* src, float* dst, int64_t n) {
+// convert(begin, end) over [0, n), in parts on the pool when n is large.
+template <typename Convert>
+void ParallelConvert(ffi::ThreadPool* pool, int64_t n, Convert convert) {
   const int64_t width = ParallelWidth(pool);
   const int64_t parts = std::clamp<int64_t>(n / kMinConvertPart, 1, width);
   ParallelFor(pool, parts, width - 1, [&](int64_t p) {
     auto [b, e] = SplitRange(n, parts, p, kTileAlign);
-    Widen(src + b, dst + b, e - b);
+    convert(b, e);
   });
 }
 
+// dst[0, n) = float(src[0, n)).
+template <typename T>
+void ParallelWiden(ffi::ThreadPool* pool, const T* src, float* dst, int64_t n) {
+  ParallelConvert(pool, n, [&](int64_t b, int64_t e) { Widen(src + b, dst + b, e - b); });
+}
+
+// dst[0, n) = T(src[0, n)), rounded to nearest even.
 template <typename T>
 void ParallelNarrow(ffi::ThreadPool* pool, const float* src, T* dst, int64_t n) {
-  const int64_t width = ParallelWidth(pool);
-  const int64_t parts = std::clamp<int64_t>(n / kMinConvertPart, 1, width);
-  ParallelFor(pool, parts, width - 1, [&](int64_t p) {
-    auto [b, e] = SplitRange(n, parts, p, kTileAlign);
-    Narrow(src + b, dst + b, e - b);
-  });
+  ParallelConvert(pool, n, [&](int64_t b, int64_t e) { Narrow(src + b, dst + b, e - b); });
 }
 
 // --- typed implementations ----------------------------------------------------------
