@@ -248,10 +248,11 @@ def test_a_newer_jax_build_refuses_at_configure_time(tmp_path):
     block = source[source.index("set(JAX_WGRAD_OLDEST_FFI_API"):source.index(
         "message(STATUS \"jax_wgrad: XLA FFI API")]
     script.write_text(f'set(XLA_FFI_INCLUDE_DIR "{tmp_path / "include"}")\n' + block)
-    out = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True)
+    out = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True,
+                         cwd=tmp_path)
     assert out.returncode != 0
     assert "declare API 0.5, newer than 0.3" in " ".join(out.stderr.split())
     allowed = subprocess.run([cmake, "-DJAX_WGRAD_ALLOW_NEWER_FFI_API=ON", "-P", str(script)],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, cwd=tmp_path)
     assert allowed.returncode == 0, allowed.stderr
 
