@@ -70,6 +70,15 @@ positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 
 
+def model_default(field: str):
+    """``GPTConfig``'s default of ``field``: the flag shows the one definition (no copy)."""
+    import dataclasses
+
+    from jax_wgrad.models.gpt.config import GPTConfig
+
+    return next(f.default for f in dataclasses.fields(GPTConfig) if f.name == field)
+
+
 EPILOG = """\
 --load DIR resumes from the newest checkpoint in DIR; a DIR that does not exist or holds no
 checkpoint is an error, unless DIR is also the --save directory (Megatron's "resume if
@@ -156,14 +165,17 @@ def make_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("mixture of experts (Megatron's flags)")
     g.add_argument("--num-experts", type=int, default=None,
                    help="experts per MoE layer (absent: a dense model)")
-    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-router-topk", type=int, default=model_default("moe_router_topk"), help="experts each token is routed to")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                    help="each expert's MLP width (absent: --ffn-hidden-size)")
     g.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "none"),
-                   default="aux_loss", help="the router's load-balancing loss")
-    g.add_argument("--moe-aux-loss-coeff", type=finite_float, default=0.0,
+                   default=model_default("moe_router_load_balancing_type"),
+                   help="the router's load-balancing loss")
+    g.add_argument("--moe-aux-loss-coeff", type=finite_float,
+                   default=model_default("moe_aux_loss_coeff"),
                    help="weight of the load-balancing loss")
-    g.add_argument("--moe-token-dispatcher-type", default="alltoall",
+    g.add_argument("--moe-token-dispatcher-type",
+                   default=model_default("moe_token_dispatcher_type"),
                    help="only alltoall is implemented")
     g.add_argument("--moe-expert-capacity-factor", type=finite_float, default=None,
                    help="drop tokens over ceil(T k f / E) per expert (absent: no dropping)")
@@ -173,7 +185,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="expert weight gradients by one grouped fused wgrad call per expert "
                         "linear (with --gradient-accumulation-fusion)")
-    g.add_argument("--moe-layer-freq", type=int, default=1,
+    g.add_argument("--moe-layer-freq", type=int, default=model_default("moe_layer_freq"),
                    help="every N-th layer is an MoE layer (layers 0, N, 2N, ...)")
     g.add_argument("--overlap-dispatch-backward-with-experts-wgrad", action="store_true",
                    help="expert wgrad after the expert dgrad, independent of the dispatch "

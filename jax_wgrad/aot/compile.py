@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jax_wgrad.aot import hlo, thunks
 from jax_wgrad.aot.report import DEFAULT_MEM_FRACTION, FUSION_SKIPPED, AotReport, collectives
 from jax_wgrad.aot.targets import GpuTarget, gpu_target, target_devices
+from jax_wgrad.parallel.mesh import mesh_shape
 
 __all__ = ["abstract_train_state", "compile_for_target", "compile_plan"]
 
@@ -168,7 +169,7 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
     frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
     return AotReport(
         target=target.description, gpus_per_host=gpus_per_host, hosts=hosts,
-        mesh_shape=tuple(int(plan.mesh.shape[a]) for a in plan.mesh.axis_names),
+        mesh_shape=mesh_shape(plan.mesh),
         num_params=sum(int(np.prod(a.shape, dtype=np.int64))
                        for a in jax.tree.leaves(state.params)),
         device_memory=target.memory_bytes, mem_fraction=frac,
