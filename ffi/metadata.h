@@ -68,6 +68,19 @@ inline constexpr bool kBuiltForNewerFfiApi = true;
 inline constexpr bool kBuiltForNewerFfiApi = false;
 #endif
 
+// Adds to a handler module what its handlers declare: `handler_metadata()` (per target,
+// the execute handler's metadata) and `built_for_newer_ffi_api`.
+inline void DefineHandlerFacts(pybind11::module_& m, XLA_FFI_Handler* wgrad_accumulate,
+                               XLA_FFI_Handler* bucket_add) {
+  m.def("handler_metadata", [wgrad_accumulate, bucket_add]() {
+    pybind11::dict d;
+    d["jax_wgrad_wgrad_accumulate"] = MetadataDict(wgrad_accumulate);
+    d["jax_wgrad_bucket_add"] = MetadataDict(bucket_add);
+    return d;
+  }, "What each execute handler declares to XLA (FFI API version, traits).");
+  m.attr("built_for_newer_ffi_api") = kBuiltForNewerFfiApi;
+}
+
 }  // namespace jax_wgrad
 
 #endif  // JAX_WGRAD_FFI_METADATA_H_

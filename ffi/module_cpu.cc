@@ -18,11 +18,5 @@ PYBIND11_MODULE(_wgrad_ffi_cpu, m) {
     d["jax_wgrad_bucket_add"] = py::capsule(reinterpret_cast<void*>(&BucketAddCpu));
     return d;
   });
-  m.def("handler_metadata", []() {
-    py::dict d;
-    d["jax_wgrad_wgrad_accumulate"] = jax_wgrad::MetadataDict(&WgradAccumulateCpu);
-    d["jax_wgrad_bucket_add"] = jax_wgrad::MetadataDict(&BucketAddCpu);
-    return d;
-  }, "What each execute handler declares to XLA (FFI API version, traits).");
-  m.attr("built_for_newer_ffi_api") = jax_wgrad::kBuiltForNewerFfiApi;
+  jax_wgrad::DefineHandlerFacts(m, &WgradAccumulateCpu, &BucketAddCpu);
 }

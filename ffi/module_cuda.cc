@@ -31,11 +31,5 @@ PYBIND11_MODULE(_wgrad_ffi_cuda, m) {
     d["jax_wgrad_bucket_add"] = Capsule(&BucketAddCuda);
     return d;
   });
-  m.def("handler_metadata", []() {
-    py::dict d;
-    d["jax_wgrad_wgrad_accumulate"] = jax_wgrad::MetadataDict(&WgradAccumulateCuda);
-    d["jax_wgrad_bucket_add"] = jax_wgrad::MetadataDict(&BucketAddCuda);
-    return d;
-  }, "What each execute handler declares to XLA (FFI API version, traits).");
-  m.attr("built_for_newer_ffi_api") = jax_wgrad::kBuiltForNewerFfiApi;
+  jax_wgrad::DefineHandlerFacts(m, &WgradAccumulateCuda, &BucketAddCuda);
 }
