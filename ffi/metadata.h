@@ -6,7 +6,10 @@
 #define JAX_WGRAD_FFI_METADATA_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include <pybind11/pybind11.h>
 
@@ -68,14 +71,15 @@ inline constexpr bool kBuiltForNewerFfiApi = true;
 inline constexpr bool kBuiltForNewerFfiApi = false;
 #endif
 
-// Adds to a handler module what its handlers declare: `handler_metadata()` (per target,
-// the execute handler's metadata) and `built_for_newer_ffi_api`.
-inline void DefineHandlerFacts(pybind11::module_& m, XLA_FFI_Handler* wgrad_accumulate,
-                               XLA_FFI_Handler* bucket_add) {
-  m.def("handler_metadata", [wgrad_accumulate, bucket_add]() {
+// Adds to a handler module what its handlers declare: `handler_metadata()` (per target
+// name, the execute handler's metadata) and `built_for_newer_ffi_api`.
+inline void DefineHandlerFacts(
+    pybind11::module_& m,
+    std::initializer_list<std::pair<const char*, XLA_FFI_Handler*>> execute_handlers) {
+  std::vector<std::pair<const char*, XLA_FFI_Handler*>> handlers(execute_handlers);
+  m.def("handler_metadata", [handlers]() {
     pybind11::dict d;
-    d["jax_wgrad_wgrad_accumulate"] = MetadataDict(wgrad_accumulate);
-    d["jax_wgrad_bucket_add"] = MetadataDict(bucket_add);
+    for (const auto& [name, handler] : handlers) d[name] = MetadataDict(handler);
     return d;
   }, "What each execute handler declares to XLA (FFI API version, traits).");
   m.attr("built_for_newer_ffi_api") = kBuiltForNewerFfiApi;

@@ -5,6 +5,7 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* WgradAccumulateCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* WgradAccumulateAtCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BucketAddCpu(XLA_FFI_CallFrame* call_frame);
 
 namespace py = pybind11;
@@ -15,8 +16,12 @@ PYBIND11_MODULE(_wgrad_ffi_cpu, m) {
     py::dict d;
     d["jax_wgrad_wgrad_accumulate"] =
         py::capsule(reinterpret_cast<void*>(&WgradAccumulateCpu));
+    d["jax_wgrad_wgrad_accumulate_at"] =
+        py::capsule(reinterpret_cast<void*>(&WgradAccumulateAtCpu));
     d["jax_wgrad_bucket_add"] = py::capsule(reinterpret_cast<void*>(&BucketAddCpu));
     return d;
   });
-  jax_wgrad::DefineHandlerFacts(m, &WgradAccumulateCpu, &BucketAddCpu);
+  jax_wgrad::DefineHandlerFacts(m, {{"jax_wgrad_wgrad_accumulate", &WgradAccumulateCpu},
+                                    {"jax_wgrad_wgrad_accumulate_at", &WgradAccumulateAtCpu},
+                                    {"jax_wgrad_bucket_add", &BucketAddCpu}});
 }

@@ -7,6 +7,11 @@
 // element `offset` on: block g at [offset + g * out * in, offset + (g + 1) * out * in).
 // x and dy are f32, bf16 or f16 (the same dtype); main_grad is f32 for any input dtype,
 // or the input dtype itself when it is 16-bit (accumulated in fp32, rounded once).
+//
+// Block offset: an attribute (static, checked: out of range is an error), or, for the
+// jax_wgrad_wgrad_accumulate_at target, an int32 operand [...batch] (one per batch
+// element; traced in JAX) that is CLAMPED into [0, N - G * out * in] like the start index
+// of XLA's DynamicUpdateSlice (a negative offset becomes 0).
 #ifndef JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
 #define JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
 
@@ -33,13 +38,25 @@ struct WgradDims {
   int64_t out = 0;         // dy features (rows of main_grad)
   int64_t offset = 0;      // element offset of the [out, in] block in the accumulator
   int64_t acc_stride = 0;  // elements per batch element of the accumulator
+  int64_t max_offset = 0;  // largest valid block offset of a flat accumulator
+  // Operand offsets, already clamped, one per batch element (host memory), or nullptr:
+  // then `offset` holds for every batch element.
+  const int64_t* batch_offsets = nullptr;
   Precision precision = Precision::kDefault;
 
   // Element offset in the accumulator of the block of batch element b, group g.
   int64_t AccOffset(int64_t b, int64_t g) const {
-    return b * acc_stride + offset + g * out * in;
+    return b * acc_stride + (batch_offsets ? batch_offsets[b] : offset) + g * out * in;
   }
 };
+
+// XLA DynamicUpdateSlice's clamp of a start index into [0, max_offset].
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int64_t ClampOffset(int64_t offset, int64_t max_offset) {
+  return offset < 0 ? 0 : (offset > max_offset ? max_offset : offset);
+}
 
 // Validates ranks, shapes and dtypes; fills `dims`. Returns an InvalidArgument error
 // naming the offending operands otherwise. The accumulator is either a matrix
@@ -91,6 +108,7 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
           ") exceeds the flat main_grad" + describe());
     }
     dims->acc_stride = n;
+    dims->max_offset = n - groups * block;
   } else {
     if (ad[rank - 2] != gd[rank - 1] || ad[rank - 1] != xd[rank - 1] || offset != 0) {
       return ffi::Error::InvalidArgument(
@@ -127,6 +145,30 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   dims->out = gd[rank - 1];
   dims->offset = offset;
   dims->precision = static_cast<Precision>(precision);
+  return ffi::Error::Success();
+}
+
+// CheckWgradArgs for the operand-offset form (jax_wgrad_wgrad_accumulate_at): the
+// accumulator must be flat (N >= G * out * in), and `offset` an int32 array with one
+// element per batch element. The offsets themselves are not checked (they are clamped).
+inline ffi::Error CheckWgradAtArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
+                                   const ffi::AnyBuffer& acc, const ffi::AnyBuffer& out,
+                                   const ffi::AnyBuffer& offset, int32_t precision,
+                                   WgradDims* dims) {
+  if (ffi::Error err = CheckWgradArgs(x, dy, acc, out, 0, precision, dims); err.failure()) {
+    return err;
+  }
+  if (acc.dimensions().size() == x.dimensions().size()) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: an operand offset needs a flat main_grad [..., N] (main_grad=" +
+        ShapeString(acc) + ")");
+  }
+  if (offset.element_type() != ffi::DataType::S32 ||
+      static_cast<int64_t>(offset.element_count()) != dims->batch) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: the offset operand must be int32 with one element per batch "
+        "element (" + std::to_string(dims->batch) + "), got " + ShapeString(offset));
+  }
   return ffi::Error::Success();
 }
 

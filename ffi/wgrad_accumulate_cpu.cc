@@ -1,6 +1,8 @@
 // CPU handler of the jax_wgrad_wgrad_accumulate FFI target:
 //   main_grad[out, in] += dy[T, out]^T @ x[T, in]   (in place when XLA aliases the buffer)
-// main_grad may also be a flat buffer with the block at an element `offset`.
+// main_grad may also be a flat buffer with the block at an element `offset`: an attribute
+// (jax_wgrad_wgrad_accumulate), or an int32 operand in host memory, clamped like
+// lax.dynamic_update_slice (jax_wgrad_wgrad_accumulate_at); both run the same GEMMs.
 // A BLAS sgemm with beta = 1 from scipy-openblas32. 16-bit inputs are converted to f32 in
 // blocks of tokens, so temporary memory is bounded independently of T. A 16-bit
 // main_grad is widened once, accumulated in f32 and rounded once per call.
@@ -197,14 +199,10 @@ ffi::Error Dispatch(ffi::ThreadPool* pool, const WgradDims& d, ffi::DataType in_
   return ffi::Error::Success();
 }
 
-ffi::Error WgradAccumulateCpuBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
-                                  ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> result,
-                                  int64_t offset, int32_t precision) {
-  WgradDims d;
-  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, precision, &d);
-      err.failure()) {
-    return err;
-  }
+// The GEMMs of one validated call (either target): result = acc + dy^T x per block.
+ffi::Error WgradAccumulateCpuRun(ffi::ThreadPool* pool, const WgradDims& d, ffi::AnyBuffer x,
+                                 ffi::AnyBuffer dy, ffi::AnyBuffer acc,
+                                 ffi::Result<ffi::AnyBuffer> result) {
   constexpr int64_t kMaxBlas = std::numeric_limits<blasint>::max();
   if (d.tokens > kMaxBlas || d.in > kMaxBlas || d.out > kMaxBlas) {
     return ffi::Error::InvalidArgument(
@@ -220,6 +218,41 @@ ffi::Error WgradAccumulateCpuBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::
   UseSingleThreadedBlas();
   return Dispatch(pool, d, x.element_type(), acc.element_type(), x.untyped_data(),
                   dy.untyped_data(), result->untyped_data());
+}
+
+ffi::Error WgradAccumulateCpuBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                                  ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> result,
+                                  int64_t offset, int32_t precision) {
+  WgradDims d;
+  if (ffi::Error err = CheckWgradArgs(x, dy, acc, *result, offset, precision, &d);
+      err.failure()) {
+    return err;
+  }
+  return WgradAccumulateCpuRun(pool, d, x, dy, acc, result);
+}
+
+// Operand offsets: read from host memory, clamped per batch element, then the same GEMMs.
+ffi::Error WgradAccumulateAtCpuBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                                    ffi::AnyBuffer acc, ffi::AnyBuffer offset,
+                                    ffi::Result<ffi::AnyBuffer> result, int32_t precision) {
+  WgradDims d;
+  if (ffi::Error err = CheckWgradAtArgs(x, dy, acc, *result, offset, precision, &d);
+      err.failure()) {
+    return err;
+  }
+  const auto* given = static_cast<const int32_t*>(offset.untyped_data());
+  std::vector<int64_t> clamped(d.batch);
+  for (int64_t b = 0; b < d.batch; ++b) clamped[b] = ClampOffset(given[b], d.max_offset);
+  d.batch_offsets = clamped.data();
+  return WgradAccumulateCpuRun(pool, d, x, dy, acc, result);
+}
+
+ffi::Error WgradAccumulateAtCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                                    ffi::AnyBuffer acc, ffi::AnyBuffer offset,
+                                    ffi::Result<ffi::AnyBuffer> result, int32_t precision) {
+  return Guarded("wgrad_accumulate", [&] {
+    return WgradAccumulateAtCpuBody(&pool, x, dy, acc, offset, result, precision);
+  });
 }
 
 ffi::Error WgradAccumulateCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
@@ -240,6 +273,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCpu, WgradAccumulateCpuImpl,
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., out, in]
                                   .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
                                   .Attr<int64_t>("offset")      // block start (flat)
+                                  .Attr<int32_t>("precision"));  // validated, unused
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateAtCpu, WgradAccumulateAtCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // XLA's intra-op pool
+                                  .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
+                                  .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
+                                  .Arg<ffi::AnyBuffer>()   // main_grad  [..., N] (flat)
+                                  .Arg<ffi::AnyBuffer>()   // offset     int32 [...] (clamped)
+                                  .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
                                   .Attr<int32_t>("precision"));  // validated, unused
 
 }  // namespace jax_wgrad

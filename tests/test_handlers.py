@@ -36,7 +36,8 @@ def test_built_handlers_declare_the_oldest_supported_api():
             pytest.skip(f"the {platform} handlers were built with "
                         "JAX_WGRAD_ALLOW_NEWER_FFI_API=ON (they load into that jax and newer)")
         metadata = registry.handler_metadata(platform)
-        assert set(metadata) == {registry.TARGET, registry.BUCKET_ADD_TARGET}
+        assert set(metadata) == {registry.TARGET, registry.TARGET_AT,
+                                 registry.BUCKET_ADD_TARGET}
         for name, meta in metadata.items():
             assert tuple(meta["api_version"]) <= registry.OLDEST_SUPPORTED_FFI_API, (
                 platform, name, meta)
@@ -186,6 +187,7 @@ def test_probe_cases_cover_the_variants():
         "float32 default", "float32 highest", "bfloat16 into float32",
         "bfloat16 into bfloat16", "float16 into float32", "float16 into float16",
         "offset block of a flat bucket", "grouped experts into a bucket",
+        "traced offset block of a flat bucket", "grouped experts at a traced, clamped offset",
         "bucket_add of several blocks"]
 
 
@@ -226,12 +228,13 @@ def test_cuda_library_holds_sm80_sm90_sm100_code_and_ptx():
 @pytest.mark.cuda_handler
 def test_cuda_handlers_may_be_captured_into_cuda_graphs():
     metadata = registry.handler_metadata("cuda")
-    for name in (registry.TARGET, registry.BUCKET_ADD_TARGET):
+    for name in (registry.TARGET, registry.TARGET_AT, registry.BUCKET_ADD_TARGET):
         assert metadata[name]["command_buffer_compatible"], metadata
-    # The wgrad target is a bundle: its initialize stage creates the cuBLAS handle before
+    # The wgrad targets are bundles: their initialize stage creates the cuBLAS handle before
     # any capture, so the execute stage only enqueues stream work.
     module = importlib.import_module("jax_wgrad._wgrad_ffi_cuda")
-    assert set(module.registrations()[registry.TARGET]) == {"initialize", "execute"}
+    for name in (registry.TARGET, registry.TARGET_AT):
+        assert set(module.registrations()[name]) == {"initialize", "execute"}
 
 
 def test_a_newer_jax_build_refuses_at_configure_time(tmp_path):

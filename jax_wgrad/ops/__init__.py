@@ -1,7 +1,8 @@
 """Tier 1: the XLA FFI ops and their registry.
 
 * :func:`wgrad_accumulate`: ``main_grad += dy^T x`` as one GEMM with beta = 1, in place
-  (optionally into a flat bucket at a static offset).
+  (optionally into a flat bucket at an offset: a static int, or a traced int32 scalar,
+  clamped like ``lax.dynamic_update_slice``).
 * :func:`grouped_wgrad_accumulate`: the same for expert weights ``[E, out, in]``, all
   experts in one call (one strided-batched GEMM on a GPU), into a bucket or an array.
 * :func:`bucket_add`: many gradients added into their own blocks of a flat bucket, in place.
@@ -16,7 +17,9 @@ from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 from jax_wgrad.ops.registry import fusion_available, fusion_status, require_fusion
 from jax_wgrad.ops.wgrad import (
     WORKSPACE_BYTES,
+    is_traced_offset,
     wgrad_accumulate,
+    wgrad_accumulate_at_p,
     wgrad_accumulate_p,
     wgrad_accumulate_ref,
 )
@@ -31,9 +34,11 @@ __all__ = [
     "fusion_status",
     "grouped_wgrad_accumulate",
     "grouped_wgrad_accumulate_ref",
+    "is_traced_offset",
     "matmul_precision",
     "require_fusion",
     "wgrad_accumulate",
+    "wgrad_accumulate_at_p",
     "wgrad_accumulate_p",
     "wgrad_accumulate_ref",
 ]

@@ -6,7 +6,8 @@ strided-batched cuBLAS GEMM with beta = 1 over the experts, on the CPU one BLAS 
 expert; in place when XLA aliases the accumulator (donated, or a ``scan`` carry). The
 accumulator is either the ``[E, out, in]`` array itself or a flat gradient bucket whose
 ``E`` row-major ``[out, in]`` blocks lie back to back from ``offset`` on -- the layout
-of an expert weight's slice of a bucket.
+of an expert weight's slice of a bucket. ``offset`` is a static Python int or a traced
+int32 scalar (clamped into ``[0, N - E * out * in]``, see :mod:`jax_wgrad.ops.wgrad`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
-from jax_wgrad.ops.wgrad import add_to_block, check_dtypes, wgrad_accumulate_p
+from jax_wgrad.ops.wgrad import add_to_block, bind, check_block, check_dtypes
 
 __all__ = ["grouped_wgrad_accumulate", "grouped_wgrad_accumulate_ref"]
 
 
-def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: int | None) -> None:
+def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset) -> None:
     shapes = f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, " \
              f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
     if x.ndim != 3 or dy.ndim != 3 or x.shape[:2] != dy.shape[:2]:
@@ -33,13 +34,9 @@ def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: int | N
         raise ValueError(
             f"grouped_wgrad_accumulate: main_grad must have shape [E, out, in] = "
             f"[{e}, {d_out}, {d_in}]; got {shapes}")
-    size = e * d_out * d_in
-    if offset is not None and (main_grad.ndim != 1 or not isinstance(offset, int)
-                               or not 0 <= offset <= main_grad.shape[0] - size):
-        raise ValueError(
-            f"grouped_wgrad_accumulate: with offset={offset!r}, main_grad must be a flat "
-            f"buffer [N] holding the [E, out, in] blocks at [offset, offset + {size}) within "
-            f"N; got {shapes}")
+    if offset is not None:
+        check_block("grouped_wgrad_accumulate", main_grad, offset, e * d_out * d_in,
+                    "[E, out, in] blocks", shapes)
     check_dtypes("grouped_wgrad_accumulate", x, dy, main_grad, shapes)
 
 
@@ -48,7 +45,7 @@ def grouped_wgrad_accumulate(
     dy: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | None = None,
+    offset: int | jax.Array | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Returns ``main_grad`` with ``dy[e]^T @ x[e]`` added to every expert's block.
@@ -60,7 +57,10 @@ def grouped_wgrad_accumulate(
       main_grad: ``[E, out, in]`` accumulator (f32, or the 16-bit dtype of the inputs), or
         with ``offset`` a flat ``[N]`` buffer holding the ``E`` blocks back to back at
         ``[offset, offset + E * out * in)``; the rest is left as it is.
-      offset: static element offset of expert 0's block in a flat ``main_grad``.
+      offset: element offset of expert 0's block in a flat ``main_grad``: a Python int
+        (static, checked to fit) or an int32 scalar array (may be traced; clamped into
+        ``[0, N - E * out * in]`` like ``lax.dynamic_update_slice`` with
+        ``allow_negative_indices=False``).
       precision: ``jnp.dot``'s meaning and default (:func:`matmul_precision`).
     Returns:
       The updated accumulator, shape and dtype of ``main_grad``.
@@ -72,8 +72,7 @@ def grouped_wgrad_accumulate(
     level = matmul_precision(precision)
     if x.shape[0] * x.shape[1] == 0:
         return main_grad
-    return wgrad_accumulate_p.bind(x, dy, main_grad, offset=0 if offset is None else offset,
-                                   precision=level)
+    return bind(x, dy, main_grad, offset, level)
 
 
 def grouped_wgrad_accumulate_ref(
@@ -81,7 +80,7 @@ def grouped_wgrad_accumulate_ref(
     dy: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | None = None,
+    offset: int | jax.Array | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Plain-XLA reference of :func:`grouped_wgrad_accumulate` (same rounding)."""

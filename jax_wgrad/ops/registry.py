@@ -40,12 +40,14 @@ from typing import Any
 
 import jax
 
-__all__ = ["TARGET", "BUCKET_ADD_TARGET", "PLATFORMS", "OLDEST_SUPPORTED_FFI_API",
+__all__ = ["TARGET", "TARGET_AT", "BUCKET_ADD_TARGET", "PLATFORMS", "OLDEST_SUPPORTED_FFI_API",
            "load_error", "handler_loaded", "handler_metadata", "runtime_ffi_api",
            "fusion_status", "fusion_available", "require_fusion"]
 
 TARGET = "jax_wgrad_wgrad_accumulate"
 """FFI target of the fused weight-gradient GEMM (one name for CPU and CUDA)."""
+TARGET_AT = "jax_wgrad_wgrad_accumulate_at"
+"""The same GEMM with the block offset as an int32 operand (traced offsets), clamped."""
 BUCKET_ADD_TARGET = "jax_wgrad_bucket_add"
 """FFI target of the in-place block add into a flat gradient bucket."""
 
@@ -195,6 +197,16 @@ def _probe_cases():
     cases.append(("grouped experts into a bucket",
                   lambda x, dy, b: ops.grouped_wgrad_accumulate(x, dy, b, offset=4),
                   (gx, gdy, flat), grouped))
+    # Traced offsets (operands of the program): 7 as above; 30 for the grouped blocks is
+    # clamped to 40 - 24 = 16, as lax.dynamic_update_slice clamps.
+    cases.append(("traced offset block of a flat bucket",
+                  lambda x, dy, b, o: ops.wgrad_accumulate(x, dy, b, offset=o),
+                  (x, dy, flat, np.int32(7)), block))
+    clamped = flat.copy()
+    clamped[16:40] += np.einsum("eto,eti->eoi", gdy, gx).ravel()
+    cases.append(("grouped experts at a traced, clamped offset",
+                  lambda x, dy, b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o),
+                  (gx, gdy, flat, np.int32(30)), clamped))
     g1 = np.arange(1, 4, dtype=np.float32)
     g2 = (np.arange(6, dtype=np.float32) - 2).reshape(2, 3)
     added = flat.copy()
@@ -267,9 +279,9 @@ def fusion_status() -> dict[str, str | None]:
     """Per platform (``"cpu"``, ``"cuda"``): ``None`` if the fused handlers were shown to
     work by a test call on a device of this process (every kernel variant: float32 at
     default (TF32 on GPUs) and highest precision, bf16/fp16 into fp32 and into 16-bit, an
-    offset block, grouped experts, ``bucket_add`` of several blocks), else the reason they
-    cannot be used (not built, built for a newer jax, library missing, no device, a call
-    failed or was wrong).
+    offset block, grouped experts, both at a traced offset, ``bucket_add`` of several
+    blocks), else the reason they cannot be used (not built, built for a newer jax,
+    library missing, no device, a call failed or was wrong).
 
     The first query of a platform compiles and runs one small program on it; it may be
     made anywhere, also while tracing.

@@ -9,6 +9,20 @@ buffer in place: one GEMM with beta = 1, no temporary ``dW``.
 
 A named primitive (rather than a bare ``jax.ffi.ffi_call``) makes the op show up as
 ``wgrad_accumulate`` in compiled HLO and in profiler traces.
+
+**Static or traced offset.** A block of a flat bucket is addressed by ``offset``. A Python
+``int`` is a static primitive parameter (the FFI attribute ``offset`` of
+``jax_wgrad_wgrad_accumulate``). An int32 scalar array -- e.g. ``base + i * out * in``
+with ``i`` the index of a ``lax.scan`` over stacked layers -- binds
+``wgrad_accumulate_at_p`` instead: the offset is operand 3 of the FFI target
+``jax_wgrad_wgrad_accumulate_at`` (accumulator still operand 2, aliased to the result),
+read by the handler at run time (host memory on the CPU; device memory on a GPU, never
+copied back to the host). A traced offset cannot be checked at trace time, so it is
+CLAMPED into ``[0, N - block]`` exactly like XLA's ``DynamicUpdateSlice`` clamps its start
+index (``block`` = the elements written: ``out * in``, times ``E`` for grouped experts):
+the block lands where ``lax.dynamic_update_slice(bucket, block, (offset,),
+allow_negative_indices=False)`` puts it. A negative offset is clamped to 0 (jax's default
+``allow_negative_indices=True`` would first wrap it to ``N + offset``).
 """
 
 from __future__ import annotations
@@ -24,8 +38,8 @@ from jax.interpreters import batching, mlir
 from jax_wgrad.ops import registry
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 
-__all__ = ["WORKSPACE_BYTES", "wgrad_accumulate", "wgrad_accumulate_p", "wgrad_accumulate_ref",
-           "FLOAT_DTYPES"]
+__all__ = ["WORKSPACE_BYTES", "wgrad_accumulate", "wgrad_accumulate_p", "wgrad_accumulate_at_p",
+           "wgrad_accumulate_ref", "FLOAT_DTYPES", "is_traced_offset"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Input (and accumulator) dtypes the handlers take."""
@@ -36,6 +50,9 @@ allocated by XLA with the program's temporaries (cuBLAS recommends 32 MiB on Hop
 before). 256 bytes of slack let the handler align it as cublasSetWorkspace requires."""
 
 wgrad_accumulate_p = Primitive("wgrad_accumulate")
+wgrad_accumulate_at_p = Primitive("wgrad_accumulate_at")
+"""``wgrad_accumulate`` with the block offset as an int32 operand (``[*batch]``: one per
+vmapped batch element) instead of a static parameter; the offset is clamped."""
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "precision"))
@@ -68,29 +85,118 @@ def _batch_rule(args, dims, *, offset, precision):
 batching.primitive_batchers[wgrad_accumulate_p] = _batch_rule
 
 
+@functools.partial(jax.jit, static_argnames=("precision",))
+def _eager_at(x, dy, main_grad, offset, *, precision):
+    return wgrad_accumulate_at_p.bind(x, dy, main_grad, offset, precision=precision)
+
+
+wgrad_accumulate_at_p.def_impl(_eager_at)
+wgrad_accumulate_at_p.def_abstract_eval(lambda x, dy, main_grad, offset, **_: main_grad)
+
+
+def _batch_rule_at(args, dims, *, precision):
+    """vmap of the traced-offset form: ``broadcast_all`` like :func:`_batch_rule`; the
+    offset gets the batch dim too (one block offset per batch element)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [
+        jnp.broadcast_to(a, (size,) + a.shape) if d is None
+        else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    return wgrad_accumulate_at_p.bind(*moved, precision=precision), 0
+
+
+batching.primitive_batchers[wgrad_accumulate_at_p] = _batch_rule_at
+
+
+def _unavailable(platform: str):
+    def unavailable(ctx, *args, **params):  # raised at compile time
+        registry.require_fusion(platform)
+    return unavailable
+
+
+_WORKSPACE = jax.core.ShapedArray((WORKSPACE_BYTES + 256,), jnp.uint8)
+
+
 def _wgrad_lowering(platform: str):
     if not registry.handler_loaded(platform):
-        def unavailable(ctx, *args, **params):  # raised at compile time
-            registry.require_fusion(platform)
-        return unavailable
+        return _unavailable(platform)
     rule = jax.ffi.ffi_lowering(registry.TARGET, operand_output_aliases={2: 0})
     if platform == "cpu":
         return lambda ctx, *args, offset, precision: rule(
             ctx, *args, offset=offset, precision=np.int32(precision))
-    workspace = jax.core.ShapedArray((WORKSPACE_BYTES + 256,), jnp.uint8)
 
     def with_workspace(ctx, *args, offset, precision):
         # The CUDA handler's second result is its cuBLAS workspace (module docstring).
-        ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
+        ctx = ctx.replace(avals_out=[*ctx.avals_out, _WORKSPACE])
         return rule(ctx, *args, offset=offset, precision=np.int32(precision))[:1]
     return with_workspace
 
 
+# The CUDA handler of the traced-offset form keeps the per-problem GEMM pointers in device
+# memory; a 16-byte unit keeps every array of it aligned.
+_ALIGN = 16
+
+
+def cuda_at_scratch(x_shape: tuple[int, ...], dy_shape: tuple[int, ...],
+                    acc: jax.core.ShapedArray) -> tuple[jax.core.ShapedArray, jax.core.ShapedArray]:
+    """Extra results of the CUDA ``jax_wgrad_wgrad_accumulate_at`` handler, besides its
+    cuBLAS workspace (``ffi/wgrad_accumulate_cuda.cu`` says how each is used):
+
+    * ``pointers``: uint8 ``[4 * P * 8]`` -- the A, B, C pointer arrays of
+      ``cublasGemmBatchedEx`` and one "block is 16-byte aligned" flag per problem, ``P`` =
+      batch elements x groups, written on the device by the handler's set-up kernel;
+    * ``staging``: ``[P * stride]`` of the accumulator's dtype, ``stride`` = ``out * in``
+      rounded up to 16 bytes: where the GEMM accumulates a block whose start in the bucket
+      is not 16-byte aligned (cuBLAS's pointer-array GEMMs may use 16-byte vector accesses),
+      copied in before and out after; untouched for an aligned block.
+    """
+    grouped = acc.ndim + 2 == len(x_shape)
+    lead = x_shape[:-3] if grouped else x_shape[:-2]
+    problems = int(np.prod(lead, dtype=np.int64)) * (x_shape[-3] if grouped else 1)
+    item = jnp.dtype(acc.dtype).itemsize
+    block = dy_shape[-1] * x_shape[-1]
+    stride = -(-block * item // _ALIGN) * _ALIGN // item
+    return (jax.core.ShapedArray((4 * problems * 8,), jnp.uint8),
+            jax.core.ShapedArray((problems * stride,), acc.dtype))
+
+
+def _wgrad_at_lowering(platform: str):
+    if not registry.handler_loaded(platform):
+        return _unavailable(platform)
+    rule = jax.ffi.ffi_lowering(registry.TARGET_AT, operand_output_aliases={2: 0})
+    if platform == "cpu":
+        return lambda ctx, *args, precision: rule(ctx, *args, precision=np.int32(precision))
+
+    def with_scratch(ctx, *args, precision):
+        x, dy, acc = ctx.avals_in[:3]
+        extra = [_WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc)]
+        ctx = ctx.replace(avals_out=[*ctx.avals_out, *extra])
+        return rule(ctx, *args, precision=np.int32(precision))[:1]
+    return with_scratch
+
+
 for _platform in registry.PLATFORMS:
     mlir.register_lowering(wgrad_accumulate_p, _wgrad_lowering(_platform), platform=_platform)
+    mlir.register_lowering(wgrad_accumulate_at_p, _wgrad_at_lowering(_platform),
+                           platform=_platform)
 
 
-def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: int | None) -> None:
+def is_traced_offset(offset) -> bool:
+    """Whether ``offset`` takes the traced-offset path: an array (jax or numpy), not a
+    Python int. Raises ``ValueError`` unless it is an int32 scalar."""
+    if offset is None or (isinstance(offset, int) and not isinstance(offset, bool)):
+        return False
+    if not isinstance(offset, (jax.Array, np.ndarray, np.generic)):
+        return False  # floats, bools, ...: rejected by the static checks, naming the value
+    if jnp.shape(offset) != () or jnp.result_type(offset) != jnp.int32:
+        raise ValueError(
+            f"offset must be a Python int (static) or an int32 scalar array (traced); got "
+            f"{jnp.result_type(offset)}{list(jnp.shape(offset))}")
+    return True
+
+
+def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset) -> None:
     shapes = f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, " \
              f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
     if x.ndim < 2 or dy.ndim != x.ndim:
@@ -105,12 +211,27 @@ def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: int | N
         raise ValueError(
             "wgrad_accumulate: main_grad must have shape [out, in] = "
             f"[{dy.shape[-1]}, {x.shape[-1]}]; got {shapes}")
-    if offset is not None and (main_grad.ndim != 1 or not isinstance(offset, int)
-                               or not 0 <= offset <= main_grad.shape[0] - block):
-        raise ValueError(
-            f"wgrad_accumulate: with offset={offset!r}, main_grad must be a flat buffer [N] "
-            f"holding the [out, in] block at [offset, offset + {block}) within N; got {shapes}")
+    if offset is not None:
+        check_block("wgrad_accumulate", main_grad, offset, block, "[out, in] block", shapes)
     check_dtypes("wgrad_accumulate", x, dy, main_grad, shapes)
+
+
+def check_block(who: str, main_grad: jax.Array, offset, block: int, what: str,
+                shapes: str) -> None:
+    """A flat ``main_grad [N]`` holds ``block`` elements from ``offset`` on: checked fully
+    for a static int offset; for a traced one only ``N >= block`` (it is clamped)."""
+    if is_traced_offset(offset):
+        if main_grad.ndim != 1 or main_grad.shape[0] < block:
+            raise ValueError(
+                f"{who}: with a traced offset, main_grad must be a flat buffer [N] with N >= "
+                f"{block} (the {what}; the offset is clamped into [0, N - {block}]); got "
+                f"{shapes}")
+        return
+    if main_grad.ndim != 1 or not isinstance(offset, int) or isinstance(offset, bool) \
+            or not 0 <= offset <= main_grad.shape[0] - block:
+        raise ValueError(
+            f"{who}: with offset={offset!r}, main_grad must be a flat buffer [N] "
+            f"holding the {what} at [offset, offset + {block}) within N; got {shapes}")
 
 
 def check_dtypes(who: str, x: jax.Array, dy: jax.Array, main_grad: jax.Array,
@@ -127,13 +248,32 @@ def check_dtypes(who: str, x: jax.Array, dy: jax.Array, main_grad: jax.Array,
             f"(accumulated in fp32, rounded once); got {shapes}")
 
 
-def add_to_block(main_grad: jax.Array, update: jax.Array, offset: int | None) -> jax.Array:
+def add_to_block(main_grad: jax.Array, update: jax.Array, offset) -> jax.Array:
     """Reference accumulation: ``main_grad + update`` in fp32, rounded once to its dtype;
-    with ``offset``, into the flat elements ``[offset, offset + update.size)`` only."""
+    with ``offset``, into the flat elements ``[offset, offset + update.size)`` only. A
+    traced offset is clamped into ``[0, N - update.size]``, as the handlers do
+    (``lax.dynamic_slice`` / ``dynamic_update_slice`` without negative-index wrapping)."""
     if offset is None:
         return (main_grad.astype(jnp.float32) + update).astype(main_grad.dtype)
+    if is_traced_offset(offset):
+        old = jax.lax.dynamic_slice(main_grad, (offset,), (update.size,),
+                                    allow_negative_indices=False)
+        new = (old.astype(jnp.float32) + update.reshape(-1)).astype(main_grad.dtype)
+        return jax.lax.dynamic_update_slice(main_grad, new, (offset,),
+                                            allow_negative_indices=False)
     block = main_grad[offset:offset + update.size].astype(jnp.float32) + update.reshape(-1)
     return main_grad.at[offset:offset + update.size].set(block.astype(main_grad.dtype))
+
+
+def bind(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset, precision: int
+         ) -> jax.Array:
+    """Binds the static-offset primitive for an int (or no) offset, the traced-offset one
+    for an int32 scalar array."""
+    if is_traced_offset(offset):
+        return wgrad_accumulate_at_p.bind(x, dy, main_grad, jnp.asarray(offset, jnp.int32),
+                                          precision=precision)
+    return wgrad_accumulate_p.bind(x, dy, main_grad, offset=0 if offset is None else offset,
+                                   precision=precision)
 
 
 def wgrad_accumulate(
@@ -141,7 +281,7 @@ def wgrad_accumulate(
     dy: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | None = None,
+    offset: int | jax.Array | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Returns ``main_grad + dy^T @ x``, updating the buffer in place under XLA.
@@ -154,8 +294,12 @@ def wgrad_accumulate(
         (then accumulated in fp32 and rounded once per call). With ``offset``: a flat
         ``[N]`` buffer (e.g. a gradient bucket) whose elements
         ``[offset, offset + out * in)`` hold the row-major ``[out, in]`` block.
-      offset: static element offset of the block in a flat ``main_grad``; only that
-        block is read and written, the rest of the buffer is left as it is.
+      offset: element offset of the block in a flat ``main_grad``; only that block is
+        read and written, the rest of the buffer is left as it is. A Python int is static
+        (checked to fit); an int32 scalar array may be traced (e.g. a ``scan`` index
+        times the block size) and is clamped into ``[0, N - out * in]`` like
+        ``lax.dynamic_update_slice``'s start index with ``allow_negative_indices=False``
+        (module docstring).
       precision: ``jnp.dot``'s meaning and default (:func:`matmul_precision`): on a GPU
         float32 inputs use TF32 unless ``HIGHEST``, exactly like XLA's own ``dot``.
     Returns:
@@ -171,8 +315,7 @@ def wgrad_accumulate(
     dy2 = dy.reshape(-1, dy.shape[-1])
     if x2.shape[0] == 0:
         return main_grad
-    return wgrad_accumulate_p.bind(x2, dy2, main_grad, offset=0 if offset is None else offset,
-                                   precision=level)
+    return bind(x2, dy2, main_grad, offset, level)
 
 
 def wgrad_accumulate_ref(
@@ -180,7 +323,7 @@ def wgrad_accumulate_ref(
     dy: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | None = None,
+    offset: int | jax.Array | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Plain-XLA reference of :func:`wgrad_accumulate` (same shapes, precision, rounding)."""
