@@ -6,6 +6,7 @@
 
 extern "C" XLA_FFI_Error* WgradAccumulateCudaInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* WgradAccumulateCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* WgradAccumulateAtCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BucketAddCuda(XLA_FFI_CallFrame* call_frame);
 
 namespace py = pybind11;
@@ -22,14 +23,21 @@ PYBIND11_MODULE(_wgrad_ffi_cuda, m) {
   m.doc() = "jax_wgrad CUDA FFI handlers (cuBLAS)";
   m.def("registrations", []() {
     py::dict d;
-    // A handler bundle: the initialize stage creates the device's cuBLAS handle before
-    // any run, so the execute stage may be captured into a CUDA graph.
-    py::dict wgrad;
-    wgrad["initialize"] = Capsule(&WgradAccumulateCudaInitialize);
-    wgrad["execute"] = Capsule(&WgradAccumulateCuda);
-    d["jax_wgrad_wgrad_accumulate"] = wgrad;
+    // Handler bundles: the initialize stage creates the device's cuBLAS handle before
+    // any run, so the execute stage may be captured into a CUDA graph. Both wgrad
+    // targets (static and operand offset) share it.
+    auto bundle = [](XLA_FFI_Handler* execute) {
+      py::dict b;
+      b["initialize"] = Capsule(&WgradAccumulateCudaInitialize);
+      b["execute"] = Capsule(execute);
+      return b;
+    };
+    d["jax_wgrad_wgrad_accumulate"] = bundle(&WgradAccumulateCuda);
+    d["jax_wgrad_wgrad_accumulate_at"] = bundle(&WgradAccumulateAtCuda);
     d["jax_wgrad_bucket_add"] = Capsule(&BucketAddCuda);
     return d;
   });
-  jax_wgrad::DefineHandlerFacts(m, &WgradAccumulateCuda, &BucketAddCuda);
+  jax_wgrad::DefineHandlerFacts(m, {{"jax_wgrad_wgrad_accumulate", &WgradAccumulateCuda},
+                                    {"jax_wgrad_wgrad_accumulate_at", &WgradAccumulateAtCuda},
+                                    {"jax_wgrad_bucket_add", &BucketAddCuda}});
 }
