@@ -34,6 +34,23 @@ does the chaining for layers that only know their own slot (``main_grad=slot``):
 
     y, vjp_fn = jax.vjp(stage, params, buckets, x)
     dparams, buckets, dx = vjp_fn((dy, buckets))   # buckets += both blocks
+
+**Traced offsets: stacked layers in a scan.** ``offset`` may also be an int32 scalar
+array, e.g. ``base + i * out * in`` for layer ``i`` of a ``lax.scan`` over stacked
+``[L, out, in]`` weights that occupy one contiguous region of a bucket. The bucket then
+rides in the scan carry; the backward of the scan carries its cotangent, and each
+iteration's fused call adds its layer's block in place (the traced-offset form of
+:func:`jax_wgrad.ops.wgrad_accumulate`, clamped like ``lax.dynamic_update_slice``)::
+
+    def stack(ws, bucket, x):                      # ws: [L, out, in], out == in
+        def layer(carry, xs):
+            h, bk = carry
+            w, off = xs
+            h, bk = linear_into_bucket(h, w, None, bk, offset=off)
+            return (h, bk), None
+        offs = base + jnp.arange(L, dtype=jnp.int32) * w_size
+        (y, bucket), _ = jax.lax.scan(layer, (x, bucket), (ws, offs))
+        return y, bucket
 """
 
 from __future__ import annotations
@@ -98,6 +115,17 @@ _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
 
 
 # ----------------------------------------------------------------------------- threaded
+# Two custom_vjp wrappers, one backward body: a static (int) offset is a nondiff argument
+# (the same HLO as ever); a traced one is a regular integer argument, saved as a residual,
+# whose cotangent is None (float0 zeros to jax).
+
+
+def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision):
+    """``(dx, None, db, bucket)``: ``ct_bucket`` is the bucket with every downstream block
+    already added; this weight's block is added to it, in place."""
+    dx, db = _dgrad_bgrad(x, w, b, dy, precision)
+    return dx, None, db, ops.wgrad_accumulate(x, dy, ct_bucket, offset=offset,
+                                              precision=precision)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -112,14 +140,47 @@ def _threaded_linear_fwd(x, w, b, bucket, offset, precision):
 
 def _threaded_linear_bwd(offset, precision, res, cts):
     x, w, b = res
-    dy, ct_bucket = cts
-    dx, db = _dgrad_bgrad(x, w, b, dy, precision)
-    # ct_bucket = the bucket with every downstream block already added; add ours, in place.
-    return dx, None, db, ops.wgrad_accumulate(x, dy, ct_bucket, offset=offset,
-                                              precision=precision)
+    return _threaded_bwd(x, w, b, *cts, offset, precision)
 
 
 _threaded_linear.defvjp(_threaded_linear_fwd, _threaded_linear_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _threaded_linear_at(x, w, b, bucket, offset, precision):
+    return _forward(x, w, b, precision), bucket
+
+
+def _threaded_linear_at_fwd(x, w, b, bucket, offset, precision):
+    # x, w, b and the int32 offset are saved; the bucket is NOT a residual.
+    return (_forward(x, w, b, precision), bucket), (x, w, b, offset)
+
+
+def _threaded_linear_at_bwd(precision, res, cts):
+    x, w, b, offset = res
+    return (*_threaded_bwd(x, w, b, *cts, offset, precision), None)
+
+
+_threaded_linear_at.defvjp(_threaded_linear_at_fwd, _threaded_linear_at_bwd)
+
+
+def check_bucket_block(who: str, bucket: jax.Array, offset: int | jax.Array, size: int,
+                       what: str) -> bool:
+    """Checks that a flat float32 ``bucket`` holds ``size`` elements at ``offset``; returns
+    whether ``offset`` is traced (an int32 scalar array: only ``N >= size`` is checked, the
+    offset is clamped into ``[0, N - size]`` by the fused op)."""
+    traced = ops.is_traced_offset(offset)
+    fits = bucket.ndim == 1 and (
+        bucket.shape[0] >= size if traced else
+        isinstance(offset, int) and not isinstance(offset, bool)
+        and 0 <= offset <= bucket.shape[0] - size)
+    if not fits:
+        shown = "a traced offset" if traced else f"offset {offset!r}"
+        raise ValueError(f"{who}: the {what} at {shown} does not fit in a flat bucket of "
+                         f"shape {tuple(bucket.shape)}")
+    if bucket.dtype != jnp.float32:
+        raise ValueError(f"{who}: bucket must be float32, got {bucket.dtype}")
+    return traced
 
 
 def linear_into_bucket(
@@ -128,7 +189,7 @@ def linear_into_bucket(
     b: jax.Array | None,
     bucket: jax.Array,
     *,
-    offset: int,
+    offset: int | jax.Array,
     precision: ops.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(x @ w.T + b, bucket)``: a linear whose weight gradient goes into a flat bucket.
@@ -142,22 +203,20 @@ def linear_into_bucket(
     Args:
       x: ``[..., in]`` input; w: ``[out, in]`` weight; b: optional ``[out]`` bias.
       bucket: flat ``[N]`` float32 gradient bucket holding the weight's row-major block.
-      offset: static element offset of the block in ``bucket``.
+      offset: element offset of the block in ``bucket``: a Python int (static, checked to
+        fit), or an int32 scalar array (may be traced, e.g. per layer of a ``scan``;
+        clamped into ``[0, N - out * in]`` like ``lax.dynamic_update_slice``).
       precision: matmul precision of all three GEMMs (``jnp.dot``'s meaning and default,
         :func:`jax_wgrad.ops.matmul_precision`).
     Returns:
       ``(y [..., out] in x.dtype, bucket)``.
     """
     _check(x, w, b)
-    size = w.shape[0] * w.shape[1]
-    if bucket.ndim != 1 or not isinstance(offset, int) or not (
-            0 <= offset <= bucket.shape[0] - size):
-        raise ValueError(
-            f"linear_into_bucket: the [out, in] = {list(w.shape)} block at offset {offset!r} "
-            f"does not fit in a flat bucket of shape {tuple(bucket.shape)}")
-    if bucket.dtype != jnp.float32:
-        raise ValueError(f"linear_into_bucket: bucket must be float32, got {bucket.dtype}")
-    return _threaded_linear(x, w, b, bucket, offset, ops.matmul_precision(precision))
+    level = ops.matmul_precision(precision)
+    if check_bucket_block("linear_into_bucket", bucket, offset, w.shape[0] * w.shape[1],
+                          f"[out, in] = {list(w.shape)} block"):
+        return _threaded_linear_at(x, w, b, bucket, offset, level)
+    return _threaded_linear(x, w, b, bucket, offset, level)
 
 
 class WgradBuckets:
@@ -178,9 +237,10 @@ class WgradBuckets:
         """The current bucket tokens (return these from the differentiated function)."""
         return tuple(self._buckets)
 
-    def slot(self, bucket: int, offset: int) -> BucketSlot:
+    def slot(self, bucket: int, offset: int | jax.Array) -> BucketSlot:
         """The main grad of one weight: elements ``[offset, offset + out * in)`` of
-        bucket ``bucket``."""
+        bucket ``bucket``; ``offset`` a Python int or an int32 scalar array (traced, e.g.
+        inside a ``scan`` over stacked layers; see :func:`linear_into_bucket`)."""
         if not 0 <= bucket < len(self._buckets):
             raise ValueError(f"WgradBuckets.slot: bucket {bucket} out of range "
                              f"(have {len(self._buckets)})")
@@ -192,7 +252,8 @@ class WgradBuckets:
         out, self._buckets[bucket] = fn(self._buckets[bucket])
         return out
 
-    def _linear(self, x, w, b, bucket: int, offset: int, precision) -> jax.Array:
+    def _linear(self, x, w, b, bucket: int, offset: int | jax.Array, precision
+                ) -> jax.Array:
         return self.thread(bucket, lambda bk: linear_into_bucket(
             x, w, b, bk, offset=offset, precision=precision))
 
@@ -246,11 +307,12 @@ class SplitSlot:
 @dataclasses.dataclass(frozen=True)
 class BucketSlot:
     """Where one weight's main grad lives in threaded buckets (``main_grad=`` of
-    :func:`linear`); made by :meth:`WgradBuckets.slot`."""
+    :func:`linear`); made by :meth:`WgradBuckets.slot`. ``offset`` is a Python int or an
+    int32 scalar array (traced)."""
 
     owner: WgradBuckets
     bucket: int
-    offset: int
+    offset: int | jax.Array
 
 
 def linear(

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from jax_wgrad import ops
 from jax_wgrad._validation import check_positive
-from jax_wgrad.functional.linear import BucketSlot, WgradBuckets
+from jax_wgrad.functional.linear import BucketSlot, WgradBuckets, check_bucket_block
 
 __all__ = ["MoEConfig", "MoEStats", "route", "dispatch_slots", "grouped_linear",
            "moe_mlp", "load_balancing_loss", "attach_aux_loss"]
@@ -196,6 +196,17 @@ def _ordered(x, dy, dx, wgrad, overlap):
     return jax.lax.optimization_barrier((dx, new))
 
 
+# Threaded into a bucket: a static (int) offset is a nondiff argument, a traced one a
+# regular integer argument saved as a residual (cotangent None); one backward body.
+def _grouped_threaded_bwd_body(x, w, dy, ct_bucket, offset, precision, overlap):
+    """``(dx, zeros like w, bucket + every expert's block)``."""
+    dx = _gdgrad(dy, w, precision, x.dtype)
+    wgrad = lambda x, dy: ops.grouped_wgrad_accumulate(x, dy, ct_bucket, offset=offset,
+                                                       precision=precision)
+    dx, new_bucket = _ordered(x, dy, dx, wgrad, overlap)
+    return dx, jnp.zeros_like(w), new_bucket
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _grouped_threaded(x, w, bucket, offset, precision, overlap):
     return _gforward(x, w, precision), bucket
@@ -207,15 +218,27 @@ def _grouped_threaded_fwd(x, w, bucket, offset, precision, overlap):
 
 def _grouped_threaded_bwd(offset, precision, overlap, res, cts):
     x, w = res
-    dy, ct_bucket = cts
-    dx = _gdgrad(dy, w, precision, x.dtype)
-    wgrad = lambda x, dy: ops.grouped_wgrad_accumulate(x, dy, ct_bucket, offset=offset,
-                                                       precision=precision)
-    dx, new_bucket = _ordered(x, dy, dx, wgrad, overlap)
-    return dx, jnp.zeros_like(w), new_bucket
+    return _grouped_threaded_bwd_body(x, w, *cts, offset, precision, overlap)
 
 
 _grouped_threaded.defvjp(_grouped_threaded_fwd, _grouped_threaded_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _grouped_threaded_at(x, w, bucket, offset, precision, overlap):
+    return _gforward(x, w, precision), bucket
+
+
+def _grouped_threaded_at_fwd(x, w, bucket, offset, precision, overlap):
+    return (_gforward(x, w, precision), bucket), (x, w, offset)
+
+
+def _grouped_threaded_at_bwd(precision, overlap, res, cts):
+    x, w, offset = res
+    return (*_grouped_threaded_bwd_body(x, w, *cts, offset, precision, overlap), None)
+
+
+_grouped_threaded_at.defvjp(_grouped_threaded_at_fwd, _grouped_threaded_at_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -240,7 +263,7 @@ _grouped_plain.defvjp(_grouped_plain_fwd, _grouped_plain_bwd)
 
 
 def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = None,
-                   offset: int = 0, main_grad: BucketSlot | None = None,
+                   offset: int | jax.Array = 0, main_grad: BucketSlot | None = None,
                    precision: ops.PrecisionLike = None, overlap_wgrad: bool = False):
     """Per-expert ``y[e] = x[e] @ w[e]^T``.
 
@@ -250,6 +273,9 @@ def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = Non
         :func:`jax_wgrad.functional.linear_into_bucket`: the backward adds every expert's
         ``dy[e]^T x[e]`` to its blocks ``[offset, offset + E * out * in)`` with ONE
         grouped fused call (``w`` then gets a zero gradient).
+      offset: a Python int (static, checked to fit) or an int32 scalar array (may be
+        traced, e.g. per layer of a ``scan``; clamped into ``[0, N - E * out * in]`` like
+        ``lax.dynamic_update_slice``).
       main_grad: instead of ``bucket``/``offset``, the weight's
         :class:`~jax_wgrad.functional.BucketSlot` in buckets threaded by a
         :class:`~jax_wgrad.functional.WgradBuckets` (returns ``y`` only).
@@ -269,10 +295,9 @@ def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = Non
     level = ops.matmul_precision(precision)
     if bucket is None:
         return _grouped_plain(x, w, level, overlap_wgrad)
-    if bucket.ndim != 1 or bucket.dtype != jnp.float32 or not (
-            0 <= offset <= bucket.shape[0] - w.size):
-        raise ValueError(f"grouped_linear: the {list(w.shape)} blocks at offset {offset} do not "
-                         f"fit in a flat float32 bucket, got {bucket.dtype}{list(bucket.shape)}")
+    if check_bucket_block("grouped_linear", bucket, offset, w.size,
+                          f"{list(w.shape)} blocks"):
+        return _grouped_threaded_at(x, w, bucket, offset, level, overlap_wgrad)
     return _grouped_threaded(x, w, bucket, offset, level, overlap_wgrad)
 
 
