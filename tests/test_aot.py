@@ -317,3 +317,29 @@ def test_example_compile_only_without_plugin_is_a_clear_error(example, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "compiling for a GPU needs jax's CUDA plugin" in err or "cannot be lowered" in err
+
+
+def test_dynamic_slice_fusion_around_an_aliased_call_is_no_bucket_kernel():
+    # XLA:GPU (H100 deviceless compile of a scan over stacked layers, traced offsets) wraps
+    # the fused call in a dynamic-slice fusion that reads x from the stacked residuals in
+    # place; the bucket (operand 2 of the call) is aliased: not a bucket-sized kernel.
+    text = f"""HloModule m
+
+%dynamic-slice-fusion (p0: f32[{N}], p1: s32[]) -> (f32[{N}], u8[64]) {{
+  %p0 = f32[{N}]{{0}} parameter(0)
+  %p1 = s32[] parameter(1)
+  ROOT %wgrad_accumulate_at.0 = (f32[{N}]{{0}}, u8[64]{{0}}) custom-call(%x, %dy, %p0, %p1), custom_call_target="jax_wgrad_wgrad_accumulate_at", output_to_operand_aliasing={{{{0}}: (2, {{}})}}
+}}
+
+ENTRY %main (b: f32[{N}], o: s32[]) -> (f32[{N}], u8[64]) {{
+  %b = f32[{N}]{{0}} parameter(0)
+  %o = s32[] parameter(1)
+  ROOT %dynamic_slice_fusion = (f32[{N}]{{0}}, u8[64]{{0}}) fusion(%b, %o), kind=kCustom, calls=%dynamic-slice-fusion
+}}
+"""
+    comps = hlo.computations(text)
+    assert hlo.wraps_aliased_custom_call(comps["main"][-1], comps)
+    assert hlo.sized_ops(comps, ["main"], [N]) == []
+    unaliased = text.replace(", output_to_operand_aliasing={{0}: (2, {})}", "")
+    comps = hlo.computations(unaliased)
+    assert [i.name for i in hlo.sized_ops(comps, ["main"], [N])] == ["dynamic_slice_fusion"]

@@ -19,8 +19,9 @@ from collections.abc import Iterable, Sequence
 
 __all__ = [
     "computations", "reachable", "while_bodies", "entry_name", "Instruction", "instructions",
-    "custom_calls", "aliased", "sized_ops", "scatters_16bit", "AsyncCollective",
-    "async_collectives", "sync_collectives", "branches", "known_trip_count", "schedule_loop",
+    "custom_calls", "aliased", "wraps_aliased_custom_call", "sized_ops", "scatters_16bit",
+    "AsyncCollective", "async_collectives", "sync_collectives", "branches", "known_trip_count",
+    "schedule_loop",
 ]
 
 # ------------------------------------------------------------------------- HLO modules
@@ -127,13 +128,28 @@ _NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"
                 "partition-id", "replica-id"}
 
 
+def wraps_aliased_custom_call(line: str, comps: dict[str, list[str]]) -> bool:
+    """Whether a fusion instruction is XLA:GPU's dynamic-slice fusion around ONE custom
+    call whose output aliases an operand: the custom call reads its operands through
+    dynamic slices in place (e.g. a scan's stacked residuals at the loop index) and
+    updates the aliased buffer in place, so the fusion is no kernel of that size."""
+    callee = re.search(r"calls=%([\w.\-]+)", line)
+    if " fusion(" not in line or "kind=kCustom" not in line or callee is None:
+        return False
+    body = comps.get(callee.group(1), [])
+    root = [l for l in body if l.startswith("ROOT ")]
+    return (callee.group(1).startswith("dynamic-slice-fusion") and len(root) == 1
+            and " custom-call(" in root[0] and aliased(root[0]))
+
+
 def sized_ops(comps: dict[str, list[str]], names: Iterable[str], sizes: Iterable[int],
               dtype: str = "f32") -> list[Instruction]:
     """Instructions of computations ``names`` that produce a 1-D ``dtype`` array of one of
     ``sizes`` elements and run as a kernel or copy of their own: copies, fusions,
-    non-aliased custom calls, ... (control flow, tuples, bitcasts and custom calls whose
-    output aliases an operand are not counted). Fused computations are skipped: their
-    fusion instruction is what runs."""
+    non-aliased custom calls, ... (control flow, tuples, bitcasts, custom calls whose
+    output aliases an operand and XLA:GPU's dynamic-slice fusions around such a call
+    (:func:`wraps_aliased_custom_call`) are not counted). Fused computations are skipped:
+    their fusion instruction is what runs."""
     want = {f"{dtype}[{n}]" for n in sizes}
     out = []
     for c in names:
@@ -144,6 +160,8 @@ def sized_ops(comps: dict[str, list[str]], names: Iterable[str], sizes: Iterable
                     or _collective(ins.opcode)):
                 continue
             if ins.opcode == "custom-call" and aliased(ins.line):
+                continue
+            if ins.opcode == "fusion" and wraps_aliased_custom_call(ins.line, comps):
                 continue
             if any(f"{d}[{','.join(map(str, s))}]" in want for d, s in ins.arrays()):
                 out.append(ins)

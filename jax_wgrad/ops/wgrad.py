@@ -144,8 +144,9 @@ def cuda_at_scratch(x_shape: tuple[int, ...], dy_shape: tuple[int, ...],
     cuBLAS workspace (``ffi/wgrad_accumulate_cuda.cu`` says how each is used):
 
     * ``pointers``: uint8 ``[4 * P * 8]`` -- the A, B, C pointer arrays of
-      ``cublasGemmBatchedEx`` and one "block is 16-byte aligned" flag per problem, ``P`` =
-      batch elements x groups, written on the device by the handler's set-up kernel;
+      ``cublasGemmBatchedEx`` and, per problem, the block to stage (null when it is
+      16-byte aligned), ``P`` = batch elements x groups, written on the device by the
+      handler's set-up kernel;
     * ``staging``: ``[P * stride]`` of the accumulator's dtype, ``stride`` = ``out * in``
       rounded up to 16 bytes: where the GEMM accumulates a block whose start in the bucket
       is not 16-byte aligned (cuBLAS's pointer-array GEMMs may use 16-byte vector accesses),
