@@ -21,7 +21,7 @@ Tiers, bottom up (each imports only the ones before it):
 from jax_wgrad import functional, grads, models, nn, ops, optim, parallel, testing, training
 from jax_wgrad.functional import BucketSlot, WgradBuckets, linear, linear_into_bucket
 from jax_wgrad.grads import DDPConfig, GradBuffer, GradLayout, GradSpec, plan_buckets
-from jax_wgrad.models.gpt import GPTConfig, GPTStages, init_params, param_specs
+from jax_wgrad.models.gpt import GPTConfig, GPTProgram, init_params, param_specs
 from jax_wgrad.nn import (
     ColumnParallelLinear,
     LayerNorm,
@@ -55,7 +55,7 @@ __all__ = [
     # configs and the run
     "DDPConfig", "GPTConfig", "ParallelConfig", "TrainPlan", "TrainState",
     "make_mesh", "initialize_distributed", "use_virtual_cpu_devices",
-    "init_params", "param_specs", "GPTStages", "pipeline_gradients",
+    "init_params", "param_specs", "GPTProgram", "pipeline_gradients",
     "init_train_state", "build_train_step", "default_optimizer", "shard_batch", "ByteDataset",
     # gradients
     "plan_buckets", "GradBuffer", "GradLayout", "GradSpec", "DistributedOptimizer",

@@ -14,11 +14,12 @@ PKG = Path(jax_wgrad.__file__).parent
 MODULES = sorted(p for p in PKG.rglob("*.py"))
 
 # Import tiers, bottom up: a module may import its own tier and the ones below. The
-# foundation (mesh with the axis names, the parallel config, the schedule tables, argument
-# checks) is importable from anywhere.
+# foundation (mesh with the axis names, the parallel config, the schedule tables, the
+# per-step stage set-up, argument checks) is importable from anywhere.
 FOUNDATION = ("jax_wgrad._validation", "jax_wgrad._cuda_probe", "jax_wgrad.parallel.mesh",
               "jax_wgrad.parallel.config",
-              "jax_wgrad.parallel.pipeline.schedules", "jax_wgrad.parallel")
+              "jax_wgrad.parallel.pipeline.schedules", "jax_wgrad.parallel.pipeline.setup",
+              "jax_wgrad.parallel")
 TIERS = [
     ("jax_wgrad.ops",),
     ("jax_wgrad.functional",),
@@ -130,7 +131,7 @@ def test_axis_names_are_spelled_only_in_the_mesh_module():
 
 def test_public_api():
     required = ["DDPConfig", "GPTConfig", "ParallelConfig", "make_mesh", "init_params",
-                "param_specs", "GPTStages", "pipeline_gradients", "init_train_state",
+                "param_specs", "GPTProgram", "pipeline_gradients", "init_train_state",
                 "build_train_step", "default_optimizer", "shard_batch", "plan_buckets",
                 "wgrad_accumulate", "linear", "linear_into_bucket"]
     for name in required:

@@ -222,12 +222,15 @@ def test_stage_setup():
                          sequence_parallel=True, micro_batch_size=2, global_batch_size=8)
     setup = StageSetup.create(par, seq_length=16, hidden_size=8, dtype="bfloat16")
     assert (setup.num_stages, setup.num_microbatches, setup.local_seq_length) == (2, 2, 8)
-    assert setup.tokens_shape == (4, 17) and setup.num_tokens == 2 * 2 * 16
+    assert setup.batch_shape == (4, 17) and setup.num_tokens == 2 * 2 * 16
     assert setup.zero_activation().shape == (2, 8, 8)
     assert setup.zero_activation().dtype == jax.numpy.bfloat16
     assert setup.microbatches(jax.numpy.zeros((4, 17), "int32"), "me").shape == (2, 2, 17)
-    with pytest.raises(ValueError, match=re.escape("me: expected local tokens [4, 17], got")):
+    with pytest.raises(ValueError, match=re.escape("me: expected a local batch of shape [4, 17], got [4, 16]")):
         setup.microbatches(jax.numpy.zeros((4, 16), "int32"), "me")
+    floats = StageSetup.create(par, seq_length=16, hidden_size=8, dtype="float32",
+                               sample_shape=(16, 3))
+    assert floats.microbatches(jax.numpy.zeros((4, 16, 3)), "me").shape == (2, 2, 16, 3)
     no_sp = ParallelConfig(tensor_model_parallel_size=2, micro_batch_size=2)
     assert StageSetup.create(no_sp, seq_length=16, hidden_size=8,
                              dtype="float32").local_seq_length == 16
@@ -239,7 +242,6 @@ def test_train_plan_validates_once(monkeypatch):
     import optax
 
     import jax_wgrad.models.gpt.config as gpt_config
-    import jax_wgrad.training.plan as plan_module
     from jax_wgrad import TrainPlan
 
     calls = []
@@ -249,7 +251,7 @@ def test_train_plan_validates_once(monkeypatch):
         calls.append(1)
         return real(parallel, model)
 
-    monkeypatch.setattr(plan_module, "validate", counting)
+    monkeypatch.setattr(gpt_config, "validate", counting)
     par = ParallelConfig(pipeline_model_parallel_size=2)
     TrainPlan.create(GPTConfig(), par, make_mesh(par), optax.sgd(0.1))
     assert len(calls) == 1

@@ -15,7 +15,7 @@ from hlo_util import computations
 from jax_wgrad import fusion_available
 from jax_wgrad import GPTConfig, ParallelConfig
 from jax_wgrad.models.gpt import validate
-from jax_wgrad import GPTStages, init_params, param_specs
+from jax_wgrad import GPTProgram, init_params, param_specs
 from jax_wgrad.testing import reference_loss
 from jax_wgrad import make_mesh
 from jax_wgrad import pipeline_gradients
@@ -87,7 +87,7 @@ def _run(m, *, sp, tied, defer, limit=0, mode="stash", mesh=(2, 2, 2)):
     tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh_, s), param_specs(cfg),
                              is_leaf=lambda x: isinstance(x, P))
-    stages = GPTStages(cfg, par)
+    stages = GPTProgram(cfg, par)
     grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh_, p, t))(
         jax.device_put(params, shardings), jax.device_put(tokens, NamedSharding(mesh_, P("data"))))
     return float(loss), jax.tree.map(np.asarray, grads), (params, tokens, cfg)
@@ -173,7 +173,7 @@ def test_drain_ring_overlaps_gemms_with_permutes():
                          micro_batch_size=1, global_batch_size=3, sequence_parallel=True,
                          gradient_accumulation_fusion=True, defer_embedding_wgrad_compute=True)
     mesh = make_mesh(par)
-    stages = GPTStages(cfg, par)
+    stages = GPTProgram(cfg, par)
     params = jax.eval_shape(lambda: init_params(cfg, 0))
     sh = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
                       is_leaf=lambda x: isinstance(x, P))

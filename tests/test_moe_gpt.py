@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad import (ByteDataset, DDPConfig, GPTConfig, GPTStages, ParallelConfig, TrainPlan,
+from jax_wgrad import (ByteDataset, DDPConfig, GPTConfig, GPTProgram, ParallelConfig, TrainPlan,
                        build_train_step, default_optimizer, fusion_available, init_params,
                        init_train_state, make_mesh, shard_batch)
 from jax_wgrad.models.gpt.config import validate
@@ -88,7 +88,7 @@ def _check_gradients(ep, tp, pp, fusion, freq, **par_kw):
 
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
                              is_leaf=lambda x: isinstance(x, P))
-    stages = GPTStages(cfg, par)
+    stages = GPTProgram(cfg, par)
     grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t))(
         jax.device_put(params, shardings),
         jax.device_put(tokens, NamedSharding(mesh, P(DATA_PARALLEL))))

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from jax_wgrad import fusion_available
 from jax_wgrad import GPTConfig, ParallelConfig
 from jax_wgrad.models.gpt import validate
-from jax_wgrad import GPTStages, init_params, param_specs
+from jax_wgrad import GPTProgram, init_params, param_specs
 from jax_wgrad.testing import reference_loss
 from jax_wgrad import make_mesh
 from jax_wgrad import pipeline_gradients
@@ -72,7 +72,7 @@ def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32",
 
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
                              is_leaf=lambda x: isinstance(x, P))
-    stages = GPTStages(cfg, par)
+    stages = GPTProgram(cfg, par)
     grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t, table=table))(
         jax.device_put(params, shardings), jax.device_put(tokens, NamedSharding(mesh, P("data"))))
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
@@ -131,7 +131,7 @@ def test_fused_pipeline_calls_the_fused_op():
                          micro_batch_size=1, global_batch_size=4,
                          gradient_accumulation_fusion=True)
     mesh = make_mesh(par)
-    stages = GPTStages(cfg, par)
+    stages = GPTProgram(cfg, par)
     params = jax.eval_shape(lambda: init_params(cfg, 0))
     tokens = jax.ShapeDtypeStruct((4, 9), jnp.int32)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),

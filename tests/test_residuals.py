@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_wgrad import GPTConfig, GPTStages, ParallelConfig, fusion_available
+from jax_wgrad import GPTConfig, GPTProgram, ParallelConfig, fusion_available
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.parallel.pipeline.executor import _StageRun
-from jax_wgrad.parallel.pipeline.gradients import grad_layout, schedule_of
+from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
 
 MODEL = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                   vocab_size=64, compute_dtype="bfloat16")
@@ -18,10 +18,10 @@ def _store(recompute, schedule="1f1b"):
     par = ParallelConfig(micro_batch_size=2, global_batch_size=4, world_size=1,
                          gradient_accumulation_fusion=True, recompute_granularity=recompute,
                          pipeline_schedule=schedule)
-    stages = GPTStages(MODEL, par, platform="cpu")
-    layout = grad_layout(stages, DDPConfig())
-    params = stages.device_tree(stages.init_params(0))
-    run = _StageRun(stages, layout, DDPConfig(), schedule_of(stages), params,
+    program = GPTProgram(MODEL, par, platform="cpu")
+    layout, table = grad_layout(program, DDPConfig()), schedule_of(program)
+    params = program.device_tree(program.init_params(0))
+    run = _StageRun(program, grad_sink(program, layout, table), DDPConfig(), table, params,
                     jnp.zeros((4, 17), jnp.int32))
     weights = {tuple(x.shape) for x in jax.tree.leaves(params)}
     buckets = {(n,) for n in layout.buffer.bucket_numels}

@@ -48,11 +48,11 @@ def abstract_train_state(plan) -> Any:
     from jax_wgrad.parallel.mesh import AXES
     from jax_wgrad.training.step import TrainState, _stack
 
-    stages, opt, mesh = plan.stages, plan.optimizer, plan.mesh
-    params = _with_shardings(jax.eval_shape(lambda: stages.init_params(0)),
+    program, opt, mesh = plan.program, plan.optimizer, plan.mesh
+    params = _with_shardings(jax.eval_shape(lambda: program.init_params(0)),
                              plan.param_shardings)
-    init = jax.shard_map(lambda p: _stack(opt.init(stages.device_tree(p))), mesh=mesh,
-                         in_specs=(stages.param_specs(),), out_specs=P(AXES),
+    init = jax.shard_map(lambda p: _stack(opt.init(program.device_tree(p))), mesh=mesh,
+                         in_specs=(program.param_specs(),), out_specs=P(AXES),
                          check_vma=False)
     per_device = NamedSharding(mesh, P(AXES))
     opt_state = jax.tree.map(

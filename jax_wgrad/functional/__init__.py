@@ -27,6 +27,7 @@ from jax_wgrad.functional.linear import (
     linear,
     linear_into_bucket,
 )
+from jax_wgrad.functional.stacked import scan_layers
 
 __all__ = [
     "SEQ_DIM",
@@ -43,6 +44,7 @@ __all__ = [
     "grouped_linear",
     "linear",
     "linear_into_bucket",
+    "scan_layers",
     "logits_grad",
     "moe_mlp",
     "reduce_from_tensor_parallel_region",

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax_wgrad.parallel.mesh import TENSOR
 
 __all__ = ["vocab_shard_index", "logits_grad", "vocab_parallel_cross_entropy",
-           "vocab_parallel_logsumexp"]
+           "vocab_parallel_logsumexp", "recompute_dy"]
 
 
 def vocab_shard_index(ids: jax.Array, local_vocab: int, axis_name: str | None
@@ -111,3 +111,15 @@ def _vp_ce_bwd(axis_name, res, g):
 
 
 _vocab_parallel_ce.defvjp(_vp_ce_fwd, _vp_ce_bwd)
+
+
+def recompute_dy(x: jax.Array, w: jax.Array, lse: jax.Array, labels: jax.Array, *,
+                 tp: int, scale: float = 1.0, axis_name: str = TENSOR) -> jax.Array:
+    """``dy = scale * (softmax - onehot)`` over this rank's vocabulary shard for the
+    tokens of ``x`` ``[..., H]`` (``lse``, ``labels``: ``[...]``): the vocab-parallel
+    cross entropy's gradient, rebuilt from the stashed logsumexp."""
+    logits = jnp.matmul(x, w.T.astype(x.dtype))
+    local, in_range = vocab_shard_index(labels, logits.shape[-1], axis_name if tp > 1 else None)
+    soft = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+    dy = logits_grad(soft, local, in_range) * scale
+    return dy.astype(x.dtype)

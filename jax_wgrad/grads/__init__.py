@@ -20,6 +20,7 @@ different time.
 """
 
 from jax_wgrad.grads.buffer import BufferGroup, GradBuffer, ParamSlot
+from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import finalize_grads, sync_stage_buckets
 from jax_wgrad.grads.layout import GradLayout
@@ -31,12 +32,13 @@ from jax_wgrad.grads.plan import (
     plan_buckets,
     shard_range,
 )
+from jax_wgrad.grads.sink import GradSink, SinkEntry, Tape
 from jax_wgrad.grads.spec import CHUNKS, INPUT, LAYERS, OUTPUT, ROLES, SHARED, STAGE, GradSpec
 from jax_wgrad.grads.sync import shard_buckets, sync_buckets
 
 __all__ = [
-    "BucketPlan", "BufferGroup", "CHUNKS", "DDPConfig", "GradBuffer", "GradLayout",
-    "GradSpec", "INPUT", "LAYERS", "OUTPUT", "ParamSlot", "ROLES", "SHARED", "STAGE",
+    "BucketPlan", "BufferGroup", "CHUNKS", "Chunks", "DDPConfig", "DeviceTree", "GradBuffer",
+    "GradLayout", "GradSink", "GradSpec", "GradState", "SinkEntry", "Tape", "INPUT", "LAYERS", "OUTPUT", "ParamSlot", "ROLES", "SHARED", "STAGE",
     "bucket_end_divisor", "finalize_grads", "flat_mask", "local_mask", "param_shards",
     "plan_buckets", "shard_buckets", "shard_range", "sync_buckets", "sync_stage_buckets",
 ]

@@ -173,8 +173,11 @@ class GradBuffer:
         )
 
     @classmethod
-    def concatenate(cls, buffers: Sequence[GradBuffer]) -> GradBuffer:
+    def concatenate(cls, buffers: Sequence[GradBuffer], treedef: Any = None) -> GradBuffer:
         """One buffer over the tuple of the buffers' trees (Megatron: a buffer per chunk).
+
+        ``treedef``: the structure of the concatenated tree if not the tuple of the parts'
+        trees (e.g. a named container of them); it must have the parts' leaves in order.
 
         Each part keeps its own plan (bucket boundaries never span two parts); bucket ``i``
         of part ``k`` becomes bucket ``sum(num_buckets of parts < k) + i``; paths get the
@@ -186,12 +189,21 @@ class GradBuffer:
         if len({b.use_distributed_optimizer for b in buffers}) != 1:
             raise ValueError("GradBuffer.concatenate: parts must share "
                              "use_distributed_optimizer")
+        num_leaves = sum(len(b.slots) for b in buffers)
+        if treedef is None:
+            treedef = jax.tree_util.treedef_tuple([b.treedef for b in buffers])
+        elif treedef.num_leaves != num_leaves:
+            raise ValueError(f"GradBuffer.concatenate: treedef has {treedef.num_leaves} "
+                             f"leaves, the parts {num_leaves}")
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(treedef, range(num_leaves)))[0]]
         slots, groups, numels, dtypes, pdtypes, leaves_of = [], [], [], [], [], []
         leaf0 = bucket0 = 0
-        for k, b in enumerate(buffers):
+        for b in buffers:
             for s in b.slots:
                 slots.append(dataclasses.replace(
-                    s, path=f"[{k}]{s.path}", index=s.index + leaf0, bucket=s.bucket + bucket0))
+                    s, path=paths[s.index + leaf0], index=s.index + leaf0,
+                    bucket=s.bucket + bucket0))
             for g in b.groups:
                 groups.append(dataclasses.replace(
                     g, leaf_indices=tuple(i + leaf0 for i in g.leaf_indices),
@@ -203,7 +215,7 @@ class GradBuffer:
             leaf0 += len(b.slots)
             bucket0 += b.num_buckets
         return cls(
-            treedef=jax.tree_util.treedef_tuple([b.treedef for b in buffers]),
+            treedef=treedef,
             slots=tuple(slots), groups=tuple(groups), bucket_numels=tuple(numels),
             bucket_dtypes=tuple(dtypes), bucket_param_dtypes=tuple(pdtypes),
             bucket_leaves=tuple(leaves_of), dp_size=buffers[0].dp_size,

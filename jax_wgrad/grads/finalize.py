@@ -101,16 +101,14 @@ def finalize_grads(
       optimizer) or full ``[numel_i]`` buckets, one per bucket of ``layout.buffer``.
     """
     dist = ddp.use_distributed_optimizer
-    stage_bk, expert_bk, shared_bk = layout.split(buckets)
+    state = layout.state(buckets)
     with jax.named_scope("data_parallel_sync"):
-        own = []
-        for name, bk in ((STAGE, stage_bk), (EXPERTS, expert_bk)):
-            if stage_synced:
-                own += shard_buckets(bk, axis_name=SYNC_AXES[name]) if dist else bk
-            else:
-                own += sync_chunk(bk, ddp, name)
-        shared_out = sync_chunk(shared_bk, ddp, SHARED)
-    synced = tuple(own) + shared_out
+        def sync(name, bks):
+            if name != SHARED and stage_synced:
+                return shard_buckets(bks, axis_name=SYNC_AXES[name]) if dist else bks
+            return sync_chunk(bks, ddp, name)
+        state = state.map(sync)
+    synced = layout.concatenated(state)
     if sequence_parallel:
         with jax.named_scope("sequence_parallel_grads_all_reduce"):
             rep = layout.tensor_replicated_flags
@@ -122,8 +120,9 @@ def finalize_grads(
                 for g, m, h in zip(synced, masks, has))
     if pipeline_parallel:
         with jax.named_scope("embedding_grads_all_reduce"):
-            n = layout.num_own_buckets
-            synced = synced[:n] + tuple(lax.psum(synced[n:], PIPELINE))
+            state = layout.state(synced)
+            state = state.replace(shared=tuple(lax.psum(state.shared, PIPELINE)))
+            synced = layout.concatenated(state)
     with jax.named_scope("token_scaling"):
         dp = axis_size(DATA_PARALLEL)
         total = lax.psum(num_tokens, DATA_PARALLEL)

@@ -2,9 +2,8 @@
 
 :class:`GradLayout` is built from two trees of the same structure -- the per-device
 parameter shapes and their :class:`~jax_wgrad.grads.spec.GradSpec` -- given by a model,
-one subtree per chunk in :data:`~jax_wgrad.grads.spec.CHUNKS` order (``(stage, experts,
-shared)``). Each chunk gets its own :class:`~jax_wgrad.grads.GradBuffer`, Megatron's exact
-bucket plan (a forced bucket boundary between chunks, as Megatron keeps one buffer per model
+as :class:`~jax_wgrad.grads.chunks.DeviceTree` trees (a subtree per chunk, by name).
+Each chunk gets its own :class:`~jax_wgrad.grads.GradBuffer`, Megatron's exact bucket plan (a forced bucket boundary between chunks, as Megatron keeps one buffer per model
 chunk and separate expert-parallel buffers); the expert chunk is planned for the
 expert-data-parallel size and synced over :data:`~jax_wgrad.parallel.mesh.EXPERT_DATA_PARALLEL`
 (:attr:`GradLayout.bucket_axes`), the others over
@@ -24,6 +23,7 @@ from typing import Any
 import jax
 
 from jax_wgrad.grads.buffer import GradBuffer
+from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.spec import CHUNKS, EXPERTS, SHARED, STAGE, GradSpec
 from jax_wgrad.grads.sync import AxisName
@@ -47,38 +47,40 @@ class GradLayout:
     """Static layout of one device's gradient buckets (see the module docstring).
 
     Attributes:
-      parts: one buffer per chunk, in :data:`CHUNKS` order.
-      buffer: their concatenation: its buckets are the parts' buckets in order, its tree
-        the tuple of the chunk trees.
+      parts: one buffer per chunk (``Chunks`` of :class:`GradBuffer`).
+      buffer: their concatenation, the optimizer's view: its buckets are the parts'
+        buckets in :data:`CHUNKS` order, its tree the :class:`DeviceTree`.
       specs: the :class:`GradSpec` of every leaf of ``buffer``, in flatten order.
       fusion: gradient accumulation fusion is on (fused weights' gradients are written by
         the fused GEMM, not added as arrays).
     """
 
-    parts: tuple[GradBuffer, ...]
+    parts: Chunks
     buffer: GradBuffer
     specs: tuple[GradSpec, ...]
     fusion: bool
 
     @classmethod
-    def create(cls, shapes, specs, *, dp_size: int, ddp: DDPConfig, fusion: bool,
-               expert_dp_size: int | None = None) -> GradLayout:
+    def create(cls, shapes: DeviceTree, specs: DeviceTree, *, dp_size: int, ddp: DDPConfig,
+               fusion: bool, expert_dp_size: int | None = None) -> GradLayout:
         """Lays out the buckets of a device tree.
 
         Args:
-          shapes: tuple of one tree per chunk (``jax.ShapeDtypeStruct`` or array leaves:
-            per-device shapes, flatten order = registration order).
+          shapes: the per-device parameter shapes (``jax.ShapeDtypeStruct`` or array
+            leaves; flatten order = registration order), a :class:`DeviceTree`.
           specs: the same structure with a :class:`GradSpec` per leaf; each leaf's
             ``chunk`` must be the chunk of its subtree.
           dp_size: data-parallel size; ddp: bucket options; fusion: as the attribute.
           expert_dp_size: the expert-data-parallel size the expert chunk is planned for
             (default ``dp_size``).
         """
-        if len(shapes) != len(CHUNKS) or len(specs) != len(CHUNKS):
-            raise ValueError(f"GradLayout.create: expected one tree per chunk {CHUNKS}, got "
-                             f"{len(shapes)} shape trees and {len(specs)} spec trees")
-        parts, flat_specs = [], []
-        for name, shape_tree, spec_tree in zip(CHUNKS, shapes, specs):
+        if not isinstance(shapes, Chunks) or not isinstance(specs, Chunks):
+            raise ValueError(f"GradLayout.create: shapes and specs must be DeviceTrees (one "
+                             f"tree per chunk {CHUNKS}), got {type(shapes).__name__} and "
+                             f"{type(specs).__name__}")
+        parts, flat_specs = {}, []
+        for name, shape_tree in shapes.items():
+            spec_tree = specs[name]
             dp = (expert_dp_size or dp_size) if name == EXPERTS else dp_size
             chunk_specs = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
             wrong = [s.chunk for s in chunk_specs if s.chunk != name]
@@ -86,113 +88,91 @@ class GradLayout:
                 raise ValueError(f"GradLayout.create: the {name!r} subtree holds specs of "
                                  f"chunks {sorted(set(wrong))}")
             if not chunk_specs:
-                parts.append(GradBuffer.empty(
+                parts[name] = GradBuffer.empty(
                     jax.tree.structure(shape_tree), dp_size=dp,
-                    use_distributed_optimizer=ddp.use_distributed_optimizer))
+                    use_distributed_optimizer=ddp.use_distributed_optimizer)
                 continue
             tied = jax.tree.map(lambda s: s.tied_embedding, spec_tree, is_leaf=_is_spec)
-            parts.append(GradBuffer.create(
+            parts[name] = GradBuffer.create(
                 shape_tree, shared_embedding=tied, dp_size=dp,
                 bucket_size=ddp.effective_bucket_size(dp),
                 use_distributed_optimizer=ddp.use_distributed_optimizer,
-                pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw))
+                pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw)
             flat_specs += chunk_specs
-        buffer = GradBuffer.concatenate(parts)
+        parts = Chunks(**parts)
+        buffer = GradBuffer.concatenate([p for _, p in parts.items()],
+                                        treedef=jax.tree.structure(shapes))
         if len(flat_specs) != len(buffer.slots):
             raise ValueError(f"GradLayout.create: {len(flat_specs)} specs for "
                              f"{len(buffer.slots)} parameters")
-        return cls(parts=tuple(parts), buffer=buffer, specs=tuple(flat_specs), fusion=fusion)
+        return cls(parts=parts, buffer=buffer, specs=tuple(flat_specs), fusion=fusion)
 
     # ---------------------------------------------------------------------------- chunks
-
-    def chunk(self, name: str) -> GradBuffer:
-        """The buffer of chunk ``name``."""
-        return self.parts[CHUNKS.index(name)]
 
     @property
     def stage(self) -> GradBuffer:
         """The :data:`STAGE` chunk: this pipeline stage's own layers."""
-        return self.chunk(STAGE)
+        return self.parts.stage
 
     @property
     def shared(self) -> GradBuffer:
         """The :data:`SHARED` chunk: parameters every pipeline stage holds."""
-        return self.chunk(SHARED)
+        return self.parts.shared
 
     @property
     def experts(self) -> GradBuffer:
         """The :data:`EXPERTS` chunk: this stage's expert weights (no buckets if dense)."""
-        return self.chunk(EXPERTS)
-
-    @property
-    def num_stage_buckets(self) -> int:
-        return self.stage.num_buckets
-
-    @property
-    def num_own_buckets(self) -> int:
-        """Buckets of the stage's own parameters: the stage and expert chunks."""
-        return self.stage.num_buckets + self.experts.num_buckets
+        return self.parts.experts
 
     @property
     def bucket_axes(self) -> tuple[AxisName, ...]:
         """Per bucket of :attr:`buffer`: the mesh axes it is synced and sharded over."""
-        return sum(((SYNC_AXES[n],) * p.num_buckets for n, p in zip(CHUNKS, self.parts)), ())
+        return sum(((SYNC_AXES[n],) * p.num_buckets for n, p in self.parts.items()), ())
 
-    def split(self, buckets: Buckets) -> tuple[Buckets, ...]:
-        """The concatenated bucket tuple -> one tuple per chunk (``(stage, experts,
-        shared)``)."""
-        out, first = [], 0
-        for part in self.parts:
-            out.append(tuple(buckets[first:first + part.num_buckets]))
+    def zeros(self) -> GradState:
+        """Zero buckets, by chunk."""
+        return self.parts.map(lambda _, p: p.zeros())
+
+    def state(self, buckets: Buckets) -> GradState:
+        """The concatenated buckets of :attr:`buffer` -> the same buckets by chunk."""
+        out, first = {}, 0
+        for name, part in self.parts.items():
+            out[name] = tuple(buckets[first:first + part.num_buckets])
             first += part.num_buckets
-        return tuple(out)
+        if first != len(buckets):
+            raise ValueError(f"GradLayout.state: {len(buckets)} buckets, the layout has {first}")
+        return Chunks(**out)
 
-    def split_own(self, buckets: Buckets) -> tuple[Buckets, Buckets]:
-        """The bucket tuple -> ``(own, shared)``: the stage's own buckets (stage chunk
-        then expert chunk, what its layers thread) and the shared chunk's."""
-        n = self.num_own_buckets
-        return tuple(buckets[:n]), tuple(buckets[n:])
+    @staticmethod
+    def concatenated(state: GradState) -> Buckets:
+        """Inverse of :meth:`state`: the buckets of :attr:`buffer`, in order."""
+        return sum((tuple(bks) for _, bks in state.items()), ())
 
-    def own_fused_slots(self, role: str) -> Any:
-        """``(stage tree, experts tree)`` of :meth:`fused_slots` with bucket indices into
-        the ``own`` tuple of :meth:`split_own`."""
-        n = self.num_stage_buckets
-        shift = lambda s: None if s is None else (s[0] + n, s[1])
-        experts = jax.tree.map(shift, self.fused_slots(EXPERTS, role),
-                               is_leaf=lambda s: s is None or isinstance(s, tuple))
-        return self.fused_slots(STAGE, role), experts
-
-    def _chunk_specs(self, name: str) -> tuple[GradSpec, ...]:
-        first = sum(len(p.slots) for p in self.parts[:CHUNKS.index(name)])
-        return self.specs[first:first + len(self.chunk(name).slots)]
+    def chunk_specs(self, name: str) -> tuple[GradSpec, ...]:
+        """The specs of chunk ``name``'s leaves, in its flatten order."""
+        first = 0
+        for n, part in self.parts.items():
+            if n == name:
+                return self.specs[first:first + len(part.slots)]
+            first += len(part.slots)
+        raise KeyError(f"GradLayout: no chunk {name!r}; the chunks are {CHUNKS}")
 
     # ---------------------------------------------------------------------------- roles
 
     def added_by(self, name: str, role: str) -> tuple[bool, ...]:
         """Per leaf of chunk ``name``: ``role``'s backward adds an ordinary gradient for
         it (``where=`` of :meth:`GradBuffer.add_tree`)."""
-        return tuple(s.added_by(role, self.fusion) for s in self._chunk_specs(name))
+        return tuple(s.added_by(role, self.fusion) for s in self.chunk_specs(name))
 
-    def fused_slots(self, name: str, role: str) -> Any:
-        """A tree shaped like chunk ``name``'s parameters: ``(bucket, offset)`` within the
-        chunk's buckets at each weight whose gradient ``role``'s fused GEMM writes, else
-        ``None`` (all ``None`` without fusion)."""
-        part = self.chunk(name)
-        leaves = [(s.bucket, s.offset)
-                  if self.fusion and spec.fused_in == role else None
-                  for s, spec in zip(part.slots, self._chunk_specs(name))]
-        return jax.tree.unflatten(part.treedef, leaves)
-
-    def fused_slot(self, name: str, role: str) -> tuple[int, int]:
-        """The ``(bucket, offset)`` of the one weight ``role``'s fused GEMM writes in chunk
-        ``name`` (e.g. the output layer's weight); an error unless there is exactly one."""
-        part = self.chunk(name)
-        slots = [(s.bucket, s.offset) for s, spec in zip(part.slots, self._chunk_specs(name))
-                 if self.fusion and spec.fused_in == role]
-        if len(slots) != 1:
-            raise ValueError(f"GradLayout.fused_slot: {len(slots)} weights fused in role "
-                             f"{role!r} in chunk {name!r}, expected exactly one")
-        return slots[0]
+    def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
+        """Adds ``role``'s ordinary gradients (a :class:`DeviceTree` shaped like the
+        parameters) to their blocks, in place: the leaves :meth:`added_by` names."""
+        def add(name, bks):
+            where = self.added_by(name, role)
+            if not any(where):
+                return bks
+            return self.parts[name].add_tree(bks, grads[name], where=where)
+        return state.map(add)
 
     # ---------------------------------------------------------------------------- flags
 

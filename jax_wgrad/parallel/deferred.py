@@ -29,50 +29,24 @@ Every function here runs per device inside ``shard_map`` over ``(data, expert, t
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad import ops
-from jax_wgrad.functional.cross_entropy import (
-    logits_grad,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_logsumexp,
-    vocab_shard_index,
-)
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import TENSOR
 
-__all__ = ["stash_shapes", "init_stash", "stash_put", "stash_bytes", "is_deferred",
-           "head_backward", "ring_shift", "recompute_dy", "drain"]
+__all__ = ["stash_put", "stash_bytes", "is_deferred", "ring_shift", "drain"]
 
 Stash = tuple[jax.Array, ...]
 
 
-def stash_shapes(par: ParallelConfig, seq_length: int, hidden: int, vocab: int,
-                 dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """Shapes of the per-device stash (``()`` without deferral)."""
-    md = par.num_deferred_microbatches
-    if md == 0:
-        return ()
-    tp, mb = par.tensor_model_parallel_size, par.micro_batch_size
-    x = jax.ShapeDtypeStruct((md, mb, par.local_seq_length(seq_length), hidden),
-                             jnp.dtype(dtype))
-    if par.defer_mode == "stash":
-        return (x, jax.ShapeDtypeStruct((md, mb, seq_length, vocab // tp), jnp.dtype(dtype)))
-    return (x, jax.ShapeDtypeStruct((md, mb, seq_length), jnp.float32),
-            jax.ShapeDtypeStruct((md, mb, seq_length), jnp.int32))
-
-
-def init_stash(shapes) -> Stash:
-    return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-
-
-def stash_bytes(shapes) -> int:
-    """Bytes of one device's stash."""
-    return sum(jnp.dtype(s.dtype).itemsize * math.prod(s.shape) for s in shapes)
+def stash_bytes(stash: Stash) -> int:
+    """Bytes of one device's stash (arrays or shapes)."""
+    return sum(jnp.dtype(s.dtype).itemsize * math.prod(s.shape) for s in stash)
 
 
 def stash_put(stash: Stash, index, items: Stash) -> Stash:
@@ -84,57 +58,6 @@ def stash_put(stash: Stash, index, items: Stash) -> Stash:
 def is_deferred(par: ParallelConfig, microbatch):
     """Megatron's predicate ``L == 0 or b < L`` (traced ``b``)."""
     return microbatch < par.num_deferred_microbatches
-
-
-def head_backward(stages, shared, x: jax.Array, labels: jax.Array, *,
-                  scale: float = 1.0, axis_name: str = TENSOR) -> dict[str, Any]:
-    """Explicit forward + backward of the head with the output layer's weight gradient
-    left out: final norm -> output projection -> vocab-parallel cross entropy.
-
-    Args:
-      stages: the model's per-stage functions (:class:`jax_wgrad.models.gpt.GPTStages`:
-        ``final_norm`` and ``output_weight`` of the shared tree).
-      shared: this device's shared parameter tree (embedding, head).
-      x: ``[mb, s(/tp), H]`` last transformer layer output.
-      labels: int ``[mb, S]``.
-      scale: seed of the loss SUM's gradient (the loss scale).
-    Returns:
-      dict with ``loss`` (token-loss sum), ``dx`` (``[mb, s(/tp), H]``), ``dshared`` (the
-      shared tree's gradients from the final norm; the output weight's entry is zero),
-      ``x_local`` (output-layer
-      input, this rank's chunk), ``x_full`` (gathered over the sequence under SP), ``dy``
-      (``[mb, S, V/tp]`` dlogits) and ``lse`` (``[mb, S]`` fp32 logsumexp).
-    """
-    par = stages.parallel
-    tp, sp = par.tensor_model_parallel_size, par.sequence_parallel
-    w = stages.output_weight(shared)
-    xn, norm_vjp = jax.vjp(stages.final_norm, shared, x)
-    xg = lax.all_gather(xn, axis_name, axis=1, tiled=True) if sp else xn
-    logits = jnp.matmul(xg, w.T.astype(xg.dtype))
-    tok_loss, ce_vjp = jax.vjp(
-        lambda lg: vocab_parallel_cross_entropy(lg, labels, tp_size=tp, axis_name=axis_name),
-        logits)
-    (dy,) = ce_vjp(jnp.full(tok_loss.shape, scale, tok_loss.dtype))
-    dxg = jnp.matmul(dy, w.astype(dy.dtype)).astype(xg.dtype)
-    if sp:
-        dxn = lax.psum_scatter(dxg, axis_name, scatter_dimension=1, tiled=True)
-    elif tp > 1:
-        dxn = lax.psum(dxg, axis_name)
-    else:
-        dxn = dxg
-    dshared, dx = norm_vjp(dxn)
-    lse = None
-    if par.defer_mode == "recompute":
-        lse = vocab_parallel_logsumexp(logits, tp, axis_name)
-    return dict(loss=jnp.sum(tok_loss), dx=dx, dshared=dshared, x_local=xn, x_full=xg, dy=dy,
-                lse=lse)
-
-
-def stash_items(par: ParallelConfig, head: dict[str, Any], labels: jax.Array) -> Stash:
-    """What :func:`head_backward`'s microbatch puts in the stash."""
-    if par.defer_mode == "stash":
-        return (head["x_local"], head["dy"])
-    return (head["x_local"], head["lse"], labels.astype(jnp.int32))
 
 
 def ring_shift(a: jax.Array, tp: int, axis_name: str = TENSOR) -> jax.Array:
@@ -150,27 +73,17 @@ def ring_shift(a: jax.Array, tp: int, axis_name: str = TENSOR) -> jax.Array:
     return chain + wrap
 
 
-def recompute_dy(x: jax.Array, w: jax.Array, lse: jax.Array, labels: jax.Array, *,
-                 tp: int, scale: float = 1.0, axis_name: str = TENSOR) -> jax.Array:
-    """``dy = scale * (softmax - onehot)`` over this rank's vocabulary shard for the
-    tokens of ``x`` ``[..., H]`` (``lse``, ``labels``: ``[...]``): the vocab-parallel
-    cross entropy's gradient, rebuilt from the stashed logsumexp."""
-    logits = jnp.matmul(x, w.T.astype(x.dtype))
-    local, in_range = vocab_shard_index(labels, logits.shape[-1], axis_name if tp > 1 else None)
-    soft = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
-    dy = logits_grad(soft, local, in_range) * scale
-    return dy.astype(x.dtype)
-
-
 def drain(par: ParallelConfig, stash: Stash, bucket: jax.Array, offset: int,
-          weight: jax.Array, *, active=None, scale: float = 1.0,
-          axis_name: str = TENSOR) -> jax.Array:
+          recompute: Callable[[jax.Array, tuple], jax.Array] | None = None, *,
+          active=None, axis_name: str = TENSOR) -> jax.Array:
     """Accumulates every stashed microbatch's ``dy^T x`` into the output layer's block
     ``[offset, offset + V/tp * H)`` of the flat ``bucket`` with the fused op.
 
     A ``lax.scan`` over the stashed microbatches; under sequence parallelism each item is
-    a ``tensor`` ring of ``tp`` steps (module docstring). ``weight``: the output layer's
-    ``[V/tp, H]`` shard (recompute mode only).
+    a ``tensor`` ring of ``tp`` steps (module docstring). ``recompute`` (recompute mode):
+    ``recompute(x, extras) -> dy`` for ``x`` ``[mb, s, H]`` and the stashed extras sliced
+    to the same tokens (the model's rebuild of the output gradient, e.g.
+    :func:`jax_wgrad.functional.cross_entropy.recompute_dy`).
 
     ``active`` (traced bool, e.g. "this is the last stage"): only where it is true are the
     GEMMs computed. Without sequence parallelism the whole drain is one ``lax.cond``. With
@@ -182,15 +95,15 @@ def drain(par: ParallelConfig, stash: Stash, bucket: jax.Array, offset: int,
     if active is None:
         active = jnp.bool_(True)
     tp, sp = par.tensor_model_parallel_size, par.sequence_parallel
-    recompute = par.defer_mode == "recompute"
+    if (par.defer_mode == "recompute") != (recompute is not None):
+        raise ValueError(f"deferred.drain: defer_mode {par.defer_mode!r} "
+                         + ("needs" if recompute is None else "takes no") + " recompute")
 
     def dy_of(item, x, start, length):
-        if recompute:
-            _, lse, labels = item
-            lse = lax.dynamic_slice_in_dim(lse, start, length, axis=1)
-            labels = lax.dynamic_slice_in_dim(labels, start, length, axis=1)
-            return recompute_dy(x, weight, lse, labels, tp=tp, scale=scale,
-                                axis_name=axis_name)
+        if recompute is not None:
+            extras = tuple(lax.dynamic_slice_in_dim(a, start, length, axis=1)
+                           for a in item[1:])
+            return recompute(x, extras)
         return lax.dynamic_slice_in_dim(item[1], start, length, axis=1)
 
     def one(bk, item):

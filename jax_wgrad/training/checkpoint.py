@@ -45,14 +45,8 @@ from jax_wgrad.parallel.mesh import AXES
 from jax_wgrad.training.plan import TrainPlan
 from jax_wgrad.training.step import TrainState, init_optimizer_state
 
-__all__ = ["Checkpointer", "CheckpointError", "MODEL_FIELDS", "canonical_state",
+__all__ = ["Checkpointer", "CheckpointError", "canonical_state",
            "state_from_canonical", "model_differences"]
-
-MODEL_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
-                "seq_length", "ffn_hidden_size", "untie_embeddings_and_output_weights",
-                "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq")
-"""GPTConfig fields that fix the parameters' shapes: a checkpoint must agree on them."""
-
 
 class CheckpointError(ValueError):
     """A checkpoint step that cannot be read: ``step`` and the damage, in one line."""
@@ -65,7 +59,7 @@ class CheckpointError(ValueError):
 def _opt_specs(plan: TrainPlan, per_device_state) -> OptimizerState:
     """Partition specs of the canonical optimizer state: the parameter specs for every
     parameter-shaped part, replicated for the rest (counts)."""
-    specs = plan.stages.param_specs()
+    specs = plan.program.param_specs()
     structure = jax.tree.structure(per_device_state.master)
     inner = optax.tree_map_params(plan.optimizer.tx, lambda _: specs, per_device_state.inner,
                                   transform_non_params=lambda _: P(),
@@ -79,15 +73,15 @@ def _unstacked_abstract(plan: TrainPlan, state: TrainState):
 
 def canonical_state(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
     """``{"params", "opt"}`` of ``state`` in the canonical (layout-independent) form."""
-    stages, opt = plan.stages, plan.optimizer
+    program, opt = plan.program, plan.optimizer
     out_opt = _opt_specs(plan, _unstacked_abstract(plan, state))
-    canon = lambda tree: stages.canonical_tree(tree)
+    canon = lambda tree: program.canonical_tree(tree)
 
     def body(params, opt_state):
         tree_state = opt.state_to_tree(jax.tree.map(lambda x: x[0], opt_state))
         return opt.map_param_parts(canon, tree_state)
 
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(stages.param_specs(), P(AXES)),
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(program.param_specs(), P(AXES)),
                        out_specs=out_opt, check_vma=False)
     return {"params": state.params, "opt": jax.jit(fn)(state.params, state.opt_state)}
 
@@ -96,11 +90,11 @@ def state_from_canonical(plan: TrainPlan, template: TrainState, params, opt,
                          step: int) -> TrainState:
     """The plan's :class:`TrainState` from canonical ``params`` and ``opt`` (as
     :func:`canonical_state` gives them); ``template``: a state of the plan (shapes)."""
-    stages, optimizer = plan.stages, plan.optimizer
+    program, optimizer = plan.program, plan.optimizer
     in_opt = _opt_specs(plan, _unstacked_abstract(plan, template))
 
     def body(opt_state):
-        state = optimizer.map_param_parts(stages.device_tree, opt_state)
+        state = optimizer.map_param_parts(program.device_tree, opt_state)
         return jax.tree.map(lambda x: x[None], optimizer.state_from_tree(state))
 
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(in_opt,), out_specs=P(AXES),
@@ -150,6 +144,7 @@ class Checkpointer:
         are copied; :meth:`wait` for completion)."""
         canon = canonical_state(plan, state)
         meta = {"step": step, "data_step": data_step, "seed": seed,
+                "model_type": type(plan.model).__name__,
                 "model": dataclasses.asdict(plan.model),
                 "parallel": dataclasses.asdict(plan.parallel),
                 "ddp": dataclasses.asdict(plan.ddp)}
@@ -247,27 +242,24 @@ def canonical_abstract(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
     with_sharding = lambda tree, specs: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard(s)), tree,
         specs, is_leaf=lambda x: isinstance(x, P))
-    return {"params": with_sharding(shapes["params"], plan.stages.param_specs()),
+    return {"params": with_sharding(shapes["params"], plan.program.param_specs()),
             "opt": jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                   sharding=shard(s)),
                                 opt_specs, shapes["opt"], is_leaf=lambda x: isinstance(x, P))}
 
 
-def model_differences(saved: dict, model) -> list[tuple[str, Any, Any]]:
-    """``(field, in the checkpoint, in this run)`` for every :data:`MODEL_FIELDS` field on
-    which a checkpoint's model config (``meta["model"]``) and ``model`` disagree; a field
-    missing from an older checkpoint counts as its default. The ``moe_*`` shape fields
-    count only when both models have experts (else ``num_moe_experts`` names it)."""
-    now = dataclasses.asdict(model)
-    defaults = {f.name: f.default for f in dataclasses.fields(model)}
-    then = {k: saved.get(k, defaults[k]) for k in MODEL_FIELDS}
-    dense = then["num_moe_experts"] is None or now["num_moe_experts"] is None
-    return [(k, then[k], now[k]) for k in MODEL_FIELDS if then[k] != now[k]
-            and not (dense and k.startswith("moe_"))]  # a dense model has no MoE shapes
+def model_differences(meta: dict, model) -> list[tuple[str, Any, Any]]:
+    """``(field, in the checkpoint, in this run)`` on which a checkpoint's model (its
+    ``meta``) and ``model`` disagree: the config's type, then the fields that fix the
+    parameters' shapes (``model.shape_differences``)."""
+    saved_type = meta.get("model_type", type(model).__name__)  # older checkpoints: the GPT
+    if saved_type != type(model).__name__:
+        return [("model type", saved_type, type(model).__name__)]
+    return model.shape_differences(meta.get("model", {}))
 
 
 def _check_model(meta: dict, plan: TrainPlan, directory: str, step: int) -> None:
-    diff = model_differences(meta.get("model", {}), plan.model)
+    diff = model_differences(meta, plan.model)
     if diff:
         raise ValueError(f"checkpoint {directory} (step {step}) was saved for a different "
                          "model: " + "; ".join(f"{k}={a!r} in the checkpoint, {b!r} in this run"

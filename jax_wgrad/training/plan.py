@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import optax
@@ -12,17 +12,30 @@ from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.layout import GradLayout
-from jax_wgrad.models.gpt.config import GPTConfig, validate
-from jax_wgrad.models.gpt.stages import GPTStages
+from jax_wgrad.grads.sink import GradSink
 from jax_wgrad.ops import require_fusion
 from jax_wgrad.ops.registry import load_error
 from jax_wgrad.optim.distributed import DistributedOptimizer
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR, mesh_shape
-from jax_wgrad.parallel.pipeline.gradients import grad_layout, schedule_of
+from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
+from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
 
-__all__ = ["TrainPlan", "mesh_shape"]
+__all__ = ["ModelConfig", "TrainPlan", "mesh_shape"]
+
+
+@runtime_checkable
+class ModelConfig(Protocol):
+    """What a plan needs of a model's config (:class:`~jax_wgrad.GPTConfig` is one): a
+    frozen dataclass (its fields are what a checkpoint compares) that checks itself
+    against a parallel layout and builds its stage programs."""
+
+    def validate(self, parallel: ParallelConfig) -> None:
+        """Raises ``ValueError`` if the layout does not divide the model."""
+
+    def program(self, parallel: ParallelConfig, platform: str | None = None) -> StageProgram:
+        """The model's :class:`StageProgram` for ``parallel`` on ``platform``."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -32,25 +45,28 @@ class TrainPlan:
     and whoever logs it (the example's gradient-buffer line).
 
     Attributes:
-      model, parallel, ddp: the three configs (validated against each other).
+      model, parallel, ddp: the three configs (validated against each other); ``model``
+        is any :class:`ModelConfig`.
       mesh: the ``(data, expert, tensor, pipeline)`` mesh.
-      stages: the model's per-stage functions for this layout and platform.
+      program: the model's stage programs for this layout and platform.
       layout: where every device's gradients live (flat buckets per chunk).
+      sink: where each weight gradient goes during the schedule.
       optimizer: the distributed (or replicated) optimizer over those buckets.
       table: the pipeline schedule.
     """
 
-    model: GPTConfig
+    model: ModelConfig
     parallel: ParallelConfig
     ddp: DDPConfig
     mesh: Mesh
-    stages: GPTStages
+    program: StageProgram
     layout: GradLayout
+    sink: GradSink
     optimizer: DistributedOptimizer
     table: ScheduleTable
 
     @classmethod
-    def create(cls, model: GPTConfig, parallel: ParallelConfig, mesh: Mesh,
+    def create(cls, model: ModelConfig, parallel: ParallelConfig, mesh: Mesh,
                tx: optax.GradientTransformation, *, ddp: DDPConfig | None = None,
                check_fusion: bool = True) -> TrainPlan:
         """Validates the configs against each other and the mesh, and builds the plan.
@@ -70,7 +86,7 @@ class TrainPlan:
             without a loaded one.
         """
         ddp = ddp or DDPConfig()
-        validate(parallel, model)
+        model.validate(parallel)
         if parallel.mesh_shape != mesh_shape(mesh):
             raise ValueError(f"TrainPlan: mesh (data, expert, tensor, pipeline) = "
                              f"{mesh_shape(mesh)} "
@@ -81,19 +97,21 @@ class TrainPlan:
         elif parallel.gradient_accumulation_fusion and load_error(platform) is not None:
             raise RuntimeError(f"gradient_accumulation_fusion: the fused path cannot be "
                                f"lowered for platform '{platform}': {load_error(platform)}")
-        stages = GPTStages(model, parallel, platform=platform)
-        layout = grad_layout(stages, ddp)
+        program = model.program(parallel, platform)
+        layout = grad_layout(program, ddp)
         optimizer = DistributedOptimizer.create(
             layout.buffer, tx, data_axis=DATA_PARALLEL, bucket_axes=layout.bucket_axes,
             model_axes=(TENSOR, PIPELINE),
             clip_grad=ddp.clip_grad or None, weight_decay_mask=layout.weight_decay_flags(),
             duplicated={TENSOR: layout.tensor_replicated(), PIPELINE: layout.shared_flags()})
-        return cls(model, parallel, ddp, mesh, stages, layout, optimizer, schedule_of(stages))
+        table = schedule_of(program)
+        return cls(model, parallel, ddp, mesh, program, layout,
+                   grad_sink(program, layout, table), optimizer, table)
 
     @property
     def param_shardings(self) -> dict[str, Any]:
         """``NamedSharding`` of every canonical parameter on the mesh."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.stages.param_specs(),
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.program.param_specs(),
                             is_leaf=lambda x: isinstance(x, P))
 
     def buffer_summary(self) -> str:

@@ -13,7 +13,7 @@ updated parameters. Everything static comes from one
 
 Metrics: ``loss`` (global mean token loss), ``grad_norm`` (global L2 norm before
 clipping), ``skipped`` (the step was skipped: non-finite norm; nothing changed); an MoE
-model adds :func:`~jax_wgrad.parallel.pipeline.gradients.moe_metrics`' ``moe_*`` figures.
+model's program adds its own (:meth:`StageProgram.metrics`: the GPT's ``moe_*`` figures).
 
 The optimizer state is per device (fp32 master weights and optax state of the device's
 shard); it is stored as global arrays with a leading device axis
@@ -76,16 +76,16 @@ def _unstack(tree):
 def init_optimizer_state(plan: TrainPlan, params) -> Any:
     """Each device's optimizer state for ``params`` (canonical, sharded as the plan's):
     fp32 master + optax state of its shard, stacked on a leading device axis."""
-    stages, opt = plan.stages, plan.optimizer
-    init = jax.shard_map(lambda p: _stack(opt.init(stages.device_tree(p))), mesh=plan.mesh,
-                         in_specs=(stages.param_specs(),), out_specs=P(AXES), check_vma=False)
+    program, opt = plan.program, plan.optimizer
+    init = jax.shard_map(lambda p: _stack(opt.init(program.device_tree(p))), mesh=plan.mesh,
+                         in_specs=(program.param_specs(),), out_specs=P(AXES), check_vma=False)
     return jax.jit(init)(params)
 
 
 def init_train_state(plan: TrainPlan, seed: int) -> TrainState:
     """Full parameters from ``seed`` (identical for every layout), created sharded, and
     each device's optimizer state (:func:`init_optimizer_state`)."""
-    params = jax.jit(lambda: plan.stages.init_params(seed), out_shardings=plan.param_shardings)()
+    params = jax.jit(lambda: plan.program.init_params(seed), out_shardings=plan.param_shardings)()
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(plan.mesh, P()))
     return TrainState(step, params, init_optimizer_state(plan, params))
 
@@ -117,17 +117,17 @@ def build_train_step(
       debug_grad_hook: for fault-injection tests: ``hook(local buckets, step) -> buckets``
         applied to each device's accumulated buckets before they are synced.
     """
-    stages, opt, specs = plan.stages, plan.optimizer, plan.stages.param_specs()
+    program, opt, specs = plan.program, plan.optimizer, plan.program.param_specs()
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
 
     def body(params, opt_state, tokens, step):
         hook = None if debug_grad_hook is None else (lambda b: debug_grad_hook(b, step))
-        tree = stages.device_tree(params)
-        synced, loss, moe = reduce_gradients(stages, plan.layout, plan.ddp, plan.table, tree,
-                                             tokens, grad_hook=hook)
+        tree = program.device_tree(params)
+        synced, loss, extra = reduce_gradients(program, plan.sink, plan.ddp, plan.table, tree,
+                                               tokens, grad_hook=hook)
         new_tree, new_opt_state, info = opt.step(tree, synced, _unstack(opt_state))
-        metrics = {"loss": loss, "grad_norm": info.grad_norm, "skipped": info.skipped, **moe}
-        return stages.canonical_tree(new_tree), _stack(new_opt_state), metrics
+        metrics = {"loss": loss, "grad_norm": info.grad_norm, "skipped": info.skipped, **extra}
+        return program.canonical_tree(new_tree), _stack(new_opt_state), metrics
 
     per_device = jax.shard_map(
         body, mesh=plan.mesh,
@@ -147,8 +147,8 @@ def build_train_step(
 def build_eval_step(plan: TrainPlan) -> Callable[[dict[str, Any], jax.Array], jax.Array]:
     """A jitted ``eval_step(params, tokens) -> mean token loss`` of one global batch: the
     forward-only pipeline (:mod:`jax_wgrad.parallel.pipeline.evaluate`), no gradients."""
-    stages = plan.stages
-    fn = jax.shard_map(lambda p, t: eval_loss(stages, stages.device_tree(p), t),
-                       mesh=plan.mesh, in_specs=(stages.param_specs(), P(DATA_PARALLEL)),
+    program = plan.program
+    fn = jax.shard_map(lambda p, t: eval_loss(program, program.device_tree(p), t),
+                       mesh=plan.mesh, in_specs=(program.param_specs(), P(DATA_PARALLEL)),
                        out_specs=P(), check_vma=False)
     return jax.jit(fn)

@@ -1,5 +1,5 @@
 """A tensor-parallel GPT (pre-LN decoder, causal attention, GELU MLP, learned positions):
-its config, NNX modules, canonical parameters and per-stage functions."""
+its config, NNX modules, canonical parameters and stage programs."""
 
 from jax_wgrad.models.gpt.config import GPTConfig, validate
 from jax_wgrad.models.gpt.modules import GPTEmbedding, GPTHead, TransformerLayer
@@ -7,13 +7,15 @@ from jax_wgrad.models.gpt.params import (
     canonical_tree,
     device_tree,
     forward_order,
+    module_orders,
+    registration_order,
     grad_specs,
     init_params,
     param_specs,
-    unstack_layers,
+    period_pattern,
 )
-from jax_wgrad.models.gpt.stages import GPTStages
+from jax_wgrad.models.gpt.program import GPTProgram
 
-__all__ = ["GPTConfig", "GPTEmbedding", "GPTHead", "GPTStages", "TransformerLayer",
-           "canonical_tree", "device_tree", "forward_order", "grad_specs", "init_params",
-           "param_specs", "unstack_layers", "validate"]
+__all__ = ["GPTConfig", "GPTEmbedding", "GPTHead", "GPTProgram", "TransformerLayer",
+           "canonical_tree", "device_tree", "forward_order", "grad_specs", "init_params", "module_orders",
+           "param_specs", "period_pattern", "registration_order", "validate"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from jax_wgrad._validation import check_positive
 from jax_wgrad.functional.moe import MoEConfig
@@ -160,6 +160,36 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    # -- what a plan and a checkpoint ask of a model config (training.plan.ModelConfig)
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+        "ffn_hidden_size", "untie_embeddings_and_output_weights", "num_moe_experts",
+        "moe_ffn_hidden_size", "moe_layer_freq")
+    """The fields that fix the parameters' shapes: a checkpoint must agree on them."""
+
+    def validate(self, parallel: ParallelConfig) -> None:
+        """:func:`validate` (this model split as ``parallel`` asks); raises ``ValueError``."""
+        validate(parallel, self)
+
+    def program(self, parallel: ParallelConfig, platform: str | None = None):
+        """The GPT's stage programs (:class:`~jax_wgrad.models.gpt.GPTProgram`)."""
+        from jax_wgrad.models.gpt.program import GPTProgram  # the program imports this module
+        return GPTProgram(self, parallel, platform=platform)
+
+    def shape_differences(self, saved: dict) -> list[tuple[str, Any, Any]]:
+        """``(field, saved, this)`` for every :attr:`SHAPE_FIELDS` field on which ``saved``
+        (a checkpoint's ``dataclasses.asdict`` of its model config) and this config
+        disagree; a field missing from an older checkpoint counts as its default. The
+        ``moe_*`` shape fields count only when both models have experts (else
+        ``num_moe_experts`` names it)."""
+        now = dataclasses.asdict(self)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        then = {k: saved.get(k, defaults[k]) for k in self.SHAPE_FIELDS}
+        dense = then["num_moe_experts"] is None or now["num_moe_experts"] is None
+        return [(k, then[k], now[k]) for k in self.SHAPE_FIELDS if then[k] != now[k]
+                and not (dense and k.startswith("moe_"))]  # a dense model has no MoE shapes
 
     def attention_implementation(self, platform: str) -> Literal["xla", "cudnn"]:
         """``attention_backend`` resolved for a jax platform (``"cpu"``, ``"gpu"``, ...)."""

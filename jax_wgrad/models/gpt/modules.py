@@ -18,7 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_wgrad.functional.attention import causal_attention
-from jax_wgrad.functional.cross_entropy import vocab_parallel_cross_entropy
+from jax_wgrad.functional.cross_entropy import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logsumexp,
+)
 from jax_wgrad.functional.moe import attach_aux_loss, moe_mlp
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.nn.facts import param_facts
@@ -225,13 +228,20 @@ class GPTHead(nnx.Module):
         *,
         weight: jax.Array | None = None,
         main_grad: jax.Array | None = None,
-    ) -> jax.Array:
+        with_lse: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``x``: ``[b, s(/tp), H]``, ``labels``: int ``[b, s]`` -> fp32 scalar SUM of the
-        per-token losses (identical on every tensor rank)."""
+        per-token losses (identical on every tensor rank); with ``with_lse`` also the fp32
+        ``[b, s]`` logsumexp of the logits over the whole vocabulary (what the deferred
+        output-layer wgrad's recompute mode keeps)."""
         with jax.named_scope("output_layer"):
             logits = self.output(self.final_norm(x), weight, main_grad=main_grad)
         with jax.named_scope("cross_entropy"):
             losses = vocab_parallel_cross_entropy(
                 logits, labels, tp_size=self.tp_size, axis_name=self.axis_name
             )
-        return jnp.sum(losses)
+        if not with_lse:
+            return jnp.sum(losses)
+        lse = vocab_parallel_logsumexp(jax.lax.stop_gradient(logits), self.tp_size,
+                                       self.axis_name)  # kept, never differentiated
+        return jnp.sum(losses), lse

@@ -20,16 +20,18 @@ a contiguous split over ``tensor`` gives each rank whole heads. :func:`init_para
 the full parameters from a seed only, :func:`param_specs` says how they are sharded over
 the mesh (layers over ``pipeline`` on their stacked dim, embedding and head replicated over
 ``pipeline``). On a device the gradients are laid out over the *device tree*
-(:func:`device_tree`): ``(per-layer trees of the stage's layers, the expert weights of its
-MoE layers, shared tree)`` -- one subtree per gradient chunk -- in forward (registration)
-order, with :func:`grad_specs` saying what each leaf is.
+(:func:`device_tree`): a :class:`~jax_wgrad.grads.chunks.DeviceTree` (per-layer trees of
+the stage's layers, the expert weights of its MoE layers, the shared tree: one per gradient
+chunk) in forward order -- the modules' registration order (:func:`registration_order`) --
+with :func:`grad_specs` saying what each leaf is.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,13 +39,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jax_wgrad.grads.chunks import Chunks, DeviceTree
 from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, SHARED, STAGE, GradSpec
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.modules import GPTEmbedding, GPTHead, TransformerLayer
 from jax_wgrad.parallel.mesh import EXPERT, PIPELINE, TENSOR
 
 __all__ = [
-    "FORWARD_KEY_ORDER",
     "abstract_modules",
     "canonical_tree",
     "device_tree",
@@ -51,55 +53,76 @@ __all__ = [
     "from_forward_order",
     "grad_specs",
     "init_params",
+    "module_orders",
     "param_specs",
-    "unstack_layers",
+    "period_pattern",
+    "registration_order",
 ]
 
 Params = dict[str, Any]
-DeviceTree = tuple[list, list, Any]
 
-FORWARD_KEY_ORDER: tuple[str, ...] = (
-    "embedding", "word", "position", "layers", "moe_layers", "ln1", "qkv", "proj", "ln2",
-    "router", "experts", "fc1", "fc2", "head", "final_norm", "output", "weight", "scale",
-    "bias")
-"""Registration (forward) order of the parameter names: siblings are ordered by their
-rank here (embedding -> layers -> head; ln1 -> qkv -> proj -> ln2 -> fc1 -> fc2; a
-linear's weight before its bias; a LayerNorm's scale before its bias), as Megatron's
-modules register them."""
+Order = dict[str, "Order | None"]
+"""A module's parameter names in registration order, nested (``None`` at a parameter)."""
 
 
-def forward_order(tree: Mapping[str, Any]) -> collections.OrderedDict:
-    """The same parameters as nested ``OrderedDict`` trees in forward (registration) order.
+def registration_order(make: Callable[[], nnx.Module]) -> Order:
+    """The parameter names of the module ``make()`` builds, in the order its ``__init__``
+    assigns them (its structure: Megatron registers parameters in forward order).
+
+    Built under ``jax.eval_shape`` (no arrays); read from the instance's attributes,
+    which keep assignment order (an NNX state sorts its keys).
+    """
+    found: dict[str, Order] = {}
+
+    def build():
+        found["order"] = _order(make())
+        return 0
+
+    jax.eval_shape(build)
+    return found["order"]
+
+
+def _order(node: Any) -> Order | None:
+    if isinstance(node, nnx.Variable):
+        return None
+    return {k: _order(v) for k, v in vars(node).items()
+            if isinstance(v, (nnx.Module, nnx.Variable))}
+
+
+@functools.lru_cache(maxsize=None)
+def module_orders(cfg: GPTConfig) -> dict[str, Order]:
+    """Registration order of the GPT's modules: ``embedding``, ``layer``, ``moe_layer``
+    (an MoE model) and ``head``."""
+    rngs = lambda: nnx.Rngs(0)
+    out = {"embedding": registration_order(lambda: GPTEmbedding(cfg, rngs=rngs())),
+           "layer": registration_order(lambda: TransformerLayer(cfg, rngs=rngs()))}
+    if cfg.num_moe_experts is not None:
+        out["moe_layer"] = registration_order(
+            lambda: TransformerLayer(cfg, moe=True, rngs=rngs()))
+    out["head"] = registration_order(lambda: GPTHead(cfg, rngs=rngs()))
+    return out
+
+
+def forward_order(tree: Mapping[str, Any], order: Order) -> collections.OrderedDict:
+    """The same parameters as nested ``OrderedDict`` trees in ``order`` (a module's
+    :func:`registration_order`).
 
     Plain dicts flatten by sorted key; ``OrderedDict`` flattens in insertion order, so
     :class:`jax_wgrad.grads.GradBuffer` lays this tree out as Megatron lays out the
     model (reverse registration order: the head's last parameter at offset 0).
     """
-    rank = {k: i for i, k in enumerate(FORWARD_KEY_ORDER)}
-    unknown = [k for k in tree if k not in rank]
+    unknown = [k for k in tree if k not in order]
     if unknown:
-        raise ValueError(f"forward_order: unknown parameter names {unknown}")
+        raise ValueError(f"forward_order: parameters {unknown} are not in the module's "
+                         f"structure {list(order)}")
     return collections.OrderedDict(
-        (k, forward_order(tree[k]) if isinstance(tree[k], Mapping) else tree[k])
-        for k in sorted(tree, key=rank.__getitem__))
+        (k, forward_order(tree[k], order[k]) if isinstance(tree[k], Mapping) else tree[k])
+        for k in order if k in tree)
 
 
 def from_forward_order(tree: Mapping[str, Any]) -> Params:
     """Inverse of :func:`forward_order`: plain nested dicts."""
     return {k: from_forward_order(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
-
-
-def unstack_layers(stacked: Params) -> list[Params]:
-    """``{name: [n, ...]}`` stacked layer parameters (arrays or ``ShapeDtypeStruct``) -> a
-    list of ``n`` per-layer dicts."""
-    n = jax.tree.leaves(stacked)[0].shape[0]
-
-    def index(a, i):
-        if isinstance(a, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-        return a[i]
-
-    return [jax.tree.map(lambda a, i=i: index(a, i), stacked) for i in range(n)]
 
 
 def _stacks(pattern) -> list[tuple[str, int]]:
@@ -113,45 +136,77 @@ def _stacks(pattern) -> list[tuple[str, int]]:
     return out
 
 
-def device_tree(params: Params, pattern: tuple[bool, ...] | None = None) -> DeviceTree:
-    """Canonical per-device params -> ``(stage layers, stage experts, shared)`` in forward
-    order: the tree the gradient buckets are laid out over (chunks
-    :data:`~jax_wgrad.grads.spec.STAGE`, :data:`~jax_wgrad.grads.spec.EXPERTS`,
-    :data:`~jax_wgrad.grads.spec.SHARED`).
+def period_pattern(cfg: GPTConfig) -> tuple[bool, ...]:
+    """Per layer of the repeating period of the layer pattern: an MoE layer. A dense
+    model's period is one dense layer; an MoE model's is ``moe_layer_freq`` layers, the
+    first one MoE (Megatron's pattern). Every stage holds whole periods
+    (``GPTConfig``'s checks)."""
+    return cfg.moe_layer_pattern[:cfg.moe_layer_freq if cfg.num_moe_experts else 1]
 
-    ``pattern``: per local layer, an MoE layer (default: all dense). An MoE layer's tree
-    has no ``'experts'``: those are the second subtree, one ``{fc1, fc2}`` per MoE layer.
+
+def _position(a, count: int, k: int):
+    """``[n * count, ...]`` -> ``[n, ...]``: every ``count``-th layer from ``k`` on."""
+    if count == 1:
+        return a
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((a.shape[0] // count, *a.shape[1:]), a.dtype)
+    return a.reshape(a.shape[0] // count, count, *a.shape[1:])[:, k]
+
+
+def _interleave(arrays: list) -> Any:
+    """Inverse of :func:`_position` over ``k``: ``count`` arrays ``[n, ...]`` ->
+    ``[n * count, ...]``."""
+    if len(arrays) == 1:
+        return arrays[0]
+    stacked = jnp.stack(arrays, axis=1)
+    return stacked.reshape(-1, *stacked.shape[2:])
+
+
+def _shared(embedding: Any, head: Any, orders: dict[str, Order]) -> collections.OrderedDict:
+    """The shared tree: the embedding (first in forward order), then the head."""
+    return collections.OrderedDict(embedding=forward_order(embedding, orders["embedding"]),
+                                   head=forward_order(head, orders["head"]))
+
+
+def device_tree(params: Params, cfg: GPTConfig) -> DeviceTree:
+    """Canonical per-device params -> the :class:`~jax_wgrad.grads.chunks.DeviceTree` in
+    forward order, every layer parameter STACKED over the stage's periods
+    (:func:`period_pattern`): ``stage`` one tree per layer of the period, each leaf
+    ``[periods, ...]``; ``experts`` one stacked ``{fc1, fc2}`` per MoE layer of the period;
+    ``shared`` the ``{embedding, head}`` tree. These are the chunks the gradient buckets
+    are laid out over (a stacked weight is one contiguous region of its bucket).
+    An MoE layer's tree has no ``'experts'``: those are the ``experts`` chunk.
     """
-    stacks = {k: unstack_layers(params[k]) for k in ("layers", "moe_layers") if k in params}
-    if pattern is None:
-        pattern = (False,) * len(stacks.get("layers", []))
-    layers, experts = [], []
-    for key, i in _stacks(pattern):
-        p = dict(stacks[key][i])
+    orders = module_orders(cfg)
+    period = period_pattern(cfg)
+    counts = {"layers": period.count(False), "moe_layers": period.count(True)}
+    stage, experts = [], []
+    for key, k in _stacks(period):
+        p = dict(jax.tree.map(lambda a: _position(a, counts[key], k), params[key]))
         if key == "moe_layers":
-            experts.append(forward_order(p.pop("experts")))
-        layers.append(forward_order(p))
-    return layers, experts, forward_order({"embedding": params["embedding"],
-                                           "head": params["head"]})
+            order = orders["moe_layer"]
+            experts.append(forward_order(p.pop("experts"), order["experts"]))
+        else:
+            order = orders["layer"]
+        stage.append(forward_order(p, order))
+    return Chunks(stage=stage, experts=experts,
+                  shared=_shared(params["embedding"], params["head"], orders))
 
 
-def canonical_tree(tree: DeviceTree, pattern: tuple[bool, ...] | None = None) -> Params:
-    """Inverse of :func:`device_tree` (layers stacked again)."""
-    layers, experts, shared = tree
-    if pattern is None:
-        pattern = (False,) * len(layers)
+def canonical_tree(tree: DeviceTree, cfg: GPTConfig) -> Params:
+    """Inverse of :func:`device_tree`."""
     per_key: dict[str, list] = {"layers": [], "moe_layers": []}
-    moe_experts = iter(experts)
-    for (key, _), p in zip(_stacks(pattern), layers):
+    moe_experts = iter(tree.experts)
+    for (key, _), p in zip(_stacks(period_pattern(cfg)), tree.stage):
         p = from_forward_order(p)
         if key == "moe_layers":
             p["experts"] = from_forward_order(next(moe_experts))
         per_key[key].append(p)
-    shared = from_forward_order(shared)
+    shared = from_forward_order(tree.shared)
     out = {"embedding": shared["embedding"]}
     for key, ps in per_key.items():
         if ps:
-            out[key] = jax.tree.map(lambda *xs: jnp.stack(xs), *ps)
+            out[key] = jax.tree.map(lambda *xs: _interleave(list(xs)), *ps)
     out["head"] = shared["head"]
     return out
 
@@ -240,7 +295,7 @@ def _grad_spec(v: nnx.Variable, chunk: str, roles: set[str], fused_in: str | Non
                     weight_decay=bool(facts.get("weight_decay")))
 
 
-def grad_specs(cfg: GPTConfig, num_local_layers: int) -> DeviceTree:
+def grad_specs(cfg: GPTConfig) -> DeviceTree:
     """The :class:`GradSpec` of every leaf of :func:`device_tree`, from the modules'
     parameter metadata and the model's roles: layers in the stage chunk (their linear
     weights fused in :data:`LAYERS`), the MoE layers' expert weights in the expert chunk;
@@ -249,18 +304,20 @@ def grad_specs(cfg: GPTConfig, num_local_layers: int) -> DeviceTree:
     the output layer's weight)."""
     emb, layer, moe_layer, head = (None if m is None else nnx.split(m)[1]
                                    for m in abstract_modules(cfg))
+    orders = module_orders(cfg)
     tied = not cfg.untie_embeddings_and_output_weights
     layer_spec = _walk(layer, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS))
     layer_specs, expert_specs = [], []
-    for moe in cfg.moe_layer_pattern[:num_local_layers]:
+    for moe in period_pattern(cfg):
         if not moe:
-            layer_specs.append(forward_order(layer_spec))
+            layer_specs.append(forward_order(layer_spec, orders["layer"]))
             continue
         spec = {k: v for k, v in moe_layer.items() if k != "experts"}
         layer_specs.append(forward_order(
-            _walk(spec, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS))))
+            _walk(spec, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS)), orders["moe_layer"]))
         expert_specs.append(forward_order(
-            _walk(moe_layer["experts"], lambda v: _grad_spec(v, EXPERTS, {LAYERS}, LAYERS))))
+            _walk(moe_layer["experts"], lambda v: _grad_spec(v, EXPERTS, {LAYERS}, LAYERS)),
+            orders["moe_layer"]["experts"]))
     word = _grad_spec(emb["word"]["embedding"], SHARED, {INPUT}, None)
     if tied:  # the output layer's weight IS the word embedding: also OUTPUT's, fused there
         word = dataclasses.replace(word, roles=frozenset({INPUT, OUTPUT}), fused_in=OUTPUT,
@@ -268,4 +325,5 @@ def grad_specs(cfg: GPTConfig, num_local_layers: int) -> DeviceTree:
     emb_spec = {"word": {"embedding": word},
                 "position": _grad_spec(emb["position"], SHARED, {INPUT}, None)}
     head_spec = _walk(head, lambda v: _grad_spec(v, SHARED, {OUTPUT}, OUTPUT))
-    return (layer_specs, expert_specs, forward_order({"embedding": emb_spec, "head": head_spec}))
+    return Chunks(stage=layer_specs, experts=expert_specs,
+                  shared=_shared(emb_spec, head_spec, orders))

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedules as data (:mod:`.schedules`, imported here), the
+"""Pipeline parallelism: schedules as data (:mod:`.schedules`, imported here), what the
+executor asks of a model (:mod:`.program`: :class:`~.program.StageProgram`), the
 one-program executor that runs any schedule table (:mod:`.executor`) and a step's
 gradients (:mod:`.gradients`: :func:`~.gradients.pipeline_gradients`)."""
 

@@ -15,7 +15,8 @@ from jax import lax
 
 from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline.schedules import IDLE
-from jax_wgrad.parallel.pipeline.setup import StageSetup
+from jax_wgrad.grads.chunks import DeviceTree
+from jax_wgrad.parallel.pipeline.program import StageProgram
 
 __all__ = ["forward_table", "eval_loss"]
 
@@ -27,13 +28,12 @@ def forward_table(num_stages: int, num_microbatches: int) -> np.ndarray:
     return np.where((f >= 0) & (f < num_microbatches), f, IDLE).astype(np.int32)
 
 
-def eval_loss(stages, params, tokens: jax.Array) -> jax.Array:
+def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> jax.Array:
     """Mean token loss of one global batch (inside ``shard_map``; ``params``: the device
-    tree; ``tokens``: int ``[global_batch / dp, S + 1]``)."""
-    setup = StageSetup.of(stages)
+    tree; ``batch``: ``[global_batch / dp, ...]`` this data rank's)."""
+    setup = program.setup
     pp, m = setup.num_stages, setup.num_microbatches
-    micro = setup.microbatches(tokens, "eval_loss")
-    layers, experts, shared = params
+    micro = setup.microbatches(batch, "eval_loss")
     stage = setup.stage_index()
     act = setup.zero_activation()
 
@@ -42,11 +42,10 @@ def eval_loss(stages, params, tokens: jax.Array) -> jax.Array:
         f = row[stage]
 
         def forward(x_recv):
-            tok = lax.dynamic_index_in_dim(micro, jnp.clip(f, 0, m - 1), 0, keepdims=False)
-            x = lax.cond(stage == 0, lambda: stages.embed(shared, tok[:, :-1]), lambda: x_recv)
-            y = stages.layers((layers, experts), None, x)
-            loss = lax.cond(stage == pp - 1,
-                            lambda: stages.head_loss(shared, None, y, tok[:, 1:]),
+            mb = lax.dynamic_index_in_dim(micro, jnp.clip(f, 0, m - 1), 0, keepdims=False)
+            x = lax.cond(stage == 0, lambda: program.pre(params, None, mb)[0], lambda: x_recv)
+            y, _ = program.body(params, None, x)
+            loss = lax.cond(stage == pp - 1, lambda: program.post(params, None, y, mb)[0],
                             lambda: jnp.float32(0.0))
             return y, loss
 

@@ -1,34 +1,38 @@
 """Runs a pipeline schedule table as ONE ``lax.scan`` over ticks inside ``shard_map``.
 
 The executor reads the :class:`~jax_wgrad.parallel.pipeline.schedules.ScheduleTable` (as
-arrays indexed by the scan's tick and this device's stage) and knows no schedule formula:
-per tick a stage runs the ``F``, ``B`` and ``W`` task the table names for it (``lax.cond``
-skips an idle one), optionally syncs its gradient buckets in the cooldown, and exchanges
+arrays indexed by the scan's tick and this device's stage) and knows no schedule formula
+and no model: it runs a :class:`~jax_wgrad.parallel.pipeline.program.StageProgram`
+(``pre`` on the first stage, ``body`` everywhere, ``post`` on the last) and asks a
+:class:`~jax_wgrad.grads.sink.GradSink` where every weight gradient goes. Per tick a
+stage runs the ``F``, ``B`` and ``W`` task the table names for it (``lax.cond`` skips an
+idle one), optionally syncs its gradient buckets in the cooldown, and exchanges
 activations and gradients with its neighbours (two acyclic ``ppermute``\\ s) into
 per-microbatch inbox slots.
 
-* **F** of microbatch ``f``: the stage input (the embedding of its tokens on the first
-  stage, else the activation received for ``f``) goes through the stage's layers under
-  ``jax.vjp``; the pullback's residuals are stored at slot ``f % num_slots``
+* **F** of microbatch ``f``: the stage input (``pre`` of its batch on the first stage,
+  else the activation received for ``f``) goes through ``body`` under ``jax.vjp``; the
+  pullback's residuals are stored at slot ``f % num_slots``
   (:class:`~jax_wgrad.parallel.pipeline.residuals.ResidualStore`: what
-  ``recompute_granularity`` keeps, never a weight or a bucket). On the last stage the
-  head runs too: loss, and the head's backward, whose gradient for the layers' output is
-  kept in the gradient inbox for this stage's own ``B``.
+  ``recompute_granularity`` keeps, never a weight or a bucket). On the last stage ``post``
+  runs too, with its backward (Megatron's last stage computes the loss in its forward
+  step): the loss, and the gradient for the body's output, kept in the gradient inbox for
+  this stage's own ``B``.
 * **B** of microbatch ``b``: the stored pullback, seeded with the gradient received for
-  ``b``. The stage function is ``f((params, buckets), x) -> (y, buckets)``: the buckets
-  thread through every fused linear (:func:`jax_wgrad.functional.linear_into_bucket`), so
-  the pullback returns them with each fused weight's block added once, in place; every
-  other gradient is added to its block by :meth:`~jax_wgrad.grads.GradBuffer.add_tree`
-  (in-place ``bucket_add``), for the leaves the layout's specs name. The stage's own
-  buckets are its stage chunk and its expert chunk (the expert weights of its MoE layers).
-  With a split backward
-  (zero bubble) the fused linears instead add a probe to their outputs
-  (:class:`~jax_wgrad.functional.WgradSplit`): ``B`` computes input gradients and each
-  linear's output gradient only, storing ``(x, dy)`` pairs in the W stash. The expert
-  linears of MoE layers keep their grouped weight-gradient call in ``B`` (their buckets
-  thread through ``B``; they get no ``W`` task).
+  ``b``. The differentiated function is ``f((params, grads, probes), x) -> (y, grads)``:
+  the gradient buckets thread through every fused linear whose sink policy is
+  ``accumulate`` (:func:`jax_wgrad.functional.linear_into_bucket`), so the pullback returns
+  them with each such weight's block added once, in place; every other gradient is added
+  to its block by the sink (in-place ``bucket_add``). With a split backward (zero bubble)
+  the stage's fused linears instead add a probe to their outputs: ``B`` computes input
+  gradients and each linear's output gradient only, and the ``(x, dy)`` pairs wait in the
+  W stash (expert linears keep their grouped call in ``B``; see :mod:`jax_wgrad.grads.sink`).
+  On the first stage ``pre``'s backward adds its gradients.
 * **W** of microbatch ``w`` (split backward only): the fused ``wgrad_accumulate`` GEMMs of
-  its stored pairs into the stage's buckets (and, on the last stage, the output layer's).
+  its stored pairs (on the last stage the output layer's too, unless deferred).
+* **Deferred output-layer wgrad** (``defer_embedding_wgrad_compute``): the output layer's
+  pair of a deferred microbatch goes to a stash indexed by microbatch, drained after the
+  schedule (:func:`jax_wgrad.parallel.deferred.drain`).
 * **Cooldown sync** (``overlap_grad_reduce``): at the stage's last ``B``/``W`` tick (from
   the table) its stage buckets are synced over the data-parallel ranks, and its expert
   buckets over the expert-data-parallel ranks, while earlier stages still compute.
@@ -38,35 +42,45 @@ Carried state per device (:class:`PipelineCarry`) is bounded by the table, not b
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_wgrad import ops
-from jax_wgrad.functional.linear import WgradBuckets, WgradSplit
+from jax_wgrad.grads.chunks import DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import sync_stage_buckets
-from jax_wgrad.grads.layout import GradLayout
-from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, SHARED, STAGE
-from jax_wgrad.parallel.mesh import PIPELINE
-from jax_wgrad.parallel.pipeline import head
+from jax_wgrad.grads.sink import GradSink, SinkEntry
+from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, STAGE
+from jax_wgrad.parallel import deferred
+from jax_wgrad.parallel.mesh import PIPELINE, TENSOR
+from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
-from jax_wgrad.parallel.pipeline.setup import StageSetup
 
-__all__ = ["PipelineCarry", "cooldown_sync", "stage_gradients"]
+__all__ = ["PipelineCarry", "WPair", "cooldown_sync", "stage_gradients"]
 
 
-class PipelineCarry(NamedTuple):
+class WPair(NamedTuple):
+    """A fused linear's weight-gradient inputs waiting for ``W`` tasks: ``x [k, ...]``
+    (its input) and ``dy [k, ...]`` (its output gradient), ``k`` slots by microbatch."""
+
+    x: jax.Array
+    dy: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PipelineCarry:
     """Per-device state carried across ticks (bounded by the schedule, not by ``M``)."""
 
-    buckets: tuple[jax.Array, ...]
-    """Flat fp32 gradient buckets (:class:`~jax_wgrad.grads.GradLayout`): the accumulators."""
+    grads: GradState
+    """The gradient buckets by chunk (:class:`~jax_wgrad.grads.GradLayout`)."""
     residuals: tuple[jax.Array, ...]
-    """``[num_slots, ...]`` per stored residual of the stage forward (the stage input alone
-    with full recomputation)."""
+    """``[num_slots, ...]`` per stored residual of the stage forward."""
     x_inbox: jax.Array
     """``[depth + 1, mb, s(/tp), H]`` activations received, by microbatch; the last slot
     takes what arrives in a tick where the sender ran no forward."""
@@ -74,14 +88,16 @@ class PipelineCarry(NamedTuple):
     """``[depth + 1, mb, s(/tp), H]`` gradients received (the last stage: its head's)."""
     loss_sum: jax.Array
     """fp32 scalar: sum of token losses computed on this device (last stage)."""
-    stash: tuple[jax.Array, ...] = ()
-    """Deferred output-layer wgrad stash, indexed by microbatch (last stage only)."""
-    wstash: tuple[jax.Array, ...] = ()
-    """Split backward: per fused linear ``[weight_slots, ...]`` inputs then output
-    gradients, then the output layer's pair (:class:`head.OutputStash`)."""
-    moe_stats: tuple[jax.Array, ...] = ()
-    """MoE models: this device's sums over its forwards of the stage's MoE statistics
-    (:meth:`GPTStages.moe_stats_zeros`: aux loss, tokens per expert, dropped count)."""
+    aux_sum: Any
+    """Sums of ``body``'s aux over this device's forwards."""
+    wstash: dict[str, WPair]
+    """Split backward: per probed weight (by sink entry name) its pairs for ``W``."""
+    deferred: dict[str, tuple[jax.Array, ...]]
+    """The deferred output layer's stash by entry name (:mod:`jax_wgrad.parallel.deferred`),
+    indexed by microbatch."""
+
+    def replace(self, **kw) -> PipelineCarry:
+        return dataclasses.replace(self, **kw)
 
 
 def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
@@ -95,85 +111,131 @@ def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
     return ddp.overlap_grad_reduce and num_stages > 1
 
 
-def stage_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: ScheduleTable,
-                    params, tokens: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array]:
+def stage_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
+                    table: ScheduleTable, params: DeviceTree, batch: jax.Array
+                    ) -> tuple[tuple[jax.Array, ...], jax.Array, Any]:
     """Per-device body of the schedule (call inside ``shard_map`` over the mesh).
 
     Args:
-      stages: the model's per-stage functions (:class:`jax_wgrad.models.gpt.GPTStages`).
-      layout: where this device's gradients live.
+      program: the model's stage programs.
+      sink: where this device's gradients go (its layout and policies).
       ddp: with ``overlap_grad_reduce`` the stage's buckets are synced over ``data`` inside
         the schedule, after the stage's last backward or weight task.
-      table: the schedule; its stages and microbatches must match ``stages.parallel``.
-      params: this device's parameters as the device tree ``(layers, experts, shared)``.
-      tokens: int ``[global_batch / dp, S + 1]`` this data rank's sequences.
+      table: the schedule; its stages and microbatches must match ``program.setup``.
+      params: this device's parameters (the device tree).
+      batch: ``[M * mb, ...]`` this data rank's batch (``program.setup.batch_shape``).
     Returns:
-      ``(buckets, loss_sum, moe_stats)``: this device's buckets of token-loss-SUM
-      gradients (stage chunk already synced when overlapping; nothing else reduced), its
-      sum of token losses, and its MoE statistics' sums (``()`` for a dense model).
+      ``(buckets, loss_sum, aux_sum)``: this device's buckets (``sink.layout.buffer``'s) of
+      token-loss-SUM gradients (stage chunk already synced when overlapping; nothing else
+      reduced), its sum of token losses, and its sums of ``body``'s aux.
       :func:`jax_wgrad.grads.finalize_grads` does the rest.
     """
-    run = _StageRun(stages, layout, ddp, table, params, tokens)
+    run = _StageRun(program, sink, ddp, table, params, batch)
     carry, _ = lax.scan(run.tick, run.init_carry(), run.tick_inputs())
-    return run.drain(carry), carry.loss_sum, carry.moe_stats
+    grads = run.drain(carry)
+    return sink.layout.concatenated(grads), carry.loss_sum, carry.aux_sum
 
 
 class _StageRun:
     """One device's run of a schedule: static context plus the tick's named steps."""
 
-    def __init__(self, stages, layout: GradLayout, ddp: DDPConfig, table: ScheduleTable,
-                 params, tokens: jax.Array):
-        par, cfg, setup = stages.parallel, stages.model, StageSetup.of(stages)
-        self.stages, self.layout, self.ddp, self.table, self.par = stages, layout, ddp, table, par
+    def __init__(self, program: StageProgram, sink: GradSink, ddp: DDPConfig,
+                 table: ScheduleTable, params: DeviceTree, batch: jax.Array):
+        setup, par = program.setup, program.parallel
+        self.program, self.sink, self.ddp, self.table, self.par = program, sink, ddp, table, par
         self.pp, self.m = setup.num_stages, setup.num_microbatches
         if (table.num_stages, table.num_microbatches) != (self.pp, self.m):
             raise ValueError(f"stage_gradients: schedule {table.name!r} is for "
                              f"{table.num_stages} stages x {table.num_microbatches} "
-                             f"microbatches, the layout has {self.pp} x {self.m}")
-        if table.split_backward and not par.gradient_accumulation_fusion:
+                             f"microbatches, the program has {self.pp} x {self.m}")
+        if table.split_backward and not sink.layout.fusion:
             raise ValueError(f"stage_gradients: schedule {table.name!r} splits the backward, "
                              "which needs gradient accumulation fusion")
-        self.micro = setup.microbatches(tokens, "stage_gradients")
+        self.micro = setup.microbatches(batch, "stage_gradients")
         self.act = setup.zero_activation()
-        layers, experts, self.shared = params
-        self.layer_params = (layers, experts)
+        self.params = params
         self.stage = setup.stage_index()
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
-        self.fusion, self.split = par.gradient_accumulation_fusion, table.split_backward
-        self.moe = cfg.num_moe_experts is not None
+        self.split = table.split_backward
         self.overlap = cooldown_sync(ddp, self.pp)
         self.depth = (table.inbox_depth("F"), table.inbox_depth("B"))
         self.last_tick = jnp.asarray([table.last_grad_tick(s) for s in range(self.pp)])
-        self.head = head.LastStage(stages, layout, table, self.act, setup.seq_length)
-        own_bk, _ = layout.split_own(layout.buffer.zeros())
-        if self.split:
-            self.wlist = _fused_list(layout)
-            # The probes are zeros and live like the weights: never stored.
-            self.store = ResidualStore.create(
-                self._split_fn, par.recompute_granularity,
-                (self.layer_params, self._zero_probes(), own_bk[layout.num_stage_buckets:]),
-                self.act, has_aux=True)
-        else:
-            self.store = ResidualStore.create(self._layers_fn, par.recompute_granularity,
-                                              (self.layer_params, own_bk), self.act,
-                                              has_aux=self.moe)
+        self.fused = sink.layout.fusion
+        zeros = sink.layout.zeros() if self.fused else None
+        # The probed linears' inputs and outputs and the programs' aux, traced once
+        # (shapes only) with recording slots: the executor learns shapes by tracing.
+        self.body_trace = jax.eval_shape(self._body_records, params, zeros, self.act)
+        self.post_trace = jax.eval_shape(self._post_records, params, zeros, self.act,
+                                         self.micro[0])
+        self.body_probes, self.post_probes = _zeros(self.body_trace[1]), _zeros(self.post_trace[1])
+        self.store = ResidualStore.create(self._body_fn, par.recompute_granularity,
+                                          (params, zeros, self.body_probes), self.act,
+                                          has_aux=True)
+        self.defer = sink.deferred
+        self.out_slots = table.live_count(table.num_stages - 1, "F", "W") if self.split else 0
+
+    # ------------------------------------------------------------------------ programs
+
+    def _body_fn(self, live, x):
+        # ((params, grads, probes), x) -> ((y, grads), (recorded inputs, aux))
+        params, grads, probes = live
+        tape = self.sink.open(LAYERS, grads, probes)
+        y, aux = self.program.body(params, tape.main_grads, x)
+        grads, inputs, _ = tape.close()
+        return (y, grads), (inputs, aux)
+
+    def _post_fn(self, params, grads, probes, y, batch):
+        # -> ((loss, grads), (recorded inputs, aux))
+        tape = self.sink.open(OUTPUT, grads, probes)
+        loss, aux = self.program.post(params, tape.main_grads, y, batch)
+        grads, inputs, _ = tape.close()
+        return (loss, grads), (inputs, aux)
+
+    def _pre_fn(self, params, grads, batch):
+        tape = self.sink.open(INPUT, grads)
+        x, _ = self.program.pre(params, tape.main_grads, batch)
+        grads, _, _ = tape.close()
+        return x, grads
+
+    def _body_records(self, params, grads, x):
+        tape = self.sink.open(LAYERS, grads)
+        _, aux = self.program.body(params, tape.main_grads, x)
+        _, inputs, outputs = tape.close()
+        return inputs, outputs, aux
+
+    def _post_records(self, params, grads, y, batch):
+        tape = self.sink.open(OUTPUT, grads)
+        _, aux = self.program.post(params, tape.main_grads, y, batch)
+        _, inputs, outputs = tape.close()
+        return inputs, outputs, aux
 
     # ------------------------------------------------------------------------ the scan
 
     def init_carry(self) -> PipelineCarry:
         inbox = lambda d: jnp.zeros((d + 1, *self.act.shape), self.act.dtype)
-        wstash = ()
+        body_in, body_out, body_aux = self.body_trace
+        post_in, post_out, post_aux = self.post_trace
+        wstash = {}
         if self.split:
             k = self.table.weight_slots
-            xs, ys = self._linear_shapes()
-            wstash = tuple(jnp.zeros((k, *s.shape), s.dtype) for s in xs + ys)
+            for name in body_in:
+                wstash[name] = WPair(*(jnp.zeros((k, *s.shape), s.dtype)
+                                       for s in (body_in[name], body_out[name])))
+            for e in self.sink.probed(OUTPUT):
+                wstash[e.name] = WPair(*(jnp.zeros((self.out_slots, *s.shape), s.dtype)
+                                         for s in (post_in[e.name], post_out[e.name])))
+        stash = {}
+        if self.defer is not None:
+            shapes = jax.eval_shape(self._defer_items, post_in[self.defer.name],
+                                    post_out[self.defer.name], post_aux, self.micro[0])
+            md = self.sink.num_deferred
+            stash[self.defer.name] = tuple(jnp.zeros((md, *s.shape), s.dtype) for s in shapes)
         return PipelineCarry(
-            buckets=self.layout.buffer.zeros(),
+            grads=self.sink.layout.zeros(),
             residuals=self.store.buffers(self.table.num_slots),
             x_inbox=inbox(self.depth[0]), g_inbox=inbox(self.depth[1]),
-            loss_sum=jnp.float32(0.0), stash=self.head.init_stash(),
-            wstash=wstash + self.head.init_output_stash(),
-            moe_stats=tuple(self.stages.moe_stats_zeros()) if self.moe else ())
+            loss_sum=jnp.float32(0.0), aux_sum=_zeros(body_aux),
+            wstash=wstash, deferred=stash)
 
     def tick_inputs(self):
         """The scan's xs: per tick, its index and the table rows (``int32 [P]`` each)."""
@@ -192,7 +254,7 @@ class _StageRun:
             with jax.named_scope("weight_gradients"):
                 c = lax.cond(w >= 0, self.weight, lambda c, w: c, c, w)
         if self.overlap:
-            c = c._replace(buckets=self.cooldown(c.buckets, t))
+            c = c.replace(grads=self.cooldown(c.grads, t))
         return self.exchange(c, y, dx, fwd_row, bwd_row), None
 
     def exchange(self, c: PipelineCarry, y, dx, fwd_row, bwd_row) -> PipelineCarry:
@@ -207,172 +269,171 @@ class _StageRun:
         nxt = bwd_row[jnp.minimum(self.stage + 1, self.pp - 1)]
         x_slot = _inbox_slot(prev, self.depth[0], self.is_first)
         g_slot = _inbox_slot(nxt, self.depth[1], self.is_last)
-        return c._replace(x_inbox=lax.dynamic_update_index_in_dim(c.x_inbox, x_recv, x_slot, 0),
-                          g_inbox=lax.dynamic_update_index_in_dim(c.g_inbox, g_recv, g_slot, 0))
+        return c.replace(x_inbox=lax.dynamic_update_index_in_dim(c.x_inbox, x_recv, x_slot, 0),
+                         g_inbox=lax.dynamic_update_index_in_dim(c.g_inbox, g_recv, g_slot, 0))
 
-    def cooldown(self, buckets, t):
+    def cooldown(self, grads: GradState, t) -> GradState:
         """This stage's last gradient task is done: sync its buckets now (in the loop)."""
         with jax.named_scope("grad_sync_in_cooldown"):
-            stage_bk, expert_bk, shared_bk = self.layout.split(buckets)
+            def sync(own):
+                return (sync_stage_buckets(own[0], self.ddp, STAGE),
+                        sync_stage_buckets(own[1], self.ddp, EXPERTS))
 
-            def sync(bks):
-                return (sync_stage_buckets(bks[0], self.ddp, STAGE),
-                        sync_stage_buckets(bks[1], self.ddp, EXPERTS))
-
-            stage_bk, expert_bk = lax.cond(t == self.last_tick[self.stage], sync,
-                                           lambda bks: bks, (stage_bk, expert_bk))
-            return stage_bk + expert_bk + shared_bk
+            stage, experts = lax.cond(t == self.last_tick[self.stage], sync, lambda own: own,
+                                      (grads.stage, grads.experts))
+            return grads.replace(stage=stage, experts=experts)
 
     # ------------------------------------------------------------------------ tasks
 
-    def _tokens(self, i):
+    def _batch(self, i):
         return lax.dynamic_index_in_dim(self.micro, jnp.clip(i, 0, self.m - 1), 0,
                                         keepdims=False)
 
     def forward(self, c: PipelineCarry, f):
-        tok = self._tokens(f)
+        batch = self._batch(f)
         received = lax.dynamic_index_in_dim(c.x_inbox, f % self.depth[0], 0, keepdims=False)
-        x_in = lax.cond(self.is_first, lambda: self.stages.embed(self.shared, tok[:, :-1]),
+        x_in = lax.cond(self.is_first, lambda: self._pre_fn(self.params, None, batch)[0],
                         lambda: received)
         slot = f % self.table.num_slots
-        own_bk, shared_bk = self.layout.split_own(c.buckets)
-        wstash = c.wstash
-        if self.split:
-            ebk = own_bk[self.layout.num_stage_buckets:]
-            (y, _), (xs, stats), residuals = self.store.forward(
-                c.residuals, slot, (self.layer_params, self._zero_probes(), ebk), x_in)
-            n = len(self.wlist)
-            wstash = _put(wstash[:n], xs, f % self.table.weight_slots) + wstash[n:]
-        elif self.moe:
-            (y, _), stats, residuals = self.store.forward(c.residuals, slot,
-                                                          (self.layer_params, own_bk), x_in)
-        else:
-            (y, _), residuals = self.store.forward(c.residuals, slot,
-                                                   (self.layer_params, own_bk), x_in)
-        if self.moe:  # this forward's MoE statistics join the step's sums
-            c = c._replace(moe_stats=tuple(a + b for a, b in zip(c.moe_stats, stats)))
+        (y, _), (inputs, aux), residuals = self.store.forward(
+            c.residuals, slot, (self.params, self._threaded(c), self.body_probes), x_in)
+        wstash = dict(c.wstash)
+        for name, x in inputs.items():
+            wstash[name] = wstash[name]._replace(
+                x=_put(wstash[name].x, x, f % self.table.weight_slots))
+        c = c.replace(residuals=residuals, wstash=wstash,
+                      aux_sum=jax.tree.map(jnp.add, c.aux_sum, aux))
         # The last stage: loss and the head's backward now; its gradient for the layers'
         # output waits in the gradient inbox for this stage's B.
-        shared_bk, g_inbox, loss, stash, wstash = lax.cond(
-            self.is_last, self.head.run, self.head.skip, self.shared, shared_bk, c.g_inbox,
-            c.stash, wstash, y, tok[:, 1:], f)
-        c = c._replace(buckets=own_bk + shared_bk, residuals=residuals, g_inbox=g_inbox,
-                       loss_sum=c.loss_sum + loss, stash=stash, wstash=wstash)
+        c = lax.cond(self.is_last, functools.partial(self._post, y=y, batch=batch, f=f),
+                     lambda c: c, c)
         return c, y
 
+    def _post(self, c: PipelineCarry, *, y, batch, f) -> PipelineCarry:
+        """``post`` and its backward for microbatch ``f`` (last stage)."""
+        threaded = self._threaded(c)
+        (loss, _), vjp, (inputs, aux) = jax.vjp(
+            functools.partial(self._post_fn, batch=batch), self.params, threaded,
+            self.post_probes, y, has_aux=True)
+        # Seeded with 1: gradients of the token-loss SUM (token scaling in finalize_grads).
+        dparams, grads, dys, dh = vjp((jnp.float32(1.0), threaded))
+        grads = c.grads if grads is None else grads
+        c = c.replace(grads=self.sink.add(grads, OUTPUT, dparams),
+                      loss_sum=c.loss_sum + loss,
+                      g_inbox=lax.dynamic_update_index_in_dim(
+                          c.g_inbox, dh.astype(c.g_inbox.dtype), f % self.depth[1], 0))
+        for e in self.sink.probed(OUTPUT):
+            c = self._output_pair(c, e, inputs[e.name], dys[e.name], aux, batch, f)
+        return c
+
+    def _output_pair(self, c: PipelineCarry, e: SinkEntry, x, dy, aux, batch, f):
+        """The output layer's ``(x, dy)`` of microbatch ``f``: deferred to the drain,
+        kept for its ``W`` task, or accumulated now (Megatron's deferral predicate)."""
+        def now(c):
+            if self.split:
+                pair = c.wstash[e.name]
+                slot = f % self.out_slots
+                pair = WPair(_put(pair.x, x, slot), _put(pair.dy, dy, slot))
+                return c.replace(wstash={**c.wstash, e.name: pair})
+            return c.replace(grads=self.sink.accumulate(c.grads, e, x, dy))
+
+        def later(c):
+            items = self._defer_items(x, dy, aux, batch)
+            index = jnp.clip(f, 0, self.sink.num_deferred - 1)
+            stash = deferred.stash_put(c.deferred[e.name], index, items)
+            return c.replace(deferred={**c.deferred, e.name: stash})
+
+        if e.policy != "defer":
+            return now(c)
+        if self.sink.num_deferred == self.m:
+            return later(c)
+        return lax.cond(deferred.is_deferred(self.par, f), later, now, c)
+
+    def _defer_items(self, x, dy, aux, batch) -> tuple[jax.Array, ...]:
+        """What the deferral stash keeps of one microbatch: the output layer's input, this
+        rank's sequence chunk of it under sequence parallelism (the drain's ring brings
+        the others), and ``dy`` (Megatron's stash) or the program's extras to rebuild it
+        (recompute mode)."""
+        if self.par.sequence_parallel and self.par.tensor_model_parallel_size > 1:
+            chunk = x.shape[1] // self.par.tensor_model_parallel_size
+            x = lax.dynamic_slice_in_dim(x, lax.axis_index(TENSOR) * chunk, chunk, axis=1)
+        if self.par.defer_mode == "stash":
+            return (x, dy)
+        return (x, *self.program.defer_extras(aux, batch))
+
     def backward(self, c: PipelineCarry, b):
-        ids = self._tokens(b)[:, :-1]
         dy = lax.dynamic_index_in_dim(c.g_inbox, b % self.depth[1], 0, keepdims=False)
         slot = b % self.table.num_slots
-        own_bk, shared_bk = self.layout.split_own(c.buckets)
-        wstash = c.wstash
-        if self.split:
-            ns = self.layout.num_stage_buckets
-            pullback = self.store.pullback(c.residuals, slot,
-                                           (self.layer_params, self._zero_probes(), own_bk[ns:]))
-            (dp, dys, ebk), dx = pullback((dy, own_bk[ns:]))
-            own_bk = own_bk[:ns] + tuple(ebk)
-            n = len(self.wlist)
-            wstash = wstash[:n] + _put(wstash[n:2 * n], dys, b % self.table.weight_slots) \
-                + wstash[2 * n:]
-        else:
-            pullback = self.store.pullback(c.residuals, slot, (self.layer_params, own_bk))
-            (dp, own_bk), dx = pullback((dy, own_bk))
-        own_bk = self._add_own(own_bk, dp)
-        shared_bk = lax.cond(self.is_first, lambda a: self._embed_backward(a, dx, ids),
-                             lambda a: a, shared_bk)
-        return c._replace(buckets=own_bk + shared_bk, wstash=wstash), dx
+        threaded = self._threaded(c)
+        pullback = self.store.pullback(c.residuals, slot, (self.params, threaded,
+                                                           self.body_probes))
+        (dparams, grads, dys), dx = pullback((dy, threaded))
+        grads = self.sink.add(c.grads if grads is None else grads, LAYERS, dparams)
+        wstash = dict(c.wstash)
+        for name, d in dys.items():
+            wstash[name] = wstash[name]._replace(
+                dy=_put(wstash[name].dy, d, b % self.table.weight_slots))
+        grads = lax.cond(self.is_first,
+                         lambda g: self._pre_backward(g, dx, self._batch(b)),
+                         lambda g: g, grads)
+        return c.replace(grads=grads, wstash=wstash), dx
 
-    def _add_own(self, own_bk, dp):
-        """Adds the layers' ordinary gradients ``dp = (layers, experts)`` to the stage and
-        expert chunks (the leaves their specs say the backward adds)."""
-        n, lay = self.layout.num_stage_buckets, self.layout
-        stage_bk = lay.stage.add_tree(own_bk[:n], dp[0], where=lay.added_by(STAGE, LAYERS))
-        expert_bk = own_bk[n:]
-        if lay.experts.num_buckets:
-            expert_bk = lay.experts.add_tree(expert_bk, dp[1],
-                                             where=lay.added_by(EXPERTS, LAYERS))
-        return stage_bk + expert_bk
+    def _pre_backward(self, grads: GradState, dx, batch) -> GradState:
+        threaded = grads if self.fused else None
+        _, vjp = jax.vjp(functools.partial(self._pre_fn, batch=batch), self.params, threaded)
+        dparams, out = vjp((dx, threaded))
+        return self.sink.add(grads if out is None else out, INPUT, dparams)
+
+    def _threaded(self, c: PipelineCarry) -> GradState | None:
+        """The buckets the fused linears thread (``None`` without fusion)."""
+        return c.grads if self.fused else None
 
     def weight(self, c: PipelineCarry, w):
         """The fused weight-gradient GEMMs of microbatch ``w``'s stored ``(x, dy)`` pairs."""
-        slot, n = w % self.table.weight_slots, len(self.wlist)
-        own_bk, shared_bk = self.layout.split_own(c.buckets)
-        stage_bk = list(own_bk)
-        for k, (bi, off) in enumerate(self.wlist):
-            x = lax.dynamic_index_in_dim(c.wstash[k], slot, 0, keepdims=False)
-            dy = lax.dynamic_index_in_dim(c.wstash[n + k], slot, 0, keepdims=False)
-            stage_bk[bi] = ops.wgrad_accumulate(x, dy, stage_bk[bi], offset=off)
-        shared_bk = lax.cond(self.is_last, self.head.weight, lambda bk, st, w: bk, shared_bk,
-                             c.wstash[2 * n:], w)
-        return c._replace(buckets=tuple(stage_bk) + shared_bk)
+        slot = w % self.table.weight_slots
+        grads = c.grads
+        for e in self.sink.probed(LAYERS):
+            grads = self._accumulate_pair(grads, e, c.wstash[e.name], slot)
 
-    def _embed_backward(self, shared_bk, dx, ids):
-        _, vjp = jax.vjp(lambda sh: self.stages.embed(sh, ids), self.shared)
-        (dshared,) = vjp(dx)
-        return self.layout.shared.add_tree(shared_bk, dshared,
-                                           where=self.layout.added_by(SHARED, INPUT))
+        def output(grads):
+            for e in self.sink.probed(OUTPUT):
+                acc = functools.partial(self._accumulate_pair, e=e, pair=c.wstash[e.name],
+                                        slot=w % self.out_slots)
+                if e.policy == "defer":  # a deferred microbatch is drained later
+                    grads = lax.cond(deferred.is_deferred(self.par, w), lambda g: g, acc, grads)
+                else:
+                    grads = acc(grads)
+            return grads
 
-    # ------------------------------------------------------------------------ stage functions
+        if self.sink.probed(OUTPUT):
+            grads = lax.cond(self.is_last, output, lambda g: g, grads)
+        return c.replace(grads=grads)
 
-    def _layers_fn(self, live, x):
-        # ((params, buckets), x) -> (y, buckets): the buckets thread through the fused linears.
-        lp, bks = live
-        wb = WgradBuckets(bks)
-        mg = None
-        if self.fusion:
-            trees = tuple(jax.tree.map(lambda s: wb.slot(*s), t,
-                                       is_leaf=lambda s: isinstance(s, tuple))
-                          for t in self.layout.own_fused_slots(LAYERS))
-            mg = self.stages.layer_main_grads(trees)
-        if self.moe:  # the MoE statistics are the forward's auxiliary output
-            y, stats = self.stages.layers(lp, mg, x, with_stats=True)
-            return (y, wb.buckets), tuple(stats)
-        return self.stages.layers(lp, mg, x), wb.buckets
-
-    def _split_fn(self, live, x):
-        # ((params, probes, expert buckets), x) -> ((y, expert buckets), aux = (inputs of
-        # the fused linears, MoE statistics)): zero bubble's B.
-        lp, probes, ebk = live
-        wb = WgradBuckets(ebk)
-        out, ws = self._split_layers(lp, x, probes, wb)
-        y, stats = out if self.moe else (out, ())
-        return (y, wb.buckets), (list(ws.inputs), tuple(stats))
-
-    def _split_layers(self, lp, x, probes, wb: WgradBuckets | None = None):
-        ws = WgradSplit(probes)
-        slots = self.layout.fused_slots(STAGE, LAYERS)
-        leaves, treedef = jax.tree.flatten(slots, is_leaf=lambda s: isinstance(s, tuple))
-        numbered = iter(range(len(self.wlist)))
-        trees = jax.tree.unflatten(treedef, [None if s is None else ws.slot(next(numbered))
-                                             for s in leaves])
-        # Expert linears: their grouped fused call into the threaded expert buckets.
-        experts = jax.tree.map(lambda s: None if wb is None else wb.slot(*s),
-                               self.layout.fused_slots(EXPERTS, LAYERS),
-                               is_leaf=lambda s: isinstance(s, tuple))
-        mg = self.stages.layer_main_grads((trees, experts))
-        return self.stages.layers(lp, mg, x, with_stats=self.moe), ws
-
-    def _linear_shapes(self):
-        """Shapes of the fused linears' inputs and outputs (the W stash's pairs), traced
-        once without probes."""
-        if not hasattr(self, "_shapes"):
-            def trace(lp, x):
-                _, ws = self._split_layers(lp, x, [None] * len(self.wlist))
-                return list(ws.inputs), list(ws.outputs)
-            self._shapes = jax.eval_shape(trace, self.layer_params, self.act)
-        return self._shapes
-
-    def _zero_probes(self):
-        return [jnp.zeros(s.shape, s.dtype) for s in self._linear_shapes()[1]]
+    def _accumulate_pair(self, grads, e: SinkEntry, pair: WPair, slot):
+        x, dy = (lax.dynamic_index_in_dim(a, slot, 0, keepdims=False) for a in pair)
+        return self.sink.accumulate(grads, e, x, dy)
 
     # ------------------------------------------------------------------------ after
 
-    def drain(self, carry: PipelineCarry) -> tuple[jax.Array, ...]:
-        """The deferred output-layer wgrad drain (:func:`head.LastStage.drain`), before the
+    def drain(self, carry: PipelineCarry) -> GradState:
+        """The deferred output-layer wgrad drain (GEMMs on the last stage only), before the
         shared buckets are reduced over ``data`` and between the tied stage copies."""
-        own_bk, shared_bk = self.layout.split_own(carry.buckets)
-        return own_bk + self.head.drain(shared_bk, carry.stash, self.shared, self.is_last)
+        e = self.defer
+        if e is None:
+            return carry.grads
+        weight = self.sink.leaf(self.params, e)
+        recompute = None
+        if self.par.defer_mode == "recompute":
+            recompute = lambda x, extras: self.program.recompute_output_grad(x, extras, weight)
+        with jax.named_scope("deferred_wgrad_drain"):
+            bks = list(carry.grads[e.chunk])
+            bks[e.bucket] = deferred.drain(self.par, carry.deferred[e.name], bks[e.bucket],
+                                           e.offset, recompute, active=self.is_last)
+            return carry.grads.replace(**{e.chunk: tuple(bks)})
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
 def _inbox_slot(microbatch, depth: int, no_sender):
@@ -380,14 +441,5 @@ def _inbox_slot(microbatch, depth: int, no_sender):
     return jnp.where((microbatch < 0) | no_sender, depth, microbatch % depth)
 
 
-def _put(buffers, values, slot) -> tuple[jax.Array, ...]:
-    return tuple(lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0)
-                 for b, v in zip(buffers, values))
-
-
-def _fused_list(layout: GradLayout) -> list[tuple[int, int]]:
-    """``(bucket, offset)`` of the stage's fused weights, in the slot tree's flatten order
-    (the numbering of :class:`WgradSplit`'s linears)."""
-    slots = layout.fused_slots(STAGE, LAYERS)
-    return [s for s in jax.tree.leaves(slots, is_leaf=lambda s: isinstance(s, tuple))
-            if s is not None]
+def _put(buffer: jax.Array, value: jax.Array, slot) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)

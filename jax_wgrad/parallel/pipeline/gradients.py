@@ -6,107 +6,101 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_wgrad.grads.chunks import DeviceTree
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import finalize_grads
 from jax_wgrad.grads.layout import GradLayout
-from jax_wgrad.parallel.mesh import AXES, DATA_PARALLEL, axis_sizes, local_shape
+from jax_wgrad.grads.sink import GradSink
+from jax_wgrad.parallel.mesh import DATA_PARALLEL, axis_sizes, local_shape
 from jax_wgrad.parallel.pipeline.executor import cooldown_sync, stage_gradients
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
-from jax_wgrad.parallel.pipeline.setup import StageSetup
+from jax_wgrad.parallel.pipeline.program import StageProgram
 
-__all__ = ["grad_layout", "schedule_of", "reduce_gradients", "moe_metrics", "pipeline_gradients"]
+__all__ = ["grad_layout", "grad_sink", "schedule_of", "reduce_gradients", "pipeline_gradients"]
 
 
-def grad_layout(stages, ddp: DDPConfig) -> GradLayout:
-    """The layout of one device's gradient buckets for ``stages`` (its model and parallel
+def grad_layout(program: StageProgram, ddp: DDPConfig) -> GradLayout:
+    """The layout of one device's gradient buckets for ``program`` (its model and parallel
     layout): the device tree's per-device shapes with the model's grad specs."""
-    par = stages.parallel
+    par = program.parallel
     sizes = axis_sizes(par)
-    full = jax.eval_shape(stages.init_params)
+    full = jax.eval_shape(program.init_params)
     local = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(local_shape(a.shape, s, sizes), a.dtype),
-                         full, stages.param_specs(), is_leaf=lambda x: isinstance(x, P))
-    return GradLayout.create(stages.device_tree(local), stages.grad_specs(),
+                         full, program.param_specs(), is_leaf=lambda x: isinstance(x, P))
+    return GradLayout.create(program.device_tree(local), program.grad_specs(),
                              dp_size=par.data_parallel_size, ddp=ddp,
                              fusion=par.gradient_accumulation_fusion,
                              expert_dp_size=par.expert_data_parallel_size)
 
 
-def schedule_of(stages) -> ScheduleTable:
-    """The table of ``stages.parallel.pipeline_schedule`` for its stages and microbatches."""
-    par = stages.parallel
+def grad_sink(program: StageProgram, layout: GradLayout, table: ScheduleTable) -> GradSink:
+    """Where each weight gradient of ``program`` goes under ``table`` (split backward or
+    not) and its deferral options."""
+    return GradSink.create(layout, split_backward=table.split_backward,
+                           num_deferred_microbatches=program.parallel.num_deferred_microbatches)
+
+
+def schedule_of(program: StageProgram) -> ScheduleTable:
+    """The table of ``program.parallel.pipeline_schedule`` for its stages and microbatches."""
+    par = program.parallel
     return get_schedule(par.pipeline_schedule, par.pipeline_model_parallel_size,
                         par.num_microbatches)
 
 
-def reduce_gradients(stages, layout: GradLayout, ddp: DDPConfig, table: ScheduleTable,
-                     params, tokens: jax.Array, *, grad_hook=None):
-    """Schedule + finalization (inside ``shard_map``): ``(synced grads, mean loss, MoE
+def reduce_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
+                     table: ScheduleTable, params: DeviceTree, batch: jax.Array, *,
+                     grad_hook=None):
+    """Schedule + finalization (inside ``shard_map``): ``(synced grads, mean loss,
     metrics)``.
 
     ``params``: the device tree. The synced gradients are
     :func:`~jax_wgrad.grads.finalize_grads`'s: shards (distributed optimizer) or full
     buckets of the global mean token loss's gradient. ``grad_hook`` (tests: fault
-    injection) maps the local buckets before they are finalized. The MoE metrics
-    (:func:`moe_metrics`) are ``{}`` for a dense model.
+    injection) maps the local buckets before they are finalized. The metrics are the
+    program's (:meth:`StageProgram.metrics`; the GPT: its MoE figures, ``{}`` if dense).
     """
-    par = stages.parallel
-    buckets, loss_sum, stats = stage_gradients(stages, layout, ddp, table, params, tokens)
+    par = program.parallel
+    buckets, loss_sum, aux = stage_gradients(program, sink, ddp, table, params, batch)
     if grad_hook is not None:
         buckets = tuple(grad_hook(buckets))
-    setup = StageSetup.of(stages)
-    n_local = jnp.float32(setup.num_tokens)
+    setup = program.setup
     synced = finalize_grads(
-        layout, ddp, buckets, stage_synced=cooldown_sync(ddp, par.pipeline_model_parallel_size),
-        num_tokens=n_local, sequence_parallel=par.sequence_parallel,
+        sink.layout, ddp, buckets,
+        stage_synced=cooldown_sync(ddp, par.pipeline_model_parallel_size),
+        num_tokens=jnp.float32(setup.num_tokens), sequence_parallel=par.sequence_parallel,
         pipeline_parallel=par.pipeline_model_parallel_size > 1)
-    return synced, setup.mean_loss(loss_sum), moe_metrics(stats, par)
+    return synced, setup.mean_loss(loss_sum), program.metrics(aux)
 
 
-def moe_metrics(stats, par) -> dict[str, jax.Array]:
-    """The step's MoE figures from every device's sums (inside ``shard_map``):
-    ``moe_aux_loss`` (the load-balancing losses of all MoE layers, each the mean over
-    microbatches and data-parallel ranks: the term the gradients include),
-    ``moe_tokens_per_expert`` ``[E]`` (routed choices per expert over all MoE layers and
-    tokens of the step, before dropping), ``moe_max_load`` (the busiest expert's load over
-    the mean: 1 is perfect balance) and ``moe_dropped_fraction`` (dropped / routed)."""
-    if not stats:
-        return {}
-    aux, tokens, dropped = (lax.psum(s, AXES) for s in stats)
-    routed = jnp.sum(tokens)
-    return {"moe_aux_loss": aux / (par.data_parallel_size * par.num_microbatches),
-            "moe_tokens_per_expert": tokens,
-            "moe_max_load": jnp.max(tokens) / jnp.maximum(jnp.mean(tokens), 1.0),
-            "moe_dropped_fraction": dropped / jnp.maximum(routed, 1.0)}
-
-
-def pipeline_gradients(stages, mesh: Mesh, params, tokens: jax.Array,
+def pipeline_gradients(program: StageProgram, mesh: Mesh, params, batch: jax.Array,
                        ddp: DDPConfig | None = None, *, table: ScheduleTable | None = None):
     """Gradients and mean loss of one global batch; traceable under ``jax.jit``.
 
     Args:
-      stages: the model's per-stage functions (:class:`jax_wgrad.GPTStages`).
-      params: canonical parameters sharded as ``stages.param_specs()``.
-      tokens: int ``[global_batch_size, S + 1]`` sharded over the data-parallel axes.
+      program: the model's stage programs (e.g. :class:`jax_wgrad.GPTProgram`).
+      params: canonical parameters sharded as ``program.param_specs()``.
+      batch: ``[global_batch_size, ...]`` (the GPT: int tokens ``[B, S + 1]``) sharded
+        over the data-parallel axes.
       ddp: bucket options (its ``use_distributed_optimizer`` is ignored: the buckets are
         all-reduced so that every rank gets the whole gradient tree).
-      table: the schedule (default: ``stages.parallel.pipeline_schedule``'s table).
+      table: the schedule (default: ``program.parallel.pipeline_schedule``'s table).
     Returns:
       ``(grads, loss)``: fp32 gradients sharded like ``params`` and the scalar loss.
     """
     ddp = dataclasses.replace(ddp or DDPConfig(), use_distributed_optimizer=False)
-    layout = grad_layout(stages, ddp)
-    table = table or schedule_of(stages)
-    specs = stages.param_specs()
+    layout = grad_layout(program, ddp)
+    table = table or schedule_of(program)
+    sink = grad_sink(program, layout, table)
+    specs = program.param_specs()
 
     def body(p, t):
-        synced, loss, _ = reduce_gradients(stages, layout, ddp, table, stages.device_tree(p), t)
-        return stages.canonical_tree(layout.buffer.to_tree(synced)), loss
+        synced, loss, _ = reduce_gradients(program, sink, ddp, table, program.device_tree(p), t)
+        return program.canonical_tree(layout.buffer.to_tree(synced)), loss
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA_PARALLEL)),
                        out_specs=(specs, P()),
                        check_vma=False)
-    return fn(params, tokens)
+    return fn(params, batch)

@@ -33,6 +33,8 @@ class StageSetup:
       local_seq_length: ``S / tp`` under sequence parallelism, else ``S``
         (:meth:`ParallelConfig.local_seq_length`).
       hidden_size: ``H``; dtype: the activations' dtype.
+      sample_shape: one sample of the batch (without the leading batch dim); the GPT's is
+        ``(S + 1,)`` tokens: its inputs and the shifted labels.
     """
 
     num_stages: int
@@ -42,40 +44,34 @@ class StageSetup:
     local_seq_length: int
     hidden_size: int
     dtype: jnp.dtype
+    sample_shape: tuple[int, ...]
 
     @classmethod
     def create(cls, parallel: ParallelConfig, *, seq_length: int, hidden_size: int,
-               dtype) -> StageSetup:
+               dtype, sample_shape: tuple[int, ...] | None = None) -> StageSetup:
+        """``sample_shape`` defaults to ``(seq_length + 1,)``: a row of tokens."""
         return cls(num_stages=parallel.pipeline_model_parallel_size,
                    num_microbatches=parallel.num_microbatches,
                    micro_batch_size=parallel.micro_batch_size, seq_length=seq_length,
                    local_seq_length=parallel.local_seq_length(seq_length),
-                   hidden_size=hidden_size, dtype=jnp.dtype(dtype))
+                   hidden_size=hidden_size, dtype=jnp.dtype(dtype),
+                   sample_shape=(seq_length + 1,) if sample_shape is None
+                   else tuple(sample_shape))
 
-    @classmethod
-    def of(cls, stages) -> StageSetup:
-        """The set-up of ``stages`` (its ``parallel`` layout and its model's sequence
-        length, width and compute dtype)."""
-        cfg = stages.model
-        return cls.create(stages.parallel, seq_length=cfg.seq_length,
-                          hidden_size=cfg.hidden_size, dtype=cfg.compute_dtype)
-
-    # ---------------------------------------------------------------------- tokens
+    # ---------------------------------------------------------------------- the batch
 
     @property
-    def tokens_shape(self) -> tuple[int, int]:
-        """This data rank's tokens: ``[M * mb, S + 1]``."""
-        return (self.num_microbatches * self.micro_batch_size, self.seq_length + 1)
+    def batch_shape(self) -> tuple[int, ...]:
+        """This data rank's batch: ``[M * mb, *sample_shape]`` (tokens: ``[M * mb, S + 1]``)."""
+        return (self.num_microbatches * self.micro_batch_size, *self.sample_shape)
 
-    def microbatches(self, tokens: jax.Array, who: str) -> jax.Array:
-        """``tokens [M * mb, S + 1]`` -> ``[M, mb, S + 1]``; ``who`` names the caller in
-        the ``ValueError`` of a wrong shape."""
-        if tokens.shape != self.tokens_shape:
-            m_mb, s1 = self.tokens_shape
-            raise ValueError(f"{who}: expected local tokens [{m_mb}, {s1}], got "
-                             f"{tokens.shape}")
-        return tokens.reshape(self.num_microbatches, self.micro_batch_size,
-                              self.seq_length + 1)
+    def microbatches(self, batch: jax.Array, who: str) -> jax.Array:
+        """``batch [M * mb, ...]`` -> ``[M, mb, ...]``; ``who`` names the caller in the
+        ``ValueError`` of a wrong shape."""
+        if batch.shape != self.batch_shape:
+            raise ValueError(f"{who}: expected a local batch of shape "
+                             f"{list(self.batch_shape)}, got {list(batch.shape)}")
+        return batch.reshape(self.num_microbatches, self.micro_batch_size, *self.sample_shape)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,224 @@
+"""Where each weight gradient goes during a pipelined step (:class:`GradSink`).
+
+Built once from the :class:`~jax_wgrad.grads.GradLayout` and the step's options, the sink
+holds one named :class:`SinkEntry` per weight whose gradient a fused GEMM writes (its
+chunk, the role whose backward produces it, its bucket and offset) with the *policy* for
+it:
+
+* ``"accumulate"``: the fused GEMM adds ``dy^T x`` into the weight's bucket block inside
+  the backward (:func:`~jax_wgrad.functional.linear_into_bucket`; the buckets thread
+  through the differentiated function);
+* ``"stash_w"``: split backward (zero bubble): the backward computes the linear's output
+  gradient only (:class:`~jax_wgrad.functional.WgradSplit` probes) and the pair
+  ``(x, dy)`` waits for the microbatch's ``W`` task;
+* ``"defer"``: the output layer's weight under ``defer_embedding_wgrad_compute``
+  (Megatron's deferral): its pair is stashed for the drain after the schedule (deferred
+  microbatches), else handled as above.
+
+Every other gradient is an ordinary array added to its block by
+:meth:`GradLayout.add`. A model's stage programs never see buckets: they get a
+:class:`Tape`'s ``main_grads`` -- a :class:`~jax_wgrad.grads.chunks.DeviceTree` with a
+slot (``main_grad=`` of :func:`~jax_wgrad.functional.linear`) at each fused weight of
+the role and ``None`` elsewhere.
+
+Which weights get which policy (nothing here knows a model): a weight fused in the
+``OUTPUT`` role is deferred when microbatches are deferred; with a split backward the
+weights fused in ``LAYERS`` of the ``STAGE`` chunk and in ``OUTPUT`` are stashed for ``W``;
+expert weights (``EXPERTS`` chunk) keep their grouped fused call in the backward (one call
+per layer for all experts, which a per-linear ``W`` pair would undo), and so do weights
+fused in ``INPUT``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal
+
+import jax
+
+from jax_wgrad import ops
+from jax_wgrad.functional.linear import WgradBuckets, WgradSplit
+from jax_wgrad.grads.chunks import DeviceTree, GradState
+from jax_wgrad.grads.layout import GradLayout
+from jax_wgrad.grads.spec import LAYERS, OUTPUT, STAGE
+
+__all__ = ["Policy", "SinkEntry", "GradSink", "Tape"]
+
+Policy = Literal["accumulate", "stash_w", "defer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkEntry:
+    """One fused weight: where its gradient lives and what the step does with it.
+
+    Attributes:
+      name: its key path in the device tree (``jax.tree_util.keystr``), e.g.
+        ``".shared['head']['output']['weight']"``.
+      chunk: the chunk holding it; role: the role whose backward produces its gradient.
+      bucket: its bucket among the chunk's buckets; offset: its first element there.
+      shape: the weight's per-device shape; policy: see the module docstring.
+    """
+
+    name: str
+    chunk: str
+    role: str
+    bucket: int
+    offset: int
+    shape: tuple[int, ...]
+    policy: Policy
+
+    @property
+    def probed(self) -> bool:
+        """The backward leaves this weight's GEMM out (its ``(x, dy)`` pair is kept)."""
+        return self.policy != "accumulate"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GradSink:
+    """The gradient policy of a step (see the module docstring); build with :meth:`create`.
+
+    Attributes:
+      layout: the buckets. entries: the fused weights, in device-tree flatten order.
+      num_deferred: microbatches whose output-layer wgrad is deferred (Megatron's
+        ``min(L, M)``; ``0``: no deferral).
+    """
+
+    layout: GradLayout
+    entries: tuple[SinkEntry, ...]
+    num_deferred: int
+    _leaf_entries: tuple[SinkEntry | None, ...]
+
+    @classmethod
+    def create(cls, layout: GradLayout, *, split_backward: bool,
+               num_deferred_microbatches: int) -> GradSink:
+        """The policy of every fused weight of ``layout`` (module docstring).
+
+        Raises:
+          ValueError: a split backward or deferral without gradient accumulation fusion,
+            or deferral with a number of weights fused in ``OUTPUT`` other than one.
+        """
+        if (split_backward or num_deferred_microbatches) and not layout.fusion:
+            raise ValueError("GradSink: a split backward and deferred output-layer wgrad "
+                             "need gradient accumulation fusion")
+        entries: list[SinkEntry | None] = []
+        for slot, spec in zip(layout.buffer.slots, layout.specs):
+            if not layout.fusion or spec.fused_in is None:
+                entries.append(None)
+                continue
+            policy: Policy = "accumulate"
+            if spec.fused_in == OUTPUT and num_deferred_microbatches:
+                policy = "defer"
+            elif split_backward and (spec.fused_in == OUTPUT
+                                     or (spec.fused_in == LAYERS and spec.chunk == STAGE)):
+                policy = "stash_w"
+            entries.append(SinkEntry(
+                name=slot.path, chunk=spec.chunk, role=spec.fused_in,
+                bucket=slot.bucket - _first_bucket(layout, spec.chunk), offset=slot.offset,
+                shape=tuple(slot.shape), policy=policy))
+        fused = tuple(e for e in entries if e is not None)
+        deferred = [e for e in fused if e.policy == "defer"]
+        if num_deferred_microbatches and len(deferred) != 1:
+            raise ValueError(f"GradSink: deferral defers the one weight fused in the "
+                             f"{OUTPUT!r} role; the layout has {len(deferred)}")
+        return cls(layout, fused, num_deferred_microbatches, tuple(entries))
+
+    # ------------------------------------------------------------------------ lookups
+
+    def probed(self, role: str) -> tuple[SinkEntry, ...]:
+        """The entries of ``role`` whose pair the backward keeps (stash_w or defer)."""
+        return tuple(e for e in self.entries if e.role == role and e.probed)
+
+    @property
+    def deferred(self) -> SinkEntry | None:
+        """The deferred output-layer weight, if any."""
+        return next((e for e in self.entries if e.policy == "defer"), None)
+
+    def leaf(self, params: DeviceTree, entry: SinkEntry) -> jax.Array:
+        """The parameter ``entry`` names in a device tree shaped like the layout's."""
+        leaves = self.layout.buffer.treedef.flatten_up_to(params)
+        return leaves[[s.path for s in self.layout.buffer.slots].index(entry.name)]
+
+    # ------------------------------------------------------------------------ gradients
+
+    def open(self, role: str, state: GradState | None,
+             probes: Mapping[str, jax.Array | None] | None = None) -> Tape:
+        """A :class:`Tape` for one differentiated call of ``role`` (create it INSIDE the
+        function being differentiated, from that function's ``state`` and ``probes``)."""
+        return Tape(self, role, state, probes)
+
+    def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
+        """``role``'s ordinary gradients into their blocks (:meth:`GradLayout.add`)."""
+        return self.layout.add(state, role, grads)
+
+    def accumulate(self, state: GradState, entry: SinkEntry, x: jax.Array,
+                   dy: jax.Array) -> GradState:
+        """``dy^T x`` into ``entry``'s block, in place (the ``W`` task, the deferral
+        drain's non-deferred microbatches). A weight stacked over ``n`` layers
+        (``[n, out, in]``, :func:`~jax_wgrad.functional.scan_layers`) takes its pair stacked
+        too (``x [n, ..., in]``, ``dy [n, ..., out]``): one grouped call, ``n`` blocks."""
+        bks = list(state[entry.chunk])
+        if len(entry.shape) == 2:
+            bks[entry.bucket] = ops.wgrad_accumulate(x, dy, bks[entry.bucket],
+                                                     offset=entry.offset)
+        elif len(entry.shape) == 3:
+            n = entry.shape[0]
+            bks[entry.bucket] = ops.grouped_wgrad_accumulate(
+                x.reshape(n, -1, x.shape[-1]), dy.reshape(n, -1, dy.shape[-1]),
+                bks[entry.bucket], offset=entry.offset)
+        else:
+            raise ValueError(f"GradSink.accumulate: {entry.name} has shape {entry.shape}; "
+                             "a W pair is for an [out, in] weight or [n, out, in] stacked ones")
+        return state.replace(**{entry.chunk: tuple(bks)})
+
+
+def _first_bucket(layout: GradLayout, chunk: str) -> int:
+    first = 0
+    for name, part in layout.parts.items():
+        if name == chunk:
+            return first
+        first += part.num_buckets
+    raise KeyError(chunk)
+
+
+class Tape:
+    """One differentiated call's view of the sink (made by :meth:`GradSink.open`).
+
+    ``main_grads``: a device tree with, at each weight fused in the role, a
+    :class:`~jax_wgrad.functional.BucketSlot` (policy ``accumulate``: the bucket threads
+    through the call) or a :class:`~jax_wgrad.functional.SplitSlot` (``stash_w``,
+    ``defer``: the call adds probe ``probes[name]`` to the linear's output and records its
+    input), ``None`` elsewhere; ``None`` altogether when ``state`` is ``None`` (no fusion:
+    a forward-only call). :meth:`close` returns the threaded buckets and the records.
+    """
+
+    def __init__(self, sink: GradSink, role: str, state: GradState | None,
+                 probes: Mapping[str, jax.Array | None] | None):
+        self._state = state
+        self._probed = sink.probed(role)
+        if state is None:
+            self.main_grads = None
+            return
+        self._wb = state.map(lambda _, bks: WgradBuckets(bks))
+        self._ws = WgradSplit([None if probes is None else probes[e.name]
+                               for e in self._probed])
+        index = {e.name: i for i, e in enumerate(self._probed)}
+
+        def slot(entry: SinkEntry | None):
+            if entry is None or entry.role != role:
+                return None
+            if entry.probed:
+                return self._ws.slot(index[entry.name])
+            return self._wb[entry.chunk].slot(entry.bucket, entry.offset)
+
+        self.main_grads = jax.tree.unflatten(sink.layout.buffer.treedef,
+                                             [slot(e) for e in sink._leaf_entries])
+
+    def close(self) -> tuple[GradState | None, dict[str, jax.Array], dict[str, jax.Array]]:
+        """``(buckets after the call's fused linears, inputs, outputs)``: the records are
+        by entry name, for the probed entries of the role."""
+        if self._state is None:
+            return None, {}, {}
+        state = self._wb.map(lambda _, wb: wb.buckets)
+        names = [e.name for e in self._probed]
+        return (state, dict(zip(names, self._ws.inputs)), dict(zip(names, self._ws.outputs)))

@@ -1,0 +1,217 @@
+"""The GPT as a :class:`~jax_wgrad.parallel.pipeline.program.StageProgram`: pure functions
+of one device's parameter shards for the pipeline executor."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jax_wgrad.functional.cross_entropy import recompute_dy
+from jax_wgrad.functional.moe import MoEStats
+from jax_wgrad.functional.stacked import scan_layers
+from jax_wgrad.grads.chunks import DeviceTree
+from jax_wgrad.models.gpt.config import GPTConfig
+from jax_wgrad.models.gpt.modules import LINEAR_LAYERS
+from jax_wgrad.models.gpt.params import (
+    abstract_modules,
+    canonical_tree,
+    device_tree,
+    from_forward_order,
+    grad_specs,
+    init_params,
+    param_specs,
+    period_pattern,
+)
+from jax_wgrad.parallel.config import ParallelConfig
+from jax_wgrad.parallel.mesh import AXES
+from jax_wgrad.parallel.pipeline.setup import StageSetup
+
+__all__ = ["GPTProgram"]
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GPTProgram:
+    """The GPT's stage programs (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`).
+
+    The device tree (:func:`~jax_wgrad.models.gpt.params.device_tree`): ``stage`` holds
+    this stage's layers stacked over its periods (one tree per layer of the period),
+    ``experts`` the stacked expert weights of its MoE layers (empty for a dense model),
+    ``shared`` the ``{embedding, head}`` tree every stage holds. ``pre`` embeds the tokens ``batch[:, :-1]``, ``body`` runs the stage's layers
+    (``aux``: the MoE statistics summed over them, ``()`` for a dense model), ``post`` the
+    head on the labels ``batch[:, 1:]`` (``aux``: the per-token logsumexp when the deferred
+    output-layer wgrad recomputes its gradient, else ``()``).
+
+    ``platform``: the jax platform the programs run on (default: jax's default backend),
+    which resolves ``model.attention_backend``.
+    """
+
+    model: GPTConfig
+    parallel: ParallelConfig
+    platform: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.platform is None:
+            object.__setattr__(self, "platform", jax.default_backend())
+        emb, layer, moe_layer, head = abstract_modules(
+            self.model, self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel,
+            self.model.attention_implementation(self.platform),
+            self.parallel.expert_model_parallel_size)
+        object.__setattr__(self, "_emb_def", nnx.split(emb)[0])
+        object.__setattr__(self, "_layer_def", nnx.split(layer)[0])
+        object.__setattr__(self, "_moe_layer_def",
+                           None if moe_layer is None else nnx.split(moe_layer)[0])
+        object.__setattr__(self, "_head_def", nnx.split(head)[0])
+        object.__setattr__(self, "setup", StageSetup.create(
+            self.parallel, seq_length=self.model.seq_length,
+            hidden_size=self.model.hidden_size, dtype=self.model.compute_dtype))
+
+    @property
+    def tied(self) -> bool:
+        return not self.model.untie_embeddings_and_output_weights
+
+    @property
+    def period(self) -> tuple[bool, ...]:
+        """Per layer of the repeating period of layers a stage scans over: an MoE layer
+        (:func:`~jax_wgrad.models.gpt.params.period_pattern`)."""
+        return period_pattern(self.model)
+
+    @property
+    def moe(self) -> bool:
+        return self.model.num_moe_experts is not None
+
+    # -- parameters and the device tree
+
+    def init_params(self, seed: int = 0) -> Params:
+        """Full canonical parameters from ``seed`` (:func:`~jax_wgrad.models.gpt.init_params`)."""
+        return init_params(self.model, seed)
+
+    def param_specs(self) -> Params:
+        """``PartitionSpec`` of every canonical parameter on the mesh."""
+        return param_specs(self.model)
+
+    def device_tree(self, params: Params) -> DeviceTree:
+        """Canonical per-device params -> the device tree."""
+        return device_tree(params, self.model)
+
+    def canonical_tree(self, tree: DeviceTree) -> Params:
+        """Inverse of :meth:`device_tree`."""
+        return canonical_tree(tree, self.model)
+
+    def grad_specs(self) -> DeviceTree:
+        """:class:`~jax_wgrad.grads.GradSpec` of every leaf of the device tree."""
+        return grad_specs(self.model)
+
+    # -- the stage programs
+
+    def pre(self, params: DeviceTree, main_grads, batch: jax.Array) -> tuple[jax.Array, tuple]:
+        """Tokens ``[mb, S + 1]`` -> the embedding of ``batch[:, :-1]``, ``[mb, s(/tp), H]``."""
+        emb = nnx.merge(self._emb_def, from_forward_order(params.shared["embedding"]))
+        return emb(batch[:, :-1]), ()
+
+    def body(self, params: DeviceTree, main_grads: DeviceTree | None, x: jax.Array):
+        """This stage's ``L / P`` layers in order, as one ``lax.scan`` over its periods of
+        layers (:func:`~jax_wgrad.functional.scan_layers`; compile time flat in the
+        depth): ``(y, MoE statistics summed over its MoE layers)`` (``()`` for a dense
+        model). ``main_grads``: slots of the stacked weights (the linears' weights; an MoE
+        layer's two expert weights), each layer's block found at its traced offset."""
+        stacked = {"stage": params.stage, "experts": params.experts}
+        grads = None if main_grads is None else {"stage": main_grads.stage,
+                                                 "experts": main_grads.experts}
+        with jax.named_scope("transformer_layers"):
+            y, stats = scan_layers(self._period, x, stacked, grads)
+        if not self.moe:
+            return y, ()
+        return y, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+
+    def _period(self, p, main_grads, x: jax.Array):
+        """One period of layers (:func:`~jax_wgrad.models.gpt.params.period_pattern`):
+        ``(y, its MoE layers' statistics summed)``."""
+        experts = iter(p["experts"])
+        expert_grads = iter(main_grads["experts"] if main_grads is not None else ())
+        stats: list = []
+        for j, moe in enumerate(self.period):
+            lp = from_forward_order(p["stage"][j])
+            mg = None
+            if main_grads is not None:
+                tree = main_grads["stage"][j]
+                mg = {n: tree[n]["weight"] for n in LINEAR_LAYERS
+                      if n in tree and tree[n]["weight"] is not None}
+            if moe:
+                lp["experts"] = from_forward_order(next(experts))
+                if main_grads is not None:
+                    e = next(expert_grads)
+                    if e["fc1"] is not None:
+                        mg["experts"] = (e["fc1"], e["fc2"])
+            x = nnx.merge(self._moe_layer_def if moe else self._layer_def, lp)(
+                x, main_grads=mg, moe_stats=stats)
+        if not self.moe:
+            return x, ()
+        total = self._stats_zeros()
+        for st in stats:
+            routed = jnp.sum(st.tokens_per_expert)
+            total = MoEStats(total.aux_loss + st.aux_loss,
+                             total.tokens_per_expert + st.tokens_per_expert,
+                             total.dropped_fraction + st.dropped_fraction * routed)
+        return x, total
+
+    def _stats_zeros(self) -> MoEStats:
+        # aux loss, tokens per expert [E], and in dropped_fraction's place the dropped COUNT.
+        e = self.model.num_moe_experts
+        return MoEStats(jnp.float32(0.0), jnp.zeros((e,), jnp.float32), jnp.float32(0.0))
+
+    def post(self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array,
+             batch: jax.Array):
+        """Sum of the per-token losses of ``y`` ``[mb, s(/tp), H]`` against
+        ``batch[:, 1:]``; the output layer's weight gets its slot (the word embedding's
+        when tied)."""
+        head = nnx.merge(self._head_def, from_forward_order(params.shared["head"]))
+        mg = None
+        if main_grads is not None:
+            mg = (main_grads.shared["embedding"]["word"]["embedding"] if self.tied
+                  else main_grads.shared["head"]["output"]["weight"])
+        with_lse = self.parallel.defer_mode == "recompute" and self.parallel.num_deferred_microbatches
+        out = head(y, batch[:, 1:], weight=self._output_weight(params), main_grad=mg,
+                   with_lse=bool(with_lse))
+        return out if with_lse else (out, ())
+
+    def _output_weight(self, params: DeviceTree) -> jax.Array | None:
+        return params.shared["embedding"]["word"]["embedding"] if self.tied else None
+
+    def metrics(self, aux_sum) -> dict[str, jax.Array]:
+        """The step's MoE figures from every device's sums (inside ``shard_map``):
+        ``moe_aux_loss`` (the load-balancing losses of all MoE layers, each the mean over
+        microbatches and data-parallel ranks: the term the gradients include),
+        ``moe_tokens_per_expert`` ``[E]`` (routed choices per expert over all MoE layers
+        and tokens of the step, before dropping), ``moe_max_load`` (the busiest expert's
+        load over the mean: 1 is perfect balance) and ``moe_dropped_fraction`` (dropped /
+        routed); ``{}`` for a dense model."""
+        if not self.moe:
+            return {}
+        aux, tokens, dropped = (lax.psum(s, AXES) for s in aux_sum)
+        routed = jnp.sum(tokens)
+        par = self.parallel
+        return {"moe_aux_loss": aux / (par.data_parallel_size * par.num_microbatches),
+                "moe_tokens_per_expert": tokens,
+                "moe_max_load": jnp.max(tokens) / jnp.maximum(jnp.mean(tokens), 1.0),
+                "moe_dropped_fraction": dropped / jnp.maximum(routed, 1.0)}
+
+    # -- deferred output-layer wgrad, recompute mode (Megatron's stash has no such mode)
+
+    def defer_extras(self, post_aux, batch: jax.Array) -> tuple[jax.Array, ...]:
+        """What the recompute-mode stash keeps beside the output layer's input: the
+        per-token logsumexp (``post``'s aux) and the labels, ``[mb, S]`` each."""
+        return (post_aux, batch[:, 1:].astype(jnp.int32))
+
+    def recompute_output_grad(self, x: jax.Array, extras, weight: jax.Array) -> jax.Array:
+        """The output layer's ``dy`` for ``x`` ``[mb, s, H]`` rebuilt from the stashed
+        extras (sliced to the same tokens): the cross entropy's gradient."""
+        lse, labels = extras
+        return recompute_dy(x, weight, lse, labels,
+                                     tp=self.parallel.tensor_model_parallel_size)

@@ -1,0 +1,84 @@
+"""What the pipeline executor asks of a model: its stage programs (:class:`StageProgram`).
+
+The executor (:mod:`.executor`) and the forward-only evaluation (:mod:`.evaluate`) know no
+vocabulary, embedding, head or MoE. A model hands them three pure functions of one
+device's parameters (a :class:`~jax_wgrad.grads.chunks.DeviceTree`), each returning
+``(output, aux)``:
+
+* ``pre(params, main_grads, batch)``: the first stage's input, ``[mb, s(/tp), H]``, from
+  one microbatch of the batch (the GPT: its embedding of the tokens);
+* ``body(params, main_grads, x)``: a stage's layers, ``[mb, s(/tp), H]`` to the same; its
+  ``aux`` (any pytree of arrays, e.g. MoE statistics summed over the stage's layers) is
+  summed over the device's microbatches and handed to :meth:`StageProgram.metrics`;
+* ``post(params, main_grads, y, batch)``: the last stage's fp32 scalar loss SUM over the
+  microbatch's tokens (the GPT: final norm, output layer, cross entropy).
+
+``main_grads`` is a device tree of slots from a :class:`~jax_wgrad.grads.sink.Tape`
+(``main_grad=`` of each fused linear; ``None`` where a weight is not fused) or ``None``
+(forward only): the program hands each linear its own leaf and never sees a bucket.
+
+A model also gives its layout facts: the device tree's per-device shapes and its
+:class:`~jax_wgrad.grads.GradSpec`\\ s (:meth:`StageProgram.grad_specs`), the conversion
+between its canonical parameters and the device tree, and the per-step
+:class:`~jax_wgrad.parallel.pipeline.setup.StageSetup` (microbatch shapes, activation,
+loss normalization). :class:`~jax_wgrad.models.gpt.GPTProgram` is one implementation; the
+tests run the executor on a model defined in the test.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from jax_wgrad.grads.chunks import DeviceTree
+from jax_wgrad.parallel.config import ParallelConfig
+from jax_wgrad.parallel.pipeline.setup import StageSetup
+
+__all__ = ["StageProgram"]
+
+PyTree = Any
+
+
+@runtime_checkable
+class StageProgram(Protocol):
+    """A model as the pipeline runs it (module docstring). Attributes: ``parallel`` (the
+    layout it is built for) and ``setup`` (its :class:`StageSetup`)."""
+
+    parallel: ParallelConfig
+    setup: StageSetup
+
+    # -- the stage programs
+
+    def pre(self, params: DeviceTree, main_grads: DeviceTree | None,
+            batch: jax.Array) -> tuple[jax.Array, PyTree]:
+        """First stage: one microbatch ``[mb, ...]`` -> ``([mb, s(/tp), H], aux)``."""
+
+    def body(self, params: DeviceTree, main_grads: DeviceTree | None,
+             x: jax.Array) -> tuple[jax.Array, PyTree]:
+        """Every stage: ``[mb, s(/tp), H]`` -> ``(same shape, aux)``."""
+
+    def post(self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array,
+             batch: jax.Array) -> tuple[jax.Array, PyTree]:
+        """Last stage: ``(fp32 scalar sum of the microbatch's token losses, aux)``."""
+
+    def metrics(self, aux_sum: PyTree) -> dict[str, jax.Array]:
+        """The step's figures from this device's sums of ``body``'s aux over its
+        microbatches (inside ``shard_map``: reduce over the mesh here); ``{}`` if none."""
+
+    # -- parameters and their layout
+
+    def init_params(self, seed: int = 0) -> PyTree:
+        """Full canonical parameters from ``seed`` (the same for every layout)."""
+
+    def param_specs(self) -> PyTree:
+        """``PartitionSpec`` of every canonical parameter on the mesh."""
+
+    def device_tree(self, params: PyTree) -> DeviceTree:
+        """Canonical per-device parameters -> the device tree (registration order)."""
+
+    def canonical_tree(self, tree: DeviceTree) -> PyTree:
+        """Inverse of :meth:`device_tree`."""
+
+    def grad_specs(self) -> DeviceTree:
+        """A :class:`~jax_wgrad.grads.GradSpec` per leaf of the device tree."""
