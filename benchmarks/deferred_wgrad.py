@@ -6,7 +6,8 @@ mesh with sequence parallelism and gradient accumulation fusion, with deferral o
 ``stash`` mode and ``recompute`` mode (all microbatches deferred), prints one JSON line
 per (vocabulary, mode)::
 
-    stash_bytes      per-device stash, from its shapes (jax_wgrad.parallel.deferred.stash_shapes)
+    stash_bytes      per-device stash, from the schedule's traced carry
+                     (jax_wgrad.parallel.pipeline.executor.carry_shapes)
     temp_bytes       compile().memory_analysis().temp_size_in_bytes
     peak_bytes       memory_analysis().peak_memory_in_bytes where this jaxlib reports it
     step_ms          median CPU step time (8 virtual devices on this host's cores)
@@ -32,7 +33,8 @@ import numpy as np  # noqa: E402
 
 from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, build_train_step,  # noqa: E402
                        default_optimizer, init_train_state, make_mesh, shard_batch)
-from jax_wgrad.parallel.deferred import stash_bytes, stash_shapes  # noqa: E402
+from jax_wgrad.parallel.deferred import stash_bytes  # noqa: E402
+from jax_wgrad.parallel.pipeline.gradients import carry_shapes  # noqa: E402
 
 
 def run(vocab: int, mode: str | None, steps: int, args) -> dict:
@@ -62,7 +64,8 @@ def run(vocab: int, mode: str | None, steps: int, args) -> dict:
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
-    shapes = stash_shapes(par, model.seq_length, model.hidden_size, vocab, model.compute_dtype)
+    carry = carry_shapes(plan.program, plan.sink, plan.ddp, plan.table, mesh)
+    shapes = [s for stash in carry.deferred.values() for s in stash]
     return {"vocab": vocab, "mode": mode or "off", "M": par.num_microbatches,
             "stash_shapes": [list(s.shape) for s in shapes],
             "stash_bytes": stash_bytes(shapes),

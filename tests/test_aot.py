@@ -10,11 +10,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 
-from jax_wgrad import GPTConfig, ParallelConfig, DDPConfig, TrainPlan, default_optimizer
+from jax_wgrad import GPTConfig, ParallelConfig, TrainPlan, default_optimizer
 from jax_wgrad import fusion_available, make_mesh, wgrad_accumulate
 from jax_wgrad.aot import gpu_target, hlo, thunks
 from jax_wgrad.ops import registry
@@ -158,6 +157,127 @@ def test_thunk_sequence_launch_counts():
             count.custom_calls_outside) == (1, 2, 1)
 
 
+def _nested_scan_hlo() -> str:
+    # a scan over ticks whose body scans over layers, both carrying the bucket (the
+    # pipeline's layer scan inside a tick); XLA:CPU prints the inner while first
+    def f(b, xs):
+        def tick(b, x):
+            layer = lambda b, w: (b.at[:16].add(w.sum() * x.sum()), None)  # noqa: E731
+            return lax.scan(layer, b, jnp.ones((3, 4), jnp.float32))[0], None
+        return lax.scan(tick, b, xs)[0]
+
+    args = (jnp.zeros(N, jnp.float32), jnp.ones((5, 8), jnp.float32))
+    return jax.jit(f, donate_argnums=0).lower(*args).compile().as_text()
+
+
+def test_schedule_loop_is_the_outermost_loop_carrying_the_bucket():
+    text = _nested_scan_hlo()
+    comps = hlo.computations(text)
+    name, body = hlo.schedule_loop(text, [N])
+    trips = hlo.trip_counts(text)
+    assert trips[name] == 5 and sorted(trips.values()) == [3, 5]
+    inner = next(n for n in trips if n != name)
+    # the tick loop's body reaches the layer loop, not the other way round
+    assert any(inner in line for c in hlo.reachable(comps, body) for line in comps[c])
+    assert hlo.schedule_loop(text, [N + 1]) is None
+
+
+# XLA prints a while's "condition:" at column 0 however deep the while is nested (as in
+# the H100 compile of the pipeline with a layer scan inside each tick).
+_NESTED_THUNKS = """\
+003: kWhile         [source | sink]
+condition:
+    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    005: kCustomKernel [source | next=008 (1)] loop_dynamic_slice_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    008: kConditional  [prev=005 (1) | next=030 (1)]
+      false_branch:
+        009: kCustomKernel [source | next=020 (1)] fusion_a grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+        020: kWhile         [prev=009 (1) | next=026 (1)]
+condition:
+            021: kCustomKernel [source | sink] loop_compare_fusion_2 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+          body:
+            022: kCustomKernel [source | next=000 (1)] layer_a grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            000: kCommandBuffer [prev=022 (1) | next=025 (1)]
+                023: kCustomKernel [source | sink] layer_b grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+                024: kCustomKernel [source | sink] layer_c grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            025: kCustomCall    [prev=000 (1) | sink] kCustomCall
+        026: kCustomKernel [prev=020 (1) | sink] fusion_b grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      true_branch:
+        No thunks.
+    030: kWhile         [prev=008 (1) | sink]
+condition:
+        031: kCustomKernel [source | sink] loop_compare_fusion_3 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        032: kCustomKernel [source | sink] other grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+"""
+_NESTED_META = "".join(
+    f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n'
+    f'    thunk_id: {i}\n  }}\n  thunk_kind: "k"\n}}\n'
+    for i, n in [(3, "while.1"), (8, "cond.1"), (20, "while.2"), (30, "while.3")])
+
+
+def test_nested_while_counts_its_body_times_its_trip_count():
+    seq = thunks.parse_thunks(_NESTED_THUNKS)
+    assert [t.id for t in seq] == [3]
+    layers = thunks.find_thunk(seq, 20)
+    assert {k: [t.id for t in v] for k, v in layers.nested.items()} == {
+        "condition": [21], "body": [22, 0, 25]}
+    # what follows the nested loop stays in the branch, not in the outer loop
+    assert [t.id for t in thunks.find_thunk(seq, 8).nested["false_branch"]] == [9, 20, 26]
+    assert [t.id for t in seq[0].nested["body"]] == [5, 8, 30]
+    names, op_names = thunks.thunk_names(_NESTED_META), {
+        "cond.1": "jit(step)/while/body/forward/cond"}
+    # while.2 (the layers) runs 4 times, body only (XLA:GPU skips the condition of a loop of
+    # known trip count); while.3's trip count is unknown: condition + body once
+    trips = {"while.1": 10, "while.2": 4, "while.3": None}
+    count = thunks.loop_launches(seq, names, "while.1", op_names, trips=trips)
+    assert count.tasks == {"forward": (0, 1 + 4 * 3 + 1)}
+    assert count.overhead == 1 + 1 + 2  # the condition, the slice, while.3 once
+    assert count.tick("forward") == 18
+    assert (count.nested_loops, count.nested_launches, count.unknown_trip_loops) == (2, 14, 1)
+    assert (count.command_buffers, count.kernels_in_command_buffers,
+            count.custom_calls_outside) == (4, 8, 4)
+    assert thunks.launches(seq, trips={3: 10, 20: 4}) == 10 * (1 + 14 + 2)
+    # without trip counts every nested loop is one iteration (condition + body)
+    once = thunks.loop_launches(seq, names, "while.1", op_names)
+    assert once.tasks == {"forward": (0, 1 + 4 + 1)} and once.overhead == 4
+    assert (once.nested_loops, once.nested_launches, once.unknown_trip_loops) == (2, 6, 2)
+    assert (once.command_buffers, once.kernels_in_command_buffers,
+            once.custom_calls_outside) == (1, 2, 1)
+
+
+def _report(launches):
+    from jax_wgrad.aot import AotReport
+
+    return AotReport(
+        target="t", gpus_per_host=1, hosts=1, mesh_shape=(1, 1, 1, 1), num_params=0,
+        device_memory=1 << 30, mem_fraction=0.75, param_bytes=0, optimizer_bytes=0,
+        bucket_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
+        generated_code_bytes=0, trace_lower_s=0.0, compile_s=0.0, fusion="", wgrad_calls=0,
+        wgrad_aliased=0, bucket_add_calls=0, bucket_add_aliased=0, loop="while.1",
+        bucket_sizes=(), loop_bucket_ops=(), cooldown_bucket_ops=(), scatters_16bit=(),
+        collectives=(), launches=launches, launches_per_microbatch=1.0, num_microbatches=1,
+        num_ticks=1, xla_flags=())
+
+
+def test_report_says_launches_in_nested_loops():
+    seq, names = thunks.parse_thunks(_NESTED_THUNKS), thunks.thunk_names(_NESTED_META)
+    op_names = {"cond.1": "jit(step)/while/body/forward/cond"}
+    count = thunks.loop_launches(seq, names, "while.1", op_names,
+                                 trips={"while.2": 4, "while.3": 7})
+    assert ("launches per tick (a tick running every task): 23 (loop 9, forward 14, of "
+            "which 19 in 2 nested loops);") in _report(count).format()
+    count = thunks.loop_launches(seq, names, "while.1", op_names, trips={"while.2": 4})
+    assert ("18 (loop 4, forward 14, of which 14 in 2 nested loops (a loop of unknown trip "
+            "count counted once));") in _report(count).format()
+    # no nested loop: the line as before
+    flat = thunks.loop_launches(thunks.parse_thunks(_GRAPH_COND), thunks.thunk_names(_META),
+                                "while.1", {"cond.1": "jit(step)/while/body/backward/cond"})
+    assert "launches per tick (a tick running every task): 2 (loop 1, backward 1); " in \
+        _report(flat).format()
+
+
 def test_targets():
     h100, h200 = gpu_target("h100"), gpu_target("H200")
     assert h100.description == "NVIDIA H100 80GB HBM3" and h200.description == "NVIDIA H200"
@@ -256,7 +376,7 @@ def test_example_compile_only_on_8_h100(plugin, example, capsys):
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--sequence-parallel", "--gradient-accumulation-fusion",
             "--use-distributed-optimizer", "--overlap-grad-reduce",
-            "--defer-embedding-wgrad-compute", "--num-layers", "2", "--hidden-size", "64",
+            "--defer-embedding-wgrad-compute", "--num-layers", "4", "--hidden-size", "64",
             "--seq-length", "32", "--global-batch-size", "16", "--micro-batch-size", "2"]
     report = example.main(argv)["aot"]
     out = capsys.readouterr().out
@@ -270,6 +390,12 @@ def test_example_compile_only_on_8_h100(plugin, example, capsys):
     assert groups["cooldown reduce-scatters (data-parallel grad sync)"].total > 0
     for line in ("pipeline permutes:", "deferred-wgrad ring:", "cooldown reduce-scatters"):
         assert line in out
+    # 2 layers per stage, scanned inside each tick: the schedule loop is the tick loop
+    # (the outermost that carries the buckets), its layer loops counted per iteration
+    lc = report.launches
+    assert lc.nested_loops > 0 and lc.unknown_trip_loops == 0
+    assert 0 < lc.nested_launches < lc.tick("forward", "backward")
+    assert f"of which {lc.nested_launches} in {lc.nested_loops} nested loop" in out
 
 
 @aot

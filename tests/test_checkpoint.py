@@ -227,15 +227,17 @@ def test_model_differences_field_by_field():
     from jax_wgrad.training.checkpoint import model_differences
 
     moe = GPTConfig(num_moe_experts=4, moe_ffn_hidden_size=128, moe_layer_freq=2)
-    saved = dataclasses.asdict(moe)
-    assert model_differences(saved, moe) == []
-    assert model_differences(saved, GPTConfig()) == [("num_moe_experts", 4, None)]
-    assert model_differences(saved, dataclasses.replace(moe, moe_ffn_hidden_size=64,
-                                                        moe_layer_freq=1)) == [
+    meta = lambda cfg: {"model_type": "GPTConfig", "model": dataclasses.asdict(cfg)}
+    assert model_differences(meta(moe), moe) == []
+    assert model_differences(meta(moe), GPTConfig()) == [("num_moe_experts", 4, None)]
+    assert model_differences(meta(moe), dataclasses.replace(moe, moe_ffn_hidden_size=64,
+                                                            moe_layer_freq=1)) == [
         ("moe_ffn_hidden_size", 128, 64), ("moe_layer_freq", 2, 1)]
     old = {k: v for k, v in dataclasses.asdict(GPTConfig()).items() if not k.startswith("moe")
            and k != "num_moe_experts"}  # a checkpoint from before MoE: the defaults
-    assert model_differences(old, GPTConfig()) == []
+    assert model_differences({"model": old}, GPTConfig()) == []  # and before model_type
+    assert model_differences({"model_type": "MLPStackConfig", "model": {}}, GPTConfig()) == [
+        ("model type", "MLPStackConfig", "GPTConfig")]
 
 
 def test_save_target_that_cannot_be_written_fails_before_training(example, tmp_path, capsys,

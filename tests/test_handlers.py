@@ -6,7 +6,6 @@ and command-buffer (CUDA graph) compatibility."""
 import importlib
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax

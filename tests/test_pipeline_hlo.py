@@ -46,11 +46,13 @@ def _by_task(hlo: str) -> collections.Counter:
                 else "W" if "/weight_gradients/" in op else "-")
         kind = "dot" if " dot(" in line else re.search(r'custom_call_target="(\w+)"',
                                                       line).group(1)
-        count[task, kind] += 1
+        count[task, WGRAD if kind in WGRAD_TARGETS else kind] += 1
     return count
 
 
 WGRAD = "jax_wgrad_wgrad_accumulate"
+WGRAD_TARGETS = (WGRAD, "jax_wgrad_wgrad_accumulate_at")
+"""A fused wgrad call: at a static block offset, or at a traced one (the layers' scan)."""
 # Per stage (one layer): forward GEMMs qkv, QK^T, PV, proj, fc1, fc2 (6) and on the last
 # stage the head's logits and its data gradient (2) = 8 in F; backward: 4 data-gradient
 # GEMMs + 4 attention-backward GEMMs = 8, plus the 4 fused wgrad calls (1F1B).

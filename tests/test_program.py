@@ -104,7 +104,8 @@ class MLPStack:
         cfg = self.model
         return StageSetup.create(self.parallel, seq_length=cfg.seq_length,
                                  hidden_size=cfg.hidden, dtype="float32",
-                                 sample_shape=(cfg.seq_length, cfg.d_in + cfg.d_out))
+                                 sample_shape=(cfg.seq_length, cfg.d_in + cfg.d_out),
+                                 sample_dtype="float32")
 
     def pre(self, params, main_grads, batch):
         mg = None if main_grads is None else main_grads.shared["inp"]["weight"]
@@ -202,6 +203,31 @@ def test_executor_runs_a_model_that_is_not_the_gpt(schedule, defer):
                             jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+@needs_fusion
+def test_carry_is_named_and_sized_by_tracing():
+    """The zero-bubble carry's W stash and deferral stash are keyed by the weights' names;
+    their shapes come from tracing the programs (stacked or not, no formula)."""
+    from jax_wgrad.parallel.pipeline.gradients import (carry_shapes, grad_layout, grad_sink,
+                                                       schedule_of)
+
+    par = ParallelConfig(pipeline_model_parallel_size=4, micro_batch_size=1,
+                         global_batch_size=8, gradient_accumulation_fusion=True,
+                         pipeline_schedule="zb-h1", defer_embedding_wgrad_compute=True)
+    program = MLPStack(CFG, par)
+    ddp = DDPConfig()
+    layout, table = grad_layout(program, ddp), schedule_of(program)
+    carry = carry_shapes(program, grad_sink(program, layout, table), ddp, table,
+                         make_mesh(par))
+    assert sorted(carry.wstash) == [".shared['out']['weight']", ".stage[0]['w1']",
+                                    ".stage[0]['w2']"]
+    pair = carry.wstash[".stage[0]['w1']"]
+    assert pair.x.shape == (table.weight_slots, 1, CFG.seq_length, CFG.hidden)
+    assert pair.dy.shape == (table.weight_slots, 1, CFG.seq_length, CFG.ffn)
+    x, dy = carry.deferred[".shared['out']['weight']"]
+    assert x.shape == (4, 1, CFG.seq_length, CFG.hidden)  # M = 4 deferred microbatches
+    assert dy.shape == (4, 1, CFG.seq_length, CFG.d_out)
 
 
 @needs_fusion

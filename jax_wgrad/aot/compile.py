@@ -127,7 +127,7 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
       fusion: the line that says how the fused path was checked (default: skipped when
         fusion is on).
     """
-    from jax_wgrad.ops.registry import BUCKET_ADD_TARGET, TARGET
+    from jax_wgrad.ops.registry import BUCKET_ADD_TARGET, TARGET, TARGET_AT
     from jax_wgrad.parallel.mesh import DATA_PARALLEL
     from jax_wgrad.training.step import build_train_step
 
@@ -156,14 +156,15 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
                    | {int(max(buf.bucket_numels))}, reverse=True)
     comps = hlo.computations(text)
     loop, loop_ops, cooldown_ops = _loop_facts(text, comps, sizes)
-    wgrad = hlo.custom_calls(text, TARGET)
+    wgrad = hlo.custom_calls(text, TARGET) + hlo.custom_calls(text, TARGET_AT)
     badd = hlo.custom_calls(text, BUCKET_ADD_TARGET)
 
     launches = None
     if loop is not None and thunk_text and meta_text:
         op_names = {i.name: i.op_name for i in hlo.instructions(text.splitlines())}
         launches = thunks.loop_launches(thunks.parse_thunks(thunk_text),
-                                        thunks.thunk_names(meta_text), loop[0], op_names)
+                                        thunks.thunk_names(meta_text), loop[0], op_names,
+                                        trips=hlo.trip_counts(text))
 
     # jax's GPU allocator is capped at this share whether it preallocates or not.
     frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))

@@ -21,7 +21,7 @@ __all__ = [
     "computations", "reachable", "while_bodies", "entry_name", "Instruction", "instructions",
     "custom_calls", "aliased", "wraps_aliased_custom_call", "sized_ops", "scatters_16bit",
     "AsyncCollective", "async_collectives", "sync_collectives", "branches", "known_trip_count",
-    "schedule_loop",
+    "trip_counts", "schedule_loop",
 ]
 
 # ------------------------------------------------------------------------- HLO modules
@@ -265,18 +265,38 @@ def known_trip_count(line: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def trip_counts(hlo: str) -> dict[str, int | None]:
+    """``{while instruction name: its known trip count, or None}`` for every ``while`` of
+    a compiled module (XLA's optimized HLO puts ``known_trip_count`` in the backend config
+    of loops it can count, e.g. every ``lax.scan``)."""
+    return {ins.name: known_trip_count(ins.line) for ins in instructions(hlo.splitlines())
+            if ins.opcode == "while"}
+
+
 def schedule_loop(hlo: str, carried_sizes: Sequence[int]) -> tuple[str, str] | None:
     """``(while instruction name, body computation)`` of the loop that carries the largest
     of the flat fp32 arrays of ``carried_sizes`` elements (the gradient buckets: the
     pipeline schedule's ``lax.scan``), searched in every computation reachable from the
-    entry; ``None`` if no loop carries one."""
+    entry; ``None`` if no loop carries one.
+
+    Loops nested in it (a ``lax.scan`` over layers inside a tick) may carry the same
+    bucket: of the loops that carry the largest one, the outermost is taken (the one no
+    other's body reaches; then the one whose body reaches the most computations)."""
     comps = computations(hlo)
-    best = None
-    for c in reachable(comps, entry_name(hlo)):
+    found = []  # (largest carried, name, body, computation holding the while)
+    for c in sorted(reachable(comps, entry_name(hlo))):
         for line, body in while_bodies(comps, c):
             head = line.split(" while(")[0]
             carried = [n for n in carried_sizes if f"f32[{n}]" in head]
-            if carried and (best is None or max(carried) > best[0]):
-                best = (max(carried), re.match(r"(?:ROOT )?%?([\w.\-]+) =", line).group(1),
-                        body)
-    return None if best is None else best[1:]
+            if carried:
+                found.append((max(carried),
+                              re.match(r"(?:ROOT )?%?([\w.\-]+) =", line).group(1), body, c))
+    if not found:
+        return None
+    largest = max(f[0] for f in found)
+    found = [f for f in found if f[0] == largest]
+    inside = {f[1]: reachable(comps, f[2]) for f in found}
+    outer = [f for f in found
+             if not any(f[3] in inside[g[1]] for g in found if g[1] != f[1])] or found
+    best = max(outer, key=lambda f: len(inside[f[1]]))
+    return best[1], best[2]

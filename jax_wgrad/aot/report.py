@@ -160,9 +160,17 @@ class AotReport:
             busy = [k for k in lc.tasks if not k.startswith("grad_sync")]
             parts = ", ".join(f"{k} {b}" for k, (_, b) in lc.tasks.items() if k in busy)
             sync = [b for k, (_, b) in lc.tasks.items() if k not in busy]
+            nested = ""
+            if lc.nested_loops:
+                nested = (f", of which {lc.nested_launches} in {lc.nested_loops} nested "
+                          + ("loop" if lc.nested_loops == 1 else "loops"))
+            if lc.unknown_trip_loops:
+                n = lc.unknown_trip_loops
+                nested += (f" ({'a loop' if n == 1 else f'{n} loops'} of unknown trip count "
+                           "counted once)")
             lines.append(
                 f"  launches per tick (a tick running every task): {lc.tick(*busy)} "
-                f"(loop {lc.overhead}, {parts})"
+                f"(loop {lc.overhead}, {parts}{nested})"
                 + (f", the cooldown sync's tick +{sum(sync)}" if sync else "")
                 + f"; {lc.command_buffers} command buffers holding "
                 f"{lc.kernels_in_command_buffers} kernels, {lc.custom_calls_outside} custom "

@@ -5,14 +5,16 @@ executable's thunks, nested: a while's ``condition``/``body``, a conditional's b
 the thunks a command buffer -- a CUDA graph -- or an async start holds) and
 ``*thunk_metadata.txt`` (each thunk's HLO instruction). :func:`loop_launches` counts the
 launches of one iteration of a loop: a command buffer is ONE launch however many kernels it
-holds.
+holds; a while nested in it (a ``lax.scan`` over layers inside a tick) counts its body
+times its trip count (:func:`jax_wgrad.aot.hlo.trip_counts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["Thunk", "parse_thunks", "thunk_names", "find_thunk", "launches", "LaunchCount",
            "loop_launches"]
@@ -47,11 +49,16 @@ def parse_thunks(text: str) -> list[Thunk]:
     root.nested[""] = []
     # stack of (indent, thunk, label): where a line of larger indent goes
     stack: list[tuple[int, Thunk, str]] = [(-1, root, "")]
+    prev: tuple[int, Thunk] | None = None  # the thunk on the line before, with its indent
     for line in text.splitlines():
         t, lab = _THUNK.match(line), _LABEL.match(line)
         if not t and not lab:
             continue
         indent = len((t or lab).group(1))
+        if lab and lab.group(2) == "condition" and prev and prev[1].kind == "kWhile":
+            # XLA prints a while's "condition:" at column 0 however deep the while is
+            # nested: it belongs to the while on the line before, at that while's indent.
+            indent = prev[0]
         while len(stack) > 1 and stack[-1][0] >= indent:
             stack.pop()
         _, parent, label = stack[-1]
@@ -65,10 +72,12 @@ def parse_thunks(text: str) -> list[Thunk]:
                 owner = parent
             owner.nested.setdefault(lab.group(2), [])
             stack.append((indent, owner, lab.group(2)))
+            prev = None
             continue
         thunk = Thunk(int(t.group(2)), t.group(3), t.group(4).strip())
         parent.nested.setdefault(label, []).append(thunk)
         stack.append((indent, thunk, ""))
+        prev = (indent, thunk)
     return root.nested[""]
 
 
@@ -95,25 +104,33 @@ _NO_LAUNCH = {"kAsyncDone", "kWaitForStreams", "kPartitionId", "kReplicaId"}
 _CONTAINERS = {"kAsyncStart", "kSequential", "kDynamicSliceFusion"}
 
 
-def launches(thunks: Sequence[Thunk], *, busy: bool = True) -> int:
+def launches(thunks: Sequence[Thunk], *, busy: bool = True,
+             trips: Mapping[int, int] | None = None) -> int:
     """Device launches of a thunk sequence run once.
 
     A command buffer (a CUDA graph) counts as ONE launch however many kernels it holds;
     every other leaf thunk that puts work on a stream (a kernel, a copy, a custom call, a
     cuDNN or cuBLAS call, a collective) as one; a ``*Done`` or stream wait as none. A
-    conditional counts its busier branch (``busy``) or its lighter one; a nested while
-    counts its condition and body once (one iteration).
+    conditional counts its busier branch (``busy``) or its lighter one. A nested while
+    whose thunk id has a trip count in ``trips`` (``{thunk id: trip count}``) counts its
+    body that many times: XLA:GPU's while thunk runs a loop of known trip count without
+    its condition (``WhileThunk::ExecuteOnStream``). Any other nested while counts its
+    condition and body once (one iteration).
     """
+    trips = trips or {}
     n = 0
     for t in thunks:
         if t.kind == "kCommandBuffer":
             n += 1
         elif t.kind == "kConditional":
-            per = [launches(seq, busy=busy) for seq in t.nested.values()] or [0]
+            per = [launches(seq, busy=busy, trips=trips) for seq in t.nested.values()] or [0]
             n += max(per) if busy else min(per)
-        elif t.kind == "kWhile" or t.kind in _CONTAINERS:
-            inner = sum(launches(seq, busy=busy) for seq in t.nested.values())
-            n += inner if (inner or t.kind == "kWhile") else 1
+        elif t.kind == "kWhile":
+            times, seqs = _iterations(t, trips)
+            n += times * sum(launches(seq, busy=busy, trips=trips) for seq in seqs)
+        elif t.kind in _CONTAINERS:
+            inner = sum(launches(seq, busy=busy, trips=trips) for seq in t.nested.values())
+            n += inner or 1
         elif t.kind in _NO_LAUNCH or t.kind.endswith("Done"):
             continue
         else:
@@ -121,9 +138,18 @@ def launches(thunks: Sequence[Thunk], *, busy: bool = True) -> int:
     return n
 
 
+def _iterations(t: Thunk, trips: Mapping[int, int]) -> tuple[int, list[list[Thunk]]]:
+    """``(times, thunk sequences run that many times)`` of a while thunk ``t``: its body
+    ``trips[t.id]`` times when the trip count is known, else condition and body once."""
+    if trips.get(t.id) is not None:
+        return trips[t.id], [seq for label, seq in t.nested.items() if label != "condition"]
+    return 1, list(t.nested.values())
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchCount:
-    """Launches of one tick of the schedule loop (its body and condition run once)."""
+    """Launches of one tick of the schedule loop (its body and condition run once, a loop
+    nested in it as many times as it iterates)."""
 
     overhead: int
     """The loop's condition and the body's thunks outside any conditional."""
@@ -141,6 +167,14 @@ class LaunchCount:
     back to the host)."""
     tasks_in_command_buffers: tuple[str, ...] = ()
     """Tasks whose conditional XLA captured in a command buffer (one launch either way)."""
+    nested_loops: int = 0
+    """While loops nested in a tick with every task busy (the outermost ones: e.g. a
+    ``lax.scan`` over layers inside the forward or backward), command buffers not entered."""
+    nested_launches: int = 0
+    """Launches of those loops (all their iterations), part of the counts above."""
+    unknown_trip_loops: int = 0
+    """Nested while loops (at any depth) in that tick with no known trip count: counted as
+    one iteration."""
 
     def tick(self, *busy_tasks: str) -> int:
         """Launches of a tick running ``busy_tasks`` (the others idle)."""
@@ -159,18 +193,25 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
                   op_names: dict[str, str],
                   scopes: Sequence[str] = ("forward", "backward", "weight_gradients",
                                            "grad_sync_in_cooldown"),
-                  once: Sequence[str] = ("grad_sync_in_cooldown",)) -> LaunchCount | None:
+                  once: Sequence[str] = ("grad_sync_in_cooldown",),
+                  trips: Mapping[str, int | None] | None = None) -> LaunchCount | None:
     """Launch counts of one iteration of the while loop named ``loop`` (an HLO
     instruction name; ``names`` maps thunk ids to instruction names, ``op_names``
     instruction names to their ``op_name``), or ``None`` when its thunk is not found.
 
     Conditionals are named by the first of ``scopes`` in their ``op_name``; the
     command-buffer and custom-call counts take every conditional's busier branch except
-    those of ``once`` (a task that is busy in one tick per step)."""
+    those of ``once`` (a task that is busy in one tick per step). A while nested in the
+    loop counts its body times its trip count where ``trips`` (``{while instruction name:
+    known trip count or None}``, :func:`jax_wgrad.aot.hlo.trip_counts`) gives one, else
+    once (:func:`launches`)."""
     ids = [i for i, n in names.items() if n == loop]
     t = find_thunk(thunks, ids[0]) if ids else None
     if t is None or t.kind != "kWhile":
         return None
+    trips_by_id = {i: trips[n] for i, n in names.items()
+                   if trips and trips.get(n) is not None}
+    count = functools.partial(launches, trips=trips_by_id)
     overhead, tasks, conds, once_ids, in_graphs = 0, {}, 0, set(), []
     seqs = list(t.nested.values())
 
@@ -187,7 +228,7 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
                 key = task_key(x)
                 if key.rstrip("'") in once:
                     once_ids.add(x.id)
-                tasks[key] = (launches([x], busy=False), launches([x], busy=True))
+                tasks[key] = (count([x], busy=False), count([x], busy=True))
             elif x.kind == "kCommandBuffer" and any(
                     y.kind == "kConditional" for y in x.walk()):
                 # A conditional captured in a command buffer (a CUDA graph's conditional
@@ -196,28 +237,42 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
                 in_graphs.append(key)
                 tasks[key] = (1, 1)
             else:
-                overhead += launches([x])
-    busy_nodes = [x for seq in seqs for top in seq for x in _busy_walk(top, once_ids)]
+                overhead += count([x])
+    # (thunk, times it runs in a tick, inside a nested loop?)
+    busy = [w for seq in seqs for top in seq
+            for w in _busy_walk(top, once_ids, trips_by_id)]
+    loops = [x for x, _, inside in busy if x.kind == "kWhile" and not inside]
     return LaunchCount(
         overhead=overhead, tasks=tasks,
-        command_buffers=sum(x.kind == "kCommandBuffer" for x in busy_nodes),
+        command_buffers=sum(k for x, k, _ in busy if x.kind == "kCommandBuffer"),
         kernels_in_command_buffers=sum(
-            len([y for s in x.nested.values() for top in s for y in top.walk()
-                 if y.kind not in _CONTAINERS and y.kind not in ("kCommandBuffer", "kConditional", "kWhile")])
-            for x in busy_nodes if x.kind == "kCommandBuffer"),
-        custom_calls_outside=sum(x.kind == "kCustomCall" for x in busy_nodes),
-        conditionals=conds, tasks_in_command_buffers=tuple(in_graphs))
+            k * len([y for s in x.nested.values() for top in s for y in top.walk()
+                     if y.kind not in _CONTAINERS
+                     and y.kind not in ("kCommandBuffer", "kConditional", "kWhile")])
+            for x, k, _ in busy if x.kind == "kCommandBuffer"),
+        custom_calls_outside=sum(k for x, k, _ in busy if x.kind == "kCustomCall"),
+        conditionals=conds, tasks_in_command_buffers=tuple(in_graphs),
+        nested_loops=len(loops), nested_launches=sum(count([x]) for x in loops),
+        unknown_trip_loops=sum(x.kind == "kWhile" and x.id not in trips_by_id
+                               for x, _, _ in busy))
 
 
-def _busy_walk(t: Thunk, idle=frozenset()):
-    """``t`` and what it runs, taking every conditional's busier branch (the lighter one
-    for the ids in ``idle``), not entering command buffers."""
-    yield t
+def _busy_walk(t: Thunk, idle=frozenset(), trips: Mapping[int, int] | None = None,
+               times: int = 1, inside: bool = False):
+    """``(thunk, times it runs, whether inside a nested while)`` for ``t`` and what it
+    runs, taking every conditional's busier branch (the lighter one for the ids in
+    ``idle``) and a while's body times its trip count (``trips``, as in
+    :func:`launches`), not entering command buffers."""
+    trips = trips or {}
+    yield t, times, inside
     if t.kind == "kCommandBuffer":
         return
     seqs = list(t.nested.values())
     if t.kind == "kConditional" and seqs:
-        seqs = [(min if t.id in idle else max)(seqs, key=lambda s: launches(s))]
+        seqs = [(min if t.id in idle else max)(seqs, key=lambda s: launches(s, trips=trips))]
+    elif t.kind == "kWhile":
+        n, seqs = _iterations(t, trips)
+        times, inside = times * n, True
     for s in seqs:
         for x in s:
-            yield from _busy_walk(x, idle)
+            yield from _busy_walk(x, idle, trips, times, inside)

@@ -6,11 +6,9 @@ here is meant to run on per-device shards inside ``jax.shard_map``: shapes are t
 (per-device) parameter shapes.
 
 **Parameter order.** Registration (forward) order is the flatten order of the parameter
-tree (``jax.tree.leaves``). Note that ``dict`` and ``nnx.State`` flatten by *sorted key*,
-not insertion order; pass lists/tuples or ``collections.OrderedDict`` (flattened in
-insertion order) if the bucket order matters to you (the GPT's ``forward_order``
-does this). As in Megatron the walk is reversed: the last leaf lands at
-offset 0 of bucket 0.
+tree (``jax.tree.leaves``; ``dict`` and ``nnx.State`` flatten by *sorted key*: use an
+``OrderedDict`` as the GPT's ``forward_order`` does). As in Megatron the walk is reversed:
+the last leaf lands at offset 0 of bucket 0.
 
 **Dtype groups.** Like Megatron, parameters are grouped by ``(param dtype, grad dtype)``
 (groups in order of first appearance); each group gets its own :class:`BucketPlan` and its
@@ -19,13 +17,10 @@ this means one group per parameter dtype.
 
 Example, inside ``shard_map`` over ``data``::
 
-    buf = GradBuffer.create(params, dp_size=8, bucket_size=40_000_000,
-                            use_distributed_optimizer=True)
-    buckets = buf.zeros()
-    buckets = buf.add_tree(buckets, grads)              # ordinary gradients
+    buf = GradBuffer.create(params, dp_size=8, bucket_size=None, use_distributed_optimizer=True)
+    buckets = buf.add_tree(buf.zeros(), grads)                 # ordinary gradients
     buckets = buf.wgrad_accumulate(buckets, "['w']", x, dy)   # fused GEMM, in place
-    shards = jax_wgrad.grads.sync_buckets(buckets, axis_name=DATA,
-                                          use_distributed_optimizer=True)
+    shards = sync_buckets(buckets, axis_name=DATA, use_distributed_optimizer=True)
 """
 
 from __future__ import annotations
@@ -53,8 +48,7 @@ Buckets = tuple[jax.Array, ...]
 class GradBuffer:
     """Static layout of the flat gradient buckets of one parameter tree.
 
-    Build it with :meth:`create`. It is hashable (usable as a static argument) and holds no
-    arrays. Attributes:
+    Built by :meth:`create`; hashable (a static argument), no arrays. Attributes:
 
       treedef: structure of the parameter tree.
       slots: one :class:`ParamSlot` per leaf, in flatten order.
@@ -174,29 +168,24 @@ class GradBuffer:
 
     @classmethod
     def concatenate(cls, buffers: Sequence[GradBuffer], treedef: Any = None) -> GradBuffer:
-        """One buffer over the tuple of the buffers' trees (Megatron: a buffer per chunk).
-
-        ``treedef``: the structure of the concatenated tree if not the tuple of the parts'
-        trees (e.g. a named container of them); it must have the parts' leaves in order.
+        """One buffer over the tuple of the buffers' trees (Megatron: a buffer per chunk),
+        or over ``treedef`` (e.g. a named container of them, the parts' leaves in order).
 
         Each part keeps its own plan (bucket boundaries never span two parts); bucket ``i``
-        of part ``k`` becomes bucket ``sum(num_buckets of parts < k) + i``; paths get the
-        ``[k]`` prefix of the tuple. All parts must share ``use_distributed_optimizer``; each
-        bucket keeps its part's data-parallel size (``bucket_dp_sizes``).
-        """
+        of part ``k`` becomes bucket ``sum(num_buckets of parts < k) + i``. All parts share
+        ``use_distributed_optimizer``; each bucket keeps its part's dp size."""
         if not buffers:
             raise ValueError("GradBuffer.concatenate: no buffers")
         if len({b.use_distributed_optimizer for b in buffers}) != 1:
             raise ValueError("GradBuffer.concatenate: parts must share "
                              "use_distributed_optimizer")
-        num_leaves = sum(len(b.slots) for b in buffers)
+        n = sum(len(b.slots) for b in buffers)
         if treedef is None:
             treedef = jax.tree_util.treedef_tuple([b.treedef for b in buffers])
-        elif treedef.num_leaves != num_leaves:
-            raise ValueError(f"GradBuffer.concatenate: treedef has {treedef.num_leaves} "
-                             f"leaves, the parts {num_leaves}")
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree.unflatten(treedef, range(num_leaves)))[0]]
+        if treedef.num_leaves != n:
+            raise ValueError(f"GradBuffer.concatenate: {treedef.num_leaves} leaves, parts {n}")
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, range(n)))[0]]
         slots, groups, numels, dtypes, pdtypes, leaves_of = [], [], [], [], [], []
         leaf0 = bucket0 = 0
         for b in buffers:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,7 @@ from jax_wgrad.nn.tensor_parallel import (
 )
 from jax_wgrad.parallel.mesh import EXPERT, TENSOR
 
-__all__ = ["LINEAR_LAYERS", "TransformerLayer", "MoEExperts", "GPTEmbedding", "GPTHead"]
-
-LINEAR_LAYERS: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
-"""Names of the linear layers of a :class:`TransformerLayer`."""
+__all__ = ["TransformerLayer", "MoEExperts", "GPTEmbedding", "GPTHead"]
 
 
 def _dtype(cfg: GPTConfig) -> jnp.dtype:
@@ -104,30 +102,36 @@ class TransformerLayer(nnx.Module):
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
     def __call__(
-        self, x: jax.Array, *, main_grads: Mapping[str, jax.Array] | None = None,
+        self, x: jax.Array, *, main_grads: Mapping[str, Any] | None = None,
         moe_stats: list | None = None,
     ) -> jax.Array:
         """``x``: ``[b, s(/tp), H]`` -> same shape.
 
-        ``main_grads``: optional ``{name: fp32 accumulator}`` for the weights of
-        ``qkv``, ``proj``, ``fc1``, ``fc2`` (gradient accumulation fusion); an MoE layer
-        takes ``"experts"``: the ``(fc1, fc2)`` expert weights'
-        BucketSlot objects. ``moe_stats``: a list an MoE layer appends its
-        :class:`~jax_wgrad.functional.MoEStats` to (return them from the traced function).
+        ``main_grads``: optional, shaped like the layer's parameter tree (missing entries
+        and ``None`` leaves: not fused): at each linear's ``weight`` an fp32 accumulator or
+        a slot (gradient accumulation fusion); an MoE layer's ``experts`` entry holds its
+        ``fc1`` and ``fc2`` expert weights' BucketSlot objects. ``moe_stats``: a list an MoE
+        layer appends its :class:`~jax_wgrad.functional.MoEStats` to (return them from the
+        traced function).
         """
         mg = main_grads or {}
+        weight = lambda name: (mg.get(name) or {}).get("weight")
         with jax.named_scope("attention"):
-            qkv = self.qkv(self.ln1(x), main_grad=mg.get("qkv"))
+            qkv = self.qkv(self.ln1(x), main_grad=weight("qkv"))
             b, s = qkv.shape[:2]
             qkv = qkv.reshape(b, s, self.heads, 3, self.head_dim)
             attn = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
                                     implementation=self.attention)
-            x = x + self.proj(attn, main_grad=mg.get("proj"))
+            x = x + self.proj(attn, main_grad=weight("proj"))
         if self.moe is not None:
-            return x + self._moe_mlp(self.ln2(x), mg.get("experts"), moe_stats)
+            experts = mg.get("experts") or {}
+            slots = (experts.get("fc1"), experts.get("fc2"))
+            return x + self._moe_mlp(self.ln2(x), None if slots[0] is None else slots,
+                                     moe_stats)
         with jax.named_scope("mlp"):
-            hidden = jax.nn.gelu(self.fc1(self.ln2(x), main_grad=mg.get("fc1")), approximate=False)
-            x = x + self.fc2(hidden, main_grad=mg.get("fc2"))
+            hidden = jax.nn.gelu(self.fc1(self.ln2(x), main_grad=weight("fc1")),
+                                 approximate=False)
+            x = x + self.fc2(hidden, main_grad=weight("fc2"))
         return x
 
     def _moe_mlp(self, h: jax.Array, main_grads, moe_stats: list | None) -> jax.Array:

@@ -16,7 +16,6 @@ from jax_wgrad.functional.moe import MoEStats
 from jax_wgrad.functional.stacked import scan_layers
 from jax_wgrad.grads.chunks import DeviceTree
 from jax_wgrad.models.gpt.config import GPTConfig
-from jax_wgrad.models.gpt.modules import LINEAR_LAYERS
 from jax_wgrad.models.gpt.params import (
     abstract_modules,
     canonical_tree,
@@ -138,17 +137,11 @@ class GPTProgram:
         stats: list = []
         for j, moe in enumerate(self.period):
             lp = from_forward_order(p["stage"][j])
-            mg = None
-            if main_grads is not None:
-                tree = main_grads["stage"][j]
-                mg = {n: tree[n]["weight"] for n in LINEAR_LAYERS
-                      if n in tree and tree[n]["weight"] is not None}
+            mg = None if main_grads is None else dict(main_grads["stage"][j])
             if moe:
                 lp["experts"] = from_forward_order(next(experts))
-                if main_grads is not None:
-                    e = next(expert_grads)
-                    if e["fc1"] is not None:
-                        mg["experts"] = (e["fc1"], e["fc2"])
+                if mg is not None:
+                    mg["experts"] = next(expert_grads)
             x = nnx.merge(self._moe_layer_def if moe else self._layer_def, lp)(
                 x, main_grads=mg, moe_stats=stats)
         if not self.moe:

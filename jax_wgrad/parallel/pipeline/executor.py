@@ -30,21 +30,19 @@ per-microbatch inbox slots.
   On the first stage ``pre``'s backward adds its gradients.
 * **W** of microbatch ``w`` (split backward only): the fused ``wgrad_accumulate`` GEMMs of
   its stored pairs (on the last stage the output layer's too, unless deferred).
-* **Deferred output-layer wgrad** (``defer_embedding_wgrad_compute``): the output layer's
-  pair of a deferred microbatch goes to a stash indexed by microbatch, drained after the
-  schedule (:func:`jax_wgrad.parallel.deferred.drain`).
+* **Deferred output-layer wgrad**: a deferred microbatch's output-layer pair is stashed,
+  drained after the schedule (:func:`jax_wgrad.parallel.deferred.drain`).
 * **Cooldown sync** (``overlap_grad_reduce``): at the stage's last ``B``/``W`` tick (from
   the table) its stage buckets are synced over the data-parallel ranks, and its expert
   buckets over the expert-data-parallel ranks, while earlier stages still compute.
 
-Carried state per device (:class:`PipelineCarry`) is bounded by the table, not by ``M``.
+The carried state (:class:`~.carry.PipelineCarry`) is bounded by the table, not by ``M``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,47 +55,12 @@ from jax_wgrad.grads.sink import GradSink, SinkEntry
 from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, STAGE
 from jax_wgrad.parallel import deferred
 from jax_wgrad.parallel.mesh import PIPELINE, TENSOR
+from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WPair, inbox_slot, put, zeros_of
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
 
-__all__ = ["PipelineCarry", "WPair", "cooldown_sync", "stage_gradients"]
-
-
-class WPair(NamedTuple):
-    """A fused linear's weight-gradient inputs waiting for ``W`` tasks: ``x [k, ...]``
-    (its input) and ``dy [k, ...]`` (its output gradient), ``k`` slots by microbatch."""
-
-    x: jax.Array
-    dy: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PipelineCarry:
-    """Per-device state carried across ticks (bounded by the schedule, not by ``M``)."""
-
-    grads: GradState
-    """The gradient buckets by chunk (:class:`~jax_wgrad.grads.GradLayout`)."""
-    residuals: tuple[jax.Array, ...]
-    """``[num_slots, ...]`` per stored residual of the stage forward."""
-    x_inbox: jax.Array
-    """``[depth + 1, mb, s(/tp), H]`` activations received, by microbatch; the last slot
-    takes what arrives in a tick where the sender ran no forward."""
-    g_inbox: jax.Array
-    """``[depth + 1, mb, s(/tp), H]`` gradients received (the last stage: its head's)."""
-    loss_sum: jax.Array
-    """fp32 scalar: sum of token losses computed on this device (last stage)."""
-    aux_sum: Any
-    """Sums of ``body``'s aux over this device's forwards."""
-    wstash: dict[str, WPair]
-    """Split backward: per probed weight (by sink entry name) its pairs for ``W``."""
-    deferred: dict[str, tuple[jax.Array, ...]]
-    """The deferred output layer's stash by entry name (:mod:`jax_wgrad.parallel.deferred`),
-    indexed by microbatch."""
-
-    def replace(self, **kw) -> PipelineCarry:
-        return dataclasses.replace(self, **kw)
+__all__ = ["cooldown_sync", "initial_carry", "stage_gradients"]
 
 
 def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
@@ -136,6 +99,12 @@ def stage_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
     return sink.layout.concatenated(grads), carry.loss_sum, carry.aux_sum
 
 
+def initial_carry(program: StageProgram, sink: GradSink, ddp: DDPConfig, table: ScheduleTable,
+                  params: DeviceTree, batch: jax.Array) -> PipelineCarry:
+    """The carry :func:`stage_gradients` starts from (inside ``shard_map``)."""
+    return _StageRun(program, sink, ddp, table, params, batch).init_carry()
+
+
 class _StageRun:
     """One device's run of a schedule: static context plus the tick's named steps."""
 
@@ -162,12 +131,12 @@ class _StageRun:
         self.last_tick = jnp.asarray([table.last_grad_tick(s) for s in range(self.pp)])
         self.fused = sink.layout.fusion
         zeros = sink.layout.zeros() if self.fused else None
-        # The probed linears' inputs and outputs and the programs' aux, traced once
-        # (shapes only) with recording slots: the executor learns shapes by tracing.
+        # Probed linears' inputs/outputs and aux: shapes learned by tracing, once.
         self.body_trace = jax.eval_shape(self._body_records, params, zeros, self.act)
         self.post_trace = jax.eval_shape(self._post_records, params, zeros, self.act,
                                          self.micro[0])
-        self.body_probes, self.post_probes = _zeros(self.body_trace[1]), _zeros(self.post_trace[1])
+        self.body_probes = zeros_of(self.body_trace[1])
+        self.post_probes = zeros_of(self.post_trace[1])
         self.store = ResidualStore.create(self._body_fn, par.recompute_granularity,
                                           (params, zeros, self.body_probes), self.act,
                                           has_aux=True)
@@ -234,7 +203,7 @@ class _StageRun:
             grads=self.sink.layout.zeros(),
             residuals=self.store.buffers(self.table.num_slots),
             x_inbox=inbox(self.depth[0]), g_inbox=inbox(self.depth[1]),
-            loss_sum=jnp.float32(0.0), aux_sum=_zeros(body_aux),
+            loss_sum=jnp.float32(0.0), aux_sum=zeros_of(body_aux),
             wstash=wstash, deferred=stash)
 
     def tick_inputs(self):
@@ -267,8 +236,8 @@ class _StageRun:
             g_recv = lax.ppermute(dx, PIPELINE, [(i + 1, i) for i in range(self.pp - 1)])
         prev = fwd_row[jnp.maximum(self.stage - 1, 0)]
         nxt = bwd_row[jnp.minimum(self.stage + 1, self.pp - 1)]
-        x_slot = _inbox_slot(prev, self.depth[0], self.is_first)
-        g_slot = _inbox_slot(nxt, self.depth[1], self.is_last)
+        x_slot = inbox_slot(prev, self.depth[0], self.is_first)
+        g_slot = inbox_slot(nxt, self.depth[1], self.is_last)
         return c.replace(x_inbox=lax.dynamic_update_index_in_dim(c.x_inbox, x_recv, x_slot, 0),
                          g_inbox=lax.dynamic_update_index_in_dim(c.g_inbox, g_recv, g_slot, 0))
 
@@ -300,7 +269,7 @@ class _StageRun:
         wstash = dict(c.wstash)
         for name, x in inputs.items():
             wstash[name] = wstash[name]._replace(
-                x=_put(wstash[name].x, x, f % self.table.weight_slots))
+                x=put(wstash[name].x, x, f % self.table.weight_slots))
         c = c.replace(residuals=residuals, wstash=wstash,
                       aux_sum=jax.tree.map(jnp.add, c.aux_sum, aux))
         # The last stage: loss and the head's backward now; its gradient for the layers'
@@ -333,7 +302,7 @@ class _StageRun:
             if self.split:
                 pair = c.wstash[e.name]
                 slot = f % self.out_slots
-                pair = WPair(_put(pair.x, x, slot), _put(pair.dy, dy, slot))
+                pair = WPair(put(pair.x, x, slot), put(pair.dy, dy, slot))
                 return c.replace(wstash={**c.wstash, e.name: pair})
             return c.replace(grads=self.sink.accumulate(c.grads, e, x, dy))
 
@@ -372,7 +341,7 @@ class _StageRun:
         wstash = dict(c.wstash)
         for name, d in dys.items():
             wstash[name] = wstash[name]._replace(
-                dy=_put(wstash[name].dy, d, b % self.table.weight_slots))
+                dy=put(wstash[name].dy, d, b % self.table.weight_slots))
         grads = lax.cond(self.is_first,
                          lambda g: self._pre_backward(g, dx, self._batch(b)),
                          lambda g: g, grads)
@@ -385,8 +354,7 @@ class _StageRun:
         return self.sink.add(grads if out is None else out, INPUT, dparams)
 
     def _threaded(self, c: PipelineCarry) -> GradState | None:
-        """The buckets the fused linears thread (``None`` without fusion)."""
-        return c.grads if self.fused else None
+        return c.grads if self.fused else None  # what the fused linears thread
 
     def weight(self, c: PipelineCarry, w):
         """The fused weight-gradient GEMMs of microbatch ``w``'s stored ``(x, dy)`` pairs."""
@@ -430,16 +398,3 @@ class _StageRun:
             bks[e.bucket] = deferred.drain(self.par, carry.deferred[e.name], bks[e.bucket],
                                            e.offset, recompute, active=self.is_last)
             return carry.grads.replace(**{e.chunk: tuple(bks)})
-
-
-def _zeros(tree):
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-
-
-def _inbox_slot(microbatch, depth: int, no_sender):
-    # Nothing sent (idle sender, or no neighbour): the spare slot `depth`, never read.
-    return jnp.where((microbatch < 0) | no_sender, depth, microbatch % depth)
-
-
-def _put(buffer: jax.Array, value: jax.Array, slot) -> jax.Array:
-    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)

@@ -15,11 +15,13 @@ from jax_wgrad.grads.finalize import finalize_grads
 from jax_wgrad.grads.layout import GradLayout
 from jax_wgrad.grads.sink import GradSink
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, axis_sizes, local_shape
-from jax_wgrad.parallel.pipeline.executor import cooldown_sync, stage_gradients
+from jax_wgrad.parallel.pipeline.carry import PipelineCarry
+from jax_wgrad.parallel.pipeline.executor import cooldown_sync, initial_carry, stage_gradients
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
 from jax_wgrad.parallel.pipeline.program import StageProgram
 
-__all__ = ["grad_layout", "grad_sink", "schedule_of", "reduce_gradients", "pipeline_gradients"]
+__all__ = ["grad_layout", "grad_sink", "schedule_of", "reduce_gradients", "carry_shapes",
+           "pipeline_gradients"]
 
 
 def grad_layout(program: StageProgram, ddp: DDPConfig) -> GradLayout:
@@ -73,6 +75,21 @@ def reduce_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
         num_tokens=jnp.float32(setup.num_tokens), sequence_parallel=par.sequence_parallel,
         pipeline_parallel=par.pipeline_model_parallel_size > 1)
     return synced, setup.mean_loss(loss_sum), program.metrics(aux)
+
+
+def carry_shapes(program: StageProgram, sink: GradSink, ddp: DDPConfig, table: ScheduleTable,
+                 mesh) -> PipelineCarry:
+    """The per-device :class:`PipelineCarry` of ``jax.ShapeDtypeStruct`` leaves (what the
+    schedule carries: buckets, residual slots, inboxes, W and deferral stashes), traced
+    on ``mesh`` without running anything."""
+    def per_device(params, batch):
+        return initial_carry(program, sink, ddp, table, program.device_tree(params), batch)
+
+    batch = program.setup.global_batch(program.parallel.data_parallel_size)
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(program.param_specs(),
+                                                        P(DATA_PARALLEL)),
+                       out_specs=P(), check_vma=False)
+    return jax.eval_shape(fn, jax.eval_shape(program.init_params), batch)
 
 
 def pipeline_gradients(program: StageProgram, mesh: Mesh, params, batch: jax.Array,

@@ -34,7 +34,7 @@ class StageSetup:
         (:meth:`ParallelConfig.local_seq_length`).
       hidden_size: ``H``; dtype: the activations' dtype.
       sample_shape: one sample of the batch (without the leading batch dim); the GPT's is
-        ``(S + 1,)`` tokens: its inputs and the shifted labels.
+        ``(S + 1,)`` tokens: its inputs and the shifted labels. sample_dtype: its dtype.
     """
 
     num_stages: int
@@ -45,10 +45,12 @@ class StageSetup:
     hidden_size: int
     dtype: jnp.dtype
     sample_shape: tuple[int, ...]
+    sample_dtype: jnp.dtype
 
     @classmethod
     def create(cls, parallel: ParallelConfig, *, seq_length: int, hidden_size: int,
-               dtype, sample_shape: tuple[int, ...] | None = None) -> StageSetup:
+               dtype, sample_shape: tuple[int, ...] | None = None,
+               sample_dtype="int32") -> StageSetup:
         """``sample_shape`` defaults to ``(seq_length + 1,)``: a row of tokens."""
         return cls(num_stages=parallel.pipeline_model_parallel_size,
                    num_microbatches=parallel.num_microbatches,
@@ -56,7 +58,7 @@ class StageSetup:
                    local_seq_length=parallel.local_seq_length(seq_length),
                    hidden_size=hidden_size, dtype=jnp.dtype(dtype),
                    sample_shape=(seq_length + 1,) if sample_shape is None
-                   else tuple(sample_shape))
+                   else tuple(sample_shape), sample_dtype=jnp.dtype(sample_dtype))
 
     # ---------------------------------------------------------------------- the batch
 
@@ -64,6 +66,11 @@ class StageSetup:
     def batch_shape(self) -> tuple[int, ...]:
         """This data rank's batch: ``[M * mb, *sample_shape]`` (tokens: ``[M * mb, S + 1]``)."""
         return (self.num_microbatches * self.micro_batch_size, *self.sample_shape)
+
+    def global_batch(self, data_parallel_size: int) -> jax.ShapeDtypeStruct:
+        """The shape of the whole step's batch (every data rank's)."""
+        n, *sample = self.batch_shape
+        return jax.ShapeDtypeStruct((n * data_parallel_size, *sample), self.sample_dtype)
 
     def microbatches(self, batch: jax.Array, who: str) -> jax.Array:
         """``batch [M * mb, ...]`` -> ``[M, mb, ...]``; ``who`` names the caller in the

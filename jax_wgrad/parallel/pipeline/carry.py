@@ -1,0 +1,66 @@
+"""What the pipeline executor carries across the ticks of a schedule (:class:`PipelineCarry`),
+all of it named: the gradient buckets by chunk, the residual slots, the inboxes, the split
+backward's ``(x, dy)`` pairs and the deferred output layer's stash by weight name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_wgrad.grads.chunks import GradState
+
+__all__ = ["PipelineCarry", "WPair", "inbox_slot", "put", "zeros_of"]
+
+
+class WPair(NamedTuple):
+    """A fused linear's weight-gradient inputs waiting for ``W`` tasks: ``x [k, ...]``
+    (its input) and ``dy [k, ...]`` (its output gradient), ``k`` slots by microbatch."""
+
+    x: jax.Array
+    dy: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PipelineCarry:
+    """Per-device state carried across ticks (bounded by the schedule, not by ``M``)."""
+
+    grads: GradState
+    """The gradient buckets by chunk (:class:`~jax_wgrad.grads.GradLayout`)."""
+    residuals: tuple[jax.Array, ...]
+    """``[num_slots, ...]`` per stored residual of the stage forward."""
+    x_inbox: jax.Array
+    """``[depth + 1, mb, s(/tp), H]`` activations received, by microbatch; the last slot
+    takes what arrives in a tick where the sender ran no forward."""
+    g_inbox: jax.Array
+    """``[depth + 1, mb, s(/tp), H]`` gradients received (the last stage: its head's)."""
+    loss_sum: jax.Array
+    """fp32 scalar: sum of token losses computed on this device (last stage)."""
+    aux_sum: Any
+    """Sums of ``body``'s aux over this device's forwards."""
+    wstash: dict[str, WPair]
+    """Split backward: per probed weight (by sink entry name) its pairs for ``W``."""
+    deferred: dict[str, tuple[jax.Array, ...]]
+    """The deferred output layer's stash by entry name (:mod:`jax_wgrad.parallel.deferred`),
+    indexed by microbatch."""
+
+    def replace(self, **kw) -> PipelineCarry:
+        return dataclasses.replace(self, **kw)
+
+
+def zeros_of(tree):
+    """Zeros of a tree of shapes."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def inbox_slot(microbatch, depth: int, no_sender):
+    # Nothing sent (idle sender, or no neighbour): the spare slot `depth`, never read.
+    return jnp.where((microbatch < 0) | no_sender, depth, microbatch % depth)
+
+
+def put(buffer: jax.Array, value: jax.Array, slot) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)
