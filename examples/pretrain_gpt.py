@@ -157,6 +157,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate output layer instead of the word embeddings' transpose")
+    g.add_argument("--layer-scan-unroll", type=int, default=model_default("layer_scan_unroll"),
+                   help="layers per iteration of a stage's loop over its layers: 1 keeps "
+                        "compile time flat in the depth; the layers per stage unroll it "
+                        "(fewer GPU kernel launches, compile time grows with depth)")
     g = p.add_argument_group("precision")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--fp32", action="store_true", help="fp32 compute (the default)")
@@ -302,6 +306,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             moe_expert_capacity_factor=args.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
             moe_grouped_gemm=args.moe_grouped_gemm, moe_layer_freq=args.moe_layer_freq,
+            layer_scan_unroll=args.layer_scan_unroll,
             overlap_dispatch_backward_with_experts_wgrad=(
                 args.overlap_dispatch_backward_with_experts_wgrad))
         parallel = ParallelConfig(

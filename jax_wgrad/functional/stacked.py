@@ -4,8 +4,8 @@ accumulated in place into their bucket blocks (:func:`scan_layers`).
 A stage's ``n`` layers of the same structure hold each parameter stacked, ``[n, ...]``;
 in a gradient bucket a stacked weight ``[n, out, in]`` is one contiguous region, layer
 ``i``'s block at ``offset + i * out * in``. A ``lax.scan`` traces the layer once, so its
-compile time does not grow with ``n``; the weight-gradient slots handed to the layer are
-rebuilt per iteration:
+compile time does not grow with ``n`` (``unroll`` trades it back for straight-line code);
+the weight-gradient slots handed to the layer are rebuilt per iteration:
 
 * a :class:`~jax_wgrad.functional.BucketSlot` of a stacked weight becomes the slot of
   layer ``i``'s block, at the TRACED offset ``offset + i * size`` (the fused op's
@@ -39,8 +39,8 @@ def _is_slot(x) -> bool:
 
 
 def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]],
-                x: jax.Array, params: PyTree, main_grads: PyTree | None
-                ) -> tuple[jax.Array, PyTree]:
+                x: jax.Array, params: PyTree, main_grads: PyTree | None, *,
+                unroll: int = 1) -> tuple[jax.Array, PyTree]:
     """``for i in range(n): x, aux_i = layer(params[i], main_grads[i], x)`` as a scan.
 
     Args:
@@ -50,6 +50,8 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
       main_grads: ``None``, or a tree shaped like ``params`` with a slot (``BucketSlot`` /
         ``SplitSlot`` of the STACKED weight: its bucket block, its ``[n, ...]`` probe) or
         ``None`` at each leaf.
+      unroll: layers per iteration of the loop (``lax.scan``'s ``unroll``); ``n``: no loop
+        (straight-line code, the offsets constant; compile time grows with ``n``).
     Returns:
       ``(x after the n layers, aux stacked [n, ...])``. The threaded buckets and the
       split records of the slots' owners are updated as if each layer had been called.
@@ -62,7 +64,7 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
     if main_grads is None:
         def plain(h, p):
             return layer(p, None, h)
-        return lax.scan(plain, x, params)
+        return lax.scan(plain, x, params, unroll=min(unroll, n))
 
     slots = treedef.flatten_up_to(jax.tree.map(lambda s: s, main_grads, is_leaf=_is_slot))
     # Threaded buckets: one carry entry per (owner, bucket) a BucketSlot writes.
@@ -94,7 +96,7 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
 
     bks0 = tuple(owners[o]._buckets[b] for o, b in threaded)
     xs = (params, jnp.arange(n, dtype=jnp.int32), probes)
-    (y, bks), (aux, inputs, outputs) = lax.scan(step, (x, bks0), xs)
+    (y, bks), (aux, inputs, outputs) = lax.scan(step, (x, bks0), xs, unroll=min(unroll, n))
     for (o, b), bk in zip(threaded, bks):
         owners[o]._buckets[b] = bk
     for j, (_, s) in enumerate(split):

@@ -55,6 +55,13 @@ class GPTConfig:
     ``auto`` picks ``cudnn`` on a CUDA GPU with bfloat16 compute and a head size cuDNN
     takes (a multiple of 8, at most 128), ``xla`` otherwise."""
 
+    layer_scan_unroll: int = 1
+    """Layers per iteration of a stage's loop over its layers (``jax.lax.scan``'s
+    ``unroll``, counted in periods of ``moe_layer_freq`` layers for an MoE model). ``1``:
+    compile time flat in the depth. The stage's layer count: no loop, straight-line code
+    that XLA:GPU can capture in fewer CUDA graphs (fewer kernel launches per tick; compile
+    time grows with the depth). Not a shape: checkpoints ignore it."""
+
     # -- Mixture of Experts (Megatron's names and defaults, except the dispatcher). The
     # options the MoE layer reads are forwarded to :class:`MoEConfig` (field metadata
     # ``"moe_config"``: its field's name), whose field defaults and checks are the only ones.
@@ -88,7 +95,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
-                     "seq_length"):
+                     "seq_length", "layer_scan_unroll"):
             check_positive(name, getattr(self, name))
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)

@@ -124,7 +124,8 @@ class GPTProgram:
         grads = None if main_grads is None else {"stage": main_grads.stage,
                                                  "experts": main_grads.experts}
         with jax.named_scope("transformer_layers"):
-            y, stats = scan_layers(self._period, x, stacked, grads)
+            y, stats = scan_layers(self._period, x, stacked, grads,
+                                   unroll=self.model.layer_scan_unroll)
         if not self.moe:
             return y, ()
         return y, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
