@@ -27,7 +27,7 @@ TIERS = [
     ("jax_wgrad.grads", "jax_wgrad.models"),
     ("jax_wgrad.optim",),
     ("jax_wgrad.parallel.pipeline", "jax_wgrad.parallel.deferred"),
-    ("jax_wgrad.training",),
+    ("jax_wgrad.training", "jax_wgrad.interop"),
     ("jax_wgrad.testing", "jax_wgrad.schedules", "jax_wgrad.aot"),
 ]
 

@@ -46,7 +46,7 @@ from jax_wgrad.training.plan import TrainPlan
 from jax_wgrad.training.step import TrainState, init_optimizer_state
 
 __all__ = ["Checkpointer", "CheckpointError", "canonical_state",
-           "state_from_canonical", "model_differences"]
+           "state_from_canonical", "model_differences", "save_params_checkpoint"]
 
 class CheckpointError(ValueError):
     """A checkpoint step that cannot be read: ``step`` and the damage, in one line."""
@@ -174,6 +174,7 @@ class Checkpointer:
         if not isinstance(meta, dict) or "step" not in meta or "model" not in meta:
             raise CheckpointError(self.directory, step, "its meta item holds no step and model")
         _check_model(meta, plan, self.directory, step)
+        load_optim = load_optim and not meta.get("params_only", False)
         abstract = canonical_abstract(plan, state)
         items = {"params": ocp.args.StandardRestore(abstract["params"])}
         if load_optim:
@@ -251,11 +252,37 @@ def canonical_abstract(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
 def model_differences(meta: dict, model) -> list[tuple[str, Any, Any]]:
     """``(field, in the checkpoint, in this run)`` on which a checkpoint's model (its
     ``meta``) and ``model`` disagree: the config's type, then the fields that fix the
-    parameters' shapes (``model.shape_differences``)."""
+    parameters' shapes (``model.shape_differences``), then the fields the checkpoint
+    names in ``meta["required_fields"]`` (e.g. a converted model's RoPE base)."""
     saved_type = meta.get("model_type", type(model).__name__)  # older checkpoints: the GPT
     if saved_type != type(model).__name__:
         return [("model type", saved_type, type(model).__name__)]
-    return model.shape_differences(meta.get("model", {}))
+    out = model.shape_differences(meta.get("model", {}))
+    named = {k for k, _, _ in out}
+    now = json.loads(json.dumps(dataclasses.asdict(model), default=str))
+    return out + [(k, meta["model"].get(k), now.get(k)) for k in meta.get("required_fields", ())
+                  if k not in named and meta["model"].get(k) != now.get(k)]
+
+
+def save_params_checkpoint(directory: str | os.PathLike, model, params, *, source: str,
+                           required_fields: tuple[str, ...] = (), seed: int = 0) -> None:
+    """Writes canonical ``params`` (numpy or jax arrays) of ``model`` as a PARAMETERS-ONLY
+    checkpoint (step 0, no optimizer state) in ``directory``: a run loading it (``--load``)
+    starts at step 0 from these parameters with a fresh optimizer (any layout), after the
+    model checks of a full checkpoint plus ``required_fields`` (fields that must equal the
+    run's although they fix no shape). ``source``: where the parameters came from (logged).
+    """
+    meta = {"step": 0, "data_step": 0, "seed": seed, "params_only": True, "source": source,
+            "model_type": type(model).__name__, "model": dataclasses.asdict(model),
+            "required_fields": list(required_fields)}
+    manager = ocp.CheckpointManager(os.path.abspath(os.fspath(directory)),
+                                    options=ocp.CheckpointManagerOptions(create=True),
+                                    item_names=("params", "meta"))
+    manager.save(0, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        meta=ocp.args.JsonSave(json.loads(json.dumps(meta, default=str)))))
+    manager.wait_until_finished()
+    manager.close()
 
 
 def _check_model(meta: dict, plan: TrainPlan, directory: str, step: int) -> None:

@@ -155,6 +155,10 @@ def _resume(plan: TrainPlan, state: TrainState, opts: LoopOptions, log) -> tuple
                                           fallback=opts.load_fallback, log=log)
     finally:
         ckpt.close()
+    if meta.get("params_only"):
+        source = meta.get("source", "a parameters-only checkpoint")
+        log(f"starting from the parameters in {opts.load} ({source}): step 0, fresh optimizer")
+        return state, 0
     log(f"resumed from {opts.load} at step {meta['step']} (saved on mesh (data, expert, "
         f"tensor, pipeline) = {_mesh(meta)}; optimizer "
         f"{'loaded' if opts.load_optim else 'fresh'})")

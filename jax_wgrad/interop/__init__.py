@@ -1,0 +1,21 @@
+"""Checkpoints of other libraries in and out: :mod:`jax_wgrad.interop.hf` (Hugging Face
+Llama, Mistral, Qwen2 and Mixtral directories)."""
+
+from jax_wgrad.interop.hf import (
+    canonical_arrays,
+    export_hf,
+    hf_tensors,
+    import_hf,
+    read_hf_tensors,
+)
+from jax_wgrad.interop.hf_config import (
+    FAMILIES,
+    UnsupportedHFConfig,
+    config_from_hf,
+    hf_config_from,
+    megatron_flags,
+)
+
+__all__ = ["FAMILIES", "UnsupportedHFConfig", "canonical_arrays", "config_from_hf",
+           "export_hf", "hf_config_from", "hf_tensors", "import_hf", "megatron_flags",
+           "read_hf_tensors"]

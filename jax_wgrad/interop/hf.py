@@ -1,0 +1,302 @@
+"""Hugging Face checkpoints in and out: a model directory (``config.json`` and
+``model.safetensors`` or ``model.safetensors.index.json`` + shards) <-> a
+:class:`~jax_wgrad.GPTConfig` and canonical parameters (:func:`~jax_wgrad.init_params`'s
+tree, numpy).
+
+The one table is :func:`hf_tensors`: every HF tensor's name, shape and the canonical
+region (a numpy view) it is. Import writes each tensor into its view, export reads the
+views; so the two directions cannot disagree. Layouts:
+
+* ``q_proj``/``k_proj``/``v_proj`` ``[heads * d, H]`` -> ``qkv [ng * (hpg + 2) * d, H]``,
+  group-major (per query group: its ``hpg`` query heads, its key head, its value head --
+  Megatron's GQA layout; HF's ``repeat_kv`` gives query head ``h`` key/value head
+  ``h // hpg``, the same grouping). RoPE is HF's ``rotate_half`` convention here too, so no
+  permutation of rows.
+* ``gate_proj``/``up_proj`` -> ``fc1 [2, F, H]``, ``down_proj`` -> ``fc2``;
+  Mixtral's ``w1``/``w3`` -> ``experts.fc1 [E, 2F, H]`` rows ``[:F]``/``[F:]``, ``w2`` ->
+  ``experts.fc2``, ``block_sparse_moe.gate`` -> ``router`` (transformers 5's in-memory
+  names ``mlp.gate``/``mlp.experts.gate_up_proj``/``down_proj`` are read too).
+
+Import is streamed: one shard open at a time (``safe_open`` maps it), each tensor copied
+into the preallocated fp32 canonical arrays and dropped; so the memory beyond the result
+is at most one shard's mapped pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jax_wgrad.interop.hf_config import config_from_hf, head_dim, hf_config_from
+from jax_wgrad.models.gpt.config import GPTConfig
+from jax_wgrad.models.gpt.params import init_params
+
+__all__ = ["HFTensor", "canonical_arrays", "export_hf", "hf_tensors", "import_hf",
+           "read_hf_tensors", "shard_files"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Buffers some older checkpoints hold; recomputed, never read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One Hugging Face tensor: its ``name``, HF ``shape``, the canonical ``leaf``
+    (dotted path) it lives in and ``view(params)``: that region of the leaf (a numpy view,
+    written in place on import)."""
+
+    name: str
+    shape: tuple[int, ...]
+    leaf: str
+    view: Callable[[dict], np.ndarray]
+
+
+def _get(tree: dict, leaf: str):
+    for k in leaf.split("."):
+        tree = tree[k]
+    return tree
+
+
+def _region(leaf: str, *index, rows: slice | None = None) -> Callable[[dict], np.ndarray]:
+    def view(params):
+        a = _get(params, leaf)[index] if index else _get(params, leaf)
+        return a if rows is None else a[rows]
+    return view
+
+
+def _qkv_region(leaf: str, j: int, part: str, ng: int, hpg: int, d: int):
+    """Query (``part="q"``), key or value rows of layer ``j``'s group-major qkv leaf, as
+    ``[ng, heads per group, d, ...]``."""
+    sl = {"q": slice(0, hpg), "k": slice(hpg, hpg + 1), "v": slice(hpg + 1, hpg + 2)}[part]
+
+    def view(params):
+        a = _get(params, leaf)[j]
+        return a.reshape(ng, hpg + 2, d, *a.shape[1:])[:, sl]
+    return view
+
+
+def _attention(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
+    nh, h, d = cfg.num_attention_heads, cfg.hidden_size, head_dim(cfg)
+    ng = cfg.num_query_groups or nh
+    out = []
+    for part, heads in (("q", nh), ("k", ng), ("v", ng)):
+        for kind, shape in (("weight", (heads * d, h)), ("bias", (heads * d,))):
+            if kind == "bias" and not (cfg.add_bias_linear or cfg.add_qkv_bias):
+                continue
+            leaf = f"{key}.qkv.{kind}"
+            out.append(HFTensor(f"{p}self_attn.{part}_proj.{kind}", shape, leaf,
+                                _qkv_region(leaf, j, part, ng, nh // ng, d)))
+    out.append(HFTensor(f"{p}self_attn.o_proj.weight", (h, nh * d), f"{key}.proj.weight",
+                        _region(f"{key}.proj.weight", j)))
+    if cfg.add_bias_linear:
+        out.append(HFTensor(f"{p}self_attn.o_proj.bias", (h,), f"{key}.proj.bias",
+                            _region(f"{key}.proj.bias", j)))
+    return out
+
+
+def _mlp(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    out = []
+    for kind in ("weight", "bias"):
+        if kind == "bias" and not cfg.add_bias_linear:
+            continue
+        mat = lambda *s: s if kind == "weight" else s[:1]
+        fc1, fc2 = f"{key}.fc1.{kind}", f"{key}.fc2.{kind}"
+        out += [HFTensor(f"{p}mlp.gate_proj.{kind}", mat(f, h), fc1, _region(fc1, j, 0)),
+                HFTensor(f"{p}mlp.up_proj.{kind}", mat(f, h), fc1, _region(fc1, j, 1)),
+                HFTensor(f"{p}mlp.down_proj.{kind}", mat(h, f), fc2, _region(fc2, j))]
+    return out
+
+
+def _experts(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
+    h, f, e_num = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
+    fc1, fc2, q = f"{key}.experts.fc1", f"{key}.experts.fc2", f"{p}block_sparse_moe."
+    out = [HFTensor(f"{q}gate.weight", (e_num, h), f"{key}.router",
+                    _region(f"{key}.router", j))]
+    for e in range(e_num):
+        out += [HFTensor(f"{q}experts.{e}.w1.weight", (f, h), fc1,
+                         _region(fc1, j, e, rows=slice(0, f))),
+                HFTensor(f"{q}experts.{e}.w3.weight", (f, h), fc1,
+                         _region(fc1, j, e, rows=slice(f, 2 * f))),
+                HFTensor(f"{q}experts.{e}.w2.weight", (h, f), fc2, _region(fc2, j, e))]
+    return out
+
+
+def _experts_v5(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
+    """transformers 5's fused in-memory names (read only; files use :func:`_experts`')."""
+    h, f, e_num = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
+    fc1, fc2 = f"{key}.experts.fc1", f"{key}.experts.fc2"
+    return [HFTensor(f"{p}mlp.gate.weight", (e_num, h), f"{key}.router",
+                     _region(f"{key}.router", j)),
+            HFTensor(f"{p}mlp.experts.gate_up_proj", (e_num, 2 * f, h), fc1, _region(fc1, j)),
+            HFTensor(f"{p}mlp.experts.down_proj", (e_num, h, f), fc2, _region(fc2, j))]
+
+
+def hf_tensors(cfg: GPTConfig, *, aliases: bool = False) -> list[HFTensor]:
+    """Every tensor of ``cfg``'s Hugging Face checkpoint, in the order written (with
+    ``aliases``: also the other spellings an import accepts)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    out = [HFTensor("model.embed_tokens.weight", (v, h), "embedding.word.embedding",
+                    _region("embedding.word.embedding"))]
+    seen = {"layers": 0, "moe_layers": 0}
+    for i, moe in enumerate(cfg.moe_layer_pattern):
+        key = "moe_layers" if moe else "layers"
+        j, p = seen[key], f"model.layers.{i}."
+        seen[key] += 1
+        out += [HFTensor(f"{p}input_layernorm.weight", (h,), f"{key}.ln1.scale",
+                         _region(f"{key}.ln1.scale", j))]
+        out += _attention(cfg, p, key, j)
+        out += [HFTensor(f"{p}post_attention_layernorm.weight", (h,), f"{key}.ln2.scale",
+                         _region(f"{key}.ln2.scale", j))]
+        out += (_experts(cfg, p, key, j) + (_experts_v5(cfg, p, key, j) if aliases else [])
+                if moe else _mlp(cfg, p, key, j))
+    out.append(HFTensor("model.norm.weight", (h,), "head.final_norm.scale",
+                        _region("head.final_norm.scale")))
+    if cfg.untie_embeddings_and_output_weights:
+        out.append(HFTensor("lm_head.weight", (v, h), "head.output.weight",
+                            _region("head.output.weight")))
+    return out
+
+
+def canonical_arrays(cfg: GPTConfig) -> dict:
+    """Uninitialised numpy arrays of :func:`init_params`'s tree (shapes, dtypes), pages
+    untouched until written."""
+    shapes = jax.eval_shape(functools.partial(init_params, cfg, 0))
+    return jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
+
+
+def _leaves(params: dict) -> dict[str, Any]:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {".".join(k.key for k in path): a for path, a in flat}
+
+
+def shard_files(directory: str | os.PathLike) -> list[Path]:
+    """The safetensors files of an HF directory, in index order."""
+    d = Path(directory)
+    if (d / INDEX).is_file():
+        weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+        return [d / f for f in dict.fromkeys(weight_map.values())]
+    if (d / SINGLE).is_file():
+        return [d / SINGLE]
+    raise FileNotFoundError(f"{d}: neither {SINGLE} nor {INDEX}")
+
+
+def import_hf(directory: str | os.PathLike, **overrides) -> tuple[GPTConfig, dict]:
+    """``(config, canonical params as fp32 numpy)`` of an HF model directory, streamed
+    shard by shard. ``overrides``: GPTConfig fields (:func:`config_from_hf`).
+
+    Raises:
+      ValueError: a config the GPT cannot represent; a tensor of the wrong shape, one
+        with no place in the model, or missing ones (named).
+    """
+    d = Path(directory)
+    cfg = config_from_hf(json.loads((d / "config.json").read_text()), **overrides)
+    return cfg, read_hf_tensors(d, cfg, canonical_arrays(cfg))
+
+
+def read_hf_tensors(directory: str | os.PathLike, cfg: GPTConfig, params: dict) -> dict:
+    """Fills the canonical numpy arrays ``params`` (e.g. :func:`canonical_arrays`) from an
+    HF directory's safetensors, one shard open at a time; returns ``params``.
+
+    Raises:
+      ValueError: a tensor of the wrong shape or with no place in the model; parameters
+        the files do not (fully) give (named, with missing tensor names).
+    """
+    table = {t.name: t for t in hf_tensors(cfg, aliases=True)}
+    written = dict.fromkeys(_leaves(params), 0)
+    for path in shard_files(directory):
+        _read_shard(path, table, params, written, cfg)
+    sizes = {k: a.size for k, a in _leaves(params).items()}
+    short = [k for k in sizes if written[k] != sizes[k]]
+    if short:
+        missing = [t.name for t in hf_tensors(cfg) if t.leaf in short][:8]
+        raise ValueError(f"{directory}: parameters {short} are not (fully) given by the "
+                         f"checkpoint; missing tensors include {missing}")
+    return params
+
+
+def _read_shard(path: Path, table: dict, params: dict, written: dict, cfg) -> None:
+    from safetensors import safe_open
+
+    tied = not cfg.untie_embeddings_and_output_weights
+    with safe_open(path, framework="numpy") as f:
+        for name in f.keys():
+            if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                continue
+            entry = table.get(name)
+            if entry is None:
+                raise ValueError(f"{path}: tensor {name!r} has no place in this model "
+                                 "(a different architecture or an option not mapped)")
+            tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != entry.shape:
+                raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the config makes it {entry.shape}")
+            view = entry.view(params)
+            view[...] = tensor.reshape(view.shape)
+            written[entry.leaf] += tensor.size
+            del tensor
+
+
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def export_hf(cfg: GPTConfig, params: dict, directory: str | os.PathLike, *,
+              max_shard_bytes: int = 5 * 2**30, dtype: str = "float32",
+              family: str | None = None, extra_config: dict | None = None) -> list[Path]:
+    """Writes ``cfg`` and canonical ``params`` (numpy or jax arrays) as an HF model
+    directory ``transformers`` loads: ``config.json`` (:func:`hf_config_from`, updated by
+    ``extra_config``, e.g. token ids), safetensors shards of at most ``max_shard_bytes``
+    (one tensor bigger than that gets a shard of its own) with their index, or one
+    ``model.safetensors``; ``generation_config.json`` only when ``extra_config`` gives
+    token ids. Returns the files written."""
+    from safetensors.numpy import save_file
+
+    hf = {**hf_config_from(cfg, family=family, dtype=dtype), **(extra_config or {})}
+    np_dtype = _DTYPES[dtype]
+    params = jax.tree.map(np.asarray, params)
+    tensors = hf_tensors(cfg)
+    shards, size = [[]], 0
+    for t in tensors:
+        n = int(np.prod(t.shape)) * np.dtype(np_dtype).itemsize
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    out_dir = Path(directory)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = ([SINGLE] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    files = []
+    for name, shard in zip(names, shards):
+        data = {t.name: np.ascontiguousarray(t.view(params)).reshape(t.shape).astype(np_dtype)
+                for t in shard}
+        save_file(data, str(out_dir / name), metadata={"format": "pt"})
+        files.append(out_dir / name)
+        del data
+    if len(shards) > 1:
+        total = sum(int(np.prod(t.shape)) * np.dtype(np_dtype).itemsize for t in tensors)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t.name: n for n, s in zip(names, shards) for t in s}}
+        files.append(_write_json(out_dir / INDEX, index))
+    files.append(_write_json(out_dir / "config.json", hf))
+    tokens = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+              if hf.get(k) is not None}
+    if tokens:
+        files.append(_write_json(out_dir / "generation_config.json", tokens))
+    return files
+
+
+def _write_json(path: Path, obj) -> Path:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    return path

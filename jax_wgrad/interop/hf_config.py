@@ -1,0 +1,211 @@
+"""Hugging Face ``config.json`` <-> :class:`~jax_wgrad.GPTConfig` for the Llama, Mistral,
+Qwen2 and Mixtral families.
+
+Everything the GPT cannot compute exactly as ``transformers`` does is refused with the HF
+field and its value named (RoPE scaling, an active sliding window, other activations,
+bias combinations Megatron's flags cannot express, router jitter, dropout), so an
+imported model is never silently a different function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax_wgrad.models.gpt.config import GPTConfig
+
+__all__ = ["FAMILIES", "UnsupportedHFConfig", "config_from_hf", "hf_config_from", "head_dim",
+           "megatron_flags"]
+
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+            "Qwen2ForCausalLM": "qwen2", "MixtralForCausalLM": "mixtral"}
+"""The ``architectures`` entries read and written, and their ``model_type``."""
+
+_ROPE_DEFAULTS = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
+
+
+class UnsupportedHFConfig(ValueError):
+    """A Hugging Face config the GPT cannot represent exactly (the field is named)."""
+
+
+def _refuse(field: str, value: Any, why: str) -> None:
+    raise UnsupportedHFConfig(f"Hugging Face config {field}={value!r}: {why}")
+
+
+def head_dim(cfg: GPTConfig) -> int:
+    """Attention head size: ``kv_channels``, or ``hidden_size / num_attention_heads``."""
+    return getattr(cfg, "kv_channels", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _family(hf: dict) -> str:
+    arch = hf.get("architectures") or []
+    if len(arch) != 1 or arch[0] not in FAMILIES:
+        _refuse("architectures", arch, f"only one of {sorted(FAMILIES)} is supported")
+    return FAMILIES[arch[0]]
+
+
+def _rope_theta(hf: dict, family: str) -> float:
+    """``rope_theta`` from transformers 4's flat fields or 5's ``rope_parameters``;
+    scaled or partial rotary embeddings are refused."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "default":
+        _refuse("rope_scaling", scaling, "scaled RoPE (llama3, yarn, linear, dynamic, ...) is "
+                "not implemented; only plain RoPE")
+    if params.get("rope_type", "default") != "default":
+        _refuse("rope_parameters.rope_type", params["rope_type"], "scaled RoPE is not "
+                "implemented; only 'default'")
+    for where in (hf, params):
+        factor = where.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            _refuse("partial_rotary_factor", factor, "this family rotates the whole head")
+    return float(params.get("rope_theta", hf.get("rope_theta", _ROPE_DEFAULTS[family])))
+
+
+def _sliding_window_active(hf: dict, family: str, num_layers: int) -> bool:
+    if family in ("mistral", "mixtral"):
+        return hf.get("sliding_window") is not None
+    if family == "qwen2":
+        types = hf.get("layer_types")
+        if types is not None:
+            return "sliding_attention" in types
+        return bool(hf.get("use_sliding_window")) and \
+            hf.get("max_window_layers", num_layers) < num_layers
+    return False
+
+
+def _check(hf: dict, family: str, seq_length: int) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        _refuse("hidden_act", act, "SwiGLU here is SiLU-gated (Megatron's --swiglu)")
+    window = hf.get("sliding_window")
+    if _sliding_window_active(hf, family, hf["num_hidden_layers"]) and window < seq_length:
+        _refuse("sliding_window", window, f"sliding-window attention is not implemented; it "
+                f"is inactive only for sequences of at most {window} tokens (pass "
+                f"seq_length <= {window}; now {seq_length})")
+    if family == "llama" and hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        _refuse("attention_bias/mlp_bias", (hf.get("attention_bias"), hf.get("mlp_bias")),
+                "Megatron's --disable-bias-linear switches every linear's bias together "
+                "(--add-qkv-bias adds q/k/v biases only, not o_proj's)")
+    for name in ("attention_dropout", "router_jitter_noise"):
+        if hf.get(name, 0.0):
+            _refuse(name, hf[name], "not implemented (must be 0)")
+
+
+def config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of a Hugging Face ``config.json`` (a dict).
+
+    ``overrides`` are GPTConfig fields set on top (e.g. ``seq_length=4096`` -- the default
+    is ``max_position_embeddings`` -- or ``compute_dtype="bfloat16"``); the checks see
+    the final values.
+
+    Raises:
+      UnsupportedHFConfig (a ValueError): a family or option the GPT cannot represent,
+        naming the HF field and its value.
+    """
+    hf = hf_config
+    family = _family(hf)
+    nh, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    nkv = hf.get("num_key_value_heads") or nh
+    d = hf.get("head_dim") or hidden // nh
+    fields: dict[str, Any] = dict(
+        vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], hidden_size=hidden,
+        num_attention_heads=nh, seq_length=hf.get("max_position_embeddings", 2048),
+        ffn_hidden_size=hf["intermediate_size"], normalization="RMSNorm",
+        position_embedding_type="rope", rotary_base=_rope_theta(hf, family), swiglu=True,
+        group_query_attention=nkv != nh, num_query_groups=nkv if nkv != nh else None,
+        kv_channels=d if d * nh != hidden else None,
+        add_bias_linear=bool(hf.get("attention_bias", False)) if family == "llama" else False,
+        add_qkv_bias=family == "qwen2", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
+    if family == "mixtral":
+        fields.update(num_moe_experts=hf["num_local_experts"],
+                      moe_router_topk=hf["num_experts_per_tok"],
+                      moe_ffn_hidden_size=hf["intermediate_size"], moe_layer_freq=1,
+                      moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0))
+                      if hf.get("output_router_logits") else 0.0)
+    fields.update(overrides)
+    _check(hf, family, fields["seq_length"])
+    return GPTConfig(**fields)
+
+
+def _export_refusals(cfg: GPTConfig) -> list[tuple[str, Any, str]]:
+    checks = [("normalization", "RMSNorm"), ("position_embedding_type", "rope"),
+              ("swiglu", True), ("rotary_percent", 1.0), ("qk_layernorm", False)]
+    out = [(f, getattr(cfg, f, None), f"the Llama family needs {want!r}")
+           for f, want in checks if getattr(cfg, f, None) != want]
+    if cfg.num_moe_experts is not None:
+        if cfg.moe_layer_freq != 1:
+            out.append(("moe_layer_freq", cfg.moe_layer_freq, "Mixtral has experts in every "
+                        "layer"))
+        if cfg.add_bias_linear or cfg.add_qkv_bias:
+            out.append(("add_bias_linear/add_qkv_bias", (cfg.add_bias_linear, cfg.add_qkv_bias),
+                        "Mixtral has no linear biases"))
+    return out
+
+
+def hf_config_from(cfg: GPTConfig, *, family: str | None = None,
+                   dtype: str = "float32") -> dict:
+    """A ``config.json`` (dict) ``transformers`` loads as the same model: Mixtral with
+    experts, Qwen2 with q/k/v biases only, else Llama (``family="mistral"`` also for a
+    dense model without biases).
+
+    Raises:
+      ValueError: ``cfg`` has an option no such family has (the field named).
+    """
+    bad = _export_refusals(cfg)
+    if bad:
+        raise ValueError("cannot export to Hugging Face: " + "; ".join(
+            f"{f}={v!r} ({why})" for f, v, why in bad))
+    auto = ("mixtral" if cfg.num_moe_experts is not None else
+            "qwen2" if cfg.add_qkv_bias and not cfg.add_bias_linear else "llama")
+    family = family or auto
+    if family != auto and not (family == "mistral" and auto == "llama"
+                               and not cfg.add_bias_linear):
+        raise ValueError(f"cannot export as {family!r}: this model's options make it {auto!r}")
+    nkv = cfg.num_query_groups or cfg.num_attention_heads
+    out = {"architectures": [next(a for a, f in FAMILIES.items() if f == family)],
+           "model_type": family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+           "intermediate_size": cfg.moe_ffn_hidden_size if family == "mixtral"
+           else cfg.ffn_hidden_size,
+           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": nkv, "head_dim": head_dim(cfg), "hidden_act": "silu",
+           "max_position_embeddings": cfg.seq_length, "initializer_range": cfg.init_method_std,
+           "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base,
+           "rope_scaling": None, "tie_word_embeddings":
+               not cfg.untie_embeddings_and_output_weights,
+           "attention_dropout": 0.0, "use_cache": True, "torch_dtype": dtype}
+    if family == "llama":
+        out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
+    if family in ("mistral", "mixtral"):
+        out["sliding_window"] = None
+    if family == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None,
+                   max_window_layers=cfg.num_layers)
+    if family == "mixtral":
+        out.update(num_local_experts=cfg.num_moe_experts,
+                   num_experts_per_tok=cfg.moe_router_topk, router_jitter_noise=0.0,
+                   router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+                   output_router_logits=cfg.moe_aux_loss_coeff > 0)
+    return out
+
+
+def megatron_flags(cfg: GPTConfig) -> list[str]:
+    """The ``examples/pretrain_gpt.py`` model flags (Megatron's names) of ``cfg``: the run
+    that loads a converted checkpoint (``--load``) passes these."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    skip = {"compute_dtype", "attention_backend", "layer_scan_unroll"}
+    out = []
+    for name, value in dataclasses.asdict(cfg).items():
+        if name in skip or value == defaults.get(name) or value is None:
+            continue
+        flag = "--" + {"num_moe_experts": "num_experts", "add_bias_linear":
+                       "disable_bias_linear"}.get(name, name).replace("_", "-")
+        if isinstance(value, bool):
+            if value != (name != "add_bias_linear"):
+                continue
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out

@@ -1,0 +1,311 @@
+"""Hugging Face in and out (jax_wgrad.interop): config mapping and refusals, the tensor
+table, streamed import, export -> import bitwise, and parity with ``transformers`` from the
+committed fixtures (tests/fixtures/hf, made by tools/make_hf_fixtures.py): the reference
+model's logits, bf16 KL, and the pipeline's cross entropy on (2,2,2)+SP and (1,2,4)."""
+
+import dataclasses
+import json
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_wgrad.interop import (
+    UnsupportedHFConfig,
+    config_from_hf,
+    export_hf,
+    hf_config_from,
+    hf_tensors,
+    import_hf,
+    read_hf_tensors,
+)
+from jax_wgrad.interop.hf import shard_files
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FAMILIES = ["llama", "mistral", "qwen2", "mixtral"]
+
+
+def _hf_config(family: str) -> dict:
+    return json.loads((FIXTURES / family / "config.json").read_text())
+
+
+def _reference(family: str):
+    return np.load(FIXTURES / family / "reference.npz")
+
+
+def _file_tensors(directory) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    out = {}
+    for path in shard_files(directory):
+        with safe_open(path, framework="numpy") as f:
+            out |= {k: f.get_tensor(k) for k in f.keys()}
+    return out
+
+
+# --------------------------------------------------------------------------- the tensor table
+# (against the canonical layout as specified, independent of the model's code)
+
+
+def _spec_namespace(hf: dict):
+    """The GPTConfig fields the table reads, from an HF config, as a plain namespace."""
+    nh, h = hf["num_attention_heads"], hf["hidden_size"]
+    moe = hf["architectures"][0] == "MixtralForCausalLM"
+    return types.SimpleNamespace(
+        vocab_size=hf["vocab_size"], hidden_size=h, num_attention_heads=nh,
+        num_layers=hf["num_hidden_layers"], num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf.get("head_dim") or h // nh, ffn_hidden_size=hf["intermediate_size"],
+        moe_ffn_hidden_size=hf["intermediate_size"],
+        num_moe_experts=hf.get("num_local_experts"), add_bias_linear=False,
+        add_qkv_bias=hf["model_type"] == "qwen2",
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        moe_layer_pattern=(moe,) * hf["num_hidden_layers"])
+
+
+def _spec_skeleton(c) -> dict:
+    """Canonical arrays as the layout spec gives them (group-major qkv, fc1 [L, 2, F, H],
+    experts.fc1 [L, E, 2F, H])."""
+    L, h, d, nh, ng = c.num_layers, c.hidden_size, c.kv_channels, c.num_attention_heads, \
+        c.num_query_groups
+    qkv = (nh + 2 * ng) * d
+    layer = {"ln1": {"scale": (L, h)}, "ln2": {"scale": (L, h)},
+             "qkv": {"weight": (L, qkv, h), **({"bias": (L, qkv)} if c.add_qkv_bias else {})},
+             "proj": {"weight": (L, h, nh * d)}}
+    if c.num_moe_experts:
+        e, f = c.num_moe_experts, c.moe_ffn_hidden_size
+        stacks = {"moe_layers": {**layer, "router": (L, e, h),
+                                 "experts": {"fc1": (L, e, 2 * f, h), "fc2": (L, e, h, f)}}}
+    else:
+        f = c.ffn_hidden_size
+        stacks = {"layers": {**layer, "fc1": {"weight": (L, 2, f, h)},
+                             "fc2": {"weight": (L, h, f)}}}
+    head = {"final_norm": {"scale": (h,)}}
+    if c.untie_embeddings_and_output_weights:
+        head["output"] = {"weight": (c.vocab_size, h)}
+    tree = {"embedding": {"word": {"embedding": (c.vocab_size, h)}}, **stacks, "head": head}
+    return jax.tree.map(lambda s: np.full(s, np.nan, np.float32), tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_table_fills_the_canonical_layout_and_reads_back_bitwise(family):
+    c = _spec_namespace(_hf_config(family))
+    params = read_hf_tensors(FIXTURES / family, c, _spec_skeleton(c))
+    assert not any(np.isnan(a).any() for a in jax.tree.leaves(params))  # every element set
+    files = _file_tensors(FIXTURES / family)
+    # group-major qkv: group g = query heads g*hpg .. (g+1)*hpg-1, then key g, then value g
+    d, ng = c.kv_channels, c.num_query_groups
+    hpg = c.num_attention_heads // ng
+    stack = "moe_layers" if c.num_moe_experts else "layers"
+    qkv = params[stack]["qkv"]["weight"][1].reshape(ng, hpg + 2, d, -1)
+    p = "model.layers.1.self_attn."
+    for g in range(ng):
+        q = files[p + "q_proj.weight"].reshape(ng * hpg, d, -1)[g * hpg:(g + 1) * hpg]
+        np.testing.assert_array_equal(qkv[g, :hpg], q.astype(np.float32))
+        np.testing.assert_array_equal(qkv[g, hpg], files[p + "k_proj.weight"].reshape(
+            ng, d, -1)[g].astype(np.float32))
+        np.testing.assert_array_equal(qkv[g, hpg + 1], files[p + "v_proj.weight"].reshape(
+            ng, d, -1)[g].astype(np.float32))
+    for t in hf_tensors(c):  # every tensor of the files, and nothing else, read back bitwise
+        np.testing.assert_array_equal(np.asarray(t.view(params)).reshape(t.shape),
+                                      files.pop(t.name).astype(np.float32), err_msg=t.name)
+    assert files == {}
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    c = _spec_namespace(_hf_config("qwen2"))
+    files = _file_tensors(FIXTURES / "qwen2")
+    del files["model.layers.2.mlp.up_proj.weight"]
+    save_file(files, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers.fc1.weight.*model.layers.2.mlp.up_proj"):
+        read_hf_tensors(tmp_path, c, _spec_skeleton(c))
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def test_config_mapping():
+    cfg = config_from_hf(_hf_config("llama"))
+    assert (cfg.normalization, cfg.position_embedding_type, cfg.swiglu) == ("RMSNorm", "rope",
+                                                                            True)
+    assert (cfg.group_query_attention, cfg.num_query_groups) == (True, 2)
+    assert (cfg.add_bias_linear, cfg.add_qkv_bias) == (False, False)
+    assert cfg.untie_embeddings_and_output_weights and cfg.rotary_base == 10000.0
+    assert cfg.layernorm_epsilon == 1e-5 and cfg.seq_length == 64 and cfg.ffn_hidden_size == 128
+    mistral = config_from_hf(_hf_config("mistral"))
+    assert mistral.kv_channels == 32 and mistral.rotary_base == 1e6
+    qwen = config_from_hf(_hf_config("qwen2"))
+    assert qwen.add_qkv_bias and not qwen.add_bias_linear
+    assert not qwen.untie_embeddings_and_output_weights
+    moe = config_from_hf(_hf_config("mixtral"), seq_length=16)
+    assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size,
+            moe.moe_layer_freq, moe.moe_aux_loss_coeff, moe.seq_length) == (4, 2, 64, 1, 0.0, 16)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exported_config_maps_back_to_the_same_model(family):
+    cfg = config_from_hf(_hf_config(family))
+    assert config_from_hf(hf_config_from(cfg)) == cfg
+
+
+@pytest.mark.parametrize("family, change, field", [
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+     "rope_parameters.rope_type"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"attention_bias": True}, "attention_bias/mlp_bias"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("llama", {"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+    ("mistral", {"sliding_window": 32}, "sliding_window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2,
+               "layer_types": None}, "sliding_window"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+])
+def test_unrepresentable_configs_are_refused_naming_the_field(family, change, field):
+    with pytest.raises(UnsupportedHFConfig, match=f"config {field}="):
+        config_from_hf({**_hf_config(family), **change})
+
+
+def test_a_sliding_window_longer_than_the_sequence_is_accepted():
+    assert config_from_hf({**_hf_config("mistral"), "sliding_window": 64}).seq_length == 64
+    with pytest.raises(UnsupportedHFConfig, match="sliding_window=64"):
+        config_from_hf({**_hf_config("mistral"), "sliding_window": 64}, seq_length=128)
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_export_import_is_bitwise(family, tmp_path):
+    cfg, params = import_hf(FIXTURES / family)
+    files = export_hf(cfg, params, tmp_path, max_shard_bytes=100_000)
+    assert (tmp_path / "model.safetensors.index.json") in files
+    cfg2, params2 = import_hf(tmp_path)
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    # the exported files hold exactly the original (bf16) values, as fp32
+    theirs, ours = _file_tensors(FIXTURES / family), _file_tensors(tmp_path)
+    assert sorted(theirs) == sorted(ours)
+    for k in theirs:
+        np.testing.assert_array_equal(ours[k], theirs[k].astype(np.float32), err_msg=k)
+
+
+def test_export_of_a_random_model_imports_bitwise(tmp_path):
+    from jax_wgrad import GPTConfig, init_params
+
+    cfg = GPTConfig(vocab_size=96, num_layers=2, hidden_size=48, num_attention_heads=6,
+                    seq_length=32, ffn_hidden_size=80, normalization="RMSNorm",
+                    position_embedding_type="rope", rotary_base=5e5, swiglu=True,
+                    group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+                    add_qkv_bias=True, untie_embeddings_and_output_weights=True)
+    params = jax.tree.map(np.asarray, init_params(cfg, seed=5))
+    export_hf(cfg, params, tmp_path)
+    cfg2, params2 = import_hf(tmp_path)
+    assert cfg2 == dataclasses.replace(cfg, init_method_std=cfg2.init_method_std)
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+# --------------------------------------------------------------------------- parity
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_logits_equal_transformers_fp32(family):
+    from jax_wgrad.testing import reference_logits
+
+    ref = _reference(family)
+    cfg, params = import_hf(FIXTURES / family, seq_length=16)
+    ids = jnp.asarray(ref["tokens"][:, :-1])
+    ours = np.asarray(reference_logits(jax.tree.map(jnp.asarray, params), ids, cfg))
+    theirs = ref["logits_fp32"]
+    rel = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    assert rel <= 1e-4, rel
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_kl_per_token(family):
+    """The model in bf16 (bf16 weights and activations, as transformers' bf16 model)
+    against transformers' fp32 logits: KL(HF fp32 || ours bf16) <= 1e-3 for every token."""
+    from jax_wgrad.testing import reference_logits
+
+    ref = _reference(family)
+    cfg, params = import_hf(FIXTURES / family, seq_length=16, compute_dtype="bfloat16")
+    ids = jnp.asarray(ref["tokens"][:, :-1])
+    bf16 = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
+    ours = _log_softmax(np.asarray(reference_logits(bf16, ids, cfg), np.float32))
+    theirs = _log_softmax(ref["logits_fp32"])
+    kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
+    assert kl.max() <= 1e-3, kl.max()
+
+
+def _pipeline_loss(cfg, params, tokens, dp, tp, pp, sp):
+    from jax_wgrad import GPTProgram, ParallelConfig, make_mesh
+    from jax_wgrad.parallel.mesh import DATA_PARALLEL
+    from jax_wgrad.parallel.pipeline.evaluate import eval_loss
+
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         micro_batch_size=1, global_batch_size=tokens.shape[0],
+                         sequence_parallel=sp)
+    mesh, program = make_mesh(par), GPTProgram(cfg, par)
+    specs = program.param_specs()
+    fn = jax.shard_map(lambda p, t: eval_loss(program, program.device_tree(p), t), mesh=mesh,
+                       in_specs=(specs, P(DATA_PARALLEL)), out_specs=P(), check_vma=False)
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                         is_leaf=lambda x: isinstance(x, P))
+    return float(jax.jit(fn)(jax.device_put(params, shard),
+                             jax.device_put(tokens, NamedSharding(mesh, P(DATA_PARALLEL)))))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+@pytest.mark.parametrize("dp, tp, pp, sp", [(2, 2, 2, True), (1, 2, 4, False)], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_cross_entropy_equals_transformers(family, dp, tp, pp, sp):
+    ref = _reference(family)
+    sp = sp or family == "mixtral"  # MoE with tensor parallelism needs SP (Megatron's rule)
+    cfg, params = import_hf(FIXTURES / family, seq_length=16)
+    tokens = ref["tokens"]
+    theirs = -np.mean(np.take_along_axis(_log_softmax(ref["logits_fp32"]),
+                                         tokens[:, 1:, None], -1))
+    ours = _pipeline_loss(cfg, params, jnp.asarray(tokens), dp, tp, pp, sp)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+def test_a_parameters_only_checkpoint_starts_a_run(example, tmp_path, capsys):
+    """What tools/convert_hf.py writes: --load starts at step 0 from those parameters with a
+    fresh optimizer (here: the seed's own initial parameters, so the first loss equals a
+    run from scratch bitwise); another model is refused with the field named."""
+    from jax_wgrad import GPTConfig, init_params
+    from jax_wgrad.training.checkpoint import save_params_checkpoint
+
+    small = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+             "--no-progress", "--seed", "3", "--train-iters", "1",
+             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    cfg = GPTConfig(vocab_size=256, num_layers=2, hidden_size=32, num_attention_heads=4,
+                    seq_length=16)
+    save_params_checkpoint(tmp_path / "ckpt", cfg, jax.tree.map(np.asarray,
+                                                                init_params(cfg, 3)),
+                           source="a test", required_fields=("layernorm_epsilon",))
+    scratch = example.main(small)
+    loaded = example.main(small + ["--load", str(tmp_path / "ckpt")])
+    assert loaded["first_loss"] == scratch["first_loss"]
+    assert "starting from the parameters in" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        example.main(small[:3] + ["64"] + small[4:] + ["--load", str(tmp_path / "ckpt")])
+    assert "--hidden-size=32 in the checkpoint, 64 in this run" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Regenerate ``tests/fixtures/hf/<family>/``: small random-weight Hugging Face models of the
+Llama, Mistral, Qwen2 and Mixtral families (built from configs with ``transformers``, no
+download) and their reference logits, for ``tests/test_hf.py``.
+
+Needs ``torch`` and ``transformers`` (not dependencies of this library; e.g. a separate
+venv: ``pip install torch==2.13.0 transformers safetensors numpy``)::
+
+    /work/venv-torch/bin/python tools/make_hf_fixtures.py [--out tests/fixtures/hf]
+
+Per family: the HF directory (``config.json``, bf16 safetensors -- Llama's split into
+shards with an index -- and whatever ``save_pretrained`` adds) and ``reference.npz``:
+``tokens`` int32 ``[4, 17]``, ``logits_fp32`` (the fp32 model on ``tokens[:, :-1]``),
+``logits_bf16`` (the same model in bf16, as fp32). The weights are drawn, then rounded to
+bf16, so the fp32 reference model and the stored bf16 files hold the same values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+              hidden_act="silu")
+
+FAMILIES = {
+    # untied, GQA 4:2
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128,
+                                                      rope_theta=10000.0)),
+    # head_dim 32 != hidden / heads (kv_channels), a sliding window longer than the sequence
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=96, head_dim=32,
+                                                            sliding_window=4096,
+                                                            rope_theta=1e6)),
+    # q/k/v biases, tied embeddings (as Qwen2.5-0.5B)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=128,
+                                                      tie_word_embeddings=True,
+                                                      rope_theta=1e6)),
+    # 4 experts, top-2
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=64,
+                                                            num_local_experts=4,
+                                                            num_experts_per_tok=2)),
+}
+SHARD = {"llama": "200KB"}
+"""Families saved as several shards with an index (the others: one file)."""
+
+
+def randomize(model, seed: int) -> None:
+    """Weights with some spread (HF's init gives near-uniform logits): matrices N(0, 0.08),
+    the router N(0, 0.5), norms 1 + N(0, 0.1), biases N(0, 0.1); then rounded to bf16."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                value = 1 + 0.1 * noise
+            elif name.endswith("bias"):
+                value = 0.1 * noise
+            elif ".gate.weight" in name:
+                value = 0.5 * noise
+            else:
+                value = 0.08 * noise
+            p.copy_(value.to(torch.bfloat16).to(torch.float32))
+
+
+def build(family: str, out: Path, seed: int) -> dict:
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    randomize(model, seed)
+    tokens = torch.randint(0, COMMON["vocab_size"], (4, 17), generator=torch.Generator()
+                           .manual_seed(seed + 1))
+    with torch.no_grad():
+        fp32 = model(tokens[:, :-1]).logits.float().numpy()
+        bf16 = model.to(torch.bfloat16)(tokens[:, :-1]).logits.float().numpy()
+    d = out / family
+    d.mkdir(parents=True, exist_ok=True)
+    for f in d.iterdir():
+        f.unlink()
+    model.save_pretrained(d, max_shard_size=SHARD.get(family, "10MB"))
+    np.savez_compressed(d / "reference.npz", tokens=tokens.numpy().astype(np.int32),
+                        logits_fp32=fp32, logits_bf16=bf16)
+    return {"family": family, "files": sorted(f.name for f in d.iterdir()),
+            "bytes": sum(f.stat().st_size for f in d.iterdir()),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(Path(__file__).parent.parent / "tests/fixtures/hf"))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for k, family in enumerate(FAMILIES):
+        print(json.dumps(build(family, Path(args.out), args.seed + 10 * k)))
+
+
+if __name__ == "__main__":
+    main()
