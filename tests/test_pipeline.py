@@ -1,6 +1,7 @@
 """1F1B pipeline: schedule properties and gradients equal to single-device jax.grad."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +56,20 @@ def test_schedule_is_megatron_1f1b_with_p_minus_s_in_flight(p, m):
 # --------------------------------------------------------------------------- gradients
 
 
+LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+             group_query_attention=True, num_attention_heads=8, num_query_groups=2,
+             add_bias_linear=False, rotary_base=500000.0)
+"""Every Llama option: RMSNorm, RoPE, SwiGLU, GQA 8:2, no bias (and untied below)."""
+
+
 def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32", table=None,
-                     schedule="1f1b", recompute=None):
+                     schedule="1f1b", recompute=None, arch=None):
     if fusion and not fusion_available("cpu"):
         pytest.skip("the CPU wgrad_accumulate handler was not built")
-    cfg = GPTConfig(num_layers=max(4, pp), hidden_size=32, num_attention_heads=4, seq_length=8,
-                    vocab_size=64, untie_embeddings_and_output_weights=not tied,
-                    compute_dtype=dtype)
+    cfg = GPTConfig(**{**dict(num_layers=max(4, pp), hidden_size=32, num_attention_heads=4,
+                              seq_length=8, vocab_size=64,
+                              untie_embeddings_and_output_weights=not tied,
+                              compute_dtype=dtype), **(arch or {})})
     par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          micro_batch_size=2, global_batch_size=2 * dp * m,
                          sequence_parallel=sp, gradient_accumulation_fusion=fusion,
@@ -104,6 +112,39 @@ def test_gradients_equal_single_device_jax_grad(dp, tp, pp, sp, fusion):
             pytest.skip("sequence parallelism needs tensor parallelism (same as 'plain')")
         sp = False  # still covers fusion on this mesh
     _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=fusion))
+
+
+@pytest.mark.parametrize("dp, tp, pp", MESHES, ids=lambda v: str(v))
+@pytest.mark.parametrize("fusion", [False, True], ids=["plain", "fused"])
+def test_llama_options_equal_single_device_jax_grad(dp, tp, pp, fusion):
+    """RMSNorm, RoPE, SwiGLU, GQA 8:2 (over tensor 2: one kv group per rank), no linear
+    bias, untied output layer; sequence parallelism with tensor parallelism (RoPE sees
+    the gathered sequence)."""
+    _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=tp > 1, fusion=fusion, tied=False,
+                                          arch=LLAMA))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_qwen_and_megatron_only_options_equal_jax_grad(schedule):
+    """A qkv bias without other biases (Qwen2), qk-layernorm, kv_channels != H / heads,
+    partial rotary, tied embeddings; fused, SP, both schedules."""
+    arch = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, kv_channels=8,
+                rotary_percent=0.5)
+    _assert_equal_grads(*_check_gradients(2, 2, 2, sp=True, fusion=True, arch=arch,
+                                          schedule=schedule))
+
+
+def test_gqa_groups_must_divide_over_tensor():
+    cfg = GPTConfig(**LLAMA, hidden_size=32, num_layers=2)
+    with pytest.raises(ValueError, match=re.escape(
+            "num_query_groups (2) must be a multiple of tensor_model_parallel_size (4)")):
+        validate(ParallelConfig(tensor_model_parallel_size=4), cfg)
+    with pytest.raises(ValueError, match=re.escape(
+            "num_query_groups (3) needs group_query_attention")):
+        GPTConfig(num_query_groups=3)
+    with pytest.raises(ValueError, match=re.escape(
+            "num_attention_heads (8) must be a multiple of num_query_groups (3)")):
+        GPTConfig(**dict(LLAMA, num_query_groups=3), hidden_size=32)
 
 
 @pytest.mark.parametrize("dp, tp, pp", [(2, 2, 2), (1, 2, 4)], ids=str)

@@ -74,6 +74,8 @@ class MoEConfig:
       aux_loss_coeff: ``moe_aux_loss_coeff`` (Megatron's default 0: the loss is computed
         and reported, its gradient is zero).
       overlap_wgrad: ``overlap_dispatch_backward_with_experts_wgrad`` (module docstring).
+      swiglu: the experts are SwiGLU MLPs (Mixtral): ``fc1 [E, 2F, H]`` holds each expert's
+        gate rows ``[:F]`` then its up rows ``[F:]``; ``silu(gate) * up`` replaces GELU.
     """
 
     num_experts: int
@@ -83,6 +85,15 @@ class MoEConfig:
     load_balancing_type: Literal["aux_loss", "none"] = "aux_loss"
     aux_loss_coeff: float = 0.0
     overlap_wgrad: bool = False
+    swiglu: bool = False
+
+    def activation(self, hidden: jax.Array) -> jax.Array:
+        """The expert MLP's nonlinearity: ``[..., F]`` (GELU) or ``[..., 2F]`` (SwiGLU) ->
+        ``[..., F]``."""
+        if not self.swiglu:
+            return jax.nn.gelu(hidden, approximate=False)
+        gate, up = jnp.split(hidden, 2, axis=-1)
+        return jax.nn.silu(gate) * up
 
     def __post_init__(self):
         check_positive("num_moe_experts", self.num_experts)
@@ -350,11 +361,13 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
             f"x {list(x.shape)}")
     t, h = x.shape
     f = cfg.ffn_hidden_size
-    if params["fc1"].shape != (e_local, f, h) or params["fc2"].shape != (e_local, h, f):
+    f1 = 2 * f if cfg.swiglu else f
+    if params["fc1"].shape != (e_local, f1, h) or params["fc2"].shape != (e_local, h, f):
         raise ValueError(
-            f"moe_mlp: expert weights must be fc1 [E/EP, moe_ffn_hidden_size, H] = "
-            f"{[e_local, f, h]} and fc2 [E/EP, H, moe_ffn_hidden_size] = {[e_local, h, f]}; "
-            f"got fc1 {list(params['fc1'].shape)}, fc2 {list(params['fc2'].shape)}")
+            f"moe_mlp: expert weights must be fc1 [E/EP, {'2 x ' if cfg.swiglu else ''}"
+            f"moe_ffn_hidden_size, H] = {[e_local, f1, h]} and fc2 [E/EP, H, "
+            f"moe_ffn_hidden_size] = {[e_local, h, f]}; got fc1 "
+            f"{list(params['fc1'].shape)}, fc2 {list(params['fc2'].shape)}")
     cap = cfg.capacity(t)
     probs, experts, gates = route(x, params["router"], k)
     slot, kept = dispatch_slots(experts, e, cap)
@@ -363,7 +376,6 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
     buf = jnp.zeros((e, cap, h), x.dtype).at[experts, target].set(
         jnp.broadcast_to(x[:, None, :], (t, k, h)), mode="drop")
     local = _exchange(buf, expert_axis, ep)
-    gelu = functools.partial(jax.nn.gelu, approximate=False)
     opts = dict(precision=precision, overlap_wgrad=cfg.overlap_wgrad)
     owner = None
     if buckets is not None:
@@ -373,7 +385,7 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
         main_grads = (owner.slot(0, buckets[1]), owner.slot(0, buckets[2]))
     mg1, mg2 = main_grads or (None, None)
     hid = grouped_linear(local, params["fc1"], main_grad=mg1, **opts)
-    out = grouped_linear(gelu(hid), params["fc2"], main_grad=mg2, **opts)
+    out = grouped_linear(cfg.activation(hid), params["fc2"], main_grad=mg2, **opts)
     back = _exchange_back(out, expert_axis, ep)
     picked = back.at[experts, target].get(mode="fill", fill_value=0)  # [T, k, H]
     weights = jnp.where(kept, gates, 0.0).astype(x.dtype)

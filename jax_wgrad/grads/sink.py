@@ -155,20 +155,21 @@ class GradSink:
                    dy: jax.Array) -> GradState:
         """``dy^T x`` into ``entry``'s block, in place (the ``W`` task, the deferral
         drain's non-deferred microbatches). A weight stacked over ``n`` layers
-        (``[n, out, in]``, :func:`~jax_wgrad.functional.scan_layers`) takes its pair stacked
-        too (``x [n, ..., in]``, ``dy [n, ..., out]``): one grouped call, ``n`` blocks."""
+        (``[n, out, in]``, or ``[n, ..., in]`` whose middle dims flatten to ``out``;
+        :func:`~jax_wgrad.functional.scan_layers`) takes its pair stacked too
+        (``x [n, ..., in]``, ``dy [n, ..., out]``): one grouped call, ``n`` blocks."""
         bks = list(state[entry.chunk])
         if len(entry.shape) == 2:
             bks[entry.bucket] = ops.wgrad_accumulate(x, dy, bks[entry.bucket],
                                                      offset=entry.offset)
-        elif len(entry.shape) == 3:
+        elif len(entry.shape) >= 3:  # [n, ..., in]: n row-major [out, in] blocks
             n = entry.shape[0]
             bks[entry.bucket] = ops.grouped_wgrad_accumulate(
                 x.reshape(n, -1, x.shape[-1]), dy.reshape(n, -1, dy.shape[-1]),
                 bks[entry.bucket], offset=entry.offset)
         else:
             raise ValueError(f"GradSink.accumulate: {entry.name} has shape {entry.shape}; "
-                             "a W pair is for an [out, in] weight or [n, out, in] stacked ones")
+                             "a W pair is for an [out, in] weight or stacked [n, ..., in] ones")
         return state.replace(**{entry.chunk: tuple(bks)})
 
 

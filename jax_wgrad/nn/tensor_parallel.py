@@ -62,6 +62,12 @@ class ColumnParallelLinear(nnx.Module):
     ``[..., out / tp]`` slice of ``Y`` (all-gathered to ``[..., out]`` when
     ``gather_output``). Input: ``[b, s, in]``, or ``[b, s / tp, in]`` with sequence
     parallelism (all-gathered on the sequence before the GEMM).
+
+    ``gated=True`` (SwiGLU's fused gate and up projections, Megatron's ``linear_fc1``):
+    ``weight [2, out / tp, in]`` (``[0]`` gate, ``[1]`` up; split over ``tensor`` on dim
+    1, so each rank holds the gate and up rows of the same ``out / tp`` features,
+    Megatron's per-rank layout) and the output is ``[..., 2 * out / tp]``: this rank's
+    gate features, then its up features.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class ColumnParallelLinear(nnx.Module):
         skip_weight_param_allocation: bool = False,
         init_std: float = 0.02,
         precision: PrecisionLike = None,
+        gated: bool = False,
         rngs: nnx.Rngs,
     ):
         if out_features % tp_size != 0:
@@ -90,14 +97,15 @@ class ColumnParallelLinear(nnx.Module):
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.precision = precision
         local_out = out_features // tp_size
+        lead, axis = ((2,), 1) if gated else ((), 0)
         self.weight = (
             None
             if skip_weight_param_allocation
-            else nnx.Param(_normal(rngs, (local_out, in_features), init_std),
-                           **param_facts(0, weight_decay=True, fused_wgrad=True))
+            else nnx.Param(_normal(rngs, (*lead, local_out, in_features), init_std),
+                           **param_facts(axis, weight_decay=True, fused_wgrad=True))
         )
         self.bias = (
-            nnx.Param(jnp.zeros((local_out,), jnp.float32), **param_facts(0))
+            nnx.Param(jnp.zeros((*lead, local_out), jnp.float32), **param_facts(axis))
             if use_bias
             else None
         )
@@ -127,8 +135,11 @@ class ColumnParallelLinear(nnx.Module):
                     x = gather_from_sequence_parallel_region(x, self.axis_name, SEQ_DIM)
                 else:
                     x = copy_to_tensor_parallel_region(x, self.axis_name)
-            bias = None if self.bias is None else self.bias[...]
-            y = linear(x, weight, bias, main_grad=main_grad, precision=self.precision)
+            bias = None if self.bias is None else self.bias[...].reshape(-1)
+            if isinstance(main_grad, jax.Array):  # an accumulator shaped like the weight
+                main_grad = main_grad.reshape(-1, main_grad.shape[-1])
+            y = linear(x, weight.reshape(-1, weight.shape[-1]), bias, main_grad=main_grad,
+                       precision=self.precision)
             if self.gather_output and self.tp_size > 1:
                 y = gather_last_dim(y, self.axis_name)
             return y

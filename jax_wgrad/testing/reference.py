@@ -21,55 +21,79 @@ import jax.numpy as jnp
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.testing.moe_reference import reference_moe_mlp
 
-__all__ = ["reference_loss"]
+__all__ = ["reference_loss", "reference_logits"]
 
 
-def _ln_ref(x, p, eps):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]
+def _norm(x, p, cfg: GPTConfig):
+    xf = x.astype(jnp.float32)
+    if cfg.normalization == "RMSNorm":  # Hugging Face's LlamaRMSNorm
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + cfg.layernorm_epsilon)
+        return y.astype(x.dtype) * p["scale"].astype(x.dtype)
+    mean = xf.mean(-1, keepdims=True)
+    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
+    y = (xf - mean) / jnp.sqrt(var + cfg.layernorm_epsilon) * p["scale"] + p["bias"]
+    return y.astype(x.dtype)
 
 
-def reference_loss(params: dict[str, Any], tokens: jax.Array, cfg: GPTConfig, *,
-                   micro_batch_size: int | None = None) -> jax.Array:
-    """Mean next-token cross entropy of a plain single-device fp32 GPT.
+def _dense(x, p, w="weight", b="bias"):
+    y = x @ p[w].T.astype(x.dtype)
+    return y + p[b].astype(x.dtype) if b in p else y
 
-    ``tokens``: int ``[B, S + 1]``; inputs are ``tokens[:, :-1]``, labels
-    ``tokens[:, 1:]``. Independent of the parallel layers (no collectives, no NNX).
 
-    An MoE model adds every MoE layer's load-balancing loss, computed (as in training) per
-    microbatch of ``micro_batch_size`` consecutive sequences and averaged over them.
-    """
-    ids, labels = tokens[:, :-1], tokens[:, 1:]
+def _rope(x, cfg: GPTConfig):
+    """``x [b, s, heads, d]``: Hugging Face Llama's rotary embedding (rotate_half)."""
+    s, d = x.shape[1], x.shape[-1]
+    rot = int(d * cfg.rotary_percent)
+    inv = 1.0 / (cfg.rotary_base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    ang = jnp.arange(s, dtype=jnp.float32)[:, None] * inv[None]
+    emb = jnp.concatenate([ang, ang], -1)
+    cos, sin = (f(emb)[None, :, None].astype(x.dtype) for f in (jnp.cos, jnp.sin))
+    xr = x[..., :rot]
+    half = jnp.concatenate([-xr[..., rot // 2:], xr[..., :rot // 2]], -1)
+    return jnp.concatenate([xr * cos + half * sin, x[..., rot:]], -1)
+
+
+def _attention(x, p, cfg: GPTConfig):
+    b, s, _ = x.shape
+    g, d = cfg.query_groups, cfg.head_dim
+    m = cfg.num_attention_heads // g
+    qkv = _dense(_norm(x, p["ln1"], cfg), p["qkv"]).reshape(b, s, g, m + 2, d)
+    q, k, v = qkv[:, :, :, :m], qkv[:, :, :, m], qkv[:, :, :, m + 1]   # q [b, s, g, m, d]
+    if cfg.qk_layernorm:
+        q, k = _norm(q, p["q_norm"], cfg), _norm(k, p["k_norm"], cfg)
+    if cfg.position_embedding_type == "rope":
+        q = _rope(q.reshape(b, s, g * m, d), cfg).reshape(b, s, g, m, d)
+        k = _rope(k, cfg)
+    sc = jnp.einsum("bqgmd,bkgd->bgmqk", q, k, preferred_element_type=jnp.float32)
+    sc = jnp.where(jnp.tril(jnp.ones((s, s), bool)), sc / math.sqrt(d), -jnp.inf)
+    a = jnp.einsum("bgmqk,bkgd->bqgmd", jax.nn.softmax(sc, -1).astype(v.dtype), v)
+    return x + _dense(a.reshape(b, s, g * m * d), p["proj"])
+
+
+def _mlp(h, p, cfg: GPTConfig):
+    if not cfg.swiglu:
+        return _dense(jax.nn.gelu(_dense(h, p["fc1"]), approximate=False), p["fc2"])
+    w, bias = p["fc1"]["weight"], p["fc1"].get("bias")
+    gate, up = (_dense(h, {"weight": w[i], **({} if bias is None else {"bias": bias[i]})})
+                for i in (0, 1))
+    return _dense(jax.nn.silu(gate) * up, p["fc2"])
+
+
+def _forward(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig, mb: int, dtype):
+    """``(fp32 logits [B, S, V], the MoE layers' aux loss)``, computed in ``dtype``."""
     b, s = ids.shape
-    nh, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.layernorm_epsilon
     emb = params["embedding"]
-    x = emb["word"]["embedding"][ids] + emb["position"][:s][None]
-
-    def attention(x, p):
-        h = _ln_ref(x, p["ln1"], eps)
-        qkv = (h @ p["qkv"]["weight"].T + p["qkv"]["bias"]).reshape(b, s, nh, 3, hd)
-        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        sc = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-        sc = jnp.where(jnp.tril(jnp.ones((s, s), bool)), sc, -jnp.inf)
-        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(sc, -1), v).reshape(b, s, nh * hd)
-        return x + a @ p["proj"]["weight"].T + p["proj"]["bias"]
-
-    def dense(x, p):
-        x = attention(x, p)
-        h = _ln_ref(x, p["ln2"], eps)
-        h = jax.nn.gelu(h @ p["fc1"]["weight"].T + p["fc1"]["bias"], approximate=False)
-        return x + h @ p["fc2"]["weight"].T + p["fc2"]["bias"]
-
-    mb = micro_batch_size or b
+    x = emb["word"]["embedding"][ids].astype(dtype)
+    if "position" in emb:
+        x = x + emb["position"][:s][None].astype(dtype)
     moe_cfg = cfg.moe_config()
 
     def moe(x, p):
-        x = attention(x, p)
-        h = _ln_ref(x, p["ln2"], eps).reshape(b // mb, mb * s, -1)
+        x = _attention(x, p, cfg)
+        h = _norm(x, p["ln2"], cfg).reshape(b // mb, mb * s, -1)
         w = {"router": p["router"], **p["experts"]}
         y, aux = jax.vmap(lambda t: reference_moe_mlp(w, t, moe_cfg))(h)
-        return x + y.reshape(x.shape), jnp.mean(aux)
+        return x + y.reshape(x.shape).astype(dtype), jnp.mean(aux)
 
     aux_total = jnp.float32(0.0)
     index = {"layers": 0, "moe_layers": 0}
@@ -81,10 +105,31 @@ def reference_loss(params: dict[str, Any], tokens: jax.Array, cfg: GPTConfig, *,
             x, aux = moe(x, p)
             aux_total = aux_total + aux
         else:
-            x = dense(x, p)
+            x = _attention(x, p, cfg)
+            x = x + _mlp(_norm(x, p["ln2"], cfg), p, cfg)
     head = params["head"]
-    x = _ln_ref(x, head["final_norm"], eps)
+    x = _norm(x, head["final_norm"], cfg)
     w = head["output"]["weight"] if "output" in head else emb["word"]["embedding"]
-    logits = x @ w.T
+    return (x @ w.T.astype(dtype)).astype(jnp.float32), aux_total
+
+
+def reference_logits(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig) -> jax.Array:
+    """fp32 ``[B, S, V]`` logits of a plain single-device model of ``cfg`` for int ``ids``
+    ``[B, S]`` (in ``cfg.compute_dtype``, as Hugging Face runs a model of that dtype)."""
+    return _forward(params, ids, cfg, ids.shape[0], jnp.dtype(cfg.compute_dtype))[0]
+
+
+def reference_loss(params: dict[str, Any], tokens: jax.Array, cfg: GPTConfig, *,
+                   micro_batch_size: int | None = None) -> jax.Array:
+    """Mean next-token cross entropy of a plain single-device fp32 model.
+
+    ``tokens``: int ``[B, S + 1]``; inputs are ``tokens[:, :-1]``, labels
+    ``tokens[:, 1:]``. Independent of the parallel layers (no collectives, no NNX).
+
+    An MoE model adds every MoE layer's load-balancing loss, computed (as in training) per
+    microbatch of ``micro_batch_size`` consecutive sequences and averaged over them.
+    """
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    logits, aux = _forward(params, ids, cfg, micro_batch_size or ids.shape[0], jnp.float32)
     lp = jax.nn.log_softmax(logits, -1)
-    return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], -1)) + aux_total
+    return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], -1)) + aux

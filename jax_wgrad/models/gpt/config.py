@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from jax_wgrad._validation import check_positive
 from jax_wgrad.functional.moe import MoEConfig
+from jax_wgrad.nn.norm import NORMALIZATIONS
 from jax_wgrad.parallel.config import ParallelConfig
 
 __all__ = ["GPTConfig", "validate"]
@@ -31,7 +32,9 @@ def _gpt_moe_option(default):
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Shape of a pre-LN GPT decoder (learned positions, GELU MLP, causal attention)."""
+    """Shape of a pre-norm decoder: GPT-2 by default (LayerNorm, learned positions, GELU
+    MLP, biases, tied embeddings); the architecture options make it a Llama, Mistral, Qwen2
+    or Mixtral (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, untied)."""
 
     vocab_size: int = 256
     """Vocabulary size; 256 for the byte-level data of :mod:`jax_wgrad.data`."""
@@ -46,6 +49,27 @@ class GPTConfig:
     """Give the output layer its own weight instead of the word embedding table."""
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
+
+    # -- Architecture (Megatron's names): GPT-2 by default; Llama is RMSNorm + rope +
+    # swiglu + group_query_attention + no bias + untied embeddings.
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """The share of each head's dims that RoPE rotates (the first ones)."""
+    swiglu: bool = False
+    """``silu(gate) * up`` MLPs (dense and expert) instead of GELU."""
+    group_query_attention: bool = False
+    num_query_groups: int | None = None
+    """Key/value heads with ``group_query_attention`` (``None``: as many as query heads)."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers (Megatron's ``--disable-bias-linear`` turns them off)."""
+    add_qkv_bias: bool = False
+    """A bias in the qkv projection even without ``add_bias_linear`` (Qwen2)."""
+    qk_layernorm: bool = False
+    """Normalize each query and key head (``normalization``, over ``kv_channels``)."""
+    kv_channels: int | None = None
+    """Each head's dims; ``None`` means ``hidden_size / num_attention_heads``."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Activations and GEMM inputs; parameters and gradients stay fp32."""
     attention_backend: Literal["auto", "xla", "cudnn"] = "auto"
@@ -100,11 +124,7 @@ class GPTConfig:
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         check_positive("ffn_hidden_size", self.ffn_hidden_size)
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
+        self._validate_architecture()
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}"
@@ -117,6 +137,39 @@ class GPTConfig:
                              f"(cuDNN flash attention takes 16-bit inputs), got "
                              f"{self.compute_dtype!r}")
         self._validate_moe()
+
+    def _validate_architecture(self) -> None:
+        """Megatron's checks of the architecture options (``arguments.py``)."""
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
+                                 f"num_attention_heads ({self.num_attention_heads})")
+        else:
+            check_positive("kv_channels", self.kv_channels)
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got "
+                             f"{self.normalization!r}")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError("position_embedding_type must be 'learned_absolute' or 'rope', "
+                             f"got {self.position_embedding_type!r}")
+        if not self.rotary_base > 0 or not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"rotary_base ({self.rotary_base}) must be > 0 and rotary_percent "
+                             f"({self.rotary_percent}) in (0, 1]")
+        if self.position_embedding_type == "rope" and int(self.head_dim * self.rotary_percent) % 2:
+            raise ValueError(f"rotary_percent ({self.rotary_percent}) x kv_channels "
+                             f"({self.head_dim}) must be an even number of rotary dims")
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ValueError(f"num_query_groups ({self.num_query_groups}) needs "
+                             "group_query_attention (--group-query-attention)")
+        if self.num_attention_heads % self.query_groups != 0:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_query_groups ({self.query_groups})")
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups`` with GQA, else one per query head."""
+        return self.num_query_groups if self.group_query_attention and \
+            self.num_query_groups is not None else self.num_attention_heads
 
     def _validate_moe(self) -> None:
         """The GPT's own MoE options; the layer's options are checked once, by
@@ -153,7 +206,8 @@ class GPTConfig:
         field with ``"moe_config"`` metadata, passed under its MoEConfig name."""
         if self.num_moe_experts is None:
             return None
-        return MoEConfig(**{f.metadata[_MOE]: getattr(self, f.name)
+        return MoEConfig(swiglu=self.swiglu,
+                         **{f.metadata[_MOE]: getattr(self, f.name)
                             for f in dataclasses.fields(self) if f.metadata.get(_MOE)})
 
     @property
@@ -166,14 +220,17 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """``kv_channels``, or ``hidden_size / num_attention_heads``."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     # -- what a plan and a checkpoint ask of a model config (training.plan.ModelConfig)
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
         "ffn_hidden_size", "untie_embeddings_and_output_weights", "num_moe_experts",
-        "moe_ffn_hidden_size", "moe_layer_freq")
+        "moe_ffn_hidden_size", "moe_layer_freq", "normalization", "position_embedding_type",
+        "swiglu", "group_query_attention", "num_query_groups", "add_bias_linear",
+        "add_qkv_bias", "qk_layernorm", "kv_channels")
     """The fields that fix the parameters' shapes: a checkpoint must agree on them."""
 
     def validate(self, parallel: ParallelConfig) -> None:
@@ -211,6 +268,9 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
     """Checks that ``model`` can be split as ``parallel`` asks; raises ``ValueError``."""
     tp = parallel.tensor_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
+    if model.query_groups % tp != 0:  # Megatron's rule: whole query groups per rank
+        raise ValueError(f"num_query_groups ({model.query_groups}) must be a multiple of "
+                         f"tensor_model_parallel_size ({tp})")
     for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
         value = getattr(model, name)
         if value % tp != 0:

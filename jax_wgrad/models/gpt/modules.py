@@ -5,7 +5,7 @@
 * :class:`TransformerLayer`: pre-LN decoder layer (causal attention, GELU MLP, or a
   Mixture-of-Experts MLP on the layers of ``GPTConfig.moe_layer_pattern``); every stage
   holds ``num_layers / P`` of them.
-* :class:`GPTHead`: final LayerNorm, column-parallel output layer (the word embedding table
+* :class:`GPTHead`: final norm, column-parallel output layer (the word embedding table
   when tied) and the vocab-parallel cross entropy.
 """
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_wgrad.functional.attention import causal_attention
+from jax_wgrad.functional.attention import causal_attention, rotary_embedding
 from jax_wgrad.functional.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_logsumexp,
@@ -26,7 +26,7 @@ from jax_wgrad.functional.cross_entropy import (
 from jax_wgrad.functional.moe import attach_aux_loss, moe_mlp
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.nn.facts import param_facts
-from jax_wgrad.nn.norm import LayerNorm
+from jax_wgrad.nn.norm import make_norm
 from jax_wgrad.nn.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -43,16 +43,18 @@ def _dtype(cfg: GPTConfig) -> jnp.dtype:
 
 
 class MoEExperts(nnx.Module):
-    """The expert weights of one MoE layer: ``fc1 [E/EP, F, H]``, ``fc2 [E/EP, H, F]``
-    (split over the expert axis on dim 0, replicated over tensor ranks; no biases)."""
+    """The expert weights of one MoE layer: ``fc1 [E/EP, F, H]`` (``[E/EP, 2F, H]`` with
+    SwiGLU), ``fc2 [E/EP, H, F]`` (split over the expert axis on dim 0, replicated over
+    tensor ranks; no biases)."""
 
     def __init__(self, cfg: GPTConfig, *, ep_size: int, rngs: nnx.Rngs):
         e, h, f = cfg.num_moe_experts // ep_size, cfg.hidden_size, cfg.moe_ffn_hidden_size
         facts = param_facts(None, weight_decay=True, fused_wgrad=cfg.moe_grouped_gemm,
                             expert_axis=0)
         out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
+        f1 = 2 * f if cfg.swiglu else f  # SwiGLU: each expert's gate rows, then its up rows
         self.fc1 = nnx.Param(cfg.init_method_std
-                             * jax.random.normal(rngs.params(), (e, f, h), jnp.float32), **facts)
+                             * jax.random.normal(rngs.params(), (e, f1, h), jnp.float32), **facts)
         self.fc2 = nnx.Param(out_std * jax.random.normal(rngs.params(), (e, h, f), jnp.float32),
                              **facts)
 
@@ -78,21 +80,34 @@ class TransformerLayer(nnx.Module):
         ep_size: int = 1,
         rngs: nnx.Rngs,
     ):
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
         common = dict(tp_size=tp_size, axis_name=axis_name, sequence_parallel=sequence_parallel)
         out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
-        self.heads = cfg.num_attention_heads // tp_size
-        self.head_dim = cfg.head_dim
+        norm = lambda width: make_norm(cfg.normalization, width, epsilon=cfg.layernorm_epsilon)
+        groups, heads = cfg.query_groups, cfg.num_attention_heads
+        self.groups, self.per_group = groups // tp_size, heads // groups
+        self.head_dim = d
         self.attention = attention
-        self.ln1 = LayerNorm(h, epsilon=cfg.layernorm_epsilon)
-        self.qkv = ColumnParallelLinear(h, 3 * h, init_std=cfg.init_method_std, rngs=rngs, **common)
-        self.proj = RowParallelLinear(h, h, init_std=out_std, rngs=rngs, **common)
-        self.ln2 = LayerNorm(h, epsilon=cfg.layernorm_epsilon)
+        self.rope = (cfg.rotary_base, cfg.rotary_percent) \
+            if cfg.position_embedding_type == "rope" else None
+        self.swiglu = cfg.swiglu
+        self.ln1 = norm(h)
+        # Megatron's GQA layout: per query group its query heads, then its key and value head.
+        self.qkv = ColumnParallelLinear(h, groups * (self.per_group + 2) * d,
+                                        use_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+                                        init_std=cfg.init_method_std, rngs=rngs, **common)
+        if cfg.qk_layernorm:
+            self.q_norm, self.k_norm = norm(d), norm(d)
+        self.proj = RowParallelLinear(heads * d, h, use_bias=cfg.add_bias_linear,
+                                      init_std=out_std, rngs=rngs, **common)
+        self.ln2 = norm(h)
         self.moe = cfg.moe_config() if moe else None
         if self.moe is None:
-            self.fc1 = ColumnParallelLinear(h, f, init_std=cfg.init_method_std, rngs=rngs,
-                                            **common)
-            self.fc2 = RowParallelLinear(f, h, init_std=out_std, rngs=rngs, **common)
+            self.fc1 = ColumnParallelLinear(h, f, use_bias=cfg.add_bias_linear,
+                                            gated=cfg.swiglu, init_std=cfg.init_method_std,
+                                            rngs=rngs, **common)
+            self.fc2 = RowParallelLinear(f, h, use_bias=cfg.add_bias_linear, init_std=out_std,
+                                         rngs=rngs, **common)
             return
         self.router = nnx.Param(cfg.init_method_std * jax.random.normal(
             rngs.params(), (cfg.num_moe_experts, h), jnp.float32),
@@ -117,22 +132,40 @@ class TransformerLayer(nnx.Module):
         mg = main_grads or {}
         weight = lambda name: (mg.get(name) or {}).get("weight")
         with jax.named_scope("attention"):
-            qkv = self.qkv(self.ln1(x), main_grad=weight("qkv"))
-            b, s = qkv.shape[:2]
-            qkv = qkv.reshape(b, s, self.heads, 3, self.head_dim)
-            attn = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
-                                    implementation=self.attention)
-            x = x + self.proj(attn, main_grad=weight("proj"))
+            x = x + self.proj(self._attention(self.ln1(x), weight("qkv")),
+                              main_grad=weight("proj"))
         if self.moe is not None:
             experts = mg.get("experts") or {}
             slots = (experts.get("fc1"), experts.get("fc2"))
             return x + self._moe_mlp(self.ln2(x), None if slots[0] is None else slots,
                                      moe_stats)
         with jax.named_scope("mlp"):
-            hidden = jax.nn.gelu(self.fc1(self.ln2(x), main_grad=weight("fc1")),
-                                 approximate=False)
+            hidden = self.fc1(self.ln2(x), main_grad=weight("fc1"))
+            if self.swiglu:  # this rank's gate features, then its up features
+                gate, up = jnp.split(hidden, 2, axis=-1)
+                hidden = jax.nn.silu(gate) * up
+            else:
+                hidden = jax.nn.gelu(hidden, approximate=False)
             x = x + self.fc2(hidden, main_grad=weight("fc2"))
         return x
+
+    def _attention(self, h: jax.Array, qkv_grad) -> jax.Array:
+        """``[b, s(/tp), H]`` -> the attention output ``[b, s, heads/tp * d]`` of this
+        rank's query groups (the whole sequence: the qkv projection all-gathers it under
+        sequence parallelism, so RoPE sees positions ``0 .. S-1``)."""
+        qkv = self.qkv(h, main_grad=qkv_grad)
+        b, s = qkv.shape[:2]
+        m, d = self.per_group, self.head_dim
+        qkv = qkv.reshape(b, s, self.groups, m + 2, d)
+        q = qkv[:, :, :, :m].reshape(b, s, self.groups * m, d)
+        k, v = qkv[:, :, :, m], qkv[:, :, :, m + 1]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            base, percent = self.rope
+            q = rotary_embedding(q, base=base, percent=percent)
+            k = rotary_embedding(k, base=base, percent=percent)
+        return causal_attention(q, k, v, implementation=self.attention)
 
     def _moe_mlp(self, h: jax.Array, main_grads, moe_stats: list | None) -> jax.Array:
         """``[b, s(/tp), H]`` -> the MoE MLP's output; its aux loss joins the backward
@@ -176,16 +209,19 @@ class GPTEmbedding(nnx.Module):
             init_std=cfg.init_method_std,
             rngs=rngs,
         )
-        self.position = nnx.Param(
-            cfg.init_method_std
-            * jax.random.normal(rngs.params(), (cfg.seq_length, cfg.hidden_size), jnp.float32),
-            **param_facts(None),
-        )
+        if cfg.position_embedding_type == "learned_absolute":  # rope: in the attention
+            self.position = nnx.Param(
+                cfg.init_method_std
+                * jax.random.normal(rngs.params(), (cfg.seq_length, cfg.hidden_size), jnp.float32),
+                **param_facts(None),
+            )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """``ids``: int ``[b, s]`` -> ``[b, s(/tp), H]`` in the compute dtype."""
         with jax.named_scope("embedding"):
             x = self.word(ids, dtype=self.dtype)
+            if not hasattr(self, "position"):
+                return x
             s_local = x.shape[1]
             start = 0
             if self.sequence_parallel:
@@ -195,7 +231,7 @@ class GPTEmbedding(nnx.Module):
 
 
 class GPTHead(nnx.Module):
-    """Final LayerNorm, output layer and vocab-parallel cross entropy; last stage.
+    """Final norm, output layer and vocab-parallel cross entropy; last stage.
 
     With tied embeddings the output layer allocates no weight and is given the word
     embedding table ``[V / tp, H]`` at call time.
@@ -212,7 +248,8 @@ class GPTHead(nnx.Module):
     ):
         self.tp_size = tp_size
         self.axis_name = axis_name
-        self.final_norm = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon)
+        self.final_norm = make_norm(cfg.normalization, cfg.hidden_size,
+                                    epsilon=cfg.layernorm_epsilon)
         self.output = ColumnParallelLinear(
             cfg.hidden_size,
             cfg.vocab_size,

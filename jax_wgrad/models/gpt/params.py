@@ -322,8 +322,8 @@ def grad_specs(cfg: GPTConfig) -> DeviceTree:
     if tied:  # the output layer's weight IS the word embedding: also OUTPUT's, fused there
         word = dataclasses.replace(word, roles=frozenset({INPUT, OUTPUT}), fused_in=OUTPUT,
                                    tied_embedding=True)
-    emb_spec = {"word": {"embedding": word},
-                "position": _grad_spec(emb["position"], SHARED, {INPUT}, None)}
+    emb_spec = _walk(emb, lambda v: _grad_spec(v, SHARED, {INPUT}, None))
+    emb_spec["word"]["embedding"] = word
     head_spec = _walk(head, lambda v: _grad_spec(v, SHARED, {OUTPUT}, OUTPUT))
     return Chunks(stage=layer_specs, experts=expert_specs,
                   shared=_shared(emb_spec, head_spec, orders))
