@@ -236,15 +236,15 @@ def test_reference_logits_equal_transformers_fp32(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_kl_per_token(family):
-    """The model in bf16 (bf16 weights and activations, as transformers' bf16 model)
+    """The reference model in bf16 (``compute_dtype``: activations and GEMM inputs)
     against transformers' fp32 logits: KL(HF fp32 || ours bf16) <= 1e-3 for every token."""
     from jax_wgrad.testing import reference_logits
 
     ref = _reference(family)
     cfg, params = import_hf(FIXTURES / family, seq_length=16, compute_dtype="bfloat16")
     ids = jnp.asarray(ref["tokens"][:, :-1])
-    bf16 = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
-    ours = _log_softmax(np.asarray(reference_logits(bf16, ids, cfg), np.float32))
+    ours = _log_softmax(np.asarray(reference_logits(jax.tree.map(jnp.asarray, params), ids,
+                                                    cfg)))
     theirs = _log_softmax(ref["logits_fp32"])
     kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
     assert kl.max() <= 1e-3, kl.max()
