@@ -68,20 +68,36 @@ def randomize(model, seed: int) -> None:
             p.copy_(value.to(torch.bfloat16).to(torch.float32))
 
 
-def build(family: str, out: Path, seed: int) -> dict:
+def random_shapes(family: str, seed: int) -> dict:
+    """A fresh small config of ``family`` drawn from ``seed`` (GQA with at least 2 groups,
+    so tensor parallelism 2 splits them; 4 layers, for 4 pipeline stages)."""
+    rng = np.random.default_rng(seed)
+    heads = int(rng.choice([4, 8]))
+    kv = int(rng.choice([k for k in (2, 4, heads) if heads % k == 0]))
+    d = int(rng.choice([8, 16, 32]))
+    shapes = dict(COMMON, vocab_size=int(rng.choice([128, 160, 256])), hidden_size=heads * d,
+                  num_attention_heads=heads, num_key_value_heads=kv,
+                  rms_norm_eps=float(rng.choice([1e-5, 1e-6])))
+    extra = dict(FAMILIES[family][2], intermediate_size=16 * int(rng.integers(2, 9)),
+                 rope_theta=float(rng.choice([1e4, 5e5, 1e6])))
+    if family == "mistral":
+        extra["head_dim"] = int(rng.choice([d, 2 * d]))
+    return {**shapes, **extra}
+
+
+def build(family: str, out: Path, seed: int, fresh: bool = False) -> dict:
     import torch
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    kwargs = random_shapes(family, seed) if fresh else {**COMMON, **extra}
+    config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     randomize(model, seed)
-    tokens = torch.randint(0, COMMON["vocab_size"], (4, 17), generator=torch.Generator()
+    tokens = torch.randint(0, config.vocab_size, (4, 17), generator=torch.Generator()
                            .manual_seed(seed + 1))
-    with torch.no_grad():
-        fp32 = model(tokens[:, :-1]).logits.float().numpy()
-        bf16 = model.to(torch.bfloat16)(tokens[:, :-1]).logits.float().numpy()
+    fp32, bf16 = logits(model, tokens[:, :-1])
     d = out / family
     d.mkdir(parents=True, exist_ok=True)
     for f in d.iterdir():
@@ -94,13 +110,44 @@ def build(family: str, out: Path, seed: int) -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def logits(model, ids):
+    """``(fp32 logits, bf16 model's logits as fp32)`` of ``model`` (left in bf16)."""
+    import torch
+
+    with torch.no_grad():
+        fp32 = model.float()(ids).logits.float().numpy()
+        bf16 = model.to(torch.bfloat16)(ids).logits.float().numpy()
+    return fp32, bf16
+
+
+def logits_of(directory: str, tokens_npz: str, to: str) -> None:
+    """Loads ``directory`` with ``transformers`` and writes its logits on the ``tokens`` of
+    ``tokens_npz`` (inputs ``tokens[:, :-1]``) to ``to`` (used by tools/compare_hf.py)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                              dtype=torch.float32).eval()
+    tokens = torch.tensor(np.load(tokens_npz)["tokens"]).long()
+    fp32, bf16 = logits(model, tokens[:, :-1])
+    np.savez(to, logits_fp32=fp32, logits_bf16=bf16)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(Path(__file__).parent.parent / "tests/fixtures/hf"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fresh", action="store_true",
+                   help="random shapes drawn from --seed (for tools/compare_hf.py), not the "
+                        "fixtures' shapes")
+    p.add_argument("--logits-of", nargs=3, metavar=("HF_DIR", "TOKENS_NPZ", "OUT_NPZ"),
+                   help="only write transformers' logits of HF_DIR on TOKENS_NPZ's tokens")
     args = p.parse_args(argv)
+    if args.logits_of:
+        logits_of(*args.logits_of)
+        return
     for k, family in enumerate(FAMILIES):
-        print(json.dumps(build(family, Path(args.out), args.seed + 10 * k)))
+        print(json.dumps(build(family, Path(args.out), args.seed + 10 * k, args.fresh)))
 
 
 if __name__ == "__main__":

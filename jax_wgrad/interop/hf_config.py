@@ -196,9 +196,12 @@ def megatron_flags(cfg: GPTConfig) -> list[str]:
     that loads a converted checkpoint (``--load``) passes these."""
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     skip = {"compute_dtype", "attention_backend", "layer_scan_unroll"}
+    always = {"vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+              "ffn_hidden_size", "layernorm_epsilon", "init_method_std"}
     out = []
     for name, value in dataclasses.asdict(cfg).items():
-        if name in skip or value == defaults.get(name) or value is None:
+        if name in skip or value is None or (value == defaults.get(name)
+                                              and name not in always):
             continue
         flag = "--" + {"num_moe_experts": "num_experts", "add_bias_linear":
                        "disable_bias_linear"}.get(name, name).replace("_", "-")
