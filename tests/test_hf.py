@@ -309,3 +309,52 @@ def test_a_parameters_only_checkpoint_starts_a_run(example, tmp_path, capsys):
     with pytest.raises(SystemExit):
         example.main(small[:3] + ["64"] + small[4:] + ["--load", str(tmp_path / "ckpt")])
     assert "--hidden-size=32 in the checkpoint, 64 in this run" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_preprocess_takes_a_hf_directorys_tokenizer(tmp_path):
+    import importlib.util
+
+    tokenizers = pytest.importorskip("tokenizers", reason="the optional tokenizers library")
+    spec = importlib.util.spec_from_file_location(
+        "preprocess_data", Path(__file__).parents[1] / "tools" / "preprocess_data.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    from jax_wgrad.training.indexed import IndexedDataset
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {"<s>": 0, "</s>": 1, "[UNK]": 2, "a": 3, "b": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 1}))
+    (tmp_path / "t.txt").write_text("a b zz")
+    args = ["--input", str(tmp_path / "t.txt"), "--output-prefix", str(tmp_path / "t"),
+            "--tokenizer-hf-dir", str(hf), "--append-eod"]
+    assert tool.main(args)["vocab_size"] == 8
+    np.testing.assert_array_equal(IndexedDataset(tmp_path / "t")[0], [3, 4, 2, 1])
+    (hf / "config.json").write_text(json.dumps({"vocab_size": 4}))
+    with pytest.raises(SystemExit):
+        tool.main(args)
+
+
+def test_convert_tool_round_trip_is_bitwise(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "convert_hf", Path(__file__).parents[1] / "tools" / "convert_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tool.main(["--hf-dir", str(FIXTURES / "mixtral"), "--out", str(tmp_path / "ckpt"),
+                     "--seq-length", "16"])
+    assert "--num-experts 4" in out["flags"] and "--hidden-size 64" in out["flags"]
+    tool.main(["--export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "hf"),
+               "--hf-template", str(FIXTURES / "mixtral")])
+    theirs, ours = _file_tensors(FIXTURES / "mixtral"), _file_tensors(tmp_path / "hf")
+    assert sorted(theirs) == sorted(ours)
+    for k in theirs:
+        np.testing.assert_array_equal(ours[k], theirs[k].astype(np.float32), err_msg=k)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 2

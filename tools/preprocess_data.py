@@ -4,7 +4,8 @@
 Like Megatron-LM's ``tools/preprocess_data.py``: one document per line of a JSON-lines
 file (its ``--json-key`` field, ``text`` by default) or per plain-text file; tokens are
 the UTF-8 bytes (vocabulary 256) or, with ``--tokenizer-json``, the ids of a Hugging Face
-``tokenizers`` tokenizer; ``--append-eod`` ends every document with ``--eod-id`` (default:
+``tokenizers`` tokenizer (``--tokenizer-hf-dir DIR``: a model directory's ``tokenizer.json``,
+its vocabulary checked against the model's); ``--append-eod`` ends every document with ``--eod-id`` (default:
 0 for bytes, the tokenizer's ``<|endoftext|>``/``</s>`` token otherwise). The token dtype
 is Megatron's choice for the vocabulary (uint16 below 65500 ids, else int32)::
 
@@ -49,20 +50,50 @@ def make_encoder(tokenizer_json: str | None):
     return (lambda text: tok.encode(text).ids), tok.get_vocab_size(), eod
 
 
+def hf_encoder(hf_dir: str):
+    """``make_encoder``'s triple for a Hugging Face model directory: its ``tokenizer.json``;
+    the end-of-document id is the model's ``eos_token_id``. The tokenizer's vocabulary
+    (added tokens included) must fit the model's ``vocab_size``.
+
+    Raises:
+      ValueError: no tokenizer.json, or more token ids than the model has rows.
+    """
+    d = Path(hf_dir)
+    if not (d / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer-hf-dir {hf_dir}: no tokenizer.json there")
+    encode, vocab, eod = make_encoder(str(d / "tokenizer.json"))
+    config = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    model_vocab = config.get("vocab_size")
+    if model_vocab is not None and vocab > model_vocab:
+        raise ValueError(f"--tokenizer-hf-dir {hf_dir}: the tokenizer has {vocab} tokens, the "
+                         f"model's vocab_size is {model_vocab}")
+    eos = config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return encode, model_vocab or vocab, eos if isinstance(eos, int) else eod
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="text or JSON-lines files")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-key", default="text")
-    p.add_argument("--tokenizer-json", default=None,
-                   help="a tokenizers tokenizer.json (default: UTF-8 bytes)")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer-json", default=None,
+                     help="a tokenizers tokenizer.json (default: UTF-8 bytes)")
+    tok.add_argument("--tokenizer-hf-dir", default=None,
+                     help="a Hugging Face model directory: its tokenizer.json, checked "
+                          "against its config.json's vocab_size; eod = its eos_token_id")
     p.add_argument("--append-eod", action="store_true")
     p.add_argument("--eod-id", type=int, default=None)
     args = p.parse_args(argv)
     missing = [f for f in args.input if not Path(f).is_file()]
     if missing:
         p.error(f"no such input file: {', '.join(missing)}")
-    encode, vocab, eod = make_encoder(args.tokenizer_json)
+    try:
+        encode, vocab, eod = (hf_encoder(args.tokenizer_hf_dir) if args.tokenizer_hf_dir
+                              else make_encoder(args.tokenizer_json))
+    except ValueError as exc:
+        p.error(str(exc))
     eod = args.eod_id if args.eod_id is not None else eod
     if args.append_eod and eod is None:
         p.error("--append-eod: the tokenizer has no end-of-document token; pass --eod-id")

@@ -282,6 +282,7 @@ def export_hf(cfg: GPTConfig, params: dict, directory: str | os.PathLike, *,
         data = {t.name: np.ascontiguousarray(t.view(params)).reshape(t.shape).astype(np_dtype)
                 for t in shard}
         save_file(data, str(out_dir / name), metadata={"format": "pt"})
+        os.chmod(out_dir / name, 0o644)  # safetensors creates its files private
         files.append(out_dir / name)
         del data
     if len(shards) > 1:
