@@ -148,7 +148,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="average gradients in the collective instead of pre-scaling by 1/dp")
     g.add_argument("--pad-buckets-for-high-nccl-busbw", action="store_true",
                    help="pad buckets to a multiple of lcm(dp, 128, 2^16) (distributed optimizer)")
+    from jax_wgrad.models.gpt.presets import PRESETS
+
     g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(PRESETS), default=None,
+                   help="a preset shape (its architecture and sizes); the flags below "
+                        "override it")
     g.add_argument("--num-layers", type=int, default=2, help="transformer layers")
     g.add_argument("--hidden-size", type=int, default=128, help="model width")
     g.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
@@ -157,6 +162,34 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate output layer instead of the word embeddings' transpose")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"),
+                   default=model_default("normalization"), help="the norm layers' kind")
+    g.add_argument("--norm-epsilon", type=finite_float,
+                   default=model_default("layernorm_epsilon"), help="the norms' epsilon")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default=model_default("position_embedding_type"),
+                   help="learned positions or rotary embeddings")
+    g.add_argument("--rotary-base", type=finite_float, default=model_default("rotary_base"),
+                   help="RoPE's base (theta)")
+    g.add_argument("--rotary-percent", type=finite_float,
+                   default=model_default("rotary_percent"),
+                   help="the share of each head's dims RoPE rotates")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLPs instead of GELU")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention (with --num-query-groups)")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads with --group-query-attention")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the linear layers")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a qkv bias even with --disable-bias-linear (Qwen2)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize each query and key head")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="dims per attention head (absent: hidden size / heads)")
+    g.add_argument("--init-method-std", type=finite_float,
+                   default=model_default("init_method_std"),
+                   help="standard deviation of the weights' normal init")
     g.add_argument("--layer-scan-unroll", type=int, default=model_default("layer_scan_unroll"),
                    help="layers per iteration of a stage's loop over its layers: 1 keeps "
                         "compile time flat in the depth; the layers per stage unroll it "
@@ -298,6 +331,13 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             seq_length=args.seq_length,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             compute_dtype="bfloat16" if args.bf16 else "float32",
+            normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+            swiglu=args.swiglu, group_query_attention=args.group_query_attention,
+            num_query_groups=args.num_query_groups, add_bias_linear=not args.disable_bias_linear,
+            add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+            kv_channels=args.kv_channels, init_method_std=args.init_method_std,
             num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
             moe_router_load_balancing_type=args.moe_router_load_balancing_type,
@@ -388,8 +428,11 @@ def describe(plan, data, state) -> list[str]:
         f"{ddp.average_in_collective} | clip grad {ddp.clip_grad}",
         plan.buffer_summary(),
         f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
-        f"{model.hidden_size}, heads {model.num_attention_heads}, seq {model.seq_length}, "
-        f"vocab {model.vocab_size}, {model.compute_dtype}"
+        f"{model.hidden_size}, heads {model.num_attention_heads} (kv {model.query_groups}), "
+        f"seq {model.seq_length}, vocab {model.vocab_size}, {model.compute_dtype}, "
+        f"{model.normalization}, {model.position_embedding_type}, "
+        f"{'swiglu' if model.swiglu else 'gelu'}, "
+        f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'}"
         + ("" if model.num_moe_experts is None else
            f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}), "
            f"top-{model.moe_router_topk}, {sum(model.moe_layer_pattern)} MoE layers, "
@@ -410,8 +453,29 @@ def loop_options(args: argparse.Namespace):
         profile_steps=args.profile_steps, progress=not args.no_progress)
 
 
+_FLAG_OF = {"add_bias_linear": ("disable_bias_linear", lambda v: not v),
+            "num_moe_experts": ("num_experts", None), "layernorm_epsilon": ("norm_epsilon", None)}
+"""GPTConfig fields whose flag has another name (and meaning)."""
+
+
+def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """``--model NAME``: the preset's values become the flags' defaults, so flags given on
+    the command line still win."""
+    from jax_wgrad.models.gpt.presets import PRESETS
+
+    known, _ = parser.parse_known_args(argv)
+    if known.model is None:
+        return
+    defaults = {}
+    for field, value in PRESETS[known.model].items():
+        dest, convert = _FLAG_OF.get(field, (field, None))
+        defaults[dest] = value if convert is None else convert(value)
+    parser.set_defaults(**defaults)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = make_parser()
+    apply_preset(parser, argv)
     args = parser.parse_args(argv)
     from jax_wgrad.training.console import LineFilter
     from jax_wgrad.training.loop import OutOfMemoryError, check_paths

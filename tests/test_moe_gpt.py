@@ -74,10 +74,22 @@ def test_zero_bubble_schedule_equals_single_device_reference(ep, tp, pp):
     _check_gradients(ep, tp, pp, True, 2, pipeline_schedule="zb-h1")
 
 
-def _check_gradients(ep, tp, pp, fusion, freq, **par_kw):
+MIXTRAL = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+               group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+               untie_embeddings_and_output_weights=True, moe_router_topk=2)
+"""A Mixtral-shaped model: SwiGLU experts, GQA 4:2, RMSNorm, RoPE, no biases, untied."""
+
+
+@pytest.mark.parametrize("ep, tp, pp, schedule", [(2, 2, 2, "1f1b"), (2, 1, 2, "zb-h1")],
+                         ids=["2-2-2-1f1b", "2-1-2-zb-h1"])
+def test_mixtral_shaped_model_equals_single_device_reference(ep, tp, pp, schedule):
+    _check_gradients(ep, tp, pp, True, 2, arch=MIXTRAL, pipeline_schedule=schedule)
+
+
+def _check_gradients(ep, tp, pp, fusion, freq, arch=None, **par_kw):
     if fusion and not FUSION:
         pytest.skip("the CPU FFI handler is not built")
-    cfg = _model(moe_layer_freq=freq, moe_grouped_gemm=fusion)
+    cfg = _model(moe_layer_freq=freq, moe_grouped_gemm=fusion, **(arch or {}))
     par = _par(ep, tp, pp, gradient_accumulation_fusion=fusion, **par_kw)
     validate(par, cfg)
     mesh = make_mesh(par)

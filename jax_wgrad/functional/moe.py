@@ -74,8 +74,7 @@ class MoEConfig:
       aux_loss_coeff: ``moe_aux_loss_coeff`` (Megatron's default 0: the loss is computed
         and reported, its gradient is zero).
       overlap_wgrad: ``overlap_dispatch_backward_with_experts_wgrad`` (module docstring).
-      swiglu: the experts are SwiGLU MLPs (Mixtral): ``fc1 [E, 2F, H]`` holds each expert's
-        gate rows ``[:F]`` then its up rows ``[F:]``; ``silu(gate) * up`` replaces GELU.
+      swiglu: SwiGLU experts (Mixtral): ``fc1 [E, 2F, H]`` = gate rows, then up rows.
     """
 
     num_experts: int
@@ -88,8 +87,7 @@ class MoEConfig:
     swiglu: bool = False
 
     def activation(self, hidden: jax.Array) -> jax.Array:
-        """The expert MLP's nonlinearity: ``[..., F]`` (GELU) or ``[..., 2F]`` (SwiGLU) ->
-        ``[..., F]``."""
+        """The experts' nonlinearity: ``[..., F]`` (GELU), ``[..., 2F]`` (SwiGLU) -> ``F``."""
         if not self.swiglu:
             return jax.nn.gelu(hidden, approximate=False)
         gate, up = jnp.split(hidden, 2, axis=-1)

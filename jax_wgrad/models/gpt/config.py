@@ -18,6 +18,10 @@ forwarded to, or ``None`` for the GPT's own MoE options (dispatcher, padding, gr
 layer frequency)."""
 
 
+_DENSE_TOO = "dense_too"
+"""Field metadata: an option the MoE layer reads that a dense model has too (SwiGLU)."""
+
+
 def _forwarded(name: str):
     """A GPT field forwarded to :class:`MoEConfig`'s field ``name``, with that field's
     default (the option's one default)."""
@@ -57,7 +61,8 @@ class GPTConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     """The share of each head's dims that RoPE rotates (the first ones)."""
-    swiglu: bool = False
+    swiglu: bool = dataclasses.field(default=MoEConfig.__dataclass_fields__["swiglu"].default,
+                                     metadata={_MOE: "swiglu", _DENSE_TOO: True})
     """``silu(gate) * up`` MLPs (dense and expert) instead of GELU."""
     group_query_attention: bool = False
     num_query_groups: int | None = None
@@ -176,7 +181,8 @@ class GPTConfig:
         :class:`MoEConfig` (built here by :meth:`moe_config`)."""
         if self.num_moe_experts is None:
             given = [f.name for f in dataclasses.fields(self)
-                     if _MOE in f.metadata and getattr(self, f.name) != f.default]
+                     if _MOE in f.metadata and not f.metadata.get(_DENSE_TOO)
+                     and getattr(self, f.name) != f.default]
             if given:
                 raise ValueError(f"MoE options {given} need num_moe_experts (a dense model "
                                  "has no experts)")
@@ -206,8 +212,7 @@ class GPTConfig:
         field with ``"moe_config"`` metadata, passed under its MoEConfig name."""
         if self.num_moe_experts is None:
             return None
-        return MoEConfig(swiglu=self.swiglu,
-                         **{f.metadata[_MOE]: getattr(self, f.name)
+        return MoEConfig(**{f.metadata[_MOE]: getattr(self, f.name)
                             for f in dataclasses.fields(self) if f.metadata.get(_MOE)})
 
     @property
@@ -268,15 +273,15 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
     """Checks that ``model`` can be split as ``parallel`` asks; raises ``ValueError``."""
     tp = parallel.tensor_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
-    if model.query_groups % tp != 0:  # Megatron's rule: whole query groups per rank
-        raise ValueError(f"num_query_groups ({model.query_groups}) must be a multiple of "
-                         f"tensor_model_parallel_size ({tp})")
     for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
         value = getattr(model, name)
         if value % tp != 0:
             raise ValueError(
                 f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp})"
             )
+    if model.query_groups % tp != 0:  # Megatron's rule: whole query groups per rank
+        raise ValueError(f"num_query_groups ({model.query_groups}) must be a multiple of "
+                         f"tensor_model_parallel_size ({tp})")
     if model.num_layers % pp != 0:
         raise ValueError(
             f"num_layers ({model.num_layers}) must be divisible by "

@@ -1,0 +1,56 @@
+"""Shapes of the models people train, as ``GPTConfig`` arguments (:data:`PRESETS`).
+
+The full-size shapes are those of the published Hugging Face configs (Llama-3 8B / 70B,
+Mistral 7B v0.3, Qwen2.5 7B, Mixtral 8x7B); the ``-tiny`` ones keep each family's
+architecture at a size a CPU trains in seconds. :func:`preset` builds a config, overrides
+winning (the example's ``--model NAME`` with flags).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax_wgrad.models.gpt.config import GPTConfig
+
+__all__ = ["PRESETS", "preset"]
+
+_LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+              group_query_attention=True, add_bias_linear=False,
+              untie_embeddings_and_output_weights=True, layernorm_epsilon=1e-5)
+_TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+             ffn_hidden_size=128, seq_length=128, vocab_size=256)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256,
+                      seq_length=8192, rotary_base=500000.0),
+    "llama3-70b": dict(_LLAMA, num_layers=80, hidden_size=8192, num_attention_heads=64,
+                       num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256,
+                       seq_length=8192, rotary_base=500000.0),
+    "mistral-7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_query_groups=8, ffn_hidden_size=14336, vocab_size=32768,
+                       seq_length=32768, rotary_base=1000000.0),
+    "qwen2.5-7b": dict(_LLAMA, num_layers=28, hidden_size=3584, num_attention_heads=28,
+                       num_query_groups=4, ffn_hidden_size=18944, vocab_size=152064,
+                       seq_length=32768, rotary_base=1000000.0, add_qkv_bias=True,
+                       layernorm_epsilon=1e-6),
+    "mixtral-8x7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
+                         num_query_groups=8, ffn_hidden_size=14336, vocab_size=32000,
+                         seq_length=32768, rotary_base=1000000.0, num_moe_experts=8,
+                         moe_router_topk=2, moe_ffn_hidden_size=14336),
+    "llama3-tiny": dict(_LLAMA, **_TINY, rotary_base=500000.0),
+    "mistral-tiny": dict(_LLAMA, **_TINY, rotary_base=1000000.0),
+    "qwen2.5-tiny": dict(_LLAMA, **_TINY, rotary_base=1000000.0, add_qkv_bias=True,
+                         layernorm_epsilon=1e-6),
+    "mixtral-tiny": dict(_LLAMA, **_TINY, rotary_base=1000000.0, num_moe_experts=4,
+                         moe_router_topk=2, moe_ffn_hidden_size=128),
+}
+"""``GPTConfig`` arguments per model name."""
+
+
+def preset(name: str, **overrides: Any) -> GPTConfig:
+    """The :class:`GPTConfig` of preset ``name`` with ``overrides``; a clear error for an
+    unknown name."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return GPTConfig(**{**PRESETS[name], **overrides})
