@@ -45,10 +45,11 @@ def import_to_checkpoint(hf_dir: str, out: str, seq_length: int | None) -> dict:
 
 def export_from_checkpoint(load: str, hf_dir: str, template: str | None, dtype: str,
                            max_shard_bytes: int) -> dict:
+    import jax
     import orbax.checkpoint as ocp
 
     from jax_wgrad import GPTConfig
-    from jax_wgrad.interop import export_hf
+    from jax_wgrad.interop import canonical_arrays, export_hf
 
     manager = ocp.CheckpointManager(str(Path(load).absolute()),
                                     options=ocp.CheckpointManagerOptions(create=False))
@@ -59,8 +60,11 @@ def export_from_checkpoint(load: str, hf_dir: str, template: str | None, dtype: 
     if meta.get("model_type", "GPTConfig") != "GPTConfig":
         raise ValueError(f"--load {load}: a {meta['model_type']} checkpoint, not a GPT")
     cfg = GPTConfig(**meta["model"])
+    one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])  # whatever the saved mesh
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                          canonical_arrays(cfg))
     params = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore()))["params"]
+        params=ocp.args.StandardRestore(target)))["params"]
     manager.close()
     extra = {}
     if template:

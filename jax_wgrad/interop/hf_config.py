@@ -203,7 +203,8 @@ def megatron_flags(cfg: GPTConfig) -> list[str]:
         if name in skip or value is None or (value == defaults.get(name)
                                               and name not in always):
             continue
-        flag = "--" + {"num_moe_experts": "num_experts", "add_bias_linear":
+        flag = "--" + {"num_moe_experts": "num_experts", "layernorm_epsilon": "norm_epsilon",
+                       "add_bias_linear":
                        "disable_bias_linear"}.get(name, name).replace("_", "-")
         if isinstance(value, bool):
             if value != (name != "add_bias_linear"):
