@@ -263,6 +263,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None,
                    help="resume from the newest checkpoint here; must exist unless it is "
                         "also --save")
+    g.add_argument("--load-hf", default=None, metavar="DIR",
+                   help="start from a Hugging Face model directory (Llama, Mistral, Qwen2, "
+                        "Mixtral): its config gives the model flags' defaults, its weights "
+                        "the initial parameters (step 0, fresh optimizer)")
     g.add_argument("--load-fallback-to-intact", action="store_true",
                    help="if the newest checkpoint is damaged, load the newest intact one "
                         "(absent: a damaged newest checkpoint is an error)")
@@ -459,18 +463,44 @@ _FLAG_OF = {"add_bias_linear": ("disable_bias_linear", lambda v: not v),
 
 
 def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
-    """``--model NAME``: the preset's values become the flags' defaults, so flags given on
-    the command line still win."""
+    """``--model NAME`` or ``--load-hf DIR``: the preset's (the directory's config's)
+    values become the flags' defaults, so flags given on the command line still win."""
     from jax_wgrad.models.gpt.presets import PRESETS
 
     known, _ = parser.parse_known_args(argv)
-    if known.model is None:
+    if known.model is not None and known.load_hf is not None:
+        parser.error("--model and --load-hf both give the model; choose one")
+    if known.load_hf is not None:
+        fields = hf_model_fields(parser, known.load_hf)
+    elif known.model is not None:
+        fields = PRESETS[known.model]
+    else:
         return
     defaults = {}
-    for field, value in PRESETS[known.model].items():
+    for field, value in fields.items():
         dest, convert = _FLAG_OF.get(field, (field, None))
         defaults[dest] = value if convert is None else convert(value)
     parser.set_defaults(**defaults)
+
+
+def hf_model_fields(parser: argparse.ArgumentParser, directory: str) -> dict:
+    """The ``GPTConfig`` fields of a Hugging Face directory's ``config.json`` that flags
+    exist for; an unreadable or unsupported config is a usage error naming it."""
+    import dataclasses
+    import json
+    import os
+
+    from jax_wgrad.interop import config_from_hf
+
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            cfg = config_from_hf(json.load(f))
+    except (OSError, ValueError) as exc:
+        parser.error(f"--load-hf {directory}: {exc}")
+    skip = {"compute_dtype", "attention_backend", "layer_scan_unroll", "seq_length"}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip
+            and (k in vars(parser.parse_args([])) or k in _FLAG_OF)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -495,6 +525,29 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if quiet is not None:
             quiet.close()
+
+
+def start_from_hf(parser, directory: str, plan, state):
+    """``state`` with the parameters of the Hugging Face model in ``directory`` (streamed
+    shard by shard) and an optimizer state for them; a run whose model differs from the
+    directory's is refused with the field named."""
+    import jax
+
+    import jax_wgrad
+    from jax_wgrad.interop import import_hf
+
+    try:
+        cfg, params = import_hf(directory, seq_length=plan.model.seq_length)
+    except ValueError as exc:
+        parser.error(f"--load-hf {directory}: {exc}")
+    import dataclasses
+    diff = plan.model.shape_differences(dataclasses.asdict(cfg))
+    if diff:
+        parser.error(f"--load-hf {directory}: the flags give another model: " + "; ".join(
+            f"{k}={a!r} in the directory, {b!r} in this run" for k, a, b in diff))
+    params = jax.device_put(params, plan.param_shardings)
+    return state._replace(params=params,
+                          opt_state=jax_wgrad.training.init_optimizer_state(plan, params))
 
 
 def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> dict:
@@ -548,6 +601,10 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
         if not is_out_of_memory(exc):
             raise
         raise OutOfMemoryError(out_of_memory_message(plan, None, "initialization", exc)) from None
+    if args.load_hf is not None:
+        state = start_from_hf(parser, args.load_hf, plan, state)
+        log(f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh "
+            "optimizer)")
     for line in describe(plan, train_data, state):
         log(line)
     if gpu_flags:

@@ -311,6 +311,34 @@ def test_a_parameters_only_checkpoint_starts_a_run(example, tmp_path, capsys):
     assert "--hidden-size=32 in the checkpoint, 64 in this run" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+def test_the_example_starts_from_a_hf_directory(example, tmp_path, capsys):
+    """``--load-hf DIR``: the directory's config gives the model flags, its weights the
+    initial parameters; the first loss is bitwise the one of the converted checkpoint
+    (``tools/convert_hf.py`` then ``--load``); a flag giving another model is refused with
+    the field named."""
+    from jax_wgrad.interop import import_hf
+    from jax_wgrad.training.checkpoint import save_params_checkpoint
+
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(range(32, 127)) * 400)  # ASCII: ids < the fixture's vocab 128
+    run = ["--data-path", str(text), "--seq-length", "16", "--micro-batch-size", "2",
+           "--global-batch-size", "8", "--no-progress", "--seed", "3", "--train-iters", "1",
+           "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+           "--sequence-parallel"]
+    direct = example.main(run + ["--load-hf", str(FIXTURES / "llama")])
+    assert "starting from the Hugging Face model in" in capsys.readouterr().out
+    cfg, params = import_hf(FIXTURES / "llama", seq_length=16)
+    save_params_checkpoint(tmp_path / "ckpt", cfg, params, source="a test",
+                           required_fields=("layernorm_epsilon",))
+    from jax_wgrad.interop import megatron_flags
+    converted = example.main(run + megatron_flags(cfg) + ["--load", str(tmp_path / "ckpt")])
+    assert direct["first_loss"] == converted["first_loss"]
+    with pytest.raises(SystemExit):
+        example.main(run + ["--load-hf", str(FIXTURES / "llama"), "--hidden-size", "32"])
+    assert "hidden_size=64 in the directory, 32 in this run" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 

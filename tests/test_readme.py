@@ -1,7 +1,7 @@
 """Every code sample and every command of the README runs as printed.
 
 Python samples run in-process, each in a fresh namespace. Each ``bash`` block runs in a
-fresh directory (with ``examples/``, ``tools/`` and ``benchmarks/`` linked in, so relative
+fresh directory (with ``examples/``, ``tools/``, ``benchmarks/`` and ``tests/`` linked in, so relative
 paths and the ``runs/`` outputs behave as in a checkout), its lines in order, through
 ``bash``, with ``.venv/bin/python`` / ``python`` meaning this interpreter: the virtual
 environment the README's setup creates is the one running the tests. Blocks that train are
@@ -37,12 +37,13 @@ BLOCKS = {
     "-m jax_wgrad.schedules": "fast",
     "--save runs/ckpt --save-interval 10": "slow",
     "examples/plot_metrics.py": "slow",
-    "tools/preprocess_data.py": "slow",
+    "--output-prefix runs/asyncio --append-eod": "slow",
     "--num-processes 2": "slow",
     'pip install "jax[cuda13]"': "skip: installs jax's CUDA plugin from the network",
     "fusion_status()": "fast",
     "pytest -m gpu": "skip: it is this test suite",
     "benchmarks/pipeline_scaling.py": "slow",
+    "tools/convert_hf.py --export": "slow",
     "benchmarks/step_vs_plain_jax.py": "gpu",
     "--compile-only": "skip: needs jax's CUDA plugin (tests/test_aot.py runs it where it is)",
 }
@@ -91,7 +92,7 @@ def as_run_here(line: str) -> str:
 
 @pytest.mark.parametrize("block", _params())
 def test_readme_command_runs_as_printed(block, tmp_path):
-    for name in ("examples", "tools", "benchmarks", "docs"):
+    for name in ("examples", "tools", "benchmarks", "docs", "tests"):
         (tmp_path / name).symlink_to(ROOT / name)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # the commands set their own device count

@@ -252,13 +252,15 @@ class GPTConfig:
         (a checkpoint's ``dataclasses.asdict`` of its model config) and this config
         disagree; a field missing from an older checkpoint counts as its default. The
         ``moe_*`` shape fields count only when both models have experts (else
-        ``num_moe_experts`` names it)."""
+        ``num_moe_experts`` names it), ``seq_length`` only with learned positions."""
         now = dataclasses.asdict(self)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         then = {k: saved.get(k, defaults[k]) for k in self.SHAPE_FIELDS}
         dense = then["num_moe_experts"] is None or now["num_moe_experts"] is None
+        rope = then["position_embedding_type"] == now["position_embedding_type"] == "rope"
         return [(k, then[k], now[k]) for k in self.SHAPE_FIELDS if then[k] != now[k]
-                and not (dense and k.startswith("moe_"))]  # a dense model has no MoE shapes
+                and not (dense and k.startswith("moe_"))  # a dense model has no MoE shapes
+                and not (rope and k == "seq_length")]  # no learned positions: any length
 
     def attention_implementation(self, platform: str) -> Literal["xla", "cudnn"]:
         """``attention_backend`` resolved for a jax platform (``"cpu"``, ``"gpu"``, ...)."""
