@@ -63,7 +63,7 @@ LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=Tru
 
 
 def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32", table=None,
-                     schedule="1f1b", recompute=None, arch=None):
+                     schedule="1f1b", recompute=None, arch=None, **par_kw):
     if fusion and not fusion_available("cpu"):
         pytest.skip("the CPU wgrad_accumulate handler was not built")
     cfg = GPTConfig(**{**dict(num_layers=max(4, pp), hidden_size=32, num_attention_heads=4,
@@ -73,7 +73,8 @@ def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32",
     par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          micro_batch_size=2, global_batch_size=2 * dp * m,
                          sequence_parallel=sp, gradient_accumulation_fusion=fusion,
-                         pipeline_schedule=schedule, recompute_granularity=recompute)
+                         pipeline_schedule=schedule, recompute_granularity=recompute,
+                         **par_kw)
     validate(par, cfg)
     mesh = make_mesh(par)
     params = init_params(cfg, seed=0)
@@ -114,8 +115,16 @@ def test_gradients_equal_single_device_jax_grad(dp, tp, pp, sp, fusion):
     _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=fusion))
 
 
-@pytest.mark.parametrize("dp, tp, pp", MESHES, ids=lambda v: str(v))
-@pytest.mark.parametrize("fusion", [False, True], ids=["plain", "fused"])
+def _llama_grid():
+    # Fused on every layout; unfused on (2,2,2) (the rest: -m slow).
+    for dp, tp, pp in MESHES:
+        for fusion in (False, True):
+            slow = not fusion and (dp, tp, pp) != (2, 2, 2)
+            yield pytest.param(dp, tp, pp, fusion, id=f"{'fused' if fusion else 'plain'}-"
+                               f"{dp}-{tp}-{pp}", marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("dp, tp, pp, fusion", list(_llama_grid()))
 def test_llama_options_equal_single_device_jax_grad(dp, tp, pp, fusion):
     """RMSNorm, RoPE, SwiGLU, GQA 8:2 (over tensor 2: one kv group per rank), no linear
     bias, untied output layer; sequence parallelism with tensor parallelism (RoPE sees
@@ -124,7 +133,7 @@ def test_llama_options_equal_single_device_jax_grad(dp, tp, pp, fusion):
                                           arch=LLAMA))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "zb-h1"])
 def test_qwen_and_megatron_only_options_equal_jax_grad(schedule):
     """A qkv bias without other biases (Qwen2), qk-layernorm, kv_channels != H / heads,
     partial rotary, tied embeddings; fused, SP, both schedules."""
@@ -132,6 +141,17 @@ def test_qwen_and_megatron_only_options_equal_jax_grad(schedule):
                 rotary_percent=0.5)
     _assert_equal_grads(*_check_gradients(2, 2, 2, sp=True, fusion=True, arch=arch,
                                           schedule=schedule))
+
+
+@pytest.mark.parametrize("schedule, recompute, mode", [
+    pytest.param("1f1b", "selective", "stash", marks=pytest.mark.slow),
+    ("zb-h1", "full", "recompute")])
+def test_llama_options_with_deferral_and_recomputation(schedule, recompute, mode):
+    """The Llama options through the deferred output-layer wgrad (both stash modes) and
+    recomputation, both schedules, on (2,2,2)+SP with fusion."""
+    _assert_equal_grads(*_check_gradients(
+        2, 2, 2, sp=True, fusion=True, tied=False, arch=LLAMA, schedule=schedule,
+        recompute=recompute, defer_embedding_wgrad_compute=True, defer_mode=mode))
 
 
 def test_gqa_groups_must_divide_over_tensor():
@@ -158,7 +178,7 @@ def test_microbatch_counts(m):
     _assert_equal_grads(*_check_gradients(2, 1, 4, sp=False, fusion=True, m=m))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_unrolled_layer_loop_equals_the_scan(schedule):
     """``layer_scan_unroll`` = the stage's layers (straight-line code, constant block
     offsets) and the scan both equal ``jax.grad`` (not bitwise each other: XLA:CPU fuses
