@@ -457,11 +457,6 @@ def loop_options(args: argparse.Namespace):
         profile_steps=args.profile_steps, progress=not args.no_progress)
 
 
-_FLAG_OF = {"add_bias_linear": ("disable_bias_linear", lambda v: not v),
-            "num_moe_experts": ("num_experts", None), "layernorm_epsilon": ("norm_epsilon", None)}
-"""GPTConfig fields whose flag has another name (and meaning)."""
-
-
 def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """``--model NAME`` or ``--load-hf DIR``: the preset's (the directory's config's)
     values become the flags' defaults, so flags given on the command line still win."""
@@ -476,11 +471,11 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> Non
         fields = PRESETS[known.model]
     else:
         return
-    defaults = {}
-    for field, value in fields.items():
-        dest, convert = _FLAG_OF.get(field, (field, None))
-        defaults[dest] = value if convert is None else convert(value)
-    parser.set_defaults(**defaults)
+    from jax_wgrad.models.gpt.config import FLAG_NAMES, NEGATED_FLAGS
+
+    parser.set_defaults(**{FLAG_NAMES.get(field, field):
+                           (not value) if field in NEGATED_FLAGS else value
+                           for field, value in fields.items()})
 
 
 def hf_model_fields(parser: argparse.ArgumentParser, directory: str) -> dict:
@@ -491,6 +486,7 @@ def hf_model_fields(parser: argparse.ArgumentParser, directory: str) -> dict:
     import os
 
     from jax_wgrad.interop import config_from_hf
+    from jax_wgrad.models.gpt.config import FLAG_NAMES, RUN_OPTIONS
 
     path = os.path.join(directory, "config.json")
     try:
@@ -498,9 +494,10 @@ def hf_model_fields(parser: argparse.ArgumentParser, directory: str) -> dict:
             cfg = config_from_hf(json.load(f))
     except (OSError, ValueError) as exc:
         parser.error(f"--load-hf {directory}: {exc}")
-    skip = {"compute_dtype", "attention_backend", "layer_scan_unroll", "seq_length"}
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip
-            and (k in vars(parser.parse_args([])) or k in _FLAG_OF)}
+    dests = vars(parser.parse_args([]))
+    # seq_length: the training sequence length is this run's choice (RoPE takes any).
+    return {k: v for k, v in dataclasses.asdict(cfg).items()
+            if k not in RUN_OPTIONS | {"seq_length"} and FLAG_NAMES.get(k, k) in dests}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -13,7 +13,6 @@ their grids) and the memory analysis. Nothing is run.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import sys
@@ -26,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_wgrad import ops
 from jax_wgrad.aot import hlo, thunks
+from jax_wgrad.aot.compile import read_largest_dump
 from jax_wgrad.aot.targets import target_devices
 from jax_wgrad.functional import grouped_linear, linear_into_bucket
 from jax_wgrad.ops import registry
@@ -77,13 +77,7 @@ CASES = {
 }
 
 
-def _largest(dump: str, *patterns: str) -> str | None:
-    for pattern in patterns:
-        files = glob.glob(os.path.join(dump, pattern))
-        if files:
-            with open(max(files, key=os.path.getsize)) as f:
-                return f.read()
-    return None
+_largest = read_largest_dump  # the AOT report's reader of an XLA dump
 
 
 def _bucket_allocations(assignment: str) -> list[str]:

@@ -132,3 +132,15 @@ def test_schedule_errors(example, capsys):
     usage_error(example, capsys,
                 SMALL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
                 "Cannot use the zb-h1 pipeline schedule without gradient accumulation fusion")
+
+
+def test_model_preset_gives_the_flags_defaults_and_flags_override(example):
+    """``--model NAME``: the preset's config, with the flags given on the command line."""
+    from jax_wgrad.models.gpt.presets import preset
+
+    parser = example.make_parser()
+    argv = ["--model", "qwen2.5-tiny", "--num-layers", "2"]
+    example.apply_preset(parser, argv)
+    model, _, _ = example.build_configs(parser.parse_args(argv), 256, parser)
+    assert model == preset("qwen2.5-tiny", num_layers=2)
+    assert model.add_qkv_bias and not model.add_bias_linear and model.layernorm_epsilon == 1e-6

@@ -80,22 +80,25 @@ def _xla_options(extra: dict[str, Any] | None) -> dict[str, Any]:
     return opts
 
 
+def read_largest_dump(dump: str, *patterns: str) -> str | None:
+    """The text of the largest file of an XLA dump directory matching the first of
+    ``patterns`` that matches any (the step's module, not a small helper's); ``None``."""
+    for pattern in patterns:
+        files = glob.glob(os.path.join(dump, pattern))
+        if files:
+            with open(max(files, key=os.path.getsize)) as f:
+                return f.read()
+    return None
+
+
 def _compile_dumped(lowered, opts: dict[str, Any]):
     """``(compiled, thunk sequence text, thunk metadata text)``: compiled with ``opts``
     and a dump into a temporary directory (removed) for XLA:GPU's thunk sequence."""
     with tempfile.TemporaryDirectory(prefix="jax_wgrad_aot_") as dump:
         compiled = lowered.compile({**opts, "xla_dump_to": dump, "xla_dump_hlo_as_text": True})
-
-        def largest(*patterns):
-            for pattern in patterns:
-                files = glob.glob(os.path.join(dump, pattern))
-                if files:
-                    with open(max(files, key=os.path.getsize)) as f:
-                        return f.read()
-            return None
-
-        return (compiled, largest("*thunk_sequence_after_thunk_passes.txt",
-                                  "*thunk_sequence.txt"), largest("*thunk_metadata.txt"))
+        return (compiled, read_largest_dump(dump, "*thunk_sequence_after_thunk_passes.txt",
+                                            "*thunk_sequence.txt"),
+                read_largest_dump(dump, "*thunk_metadata.txt"))
 
 
 def _loop_facts(text: str, comps, sizes) -> tuple[tuple[str, str] | None, list[str], list[str]]:

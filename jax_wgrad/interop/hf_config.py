@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jax_wgrad.models.gpt.config import GPTConfig
+from jax_wgrad.models.gpt.config import FLAG_NAMES, NEGATED_FLAGS, RUN_OPTIONS, GPTConfig
 
 __all__ = ["FAMILIES", "UnsupportedHFConfig", "config_from_hf", "hf_config_from", "head_dim",
            "megatron_flags"]
@@ -195,19 +195,16 @@ def megatron_flags(cfg: GPTConfig) -> list[str]:
     """The ``examples/pretrain_gpt.py`` model flags (Megatron's names) of ``cfg``: the run
     that loads a converted checkpoint (``--load``) passes these."""
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    skip = {"compute_dtype", "attention_backend", "layer_scan_unroll"}
     always = {"vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
               "ffn_hidden_size", "layernorm_epsilon", "init_method_std"}
     out = []
     for name, value in dataclasses.asdict(cfg).items():
-        if name in skip or value is None or (value == defaults.get(name)
-                                              and name not in always):
+        if name in RUN_OPTIONS or value is None or (value == defaults.get(name)
+                                                     and name not in always):
             continue
-        flag = "--" + {"num_moe_experts": "num_experts", "layernorm_epsilon": "norm_epsilon",
-                       "add_bias_linear":
-                       "disable_bias_linear"}.get(name, name).replace("_", "-")
+        flag = "--" + FLAG_NAMES.get(name, name).replace("_", "-")
         if isinstance(value, bool):
-            if value != (name != "add_bias_linear"):
+            if value == (name in NEGATED_FLAGS):  # the flag is off
                 continue
             out.append(flag)
         else:

@@ -10,7 +10,7 @@ from jax_wgrad.functional.moe import MoEConfig
 from jax_wgrad.nn.norm import NORMALIZATIONS
 from jax_wgrad.parallel.config import ParallelConfig
 
-__all__ = ["GPTConfig", "validate"]
+__all__ = ["FLAG_NAMES", "GPTConfig", "NEGATED_FLAGS", "RUN_OPTIONS", "validate"]
 
 _MOE = "moe_config"
 """Field metadata key of the GPT's MoE options: the :class:`MoEConfig` field an option is
@@ -32,6 +32,18 @@ def _forwarded(name: str):
 def _gpt_moe_option(default):
     """An MoE option of the GPT itself (not read by the MoE layer)."""
     return dataclasses.field(default=default, metadata={_MOE: None})
+
+
+FLAG_NAMES: dict[str, str] = {"num_moe_experts": "num_experts",
+                              "layernorm_epsilon": "norm_epsilon",
+                              "add_bias_linear": "disable_bias_linear"}
+"""GPTConfig fields whose Megatron flag (``examples/pretrain_gpt.py``, argparse dest) has
+another name; every other field's flag is its name."""
+NEGATED_FLAGS = frozenset({"add_bias_linear"})
+"""Fields whose flag sets the opposite value (``--disable-bias-linear``)."""
+RUN_OPTIONS = frozenset({"compute_dtype", "attention_backend", "layer_scan_unroll"})
+"""Fields that say how a run computes, not which model it is (no preset or converted
+checkpoint sets them)."""
 
 
 @dataclasses.dataclass(frozen=True)

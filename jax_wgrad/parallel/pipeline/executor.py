@@ -132,9 +132,9 @@ class _StageRun:
         self.fused = sink.layout.fusion
         zeros = sink.layout.zeros() if self.fused else None
         # Probed linears' inputs/outputs and aux: shapes learned by tracing, once.
-        self.body_trace = jax.eval_shape(self._body_records, params, zeros, self.act)
-        self.post_trace = jax.eval_shape(self._post_records, params, zeros, self.act,
-                                         self.micro[0])
+        self.body_trace = jax.eval_shape(self._body_fn, (params, zeros, None), self.act)[1]
+        self.post_trace = jax.eval_shape(self._post_fn, params, zeros, None, self.act,
+                                         self.micro[0])[1]
         self.body_probes = zeros_of(self.body_trace[1])
         self.post_probes = zeros_of(self.post_trace[1])
         self.store = ResidualStore.create(self._body_fn, par.recompute_granularity,
@@ -146,37 +146,26 @@ class _StageRun:
     # ------------------------------------------------------------------------ programs
 
     def _body_fn(self, live, x):
-        # ((params, grads, probes), x) -> ((y, grads), (recorded inputs, aux))
+        # ((params, grads, probes), x) -> ((y, grads), (recorded inputs, outputs, aux));
+        # probes None: records only (traced once for the shapes).
         params, grads, probes = live
         tape = self.sink.open(LAYERS, grads, probes)
         y, aux = self.program.body(params, tape.main_grads, x)
-        grads, inputs, _ = tape.close()
-        return (y, grads), (inputs, aux)
+        grads, inputs, outputs = tape.close()
+        return (y, grads), (inputs, outputs, aux)
 
     def _post_fn(self, params, grads, probes, y, batch):
-        # -> ((loss, grads), (recorded inputs, aux))
+        # -> ((loss, grads), (recorded inputs, outputs, aux))
         tape = self.sink.open(OUTPUT, grads, probes)
         loss, aux = self.program.post(params, tape.main_grads, y, batch)
-        grads, inputs, _ = tape.close()
-        return (loss, grads), (inputs, aux)
+        grads, inputs, outputs = tape.close()
+        return (loss, grads), (inputs, outputs, aux)
 
     def _pre_fn(self, params, grads, batch):
         tape = self.sink.open(INPUT, grads)
         x, _ = self.program.pre(params, tape.main_grads, batch)
         grads, _, _ = tape.close()
         return x, grads
-
-    def _body_records(self, params, grads, x):
-        tape = self.sink.open(LAYERS, grads)
-        _, aux = self.program.body(params, tape.main_grads, x)
-        _, inputs, outputs = tape.close()
-        return inputs, outputs, aux
-
-    def _post_records(self, params, grads, y, batch):
-        tape = self.sink.open(OUTPUT, grads)
-        _, aux = self.program.post(params, tape.main_grads, y, batch)
-        _, inputs, outputs = tape.close()
-        return inputs, outputs, aux
 
     # ------------------------------------------------------------------------ the scan
 
@@ -264,7 +253,7 @@ class _StageRun:
         x_in = lax.cond(self.is_first, lambda: self._pre_fn(self.params, None, batch)[0],
                         lambda: received)
         slot = f % self.table.num_slots
-        (y, _), (inputs, aux), residuals = self.store.forward(
+        (y, _), (inputs, _, aux), residuals = self.store.forward(
             c.residuals, slot, (self.params, self._threaded(c), self.body_probes), x_in)
         wstash = dict(c.wstash)
         for name, x in inputs.items():
@@ -281,7 +270,7 @@ class _StageRun:
     def _post(self, c: PipelineCarry, *, y, batch, f) -> PipelineCarry:
         """``post`` and its backward for microbatch ``f`` (last stage)."""
         threaded = self._threaded(c)
-        (loss, _), vjp, (inputs, aux) = jax.vjp(
+        (loss, _), vjp, (inputs, _, aux) = jax.vjp(
             functools.partial(self._post_fn, batch=batch), self.params, threaded,
             self.post_probes, y, has_aux=True)
         # Seeded with 1: gradients of the token-loss SUM (token scaling in finalize_grads).
