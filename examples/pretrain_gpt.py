@@ -542,7 +542,7 @@ def start_from_hf(parser, directory: str, plan, state):
     if diff:
         parser.error(f"--load-hf {directory}: the flags give another model: " + "; ".join(
             f"{k}={a!r} in the directory, {b!r} in this run" for k, a, b in diff))
-    params = jax.device_put(params, plan.param_shardings)
+    params = jax.device_put(plan.program.from_canonical(params), plan.param_shardings)
     return state._replace(params=params,
                           opt_state=jax_wgrad.training.init_optimizer_state(plan, params))
 

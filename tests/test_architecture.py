@@ -18,7 +18,8 @@ MODULES = sorted(p for p in PKG.rglob("*.py"))
 # per-step stage set-up, argument checks) is importable from anywhere.
 FOUNDATION = ("jax_wgrad._validation", "jax_wgrad._cuda_probe", "jax_wgrad.parallel.mesh",
               "jax_wgrad.parallel.config",
-              "jax_wgrad.parallel.pipeline.schedules", "jax_wgrad.parallel.pipeline.setup",
+              "jax_wgrad.parallel.pipeline.schedules", "jax_wgrad.parallel.pipeline.interleaved",
+              "jax_wgrad.parallel.pipeline.setup", "jax_wgrad.parallel.pipeline.virtual",
               "jax_wgrad.parallel")
 TIERS = [
     ("jax_wgrad.ops",),

@@ -76,16 +76,18 @@ def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32",
                          pipeline_schedule=schedule, recompute_granularity=recompute,
                          **par_kw)
     validate(par, cfg)
-    mesh = make_mesh(par)
+    mesh = make_mesh(par, jax.devices()[:par.world_size])
     params = init_params(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, tokens, cfg)
 
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
-                             is_leaf=lambda x: isinstance(x, P))
     stages = GPTProgram(cfg, par)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), stages.param_specs(),
+                             is_leaf=lambda x: isinstance(x, P))
     grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t, table=table))(
-        jax.device_put(params, shardings), jax.device_put(tokens, NamedSharding(mesh, P("data"))))
+        jax.device_put(stages.from_canonical(params), shardings),
+        jax.device_put(tokens, NamedSharding(mesh, P("data"))))
+    grads = stages.to_canonical(grads)  # the interleaved layout's layer stacks -> [L, ...]
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     return loss, ref_loss, grads, ref_grads
 

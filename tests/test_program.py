@@ -134,6 +134,13 @@ class MLPStack:
         specs["blocks"] = {k: P(PIPELINE) for k in ("w1", "w2", "b")}
         return specs
 
+    canonical_specs = param_specs  # no interleaved layout: the canonical form is the layout
+
+    def to_canonical(self, params):
+        return params
+
+    from_canonical = to_canonical
+
     def device_tree(self, params) -> Chunks:
         blocks = params["blocks"]
         n = jax.tree.leaves(blocks)[0].shape[0]

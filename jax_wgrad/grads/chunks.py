@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
+from jax import lax
 
-from jax_wgrad.grads.spec import CHUNKS
+from jax_wgrad.grads.spec import CHUNKS, STACKED
 
-__all__ = ["Chunks", "DeviceTree", "GradState"]
+__all__ = ["Chunks", "DeviceTree", "GradState", "Window"]
 
 T = TypeVar("T")
 
@@ -58,3 +59,25 @@ DeviceTree = Chunks
 
 GradState = Chunks
 """One device's gradient buckets: a tuple of flat fp32 buckets per chunk."""
+
+
+class Window(NamedTuple):
+    """Model chunk ``index`` (an int or a traced int32 scalar) of ``count`` equal model
+    chunks of a pipeline stage (interleaved schedules): rows ``[index n / count, (index +
+    1) n / count)`` of every leaf of the :data:`~jax_wgrad.grads.spec.STACKED` chunks of a
+    device tree (its layers stacked ``[n, ...]``)."""
+
+    index: Any
+    count: int
+
+    def take(self, tree: DeviceTree) -> DeviceTree:
+        """The model chunk's parameters: the stacked chunks' leaves sliced to ``[n /
+        count, ...]``, the rest as it is (``tree`` itself when ``count == 1``)."""
+        if self.count == 1:
+            return tree
+
+        def rows(a):
+            size = a.shape[0] // self.count
+            return lax.dynamic_slice_in_dim(a, self.index * size, size, axis=0)
+
+        return tree.replace(**{name: jax.tree.map(rows, tree[name]) for name in STACKED})

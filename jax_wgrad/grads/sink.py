@@ -32,16 +32,18 @@ fused in ``INPUT``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from jax_wgrad import ops
 from jax_wgrad.functional.linear import WgradBuckets, WgradSplit
-from jax_wgrad.grads.chunks import DeviceTree, GradState
+from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
 from jax_wgrad.grads.layout import GradLayout
-from jax_wgrad.grads.spec import LAYERS, OUTPUT, STAGE
+from jax_wgrad.grads.spec import LAYERS, OUTPUT, STACKED, STAGE
 
 __all__ = ["Policy", "SinkEntry", "GradSink", "Tape"]
 
@@ -72,6 +74,15 @@ class SinkEntry:
     def probed(self) -> bool:
         """The backward leaves this weight's GEMM out (its ``(x, dy)`` pair is kept)."""
         return self.policy != "accumulate"
+
+    def offset_in(self, window: Window | None):
+        """Its block's first element for model chunk ``window`` (a stacked weight's rows
+        of that chunk; traced when the window's index is): ``offset`` without one."""
+        if window is None or window.count == 1 or self.chunk not in STACKED:
+            return self.offset
+        rows = self.shape[0] // window.count
+        size = rows * (math.prod(self.shape) // self.shape[0])
+        return jnp.int32(self.offset) + jnp.asarray(window.index, jnp.int32) * jnp.int32(size)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -142,31 +153,35 @@ class GradSink:
     # ------------------------------------------------------------------------ gradients
 
     def open(self, role: str, state: GradState | None,
-             probes: Mapping[str, jax.Array | None] | None = None) -> Tape:
+             probes: Mapping[str, jax.Array | None] | None = None,
+             window: Window | None = None) -> Tape:
         """A :class:`Tape` for one differentiated call of ``role`` (create it INSIDE the
-        function being differentiated, from that function's ``state`` and ``probes``)."""
-        return Tape(self, role, state, probes)
+        function being differentiated, from that function's ``state`` and ``probes``) on
+        the parameters of model chunk ``window`` (``None``: the whole stage)."""
+        return Tape(self, role, state, probes, window)
 
-    def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
+    def add(self, state: GradState, role: str, grads: DeviceTree,
+            window: Window | None = None) -> GradState:
         """``role``'s ordinary gradients into their blocks (:meth:`GradLayout.add`)."""
-        return self.layout.add(state, role, grads)
+        return self.layout.add(state, role, grads, window)
 
     def accumulate(self, state: GradState, entry: SinkEntry, x: jax.Array,
-                   dy: jax.Array) -> GradState:
+                   dy: jax.Array, window: Window | None = None) -> GradState:
         """``dy^T x`` into ``entry``'s block, in place (the ``W`` task, the deferral
         drain's non-deferred microbatches). A weight stacked over ``n`` layers
         (``[n, out, in]``, or ``[n, ..., in]`` whose middle dims flatten to ``out``;
         :func:`~jax_wgrad.functional.scan_layers`) takes its pair stacked too
-        (``x [n, ..., in]``, ``dy [n, ..., out]``): one grouped call, ``n`` blocks."""
+        (``x [n, ..., in]``, ``dy [n, ..., out]``): one grouped call, ``n`` blocks (with a
+        ``window``: the model chunk's ``n / V`` layers, at their blocks)."""
         bks = list(state[entry.chunk])
+        offset = entry.offset_in(window)
         if len(entry.shape) == 2:
-            bks[entry.bucket] = ops.wgrad_accumulate(x, dy, bks[entry.bucket],
-                                                     offset=entry.offset)
+            bks[entry.bucket] = ops.wgrad_accumulate(x, dy, bks[entry.bucket], offset=offset)
         elif len(entry.shape) >= 3:  # [n, ..., in]: n row-major [out, in] blocks
-            n = entry.shape[0]
+            n = x.shape[0]
             bks[entry.bucket] = ops.grouped_wgrad_accumulate(
                 x.reshape(n, -1, x.shape[-1]), dy.reshape(n, -1, dy.shape[-1]),
-                bks[entry.bucket], offset=entry.offset)
+                bks[entry.bucket], offset=offset)
         else:
             raise ValueError(f"GradSink.accumulate: {entry.name} has shape {entry.shape}; "
                              "a W pair is for an [out, in] weight or stacked [n, ..., in] ones")
@@ -194,7 +209,7 @@ class Tape:
     """
 
     def __init__(self, sink: GradSink, role: str, state: GradState | None,
-                 probes: Mapping[str, jax.Array | None] | None):
+                 probes: Mapping[str, jax.Array | None] | None, window: Window | None = None):
         self._state = state
         self._probed = sink.probed(role)
         if state is None:
@@ -210,7 +225,7 @@ class Tape:
                 return None
             if entry.probed:
                 return self._ws.slot(index[entry.name])
-            return self._wb[entry.chunk].slot(entry.bucket, entry.offset)
+            return self._wb[entry.chunk].slot(entry.bucket, entry.offset_in(window))
 
         self.main_grads = jax.tree.unflatten(sink.layout.buffer.treedef,
                                              [slot(e) for e in sink._leaf_entries])

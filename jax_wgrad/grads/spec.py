@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["GradSpec", "STAGE", "EXPERTS", "SHARED", "INPUT", "LAYERS", "OUTPUT", "CHUNKS",
-           "ROLES"]
+           "ROLES", "STACKED"]
 
 STAGE = "stage"
 """Chunk of a pipeline stage's own (dense) parameters."""
@@ -33,6 +33,10 @@ SHARED = "shared"
 """Chunk of the parameters replicated on every pipeline stage."""
 CHUNKS: tuple[str, ...] = (STAGE, EXPERTS, SHARED)
 """Chunks in bucket order."""
+STACKED: tuple[str, ...] = (STAGE, EXPERTS)
+"""Chunks whose every leaf is stacked over the stage's layers, ``[n, ...]``: with ``V``
+model chunks per stage (interleaved schedules) model chunk ``v`` is rows
+``[v n / V, (v + 1) n / V)`` of every leaf (a :class:`~jax_wgrad.grads.sink.Window`)."""
 
 INPUT = "input"
 LAYERS = "layers"

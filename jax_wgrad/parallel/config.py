@@ -57,6 +57,16 @@ class ParallelConfig:
     (Megatron's; stage ``s`` holds at most ``P - s`` microbatches) or ``zb-h1`` (zero
     bubble: backward split into input- and weight-gradient tasks, the weight-gradient
     GEMMs filling the bubbles; needs gradient accumulation fusion)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Megatron's interleaved schedule: model chunks per pipeline stage (``V``; ``None``: 1,
+    no interleaving). Stage ``s`` holds virtual stages ``s, P + s, ..., (V - 1) P + s`` of
+    ``L / (P V)`` layers each; ``pipeline_schedule`` ``1f1b`` becomes Megatron's interleaved
+    1F1B and ``zb-h1`` the same order with split backwards
+    (:mod:`jax_wgrad.parallel.pipeline.interleaved`). The example also takes Megatron's
+    ``--num-layers-per-virtual-pipeline-stage``."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Megatron's option: microbatches each virtual stage runs back to back before the
+    next chunk's (``None``: ``P``, and then ``M`` must be a multiple of ``P``)."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Megatron's activation recomputation: ``None`` (the backward uses the residuals its
     forward saved; no forward GEMM is recomputed), ``"selective"`` (save the GEMM outputs,
@@ -102,6 +112,7 @@ class ParallelConfig:
             raise ValueError("Cannot use the zb-h1 pipeline schedule without gradient "
                              "accumulation fusion (its weight-gradient tasks are the fused "
                              "wgrad GEMMs)")
+        self._validate_interleaving()
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError("recompute_granularity must be None, 'full' or 'selective', "
                              f"got {self.recompute_granularity!r}")
@@ -133,6 +144,33 @@ class ParallelConfig:
                 "Cannot defer embedding wgrad without gradient accumulation fusion")
         if limit < 0:
             raise ValueError(f"Wgrad deferral limit must be >= 0 (got {limit})")
+
+    def _validate_interleaving(self) -> None:
+        v, g = self.virtual_pipeline_model_parallel_size, self.microbatch_group_size_per_vp_stage
+        if v is None:
+            if g is not None:
+                raise ValueError("microbatch_group_size_per_vp_stage is only used with the "
+                                 "interleaved schedule (virtual_pipeline_model_parallel_size)")
+            return
+        check_positive("virtual_pipeline_model_parallel_size", v)
+        p, m = self.pipeline_model_parallel_size, self.num_microbatches
+        if v > 1 and p == 1:  # Megatron's wording (arguments.py)
+            raise ValueError("When interleaved schedule is used, pipeline-model-parallel size "
+                             "should be greater than 1")
+        if g is not None:
+            check_positive("microbatch_group_size_per_vp_stage", g)
+            if g < p:
+                raise ValueError(f"microbatch_group_size_per_vp_stage ({g}) must be at least "
+                                 f"pipeline-model-parallel-size ({p})")
+        elif v > 1 and m % p != 0:  # Megatron's wording (schedules.py)
+            raise ValueError(f"number of microbatches ({m}) is not divisible by "
+                             f"pipeline-model-parallel-size ({p}) when using interleaved "
+                             "schedule")
+
+    @property
+    def num_model_chunks(self) -> int:
+        """Model chunks per pipeline stage: ``virtual_pipeline_model_parallel_size`` or 1."""
+        return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def num_deferred_microbatches(self) -> int:

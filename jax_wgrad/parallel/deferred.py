@@ -39,7 +39,7 @@ from jax_wgrad import ops
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import TENSOR
 
-__all__ = ["stash_put", "stash_bytes", "is_deferred", "ring_shift", "drain"]
+__all__ = ["stash_items", "stash_put", "stash_bytes", "is_deferred", "ring_shift", "drain"]
 
 Stash = tuple[jax.Array, ...]
 
@@ -47,6 +47,18 @@ Stash = tuple[jax.Array, ...]
 def stash_bytes(stash: Stash) -> int:
     """Bytes of one device's stash (arrays or shapes)."""
     return sum(jnp.dtype(s.dtype).itemsize * math.prod(s.shape) for s in stash)
+
+
+def stash_items(par: ParallelConfig, x: jax.Array, dy: jax.Array,
+                extras: Callable[[], tuple[jax.Array, ...]]) -> Stash:
+    """What the stash keeps of one microbatch: the output layer's input ``x``
+    ``[mb, S, H]`` (this rank's sequence chunk under sequence parallelism: the drain's ring
+    brings the others) and ``dy`` (``stash`` mode) or the model's ``extras()`` to rebuild
+    it (``recompute`` mode)."""
+    if par.sequence_parallel and par.tensor_model_parallel_size > 1:
+        chunk = x.shape[1] // par.tensor_model_parallel_size
+        x = lax.dynamic_slice_in_dim(x, lax.axis_index(TENSOR) * chunk, chunk, axis=1)
+    return (x, dy) if par.defer_mode == "stash" else (x, *extras())
 
 
 def stash_put(stash: Stash, index, items: Stash) -> Stash:

@@ -56,10 +56,11 @@ class CheckpointError(ValueError):
         super().__init__(f"checkpoint {directory} step {step} is damaged: {damage}")
 
 
-def _opt_specs(plan: TrainPlan, per_device_state) -> OptimizerState:
-    """Partition specs of the canonical optimizer state: the parameter specs for every
+def _opt_specs(plan: TrainPlan, per_device_state, specs=None) -> OptimizerState:
+    """Partition specs of the optimizer state as parameter trees: the parameter specs
+    (default: the layout's; ``specs``: others, e.g. the canonical ones) for every
     parameter-shaped part, replicated for the rest (counts)."""
-    specs = plan.program.param_specs()
+    specs = plan.program.param_specs() if specs is None else specs
     structure = jax.tree.structure(per_device_state.master)
     inner = optax.tree_map_params(plan.optimizer.tx, lambda _: specs, per_device_state.inner,
                                   transform_non_params=lambda _: P(),
@@ -83,7 +84,10 @@ def canonical_state(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
 
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(program.param_specs(), P(AXES)),
                        out_specs=out_opt, check_vma=False)
-    return {"params": state.params, "opt": jax.jit(fn)(state.params, state.opt_state)}
+    opt_tree = jax.jit(fn)(state.params, state.opt_state)
+    # The layout's trees -> canonical ones (a reshape of interleaved layer stacks).
+    return {"params": program.to_canonical(state.params),
+            "opt": opt.map_param_parts(program.to_canonical, opt_tree)}
 
 
 def state_from_canonical(plan: TrainPlan, template: TrainState, params, opt,
@@ -92,6 +96,8 @@ def state_from_canonical(plan: TrainPlan, template: TrainState, params, opt,
     :func:`canonical_state` gives them); ``template``: a state of the plan (shapes)."""
     program, optimizer = plan.program, plan.optimizer
     in_opt = _opt_specs(plan, _unstacked_abstract(plan, template))
+    params = program.from_canonical(params)
+    opt = optimizer.map_param_parts(program.from_canonical, opt)
 
     def body(opt_state):
         state = optimizer.map_param_parts(program.device_tree, opt_state)
@@ -185,7 +191,8 @@ class Checkpointer:
             new = state_from_canonical(plan, state, restored["params"], restored["opt"],
                                        int(meta["step"]))
         else:  # the optimizer starts afresh from the loaded parameters
-            params = jax.device_put(restored["params"], plan.param_shardings)
+            params = jax.device_put(plan.program.from_canonical(restored["params"]),
+                                    plan.param_shardings)
             new = TrainState(_step_array(plan, int(meta["step"])), params,
                              init_optimizer_state(plan, params))
         return new, meta
@@ -238,12 +245,13 @@ class Checkpointer:
 def canonical_abstract(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
     """Shapes, dtypes and target shardings of :func:`canonical_state` on ``plan``."""
     shapes = jax.eval_shape(lambda s: canonical_state(plan, s), state)
-    opt_specs = _opt_specs(plan, _unstacked_abstract(plan, state))
+    opt_specs = _opt_specs(plan, _unstacked_abstract(plan, state),
+                           plan.program.canonical_specs())
     shard = lambda spec: NamedSharding(plan.mesh, spec)
     with_sharding = lambda tree, specs: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard(s)), tree,
         specs, is_leaf=lambda x: isinstance(x, P))
-    return {"params": with_sharding(shapes["params"], plan.program.param_specs()),
+    return {"params": with_sharding(shapes["params"], plan.program.canonical_specs()),
             "opt": jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                   sharding=shard(s)),
                                 opt_specs, shapes["opt"], is_leaf=lambda x: isinstance(x, P))}

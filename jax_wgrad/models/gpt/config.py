@@ -301,6 +301,11 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
             f"num_layers ({model.num_layers}) must be divisible by "
             f"pipeline_model_parallel_size ({pp})"
         )
+    v = parallel.num_model_chunks
+    if (model.num_layers // pp) % v != 0:  # Megatron's wording (arguments.py)
+        raise ValueError(f"number of layers per pipeline stage ({model.num_layers // pp}) "
+                         "must be divisible by virtual_pipeline_model_parallel_size "
+                         f"({v})")
     if parallel.sequence_parallel and model.seq_length % tp != 0:
         raise ValueError(
             f"seq_length ({model.seq_length}) must be divisible by "
@@ -322,9 +327,10 @@ def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:
     if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
         raise ValueError("When using MoE and tensor parallelism, sequence parallelism must "
                          "be used.")
-    per_stage = model.num_layers // parallel.pipeline_model_parallel_size
+    per_stage = model.num_layers // (parallel.pipeline_model_parallel_size
+                                     * parallel.num_model_chunks)
     if per_stage % model.moe_layer_freq != 0:
-        raise ValueError(f"layers per pipeline stage ({per_stage}) must be divisible by "
+        raise ValueError(f"layers per virtual pipeline stage ({per_stage}) must be divisible by "
                          f"moe_layer_freq ({model.moe_layer_freq}) so that every stage has "
                          "the same pattern of MoE and dense layers")
     if model.moe_grouped_gemm and not parallel.gradient_accumulation_fusion:

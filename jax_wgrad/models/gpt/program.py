@@ -28,6 +28,7 @@ from jax_wgrad.models.gpt.params import (
 )
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import AXES
+import jax_wgrad.parallel.pipeline.virtual as virtual
 from jax_wgrad.parallel.pipeline.setup import StageSetup
 
 __all__ = ["GPTProgram"]
@@ -87,21 +88,40 @@ class GPTProgram:
 
     # -- parameters and the device tree
 
-    def init_params(self, seed: int = 0) -> Params:
-        """Full canonical parameters from ``seed`` (:func:`~jax_wgrad.models.gpt.init_params`)."""
-        return init_params(self.model, seed)
+    @property
+    def _chunks(self) -> int:
+        return self.parallel.num_model_chunks
 
-    def param_specs(self) -> Params:
+    def init_params(self, seed: int = 0) -> Params:
+        """Full parameters from ``seed`` (:func:`~jax_wgrad.models.gpt.init_params`) in the
+        layout (:mod:`~jax_wgrad.parallel.pipeline.virtual`: canonical unless interleaved)."""
+        return self.from_canonical(init_params(self.model, seed))
+
+    def canonical_specs(self) -> Params:
         """``PartitionSpec`` of every canonical parameter on the mesh."""
         return param_specs(self.model)
 
+    def param_specs(self) -> Params:
+        """``PartitionSpec`` of every parameter of the layout on the mesh."""
+        return virtual.layout_specs(self.canonical_specs(), self._chunks)
+
+    def to_canonical(self, params: Params) -> Params:
+        """Layout parameters (global) -> canonical ones (checkpoints, Hugging Face)."""
+        return virtual.to_canonical(params, self.canonical_specs(), self._chunks)
+
+    def from_canonical(self, params: Params) -> Params:
+        """Canonical parameters (global) -> the layout."""
+        return virtual.from_canonical(params, self.canonical_specs(), self._chunks)
+
     def device_tree(self, params: Params) -> DeviceTree:
-        """Canonical per-device params -> the device tree."""
-        return device_tree(params, self.model)
+        """Per-device layout params -> the device tree."""
+        local = virtual.local_stack(params, self.canonical_specs(), self._chunks)
+        return device_tree(local, self.model)
 
     def canonical_tree(self, tree: DeviceTree) -> Params:
         """Inverse of :meth:`device_tree`."""
-        return canonical_tree(tree, self.model)
+        return virtual.local_chunks(canonical_tree(tree, self.model), self.canonical_specs(),
+                                    self._chunks)
 
     def grad_specs(self) -> DeviceTree:
         """:class:`~jax_wgrad.grads.GradSpec` of every leaf of the device tree."""

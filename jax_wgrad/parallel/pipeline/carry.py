@@ -13,7 +13,7 @@ from jax import lax
 
 from jax_wgrad.grads.chunks import GradState
 
-__all__ = ["PipelineCarry", "WPair", "inbox_slot", "put", "zeros_of"]
+__all__ = ["PipelineCarry", "WPair", "put", "zeros_of"]
 
 
 class WPair(NamedTuple):
@@ -32,12 +32,14 @@ class PipelineCarry:
     grads: GradState
     """The gradient buckets by chunk (:class:`~jax_wgrad.grads.GradLayout`)."""
     residuals: tuple[jax.Array, ...]
-    """``[num_slots, ...]`` per stored residual of the stage forward."""
+    """``[num_slots, ...]`` per stored residual of the stage forward (slots by the table's
+    ``slot_map``)."""
     x_inbox: jax.Array
-    """``[depth + 1, mb, s(/tp), H]`` activations received, by microbatch; the last slot
-    takes what arrives in a tick where the sender ran no forward."""
+    """``[V depth + 1, mb, s(/tp), H]`` activations received, by (model chunk,
+    microbatch); the last slot takes what arrives in a tick where the sender ran no
+    forward."""
     g_inbox: jax.Array
-    """``[depth + 1, mb, s(/tp), H]`` gradients received (the last stage: its head's)."""
+    """``[V depth + 1, mb, s(/tp), H]`` gradients received (the last stage: its head's)."""
     loss_sum: jax.Array
     """fp32 scalar: sum of token losses computed on this device (last stage)."""
     aux_sum: Any
@@ -55,11 +57,6 @@ class PipelineCarry:
 def zeros_of(tree):
     """Zeros of a tree of shapes."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-
-
-def inbox_slot(microbatch, depth: int, no_sender):
-    # Nothing sent (idle sender, or no neighbour): the spare slot `depth`, never read.
-    return jnp.where((microbatch < 0) | no_sender, depth, microbatch % depth)
 
 
 def put(buffer: jax.Array, value: jax.Array, slot) -> jax.Array:

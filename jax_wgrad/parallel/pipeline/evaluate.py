@@ -4,6 +4,11 @@ A table of forward tasks only (:func:`forward_table`: stage ``s`` forwards micro
 ``t - s`` in tick ``t``, ``M + P - 1`` ticks), run as one ``lax.scan`` like the training
 executor: the first stage embeds, every stage runs its layers and sends the activation on
 (one acyclic ``ppermute``), the last stage sums the token losses of its head.
+
+With ``V`` model chunks per stage (interleaved layouts) the table is walked once per chunk
+(``V (M + P - 1)`` ticks, chunk ``v`` in pass ``v``): the last stage's chunk-``v`` outputs
+go over the ring edge (its own acyclic ``ppermute``) into a ``[M, ...]`` buffer on the
+first stage, which its chunk ``v + 1`` reads in the next pass.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from jax import lax
 
 from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline.schedules import IDLE
-from jax_wgrad.grads.chunks import DeviceTree
+from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.parallel.pipeline.program import StageProgram
 
 __all__ = ["forward_table", "eval_loss"]
@@ -33,27 +38,43 @@ def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> ja
     tree; ``batch``: ``[global_batch / dp, ...]`` this data rank's)."""
     setup = program.setup
     pp, m = setup.num_stages, setup.num_microbatches
+    nv = program.parallel.num_model_chunks
     micro = setup.microbatches(batch, "eval_loss")
     stage = setup.stage_index()
     act = setup.zero_activation()
+    clip = lambda i: jnp.clip(i, 0, m - 1)
 
-    def tick(carry, row):
-        x_recv, loss_sum = carry
+    def tick(carry, xs):
+        x_recv, ring, loss_sum = carry
+        row, v = xs
         f = row[stage]
 
         def forward(x_recv):
-            mb = lax.dynamic_index_in_dim(micro, jnp.clip(f, 0, m - 1), 0, keepdims=False)
-            x = lax.cond(stage == 0, lambda: program.pre(params, None, mb)[0], lambda: x_recv)
-            y, _ = program.body(params, None, x)
-            loss = lax.cond(stage == pp - 1, lambda: program.post(params, None, y, mb)[0],
+            mb = lax.dynamic_index_in_dim(micro, clip(f), 0, keepdims=False)
+            x = lax.cond(stage == 0, lambda: lax.cond(
+                v == 0, lambda: program.pre(params, None, mb)[0],
+                lambda: lax.dynamic_index_in_dim(ring, clip(f), 0, keepdims=False)),
+                lambda: x_recv)
+            y, _ = program.body(Window(v, nv).take(params), None, x)
+            loss = lax.cond((stage == pp - 1) & (v == nv - 1),
+                            lambda: program.post(params, None, y, mb)[0],
                             lambda: jnp.float32(0.0))
             return y, loss
 
         y, loss = lax.cond(f >= 0, forward, lambda x: (act, jnp.float32(0.0)), x_recv)
         if pp > 1:
-            y = lax.ppermute(y, PIPELINE, [(i, i + 1) for i in range(pp - 1)])
-        return (y, loss_sum + loss), None
+            x_recv = lax.ppermute(y, PIPELINE, [(i, i + 1) for i in range(pp - 1)])
+        if nv > 1:  # the ring edge: the last stage's chunk v -> the first stage's v + 1
+            sent = row[pp - 1]
+            y_ring = lax.ppermute(y, PIPELINE, [(pp - 1, 0)])
+            ring = lax.cond((stage == 0) & (sent >= 0) & (v < nv - 1),
+                            lambda r: lax.dynamic_update_index_in_dim(r, y_ring, clip(sent), 0),
+                            lambda r: r, ring)
+        return (x_recv, ring, loss_sum + loss), None
 
-    (_, loss_sum), _ = lax.scan(tick, (act, jnp.float32(0.0)),
-                                jnp.asarray(forward_table(pp, m)))
+    table = forward_table(pp, m)
+    rows = jnp.asarray(np.tile(table, (nv, 1)))
+    chunks = jnp.asarray(np.repeat(np.arange(nv, dtype=np.int32), table.shape[0]))
+    ring = jnp.zeros((m if nv > 1 else 0, *act.shape), act.dtype)
+    (_, _, loss_sum), _ = lax.scan(tick, (act, ring, jnp.float32(0.0)), (rows, chunks))
     return setup.mean_loss(loss_sum)

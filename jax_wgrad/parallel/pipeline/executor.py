@@ -7,12 +7,11 @@ and no model: it runs a :class:`~jax_wgrad.parallel.pipeline.program.StageProgra
 :class:`~jax_wgrad.grads.sink.GradSink` where every weight gradient goes. Per tick a
 stage runs the ``F``, ``B`` and ``W`` task the table names for it (``lax.cond`` skips an
 idle one), optionally syncs its gradient buckets in the cooldown, and exchanges
-activations and gradients with its neighbours (two acyclic ``ppermute``\\ s) into
-per-microbatch inbox slots.
+activations and gradients with its neighbours (:mod:`.transfer`).
 
 * **F** of microbatch ``f``: the stage input (``pre`` of its batch on the first stage,
   else the activation received for ``f``) goes through ``body`` under ``jax.vjp``; the
-  pullback's residuals are stored at slot ``f % num_slots``
+  pullback's residuals are stored at its slot of the table's ``slot_map``
   (:class:`~jax_wgrad.parallel.pipeline.residuals.ResidualStore`: what
   ``recompute_granularity`` keeps, never a weight or a bucket). On the last stage ``post``
   runs too, with its backward (Megatron's last stage computes the loss in its forward
@@ -36,6 +35,11 @@ per-microbatch inbox slots.
   the table) its stage buckets are synced over the data-parallel ranks, and its expert
   buckets over the expert-data-parallel ranks, while earlier stages still compute.
 
+**Interleaved** (``table.num_chunks = V > 1``): a task runs on the model chunk the table
+names: ``body`` gets its :class:`~jax_wgrad.grads.chunks.Window` of the stacked layers and
+the sink writes its blocks; ``pre``/``post`` run on the first/last virtual stage; the ring
+edge is in :mod:`.transfer`. Slots: the table's ``slot_map`` (Megatron's in-flight bound).
+
 The carried state (:class:`~.carry.PipelineCarry`) is bounded by the table, not by ``M``.
 """
 
@@ -48,29 +52,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_wgrad.grads.chunks import DeviceTree, GradState
+from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import sync_stage_buckets
 from jax_wgrad.grads.sink import GradSink, SinkEntry
 from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, STAGE
 from jax_wgrad.parallel import deferred
-from jax_wgrad.parallel.mesh import PIPELINE, TENSOR
-from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WPair, inbox_slot, put, zeros_of
+from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WPair, put, zeros_of
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
+from jax_wgrad.parallel.pipeline.transfer import exchange, inbox_index
 
 __all__ = ["cooldown_sync", "initial_carry", "stage_gradients"]
 
 
 def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
-    """Whether stage buckets are synced inside the schedule (``overlap_grad_reduce``).
-
-    Only with ``P > 1``: with one stage the last backward IS the last tick, so the sync
-    happens at the same point after the schedule either way. (Doing it "inside" a
-    one-stage schedule also let XLA:CPU run the stage and embedding/head all-reduces
-    concurrently, which crashed its in-process communicator; see notes/issue5.md.)
-    """
+    """Whether stage buckets are synced inside the schedule (``overlap_grad_reduce``):
+    only with ``P > 1`` (with one stage the last backward IS the last tick; inside, XLA:CPU
+    ran the stage and embedding/head all-reduces concurrently and crashed, notes/issue5.md)."""
     return ddp.overlap_grad_reduce and num_stages > 1
 
 
@@ -84,7 +84,8 @@ def stage_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
       sink: where this device's gradients go (its layout and policies).
       ddp: with ``overlap_grad_reduce`` the stage's buckets are synced over ``data`` inside
         the schedule, after the stage's last backward or weight task.
-      table: the schedule; its stages and microbatches must match ``program.setup``.
+      table: the schedule; its stages, microbatches and model chunks must match
+        ``program.setup`` and ``program.parallel``.
       params: this device's parameters (the device tree).
       batch: ``[M * mb, ...]`` this data rank's batch (``program.setup.batch_shape``).
     Returns:
@@ -113,10 +114,12 @@ class _StageRun:
         setup, par = program.setup, program.parallel
         self.program, self.sink, self.ddp, self.table, self.par = program, sink, ddp, table, par
         self.pp, self.m = setup.num_stages, setup.num_microbatches
-        if (table.num_stages, table.num_microbatches) != (self.pp, self.m):
+        shape = (self.pp, self.m, par.num_model_chunks)
+        if (table.num_stages, table.num_microbatches, table.num_chunks) != shape:
             raise ValueError(f"stage_gradients: schedule {table.name!r} is for "
                              f"{table.num_stages} stages x {table.num_microbatches} "
-                             f"microbatches, the program has {self.pp} x {self.m}")
+                             f"microbatches x {table.num_chunks} model chunks, the program "
+                             f"has {' x '.join(map(str, shape))}")
         if table.split_backward and not sink.layout.fusion:
             raise ValueError(f"stage_gradients: schedule {table.name!r} splits the backward, "
                              "which needs gradient accumulation fusion")
@@ -127,29 +130,41 @@ class _StageRun:
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
         self.split = table.split_backward
         self.overlap = cooldown_sync(ddp, self.pp)
+        self.v = table.num_chunks
         self.depth = (table.inbox_depth("F"), table.inbox_depth("B"))
         self.last_tick = jnp.asarray([table.last_grad_tick(s) for s in range(self.pp)])
+        self.res_slot = jnp.asarray(table.slot_map("F", "B"))
+        self.w_slot = jnp.asarray(table.slot_map("F", "W")) if self.split else None
         self.fused = sink.layout.fusion
         zeros = sink.layout.zeros() if self.fused else None
         # Probed linears' inputs/outputs and aux: shapes learned by tracing, once.
-        self.body_trace = jax.eval_shape(self._body_fn, (params, zeros, None), self.act)[1]
+        chunk0 = (self._chunk_params(jnp.int32(0)), zeros)
+        self.body_trace = jax.eval_shape(self._body_fn, (*chunk0, None, jnp.int32(0)),
+                                         self.act)[1]
         self.post_trace = jax.eval_shape(self._post_fn, params, zeros, None, self.act,
                                          self.micro[0])[1]
         self.body_probes = zeros_of(self.body_trace[1])
         self.post_probes = zeros_of(self.post_trace[1])
         self.store = ResidualStore.create(self._body_fn, par.recompute_granularity,
-                                          (params, zeros, self.body_probes), self.act,
+                                          (*chunk0, self.body_probes, jnp.int32(0)), self.act,
                                           has_aux=True)
         self.defer = sink.deferred
-        self.out_slots = table.live_count(table.num_stages - 1, "F", "W") if self.split else 0
+        self.out_slots = (table.live_count(self.pp - 1, "F", "W", self.v - 1)
+                          if self.split else 0)
 
     # ------------------------------------------------------------------------ programs
 
+    def _window(self, v) -> Window | None:
+        return Window(v, self.v) if self.v > 1 else None
+
+    def _chunk_params(self, v) -> DeviceTree:
+        return Window(v, self.v).take(self.params)
+
     def _body_fn(self, live, x):
-        # ((params, grads, probes), x) -> ((y, grads), (recorded inputs, outputs, aux));
-        # probes None: records only (traced once for the shapes).
-        params, grads, probes = live
-        tape = self.sink.open(LAYERS, grads, probes)
+        # ((chunk params, grads, probes, chunk), x) -> ((y, grads), (recorded inputs,
+        # outputs, aux)); probes None: records only (traced once for the shapes).
+        params, grads, probes, v = live
+        tape = self.sink.open(LAYERS, grads, probes, self._window(v))
         y, aux = self.program.body(params, tape.main_grads, x)
         grads, inputs, outputs = tape.close()
         return (y, grads), (inputs, outputs, aux)
@@ -170,7 +185,7 @@ class _StageRun:
     # ------------------------------------------------------------------------ the scan
 
     def init_carry(self) -> PipelineCarry:
-        inbox = lambda d: jnp.zeros((d + 1, *self.act.shape), self.act.dtype)
+        inbox = lambda d: jnp.zeros((self.v * d + 1, *self.act.shape), self.act.dtype)
         body_in, body_out, body_aux = self.body_trace
         post_in, post_out, post_aux = self.post_trace
         wstash = {}
@@ -196,39 +211,39 @@ class _StageRun:
             wstash=wstash, deferred=stash)
 
     def tick_inputs(self):
-        """The scan's xs: per tick, its index and the table rows (``int32 [P]`` each)."""
+        """The scan's xs: per tick, its index and the table rows (``int32 [P]`` each):
+        the microbatch and the model chunk of each task."""
         t = self.table
-        return (jnp.arange(t.num_ticks), jnp.asarray(t.forward), jnp.asarray(t.backward),
-                jnp.asarray(t.weight))
+        return (jnp.arange(t.num_ticks),
+                *(jnp.asarray(a) for a in (t.forward, t.backward, t.weight, t.forward_chunk,
+                                           t.backward_chunk, t.weight_chunk)))
 
     def tick(self, c: PipelineCarry, xs) -> tuple[PipelineCarry, None]:
-        t, fwd_row, bwd_row, w_row = xs
+        t, fwd_row, bwd_row, w_row, fc_row, bc_row, wc_row = xs
         f, b, w = fwd_row[self.stage], bwd_row[self.stage], w_row[self.stage]
+        fc, bc, wc = fc_row[self.stage], bc_row[self.stage], wc_row[self.stage]
         with jax.named_scope("forward"):
-            c, y = lax.cond(f >= 0, self.forward, lambda c, f: (c, self.act), c, f)
+            c, y = lax.cond(f >= 0, self.forward, lambda c, f, v: (c, self.act), c, f, fc)
         with jax.named_scope("backward"):
-            c, dx = lax.cond(b >= 0, self.backward, lambda c, b: (c, self.act), c, b)
+            c, dx = lax.cond(b >= 0, self.backward, lambda c, b, v: (c, self.act), c, b, bc)
         if self.split:
             with jax.named_scope("weight_gradients"):
-                c = lax.cond(w >= 0, self.weight, lambda c, w: c, c, w)
+                c = lax.cond(w >= 0, self.weight, lambda c, w, v: c, c, w, wc)
         if self.overlap:
             c = c.replace(grads=self.cooldown(c.grads, t))
-        return self.exchange(c, y, dx, fwd_row, bwd_row), None
+        return self.exchange(c, y, dx, (fwd_row, fc_row), (bwd_row, bc_row)), None
 
-    def exchange(self, c: PipelineCarry, y, dx, fwd_row, bwd_row) -> PipelineCarry:
-        """Activations go ``s -> s+1``, gradients ``s+1 -> s`` (acyclic permutes); each is
-        kept at its microbatch's inbox slot until the task that consumes it runs."""
+    def _inbox(self, kind: int, v, m):
+        """Slot of (chunk ``v``, microbatch ``m``) in inbox ``kind`` (0: x, 1: g)."""
+        return inbox_index(self.depth[kind], v, m)
+
+    def exchange(self, c: PipelineCarry, y, dx, fwd, bwd) -> PipelineCarry:
+        """Sends and receives of the tick (:func:`~.transfer.exchange`)."""
         if self.pp == 1:
             return c
-        with jax.named_scope("send_recv"):
-            x_recv = lax.ppermute(y, PIPELINE, [(i, i + 1) for i in range(self.pp - 1)])
-            g_recv = lax.ppermute(dx, PIPELINE, [(i + 1, i) for i in range(self.pp - 1)])
-        prev = fwd_row[jnp.maximum(self.stage - 1, 0)]
-        nxt = bwd_row[jnp.minimum(self.stage + 1, self.pp - 1)]
-        x_slot = inbox_slot(prev, self.depth[0], self.is_first)
-        g_slot = inbox_slot(nxt, self.depth[1], self.is_last)
-        return c.replace(x_inbox=lax.dynamic_update_index_in_dim(c.x_inbox, x_recv, x_slot, 0),
-                         g_inbox=lax.dynamic_update_index_in_dim(c.g_inbox, g_recv, g_slot, 0))
+        x_inbox, g_inbox = exchange((c.x_inbox, c.g_inbox), y, dx, fwd, bwd, stage=self.stage,
+                                    num_stages=self.pp, num_chunks=self.v, depth=self.depth)
+        return c.replace(x_inbox=x_inbox, g_inbox=g_inbox)
 
     def cooldown(self, grads: GradState, t) -> GradState:
         """This stage's last gradient task is done: sync its buckets now (in the loop)."""
@@ -244,27 +259,30 @@ class _StageRun:
     # ------------------------------------------------------------------------ tasks
 
     def _batch(self, i):
-        return lax.dynamic_index_in_dim(self.micro, jnp.clip(i, 0, self.m - 1), 0,
-                                        keepdims=False)
+        return lax.dynamic_index_in_dim(self.micro, jnp.clip(i, 0, self.m - 1), 0, False)
 
-    def forward(self, c: PipelineCarry, f):
+    def _live(self, c: PipelineCarry, v):
+        """What the differentiated body reads that is not stored: chunk ``v``'s
+        parameters, the threaded buckets, the probes, the chunk."""
+        return (self._chunk_params(v), self._threaded(c), self.body_probes, v)
+
+    def forward(self, c: PipelineCarry, f, v):
         batch = self._batch(f)
-        received = lax.dynamic_index_in_dim(c.x_inbox, f % self.depth[0], 0, keepdims=False)
-        x_in = lax.cond(self.is_first, lambda: self._pre_fn(self.params, None, batch)[0],
-                        lambda: received)
-        slot = f % self.table.num_slots
+        received = lax.dynamic_index_in_dim(c.x_inbox, self._inbox(0, v, f), 0, keepdims=False)
+        x_in = lax.cond(self.is_first & (v == 0),
+                        lambda: self._pre_fn(self.params, None, batch)[0], lambda: received)
         (y, _), (inputs, _, aux), residuals = self.store.forward(
-            c.residuals, slot, (self.params, self._threaded(c), self.body_probes), x_in)
+            c.residuals, self.res_slot[self.stage, v, f], self._live(c, v), x_in)
         wstash = dict(c.wstash)
         for name, x in inputs.items():
             wstash[name] = wstash[name]._replace(
-                x=put(wstash[name].x, x, f % self.table.weight_slots))
+                x=put(wstash[name].x, x, self.w_slot[self.stage, v, f]))
         c = c.replace(residuals=residuals, wstash=wstash,
                       aux_sum=jax.tree.map(jnp.add, c.aux_sum, aux))
-        # The last stage: loss and the head's backward now; its gradient for the layers'
-        # output waits in the gradient inbox for this stage's B.
-        c = lax.cond(self.is_last, functools.partial(self._post, y=y, batch=batch, f=f),
-                     lambda c: c, c)
+        # The last virtual stage: loss and the head's backward now; its gradient for the
+        # layers' output waits in the gradient inbox for this stage's B.
+        c = lax.cond(self.is_last & (v == self.v - 1),
+                     functools.partial(self._post, y=y, batch=batch, f=f), lambda c: c, c)
         return c, y
 
     def _post(self, c: PipelineCarry, *, y, batch, f) -> PipelineCarry:
@@ -279,7 +297,8 @@ class _StageRun:
         c = c.replace(grads=self.sink.add(grads, OUTPUT, dparams),
                       loss_sum=c.loss_sum + loss,
                       g_inbox=lax.dynamic_update_index_in_dim(
-                          c.g_inbox, dh.astype(c.g_inbox.dtype), f % self.depth[1], 0))
+                          c.g_inbox, dh.astype(c.g_inbox.dtype),
+                          self._inbox(1, self.v - 1, f), 0))
         for e in self.sink.probed(OUTPUT):
             c = self._output_pair(c, e, inputs[e.name], dys[e.name], aux, batch, f)
         return c
@@ -308,30 +327,21 @@ class _StageRun:
         return lax.cond(deferred.is_deferred(self.par, f), later, now, c)
 
     def _defer_items(self, x, dy, aux, batch) -> tuple[jax.Array, ...]:
-        """What the deferral stash keeps of one microbatch: the output layer's input, this
-        rank's sequence chunk of it under sequence parallelism (the drain's ring brings
-        the others), and ``dy`` (Megatron's stash) or the program's extras to rebuild it
-        (recompute mode)."""
-        if self.par.sequence_parallel and self.par.tensor_model_parallel_size > 1:
-            chunk = x.shape[1] // self.par.tensor_model_parallel_size
-            x = lax.dynamic_slice_in_dim(x, lax.axis_index(TENSOR) * chunk, chunk, axis=1)
-        if self.par.defer_mode == "stash":
-            return (x, dy)
-        return (x, *self.program.defer_extras(aux, batch))
+        return deferred.stash_items(self.par, x, dy,
+                                    lambda: self.program.defer_extras(aux, batch))
 
-    def backward(self, c: PipelineCarry, b):
-        dy = lax.dynamic_index_in_dim(c.g_inbox, b % self.depth[1], 0, keepdims=False)
-        slot = b % self.table.num_slots
-        threaded = self._threaded(c)
-        pullback = self.store.pullback(c.residuals, slot, (self.params, threaded,
-                                                           self.body_probes))
-        (dparams, grads, dys), dx = pullback((dy, threaded))
-        grads = self.sink.add(c.grads if grads is None else grads, LAYERS, dparams)
+    def backward(self, c: PipelineCarry, b, v):
+        dy = lax.dynamic_index_in_dim(c.g_inbox, self._inbox(1, v, b), 0, keepdims=False)
+        live = self._live(c, v)
+        pullback = self.store.pullback(c.residuals, self.res_slot[self.stage, v, b], live)
+        (dparams, grads, dys, _), dx = pullback((dy, live[1]))
+        grads = self.sink.add(c.grads if grads is None else grads, LAYERS, dparams,
+                              self._window(v))
         wstash = dict(c.wstash)
         for name, d in dys.items():
             wstash[name] = wstash[name]._replace(
-                dy=put(wstash[name].dy, d, b % self.table.weight_slots))
-        grads = lax.cond(self.is_first,
+                dy=put(wstash[name].dy, d, self.w_slot[self.stage, v, b]))
+        grads = lax.cond(self.is_first & (v == 0),
                          lambda g: self._pre_backward(g, dx, self._batch(b)),
                          lambda g: g, grads)
         return c.replace(grads=grads, wstash=wstash), dx
@@ -345,12 +355,13 @@ class _StageRun:
     def _threaded(self, c: PipelineCarry) -> GradState | None:
         return c.grads if self.fused else None  # what the fused linears thread
 
-    def weight(self, c: PipelineCarry, w):
-        """The fused weight-gradient GEMMs of microbatch ``w``'s stored ``(x, dy)`` pairs."""
-        slot = w % self.table.weight_slots
+    def weight(self, c: PipelineCarry, w, v):
+        """The fused weight-gradient GEMMs of microbatch ``w``'s stored ``(x, dy)`` pairs
+        on chunk ``v``."""
+        slot = self.w_slot[self.stage, v, w]
         grads = c.grads
         for e in self.sink.probed(LAYERS):
-            grads = self._accumulate_pair(grads, e, c.wstash[e.name], slot)
+            grads = self._accumulate_pair(grads, e, c.wstash[e.name], slot, self._window(v))
 
         def output(grads):
             for e in self.sink.probed(OUTPUT):
@@ -363,12 +374,12 @@ class _StageRun:
             return grads
 
         if self.sink.probed(OUTPUT):
-            grads = lax.cond(self.is_last, output, lambda g: g, grads)
+            grads = lax.cond(self.is_last & (v == self.v - 1), output, lambda g: g, grads)
         return c.replace(grads=grads)
 
-    def _accumulate_pair(self, grads, e: SinkEntry, pair: WPair, slot):
+    def _accumulate_pair(self, grads, e: SinkEntry, pair: WPair, slot, window=None):
         x, dy = (lax.dynamic_index_in_dim(a, slot, 0, keepdims=False) for a in pair)
-        return self.sink.accumulate(grads, e, x, dy)
+        return self.sink.accumulate(grads, e, x, dy, window)
 
     # ------------------------------------------------------------------------ after
 

@@ -46,10 +46,12 @@ def grad_sink(program: StageProgram, layout: GradLayout, table: ScheduleTable) -
 
 
 def schedule_of(program: StageProgram) -> ScheduleTable:
-    """The table of ``program.parallel.pipeline_schedule`` for its stages and microbatches."""
+    """The table of ``program.parallel.pipeline_schedule`` for its stages, microbatches and
+    model chunks (interleaved when ``num_model_chunks > 1``)."""
     par = program.parallel
     return get_schedule(par.pipeline_schedule, par.pipeline_model_parallel_size,
-                        par.num_microbatches)
+                        par.num_microbatches, par.num_model_chunks,
+                        par.microbatch_group_size_per_vp_stage)
 
 
 def reduce_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,

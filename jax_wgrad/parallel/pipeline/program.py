@@ -69,13 +69,28 @@ class StageProgram(Protocol):
     # -- parameters and their layout
 
     def init_params(self, seed: int = 0) -> PyTree:
-        """Full canonical parameters from ``seed`` (the same for every layout)."""
+        """Full parameters from ``seed`` in the program's layout (the same values for
+        every layout; with interleaving the layer stacks are split by model chunk:
+        :mod:`~jax_wgrad.parallel.pipeline.virtual`)."""
 
     def param_specs(self) -> PyTree:
-        """``PartitionSpec`` of every canonical parameter on the mesh."""
+        """``PartitionSpec`` of every parameter of the layout on the mesh."""
+
+    def canonical_specs(self) -> PyTree:
+        """``PartitionSpec`` of every canonical parameter (:meth:`to_canonical`'s)."""
+
+    def to_canonical(self, params: PyTree) -> PyTree:
+        """The layout's (global) parameters in the layout-independent canonical form
+        (what checkpoints hold); the identity unless the layout differs from it."""
+
+    def from_canonical(self, params: PyTree) -> PyTree:
+        """Inverse of :meth:`to_canonical`."""
 
     def device_tree(self, params: PyTree) -> DeviceTree:
-        """Canonical per-device parameters -> the device tree (registration order)."""
+        """Per-device layout parameters -> the device tree (registration order). With
+        ``V > 1`` model chunks, every leaf of its stacked chunks
+        (:data:`~jax_wgrad.grads.spec.STACKED`) is ``[n, ...]`` with model chunk ``v`` at
+        rows ``v n / V ...`` (:class:`~jax_wgrad.grads.chunks.Window`)."""
 
     def canonical_tree(self, tree: DeviceTree) -> PyTree:
         """Inverse of :meth:`device_tree`."""

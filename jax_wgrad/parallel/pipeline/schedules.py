@@ -47,13 +47,18 @@ Task = Literal["F", "B", "W"]
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScheduleTable:
     """``forward[t, s]`` / ``backward[t, s]`` / ``weight[t, s]``: the microbatch stage ``s``
-    runs that task on in tick ``t``, or :data:`IDLE`.
+    runs that task on in tick ``t``, or :data:`IDLE`; ``forward_chunk[t, s]`` (...): the
+    model chunk it runs it on (interleaved schedules; module docstring).
 
     Attributes:
       name: the schedule's name.
       forward, backward: ``int32 [num_ticks, num_stages]``.
       weight: likewise; all :data:`IDLE` unless ``split_backward``.
       split_backward: ``B`` computes input gradients only and ``W`` the weight gradients.
+      num_chunks: model chunks per stage (``V``: virtual stage ``v * P + s`` is chunk
+        ``v`` of stage ``s``); 1 for the non-interleaved schedules.
+      forward_chunk, backward_chunk, weight_chunk: ``int32 [num_ticks, num_stages]``, the
+        chunk of each task (0 where idle; all 0 when ``num_chunks == 1``).
     """
 
     name: str
@@ -61,11 +66,19 @@ class ScheduleTable:
     backward: np.ndarray
     weight: np.ndarray | None = None
     split_backward: bool = False
+    num_chunks: int = 1
+    forward_chunk: np.ndarray | None = None
+    backward_chunk: np.ndarray | None = None
+    weight_chunk: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.weight is None:
             object.__setattr__(self, "weight", np.full_like(np.asarray(self.forward), IDLE))
-        for field in ("forward", "backward", "weight"):
+        for field in ("forward_chunk", "backward_chunk", "weight_chunk"):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, np.zeros_like(np.asarray(self.forward)))
+        for field in ("forward", "backward", "weight", "forward_chunk", "backward_chunk",
+                      "weight_chunk"):
             value = np.asarray(getattr(self, field), np.int32)
             value.setflags(write=False)
             object.__setattr__(self, field, value)
@@ -88,66 +101,108 @@ class ScheduleTable:
     def _table(self, task: Task) -> np.ndarray:
         return {"F": self.forward, "B": self.backward, "W": self.weight}[task]
 
-    def ticks(self, task: Task, stage: int) -> np.ndarray:
-        """Ticks of ``stage``'s ``task``, indexed by microbatch (-1: never)."""
-        col = self._table(task)[:, stage]
+    def chunks(self, task: Task) -> np.ndarray:
+        """``[num_ticks, num_stages]`` model chunk of each ``task`` entry."""
+        return {"F": self.forward_chunk, "B": self.backward_chunk, "W": self.weight_chunk}[task]
+
+    def ticks(self, task: Task, stage: int, chunk: int = 0) -> np.ndarray:
+        """Ticks of ``stage``'s ``task`` on model ``chunk``, indexed by microbatch (-1:
+        never)."""
+        col, chunks = self._table(task)[:, stage], self.chunks(task)[:, stage]
         out = np.full(self.num_microbatches, -1, np.int64)
-        for t in np.flatnonzero(col != IDLE):
+        for t in np.flatnonzero((col != IDLE) & (chunks == chunk)):
             out[col[t]] = t
         return out
+
+    def source(self, task: Task, stage: int, chunk: int) -> tuple[int, int] | None:
+        """``(stage, chunk)`` whose ``task`` sends ``(stage, chunk)``'s input for ``task``
+        (``F``: the activation, ``B``: the gradient), or ``None`` for the first virtual
+        stage's ``F`` (its ``pre``) and the last virtual stage's ``B`` (its own ``F`` ran
+        the loss). Virtual stage ``v P + s`` follows ``v P + s - 1``: the ring edge takes
+        the last stage's chunk ``v`` to the first stage's chunk ``v + 1``."""
+        p, v = self.num_stages, self.num_chunks
+        step = -1 if task == "F" else 1
+        virtual = chunk * p + stage + step
+        if not 0 <= virtual < p * v:
+            return None
+        return virtual % p, virtual // p
 
     # -------------------------------------------------------------------------- facts
 
     def last_grad_tick(self, stage: int) -> int:
-        """Tick of ``stage``'s last ``B`` or ``W``: after it the stage's gradients are
-        complete and its buckets can be synced (the cooldown sync)."""
-        last = int(self.ticks("B", stage).max())
-        if self.split_backward:
-            last = max(last, int(self.ticks("W", stage).max()))
-        return last
+        """Tick of ``stage``'s last ``B`` or ``W`` (over its chunks): after it the stage's
+        gradients are complete and its buckets can be synced (the cooldown sync)."""
+        tasks = ("B", "W") if self.split_backward else ("B",)
+        return max(int(self.ticks(task, stage, v).max()) for task in tasks
+                   for v in range(self.num_chunks))
 
-    def live_count(self, stage: int, start: Task, end: Task) -> int:
-        """Most microbatches ``stage`` has run ``start`` but not yet ``end`` of (both ticks
-        included)."""
-        a, b = self.ticks(start, stage), self.ticks(end, stage)
-        return max(int(((a <= t) & (b >= t)).sum()) for t in range(self.num_ticks))
+    def _live(self, stage: int, start: Task, end: Task, chunk: int) -> np.ndarray:
+        """``[num_ticks]``: microbatches of ``(stage, chunk)`` between ``start`` and
+        ``end`` (both ticks included)."""
+        a, b = self.ticks(start, stage, chunk), self.ticks(end, stage, chunk)
+        t = np.arange(self.num_ticks)[:, None]
+        return ((a <= t) & (b >= t)).sum(axis=1)
+
+    def live_count(self, stage: int, start: Task, end: Task, chunk: int | None = 0) -> int:
+        """Most microbatches ``stage`` has run ``start`` but not yet ``end`` of on
+        ``chunk`` (both ticks included); ``chunk=None``: over all its chunks at once."""
+        chunks = range(self.num_chunks) if chunk is None else (chunk,)
+        return int(sum(self._live(stage, start, end, v) for v in chunks).max())
 
     def in_flight(self, stage: int) -> int:
-        """Most microbatches ``stage`` holds activations of at once: from the tick its
-        ``F`` ran through the tick its last task on them ran (``W`` if split, else ``B``)."""
-        return self.live_count(stage, "F", "W" if self.split_backward else "B")
+        """Most (microbatch, chunk) pairs ``stage`` holds activations of at once: from the
+        tick its ``F`` ran through the tick its last task on them ran (``W`` if split,
+        else ``B``)."""
+        return self.live_count(stage, "F", "W" if self.split_backward else "B", chunk=None)
+
+    def slot_map(self, start: Task, end: Task) -> np.ndarray:
+        """``int32 [num_stages, num_chunks, num_microbatches]``: the buffer slot each
+        microbatch of each (stage, chunk) keeps from its ``start`` tick through its ``end``
+        tick (both included), the lowest one free then (interval colouring: a stage needs
+        as many slots as it holds pairs at once, :meth:`live_count` over its chunks --
+        Megatron's bound, whatever order the chunks interleave in)."""
+        out = np.zeros((self.num_stages, self.num_chunks, self.num_microbatches), np.int32)
+        for s in range(self.num_stages):
+            spans = sorted((int(self.ticks(start, s, v)[m]), int(self.ticks(end, s, v)[m]), v, m)
+                           for v in range(self.num_chunks) for m in range(self.num_microbatches))
+            busy: dict[int, int] = {}  # slot -> last tick it is held
+            for a, b, v, m in spans:
+                slot = next(k for k in range(len(busy) + 1) if busy.get(k, -1) < a)
+                busy[slot] = b
+                out[s, v, m] = slot
+        return out
 
     @property
     def num_slots(self) -> int:
-        """Residual slots per stage (a microbatch's from its ``F`` to its ``B``): the
-        largest count over stages. Stored at ``microbatch % num_slots``, safe because every
-        stage runs its microbatches in order (the live ones are consecutive)."""
-        return max(self.live_count(s, "F", "B") for s in range(self.num_stages))
+        """Residual slots per stage (a microbatch's from its ``F`` to its ``B``, on one of
+        the stage's chunks): the largest :meth:`in_flight` count of ``F`` to ``B`` over the
+        stages; where each goes: :meth:`slot_map` ``("F", "B")``."""
+        return int(self.slot_map("F", "B").max()) + 1
 
     @property
     def weight_slots(self) -> int:
         """W-stash slots per stage (a microbatch's from its ``F``, which records the fused
-        linears' inputs, to its ``W``); 0 unless ``split_backward``."""
-        if not self.split_backward:
-            return 0
-        return max(self.live_count(s, "F", "W") for s in range(self.num_stages))
+        linears' inputs, to its ``W``); 0 unless ``split_backward``; where each goes:
+        :meth:`slot_map` ``("F", "W")``."""
+        return int(self.slot_map("F", "W").max()) + 1 if self.split_backward else 0
 
     def inbox_depth(self, task: Task) -> int:
-        """Slots needed for what a stage receives before the task consuming it runs:
-        activations (``"F"``: from stage ``s - 1``) or gradients (``"B"``: from ``s + 1``;
-        on the last stage the loss gradient its own ``F`` produced)."""
+        """Slots per chunk needed for what a stage receives before the task consuming it
+        runs: activations (``"F"``) or gradients (``"B"``) from :meth:`source` (on the last
+        virtual stage the loss gradient its own ``F`` produced)."""
         depth = 1
         for s in range(self.num_stages):
-            src = s - 1 if task == "F" else s + 1
-            if task == "B" and s == self.num_stages - 1:
-                arrive = self.ticks("F", s)  # the head's backward runs in the F task
-            elif 0 <= src < self.num_stages:
-                arrive = self.ticks(task, src) + 1
-            else:
-                continue
-            use = self.ticks(task, s)
-            for t in range(self.num_ticks):
-                depth = max(depth, int(((arrive <= t) & (use >= t)).sum()))
+            for v in range(self.num_chunks):
+                src = self.source(task, s, v)
+                if src is not None:
+                    arrive = self.ticks(task, *src) + 1
+                elif task == "B":
+                    arrive = self.ticks("F", s, v)  # the head's backward runs in the F task
+                else:
+                    continue
+                use = self.ticks(task, s, v)
+                t = np.arange(self.num_ticks)[:, None]
+                depth = max(depth, int(((arrive <= t) & (use >= t)).sum(axis=1).max()))
         return depth
 
     def work(self, cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0) -> np.ndarray:
@@ -172,33 +227,46 @@ class ScheduleTable:
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first rule (module docstring) it breaks."""
-        shapes = {self.forward.shape, self.backward.shape, self.weight.shape}
+        arrays = (self.forward, self.backward, self.weight, self.forward_chunk,
+                  self.backward_chunk, self.weight_chunk)
+        shapes = {a.shape for a in arrays}
         if self.forward.ndim != 2 or len(shapes) != 1:
-            raise ValueError(f"schedule {self.name!r}: forward, backward and weight must be "
+            raise ValueError(f"schedule {self.name!r}: the task and chunk tables must be "
                              f"[ticks, stages] of one shape, got {sorted(shapes)}")
         if not self.split_backward and (self.weight != IDLE).any():
             raise ValueError(f"schedule {self.name!r}: W tasks need split_backward=True")
-        p, m = self.num_stages, self.num_microbatches
+        v = self.num_chunks
+        if any(((c < 0) | (c >= v)).any() for c in arrays[3:]):
+            raise ValueError(f"schedule {self.name!r}: chunk entries must be in "
+                             f"[0, {v}) (num_chunks={v})")
+        for s in range(self.num_stages):
+            for chunk in range(v):
+                self._validate_stage(s, chunk)
+
+    def _validate_stage(self, s: int, chunk: int) -> None:
+        m, where = self.num_microbatches, f"stage {s}" + (
+            f" chunk {chunk}" if self.num_chunks > 1 else "")
         tasks = ("F", "B", "W") if self.split_backward else ("F", "B")
-        for s in range(p):
-            for task in tasks:
-                col = self._table(task)[:, s]
-                order = col[col != IDLE].tolist()
-                if order != list(range(m)):
-                    raise ValueError(f"schedule {self.name!r}: stage {s} runs {task} of "
-                                     f"microbatches {order}, expected 0..{m - 1} in order")
-            f, b = self.ticks("F", s), self.ticks("B", s)
-            if (b < f).any():
-                raise ValueError(f"schedule {self.name!r}: stage {s} runs B before F of "
-                                 f"microbatch {int(np.argmax(b < f))}")
-            if self.split_backward and (self.ticks("W", s) < b).any():
-                raise ValueError(f"schedule {self.name!r}: stage {s} runs W before B")
-            if s > 0 and (f <= self.ticks("F", s - 1)).any():
-                raise ValueError(f"schedule {self.name!r}: stage {s} runs F before its input "
-                                 "arrives from the previous stage")
-            if s < p - 1 and (b <= self.ticks("B", s + 1)).any():
-                raise ValueError(f"schedule {self.name!r}: stage {s} runs B before its "
-                                 "gradient arrives from the next stage")
+        for task in tasks:
+            col, chunks = self._table(task)[:, s], self.chunks(task)[:, s]
+            order = col[(col != IDLE) & (chunks == chunk)].tolist()
+            if order != list(range(m)):
+                raise ValueError(f"schedule {self.name!r}: {where} runs {task} of "
+                                 f"microbatches {order}, expected 0..{m - 1} in order")
+        f, b = self.ticks("F", s, chunk), self.ticks("B", s, chunk)
+        if (b < f).any():
+            raise ValueError(f"schedule {self.name!r}: {where} runs B before F of "
+                             f"microbatch {int(np.argmax(b < f))}")
+        if self.split_backward and (self.ticks("W", s, chunk) < b).any():
+            raise ValueError(f"schedule {self.name!r}: {where} runs W before B")
+        src = self.source("F", s, chunk)
+        if src is not None and (f <= self.ticks("F", *src)).any():
+            raise ValueError(f"schedule {self.name!r}: {where} runs F before its input "
+                             "arrives from the previous stage")
+        src = self.source("B", s, chunk)
+        if src is not None and (b <= self.ticks("B", *src)).any():
+            raise ValueError(f"schedule {self.name!r}: {where} runs B before its "
+                             "gradient arrives from the next stage")
 
 
 def list_schedule(name: str, num_stages: int, num_microbatches: int, *,
@@ -260,11 +328,20 @@ SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
 """Schedules by name (``ParallelConfig.pipeline_schedule``'s values)."""
 
 
-def get_schedule(name: str, num_stages: int, num_microbatches: int) -> ScheduleTable:
-    """The table of schedule ``name``."""
+def get_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1,
+                 group_size: int | None = None) -> ScheduleTable:
+    """The table of schedule ``name``; with ``num_chunks > 1`` its interleaved form
+    (:mod:`~jax_wgrad.parallel.pipeline.interleaved`: ``1f1b`` -> Megatron's interleaved
+    1F1B, ``zb-h1`` -> the same order with ``B`` and ``W`` split)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {sorted(SCHEDULES)}")
-    return SCHEDULES[name](num_stages, num_microbatches)
+    if num_chunks == 1:
+        return SCHEDULES[name](num_stages, num_microbatches)
+    from jax_wgrad.parallel.pipeline.interleaved import interleaved_schedule
+
+    _check(num_stages, num_microbatches)
+    return interleaved_schedule(num_stages, num_microbatches, num_chunks,
+                                group_size=group_size, split_backward=name == "zb-h1")
 
 
 def _check(num_stages: int, num_microbatches: int) -> tuple[int, int]:
