@@ -25,7 +25,9 @@ import sys
 
 FIELD_DESTS = {"num_moe_experts": "num_experts", "bucket_size": "ddp_bucket_size",
                "average_in_collective": "ddp_average_in_collective",
-               "load_optim": "no_load_optim"}
+               "load_optim": "no_load_optim",
+               "microbatch_group_size_per_vp_stage":
+                   "microbatch_group_size_per_virtual_pipeline_stage"}
 """Config fields whose flag has another name (the rest are spelled like their flag)."""
 
 
@@ -129,6 +131,14 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-schedule", choices=("1f1b", "zb-h1"), default="1f1b",
                    help="1f1b (Megatron's) or zb-h1 (zero bubble: weight-gradient GEMMs fill "
                         "the bubbles; needs --gradient-accumulation-fusion)")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   metavar="V", help="model chunks per pipeline stage: Megatron's interleaved "
+                   "1F1B (with --pipeline-schedule zb-h1: the same order, split backwards)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   metavar="N", help="the same as V = num_layers / pp / N")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
+                   default=None, metavar="G", help="microbatches each virtual stage runs back "
+                   "to back (default: pp, and the microbatch count must be a multiple of it)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="recompute activations in the backward: full (the whole stage "
                         "forward) or selective (the attention core); absent: none")
@@ -323,6 +333,23 @@ def usage_error(parser: argparse.ArgumentParser, exc: Exception):
     parser.error(flag_names(parser, str(exc)))
 
 
+def virtual_stages(args: argparse.Namespace) -> int | None:
+    """``V`` from ``--virtual-pipeline-model-parallel-size`` or Megatron's
+    ``--num-layers-per-virtual-pipeline-stage`` (its checks and wording)."""
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    v = args.virtual_pipeline_model_parallel_size
+    if per_chunk is None:
+        return v
+    if v is not None:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage and "
+                         "--virtual-pipeline-model-parallel-size cannot be set at the same time")
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    if per_chunk < 1 or per_stage % per_chunk:
+        raise ValueError(f"number of layers per pipeline stage ({per_stage}) must be divisible "
+                         f"by number of layers per virtual pipeline stage ({per_chunk})")
+    return per_stage // per_chunk
+
+
 def build_configs(args: argparse.Namespace, vocab_size: int, parser):
     """``(GPTConfig, ParallelConfig, DDPConfig)`` from the flags; a bad combination ends
     the program with an argparse-style error naming it."""
@@ -363,6 +390,9 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             defer_embedding_wgrad_compute=args.defer_embedding_wgrad_compute,
             wgrad_deferral_limit=args.wgrad_deferral_limit, defer_mode=args.defer_mode,
             pipeline_schedule=args.pipeline_schedule,
+            virtual_pipeline_model_parallel_size=virtual_stages(args),
+            microbatch_group_size_per_vp_stage=(
+                args.microbatch_group_size_per_virtual_pipeline_stage),
             recompute_granularity=args.recompute_granularity)
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,

@@ -6,11 +6,20 @@ the longest work any stage does in it)::
 
     python -m jax_wgrad.schedules --schedule zb-h1 --stages 4 --microbatches 8 --json
     python -m jax_wgrad.schedules --schedule 1f1b --stages 4 --microbatches 8 --plot 1f1b.png
+    python -m jax_wgrad.schedules --stages 4 --microbatches 8 --virtual-stages 2 --compare
 
-``--json`` prints one object: ``schedule``, ``stages``, ``microbatches``, ``costs``,
+``--virtual-stages V`` (Megatron's ``--virtual-pipeline-model-parallel-size``): the
+interleaved form of the schedule, each task on one of ``V`` model chunks of ``L / (P V)``
+layers, so the costs given (those of a whole stage's ``L / P`` layers) are divided by
+``V``. ``--compare`` reports 1F1B, ZB-H1 and (with ``V > 1``) both interleaved schedules
+side by side for the same ``P``, ``M`` and costs.
+
+``--json`` prints one object (with ``--compare``: a list): ``schedule``, ``stages``,
+``microbatches``, ``virtual_stages``, ``costs`` (per task, after the division by ``V``),
 ``num_ticks``, ``makespan``, ``bubble_fraction``, ``max_in_flight`` (per stage: most
-microbatches whose activations it holds), ``residual_slots``, ``weight_slots``.
-``--plot FILE.png`` draws the per-stage timeline (F/B/W colours, microbatch numbers).
+microbatch-chunk pairs whose activations it holds), ``residual_slots``, ``weight_slots``.
+``--plot FILE.png`` draws the per-stage timeline (F/B/W colours, microbatch numbers; with
+chunks, chunk ``v > 0`` hatched and labelled ``m.v``).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ def summary(table: ScheduleTable, cost_f: float = 1.0, cost_b: float = 1.0,
     """The simulator's JSON object for ``table`` (module docstring)."""
     return {
         "schedule": table.name, "stages": table.num_stages,
-        "microbatches": table.num_microbatches,
+        "microbatches": table.num_microbatches, "virtual_stages": table.num_chunks,
         "costs": {"F": cost_f, "B": cost_b, "W": cost_w},
         "num_ticks": table.num_ticks,
         "makespan": table.makespan(cost_f, cost_b, cost_w),
@@ -59,19 +68,21 @@ def plot_timeline(table: ScheduleTable, path: str, cost_f: float = 1.0, cost_b: 
         for s in range(table.num_stages):
             offset = start
             for task, col in (("F", table.forward), ("B", table.backward), ("W", table.weight)):
-                m = int(col[t, s])
+                m, v = int(col[t, s]), int(table.chunks(task)[t, s])
                 if m < 0:
                     continue
                 ax.barh(s, cost[task], left=offset, color=COLORS[task], edgecolor="black",
-                        linewidth=0.5)
-                ax.text(offset + cost[task] / 2, s, str(m), ha="center", va="center",
-                        fontsize=7, color="white")
+                        linewidth=0.5, hatch="//" if v else None)
+                label = f"{m}.{v}" if table.num_chunks > 1 else str(m)
+                ax.text(offset + cost[task] / 2, s, label, ha="center", va="center",
+                        fontsize=6 if table.num_chunks > 1 else 7, color="white")
                 offset += cost[task]
         start += float(tick_len[t])
     ax.set_yticks(range(table.num_stages), [f"stage {s}" for s in range(table.num_stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (lock-step ticks; a tick lasts as long as its busiest stage)")
-    ax.set_title(f"{table.name}: P={table.num_stages}, M={table.num_microbatches}, makespan "
+    chunks = f", V={table.num_chunks}" if table.num_chunks > 1 else ""
+    ax.set_title(f"{table.name}: P={table.num_stages}, M={table.num_microbatches}{chunks}, makespan "
                  f"{table.makespan(cost_f, cost_b, cost_w):g}, bubble "
                  f"{100 * table.bubble_fraction(cost_f, cost_b, cost_w):.0f}%")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in COLORS.items()
@@ -94,26 +105,44 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cost-b", type=float, default=1.0,
                    help="input-gradient backward (B); without a split backward B costs B + W")
     p.add_argument("--cost-w", type=float, default=1.0)
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="model chunks per stage (interleaved schedule; costs divided by V)")
+    p.add_argument("--microbatch-group-size", type=int, default=None,
+                   help="Megatron's --microbatch-group-size-per-virtual-pipeline-stage "
+                        "(default: P, and M must be a multiple of P)")
+    p.add_argument("--compare", action="store_true",
+                   help="1F1B, ZB-H1 and (V > 1) their interleaved forms side by side")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-stage timeline")
     args = p.parse_args(argv)
-    try:
-        table = get_schedule(args.schedule, args.stages, args.microbatches)
-    except ValueError as exc:
-        p.error(str(exc))
     for name in ("cost_f", "cost_b", "cost_w"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    out = summary(table, args.cost_f, args.cost_b, args.cost_w)
-    if args.plot:
-        plot_timeline(table, args.plot, args.cost_f, args.cost_b, args.cost_w)
+    if args.virtual_stages < 1:
+        p.error(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
+    runs = [(args.schedule, args.virtual_stages)]
+    if args.compare:
+        runs = [(n, v) for v in sorted({1, args.virtual_stages}) for n in sorted(SCHEDULES)]
+    rows = []
+    for name, v in runs:
+        try:
+            table = get_schedule(name, args.stages, args.microbatches, v,
+                                 args.microbatch_group_size)
+        except ValueError as exc:
+            p.error(str(exc))
+        costs = (args.cost_f / v, args.cost_b / v, args.cost_w / v)
+        rows.append(summary(table, *costs))
+        if args.plot and not args.compare:
+            plot_timeline(table, args.plot, *costs)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(rows if args.compare else rows[0]))
     else:
-        print(f"{out['schedule']}: P={out['stages']} M={out['microbatches']} | ticks "
-              f"{out['num_ticks']} | makespan {out['makespan']:g} | bubble "
-              f"{100 * out['bubble_fraction']:.1f}% | max in flight {out['max_in_flight']}")
-    return out
+        for out in rows:
+            print(f"{out['schedule']}: P={out['stages']} M={out['microbatches']} "
+                  f"V={out['virtual_stages']} | ticks {out['num_ticks']} | makespan "
+                  f"{out['makespan']:g} | bubble {100 * out['bubble_fraction']:.1f}% | "
+                  f"max in flight {out['max_in_flight']}")
+    return rows if args.compare else rows[0]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from jax_wgrad import (ByteDataset, DDPConfig, GPTConfig, GPTProgram, ParallelCo
                        build_train_step, default_optimizer, fusion_available, init_params,
                        init_train_state, make_mesh, shard_batch)
 from jax_wgrad.models.gpt.config import validate
-from jax_wgrad.models.gpt.params import param_specs
 from jax_wgrad.parallel.mesh import DATA_PARALLEL
 from jax_wgrad import pipeline_gradients
 from jax_wgrad.testing import reference_loss
@@ -87,6 +86,13 @@ def test_mixtral_shaped_model_equals_single_device_reference(ep, tp, pp, schedul
     _check_gradients(ep, tp, pp, True, 2, arch=MIXTRAL, pipeline_schedule=schedule)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
+def test_interleaved_moe_equals_single_device_reference(schedule):
+    """V = 2 model chunks of one dense and one MoE layer each (moe_layer_freq 2)."""
+    _check_gradients(2, 1, 2, True, 2, arch=dict(num_layers=8), pipeline_schedule=schedule,
+                     virtual_pipeline_model_parallel_size=2)
+
+
 def _check_gradients(ep, tp, pp, fusion, freq, arch=None, **par_kw):
     if fusion and not FUSION:
         pytest.skip("the CPU FFI handler is not built")
@@ -99,12 +105,13 @@ def _check_gradients(ep, tp, pp, fusion, freq, arch=None, **par_kw):
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(
         params, tokens, cfg, micro_batch_size=par.micro_batch_size)
 
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
-                             is_leaf=lambda x: isinstance(x, P))
     stages = GPTProgram(cfg, par)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), stages.param_specs(),
+                             is_leaf=lambda x: isinstance(x, P))
     grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t))(
-        jax.device_put(params, shardings),
+        jax.device_put(stages.from_canonical(params), shardings),
         jax.device_put(tokens, NamedSharding(mesh, P(DATA_PARALLEL))))
+    grads = stages.to_canonical(grads)  # interleaved layouts: layer stacks back to [L, ...]
     np.testing.assert_allclose(float(loss), float(ref_loss) - _aux(params, tokens, cfg, par),
                                rtol=1e-5)
     flat, _ = jax.tree_util.tree_flatten_with_path(grads)

@@ -63,7 +63,7 @@ LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=Tru
 
 
 def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32", table=None,
-                     schedule="1f1b", recompute=None, arch=None, **par_kw):
+                     schedule="1f1b", recompute=None, arch=None, ddp=None, **par_kw):
     if fusion and not fusion_available("cpu"):
         pytest.skip("the CPU wgrad_accumulate handler was not built")
     cfg = GPTConfig(**{**dict(num_layers=max(4, pp), hidden_size=32, num_attention_heads=4,
@@ -84,7 +84,8 @@ def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32",
     stages = GPTProgram(cfg, par)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), stages.param_specs(),
                              is_leaf=lambda x: isinstance(x, P))
-    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t, table=table))(
+    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t, ddp,
+                                                          table=table))(
         jax.device_put(stages.from_canonical(params), shardings),
         jax.device_put(tokens, NamedSharding(mesh, P("data"))))
     grads = stages.to_canonical(grads)  # the interleaved layout's layer stacks -> [L, ...]
@@ -320,3 +321,45 @@ def _grid_params():
 def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recompute, m, tied):
     _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=True, m=m, tied=tied,
                                           schedule=schedule, recompute=recompute))
+
+
+# --------------------------------------------------------------------------- interleaved
+
+
+def _interleaved_grid():
+    """The issue's matrix: V = 2, 3 on (1,1,4), (2,2,2)+SP, (1,2,4), M = P and 3P, both
+    schedules, fused with deferral and the cooldown sync; a cross-section by default."""
+    default = {((1, 1, 4), 2, 1, "1f1b"), ((1, 1, 4), 3, 3, "zb-h1"),
+               ((2, 2, 2), 2, 3, "zb-h1"), ((2, 2, 2), 3, 1, "1f1b"),
+               ((1, 2, 4), 2, 1, "zb-h1"), ((1, 2, 4), 3, 3, "1f1b")}
+    for mesh in [(1, 1, 4), (2, 2, 2), (1, 2, 4)]:
+        for v in (2, 3):
+            for times in (1, 3):
+                for schedule in ("1f1b", "zb-h1"):
+                    marks = () if (mesh, v, times, schedule) in default else pytest.mark.slow
+                    yield pytest.param(*mesh, v, times, schedule, marks=marks)
+
+
+@pytest.mark.parametrize("dp, tp, pp, v, times, schedule", list(_interleaved_grid()))
+def test_interleaved_equals_single_device_jax_grad(dp, tp, pp, v, times, schedule):
+    from jax_wgrad import DDPConfig
+
+    out = _check_gradients(dp, tp, pp, sp=tp > 1, fusion=True, m=times * pp, schedule=schedule,
+                           arch=dict(num_layers=pp * v), virtual_pipeline_model_parallel_size=v,
+                           defer_embedding_wgrad_compute=True, world_size=dp * tp * pp,
+                           ddp=DDPConfig(overlap_grad_reduce=True))
+    _assert_equal_grads(*out)
+
+
+@pytest.mark.parametrize("tied, recompute", [(False, None), (True, "full")])
+def test_interleaved_unfused_untied_and_recomputed(tied, recompute):
+    # no fusion: every gradient through the sink's per-chunk (static-offset) adds
+    _assert_equal_grads(*_check_gradients(
+        2, 2, 2, sp=True, fusion=False, tied=tied, m=4, recompute=recompute,
+        arch=dict(num_layers=8), virtual_pipeline_model_parallel_size=2))
+
+
+def test_interleaved_llama_options():
+    _assert_equal_grads(*_check_gradients(
+        1, 2, 4, sp=True, fusion=True, tied=False, m=4, schedule="zb-h1",
+        arch=dict(LLAMA, num_layers=8), virtual_pipeline_model_parallel_size=2))

@@ -98,6 +98,7 @@ class MLPStack:
 
     model: MLPStackConfig
     parallel: ParallelConfig
+    ends_over_pipeline = False  # pre and post run on the first / last stage only
 
     @property
     def setup(self) -> StageSetup:

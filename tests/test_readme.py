@@ -46,6 +46,7 @@ BLOCKS = {
     "tools/convert_hf.py --export": "slow",
     "benchmarks/step_vs_plain_jax.py": "gpu",
     "--compile-only": "skip: needs jax's CUDA plugin (tests/test_aot.py runs it where it is)",
+    "--num-layers-per-virtual-pipeline-stage": "slow",
 }
 
 

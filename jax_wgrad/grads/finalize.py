@@ -17,7 +17,9 @@ the embedding/head).
    data-parallel ranks' tokens;
 2. all-reduce over ``tensor`` of the gradients of parameters replicated over tensor ranks
    under sequence parallelism (LayerNorms, row-parallel biases, positions);
-3. the tied word-embedding all-reduce over ``pipeline`` (the whole ``shared`` chunk);
+3. the tied word-embedding all-reduce over ``pipeline``: the ``shared`` chunk's
+   pipeline-replicated parameters (not the vocabulary shards of a vocabulary split over the
+   pipeline, each stage's own);
 4. scaling by the number of tokens: the backward is seeded with the token-loss SUM, so
    gradients are multiplied by ``dp / num_tokens`` (the data-parallel average of step 1
    times ``dp`` gives the global sum; divided by the global token count: the gradient of
@@ -120,12 +122,31 @@ def finalize_grads(
                 for g, m, h in zip(synced, masks, has))
     if pipeline_parallel:
         with jax.named_scope("embedding_grads_all_reduce"):
-            state = layout.state(synced)
-            state = state.replace(shared=tuple(lax.psum(state.shared, PIPELINE)))
-            synced = layout.concatenated(state)
+            synced = _sum_over_pipeline(layout, synced, dist)
     with jax.named_scope("token_scaling"):
         dp = axis_size(DATA_PARALLEL)
         total = lax.psum(num_tokens, DATA_PARALLEL)
         scale = (jnp.float32(dp) / total).astype(jnp.float32)
         synced = tuple(g * scale for g in synced)
     return synced
+
+
+def _sum_over_pipeline(layout: GradLayout, synced: Buckets, dist: bool) -> Buckets:
+    """The pipeline-replicated parameters' gradients (:attr:`GradSpec.pipeline_shared`)
+    summed over ``pipeline``: a bucket of only those whole, one that also holds
+    pipeline-sharded ones masked, the others untouched."""
+    flags = tuple(spec.pipeline_shared for spec in layout.specs)
+    masks, out = None, []
+    for i, g in enumerate(synced):
+        which = [flags[k] for k in layout.buffer.bucket_leaves[i]]
+        if not any(which):
+            out.append(g)
+        elif all(which):
+            out.append(lax.psum(g, PIPELINE))
+        else:
+            if masks is None:
+                masks = local_mask(layout.buffer, flags, axis_name=None,
+                                   bucket_axes=layout.bucket_axes if dist else None)
+            m = masks[i]
+            out.append(jnp.where(m, lax.psum(jnp.where(m, g, 0.0), PIPELINE), g))
+    return tuple(out)

@@ -102,8 +102,10 @@ class GradSink:
 
     @classmethod
     def create(cls, layout: GradLayout, *, split_backward: bool,
-               num_deferred_microbatches: int) -> GradSink:
-        """The policy of every fused weight of ``layout`` (module docstring).
+               num_deferred_microbatches: int, split_output: bool = True) -> GradSink:
+        """The policy of every fused weight of ``layout`` (module docstring);
+        ``split_output=False`` keeps the ``OUTPUT`` role's weights out of the ``W`` tasks
+        (a program whose ``post`` runs on every stage: each accumulates its share at once).
 
         Raises:
           ValueError: a split backward or deferral without gradient accumulation fusion,
@@ -120,7 +122,7 @@ class GradSink:
             policy: Policy = "accumulate"
             if spec.fused_in == OUTPUT and num_deferred_microbatches:
                 policy = "defer"
-            elif split_backward and (spec.fused_in == OUTPUT
+            elif split_backward and ((spec.fused_in == OUTPUT and split_output)
                                      or (spec.fused_in == LAYERS and spec.chunk == STAGE)):
                 policy = "stash_w"
             entries.append(SinkEntry(

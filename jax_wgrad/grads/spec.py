@@ -60,6 +60,9 @@ class GradSpec:
       weight_decay: Megatron decays weights and embedding tables, not biases and norms.
       tied_embedding: the word embedding tied to the output layer (Megatron's
         ``shared_embedding``: a bucket of its own under the distributed optimizer).
+      pipeline_sharded: a :data:`SHARED` parameter split over the pipeline stages (the
+        vocabulary over the pipeline): each stage's gradient is its own shard's, neither
+        summed over ``pipeline`` nor counted once in the norm.
     """
 
     chunk: str
@@ -68,6 +71,7 @@ class GradSpec:
     tensor_replicated: bool = False
     weight_decay: bool = False
     tied_embedding: bool = False
+    pipeline_sharded: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk not in CHUNKS:
@@ -83,8 +87,9 @@ class GradSpec:
 
     @property
     def pipeline_shared(self) -> bool:
-        """Held by every pipeline stage (counted once in the norm)."""
-        return self.chunk == SHARED
+        """Held by every pipeline stage (counted once in the norm, summed over
+        ``pipeline``)."""
+        return self.chunk == SHARED and not self.pipeline_sharded
 
     def added_by(self, role: str, fusion: bool) -> bool:
         """Whether ``role``'s backward adds an ordinary gradient array for this parameter

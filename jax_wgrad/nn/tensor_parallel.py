@@ -41,12 +41,13 @@ from jax_wgrad.functional.cross_entropy import vocab_shard_index
 from jax_wgrad.functional.linear import BucketSlot, linear
 from jax_wgrad.nn.facts import param_facts
 from jax_wgrad.ops import PrecisionLike
-from jax_wgrad.parallel.mesh import TENSOR
+from jax_wgrad.parallel.mesh import PIPELINE, TENSOR
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "vocab_axes",
     "init_std_for_output_layers",
 ]
 
@@ -208,7 +209,11 @@ class VocabParallelEmbedding(nnx.Module):
 
     Each rank looks up the ids in its vocab range, zeroes the others, and the partial
     results are all-reduced over ``tensor`` (reduce-scattered on the sequence with
-    ``sequence_parallel``: output ``[b, s / tp, hidden]``).
+    ``sequence_parallel``: output ``[b, s / tp, hidden]``). With ``pipeline_size > 1`` the
+    vocabulary is split over ``(pipeline, tensor)`` (:data:`~jax_wgrad.parallel.PIPELINE`
+    major) and the partial results are first summed over ``pipeline``: every stage returns
+    the embedding (its backward: the cotangents summed over ``pipeline``, so the stage that
+    uses the output feeds every stage's rows).
     """
 
     def __init__(
@@ -219,19 +224,23 @@ class VocabParallelEmbedding(nnx.Module):
         tp_size: int = 1,
         axis_name: str = TENSOR,
         sequence_parallel: bool = False,
+        pipeline_size: int = 1,
         init_std: float = 0.02,
         rngs: nnx.Rngs,
     ):
-        if num_embeddings % tp_size != 0:
+        if num_embeddings % (tp_size * pipeline_size) != 0:
             raise ValueError(
                 f"VocabParallelEmbedding: vocab size ({num_embeddings}) must be divisible "
                 f"by tensor_model_parallel_size ({tp_size})"
-            )
+                + (f" x pipeline_model_parallel_size ({pipeline_size})"
+                   if pipeline_size > 1 else ""))
         self.tp_size = tp_size
+        self.pipeline_size = pipeline_size
         self.axis_name = axis_name
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.embedding = nnx.Param(
-            _normal(rngs, (num_embeddings // tp_size, embedding_dim), init_std),
+            _normal(rngs, (num_embeddings // (tp_size * pipeline_size), embedding_dim),
+                    init_std),
             **param_facts(0, weight_decay=True),
         )
 
@@ -245,14 +254,26 @@ class VocabParallelEmbedding(nnx.Module):
         """
         with jax.named_scope("vocab_parallel_embedding"):
             table = self.embedding[...]
-            if self.tp_size == 1:
+            if self.tp_size * self.pipeline_size == 1:
                 return jnp.take(table, ids, axis=0).astype(dtype)
-            local, in_range = vocab_shard_index(ids, table.shape[0], self.axis_name)
+            axes = vocab_axes(self.axis_name, self.tp_size, self.pipeline_size)
+            local, in_range = vocab_shard_index(ids, table.shape[0], axes)
             out = jnp.take(table, local, axis=0).astype(dtype)
             out = jnp.where(in_range[..., None], out, jnp.zeros((), dtype))
+            if self.pipeline_size > 1:
+                out = jax.lax.psum(out, PIPELINE)
+            if self.tp_size == 1:
+                return out
             if self.sequence_parallel:
                 return reduce_scatter_to_sequence_parallel_region(out, self.axis_name, SEQ_DIM)
             return reduce_from_tensor_parallel_region(out, self.axis_name)
+
+
+def vocab_axes(axis_name: str, tp_size: int, pipeline_size: int):
+    """The mesh axes a vocabulary is split over: ``tensor``, or ``(pipeline, tensor)``
+    (``pipeline`` alone when ``tp_size == 1``); ``None`` when it is not split."""
+    axes = ((PIPELINE,) if pipeline_size > 1 else ()) + ((axis_name,) if tp_size > 1 else ())
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def init_std_for_output_layers(init_method_std: float, num_layers: int) -> float:

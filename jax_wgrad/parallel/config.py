@@ -67,6 +67,13 @@ class ParallelConfig:
     microbatch_group_size_per_vp_stage: int | None = None
     """Megatron's option: microbatches each virtual stage runs back to back before the
     next chunk's (``None``: ``P``, and then ``M`` must be a multiple of ``P``)."""
+    vocab_parallel_over_pipeline: bool = False
+    """Spread the word embedding and the output layer over all pipeline stages ("Vocabulary
+    Parallelism", Yeung et al., MLSys 2025; Megatron keeps them on the first and last
+    stage): their vocabulary dim is split over ``(pipeline, tensor)``, every stage holds
+    ``1 / (P tp)`` of the table, and the embedding lookup, the output GEMMs and the cross
+    entropy run on every stage as collectives over ``pipeline`` (and ``tensor``) in the
+    ticks where the first / last virtual stage needs them."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Megatron's activation recomputation: ``None`` (the backward uses the residuals its
     forward saved; no forward GEMM is recomputed), ``"selective"`` (save the GEMM outputs,
@@ -113,6 +120,9 @@ class ParallelConfig:
                              "accumulation fusion (its weight-gradient tasks are the fused "
                              "wgrad GEMMs)")
         self._validate_interleaving()
+        if self.vocab_parallel_over_pipeline and self.pipeline_model_parallel_size == 1:
+            raise ValueError("vocab_parallel_over_pipeline needs pipeline parallelism "
+                             "(pipeline_model_parallel_size > 1)")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError("recompute_granularity must be None, 'full' or 'selective', "
                              f"got {self.recompute_granularity!r}")

@@ -330,7 +330,8 @@ def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:
     per_stage = model.num_layers // (parallel.pipeline_model_parallel_size
                                      * parallel.num_model_chunks)
     if per_stage % model.moe_layer_freq != 0:
-        raise ValueError(f"layers per virtual pipeline stage ({per_stage}) must be divisible by "
+        where = "virtual pipeline stage" if parallel.num_model_chunks > 1 else "pipeline stage"
+        raise ValueError(f"layers per {where} ({per_stage}) must be divisible by "
                          f"moe_layer_freq ({model.moe_layer_freq}) so that every stage has "
                          "the same pattern of MoE and dense layers")
     if model.moe_grouped_gemm and not parallel.gradient_accumulation_fusion:

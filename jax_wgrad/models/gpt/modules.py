@@ -32,8 +32,9 @@ from jax_wgrad.nn.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     init_std_for_output_layers,
+    vocab_axes,
 )
-from jax_wgrad.parallel.mesh import EXPERT, TENSOR
+from jax_wgrad.parallel.mesh import EXPERT, PIPELINE, TENSOR
 
 __all__ = ["TransformerLayer", "MoEExperts", "GPTEmbedding", "GPTHead"]
 
@@ -185,7 +186,9 @@ class TransformerLayer(nnx.Module):
 
 
 class GPTEmbedding(nnx.Module):
-    """Word (vocab-parallel) plus learned position embedding; first pipeline stage."""
+    """Word (vocab-parallel) plus learned position embedding; first pipeline stage (with
+    ``vocab_pipeline_size > 1``: the word table split over ``(pipeline, tensor)``, run by
+    every stage, :class:`~jax_wgrad.nn.VocabParallelEmbedding`)."""
 
     def __init__(
         self,
@@ -194,6 +197,7 @@ class GPTEmbedding(nnx.Module):
         tp_size: int = 1,
         sequence_parallel: bool = False,
         axis_name: str = TENSOR,
+        vocab_pipeline_size: int = 1,
         rngs: nnx.Rngs,
     ):
         self.tp_size = tp_size
@@ -206,6 +210,7 @@ class GPTEmbedding(nnx.Module):
             tp_size=tp_size,
             axis_name=axis_name,
             sequence_parallel=sequence_parallel,
+            pipeline_size=vocab_pipeline_size,
             init_std=cfg.init_method_std,
             rngs=rngs,
         )
@@ -234,7 +239,11 @@ class GPTHead(nnx.Module):
     """Final norm, output layer and vocab-parallel cross entropy; last stage.
 
     With tied embeddings the output layer allocates no weight and is given the word
-    embedding table ``[V / tp, H]`` at call time.
+    embedding table ``[V / tp, H]`` at call time. With ``vocab_pipeline_size = P > 1`` the
+    output layer's vocabulary is split over ``(pipeline, tensor)`` (``[V / (P tp), H]``) and
+    every stage runs the head on the last stage's ``x`` (summed over ``pipeline`` from the
+    last stage; its backward sums every stage's share of ``dx`` back to it): the final
+    norm on each, its own logits, the cross entropy reduced over ``(pipeline, tensor)``.
     """
 
     def __init__(
@@ -244,15 +253,17 @@ class GPTHead(nnx.Module):
         tp_size: int = 1,
         sequence_parallel: bool = False,
         axis_name: str = TENSOR,
+        vocab_pipeline_size: int = 1,
         rngs: nnx.Rngs,
     ):
         self.tp_size = tp_size
         self.axis_name = axis_name
+        self.vocab_pipeline_size = vocab_pipeline_size
         self.final_norm = make_norm(cfg.normalization, cfg.hidden_size,
                                     epsilon=cfg.layernorm_epsilon)
         self.output = ColumnParallelLinear(
             cfg.hidden_size,
-            cfg.vocab_size,
+            cfg.vocab_size // vocab_pipeline_size,
             tp_size=tp_size,
             axis_name=axis_name,
             use_bias=False,
@@ -275,14 +286,18 @@ class GPTHead(nnx.Module):
         per-token losses (identical on every tensor rank); with ``with_lse`` also the fp32
         ``[b, s]`` logsumexp of the logits over the whole vocabulary (what the deferred
         output-layer wgrad's recompute mode keeps)."""
+        pp = self.vocab_pipeline_size
+        shards, axes = self.tp_size * pp, vocab_axes(self.axis_name, self.tp_size, pp)
+        if pp > 1:  # the last stage's x on every stage
+            last = jax.lax.axis_index(PIPELINE) == pp - 1
+            x = jax.lax.psum(jnp.where(last, x, jnp.zeros((), x.dtype)), PIPELINE)
         with jax.named_scope("output_layer"):
             logits = self.output(self.final_norm(x), weight, main_grad=main_grad)
         with jax.named_scope("cross_entropy"):
-            losses = vocab_parallel_cross_entropy(
-                logits, labels, tp_size=self.tp_size, axis_name=self.axis_name
-            )
+            losses = vocab_parallel_cross_entropy(logits, labels, tp_size=shards,
+                                                  axis_name=axes)
         if not with_lse:
             return jnp.sum(losses)
-        lse = vocab_parallel_logsumexp(jax.lax.stop_gradient(logits), self.tp_size,
-                                       self.axis_name)  # kept, never differentiated
+        lse = vocab_parallel_logsumexp(jax.lax.stop_gradient(logits), shards,
+                                       axes)  # kept, never differentiated
         return jnp.sum(losses), lse

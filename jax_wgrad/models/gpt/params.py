@@ -244,17 +244,18 @@ def init_params(cfg: GPTConfig, seed: int) -> Params:
 
 
 def abstract_modules(cfg: GPTConfig, tp: int = 1, sp: bool = False, attention: str = "xla",
-                     ep: int = 1):
+                     ep: int = 1, vocab_pp: int = 1):
     """``(embedding, dense layer, MoE layer or None, head)`` modules of the layout, shapes
-    only (no arrays)."""
+    only (no arrays); ``vocab_pp``: the pipeline stages the vocabulary is split over."""
     kw = dict(tp_size=tp, sequence_parallel=sp)
     layer = lambda moe: nnx.eval_shape(lambda: TransformerLayer(
         cfg, **kw, attention=attention, moe=moe, ep_size=ep, rngs=nnx.Rngs(0)))
+    ends = dict(kw, vocab_pipeline_size=vocab_pp)
     return (
-        nnx.eval_shape(lambda: GPTEmbedding(cfg, **kw, rngs=nnx.Rngs(0))),
+        nnx.eval_shape(lambda: GPTEmbedding(cfg, **ends, rngs=nnx.Rngs(0))),
         layer(False),
         layer(True) if cfg.num_moe_experts is not None else None,
-        nnx.eval_shape(lambda: GPTHead(cfg, **kw, rngs=nnx.Rngs(0))),
+        nnx.eval_shape(lambda: GPTHead(cfg, **ends, rngs=nnx.Rngs(0))),
     )
 
 
@@ -270,11 +271,12 @@ def _specs(module: nnx.Module, prefix: tuple[str | None, ...]) -> Params:
     return _walk(nnx.split(module)[1], spec)
 
 
-def param_specs(cfg: GPTConfig) -> Params:
+def param_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False) -> Params:
     """``PartitionSpec`` for every canonical parameter on the ``(data, expert, tensor,
     pipeline)`` mesh: layers split over ``pipeline`` on the stacked dim (expert weights
     over ``expert`` too); embedding and head replicated over ``pipeline`` (only the first /
-    last stage uses them)."""
+    last stage uses them), except, with ``vocab_over_pipeline``, the word embedding and
+    the output weight: their vocabulary dim split over ``(pipeline, tensor)``."""
     emb, layer, moe_layer, head = abstract_modules(cfg)
     out = {"embedding": _specs(emb, ())}
     pattern = cfg.moe_layer_pattern
@@ -283,6 +285,10 @@ def param_specs(cfg: GPTConfig) -> Params:
     if any(pattern):
         out["moe_layers"] = _specs(moe_layer, (PIPELINE,))
     out["head"] = _specs(head, ())
+    if vocab_over_pipeline:
+        out["embedding"]["word"]["embedding"] = P((PIPELINE, TENSOR), None)
+        if "weight" in out["head"].get("output", {}):  # untied
+            out["head"]["output"]["weight"] = P((PIPELINE, TENSOR), None)
     return out
 
 
@@ -295,7 +301,7 @@ def _grad_spec(v: nnx.Variable, chunk: str, roles: set[str], fused_in: str | Non
                     weight_decay=bool(facts.get("weight_decay")))
 
 
-def grad_specs(cfg: GPTConfig) -> DeviceTree:
+def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False) -> DeviceTree:
     """The :class:`GradSpec` of every leaf of :func:`device_tree`, from the modules'
     parameter metadata and the model's roles: layers in the stage chunk (their linear
     weights fused in :data:`LAYERS`), the MoE layers' expert weights in the expert chunk;
@@ -319,11 +325,15 @@ def grad_specs(cfg: GPTConfig) -> DeviceTree:
             _walk(moe_layer["experts"], lambda v: _grad_spec(v, EXPERTS, {LAYERS}, LAYERS)),
             orders["moe_layer"]["experts"]))
     word = _grad_spec(emb["word"]["embedding"], SHARED, {INPUT}, None)
+    word = dataclasses.replace(word, pipeline_sharded=vocab_over_pipeline)
     if tied:  # the output layer's weight IS the word embedding: also OUTPUT's, fused there
         word = dataclasses.replace(word, roles=frozenset({INPUT, OUTPUT}), fused_in=OUTPUT,
                                    tied_embedding=True)
     emb_spec = _walk(emb, lambda v: _grad_spec(v, SHARED, {INPUT}, None))
     emb_spec["word"]["embedding"] = word
     head_spec = _walk(head, lambda v: _grad_spec(v, SHARED, {OUTPUT}, OUTPUT))
+    if "weight" in head_spec.get("output", {}):  # untied
+        head_spec["output"]["weight"] = dataclasses.replace(
+            head_spec["output"]["weight"], pipeline_sharded=vocab_over_pipeline)
     return Chunks(stage=layer_specs, experts=expert_specs,
                   shared=_shared(emb_spec, head_spec, orders))

@@ -27,7 +27,8 @@ from jax_wgrad.models.gpt.params import (
     period_pattern,
 )
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.parallel.mesh import AXES
+from jax_wgrad.nn.tensor_parallel import vocab_axes
+from jax_wgrad.parallel.mesh import AXES, TENSOR
 import jax_wgrad.parallel.pipeline.virtual as virtual
 from jax_wgrad.parallel.pipeline.setup import StageSetup
 
@@ -62,7 +63,7 @@ class GPTProgram:
         emb, layer, moe_layer, head = abstract_modules(
             self.model, self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel,
             self.model.attention_implementation(self.platform),
-            self.parallel.expert_model_parallel_size)
+            self.parallel.expert_model_parallel_size, self._vocab_pp)
         object.__setattr__(self, "_emb_def", nnx.split(emb)[0])
         object.__setattr__(self, "_layer_def", nnx.split(layer)[0])
         object.__setattr__(self, "_moe_layer_def",
@@ -92,6 +93,17 @@ class GPTProgram:
     def _chunks(self) -> int:
         return self.parallel.num_model_chunks
 
+    @property
+    def _vocab_pp(self) -> int:
+        par = self.parallel
+        return par.pipeline_model_parallel_size if par.vocab_parallel_over_pipeline else 1
+
+    @property
+    def ends_over_pipeline(self) -> bool:
+        """``pre`` and ``post`` are collectives over ``pipeline`` (the vocabulary over the
+        pipeline): every stage runs them (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`)."""
+        return self._vocab_pp > 1
+
     def init_params(self, seed: int = 0) -> Params:
         """Full parameters from ``seed`` (:func:`~jax_wgrad.models.gpt.init_params`) in the
         layout (:mod:`~jax_wgrad.parallel.pipeline.virtual`: canonical unless interleaved)."""
@@ -99,7 +111,7 @@ class GPTProgram:
 
     def canonical_specs(self) -> Params:
         """``PartitionSpec`` of every canonical parameter on the mesh."""
-        return param_specs(self.model)
+        return param_specs(self.model, self._vocab_pp > 1)
 
     def param_specs(self) -> Params:
         """``PartitionSpec`` of every parameter of the layout on the mesh."""
@@ -125,7 +137,7 @@ class GPTProgram:
 
     def grad_specs(self) -> DeviceTree:
         """:class:`~jax_wgrad.grads.GradSpec` of every leaf of the device tree."""
-        return grad_specs(self.model)
+        return grad_specs(self.model, self._vocab_pp > 1)
 
     # -- the stage programs
 
@@ -227,5 +239,6 @@ class GPTProgram:
         """The output layer's ``dy`` for ``x`` ``[mb, s, H]`` rebuilt from the stashed
         extras (sliced to the same tokens): the cross entropy's gradient."""
         lse, labels = extras
-        return recompute_dy(x, weight, lse, labels,
-                                     tp=self.parallel.tensor_model_parallel_size)
+        tp = self.parallel.tensor_model_parallel_size
+        return recompute_dy(x, weight, lse, labels, tp=tp * self._vocab_pp,
+                            axis_name=vocab_axes(TENSOR, tp, self._vocab_pp))

@@ -8,7 +8,9 @@ executor: the first stage embeds, every stage runs its layers and sends the acti
 With ``V`` model chunks per stage (interleaved layouts) the table is walked once per chunk
 (``V (M + P - 1)`` ticks, chunk ``v`` in pass ``v``): the last stage's chunk-``v`` outputs
 go over the ring edge (its own acyclic ``ppermute``) into a ``[M, ...]`` buffer on the
-first stage, which its chunk ``v + 1`` reads in the next pass.
+first stage, which its chunk ``v + 1`` reads in the next pass. A program whose ends are
+collectives over ``pipeline`` (``ends_over_pipeline``) has ``pre`` / ``post`` run on every
+stage in the ticks where the first / last stage needs them.
 """
 
 from __future__ import annotations
@@ -44,24 +46,33 @@ def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> ja
     act = setup.zero_activation()
     clip = lambda i: jnp.clip(i, 0, m - 1)
 
+    spread = program.ends_over_pipeline
+    batch_of = lambda i: lax.dynamic_index_in_dim(micro, clip(i), 0, keepdims=False)
+    pre = lambda i: program.pre(params, None, batch_of(i))[0]
+    post = lambda y, i: program.post(params, None, y, batch_of(i))[0]
+    zero = lambda: jnp.float32(0.0)
+
     def tick(carry, xs):
         x_recv, ring, loss_sum = carry
         row, v = xs
         f = row[stage]
+        first, last = jnp.where(v == 0, row[0], -1), jnp.where(v == nv - 1, row[pp - 1], -1)
+        x_pre = lax.cond(first >= 0, lambda: pre(first), lambda: act) if spread else None
 
         def forward(x_recv):
-            mb = lax.dynamic_index_in_dim(micro, clip(f), 0, keepdims=False)
             x = lax.cond(stage == 0, lambda: lax.cond(
-                v == 0, lambda: program.pre(params, None, mb)[0],
+                v == 0, (lambda: x_pre) if spread else (lambda: pre(f)),
                 lambda: lax.dynamic_index_in_dim(ring, clip(f), 0, keepdims=False)),
                 lambda: x_recv)
             y, _ = program.body(Window(v, nv).take(params), None, x)
-            loss = lax.cond((stage == pp - 1) & (v == nv - 1),
-                            lambda: program.post(params, None, y, mb)[0],
-                            lambda: jnp.float32(0.0))
+            loss = zero() if spread else lax.cond((stage == pp - 1) & (v == nv - 1),
+                                                  lambda: post(y, f), zero)
             return y, loss
 
         y, loss = lax.cond(f >= 0, forward, lambda x: (act, jnp.float32(0.0)), x_recv)
+        if spread:  # every stage its share of the head; the loss counted on the last
+            loss = lax.cond(last >= 0, lambda: post(y, last), zero)
+            loss = jnp.where(stage == pp - 1, loss, 0.0)
         if pp > 1:
             x_recv = lax.ppermute(y, PIPELINE, [(i, i + 1) for i in range(pp - 1)])
         if nv > 1:  # the ring edge: the last stage's chunk v -> the first stage's v + 1

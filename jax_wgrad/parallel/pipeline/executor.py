@@ -59,6 +59,7 @@ from jax_wgrad.grads.sink import GradSink, SinkEntry
 from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, STAGE
 from jax_wgrad.parallel import deferred
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WPair, put, zeros_of
+from jax_wgrad.parallel.pipeline.ends import EndsMixin
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
@@ -106,8 +107,9 @@ def initial_carry(program: StageProgram, sink: GradSink, ddp: DDPConfig, table: 
     return _StageRun(program, sink, ddp, table, params, batch).init_carry()
 
 
-class _StageRun:
-    """One device's run of a schedule: static context plus the tick's named steps."""
+class _StageRun(EndsMixin):
+    """One device's run of a schedule: static context plus the tick's named steps (the
+    pipeline's ends: :class:`~.ends.EndsMixin`)."""
 
     def __init__(self, program: StageProgram, sink: GradSink, ddp: DDPConfig,
                  table: ScheduleTable, params: DeviceTree, batch: jax.Array):
@@ -129,6 +131,7 @@ class _StageRun:
         self.stage = setup.stage_index()
         self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
         self.split = table.split_backward
+        self.spread = program.ends_over_pipeline
         self.overlap = cooldown_sync(ddp, self.pp)
         self.v = table.num_chunks
         self.depth = (table.inbox_depth("F"), table.inbox_depth("B"))
@@ -222,16 +225,24 @@ class _StageRun:
         t, fwd_row, bwd_row, w_row, fc_row, bc_row, wc_row = xs
         f, b, w = fwd_row[self.stage], bwd_row[self.stage], w_row[self.stage]
         fc, bc, wc = fc_row[self.stage], bc_row[self.stage], wc_row[self.stage]
+        fwd, bwd = (fwd_row, fc_row), (bwd_row, bc_row)
+        ends = self.end_rows(fwd, bwd) if self.spread else None
+        x_pre = self.spread_pre(ends[0]) if self.spread else self.act
         with jax.named_scope("forward"):
-            c, y = lax.cond(f >= 0, self.forward, lambda c, f, v: (c, self.act), c, f, fc)
+            c, y = lax.cond(f >= 0, self.forward, lambda c, f, v, x: (c, self.act), c, f, fc,
+                            x_pre)
+        if self.spread:
+            c = self.spread_post(c, ends[1], y)
         with jax.named_scope("backward"):
             c, dx = lax.cond(b >= 0, self.backward, lambda c, b, v: (c, self.act), c, b, bc)
+        if self.spread:
+            c = self.spread_pre_backward(c, ends[2], dx)
         if self.split:
             with jax.named_scope("weight_gradients"):
                 c = lax.cond(w >= 0, self.weight, lambda c, w, v: c, c, w, wc)
         if self.overlap:
             c = c.replace(grads=self.cooldown(c.grads, t))
-        return self.exchange(c, y, dx, (fwd_row, fc_row), (bwd_row, bc_row)), None
+        return self.exchange(c, y, dx, fwd, bwd), None
 
     def _inbox(self, kind: int, v, m):
         """Slot of (chunk ``v``, microbatch ``m``) in inbox ``kind`` (0: x, 1: g)."""
@@ -266,11 +277,12 @@ class _StageRun:
         parameters, the threaded buckets, the probes, the chunk."""
         return (self._chunk_params(v), self._threaded(c), self.body_probes, v)
 
-    def forward(self, c: PipelineCarry, f, v):
+    def forward(self, c: PipelineCarry, f, v, x_pre):
         batch = self._batch(f)
         received = lax.dynamic_index_in_dim(c.x_inbox, self._inbox(0, v, f), 0, keepdims=False)
-        x_in = lax.cond(self.is_first & (v == 0),
-                        lambda: self._pre_fn(self.params, None, batch)[0], lambda: received)
+        pre = (lambda: x_pre) if self.spread else (
+            lambda: self._pre_fn(self.params, None, batch)[0])
+        x_in = lax.cond(self.is_first & (v == 0), pre, lambda: received)
         (y, _), (inputs, _, aux), residuals = self.store.forward(
             c.residuals, self.res_slot[self.stage, v, f], self._live(c, v), x_in)
         wstash = dict(c.wstash)
@@ -281,54 +293,10 @@ class _StageRun:
                       aux_sum=jax.tree.map(jnp.add, c.aux_sum, aux))
         # The last virtual stage: loss and the head's backward now; its gradient for the
         # layers' output waits in the gradient inbox for this stage's B.
-        c = lax.cond(self.is_last & (v == self.v - 1),
-                     functools.partial(self._post, y=y, batch=batch, f=f), lambda c: c, c)
+        if not self.spread:
+            c = lax.cond(self.is_last & (v == self.v - 1),
+                         functools.partial(self._post, y=y, batch=batch, f=f), lambda c: c, c)
         return c, y
-
-    def _post(self, c: PipelineCarry, *, y, batch, f) -> PipelineCarry:
-        """``post`` and its backward for microbatch ``f`` (last stage)."""
-        threaded = self._threaded(c)
-        (loss, _), vjp, (inputs, _, aux) = jax.vjp(
-            functools.partial(self._post_fn, batch=batch), self.params, threaded,
-            self.post_probes, y, has_aux=True)
-        # Seeded with 1: gradients of the token-loss SUM (token scaling in finalize_grads).
-        dparams, grads, dys, dh = vjp((jnp.float32(1.0), threaded))
-        grads = c.grads if grads is None else grads
-        c = c.replace(grads=self.sink.add(grads, OUTPUT, dparams),
-                      loss_sum=c.loss_sum + loss,
-                      g_inbox=lax.dynamic_update_index_in_dim(
-                          c.g_inbox, dh.astype(c.g_inbox.dtype),
-                          self._inbox(1, self.v - 1, f), 0))
-        for e in self.sink.probed(OUTPUT):
-            c = self._output_pair(c, e, inputs[e.name], dys[e.name], aux, batch, f)
-        return c
-
-    def _output_pair(self, c: PipelineCarry, e: SinkEntry, x, dy, aux, batch, f):
-        """The output layer's ``(x, dy)`` of microbatch ``f``: deferred to the drain,
-        kept for its ``W`` task, or accumulated now (Megatron's deferral predicate)."""
-        def now(c):
-            if self.split:
-                pair = c.wstash[e.name]
-                slot = f % self.out_slots
-                pair = WPair(put(pair.x, x, slot), put(pair.dy, dy, slot))
-                return c.replace(wstash={**c.wstash, e.name: pair})
-            return c.replace(grads=self.sink.accumulate(c.grads, e, x, dy))
-
-        def later(c):
-            items = self._defer_items(x, dy, aux, batch)
-            index = jnp.clip(f, 0, self.sink.num_deferred - 1)
-            stash = deferred.stash_put(c.deferred[e.name], index, items)
-            return c.replace(deferred={**c.deferred, e.name: stash})
-
-        if e.policy != "defer":
-            return now(c)
-        if self.sink.num_deferred == self.m:
-            return later(c)
-        return lax.cond(deferred.is_deferred(self.par, f), later, now, c)
-
-    def _defer_items(self, x, dy, aux, batch) -> tuple[jax.Array, ...]:
-        return deferred.stash_items(self.par, x, dy,
-                                    lambda: self.program.defer_extras(aux, batch))
 
     def backward(self, c: PipelineCarry, b, v):
         dy = lax.dynamic_index_in_dim(c.g_inbox, self._inbox(1, v, b), 0, keepdims=False)
@@ -341,16 +309,11 @@ class _StageRun:
         for name, d in dys.items():
             wstash[name] = wstash[name]._replace(
                 dy=put(wstash[name].dy, d, self.w_slot[self.stage, v, b]))
-        grads = lax.cond(self.is_first & (v == 0),
-                         lambda g: self._pre_backward(g, dx, self._batch(b)),
-                         lambda g: g, grads)
+        if not self.spread:
+            grads = lax.cond(self.is_first & (v == 0),
+                             lambda g: self._pre_backward(g, dx, self._batch(b)),
+                             lambda g: g, grads)
         return c.replace(grads=grads, wstash=wstash), dx
-
-    def _pre_backward(self, grads: GradState, dx, batch) -> GradState:
-        threaded = grads if self.fused else None
-        _, vjp = jax.vjp(functools.partial(self._pre_fn, batch=batch), self.params, threaded)
-        dparams, out = vjp((dx, threaded))
-        return self.sink.add(grads if out is None else out, INPUT, dparams)
 
     def _threaded(self, c: PipelineCarry) -> GradState | None:
         return c.grads if self.fused else None  # what the fused linears thread
@@ -373,7 +336,7 @@ class _StageRun:
                     grads = acc(grads)
             return grads
 
-        if self.sink.probed(OUTPUT):
+        if self.sink.probed(OUTPUT) and not self.spread:
             grads = lax.cond(self.is_last & (v == self.v - 1), output, lambda g: g, grads)
         return c.replace(grads=grads)
 
@@ -383,18 +346,3 @@ class _StageRun:
 
     # ------------------------------------------------------------------------ after
 
-    def drain(self, carry: PipelineCarry) -> GradState:
-        """The deferred output-layer wgrad drain (GEMMs on the last stage only), before the
-        shared buckets are reduced over ``data`` and between the tied stage copies."""
-        e = self.defer
-        if e is None:
-            return carry.grads
-        weight = self.sink.leaf(self.params, e)
-        recompute = None
-        if self.par.defer_mode == "recompute":
-            recompute = lambda x, extras: self.program.recompute_output_grad(x, extras, weight)
-        with jax.named_scope("deferred_wgrad_drain"):
-            bks = list(carry.grads[e.chunk])
-            bks[e.bucket] = deferred.drain(self.par, carry.deferred[e.name], bks[e.bucket],
-                                           e.offset, recompute, active=self.is_last)
-            return carry.grads.replace(**{e.chunk: tuple(bks)})

@@ -42,7 +42,8 @@ def grad_sink(program: StageProgram, layout: GradLayout, table: ScheduleTable) -
     """Where each weight gradient of ``program`` goes under ``table`` (split backward or
     not) and its deferral options."""
     return GradSink.create(layout, split_backward=table.split_backward,
-                           num_deferred_microbatches=program.parallel.num_deferred_microbatches)
+                           num_deferred_microbatches=program.parallel.num_deferred_microbatches,
+                           split_output=not program.ends_over_pipeline)
 
 
 def schedule_of(program: StageProgram) -> ScheduleTable:

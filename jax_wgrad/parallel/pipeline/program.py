@@ -47,6 +47,12 @@ class StageProgram(Protocol):
 
     parallel: ParallelConfig
     setup: StageSetup
+    ends_over_pipeline: bool
+    """``pre`` and ``post`` are collectives over ``pipeline`` (e.g. the vocabulary split
+    over the stages): the executor runs them on EVERY stage in the ticks where the first /
+    last virtual stage needs them (:mod:`~jax_wgrad.parallel.pipeline.ends`); ``post``'s
+    loss and gradient count on the last stage, ``pre``'s backward is seeded with the first
+    stage's input gradient (zeros on the others)."""
 
     # -- the stage programs
 
