@@ -139,6 +139,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
                    default=None, metavar="G", help="microbatches each virtual stage runs back "
                    "to back (default: pp, and the microbatch count must be a multiple of it)")
+    g.add_argument("--vocab-parallel-over-pipeline", action="store_true",
+                   help="split the word embedding and the output layer over all pipeline "
+                        "stages (and tensor ranks) instead of keeping a copy on every stage; "
+                        "their lookup, GEMMs and cross entropy run on every stage")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="recompute activations in the backward: full (the whole stage "
                         "forward) or selective (the attention core); absent: none")
@@ -393,6 +397,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             virtual_pipeline_model_parallel_size=virtual_stages(args),
             microbatch_group_size_per_vp_stage=(
                 args.microbatch_group_size_per_virtual_pipeline_stage),
+            vocab_parallel_over_pipeline=args.vocab_parallel_over_pipeline,
             recompute_granularity=args.recompute_granularity)
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,

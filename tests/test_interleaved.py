@@ -149,13 +149,17 @@ SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 FUSED = ["--gradient-accumulation-fusion", "--defer-embedding-wgrad-compute"]
 RUNS = {"1f1b": [], "interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"],
         "interleaved-zb": ["--virtual-pipeline-model-parallel-size", "2",
-                           "--pipeline-schedule", "zb-h1"]}
+                           "--pipeline-schedule", "zb-h1"],
+        "vocab": ["--vocab-parallel-over-pipeline"],
+        "interleaved-vocab": ["--virtual-pipeline-model-parallel-size", "2",
+                              "--vocab-parallel-over-pipeline"]}
+EVAL = ["--eval-interval", "3", "--eval-iters", "2"]
 
 
-def _losses(path):
+def _losses(path, key="loss"):
     import json
 
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+    return [r[key] for r in map(json.loads, path.read_text().splitlines()) if key in r]
 
 
 @pytest.fixture(scope="module")
@@ -173,20 +177,24 @@ def curves(example, tmp_path_factory):
     for name, flags in RUNS.items():
         if name == "interleaved-zb" and not fused:
             continue  # zb-h1 needs the fused weight-gradient GEMMs
-        example.main(SMALL + fused + flags + ["--train-iters", "6",
-                                              "--metrics-file", str(d / f"{name}.jsonl")])
+        example.main(SMALL + fused + flags + EVAL + [
+            "--train-iters", "6", "--metrics-file", str(d / f"{name}.jsonl")])
         out[name] = _losses(d / f"{name}.jsonl")
-        if name != "interleaved-zb":
+        out[name + ":valid"] = _losses(d / f"{name}.jsonl", "valid_loss")
+        if name in ("1f1b", "interleaved"):
             example.main(SMALL + fused + flags + ["--train-iters", "3", "--save", str(d / name)])
     return d, fused, out
 
 
-def test_example_interleaved_loss_curves_equal_1f1b(curves):
+def test_example_loss_curves_equal_1f1b(curves):
+    """Interleaved (1F1B order, split backwards) and the vocabulary over the pipeline
+    (alone and interleaved): training and validation losses equal 1F1B's."""
     _, _, out = curves
-    base = out["1f1b"]
-    assert len(base) == 6 and base[-1] < base[0]
+    base, valid = out["1f1b"], out["1f1b:valid"]
+    assert len(base) == 6 and base[-1] < base[0] and len(valid) == 2
     for name, got in out.items():
-        np.testing.assert_allclose(got, base, rtol=1e-5, err_msg=name)
+        ref = valid if name.endswith(":valid") else base
+        np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("saved, flags", [
@@ -194,10 +202,11 @@ def test_example_interleaved_loss_curves_equal_1f1b(curves):
     ("interleaved", []),
     ("interleaved", ["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size",
                      "1"]),
-], ids=["v1-to-v2", "v2-to-v1", "v2-to-tp1pp4"])
+    ("interleaved", RUNS["vocab"]),
+], ids=["v1-to-v2", "v2-to-v1", "v2-to-tp1pp4", "v2-to-vocab-over-pipeline"])
 def test_checkpoints_resume_across_virtual_stages(example, curves, saved, flags):
     d, fused, out = curves
     resumed = d / f"resumed-{saved}-{len(flags)}.jsonl"
-    example.main(SMALL + fused + flags + ["--train-iters", "6", "--load", str(d / saved),
-                                          "--metrics-file", str(resumed)])
+    example.main(SMALL + fused + flags + EVAL + [
+        "--train-iters", "6", "--load", str(d / saved), "--metrics-file", str(resumed)])
     np.testing.assert_allclose(_losses(resumed), out["1f1b"][3:], rtol=1e-5)

@@ -329,9 +329,8 @@ def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recomp
 def _interleaved_grid():
     """The issue's matrix: V = 2, 3 on (1,1,4), (2,2,2)+SP, (1,2,4), M = P and 3P, both
     schedules, fused with deferral and the cooldown sync; a cross-section by default."""
-    default = {((1, 1, 4), 2, 1, "1f1b"), ((1, 1, 4), 3, 3, "zb-h1"),
-               ((2, 2, 2), 2, 3, "zb-h1"), ((2, 2, 2), 3, 1, "1f1b"),
-               ((1, 2, 4), 2, 1, "zb-h1"), ((1, 2, 4), 3, 3, "1f1b")}
+    default = {((1, 1, 4), 2, 1, "1f1b"), ((2, 2, 2), 2, 3, "zb-h1"),
+               ((2, 2, 2), 3, 1, "1f1b"), ((1, 2, 4), 3, 3, "1f1b")}
     for mesh in [(1, 1, 4), (2, 2, 2), (1, 2, 4)]:
         for v in (2, 3):
             for times in (1, 3):
@@ -351,7 +350,8 @@ def test_interleaved_equals_single_device_jax_grad(dp, tp, pp, v, times, schedul
     _assert_equal_grads(*out)
 
 
-@pytest.mark.parametrize("tied, recompute", [(False, None), (True, "full")])
+@pytest.mark.parametrize("tied, recompute", [
+    (False, None), pytest.param(True, "full", marks=pytest.mark.slow)])
 def test_interleaved_unfused_untied_and_recomputed(tied, recompute):
     # no fusion: every gradient through the sink's per-chunk (static-offset) adds
     _assert_equal_grads(*_check_gradients(
@@ -363,3 +363,50 @@ def test_interleaved_llama_options():
     _assert_equal_grads(*_check_gradients(
         1, 2, 4, sp=True, fusion=True, tied=False, m=4, schedule="zb-h1",
         arch=dict(LLAMA, num_layers=8), virtual_pipeline_model_parallel_size=2))
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+
+def _vocab_grid():
+    """Vocabulary over the pipeline on (1,1,4), (2,2,2)+SP, (1,2,4), tied and untied:
+    plain, fused with deferral (stash / recompute), zero bubble, interleaved."""
+    cases = [((1, 1, 4), True, "plain"), ((1, 1, 4), False, "fused-defer"),
+             ((2, 2, 2), True, "fused-defer"), ((2, 2, 2), False, "zb-h1"),
+             ((1, 2, 4), False, "plain"), ((1, 2, 4), True, "interleaved-zb-h1"),
+             ((1, 1, 4), True, "recompute-defer"), ((2, 2, 2), True, "interleaved"),
+             ((1, 2, 4), True, "fused-defer"), ((2, 2, 2), False, "plain")]
+    for k, (mesh, tied, kind) in enumerate(cases):
+        yield pytest.param(*mesh, tied, kind, marks=() if k < 6 else pytest.mark.slow,
+                           id=f"{'-'.join(map(str, mesh))}-{'tied' if tied else 'untied'}-{kind}")
+
+
+@pytest.mark.parametrize("dp, tp, pp, tied, kind", list(_vocab_grid()))
+def test_vocab_over_pipeline_equals_single_device_jax_grad(dp, tp, pp, tied, kind):
+    from jax_wgrad import DDPConfig
+
+    v = 2 if kind.startswith("interleaved") else 1
+    kw = dict(fusion=kind != "plain", schedule="zb-h1" if kind.endswith("zb-h1") else "1f1b",
+              defer_embedding_wgrad_compute=kind.endswith("defer"),
+              defer_mode="recompute" if kind.startswith("recompute") else "stash",
+              virtual_pipeline_model_parallel_size=v if v > 1 else None)
+    _assert_equal_grads(*_check_gradients(
+        dp, tp, pp, sp=tp > 1, tied=tied, m=pp, arch=dict(num_layers=pp * v),
+        world_size=dp * tp * pp, vocab_parallel_over_pipeline=True,
+        ddp=DDPConfig(overlap_grad_reduce=True), **kw))
+
+
+def test_vocab_over_pipeline_shards_and_checks():
+    cfg = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8,
+                    vocab_size=64, untie_embeddings_and_output_weights=True)
+    par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+                         vocab_parallel_over_pipeline=True)
+    specs = GPTProgram(cfg, par).param_specs()
+    assert specs["embedding"]["word"]["embedding"] == P(("pipeline", "tensor"), None)
+    assert specs["head"]["output"]["weight"] == P(("pipeline", "tensor"), None)
+    assert specs["embedding"]["position"] == P(None, None)  # replicated: summed over pipeline
+    with pytest.raises(ValueError, match=r"vocab_size \(60\) must be divisible by "
+                                         r"tensor_model_parallel_size x pipeline"):
+        validate(par, dataclasses.replace(cfg, vocab_size=60))
+    with pytest.raises(ValueError, match="needs pipeline parallelism"):
+        ParallelConfig(vocab_parallel_over_pipeline=True, world_size=1)

@@ -301,6 +301,10 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
             f"num_layers ({model.num_layers}) must be divisible by "
             f"pipeline_model_parallel_size ({pp})"
         )
+    if parallel.vocab_parallel_over_pipeline and model.vocab_size % (tp * pp) != 0:
+        raise ValueError(f"vocab_size ({model.vocab_size}) must be divisible by "
+                         f"tensor_model_parallel_size x pipeline_model_parallel_size "
+                         f"({tp} x {pp}) with vocab_parallel_over_pipeline")
     v = parallel.num_model_chunks
     if (model.num_layers // pp) % v != 0:  # Megatron's wording (arguments.py)
         raise ValueError(f"number of layers per pipeline stage ({model.num_layers // pp}) "

@@ -59,11 +59,15 @@ def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> ja
         first, last = jnp.where(v == 0, row[0], -1), jnp.where(v == nv - 1, row[pp - 1], -1)
         x_pre = lax.cond(first >= 0, lambda: pre(first), lambda: act) if spread else None
 
+        def first_input():
+            embed = (lambda: x_pre) if spread else (lambda: pre(f))
+            if nv == 1:
+                return embed()
+            return lax.cond(v == 0, embed,
+                            lambda: lax.dynamic_index_in_dim(ring, clip(f), 0, keepdims=False))
+
         def forward(x_recv):
-            x = lax.cond(stage == 0, lambda: lax.cond(
-                v == 0, (lambda: x_pre) if spread else (lambda: pre(f)),
-                lambda: lax.dynamic_index_in_dim(ring, clip(f), 0, keepdims=False)),
-                lambda: x_recv)
+            x = lax.cond(stage == 0, first_input, lambda: x_recv)
             y, _ = program.body(Window(v, nv).take(params), None, x)
             loss = zero() if spread else lax.cond((stage == pp - 1) & (v == nv - 1),
                                                   lambda: post(y, f), zero)
