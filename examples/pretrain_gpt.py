@@ -458,8 +458,11 @@ def describe(plan, data, state) -> list[str]:
         f"{jax.process_count()} process(es) | mesh (data, expert, tensor, pipeline) = "
         f"{par.mesh_shape} | microbatches per step: {par.num_microbatches} | sequence "
         f"parallel: {par.sequence_parallel} | gradient accumulation fusion: "
-        f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name} | recompute: "
-        f"{par.recompute_granularity}",
+        f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name}"
+        + (f" ({plan.table.num_chunks} model chunks per stage)" if plan.table.num_chunks > 1
+           else "")
+        + f" | recompute: {par.recompute_granularity}"
+        + (" | vocabulary over the pipeline" if par.vocab_parallel_over_pipeline else ""),
         f"data: {data.name}, {len(data) / 1e6:.1f} M tokens for training",
         f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
         f"{ddp.overlap_grad_reduce} | bucket size "
