@@ -210,3 +210,41 @@ def test_checkpoints_resume_across_virtual_stages(example, curves, saved, flags)
     example.main(SMALL + fused + flags + EVAL + [
         "--train-iters", "6", "--load", str(d / saved), "--metrics-file", str(resumed)])
     np.testing.assert_allclose(_losses(resumed), out["1f1b"][3:], rtol=1e-5)
+
+
+def _permute_pairs(hlo: str) -> list[list[tuple[int, int]]]:
+    import re
+
+    found = re.findall(r"collective-permute(?:-start)?\(.*?source_target_pairs=(\{.*?\}\})",
+                       hlo)
+    return [[(int(a), int(b)) for a, b in re.findall(r"(\d+),(\d+)", m)] for m in found]
+
+
+def test_compiled_ring_edge_is_its_own_acyclic_permute():
+    """DESIGN's collective-permute trap: no cyclic permute over ``pipeline``; the ring edge
+    ``P - 1 -> 0`` (and back) is a permute of its own (CPU compile of the executor)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_wgrad import GPTConfig, GPTProgram, make_mesh, pipeline_gradients
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (virtual) devices")
+    cfg = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=8,
+                    vocab_size=64)
+    par = ParallelConfig(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
+                         micro_batch_size=1, global_batch_size=4, world_size=4)
+    mesh = make_mesh(par, jax.devices()[:4])
+    program = GPTProgram(cfg, par)
+    params = jax.eval_shape(program.init_params)
+    shard = lambda tree, specs: jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        tree, specs, is_leaf=lambda x: isinstance(x, P))
+    tokens = jax.ShapeDtypeStruct((4, 9), np.int32, sharding=NamedSharding(mesh, P("data")))
+    hlo = jax.jit(lambda p, t: pipeline_gradients(program, mesh, p, t)).lower(
+        shard(params, program.param_specs()), tokens).compile().as_text()
+    pairs = [sorted(p) for p in _permute_pairs(hlo)]
+    assert [(3, 0)] in pairs and [(0, 3)] in pairs  # the ring edge, each way
+    assert [(0, 1), (1, 2), (2, 3)] in pairs and [(1, 0), (2, 1), (3, 2)] in pairs
+    for p in pairs:  # none closes a cycle
+        assert len({s for s, _ in p} | {t for _, t in p}) > len(p), p
