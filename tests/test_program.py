@@ -113,7 +113,8 @@ class MLPStack:
         return linear(batch[..., :self.model.d_in], params.shared["inp"]["weight"],
                       main_grad=mg), ()
 
-    def body(self, params, main_grads, x):
+    def body(self, params, main_grads, x, layers=None):
+        assert layers is None, "the stack's layers are not stacked: no interleaving"
         for i, p in enumerate(params.stage):
             x = block(p, x, None if main_grads is None else main_grads.stage[i])
         return x, ()

@@ -40,7 +40,7 @@ def _is_slot(x) -> bool:
 
 def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]],
                 x: jax.Array, params: PyTree, main_grads: PyTree | None, *,
-                unroll: int = 1) -> tuple[jax.Array, PyTree]:
+                unroll: int = 1, rows: tuple[Any, int] | None = None) -> tuple[jax.Array, PyTree]:
     """``for i in range(n): x, aux_i = layer(params[i], main_grads[i], x)`` as a scan.
 
     Args:
@@ -48,12 +48,15 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
       x: the first layer's input (the scan carry).
       params: the layers' parameters, every leaf stacked ``[n, ...]``.
       main_grads: ``None``, or a tree shaped like ``params`` with a slot (``BucketSlot`` /
-        ``SplitSlot`` of the STACKED weight: its bucket block, its ``[n, ...]`` probe) or
-        ``None`` at each leaf.
+        ``SplitSlot`` of the STACKED weight: its bucket block, its probe ``[k, ...]`` for
+        the ``k`` layers run) or ``None`` at each leaf.
       unroll: layers per iteration of the loop (``lax.scan``'s ``unroll``); ``n``: no loop
         (straight-line code, the offsets constant; compile time grows with ``n``).
+      rows: ``(start, k)``: run only layers ``start .. start + k - 1`` (``start`` may be
+        traced: a model chunk of an interleaved stage), read from the full stacks inside
+        the loop (no copy of the chunk's weights); default: all ``n``.
     Returns:
-      ``(x after the n layers, aux stacked [n, ...])``. The threaded buckets and the
+      ``(x after the layers, aux stacked [k, ...])``. The threaded buckets and the
       split records of the slots' owners are updated as if each layer had been called.
     """
     leaves, treedef = jax.tree.flatten(params)
@@ -61,10 +64,20 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
     if any(a.shape[:1] != (n,) for a in leaves):
         raise ValueError(f"scan_layers: every parameter must be stacked [n, ...] with one n; "
                          f"got {[tuple(a.shape) for a in leaves]}")
+    start, count = (jnp.int32(0), n) if rows is None else (jnp.asarray(rows[0], jnp.int32),
+                                                            rows[1])
+    if rows is not None and not 0 < count <= n:
+        raise ValueError(f"scan_layers: rows {rows!r} outside the {n} stacked layers")
+    take = (lambda p, i: p) if rows is None else (
+        lambda p, i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, start + i, 0, False),
+                                  params))
+    xs_params = params if rows is None else None
     if main_grads is None:
-        def plain(h, p):
-            return layer(p, None, h)
-        return lax.scan(plain, x, params, unroll=min(unroll, n))
+        def plain(h, xs):
+            p, i = xs
+            return layer(take(p, i), None, h)
+        return lax.scan(plain, x, (xs_params, jnp.arange(count, dtype=jnp.int32)),
+                        unroll=min(unroll, count))
 
     slots = treedef.flatten_up_to(jax.tree.map(lambda s: s, main_grads, is_leaf=_is_slot))
     # Threaded buckets: one carry entry per (owner, bucket) a BucketSlot writes.
@@ -87,16 +100,17 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
         for k, s in enumerate(slots):
             if isinstance(s, BucketSlot):
                 size = math.prod(leaves[k].shape[1:])
-                offset = jnp.asarray(s.offset, jnp.int32) + i * jnp.int32(size)
+                offset = jnp.asarray(s.offset, jnp.int32) + (start + i) * jnp.int32(size)
                 per_layer[k] = inner.slot(threaded.index((id(s.owner), s.bucket)), offset)
         for j, (k, _) in enumerate(split):
             per_layer[k] = ws.slot(j)
-        h, aux = layer(p, jax.tree.unflatten(treedef, per_layer), h)
+        h, aux = layer(take(p, i), jax.tree.unflatten(treedef, per_layer), h)
         return (h, inner.buckets), (aux, ws.inputs, ws.outputs)
 
     bks0 = tuple(owners[o]._buckets[b] for o, b in threaded)
-    xs = (params, jnp.arange(n, dtype=jnp.int32), probes)
-    (y, bks), (aux, inputs, outputs) = lax.scan(step, (x, bks0), xs, unroll=min(unroll, n))
+    xs = (xs_params, jnp.arange(count, dtype=jnp.int32), probes)
+    (y, bks), (aux, inputs, outputs) = lax.scan(step, (x, bks0), xs,
+                                                unroll=min(unroll, count))
     for (o, b), bk in zip(threaded, bks):
         owners[o]._buckets[b] = bk
     for j, (_, s) in enumerate(split):

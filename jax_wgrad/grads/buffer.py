@@ -285,16 +285,15 @@ class GradBuffer:
             raise ValueError(f"GradBuffer.{what}: expected {len(want)} bucket(s) of shapes "
                              f"{want}, got {got}")
 
-    def _check_tree(self, tree: PyTree, what: str, parts: int = 1) -> list[jax.Array]:
+    def _check_tree(self, tree: PyTree, what: str) -> list[jax.Array]:
         leaves, treedef = jax.tree.flatten(tree)
         if treedef != self.treedef:
             raise ValueError(f"GradBuffer.{what}: tree structure {treedef} differs from the "
                              f"buffer's {self.treedef}")
-        for s, leaf in zip(self.slots, leaves):  # `parts`: a part of stacked leaves (add_tree)
-            want = (s.shape[0] // parts, *s.shape[1:]) if parts > 1 else s.shape
-            if tuple(leaf.shape) != want or (parts > 1 and s.shape[0] % parts):
+        for s, leaf in zip(self.slots, leaves):
+            if tuple(leaf.shape) != s.shape:
                 raise ValueError(f"GradBuffer.{what}: leaf {s.path} has shape "
-                                 f"{tuple(leaf.shape)}, expected {want}")
+                                 f"{tuple(leaf.shape)}, expected {s.shape}")
         return leaves
 
     def to_tree(self, buckets: Sequence[jax.Array], *, dtype: Any = None) -> PyTree:
@@ -340,8 +339,7 @@ class GradBuffer:
         return tuple(out)
 
     def add_tree(self, buckets: Sequence[jax.Array], tree: PyTree, *,
-                 where: PyTree | Sequence[bool] | None = None,
-                 part: tuple[int, int] = (0, 1)) -> Buckets:
+                 where: PyTree | Sequence[bool] | None = None) -> Buckets:
         """Adds ordinary gradients into their slices: ``bucket[slot] += leaf``; one
         :func:`jax_wgrad.ops.bucket_add` per bucket touched (an in-place custom call
         aliasing the bucket): each leaf reads and writes only its own block, so on a
@@ -354,17 +352,15 @@ class GradBuffer:
           where: optional static per-leaf flags (tree of bools or a sequence in flatten
             order); leaves flagged False are skipped (e.g. weights whose gradient the fused
             op already accumulated, or parts of the tree that are known to be zero).
-          part: static ``(k, parts)``: each leaf is rows ``[k n / parts, (k + 1) n /
-            parts)`` of its stacked ``[n, ...]`` parameter (an interleaved model chunk).
         """
         self._check_buckets(buckets, "add_tree")
-        leaves = self._check_tree(tree, "add_tree", part[1])
+        leaves = self._check_tree(tree, "add_tree")
         use = (True,) * len(leaves) if where is None else self.flag_values(where)
         per_bucket: dict[int, tuple[list[jax.Array], list[int]]] = {}
         for s, leaf, u in zip(self.slots, leaves, use):
             if u:
                 per_bucket.setdefault(s.bucket, ([], []))[0].append(leaf)
-                per_bucket[s.bucket][1].append(s.offset + part[0] * leaf.size)
+                per_bucket[s.bucket][1].append(s.offset)
         out = list(buckets)
         for i, (grads, offsets) in per_bucket.items():
             out[i] = ops.bucket_add(out[i], grads, offsets)

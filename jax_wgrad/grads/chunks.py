@@ -15,9 +15,8 @@ from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
-from jax import lax
 
-from jax_wgrad.grads.spec import CHUNKS, STACKED
+from jax_wgrad.grads.spec import CHUNKS
 
 __all__ = ["Chunks", "DeviceTree", "GradState", "Window"]
 
@@ -69,15 +68,3 @@ class Window(NamedTuple):
 
     index: Any
     count: int
-
-    def take(self, tree: DeviceTree) -> DeviceTree:
-        """The model chunk's parameters: the stacked chunks' leaves sliced to ``[n /
-        count, ...]``, the rest as it is (``tree`` itself when ``count == 1``)."""
-        if self.count == 1:
-            return tree
-
-        def rows(a):
-            size = a.shape[0] // self.count
-            return lax.dynamic_slice_in_dim(a, self.index * size, size, axis=0)
-
-        return tree.replace(**{name: jax.tree.map(rows, tree[name]) for name in STACKED})

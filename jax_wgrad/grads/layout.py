@@ -17,17 +17,15 @@ reads a spec.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax import lax
 
 from jax_wgrad.grads.buffer import GradBuffer
-from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState, Window
+from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
-from jax_wgrad.grads.spec import CHUNKS, EXPERTS, SHARED, STACKED, STAGE, GradSpec
+from jax_wgrad.grads.spec import CHUNKS, EXPERTS, SHARED, STAGE, GradSpec
 from jax_wgrad.grads.sync import AxisName
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, EXPERT_DATA_PARALLEL
 
@@ -166,22 +164,14 @@ class GradLayout:
         it (``where=`` of :meth:`GradBuffer.add_tree`)."""
         return tuple(s.added_by(role, self.fusion) for s in self.chunk_specs(name))
 
-    def add(self, state: GradState, role: str, grads: DeviceTree,
-            window: Window | None = None) -> GradState:
+    def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
         """Adds ``role``'s ordinary gradients (a :class:`DeviceTree` shaped like the
-        parameters) to their blocks, in place: the leaves :meth:`added_by` names. With a
-        ``window`` the :data:`~jax_wgrad.grads.spec.STACKED` chunks of ``grads`` are model
-        chunk ``window.index``'s rows (traced: one static-offset branch per chunk)."""
+        parameters) to their blocks, in place: the leaves :meth:`added_by` names."""
         def add(name, bks):
             where = self.added_by(name, role)
             if not any(where):
                 return bks
-            part = self.parts[name]
-            if window is None or window.count == 1 or name not in STACKED:
-                return part.add_tree(bks, grads[name], where=where)
-            branches = [functools.partial(part.add_tree, where=where, part=(k, window.count))
-                        for k in range(window.count)]
-            return lax.switch(window.index, branches, bks, grads[name])
+            return self.parts[name].add_tree(bks, grads[name], where=where)
         return state.map(add)
 
     # ---------------------------------------------------------------------------- flags

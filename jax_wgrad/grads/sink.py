@@ -155,17 +155,14 @@ class GradSink:
     # ------------------------------------------------------------------------ gradients
 
     def open(self, role: str, state: GradState | None,
-             probes: Mapping[str, jax.Array | None] | None = None,
-             window: Window | None = None) -> Tape:
+             probes: Mapping[str, jax.Array | None] | None = None) -> Tape:
         """A :class:`Tape` for one differentiated call of ``role`` (create it INSIDE the
-        function being differentiated, from that function's ``state`` and ``probes``) on
-        the parameters of model chunk ``window`` (``None``: the whole stage)."""
-        return Tape(self, role, state, probes, window)
+        function being differentiated, from that function's ``state`` and ``probes``)."""
+        return Tape(self, role, state, probes)
 
-    def add(self, state: GradState, role: str, grads: DeviceTree,
-            window: Window | None = None) -> GradState:
+    def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
         """``role``'s ordinary gradients into their blocks (:meth:`GradLayout.add`)."""
-        return self.layout.add(state, role, grads, window)
+        return self.layout.add(state, role, grads)
 
     def accumulate(self, state: GradState, entry: SinkEntry, x: jax.Array,
                    dy: jax.Array, window: Window | None = None) -> GradState:
@@ -211,7 +208,7 @@ class Tape:
     """
 
     def __init__(self, sink: GradSink, role: str, state: GradState | None,
-                 probes: Mapping[str, jax.Array | None] | None, window: Window | None = None):
+                 probes: Mapping[str, jax.Array | None] | None):
         self._state = state
         self._probed = sink.probed(role)
         if state is None:
@@ -227,7 +224,7 @@ class Tape:
                 return None
             if entry.probed:
                 return self._ws.slot(index[entry.name])
-            return self._wb[entry.chunk].slot(entry.bucket, entry.offset_in(window))
+            return self._wb[entry.chunk].slot(entry.bucket, entry.offset)
 
         self.main_grads = jax.tree.unflatten(sink.layout.buffer.treedef,
                                              [slot(e) for e in sink._leaf_entries])

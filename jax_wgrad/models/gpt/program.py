@@ -14,7 +14,7 @@ from jax import lax
 from jax_wgrad.functional.cross_entropy import recompute_dy
 from jax_wgrad.functional.moe import MoEStats
 from jax_wgrad.functional.stacked import scan_layers
-from jax_wgrad.grads.chunks import DeviceTree
+from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.params import (
     abstract_modules,
@@ -146,8 +146,10 @@ class GPTProgram:
         emb = nnx.merge(self._emb_def, from_forward_order(params.shared["embedding"]))
         return emb(batch[:, :-1]), ()
 
-    def body(self, params: DeviceTree, main_grads: DeviceTree | None, x: jax.Array):
-        """This stage's ``L / P`` layers in order, as one ``lax.scan`` over its periods of
+    def body(self, params: DeviceTree, main_grads: DeviceTree | None, x: jax.Array,
+             layers: Window | None = None):
+        """This stage's ``L / P`` layers in order (with ``layers``: model chunk
+        ``layers.index``'s ``L / (P V)`` of them), as one ``lax.scan`` over its periods of
         layers (:func:`~jax_wgrad.functional.scan_layers`; compile time flat in the
         depth): ``(y, MoE statistics summed over its MoE layers)`` (``()`` for a dense
         model). ``main_grads``: slots of the stacked weights (the linears' weights; an MoE
@@ -155,9 +157,13 @@ class GPTProgram:
         stacked = {"stage": params.stage, "experts": params.experts}
         grads = None if main_grads is None else {"stage": main_grads.stage,
                                                  "experts": main_grads.experts}
+        rows = None
+        if layers is not None and layers.count > 1:
+            per_chunk = jax.tree.leaves(params.stage)[0].shape[0] // layers.count
+            rows = (layers.index * per_chunk, per_chunk)
         with jax.named_scope("transformer_layers"):
             y, stats = scan_layers(self._period, x, stacked, grads,
-                                   unroll=self.model.layer_scan_unroll)
+                                   unroll=self.model.layer_scan_unroll, rows=rows)
         if not self.moe:
             return y, ()
         return y, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)

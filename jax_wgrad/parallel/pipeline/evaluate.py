@@ -68,7 +68,7 @@ def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> ja
 
         def forward(x_recv):
             x = lax.cond(stage == 0, first_input, lambda: x_recv)
-            y, _ = program.body(Window(v, nv).take(params), None, x)
+            y, _ = program.body(params, None, x, layers=Window(v, nv) if nv > 1 else None)
             loss = zero() if spread else lax.cond((stage == pp - 1) & (v == nv - 1),
                                                   lambda: post(y, f), zero)
             return y, loss

@@ -141,7 +141,7 @@ class _StageRun(EndsMixin):
         self.fused = sink.layout.fusion
         zeros = sink.layout.zeros() if self.fused else None
         # Probed linears' inputs/outputs and aux: shapes learned by tracing, once.
-        chunk0 = (self._chunk_params(jnp.int32(0)), zeros)
+        chunk0 = (params, zeros)
         self.body_trace = jax.eval_shape(self._body_fn, (*chunk0, None, jnp.int32(0)),
                                          self.act)[1]
         self.post_trace = jax.eval_shape(self._post_fn, params, zeros, None, self.act,
@@ -160,15 +160,13 @@ class _StageRun(EndsMixin):
     def _window(self, v) -> Window | None:
         return Window(v, self.v) if self.v > 1 else None
 
-    def _chunk_params(self, v) -> DeviceTree:
-        return Window(v, self.v).take(self.params)
-
     def _body_fn(self, live, x):
-        # ((chunk params, grads, probes, chunk), x) -> ((y, grads), (recorded inputs,
-        # outputs, aux)); probes None: records only (traced once for the shapes).
+        # ((params, grads, probes, chunk), x) -> ((y, grads), (recorded inputs, outputs,
+        # aux)) of model chunk `chunk`'s layers; probes None: records only (traced once for
+        # the shapes).
         params, grads, probes, v = live
-        tape = self.sink.open(LAYERS, grads, probes, self._window(v))
-        y, aux = self.program.body(params, tape.main_grads, x)
+        tape = self.sink.open(LAYERS, grads, probes)
+        y, aux = self.program.body(params, tape.main_grads, x, layers=self._window(v))
         grads, inputs, outputs = tape.close()
         return (y, grads), (inputs, outputs, aux)
 
@@ -273,9 +271,9 @@ class _StageRun(EndsMixin):
         return lax.dynamic_index_in_dim(self.micro, jnp.clip(i, 0, self.m - 1), 0, False)
 
     def _live(self, c: PipelineCarry, v):
-        """What the differentiated body reads that is not stored: chunk ``v``'s
-        parameters, the threaded buckets, the probes, the chunk."""
-        return (self._chunk_params(v), self._threaded(c), self.body_probes, v)
+        """What the differentiated body reads that is not stored: the parameters, the
+        threaded buckets, the probes, the model chunk."""
+        return (self.params, self._threaded(c), self.body_probes, v)
 
     def forward(self, c: PipelineCarry, f, v, x_pre):
         batch = self._batch(f)
@@ -303,8 +301,7 @@ class _StageRun(EndsMixin):
         live = self._live(c, v)
         pullback = self.store.pullback(c.residuals, self.res_slot[self.stage, v, b], live)
         (dparams, grads, dys, _), dx = pullback((dy, live[1]))
-        grads = self.sink.add(c.grads if grads is None else grads, LAYERS, dparams,
-                              self._window(v))
+        grads = self.sink.add(c.grads if grads is None else grads, LAYERS, dparams)
         wstash = dict(c.wstash)
         for name, d in dys.items():
             wstash[name] = wstash[name]._replace(

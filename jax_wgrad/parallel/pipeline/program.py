@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from jax_wgrad.grads.chunks import DeviceTree
+from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.pipeline.setup import StageSetup
 
@@ -60,9 +60,14 @@ class StageProgram(Protocol):
             batch: jax.Array) -> tuple[jax.Array, PyTree]:
         """First stage: one microbatch ``[mb, ...]`` -> ``([mb, s(/tp), H], aux)``."""
 
-    def body(self, params: DeviceTree, main_grads: DeviceTree | None,
-             x: jax.Array) -> tuple[jax.Array, PyTree]:
-        """Every stage: ``[mb, s(/tp), H]`` -> ``(same shape, aux)``."""
+    def body(self, params: DeviceTree, main_grads: DeviceTree | None, x: jax.Array,
+             layers: Window | None = None) -> tuple[jax.Array, PyTree]:
+        """Every stage: ``[mb, s(/tp), H]`` -> ``(same shape, aux)``; with ``layers``
+        (interleaved schedules, ``V > 1``) only model chunk ``layers.index``'s layers: rows
+        ``[index n / V, (index + 1) n / V)`` of the stacked chunks' leaves
+        (:data:`~jax_wgrad.grads.spec.STACKED`), read in place from the full stacks (their
+        ``main_grads`` slots are the full stacks' blocks, their split probes ``[n / V, ...]``).
+        A program that does not stack its layers runs only ``layers=None``."""
 
     def post(self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array,
              batch: jax.Array) -> tuple[jax.Array, PyTree]:
