@@ -86,11 +86,13 @@ def test_mixtral_shaped_model_equals_single_device_reference(ep, tp, pp, schedul
     _check_gradients(ep, tp, pp, True, 2, arch=MIXTRAL, pipeline_schedule=schedule)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
-def test_interleaved_moe_equals_single_device_reference(schedule):
-    """V = 2 model chunks of one dense and one MoE layer each (moe_layer_freq 2)."""
+@pytest.mark.parametrize("schedule, vocab", [
+    ("1f1b", False), pytest.param("zb-h1", True, marks=pytest.mark.slow)])
+def test_interleaved_moe_equals_single_device_reference(schedule, vocab):
+    """V = 2 model chunks of one dense and one MoE layer each (moe_layer_freq 2); with the
+    split backward also the vocabulary over the pipeline."""
     _check_gradients(2, 1, 2, True, 2, arch=dict(num_layers=8), pipeline_schedule=schedule,
-                     virtual_pipeline_model_parallel_size=2)
+                     virtual_pipeline_model_parallel_size=2, vocab_parallel_over_pipeline=vocab)
 
 
 def _check_gradients(ep, tp, pp, fusion, freq, arch=None, **par_kw):
