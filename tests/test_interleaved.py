@@ -200,9 +200,9 @@ def test_example_loss_curves_equal_1f1b(curves):
 @pytest.mark.parametrize("saved, flags", [
     ("1f1b", RUNS["interleaved"]),
     ("interleaved", []),
-    ("interleaved", ["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size",
-                     "1"]),
-    ("interleaved", RUNS["vocab"]),
+    pytest.param("interleaved", ["--pipeline-model-parallel-size", "4",
+                                 "--tensor-model-parallel-size", "1"], marks=pytest.mark.slow),
+    pytest.param("interleaved", RUNS["vocab"], marks=pytest.mark.slow),
 ], ids=["v1-to-v2", "v2-to-v1", "v2-to-tp1pp4", "v2-to-vocab-over-pipeline"])
 def test_checkpoints_resume_across_virtual_stages(example, curves, saved, flags):
     d, fused, out = curves
