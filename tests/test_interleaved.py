@@ -267,3 +267,27 @@ def test_compiled_ring_edge_is_its_own_acyclic_permute():
     assert [(0, 1), (1, 2), (2, 3)] in pairs and [(1, 0), (2, 1), (3, 2)] in pairs
     for p in pairs:  # none closes a cycle
         assert len({s for s, _ in p} | {t for _, t in p}) > len(p), p
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--virtual-pipeline-model-parallel-size",
+      "2"], "--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size "
+            "cannot be set at the same time"),
+    (["--num-layers-per-virtual-pipeline-stage", "3"],
+     r"number of layers per pipeline stage \(2\) must be divisible by number of layers per "
+     r"virtual pipeline stage \(3\)"),
+    (["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
+     r"number of microbatches \(1\) is not divisible by pipeline-model-parallel-size \(2\) "
+     "when using interleaved schedule"),
+    (["--pipeline-model-parallel-size", "1", "--tensor-model-parallel-size", "2",
+      "--vocab-parallel-over-pipeline"], "--vocab-parallel-over-pipeline needs pipeline "
+                                         "parallelism"),
+], ids=["both-flags", "not-divisible", "microbatches", "vocab-without-pipeline"])
+def test_example_flags_fail_loudly(example, capsys, argv, message):
+    import re
+
+    with pytest.raises(SystemExit) as exc:
+        example.main(SMALL + argv + ["--train-iters", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert re.search(message, err), err
