@@ -28,7 +28,8 @@ import numpy as np
 
 from jax_wgrad.parallel.pipeline.schedules import IDLE, ScheduleTable
 
-__all__ = ["interleaved_order", "interleaved_schedule", "virtual_microbatches"]
+__all__ = ["interleaved_order", "interleaved_schedule", "virtual_microbatches",
+           "warmup_count"]
 
 
 def virtual_microbatches(num_microbatches: int, num_chunks: int,
@@ -42,12 +43,20 @@ def virtual_microbatches(num_microbatches: int, num_chunks: int,
     return out
 
 
+def warmup_count(stage: int, num_stages: int, num_microbatches: int, num_chunks: int,
+                 group_size: int) -> int:
+    """Megatron's warm-up forwards on ``stage``: ``(P - s - 1) * 2 + (V - 1) * G``, at most
+    ``M V``; the stage then holds at most one more microbatch-chunk."""
+    return min((num_stages - stage - 1) * 2 + (num_chunks - 1) * group_size,
+               num_microbatches * num_chunks)
+
+
 def interleaved_order(stage: int, num_stages: int, num_microbatches: int, num_chunks: int,
                       group_size: int) -> list[tuple[str, int, int]]:
     """Stage ``stage``'s ``("F" | "B", microbatch, chunk)`` tasks in Megatron's order."""
     table = virtual_microbatches(num_microbatches, num_chunks, group_size)
     total = len(table)
-    warmup = min((num_stages - stage - 1) * 2 + (num_chunks - 1) * group_size, total)
+    warmup = warmup_count(stage, num_stages, num_microbatches, num_chunks, group_size)
     fwd = [("F", m, v) for m, v in table]
     bwd = [("B", m, num_chunks - 1 - v) for m, v in table]
     order = fwd[:warmup]
@@ -82,7 +91,7 @@ def interleaved_schedule(num_stages: int, num_microbatches: int, num_chunks: int
         raise ValueError(f"microbatch_group_size_per_vp_stage ({group_size}) must be at "
                          f"least pipeline-model-parallel-size ({p})")
     orders = [interleaved_order(s, p, m, v, group_size) for s in range(p)]
-    bound = [min((p - s - 1) * 2 + (v - 1) * group_size, m * v) + 1 for s in range(p)]
+    bound = [warmup_count(s, p, m, v, group_size) + 1 for s in range(p)]
     rows = _run_orders(orders, p, m, v, split_backward, bound)
     tables = {k: np.full((len(rows), p), IDLE) for k in "FBW"}
     chunks = {k: np.zeros((len(rows), p), np.int32) for k in "FBW"}
