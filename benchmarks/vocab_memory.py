@@ -31,6 +31,7 @@ def measure(vocab_over_pipeline: bool, dist: bool) -> dict:
 
     from jax_wgrad import DDPConfig, GPTConfig, ParallelConfig, TrainPlan, default_optimizer
     from jax_wgrad import make_mesh
+    from jax_wgrad.parallel.mesh import DATA_PARALLEL
     from jax_wgrad.aot.compile import abstract_train_state
     from jax_wgrad.training.step import build_train_step
 
@@ -52,7 +53,7 @@ def measure(vocab_over_pipeline: bool, dist: bool) -> dict:
     step = build_train_step(plan, state)
     tokens = jax.ShapeDtypeStruct((4, MODEL["seq_length"] + 1), np.int32,
                                   sharding=jax.sharding.NamedSharding(
-                                      plan.mesh, jax.sharding.PartitionSpec(("data", "expert"))))
+                                      plan.mesh, jax.sharding.PartitionSpec(DATA_PARALLEL)))
     mem = step.lower(state, tokens).compile().memory_analysis()
     grads = sum(n * 4 for n in plan.sink.layout.buffer.bucket_numels)
     return {"vocab_parallel_over_pipeline": vocab_over_pipeline, "distributed_optimizer": dist,

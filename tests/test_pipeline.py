@@ -410,3 +410,11 @@ def test_vocab_over_pipeline_shards_and_checks():
         validate(par, dataclasses.replace(cfg, vocab_size=60))
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
         ParallelConfig(vocab_parallel_over_pipeline=True, world_size=1)
+
+
+@pytest.mark.slow
+def test_interleaved_with_a_microbatch_group_size_equals_jax_grad():
+    # M = 3 is not a multiple of P = 2: allowed with Megatron's group size (G = 2)
+    _assert_equal_grads(*_check_gradients(
+        2, 2, 2, sp=True, fusion=True, m=3, arch=dict(num_layers=4),
+        virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=2))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_wgrad.parallel.pipeline.schedules import IDLE, ScheduleTable
+from jax_wgrad.parallel.pipeline.schedules import IDLE, ScheduleTable, source_of
 
 __all__ = ["interleaved_order", "interleaved_schedule", "virtual_microbatches",
            "warmup_count"]
@@ -149,10 +149,9 @@ def _run_orders(orders, p: int, m: int, v: int, split_backward: bool, bound: lis
 
 def _ready(task, s: int, done, p: int, v: int, t: int) -> bool:
     kind, mb, chunk = task
-    step = -1 if kind == "F" else 1
-    virtual = chunk * p + s + step
-    if 0 <= virtual < p * v:
-        return 0 <= done[kind][virtual % p, virtual // p, mb] < t
+    src = source_of(kind, s, chunk, p, v)
+    if src is not None:
+        return 0 <= done[kind][src[0], src[1], mb] < t
     if kind == "B":  # the last virtual stage: its own F ran the loss
         return 0 <= done["F"][s, chunk, mb] < t
     return True

@@ -35,8 +35,8 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["IDLE", "ScheduleTable", "list_schedule", "one_f_one_b", "zb_h1", "SCHEDULES",
-           "get_schedule"]
+__all__ = ["IDLE", "ScheduleTable", "list_schedule", "source_of", "one_f_one_b", "zb_h1",
+           "SCHEDULES", "get_schedule"]
 
 IDLE = -1
 """Table entry of a stage that has no such task in a tick."""
@@ -118,14 +118,8 @@ class ScheduleTable:
         """``(stage, chunk)`` whose ``task`` sends ``(stage, chunk)``'s input for ``task``
         (``F``: the activation, ``B``: the gradient), or ``None`` for the first virtual
         stage's ``F`` (its ``pre``) and the last virtual stage's ``B`` (its own ``F`` ran
-        the loss). Virtual stage ``v P + s`` follows ``v P + s - 1``: the ring edge takes
-        the last stage's chunk ``v`` to the first stage's chunk ``v + 1``."""
-        p, v = self.num_stages, self.num_chunks
-        step = -1 if task == "F" else 1
-        virtual = chunk * p + stage + step
-        if not 0 <= virtual < p * v:
-            return None
-        return virtual % p, virtual // p
+        the loss) (:func:`source_of`)."""
+        return source_of(task, stage, chunk, self.num_stages, self.num_chunks)
 
     # -------------------------------------------------------------------------- facts
 
@@ -267,6 +261,18 @@ class ScheduleTable:
         if src is not None and (b <= self.ticks("B", *src)).any():
             raise ValueError(f"schedule {self.name!r}: {where} runs B before its "
                              "gradient arrives from the next stage")
+
+
+def source_of(task: Task, stage: int, chunk: int, num_stages: int,
+              num_chunks: int) -> tuple[int, int] | None:
+    """The one rule of who feeds whom: virtual stage ``v P + s`` follows ``v P + s - 1``
+    (the ring edge takes the last stage's chunk ``v`` to the first stage's chunk
+    ``v + 1``); ``(stage, chunk)`` whose ``task`` sends this one's input, or ``None`` at
+    the ends (:meth:`ScheduleTable.source`)."""
+    virtual = chunk * num_stages + stage + (-1 if task == "F" else 1)
+    if not 0 <= virtual < num_stages * num_chunks:
+        return None
+    return virtual % num_stages, virtual // num_stages
 
 
 def list_schedule(name: str, num_stages: int, num_microbatches: int, *,
