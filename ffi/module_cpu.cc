@@ -7,6 +7,8 @@
 extern "C" XLA_FFI_Error* WgradAccumulateCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* WgradAccumulateAtCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BucketAddCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* RaggedMatmulCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* RaggedWgradAccumulateCpu(XLA_FFI_CallFrame* call_frame);
 
 namespace py = pybind11;
 
@@ -19,9 +21,15 @@ PYBIND11_MODULE(_wgrad_ffi_cpu, m) {
     d["jax_wgrad_wgrad_accumulate_at"] =
         py::capsule(reinterpret_cast<void*>(&WgradAccumulateAtCpu));
     d["jax_wgrad_bucket_add"] = py::capsule(reinterpret_cast<void*>(&BucketAddCpu));
+    d["jax_wgrad_ragged_matmul"] = py::capsule(reinterpret_cast<void*>(&RaggedMatmulCpu));
+    d["jax_wgrad_ragged_wgrad_accumulate"] =
+        py::capsule(reinterpret_cast<void*>(&RaggedWgradAccumulateCpu));
     return d;
   });
   jax_wgrad::DefineHandlerFacts(m, {{"jax_wgrad_wgrad_accumulate", &WgradAccumulateCpu},
                                     {"jax_wgrad_wgrad_accumulate_at", &WgradAccumulateAtCpu},
-                                    {"jax_wgrad_bucket_add", &BucketAddCpu}});
+                                    {"jax_wgrad_bucket_add", &BucketAddCpu},
+                                    {"jax_wgrad_ragged_matmul", &RaggedMatmulCpu},
+                                    {"jax_wgrad_ragged_wgrad_accumulate",
+                                     &RaggedWgradAccumulateCpu}});
 }

@@ -8,6 +8,8 @@ extern "C" XLA_FFI_Error* WgradAccumulateCudaInitialize(XLA_FFI_CallFrame* call_
 extern "C" XLA_FFI_Error* WgradAccumulateCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* WgradAccumulateAtCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BucketAddCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* RaggedMatmulCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* RaggedWgradAccumulateCuda(XLA_FFI_CallFrame* call_frame);
 
 namespace py = pybind11;
 
@@ -20,7 +22,7 @@ py::capsule Capsule(XLA_FFI_Handler* handler) {
 }  // namespace
 
 PYBIND11_MODULE(_wgrad_ffi_cuda, m) {
-  m.doc() = "jax_wgrad CUDA FFI handlers (cuBLAS)";
+  m.doc() = "jax_wgrad CUDA FFI handlers (cuBLAS, and own kernels for the ragged GEMMs)";
   m.def("registrations", []() {
     py::dict d;
     // Handler bundles: the initialize stage creates the device's cuBLAS handle before
@@ -35,9 +37,15 @@ PYBIND11_MODULE(_wgrad_ffi_cuda, m) {
     d["jax_wgrad_wgrad_accumulate"] = bundle(&WgradAccumulateCuda);
     d["jax_wgrad_wgrad_accumulate_at"] = bundle(&WgradAccumulateAtCuda);
     d["jax_wgrad_bucket_add"] = Capsule(&BucketAddCuda);
+    // The ragged grouped GEMMs are kernels of their own (no cuBLAS handle): execute only.
+    d["jax_wgrad_ragged_matmul"] = Capsule(&RaggedMatmulCuda);
+    d["jax_wgrad_ragged_wgrad_accumulate"] = Capsule(&RaggedWgradAccumulateCuda);
     return d;
   });
   jax_wgrad::DefineHandlerFacts(m, {{"jax_wgrad_wgrad_accumulate", &WgradAccumulateCuda},
                                     {"jax_wgrad_wgrad_accumulate_at", &WgradAccumulateAtCuda},
-                                    {"jax_wgrad_bucket_add", &BucketAddCuda}});
+                                    {"jax_wgrad_bucket_add", &BucketAddCuda},
+                                    {"jax_wgrad_ragged_matmul", &RaggedMatmulCuda},
+                                    {"jax_wgrad_ragged_wgrad_accumulate",
+                                     &RaggedWgradAccumulateCuda}});
 }

@@ -9,118 +9,22 @@
 // The `precision` attribute is validated and otherwise ignored: like XLA:CPU, which
 // computes float32 dots in float32 at every jax.lax.Precision, this handler always does.
 //
-// Threads: OpenBLAS is used single-threaded (its own thread server, next to XLA's
-// intra-op pool on the same cores, made the fused train step up to 10x slower on a
-// loaded 2-core machine: notes/issue17_cpu_perf.md). Instead each GEMM's output block is
-// split into tiles (row or column ranges of main_grad, each its own sgemm) that run on
-// the calling thread and on XLA's intra-op pool (parallel_cpu.h), as XLA's own dots do;
-// a GEMM too small to amortize a task runs on the calling thread alone.
+// Threads and tiles: gemm_cpu.h.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cblas.h"  // scipy-openblas32: scipy_cblas_* symbols
 #include "common.h"
-#include "convert_cpu.h"
-#include "parallel_cpu.h"
+#include "gemm_cpu.h"
 #include "wgrad_accumulate.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_wgrad {
 namespace {
-
-constexpr int64_t kTokenBlock = 512;      // tokens converted to f32 per GEMM
-constexpr double kMinTileFlops = 8.0e6;   // smallest GEMM tile worth a pool task
-constexpr int64_t kTilesPerThread = 1;    // tiles per thread (2 measured slower)
-constexpr int64_t kTileAlign = 16;        // tile boundaries: multiples of 16 elements
-constexpr int64_t kMinConvertPart = 1 << 16;  // elements per parallel conversion part
-
-// OpenBLAS's own threads off, once per process (the library is scipy-openblas32's copy,
-// loaded for this extension; numpy and scipy use their own).
-void UseSingleThreadedBlas() {
-  static const bool done = [] {
-    scipy_openblas_set_num_threads(1);
-    return true;
-  }();
-  (void)done;
-}
-
-// --- plain compute: C[out, in] += dy[T, out]^T @ x[T, in], all f32 ---------------------
-// One GEMM of a call: x [tokens, in], dy [tokens, out], C [out, in], all row-major.
-struct Gemm {
-  const float* x;
-  const float* dy;
-  float* c;
-  int64_t tokens, in, out;
-};
-
-// Tile t of `tiles` of the GEMM: a range of rows (out) or columns (in) of C, whichever
-// dimension is larger, and its own sgemm over all tokens. Tiles never overlap, and each
-// element is summed over the tokens in the same order as by one whole-block sgemm.
-void GemmTile(const Gemm& g, int64_t tiles, int64_t t) {
-  int64_t o0 = 0, o1 = g.out, i0 = 0, i1 = g.in;
-  if (g.out >= g.in) {
-    std::tie(o0, o1) = SplitRange(g.out, tiles, t, kTileAlign);
-  } else {
-    std::tie(i0, i1) = SplitRange(g.in, tiles, t, kTileAlign);
-  }
-  if (o0 >= o1 || i0 >= i1) return;
-  scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<blasint>(o1 - o0),
-                    static_cast<blasint>(i1 - i0), static_cast<blasint>(g.tokens), 1.0f,
-                    g.dy + o0, static_cast<blasint>(g.out), g.x + i0,
-                    static_cast<blasint>(g.in), 1.0f, g.c + o0 * g.in + i0,
-                    static_cast<blasint>(g.in));
-}
-
-// Tiles per GEMM for `count` GEMMs of this size run together: enough items to keep
-// `width` threads busy, none smaller than kMinTileFlops, at most one per 16 rows/columns.
-int64_t TilesPerGemm(int64_t count, int64_t tokens, int64_t in, int64_t out,
-                     int64_t width) {
-  const double flops = 2.0 * static_cast<double>(tokens) * static_cast<double>(in) *
-                       static_cast<double>(out) * static_cast<double>(count);
-  const double by_size = std::max(1.0, flops / kMinTileFlops);
-  const int64_t items = static_cast<int64_t>(
-      std::min(by_size, static_cast<double>(width * kTilesPerThread)));
-  const int64_t dim = std::max(in, out);
-  const int64_t max_tiles = (dim + kTileAlign - 1) / kTileAlign;
-  return std::clamp<int64_t>((items + count - 1) / count, 1, max_tiles);
-}
-
-// Runs `count` GEMMs (gemm(i) describes the i-th) split into tiles on the pool.
-template <typename GemmAt>
-void RunGemms(ffi::ThreadPool* pool, int64_t count, const Gemm& shape, GemmAt gemm) {
-  const int64_t width = ParallelWidth(pool);
-  const int64_t tiles = width == 1 ? 1 : TilesPerGemm(count, shape.tokens, shape.in,
-                                                     shape.out, width);
-  ParallelFor(pool, count * tiles, width - 1,
-              [&](int64_t item) { GemmTile(gemm(item / tiles), tiles, item % tiles); });
-}
-
-// convert(begin, end) over [0, n), in parts on the pool when n is large.
-template <typename Convert>
-void ParallelConvert(ffi::ThreadPool* pool, int64_t n, Convert convert) {
-  const int64_t width = ParallelWidth(pool);
-  const int64_t parts = std::clamp<int64_t>(n / kMinConvertPart, 1, width);
-  ParallelFor(pool, parts, width - 1, [&](int64_t p) {
-    auto [b, e] = SplitRange(n, parts, p, kTileAlign);
-    convert(b, e);
-  });
-}
-
-// dst[0, n) = float(src[0, n)).
-template <typename T>
-void ParallelWiden(ffi::ThreadPool* pool, const T* src, float* dst, int64_t n) {
-  ParallelConvert(pool, n, [&](int64_t b, int64_t e) { Widen(src + b, dst + b, e - b); });
-}
-
-// dst[0, n) = T(src[0, n)), rounded to nearest even.
-template <typename T>
-void ParallelNarrow(ffi::ThreadPool* pool, const float* src, T* dst, int64_t n) {
-  ParallelConvert(pool, n, [&](int64_t b, int64_t e) { Narrow(src + b, dst + b, e - b); });
-}
 
 // --- typed implementations ----------------------------------------------------------
 // f32 inputs, f32 accumulator: every (batch element, group) GEMM's tiles in one parallel
@@ -135,31 +39,14 @@ void ImplF32(ffi::ThreadPool* pool, const WgradDims& d, const float* x, const fl
   });
 }
 
-// 16-bit inputs of GEMM `i` into an f32 accumulator `c`: widen kTokenBlock tokens at a
-// time (in parallel), then the block's GEMM tiles (in parallel).
-template <typename In>
-void ImplWidenInputs(ffi::ThreadPool* pool, const WgradDims& d, const In* x, const In* dy,
-                     float* c, int64_t i, std::vector<float>& xs, std::vector<float>& gs) {
-  const int64_t block = std::min<int64_t>(kTokenBlock, d.tokens);
-  xs.resize(block * d.in);
-  gs.resize(block * d.out);
-  const In* xb = x + i * d.tokens * d.in;
-  const In* gb = dy + i * d.tokens * d.out;
-  for (int64_t t0 = 0; t0 < d.tokens; t0 += block) {
-    const int64_t tb = std::min(block, d.tokens - t0);
-    ParallelWiden(pool, xb + t0 * d.in, xs.data(), tb * d.in);
-    ParallelWiden(pool, gb + t0 * d.out, gs.data(), tb * d.out);
-    const Gemm gemm{xs.data(), gs.data(), c, tb, d.in, d.out};
-    RunGemms(pool, 1, gemm, [&](int64_t) { return gemm; });
-  }
-}
-
+// 16-bit inputs into an f32 accumulator, GEMM by GEMM (gemm_cpu.h: AccumulateWidened).
 template <typename In>
 void ImplF32Acc(ffi::ThreadPool* pool, const WgradDims& d, const In* x, const In* dy,
                 float* c) {
   std::vector<float> xs, gs;
   for (int64_t i = 0; i < d.batch * d.groups; ++i) {
-    ImplWidenInputs(pool, d, x, dy, c + d.AccOffset(i / d.groups, i % d.groups), i, xs, gs);
+    AccumulateWidened(pool, x + i * d.tokens * d.in, dy + i * d.tokens * d.out, d.tokens,
+                      d.in, d.out, c + d.AccOffset(i / d.groups, i % d.groups), xs, gs);
   }
 }
 
@@ -167,35 +54,32 @@ void ImplF32Acc(ffi::ThreadPool* pool, const WgradDims& d, const In* x, const In
 template <typename In>
 void ImplLowAcc(ffi::ThreadPool* pool, const WgradDims& d, const In* x, const In* dy,
                 In* c) {
-  std::vector<float> c32(d.out * d.in), xs, gs;
+  std::vector<float> c32, xs, gs;
   for (int64_t i = 0; i < d.batch * d.groups; ++i) {
     In* block = c + d.AccOffset(i / d.groups, i % d.groups);
-    ParallelWiden(pool, block, c32.data(), d.out * d.in);
-    ImplWidenInputs(pool, d, x, dy, c32.data(), i, xs, gs);
-    ParallelNarrow(pool, c32.data(), block, d.out * d.in);
+    AccumulateInF32(pool, block, d.out * d.in, c32, [&](float* c32p) {
+      AccumulateWidened(pool, x + i * d.tokens * d.in, dy + i * d.tokens * d.out, d.tokens,
+                        d.in, d.out, c32p, xs, gs);
+    });
   }
 }
 
 // --- dtype dispatch -------------------------------------------------------------------
 ffi::Error Dispatch(ffi::ThreadPool* pool, const WgradDims& d, ffi::DataType in_t,
                     ffi::DataType acc_t, const void* x, const void* dy, void* c) {
-  using DT = ffi::DataType;
-  if (in_t == DT::F32) {
-    ImplF32(pool, d, static_cast<const float*>(x), static_cast<const float*>(dy),
-            static_cast<float*>(c));
-  } else if (in_t == DT::BF16 && acc_t == DT::F32) {
-    ImplF32Acc(pool, d, static_cast<const Bf16*>(x), static_cast<const Bf16*>(dy),
-               static_cast<float*>(c));
-  } else if (in_t == DT::F16 && acc_t == DT::F32) {
-    ImplF32Acc(pool, d, static_cast<const F16*>(x), static_cast<const F16*>(dy),
-               static_cast<float*>(c));
-  } else if (in_t == DT::BF16) {
-    ImplLowAcc(pool, d, static_cast<const Bf16*>(x), static_cast<const Bf16*>(dy),
-               static_cast<Bf16*>(c));
-  } else {
-    ImplLowAcc(pool, d, static_cast<const F16*>(x), static_cast<const F16*>(dy),
-               static_cast<F16*>(c));
-  }
+  DispatchInputsAndAcc(in_t, acc_t, [&](auto in_tag, auto acc_tag) {
+    using In = typename decltype(in_tag)::type;
+    using Acc = typename decltype(acc_tag)::type;
+    const auto* xt = static_cast<const In*>(x);
+    const auto* gt = static_cast<const In*>(dy);
+    if constexpr (std::is_same_v<In, float>) {
+      ImplF32(pool, d, xt, gt, static_cast<float*>(c));
+    } else if constexpr (std::is_same_v<Acc, float>) {
+      ImplF32Acc(pool, d, xt, gt, static_cast<float*>(c));
+    } else {
+      ImplLowAcc(pool, d, xt, gt, static_cast<In*>(c));
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -57,3 +57,13 @@ def test_wgrad_kernel_prints_rows(capsys):
 def test_wgrad_kernel_bad_case():
     with pytest.raises(SystemExit):
         _load("wgrad_kernel").main(["--cases", "4x16"])
+
+
+@pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
+def test_ragged_gemm_prints_rows(capsys):
+    _load("ragged_gemm").main(["--rows", "64", "--hidden", "16", "--ffn", "8", "--groups",
+                               "4", "--fractions", "1", "0.25", "--dtypes", "bfloat16",
+                               "--warmup", "0", "--iters", "1", "--json"])
+    rows = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+    assert [r["routed"] for r in rows] == [1.0, 0.25]
+    assert all(r["fwd_fused_ms"] > 0 and r["wgrad_ratio"] > 0 for r in rows)

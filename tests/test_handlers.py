@@ -36,7 +36,8 @@ def test_built_handlers_declare_the_oldest_supported_api():
                         "JAX_WGRAD_ALLOW_NEWER_FFI_API=ON (they load into that jax and newer)")
         metadata = registry.handler_metadata(platform)
         assert set(metadata) == {registry.TARGET, registry.TARGET_AT,
-                                 registry.BUCKET_ADD_TARGET}
+                                 registry.BUCKET_ADD_TARGET, registry.RAGGED_MATMUL_TARGET,
+                                 registry.RAGGED_WGRAD_TARGET}, platform
         for name, meta in metadata.items():
             assert tuple(meta["api_version"]) <= registry.OLDEST_SUPPORTED_FFI_API, (
                 platform, name, meta)
@@ -173,6 +174,8 @@ def test_out_of_memory_is_not_remembered(fresh_status, monkeypatch):
 @pytest.mark.parametrize("broken,case", [
     ("grouped_wgrad_accumulate", "grouped experts into a bucket"),
     ("bucket_add", "bucket_add of several blocks"),
+    ("ragged_matmul", "ragged_matmul float32 transpose_rhs=1"),
+    ("ragged_wgrad_accumulate", "ragged_wgrad_accumulate float32"),
 ])
 def test_probe_checks_every_kernel_variant(fresh_status, monkeypatch, broken, case):
     monkeypatch.setattr(ops, broken, lambda *args, **kwargs: args[2] if broken ==
@@ -187,7 +190,11 @@ def test_probe_cases_cover_the_variants():
         "bfloat16 into bfloat16", "float16 into float32", "float16 into float16",
         "offset block of a flat bucket", "grouped experts into a bucket",
         "traced offset block of a flat bucket", "grouped experts at a traced, clamped offset",
-        "bucket_add of several blocks"]
+        "bucket_add of several blocks", "ragged_matmul float32 transpose_rhs=1",
+        "ragged_matmul bfloat16 transpose_rhs=0", "ragged_wgrad_accumulate float32",
+        "ragged_wgrad_accumulate bfloat16 into bfloat16",
+        "ragged_wgrad_accumulate float16 into a bucket",
+        "ragged_wgrad_accumulate at a traced, clamped offset"]
 
 
 # ---- 4. CUDA architectures; 5. command buffers ------------------------------------------

@@ -5,6 +5,9 @@
   clamped like ``lax.dynamic_update_slice``).
 * :func:`grouped_wgrad_accumulate`: the same for expert weights ``[E, out, in]``, all
   experts in one call (one strided-batched GEMM on a GPU), into a bucket or an array.
+* :func:`ragged_matmul` / :func:`ragged_wgrad_accumulate`: the expert GEMMs of a dropless
+  MoE layer on rows sorted into groups of run-time sizes (``y = x_g @ w[g]^T`` per group;
+  ``main_grad[g] += dy_g^T x_g`` in place), work proportional to the routed rows.
 * :func:`bucket_add`: many gradients added into their own blocks of a flat bucket, in place.
 * :func:`fusion_status` / :func:`fusion_available` / :func:`require_fusion`: whether the
   handlers were shown to work on a platform (:mod:`jax_wgrad.ops.registry`).
@@ -14,6 +17,14 @@
 from jax_wgrad.ops.bucket_add import bucket_add, bucket_add_p, bucket_add_ref
 from jax_wgrad.ops.grouped import grouped_wgrad_accumulate, grouped_wgrad_accumulate_ref
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
+from jax_wgrad.ops.ragged import (
+    ragged_matmul,
+    ragged_matmul_p,
+    ragged_matmul_ref,
+    ragged_wgrad_accumulate,
+    ragged_wgrad_accumulate_p,
+    ragged_wgrad_accumulate_ref,
+)
 from jax_wgrad.ops.registry import fusion_available, fusion_status, require_fusion
 from jax_wgrad.ops.wgrad import (
     WORKSPACE_BYTES,
@@ -36,6 +47,12 @@ __all__ = [
     "grouped_wgrad_accumulate_ref",
     "is_traced_offset",
     "matmul_precision",
+    "ragged_matmul",
+    "ragged_matmul_p",
+    "ragged_matmul_ref",
+    "ragged_wgrad_accumulate",
+    "ragged_wgrad_accumulate_p",
+    "ragged_wgrad_accumulate_ref",
     "require_fusion",
     "wgrad_accumulate",
     "wgrad_accumulate_at_p",

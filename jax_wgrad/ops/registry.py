@@ -40,7 +40,8 @@ from typing import Any
 
 import jax
 
-__all__ = ["TARGET", "TARGET_AT", "BUCKET_ADD_TARGET", "PLATFORMS", "OLDEST_SUPPORTED_FFI_API",
+__all__ = ["TARGET", "TARGET_AT", "BUCKET_ADD_TARGET", "RAGGED_MATMUL_TARGET",
+           "RAGGED_WGRAD_TARGET", "PLATFORMS", "OLDEST_SUPPORTED_FFI_API",
            "load_error", "handler_loaded", "handler_metadata", "runtime_ffi_api",
            "fusion_status", "fusion_available", "require_fusion"]
 
@@ -50,6 +51,10 @@ TARGET_AT = "jax_wgrad_wgrad_accumulate_at"
 """The same GEMM with the block offset as an int32 operand (traced offsets), clamped."""
 BUCKET_ADD_TARGET = "jax_wgrad_bucket_add"
 """FFI target of the in-place block add into a flat gradient bucket."""
+RAGGED_MATMUL_TARGET = "jax_wgrad_ragged_matmul"
+"""FFI target of the ragged grouped GEMM ``y = x @ op(w[g])`` per group of rows (MoE)."""
+RAGGED_WGRAD_TARGET = "jax_wgrad_ragged_wgrad_accumulate"
+"""FFI target of the ragged grouped weight-gradient GEMM ``main_grad[g] += dy_g^T x_g``."""
 
 OLDEST_SUPPORTED_FFI_API: tuple[int, int] = (0, 3)
 """XLA FFI API version of the oldest supported jax (0.10.2; 0.11.2 speaks 0.4, 0.12 0.5):
@@ -215,6 +220,61 @@ def _probe_cases():
     cases.append(("bucket_add of several blocks",
                   lambda b, g1, g2: ops.bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
                   (flat, g1, g2), added))
+    return cases + _ragged_probe_cases(rng, flat)
+
+
+def _ragged_rows(sizes, rows):
+    """Per group, the clamped row range ``slice(start, end)`` (ops.ragged's rule)."""
+    import numpy as np
+
+    ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), rows)
+    return [slice(s, e) for s, e in zip(np.concatenate([[0], ends[:-1]]), ends)]
+
+
+def _ragged_probe_cases(rng, flat):
+    """The ragged grouped GEMMs (:mod:`jax_wgrad.ops.ragged`): a group of zero rows, rows
+    past the groups, sizes summing past the rows (clamped), both ``w`` layouts, 16-bit
+    data, a 16-bit accumulator, a flat bucket at a static and at a traced, clamped offset."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_wgrad import ops
+
+    x = rng.integers(-3, 4, size=(7, 4)).astype(np.float32)
+    dy = rng.integers(-3, 4, size=(7, 3)).astype(np.float32)
+    w = rng.integers(-3, 4, size=(3, 3, 4)).astype(np.float32)  # [G, N, K]
+    short, long = np.array([2, 0, 3], np.int32), np.array([4, 0, 9], np.int32)
+    cases = []
+    for sizes, dt, transpose in ((short, jnp.float32, True), (long, jnp.bfloat16, False)):
+        wt = w if transpose else np.swapaxes(w, 1, 2)
+        y = np.zeros((7, 3), np.float32)
+        for g, rows in enumerate(_ragged_rows(sizes, 7)):
+            y[rows] = x[rows] @ w[g].T
+        cases.append((f"ragged_matmul {jnp.dtype(dt).name} transpose_rhs={int(transpose)}",
+                      lambda x, w, s, t=transpose, d=dt: ops.ragged_matmul(
+                          x.astype(d), w.astype(d), s, transpose_rhs=t),
+                      (x, wt, sizes), y))
+    acc = rng.integers(-8, 9, size=(3, 3, 4)).astype(np.float32)
+    upd = {}
+    for name, sizes in (("short", short), ("long", long)):
+        upd[name] = np.stack([dy[r].T @ x[r] for r in _ragged_rows(sizes, 7)])
+    cases.append(("ragged_wgrad_accumulate float32", ops.ragged_wgrad_accumulate,
+                  (x, dy, short, acc), acc + upd["short"]))
+    cases.append(("ragged_wgrad_accumulate bfloat16 into bfloat16",
+                  lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
+                      x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s,
+                      a.astype(jnp.bfloat16)), (x, dy, long, acc), acc + upd["long"]))
+    bucket = np.concatenate([flat, flat[:1]])  # 41 elements: 36 fit from 5 on
+    at5, at4 = bucket.copy(), flat.copy()
+    at5[5:41] += upd["short"].ravel()
+    at4[4:40] += upd["long"].ravel()  # offset 30 clamped to 40 - 36
+    cases.append(("ragged_wgrad_accumulate float16 into a bucket",
+                  lambda x, dy, s, b: ops.ragged_wgrad_accumulate(
+                      x.astype(jnp.float16), dy.astype(jnp.float16), s, b, offset=5),
+                  (x, dy, short, bucket), at5))
+    cases.append(("ragged_wgrad_accumulate at a traced, clamped offset",
+                  lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(x, dy, s, b, offset=o),
+                  (x, dy, long, flat, np.int32(30)), at4))
     return cases
 
 
@@ -280,7 +340,7 @@ def fusion_status() -> dict[str, str | None]:
     work by a test call on a device of this process (every kernel variant: float32 at
     default (TF32 on GPUs) and highest precision, bf16/fp16 into fp32 and into 16-bit, an
     offset block, grouped experts, both at a traced offset, ``bucket_add`` of several
-    blocks), else the reason they cannot be used (not built, built for a newer jax,
+    blocks, the ragged grouped GEMMs of :mod:`jax_wgrad.ops.ragged`), else the reason they cannot be used (not built, built for a newer jax,
     library missing, no device, a call failed or was wrong).
 
     The first query of a platform compiles and runs one small program on it; it may be

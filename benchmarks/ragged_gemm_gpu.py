@@ -1,0 +1,140 @@
+"""Timing of the ragged grouped GEMMs (dropless MoE experts) on a GPU, against XLA.
+
+For each case G x R x K x N (G experts, R routed rows, x [R, K], expert weights
+[G, N, K]) and dtype, with the rows spread over the experts evenly or skewed (--skew:
+group g gets a share proportional to (g + 1) ** skew), times (median of --iters runs of
+one jitted scan over --steps stacked inputs, after --warmup runs):
+  fwd      jax_wgrad.ops.ragged_matmul(x, w, sizes, transpose_rhs=True)   y [R, N]
+  dgrad    jax_wgrad.ops.ragged_matmul(dy, w, sizes, transpose_rhs=False) dx [R, K]
+  wgrad    jax_wgrad.ops.ragged_wgrad_accumulate(x, dy, sizes, acc)  acc [G, N, K] f32,
+           donated
+  xla_ragged_dot  jax.lax.ragged_dot(x, w [G, K, N], sizes) (XLA's own ragged product)
+  dense_fwd       einsum over [G, R / G, K] (even split only: cuBLAS's batched GEMM with
+                  the same useful FLOPs, the bar to reach)
+and prints one JSON line per case with the milliseconds per call and the TFLOP/s of the
+routed rows (2 * R * K * N per GEMM).
+
+    python benchmarks/ragged_gemm_gpu.py
+    python benchmarks/ragged_gemm_gpu.py --cases 64x16384x2048x1408 --dtype bfloat16 --skew 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_wgrad import ops
+
+CASES = [(8, 16384, 4096, 1024), (64, 16384, 2048, 1408), (128, 16384, 2048, 768)]
+# (XLA expands ragged_dot densely: [R, G, K] for its lhs, 8.6 GB in the last case.)
+
+
+def group_sizes(groups: int, rows: int, skew: float) -> np.ndarray:
+    share = (np.arange(groups) + 1.0) ** skew
+    sizes = np.floor(rows * share / share.sum()).astype(np.int32)
+    sizes[-1] += rows - sizes.sum()
+    return sizes
+
+
+def timed(fn, args, warmup: int, iters: int) -> float:
+    """Median seconds of fn(*args) (blocked on)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def scan_of(op, steps):
+    """A jitted scan applying op to each of `steps` stacked inputs; the carry keeps one
+    element of each result, so that no call can be hoisted or removed."""
+    def run(stacked, *rest):
+        def body(c, xs):
+            return c + op(xs, *rest)[0, 0].astype(jnp.float32), None
+        return jax.lax.scan(body, jnp.float32(0), stacked)[0]
+    return jax.jit(run)
+
+
+def run_case(case, dtype, skew, steps, warmup, iters, device):
+    g, r, k, n = case
+    rng = np.random.default_rng(0)
+    put = lambda a: jax.device_put(jnp.asarray(a, dtype), device)
+    xs = put(rng.standard_normal((steps, r, k)))
+    dys = put(rng.standard_normal((steps, r, n)))
+    w = put(rng.standard_normal((g, n, k)) / np.sqrt(k))
+    w_kn = put(np.swapaxes(np.asarray(w, np.float32), 1, 2))
+    sizes = jax.device_put(jnp.asarray(group_sizes(g, r, skew)), device)
+
+    per_call = {}
+    per_call["fwd"] = timed(scan_of(lambda x, w, s: ops.ragged_matmul(
+        x, w, s, transpose_rhs=True), steps), (xs, w, sizes), warmup, iters) / steps
+    per_call["dgrad"] = timed(scan_of(lambda dy, w, s: ops.ragged_matmul(
+        dy, w, s, transpose_rhs=False), steps), (dys, w, sizes), warmup, iters) / steps
+    per_call["xla_ragged_dot"] = timed(scan_of(lambda x, w, s: jax.lax.ragged_dot(
+        x, w, s, preferred_element_type=jnp.float32).astype(x.dtype), steps),
+        (xs, w_kn, sizes), warmup, iters) / steps
+    if skew == 0 and r % g == 0:
+        per_call["dense_fwd"] = timed(scan_of(lambda x, w: jnp.einsum(
+            "gck,gnk->gcn", x.reshape(g, r // g, k), w).reshape(r, n), steps),
+            (xs, w), warmup, iters) / steps
+
+    def wgrad_scan(acc, xs, dys, s):
+        def body(a, xy):
+            return ops.ragged_wgrad_accumulate(xy[0], xy[1], s, a), None
+        return jax.lax.scan(body, acc, (xs, dys))[0]
+    wgrad = jax.jit(wgrad_scan, donate_argnums=0)
+    acc = [jax.device_put(jnp.zeros((g, n, k), jnp.float32), device)]
+
+    def wgrad_once(xs, dys, s):  # the donated accumulator is threaded from call to call
+        acc[0] = wgrad(acc[0], xs, dys, s)
+        return acc[0]
+    per_call["wgrad"] = timed(wgrad_once, (xs, dys, sizes), warmup, iters) / steps
+
+    flops = 2.0 * r * k * n
+    row = {"platform": device.platform, "dtype": jnp.dtype(dtype).name, "G": g, "R": r,
+           "K": k, "N": n, "skew": skew}
+    for name, seconds in per_call.items():
+        row[f"{name}_ms"] = round(seconds * 1e3, 4)
+        row[f"{name}_tflops"] = round(flops / seconds / 1e12, 1)
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=None, help="GxRxKxN ...")
+    parser.add_argument("--dtype", default="bfloat16",
+                        choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--skew", type=float, default=0.0)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=7)
+    args = parser.parse_args(argv)
+    cases = CASES
+    if args.cases:
+        try:
+            cases = [tuple(int(v) for v in c.split("x")) for c in args.cases]
+        except ValueError:
+            cases = [()]
+        if any(len(c) != 4 for c in cases):
+            parser.error("--cases takes GxRxKxN, e.g. 8x16384x4096x1024")
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        sys.exit("ragged_gemm_gpu: needs a CUDA GPU visible to jax")
+    for case in cases:
+        print(json.dumps(run_case(case, jnp.dtype(args.dtype), args.skew, args.steps,
+                                  args.warmup, args.iters, device)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

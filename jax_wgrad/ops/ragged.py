@@ -1,0 +1,307 @@
+"""Ragged grouped GEMMs: the expert GEMMs of a dropless MoE layer.
+
+The tokens routed to ``G`` experts are sorted by expert into ``G`` contiguous groups of
+rows whose sizes ``group_sizes`` (int32 ``[G]``) are known only at run time. Group ``g``
+owns the rows ``[start_g, end_g)``, ``start_g = clamp(sum_{h<g} max(size_h, 0), 0, R)``
+and ``end_g = clamp(start_g + max(size_g, 0), 0, R)``: sizes summing past ``R`` are cut at
+``R``, and rows past the last group belong to no group.
+
+* :func:`ragged_matmul`: ``y[rows of g] = x[rows of g] @ op(w[g])``, zeros past the
+  groups -- the forward of an expert linear (``w [G, out, in]``, ``transpose_rhs=True``)
+  and its input gradient (``dy @ w[g]``, ``transpose_rhs=False``);
+* :func:`ragged_wgrad_accumulate`: ``main_grad[g] += dy[rows of g]^T @ x[rows of g]``, in
+  place (the accumulator, operand 3, is aliased to the result), into a ``[G, out, in]``
+  array or the ``G`` blocks of a flat gradient bucket from ``offset`` on.
+
+Both lower to XLA FFI custom calls (``jax_wgrad_ragged_matmul``,
+``jax_wgrad_ragged_wgrad_accumulate``; ``ffi/ragged_gemm.h``) whose work is proportional
+to the rows in groups, unlike ``jax.lax.ragged_dot``, which XLA expands to a dense masked
+product (``G`` times the FLOPs) on CPU and GPU. On a platform whose handlers were not
+built, or one jax_wgrad has no handlers for (TPU, ROCm), compiling them raises; the
+plain-XLA references are :func:`ragged_matmul_ref` and :func:`ragged_wgrad_accumulate_ref`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_wgrad.ops import registry
+from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
+from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, check_block, check_dtypes, \
+    is_traced_offset
+
+__all__ = ["ragged_matmul", "ragged_matmul_p", "ragged_matmul_ref", "ragged_wgrad_accumulate",
+           "ragged_wgrad_accumulate_p", "ragged_wgrad_accumulate_ref", "group_ids"]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+ragged_matmul_p = Primitive("ragged_matmul")
+"""``ragged_matmul(x, w, group_sizes, *, transpose_rhs, precision) -> y``."""
+ragged_wgrad_accumulate_p = Primitive("ragged_wgrad_accumulate")
+"""``ragged_wgrad_accumulate(x, dy, group_sizes, main_grad, offset, *, precision) ->
+main_grad``; ``offset`` is an int32 scalar operand (read only for a flat ``main_grad``)."""
+
+
+# ---- plain XLA: the references ----------------------------------------------------------
+
+def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """Group of each of ``rows`` rows (int32 ``[rows]``), ``G`` past the last group, with
+    the bounds clamped as the handlers clamp them (module docstring)."""
+    def step(start, size):
+        end = jnp.minimum(start + jnp.clip(size, 0, rows), rows)
+        return end, end
+    _, ends = jax.lax.scan(step, jnp.int32(0), group_sizes.astype(jnp.int32))
+    return jnp.sum(ends[None, :] <= jnp.arange(rows, dtype=jnp.int32)[:, None], axis=1,
+                   dtype=jnp.int32)
+
+
+def _matmul_xla(x, w, group_sizes, *, transpose_rhs, precision):
+    gid = group_ids(group_sizes, x.shape[0])
+    spec = "rk,nk->rn" if transpose_rhs else "rk,kn->rn"
+
+    def add_group(g, y):  # one f32 product per group; each row keeps only its own
+        yg = jnp.einsum(spec, x, w[g], preferred_element_type=jnp.float32,
+                        precision=jax.lax.Precision(precision))
+        return jnp.where((gid == g)[:, None], yg, y)
+
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    y = jax.lax.fori_loop(0, w.shape[0], add_group, jnp.zeros((x.shape[0], n), jnp.float32))
+    return y.astype(x.dtype)
+
+
+def _group_products(x, dy, group_sizes, precision):
+    """``[G, out, in]`` f32: ``dy[rows of g]^T @ x[rows of g]`` per group (masked)."""
+    gid = group_ids(group_sizes, x.shape[0])
+    return jax.lax.map(
+        lambda g: jnp.dot(jnp.where((gid == g)[:, None], dy, 0).T, x,
+                          preferred_element_type=jnp.float32,
+                          precision=jax.lax.Precision(precision)),
+        jnp.arange(group_sizes.shape[0], dtype=jnp.int32))
+
+
+# ---- primitives ------------------------------------------------------------------------
+
+def _matmul_abstract(x, w, group_sizes, *, transpose_rhs, precision):
+    return x.update(shape=(x.shape[0], w.shape[1] if transpose_rhs else w.shape[2]))
+
+
+ragged_matmul_p.def_abstract_eval(_matmul_abstract)
+ragged_matmul_p.def_impl(functools.partial(jax.jit, static_argnames=(
+    "transpose_rhs", "precision"))(
+    lambda *args, **params: ragged_matmul_p.bind(*args, **params)))
+# The result is typed like the accumulator it updates (as ops.wgrad does).
+ragged_wgrad_accumulate_p.def_abstract_eval(lambda x, dy, sizes, main_grad, offset, **_:
+                                            main_grad)
+ragged_wgrad_accumulate_p.def_impl(functools.partial(jax.jit, static_argnames="precision")(
+    lambda *args, **params: ragged_wgrad_accumulate_p.bind(*args, **params)))
+
+
+def _map_batch_rule(primitive: Primitive, per_example: tuple[int, ...] = ()):
+    """vmap as a loop over the batch (``lax.map``); operands numbered in ``per_example``
+    get one copy per batch element when unbatched (a per-example accumulator)."""
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        mapped = [d is not None or i in per_example for i, d in enumerate(dims)]
+        moved = [jnp.moveaxis(a, d, 0) if d is not None
+                 else jnp.broadcast_to(a, (size,) + a.shape) if m else a
+                 for a, d, m in zip(args, dims, mapped)]
+
+        def one(xs):
+            it = iter(xs)
+            return primitive.bind(*(next(it) if m else a for a, m in zip(moved, mapped)),
+                                  **params)
+        return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m]), 0
+    return rule
+
+
+batching.primitive_batchers[ragged_matmul_p] = _map_batch_rule(ragged_matmul_p)
+batching.primitive_batchers[ragged_wgrad_accumulate_p] = _map_batch_rule(
+    ragged_wgrad_accumulate_p, per_example=(3,))
+
+
+def _missing(platform: str, target: str) -> str | None:
+    """Why ``target`` cannot be lowered for ``platform``, or ``None``."""
+    reason = registry.load_error(platform)
+    if reason is None and target not in registry.handler_metadata(platform):
+        reason = (f"its {platform} handler module was built without {target}; rebuild "
+                  "jax_wgrad (pip install .)")
+    return reason
+
+
+def _lowering(platform: str, target: str, who: str, aliases: dict[int, int]):
+    reason = _missing(platform, target)
+    if reason is not None:
+        def unavailable(ctx, *args, **params):  # raised at compile time
+            raise RuntimeError(f"{who}: the jax_wgrad handler for platform '{platform}' is "
+                               f"not available ({reason})")
+        return unavailable
+    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
+    return lambda ctx, *args, **params: rule(
+        ctx, *args, **{k: np.int32(v) for k, v in params.items()})
+
+
+for _platform in registry.PLATFORMS:
+    mlir.register_lowering(ragged_matmul_p, _lowering(
+        _platform, registry.RAGGED_MATMUL_TARGET, "ragged_matmul", {}), platform=_platform)
+    mlir.register_lowering(ragged_wgrad_accumulate_p, _lowering(
+        _platform, registry.RAGGED_WGRAD_TARGET, "ragged_wgrad_accumulate", {3: 0}),
+        platform=_platform)
+# Any other platform (TPU, ROCm, ...): no lowering rule, so jax refuses to compile (as
+# for ops.wgrad_accumulate); the plain-XLA references are there to call instead.
+
+
+# ---- validation ------------------------------------------------------------------------
+
+def _shapes(**arrays) -> str:
+    return ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
+
+
+def _check_sizes(who: str, group_sizes, groups: int | None, shapes: str) -> jax.Array:
+    """group_sizes as int32 [G]; ``groups``: the G it must have (None: any)."""
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.ndim != 1 or groups not in (None, group_sizes.shape[0]) or \
+            not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        want = "[G]" if groups is None else f"[G] = [{groups}]"
+        raise ValueError(f"{who}: group_sizes must be an integer array {want}; got {shapes}")
+    return group_sizes.astype(jnp.int32)
+
+
+def _check_matmul(x, w, group_sizes, transpose_rhs) -> jax.Array:
+    shapes = _shapes(x=x, w=w, group_sizes=jnp.asarray(group_sizes))
+    layout = "[G, N, K] (transpose_rhs=True)" if transpose_rhs else \
+        "[G, K, N] (transpose_rhs=False)"
+    if x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"ragged_matmul: x must be [R, K] and w {layout}; got {shapes}")
+    k = w.shape[2] if transpose_rhs else w.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"ragged_matmul: x [R, K] and w {layout} disagree on K; got {shapes}")
+    if x.dtype not in FLOAT_DTYPES or w.dtype != x.dtype:
+        raise ValueError("ragged_matmul: x and w must share one dtype: float32, bfloat16 or "
+                         f"float16; got {shapes}")
+    return _check_sizes("ragged_matmul", group_sizes, w.shape[0], shapes)
+
+
+def _check_wgrad(x, dy, group_sizes, main_grad, offset) -> jax.Array:
+    who = "ragged_wgrad_accumulate"
+    shapes = _shapes(x=x, dy=dy, group_sizes=jnp.asarray(group_sizes), main_grad=main_grad)
+    if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]:
+        raise ValueError(f"{who}: x and dy must be [R, in] and [R, out]; got {shapes}")
+    group_sizes = _check_sizes(who, group_sizes, None, shapes)
+    groups = group_sizes.shape[0]
+    d_out, d_in = dy.shape[1], x.shape[1]
+    if offset is None and main_grad.shape != (groups, d_out, d_in):
+        raise ValueError(f"{who}: main_grad must have shape [G, out, in] = "
+                         f"[{groups}, {d_out}, {d_in}]; got {shapes}")
+    if offset is not None:
+        check_block(who, main_grad, offset, groups * d_out * d_in,
+                    "[G, out, in] blocks", shapes)
+        if not is_traced_offset(offset) and offset > _INT32_MAX:
+            raise ValueError(f"{who}: offset={offset} exceeds the int32 range of the "
+                             f"handler's offset operand; got {shapes}")
+    check_dtypes(who, x, dy, main_grad, shapes)
+    return group_sizes
+
+
+# ---- public functions ------------------------------------------------------------------
+
+def ragged_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = True,
+    precision: PrecisionLike = None,
+) -> jax.Array:
+    """Returns ``y [R, N]``: ``x[rows of g] @ op(w[g])`` for every group, zeros past them.
+
+    Args:
+      x: ``[R, K]`` rows sorted by group (f32, bf16 or f16).
+      w: ``[G, N, K]`` (``transpose_rhs=True``, ``op(w) = w^T``: expert weights
+        ``[E, out, in]`` in the forward) or ``[G, K, N]`` (``transpose_rhs=False``,
+        ``op(w) = w``: the input gradient ``dy @ w[g]``), the dtype of ``x``.
+      group_sizes: integer ``[G]`` rows per group, in order; clamped as the module
+        docstring says (sizes may sum to less than ``R``, or past it).
+      transpose_rhs: which layout ``w`` has (above).
+      precision: ``jnp.dot``'s meaning and default (:func:`matmul_precision`).
+    Returns:
+      ``[R, N]`` in the dtype of ``x``, accumulated in fp32 and rounded once.
+    Raises:
+      ValueError: on ranks, shapes or dtypes other than the above.
+      RuntimeError: at compile time, on a platform whose handler was not built.
+    """
+    group_sizes = _check_matmul(x, w, group_sizes, transpose_rhs)
+    level = matmul_precision(precision)
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    if 0 in (x.shape[0], x.shape[1], n, w.shape[0]):
+        return jnp.zeros((x.shape[0], n), x.dtype)
+    return ragged_matmul_p.bind(x, w, group_sizes, transpose_rhs=int(bool(transpose_rhs)),
+                                precision=level)
+
+
+def ragged_matmul_ref(x, w, group_sizes, *, transpose_rhs: bool = True,
+                      precision: PrecisionLike = None) -> jax.Array:
+    """Plain-XLA reference of :func:`ragged_matmul` (same clamping and rounding; ``G``
+    dense products, masked)."""
+    group_sizes = _check_matmul(x, w, group_sizes, transpose_rhs)
+    return _matmul_xla(x, w, group_sizes, transpose_rhs=bool(transpose_rhs),
+                       precision=matmul_precision(precision))
+
+
+def _offset_operand(offset) -> jax.Array:
+    if is_traced_offset(offset):
+        return jnp.asarray(offset, jnp.int32)
+    return jnp.asarray(np.int32(offset or 0))
+
+
+def ragged_wgrad_accumulate(
+    x: jax.Array,
+    dy: jax.Array,
+    group_sizes: jax.Array,
+    main_grad: jax.Array,
+    *,
+    offset: int | jax.Array | None = None,
+    precision: PrecisionLike = None,
+) -> jax.Array:
+    """Returns ``main_grad`` with ``dy[rows of g]^T @ x[rows of g]`` added to every
+    group's ``[out, in]`` block, updated in place under XLA (donated, or a scan carry).
+
+    Args:
+      x: ``[R, in]`` expert inputs, rows sorted by group (f32, bf16 or f16).
+      dy: ``[R, out]`` gradients of the expert outputs, same dtype.
+      group_sizes: integer ``[G]`` rows per group, clamped as :func:`ragged_matmul`'s.
+        A group of zero rows leaves its block as it is; rows past the groups are not read.
+      main_grad: ``[G, out, in]`` accumulator (f32, or the 16-bit dtype of the inputs:
+        accumulated in fp32, rounded once), or with ``offset`` a flat ``[N]`` buffer
+        holding the ``G`` blocks back to back at ``[offset, offset + G * out * in)``.
+      offset: element offset of group 0's block in a flat ``main_grad``: a Python int
+        (static, checked to fit) or an int32 scalar array (may be traced; clamped into
+        ``[0, N - G * out * in]`` like ``lax.dynamic_update_slice`` with
+        ``allow_negative_indices=False``).
+      precision: ``jnp.dot``'s meaning and default (:func:`matmul_precision`).
+    Returns:
+      The updated accumulator, shape and dtype of ``main_grad``.
+    Raises:
+      ValueError: on ranks, shapes, dtypes or an offset that does not fit.
+      RuntimeError: at compile time, on a platform whose handler was not built.
+    """
+    group_sizes = _check_wgrad(x, dy, group_sizes, main_grad, offset)
+    level = matmul_precision(precision)
+    if 0 in (x.shape[0], x.shape[1], dy.shape[1], group_sizes.shape[0]):
+        return main_grad
+    return ragged_wgrad_accumulate_p.bind(x, dy, group_sizes, main_grad,
+                                          _offset_operand(offset), precision=level)
+
+
+def ragged_wgrad_accumulate_ref(x, dy, group_sizes, main_grad, *,
+                                offset: int | jax.Array | None = None,
+                                precision: PrecisionLike = None) -> jax.Array:
+    """Plain-XLA reference of :func:`ragged_wgrad_accumulate` (same clamping, rounding)."""
+    group_sizes = _check_wgrad(x, dy, group_sizes, main_grad, offset)
+    return add_to_block(main_grad, _group_products(x, dy, group_sizes,
+                                                   matmul_precision(precision)), offset)
