@@ -117,6 +117,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
                    help="devices each MoE layer's experts are split over, carved out of the "
                         "data-parallel ranks (Megatron EP)")
+    g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=None,
+                   help="tensor ranks each expert's weights are split over: 1 or "
+                        "--tensor-model-parallel-size (absent: the latter, Megatron's default)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard layer norms and dropout over the sequence on the tensor-parallel "
                         "ranks (needs TP > 1 to matter)")
@@ -229,13 +232,17 @@ def make_parser() -> argparse.ArgumentParser:
                    default=model_default("moe_token_dispatcher_type"),
                    help="only alltoall is implemented")
     g.add_argument("--moe-expert-capacity-factor", type=finite_float, default=None,
-                   help="drop tokens over ceil(T k f / E) per expert (absent: no dropping)")
+                   help="drop tokens over ceil(T k f / E) per expert (absent: dropless, the "
+                        "expert GEMMs over the routed tokens only)")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad each expert's input to its capacity (required with a capacity "
                         "factor: static shapes)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="expert weight gradients by one grouped fused wgrad call per expert "
                         "linear (with --gradient-accumulation-fusion)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, default=None,
+                   help="width of the shared experts' MLP beside the routed experts on every "
+                        "MoE layer (absent: no shared experts)")
     g.add_argument("--moe-layer-freq", type=int, default=model_default("moe_layer_freq"),
                    help="every N-th layer is an MoE layer (layers 0, N, 2N, ...)")
     g.add_argument("--overlap-dispatch-backward-with-experts-wgrad", action="store_true",
@@ -381,6 +388,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             moe_expert_capacity_factor=args.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
             moe_grouped_gemm=args.moe_grouped_gemm, moe_layer_freq=args.moe_layer_freq,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             layer_scan_unroll=args.layer_scan_unroll,
             overlap_dispatch_backward_with_experts_wgrad=(
                 args.overlap_dispatch_backward_with_experts_wgrad))
@@ -388,6 +396,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
             sequence_parallel=args.sequence_parallel,
             gradient_accumulation_fusion=args.gradient_accumulation_fusion,
@@ -476,10 +485,15 @@ def describe(plan, data, state) -> list[str]:
         f"{'swiglu' if model.swiglu else 'gelu'}, "
         f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'}"
         + ("" if model.num_moe_experts is None else
-           f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}), "
-           f"top-{model.moe_router_topk}, {sum(model.moe_layer_pattern)} MoE layers, "
-           f"capacity factor {model.moe_expert_capacity_factor}, overlap dispatch backward "
-           f"with experts wgrad {model.overlap_dispatch_backward_with_experts_wgrad}"),
+           f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}, "
+           f"ETP {par.expert_tensor_parallel_size}), top-{model.moe_router_topk}, "
+           f"{sum(model.moe_layer_pattern)} MoE layers, "
+           + ("dropless" if model.moe_expert_capacity_factor is None else
+              f"capacity factor {model.moe_expert_capacity_factor}")
+           + ("" if model.moe_shared_expert_intermediate_size is None else
+              f", shared experts {model.moe_shared_expert_intermediate_size}")
+           + ", overlap dispatch backward with experts wgrad "
+           f"{model.overlap_dispatch_backward_with_experts_wgrad}"),
     ]
 
 

@@ -69,7 +69,7 @@ def _spec_namespace(hf: dict):
 
 def _spec_skeleton(c) -> dict:
     """Canonical arrays as the layout spec gives them (group-major qkv, fc1 [L, 2, F, H],
-    experts.fc1 [L, E, 2F, H])."""
+    experts.fc1 [L, E, 2, F, H])."""
     L, h, d, nh, ng = c.num_layers, c.hidden_size, c.kv_channels, c.num_attention_heads, \
         c.num_query_groups
     qkv = (nh + 2 * ng) * d
@@ -79,7 +79,7 @@ def _spec_skeleton(c) -> dict:
     if c.num_moe_experts:
         e, f = c.num_moe_experts, c.moe_ffn_hidden_size
         stacks = {"moe_layers": {**layer, "router": (L, e, h),
-                                 "experts": {"fc1": (L, e, 2 * f, h), "fc2": (L, e, h, f)}}}
+                                 "experts": {"fc1": (L, e, 2, f, h), "fc2": (L, e, h, f)}}}
     else:
         f = c.ffn_hidden_size
         stacks = {"layers": {**layer, "fc1": {"weight": (L, 2, f, h)},

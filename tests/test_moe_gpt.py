@@ -249,7 +249,7 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
     and all-gathered over the expert-data-parallel groups, the dense buckets over the
     data-parallel groups (data x expert); the expert bucket's reduce-scatter consumes the
     schedule's loop, in which every expert linear's weight gradient is one grouped fused
-    call writing that bucket in place."""
+    call writing that bucket in place (dropless: the ragged grouped wgrad)."""
     if not FUSION:
         pytest.skip("the CPU FFI handler is not built")
     import re
@@ -292,7 +292,7 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
     assert re.search(r'"known_trip_count":\{"n":"(\d+)"', layer_loop[0]).group(1) == str(
         cfg.num_layers)
     in_layers = reachable(comps, layer_loop[1])
-    grouped = [c for c in custom_calls(hlo, registry.TARGET_AT)
+    grouped = [c for c in custom_calls(hlo, registry.RAGGED_WGRAD_TARGET)
                if re.search(rf"= {re.escape(bucket)}\S* custom-call\(", c)
                and any(c in [x.strip() for x in comps[n]] for n in in_layers)]
     assert len(grouped) == 2  # fc1 and fc2 in the body, run once per layer

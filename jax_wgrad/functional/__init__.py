@@ -18,7 +18,8 @@ from jax_wgrad.functional.cross_entropy import (
     vocab_parallel_logsumexp,
     vocab_shard_index,
 )
-from jax_wgrad.functional.moe import MoEConfig, MoEStats, grouped_linear, moe_mlp
+from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
+from jax_wgrad.functional.moe import MoEConfig, MoEStats, moe_mlp
 from jax_wgrad.functional.linear import (
     BucketSlot,
     SplitSlot,
@@ -42,6 +43,7 @@ __all__ = [
     "gather_from_sequence_parallel_region",
     "gather_last_dim",
     "grouped_linear",
+    "ragged_linear",
     "linear",
     "linear_into_bucket",
     "scan_layers",

@@ -7,18 +7,20 @@ each with its own tokens (EP is carved out of data parallelism) and ``E / EP`` e
 
 1. **Router**: fp32 logits ``x @ w_router^T`` ``[T, E]``, top-k, gates = softmax over the
    k selected logits (Megatron's default, ``moe_router_pre_softmax=False``).
-2. **Dispatch**: every (token, choice) gets a position in its expert's queue, choices
-   ranked first by ``k`` then by token order (Megatron's ``moe_token_drop_policy=
-   "position"``); positions ``>= capacity`` are dropped. Tokens are scattered into an
-   ``[E, C, H]`` buffer (zero-padded to the capacity ``C``) and exchanged by one
-   ``all_to_all`` over the expert axis: each rank receives ``[E/EP, EP * C, H]``.
-3. **Experts**: two grouped linears ``[E/EP, F, H]`` and ``[E/EP, H, F]`` (no biases) with a
-   GeLU between. Their weight gradients can go through :func:`grouped_linear`'s fused
-   path: ONE :func:`jax_wgrad.ops.grouped_wgrad_accumulate` call per expert linear, in
-   place into an accumulator or a flat bucket.
-4. **Combine**: the inverse ``all_to_all``, then each token's output is the gate-weighted
-   sum of its kept choices (a dropped choice contributes nothing).
-5. **Aux loss**: Megatron's ``switch_load_balancing_loss_func``:
+2. **Dispatch** (:mod:`jax_wgrad.functional.moe_dispatch`): dropless (Megatron's default:
+   tokens sorted by expert, ragged groups, expert GEMMs over the routed rows only) or, with
+   ``moe_expert_capacity_factor``, capacity buffers ``[E, C, H]`` (choices past ``C``
+   dropped, Megatron's ``"position"`` policy); one ``all_to_all`` over the expert axis.
+3. **Experts**: two expert linears ``[E/EP, F, H]`` and ``[E/EP, H, F]`` (no biases) with a
+   GeLU (or SwiGLU: ``fc1 [E/EP, 2, F, H]``, gate then up) between
+   (:mod:`jax_wgrad.functional.expert_linear`); their weight gradients optionally go into a
+   flat bucket with ONE fused call per expert linear. With expert tensor parallelism
+   (``expert_tensor_axis``) the expert weights are split over ``F`` on the tensor ranks.
+4. **Combine**: the inverse exchange, then each token's output is the gate-weighted sum of
+   its kept choices (a dropped choice contributes nothing).
+5. **Shared experts** (``moe_shared_expert_intermediate_size``) are a dense MLP beside the
+   routed experts, built by the model (:class:`jax_wgrad.models.gpt.TransformerLayer`).
+6. **Aux loss**: Megatron's ``switch_load_balancing_loss_func``:
    ``E * coeff / (k * T^2) * sum_e(sum_t probs[t, e] * tokens_per_expert[e])`` with the
    full softmax ``probs`` and the routed (pre-drop) counts. Under sequence parallelism
    (``sequence_axis``) each tensor rank routes its own slice of the sequence; as in
@@ -28,12 +30,8 @@ each with its own tokens (EP is carved out of data parallelism) and ``E / EP`` e
    ``MoEAuxLossAutoScaler``).
 
 **Delayed expert wgrad** (``overlap_wgrad=True``, Megatron's
-``--overlap-dispatch-backward-with-experts-wgrad``): the expert weight-gradient GEMM is
-made to start only after the expert data-gradient GEMM (an ``optimization_barrier`` on
-``(x, dy, dx)``) and nothing downstream depends on it except the gradient itself, so
-XLA may run it while the dispatch-backward all-to-all is in flight. Without it the
-data gradient is released only after the weight gradient (the baseline order: the
-all-to-all waits for the wgrad). Both compute the same operations: bitwise equal.
+``--overlap-dispatch-backward-with-experts-wgrad``): see
+:mod:`jax_wgrad.functional.expert_linear`; bitwise equal to the serial order.
 """
 
 from __future__ import annotations
@@ -48,7 +46,9 @@ import jax.numpy as jnp
 
 from jax_wgrad import ops
 from jax_wgrad._validation import check_positive
-from jax_wgrad.functional.linear import BucketSlot, WgradBuckets, check_bucket_block
+from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
+from jax_wgrad.functional.linear import BucketSlot, WgradBuckets
+from jax_wgrad.functional.moe_dispatch import CapacityDispatch, DroplessDispatch, dispatch_slots
 
 __all__ = ["MoEConfig", "MoEStats", "route", "dispatch_slots", "grouped_linear",
            "moe_mlp", "load_balancing_loss", "attach_aux_loss"]
@@ -68,13 +68,15 @@ class MoEConfig:
       num_experts: ``E`` (``num_moe_experts``).
       ffn_hidden_size: ``F`` of each expert (``moe_ffn_hidden_size``).
       topk: experts per token (``moe_router_topk``).
-      capacity_factor: ``moe_expert_capacity_factor``; ``None`` (Megatron's default): no
-        token is ever dropped (capacity = all routed choices of a rank, ``T * k``).
+      capacity_factor: ``moe_expert_capacity_factor``; ``None`` (Megatron's default):
+        dropless -- no token is ever dropped, and the experts compute on the routed tokens
+        only (:class:`~jax_wgrad.functional.moe_dispatch.DroplessDispatch`).
       load_balancing_type: ``"aux_loss"`` or ``"none"`` (``moe_router_load_balancing_type``).
       aux_loss_coeff: ``moe_aux_loss_coeff`` (Megatron's default 0: the loss is computed
         and reported, its gradient is zero).
       overlap_wgrad: ``overlap_dispatch_backward_with_experts_wgrad`` (module docstring).
-      swiglu: SwiGLU experts (Mixtral): ``fc1 [E, 2F, H]`` = gate rows, then up rows.
+      swiglu: SwiGLU experts (Mixtral): ``fc1 [E, 2, F, H]`` = gate rows, then up rows
+        (each tensor rank holds the gate and up rows of the same features).
     """
 
     num_experts: int
@@ -112,9 +114,10 @@ class MoEConfig:
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert per source rank: ``ceil(T * k * factor / E)`` (Megatron's
-        ``get_capacity``), or ``T * k`` without dropping."""
+        ``get_capacity``); dropless (no factor): none."""
         if self.capacity_factor is None:
-            return tokens * self.topk
+            raise ValueError("a dropless MoE (moe_expert_capacity_factor None) has no "
+                             "expert capacity")
         return max(1, math.ceil(tokens * self.topk * self.capacity_factor / self.num_experts))
 
 
@@ -136,19 +139,6 @@ def route(x: jax.Array, w_router: jax.Array, topk: int):
     top_logits, experts = jax.lax.top_k(logits, topk)
     return jax.nn.softmax(logits, axis=-1), experts.astype(jnp.int32), \
         jax.nn.softmax(top_logits, axis=-1)
-
-
-def dispatch_slots(experts: jax.Array, num_experts: int, capacity: int):
-    """Queue positions of every (token, choice): ``(slot [T, k], kept [T, k] bool)``.
-
-    Choices are queued k-major (all first choices in token order, then all second
-    choices, ...); a choice whose position reaches ``capacity`` is dropped.
-    """
-    t, k = experts.shape
-    onehot = jax.nn.one_hot(experts.T.reshape(-1), num_experts, dtype=jnp.int32)  # [k*T, E]
-    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
-    slot = position.reshape(k, t).T
-    return slot, slot < capacity
 
 
 def load_balancing_loss(probs: jax.Array, tokens_per_expert: jax.Array, topk: int,
@@ -184,163 +174,50 @@ def _attach_bwd(scale, _, dy):
 attach_aux_loss.defvjp(_attach_fwd, _attach_bwd)
 
 
-# ---------------------------------------------------------------- grouped expert linear
-def _gforward(x, w, precision):
-    return jnp.einsum("eci,eoi->eco", x, w.astype(x.dtype),
-                      precision=jax.lax.Precision(precision))
-
-
-def _gdgrad(dy, w, precision, dtype):
-    return jnp.einsum("eco,eoi->eci", dy, w.astype(dy.dtype),
-                      precision=jax.lax.Precision(precision)).astype(dtype)
-
-
-def _ordered(x, dy, dx, wgrad, overlap):
-    """Runs ``wgrad(x, dy)`` after the data gradient ``dx`` (overlap) or holds ``dx`` back
-    until the weight gradient is done (the serial baseline); returns ``(dx, wgrad)``."""
-    if overlap:
-        x, dy, dx = jax.lax.optimization_barrier((x, dy, dx))
-        return dx, wgrad(x, dy)
-    new = wgrad(x, dy)
-    return jax.lax.optimization_barrier((dx, new))
-
-
-# Threaded into a bucket: a static (int) offset is a nondiff argument, a traced one a
-# regular integer argument saved as a residual (cotangent None); one backward body.
-def _grouped_threaded_bwd_body(x, w, dy, ct_bucket, offset, precision, overlap):
-    """``(dx, zeros like w, bucket + every expert's block)``."""
-    dx = _gdgrad(dy, w, precision, x.dtype)
-    wgrad = lambda x, dy: ops.grouped_wgrad_accumulate(x, dy, ct_bucket, offset=offset,
-                                                       precision=precision)
-    dx, new_bucket = _ordered(x, dy, dx, wgrad, overlap)
-    return dx, jnp.zeros_like(w), new_bucket
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped_threaded(x, w, bucket, offset, precision, overlap):
-    return _gforward(x, w, precision), bucket
-
-
-def _grouped_threaded_fwd(x, w, bucket, offset, precision, overlap):
-    return (_gforward(x, w, precision), bucket), (x, w)
-
-
-def _grouped_threaded_bwd(offset, precision, overlap, res, cts):
-    x, w = res
-    return _grouped_threaded_bwd_body(x, w, *cts, offset, precision, overlap)
-
-
-_grouped_threaded.defvjp(_grouped_threaded_fwd, _grouped_threaded_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _grouped_threaded_at(x, w, bucket, offset, precision, overlap):
-    return _gforward(x, w, precision), bucket
-
-
-def _grouped_threaded_at_fwd(x, w, bucket, offset, precision, overlap):
-    return (_gforward(x, w, precision), bucket), (x, w, offset)
-
-
-def _grouped_threaded_at_bwd(precision, overlap, res, cts):
-    x, w, offset = res
-    return (*_grouped_threaded_bwd_body(x, w, *cts, offset, precision, overlap), None)
-
-
-_grouped_threaded_at.defvjp(_grouped_threaded_at_fwd, _grouped_threaded_at_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _grouped_plain(x, w, precision, overlap):
-    return _gforward(x, w, precision)
-
-
-def _grouped_plain_fwd(x, w, precision, overlap):
-    return _gforward(x, w, precision), (x, w)
-
-
-def _grouped_plain_bwd(precision, overlap, res, dy):
-    x, w = res
-    dx = _gdgrad(dy, w, precision, x.dtype)
-    wgrad = lambda x, dy: jnp.einsum(
-        "eco,eci->eoi", dy, x, preferred_element_type=jnp.float32,
-        precision=jax.lax.Precision(precision)).astype(w.dtype)
-    return _ordered(x, dy, dx, wgrad, overlap)
-
-
-_grouped_plain.defvjp(_grouped_plain_fwd, _grouped_plain_bwd)
-
-
-def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = None,
-                   offset: int | jax.Array = 0, main_grad: BucketSlot | None = None,
-                   precision: ops.PrecisionLike = None, overlap_wgrad: bool = False):
-    """Per-expert ``y[e] = x[e] @ w[e]^T``.
-
-    Args:
-      x: ``[E, C, in]``; w: ``[E, out, in]``.
-      bucket: optional flat fp32 gradient bucket threaded like
-        :func:`jax_wgrad.functional.linear_into_bucket`: the backward adds every expert's
-        ``dy[e]^T x[e]`` to its blocks ``[offset, offset + E * out * in)`` with ONE
-        grouped fused call (``w`` then gets a zero gradient).
-      offset: a Python int (static, checked to fit) or an int32 scalar array (may be
-        traced, e.g. per layer of a ``scan``; clamped into ``[0, N - E * out * in]`` like
-        ``lax.dynamic_update_slice``).
-      main_grad: instead of ``bucket``/``offset``, the weight's
-        :class:`~jax_wgrad.functional.BucketSlot` in buckets threaded by a
-        :class:`~jax_wgrad.functional.WgradBuckets` (returns ``y`` only).
-      overlap_wgrad: the delayed-wgrad order (module docstring).
-    Returns:
-      ``y [E, C, out]``, and the bucket token when ``bucket`` is given.
-    """
-    if x.ndim != 3 or w.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
-        raise ValueError(f"grouped_linear: x must be [E, C, in] and w [E, out, in]; got x "
-                         f"{list(x.shape)}, w {list(w.shape)}")
-    if main_grad is not None:
-        if bucket is not None:
-            raise ValueError("grouped_linear: give bucket or main_grad, not both")
-        return main_grad.owner.thread(main_grad.bucket, lambda bk: grouped_linear(
-            x, w, bucket=bk, offset=main_grad.offset, precision=precision,
-            overlap_wgrad=overlap_wgrad))
-    level = ops.matmul_precision(precision)
-    if bucket is None:
-        return _grouped_plain(x, w, level, overlap_wgrad)
-    if check_bucket_block("grouped_linear", bucket, offset, w.size,
-                          f"{list(w.shape)} blocks"):
-        return _grouped_threaded_at(x, w, bucket, offset, level, overlap_wgrad)
-    return _grouped_threaded(x, w, bucket, offset, level, overlap_wgrad)
-
-
-# ------------------------------------------------------------------------------ layer
-def _exchange(buf: jax.Array, axis: str | None, ep: int) -> jax.Array:
-    """``[E, C, H]`` per source rank -> ``[E/EP, EP*C, H]`` on each expert's rank."""
-    if axis is not None:
-        buf = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)  # [EP(src)*E_local, C, H]
-    e, c, h = buf.shape
-    return buf.reshape(ep, e // ep, c, h).transpose(1, 0, 2, 3).reshape(e // ep, ep * c, h)
-
-
-def _exchange_back(buf: jax.Array, axis: str | None, ep: int) -> jax.Array:
-    """Inverse of :func:`_exchange`."""
-    el, ec, h = buf.shape
-    buf = buf.reshape(el, ep, ec // ep, h).transpose(1, 0, 2, 3).reshape(el * ep, ec // ep, h)
-    return buf if axis is None else jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)
+def _expert_shapes(params, cfg: MoEConfig, x: jax.Array, ep: int, etp: int) -> None:
+    """Checks the router and this rank's expert weights against ``cfg`` and the layout."""
+    e, (t, h) = cfg.num_experts, x.shape
+    e_local = params["fc1"].shape[0]
+    if e_local * ep != e or params["router"].shape != (e, h):
+        raise ValueError(
+            f"moe_mlp: num_moe_experts ({e}) must equal expert_model_parallel_size ({ep}) x "
+            f"local experts ({e_local}), router [E, H] = {list(params['router'].shape)} for "
+            f"x {list(x.shape)}")
+    f = cfg.ffn_hidden_size
+    if f % etp != 0:
+        raise ValueError(f"moe_ffn_hidden_size ({f}) must be divisible by "
+                         f"expert_tensor_parallel_size ({etp})")
+    fl = f // etp
+    fc1 = (e_local, 2, fl, h) if cfg.swiglu else (e_local, fl, h)
+    if params["fc1"].shape != fc1 or params["fc2"].shape != (e_local, h, fl):
+        width = "moe_ffn_hidden_size" + (f" / expert_tensor_parallel_size ({etp})"
+                                         if etp > 1 else "")
+        raise ValueError(
+            f"moe_mlp: expert weights must be fc1 [E/EP, {'2, ' if cfg.swiglu else ''}{width}, "
+            f"H] = {list(fc1)} and fc2 [E/EP, H, {width}] = {[e_local, h, fl]}; got fc1 "
+            f"{list(params['fc1'].shape)}, fc2 {list(params['fc2'].shape)}")
 
 
 def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
             expert_axis: str | None = None, sequence_axis: str | None = None,
+            expert_tensor_axis: str | None = None,
             buckets: tuple[jax.Array, int, int] | None = None,
             main_grads: tuple[BucketSlot, BucketSlot] | None = None,
             precision: ops.PrecisionLike = None) -> tuple[Any, MoEStats]:
     """The MoE MLP of this rank's tokens.
 
     Args:
-      params: ``router [E, H]`` (replicated), ``fc1 [E/EP, F, H]``, ``fc2 [E/EP, H, F]``
-        (this rank's experts: rank ``r`` holds experts ``[r * E/EP, (r + 1) * E/EP)``).
+      params: ``router [E, H]`` (replicated), ``fc1 [E/EP, F/etp, H]`` (``[E/EP, 2, F/etp,
+        H]`` with SwiGLU), ``fc2 [E/EP, H, F/etp]`` (this rank's experts: rank ``r`` holds
+        experts ``[r * E/EP, (r + 1) * E/EP)``; with expert tensor parallelism, its tensor
+        rank's slice of their ``F`` features).
       x: ``[T, H]`` this rank's tokens.
       cfg: the MoE options.
       expert_axis: the ``shard_map`` axis of the ``EP`` expert ranks; ``None``: one rank.
       sequence_axis: under sequence parallelism, the tensor axis the sequence is split
         over (the aux loss counts the whole sequence, see the module docstring).
+      expert_tensor_axis: expert tensor parallelism over this axis (``etp`` ranks; needs
+        sequence parallelism over it: each tensor rank routes its own tokens).
       buckets: optional ``(bucket, fc1 offset, fc2 offset)``: expert weight gradients go
         into that flat fp32 bucket (threaded, see :func:`grouped_linear`).
       main_grads: instead of ``buckets``, the ``(fc1, fc2)`` weights'
@@ -351,30 +228,15 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
     """
     e, k = cfg.num_experts, cfg.topk
     ep = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
-    e_local = params["fc1"].shape[0]
-    if e_local * ep != e or params["router"].shape != (e, x.shape[-1]):
-        raise ValueError(
-            f"moe_mlp: num_moe_experts ({e}) must equal expert_model_parallel_size ({ep}) x "
-            f"local experts ({e_local}), router [E, H] = {list(params['router'].shape)} for "
-            f"x {list(x.shape)}")
+    etp = 1 if expert_tensor_axis is None else jax.lax.axis_size(expert_tensor_axis)
+    _expert_shapes(params, cfg, x, ep, etp)
     t, h = x.shape
-    f = cfg.ffn_hidden_size
-    f1 = 2 * f if cfg.swiglu else f
-    if params["fc1"].shape != (e_local, f1, h) or params["fc2"].shape != (e_local, h, f):
-        raise ValueError(
-            f"moe_mlp: expert weights must be fc1 [E/EP, {'2 x ' if cfg.swiglu else ''}"
-            f"moe_ffn_hidden_size, H] = {[e_local, f1, h]} and fc2 [E/EP, H, "
-            f"moe_ffn_hidden_size] = {[e_local, h, f]}; got fc1 "
-            f"{list(params['fc1'].shape)}, fc2 {list(params['fc2'].shape)}")
-    cap = cfg.capacity(t)
     probs, experts, gates = route(x, params["router"], k)
-    slot, kept = dispatch_slots(experts, e, cap)
-    # Dropped choices are scattered to slot C (out of bounds: mode="drop").
-    target = jnp.where(kept, slot, cap)
-    buf = jnp.zeros((e, cap, h), x.dtype).at[experts, target].set(
-        jnp.broadcast_to(x[:, None, :], (t, k, h)), mode="drop")
-    local = _exchange(buf, expert_axis, ep)
-    opts = dict(precision=precision, overlap_wgrad=cfg.overlap_wgrad)
+    exchange = dict(expert_axis=expert_axis, ep=ep, tensor_axis=expert_tensor_axis,
+                    num_experts=e)
+    dispatcher = (DroplessDispatch(**exchange) if cfg.capacity_factor is None
+                  else CapacityDispatch(**exchange, capacity=cfg.capacity(t)))
+    rows, sizes, state = dispatcher.dispatch(x, experts)
     owner = None
     if buckets is not None:
         if main_grads is not None:
@@ -382,12 +244,14 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
         owner = WgradBuckets((buckets[0],))
         main_grads = (owner.slot(0, buckets[1]), owner.slot(0, buckets[2]))
     mg1, mg2 = main_grads or (None, None)
-    hid = grouped_linear(local, params["fc1"], main_grad=mg1, **opts)
-    out = grouped_linear(cfg.activation(hid), params["fc2"], main_grad=mg2, **opts)
-    back = _exchange_back(out, expert_axis, ep)
-    picked = back.at[experts, target].get(mode="fill", fill_value=0)  # [T, k, H]
-    weights = jnp.where(kept, gates, 0.0).astype(x.dtype)
-    y = jnp.einsum("tkh,tk->th", picked, weights)
+    opts = dict(precision=precision, overlap_wgrad=cfg.overlap_wgrad)
+    fc1 = params["fc1"].reshape(params["fc1"].shape[0], -1, h)  # SwiGLU: gate, up rows
+    if sizes is None:
+        linear = lambda a, w, mg: grouped_linear(a, w, main_grad=mg, **opts)
+    else:
+        linear = lambda a, w, mg: ragged_linear(a, w, sizes, main_grad=mg, **opts)
+    out = linear(cfg.activation(linear(rows, fc1, mg1)), params["fc2"], mg2)
+    y = dispatcher.combine(out, gates, state)
     tokens_per_expert = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))
     counts, total = tokens_per_expert, t
     if sequence_axis is not None:
@@ -396,5 +260,8 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
     aux = (load_balancing_loss(probs, jax.lax.stop_gradient(counts), k, cfg.aux_loss_coeff,
                                total)
            if cfg.load_balancing_type == "aux_loss" else jnp.zeros((), jnp.float32))
-    stats = MoEStats(aux, tokens_per_expert, jnp.sum(~kept) / jnp.float32(kept.size))
+    kept = dispatcher.kept(state)
+    dropped = jnp.zeros((), jnp.float32) if kept is None else \
+        jnp.sum(~kept) / jnp.float32(kept.size)
+    stats = MoEStats(aux, tokens_per_expert, dropped)
     return ((y, owner.buckets[0]) if owner is not None else y), stats

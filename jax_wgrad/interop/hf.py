@@ -13,7 +13,7 @@ views; so the two directions cannot disagree. Layouts:
   ``h // hpg``, the same grouping). RoPE is HF's ``rotate_half`` convention here too, so no
   permutation of rows.
 * ``gate_proj``/``up_proj`` -> ``fc1 [2, F, H]``, ``down_proj`` -> ``fc2``;
-  Mixtral's ``w1``/``w3`` -> ``experts.fc1 [E, 2F, H]`` rows ``[:F]``/``[F:]``, ``w2`` ->
+  Mixtral's ``w1``/``w3`` -> ``experts.fc1 [E, 2, F, H]`` ``[:, 0]``/``[:, 1]``, ``w2`` ->
   ``experts.fc2``, ``block_sparse_moe.gate`` -> ``router`` (transformers 5's in-memory
   names ``mlp.gate``/``mlp.experts.gate_up_proj``/``down_proj`` are read too).
 
@@ -67,10 +67,9 @@ def _get(tree: dict, leaf: str):
     return tree
 
 
-def _region(leaf: str, *index, rows: slice | None = None) -> Callable[[dict], np.ndarray]:
+def _region(leaf: str, *index) -> Callable[[dict], np.ndarray]:
     def view(params):
-        a = _get(params, leaf)[index] if index else _get(params, leaf)
-        return a if rows is None else a[rows]
+        return _get(params, leaf)[index] if index else _get(params, leaf)
     return view
 
 
@@ -125,9 +124,9 @@ def _experts(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
                     _region(f"{key}.router", j))]
     for e in range(e_num):
         out += [HFTensor(f"{q}experts.{e}.w1.weight", (f, h), fc1,
-                         _region(fc1, j, e, rows=slice(0, f))),
+                         _region(fc1, j, e, 0)),
                 HFTensor(f"{q}experts.{e}.w3.weight", (f, h), fc1,
-                         _region(fc1, j, e, rows=slice(f, 2 * f))),
+                         _region(fc1, j, e, 1)),
                 HFTensor(f"{q}experts.{e}.w2.weight", (h, f), fc2, _region(fc2, j, e))]
     return out
 

@@ -27,8 +27,12 @@ class ParallelConfig:
     """Pipeline stages; the transformer layers are split evenly over them."""
     expert_model_parallel_size: int = 1
     """Devices the experts of every MoE layer are split over (Megatron EP), carved out of
-    the data-parallel ranks: each holds its own tokens and ``E / EP`` experts. Experts are
-    replicated over ``tensor`` (Megatron's ``expert_tensor_parallel_size = 1``)."""
+    the data-parallel ranks: each holds its own tokens and ``E / EP`` experts."""
+    expert_tensor_parallel_size: int | None = None
+    """Megatron's ``--expert-tensor-parallel-size``: tensor ranks each expert's weights are
+    split over (on its FFN width). ``None``: ``tensor_model_parallel_size`` (Megatron's
+    default); ``1``: experts replicated over the tensor ranks. On the ``(data, expert,
+    tensor, pipeline)`` mesh the expert-tensor group is the tensor axis: 1 or tp."""
     micro_batch_size: int = 1
     """Sequences per microbatch per data-parallel rank."""
     global_batch_size: int | None = None
@@ -112,6 +116,7 @@ class ParallelConfig:
                 f"micro batch size ({self.micro_batch_size}) times data parallel size ({dp})"
             )
         self._validate_deferral()
+        self._validate_expert_tensor_parallel()
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {sorted(SCHEDULES)}, got "
                              f"{self.pipeline_schedule!r}")
@@ -133,6 +138,17 @@ class ParallelConfig:
                 stacklevel=2,
             )
             object.__setattr__(self, "sequence_parallel", False)
+
+    def _validate_expert_tensor_parallel(self) -> None:
+        tp, etp = self.tensor_model_parallel_size, self.expert_tensor_parallel_size
+        if etp is None:  # Megatron's default (arguments.py)
+            object.__setattr__(self, "expert_tensor_parallel_size", tp)
+            return
+        check_positive("expert_tensor_parallel_size", etp)
+        if etp not in (1, tp):
+            raise ValueError(f"expert_tensor_parallel_size ({etp}) must be 1 or "
+                             f"tensor_model_parallel_size ({tp}): the expert-tensor group is "
+                             "the tensor axis of the (data, expert, tensor, pipeline) mesh")
 
     def _validate_deferral(self) -> None:
         if not isinstance(self.defer_embedding_wgrad_compute, bool):

@@ -18,13 +18,14 @@ __all__ = ["reference_moe_mlp"]
 def reference_moe_mlp(params: dict[str, jax.Array], x: jax.Array,
                       cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
     """``(y [T, H], aux_loss)`` of tokens ``x [T, H]`` with ALL experts' weights
-    (``router [E, H]``, ``fc1 [E, F, H]`` (``[E, 2F, H]`` with SwiGLU), ``fc2 [E, H, F]``), in
-    fp32 ``jnp``."""
+    (``router [E, H]``, ``fc1 [E, F, H]`` (``[E, 2, F, H]`` with SwiGLU), ``fc2 [E, H, F]``),
+    in fp32 ``jnp``."""
     hp = jax.lax.Precision.HIGHEST
     logits = jnp.dot(x.astype(jnp.float32), params["router"].T.astype(jnp.float32), precision=hp)
     top, experts = jax.lax.top_k(logits, cfg.topk)
     gates = jax.nn.softmax(top, axis=-1)
-    hidden = cfg.activation(jnp.einsum("th,efh->tef", x, params["fc1"], precision=hp))
+    fc1 = params["fc1"].reshape(cfg.num_experts, -1, x.shape[-1])  # SwiGLU: gate, up rows
+    hidden = cfg.activation(jnp.einsum("th,efh->tef", x, fc1, precision=hp))
     every = jnp.einsum("tef,ehf->teh", hidden, params["fc2"], precision=hp)  # [T, E, H]
     chosen = jnp.take_along_axis(every, experts[:, :, None], axis=1)       # [T, k, H]
     y = jnp.sum(chosen * gates[:, :, None], axis=1)

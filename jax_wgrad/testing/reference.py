@@ -93,7 +93,10 @@ def _forward(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig, mb: int, dt
         h = _norm(x, p["ln2"], cfg).reshape(b // mb, mb * s, -1)
         w = {"router": p["router"], **p["experts"]}
         y, aux = jax.vmap(lambda t: reference_moe_mlp(w, t, moe_cfg))(h)
-        return x + y.reshape(x.shape).astype(dtype), jnp.mean(aux)
+        y = y.reshape(x.shape).astype(dtype)
+        if "shared_expert" in p:  # Megatron's shared experts: a dense MLP beside them
+            y = y + _mlp(_norm(x, p["ln2"], cfg), p["shared_expert"], cfg)
+        return x + y, jnp.mean(aux)
 
     aux_total = jnp.float32(0.0)
     index = {"layers": 0, "moe_layers": 0}

@@ -127,6 +127,10 @@ class GPTConfig:
     """Expert weight gradients by ONE grouped fused wgrad call per expert linear into the
     gradient bucket (with gradient accumulation fusion); off: ordinary gradients (XLA's
     batched einsum), added to the bucket like a bias gradient."""
+    moe_shared_expert_intermediate_size: int | None = _gpt_moe_option(None)
+    """Width of the shared experts' MLP on every MoE layer (Megatron's
+    ``--moe-shared-expert-intermediate-size``: the shared experts' total size, e.g. 2
+    shared experts of ``F`` -> ``2F``); ``None``: no shared experts."""
     moe_layer_freq: int = _gpt_moe_option(1)
     """Every ``moe_layer_freq``-th layer (0, N, 2N, ...) is an MoE layer (Megatron's
     ``[1 if i % N == 0 else 0 for i in range(num_layers)]``); the others are dense."""
@@ -203,6 +207,9 @@ class GPTConfig:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
         self.moe_config()  # checks num_experts, F, top-k, capacity factor, loss type, coeff
         check_positive("moe_layer_freq", self.moe_layer_freq)
+        if self.moe_shared_expert_intermediate_size is not None:
+            check_positive("moe_shared_expert_intermediate_size",
+                           self.moe_shared_expert_intermediate_size)
         if self.moe_token_dispatcher_type != "alltoall":
             raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is "
                              "not supported; only 'alltoall' is implemented")

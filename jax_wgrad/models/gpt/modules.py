@@ -36,7 +36,7 @@ from jax_wgrad.nn.tensor_parallel import (
 )
 from jax_wgrad.parallel.mesh import EXPERT, PIPELINE, TENSOR
 
-__all__ = ["TransformerLayer", "MoEExperts", "GPTEmbedding", "GPTHead"]
+__all__ = ["TransformerLayer", "MoEExperts", "SharedExpertMLP", "GPTEmbedding", "GPTHead"]
 
 
 def _dtype(cfg: GPTConfig) -> jnp.dtype:
@@ -44,20 +44,56 @@ def _dtype(cfg: GPTConfig) -> jnp.dtype:
 
 
 class MoEExperts(nnx.Module):
-    """The expert weights of one MoE layer: ``fc1 [E/EP, F, H]`` (``[E/EP, 2F, H]`` with
-    SwiGLU), ``fc2 [E/EP, H, F]`` (split over the expert axis on dim 0, replicated over
-    tensor ranks; no biases)."""
+    """The expert weights of one MoE layer: ``fc1 [E/EP, F/etp, H]`` (``[E/EP, 2, F/etp, H]``
+    with SwiGLU: gate rows, then up rows), ``fc2 [E/EP, H, F/etp]``, no biases; split over
+    the expert axis on dim 0 and, with expert tensor parallelism (``etp_size`` > 1), over
+    ``tensor`` on ``F`` (else replicated over the tensor ranks)."""
 
-    def __init__(self, cfg: GPTConfig, *, ep_size: int, rngs: nnx.Rngs):
-        e, h, f = cfg.num_moe_experts // ep_size, cfg.hidden_size, cfg.moe_ffn_hidden_size
-        facts = param_facts(None, weight_decay=True, fused_wgrad=cfg.moe_grouped_gemm,
-                            expert_axis=0)
+    def __init__(self, cfg: GPTConfig, *, ep_size: int, etp_size: int = 1, rngs: nnx.Rngs):
+        e, h = cfg.num_moe_experts // ep_size, cfg.hidden_size
+        f = cfg.moe_ffn_hidden_size // etp_size
+        split = etp_size > 1
+        facts = lambda f_axis: param_facts(f_axis if split else None, weight_decay=True,
+                                           fused_wgrad=cfg.moe_grouped_gemm, expert_axis=0)
         out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
-        f1 = 2 * f if cfg.swiglu else f  # SwiGLU: each expert's gate rows, then its up rows
-        self.fc1 = nnx.Param(cfg.init_method_std
-                             * jax.random.normal(rngs.params(), (e, f1, h), jnp.float32), **facts)
+        fc1 = (e, 2, f, h) if cfg.swiglu else (e, f, h)
+        self.fc1 = nnx.Param(cfg.init_method_std * jax.random.normal(
+            rngs.params(), fc1, jnp.float32), **facts(len(fc1) - 2))
         self.fc2 = nnx.Param(out_std * jax.random.normal(rngs.params(), (e, h, f), jnp.float32),
-                             **facts)
+                             **facts(2))
+
+
+class SharedExpertMLP(nnx.Module):
+    """Megatron's shared experts (``--moe-shared-expert-intermediate-size``): a dense MLP
+    of that width beside the routed experts, tensor-parallel like the dense MLP (its
+    linears' weight gradients fused into the layer buckets like any dense linear)."""
+
+    def __init__(self, cfg: GPTConfig, *, common: dict, rngs: nnx.Rngs):
+        h, f = cfg.hidden_size, cfg.moe_shared_expert_intermediate_size
+        out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
+        self.swiglu = cfg.swiglu
+        self.fc1 = ColumnParallelLinear(h, f, use_bias=cfg.add_bias_linear, gated=cfg.swiglu,
+                                        init_std=cfg.init_method_std, rngs=rngs, **common)
+        self.fc2 = RowParallelLinear(f, h, use_bias=cfg.add_bias_linear, init_std=out_std,
+                                     rngs=rngs, **common)
+
+    def __call__(self, x: jax.Array, *, main_grads: Mapping[str, Any] | None = None
+                 ) -> jax.Array:
+        """``[b, s(/tp), H]`` -> same shape; ``main_grads`` as for :class:`TransformerLayer`."""
+        return _mlp(self, x, main_grads or {})
+
+
+def _mlp(module: nnx.Module, x: jax.Array, mg: Mapping[str, Any]) -> jax.Array:
+    """``module.fc2(act(module.fc1(x)))``: GELU, or SwiGLU on this rank's gate features and
+    its up features; ``mg``: the main grads of ``module``'s linears."""
+    weight = lambda name: (mg.get(name) or {}).get("weight")
+    hidden = module.fc1(x, main_grad=weight("fc1"))
+    if module.swiglu:
+        gate, up = jnp.split(hidden, 2, axis=-1)
+        hidden = jax.nn.silu(gate) * up
+    else:
+        hidden = jax.nn.gelu(hidden, approximate=False)
+    return module.fc2(hidden, main_grad=weight("fc2"))
 
 
 class TransformerLayer(nnx.Module):
@@ -66,7 +102,9 @@ class TransformerLayer(nnx.Module):
     Activations ``[b, s, H]`` (``[b, s / tp, H]`` with sequence parallelism). With
     ``moe=True`` the MLP is ``cfg``'s Mixture of Experts (:func:`~jax_wgrad.functional.moe_mlp`):
     a router ``[E, H]`` and :class:`MoEExperts` (``ep_size`` expert-parallel ranks over
-    :data:`~jax_wgrad.parallel.mesh.EXPERT`); each tensor rank routes its own tokens.
+    :data:`~jax_wgrad.parallel.mesh.EXPERT`; ``etp_size`` > 1: expert tensor parallelism
+    over the tensor ranks), plus a :class:`SharedExpertMLP` when the model has shared
+    experts; each tensor rank routes its own tokens.
     """
 
     def __init__(
@@ -79,6 +117,7 @@ class TransformerLayer(nnx.Module):
         attention: str = "xla",
         moe: bool = False,
         ep_size: int = 1,
+        etp_size: int = 1,
         rngs: nnx.Rngs,
     ):
         h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
@@ -113,8 +152,10 @@ class TransformerLayer(nnx.Module):
         self.router = nnx.Param(cfg.init_method_std * jax.random.normal(
             rngs.params(), (cfg.num_moe_experts, h), jnp.float32),
             **param_facts(None, weight_decay=True))
-        self.experts = MoEExperts(cfg, ep_size=ep_size, rngs=rngs)
-        self.ep_size, self.tp_size = ep_size, tp_size
+        self.experts = MoEExperts(cfg, ep_size=ep_size, etp_size=etp_size, rngs=rngs)
+        if cfg.moe_shared_expert_intermediate_size is not None:
+            self.shared_expert = SharedExpertMLP(cfg, common=common, rngs=rngs)
+        self.ep_size, self.tp_size, self.etp_size = ep_size, tp_size, etp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
     def __call__(
@@ -138,17 +179,14 @@ class TransformerLayer(nnx.Module):
         if self.moe is not None:
             experts = mg.get("experts") or {}
             slots = (experts.get("fc1"), experts.get("fc2"))
-            return x + self._moe_mlp(self.ln2(x), None if slots[0] is None else slots,
-                                     moe_stats)
+            h = self.ln2(x)
+            y = self._moe_mlp(h, None if slots[0] is None else slots, moe_stats)
+            if hasattr(self, "shared_expert"):
+                with jax.named_scope("shared_expert"):
+                    y = y + self.shared_expert(h, main_grads=mg.get("shared_expert"))
+            return x + y
         with jax.named_scope("mlp"):
-            hidden = self.fc1(self.ln2(x), main_grad=weight("fc1"))
-            if self.swiglu:  # this rank's gate features, then its up features
-                gate, up = jnp.split(hidden, 2, axis=-1)
-                hidden = jax.nn.silu(gate) * up
-            else:
-                hidden = jax.nn.gelu(hidden, approximate=False)
-            x = x + self.fc2(hidden, main_grad=weight("fc2"))
-        return x
+            return x + _mlp(self, self.ln2(x), mg)
 
     def _attention(self, h: jax.Array, qkv_grad) -> jax.Array:
         """``[b, s(/tp), H]`` -> the attention output ``[b, s, heads/tp * d]`` of this
@@ -177,6 +215,7 @@ class TransformerLayer(nnx.Module):
                       "fc2": self.experts.fc2[...]}
             y, stats = moe_mlp(params, h.reshape(b * s, hid), self.moe,
                                expert_axis=EXPERT if self.ep_size > 1 else None,
+                               expert_tensor_axis=TENSOR if self.etp_size > 1 else None,
                                sequence_axis=TENSOR if self.sequence_parallel else None,
                                main_grads=main_grads)
             if moe_stats is not None:

@@ -244,12 +244,13 @@ def init_params(cfg: GPTConfig, seed: int) -> Params:
 
 
 def abstract_modules(cfg: GPTConfig, tp: int = 1, sp: bool = False, attention: str = "xla",
-                     ep: int = 1, vocab_pp: int = 1):
+                     ep: int = 1, vocab_pp: int = 1, etp: int = 1):
     """``(embedding, dense layer, MoE layer or None, head)`` modules of the layout, shapes
-    only (no arrays); ``vocab_pp``: the pipeline stages the vocabulary is split over."""
+    only (no arrays); ``vocab_pp``: the pipeline stages the vocabulary is split over;
+    ``etp``: the expert-tensor-parallel size."""
     kw = dict(tp_size=tp, sequence_parallel=sp)
     layer = lambda moe: nnx.eval_shape(lambda: TransformerLayer(
-        cfg, **kw, attention=attention, moe=moe, ep_size=ep, rngs=nnx.Rngs(0)))
+        cfg, **kw, attention=attention, moe=moe, ep_size=ep, etp_size=etp, rngs=nnx.Rngs(0)))
     ends = dict(kw, vocab_pipeline_size=vocab_pp)
     return (
         nnx.eval_shape(lambda: GPTEmbedding(cfg, **ends, rngs=nnx.Rngs(0))),
@@ -271,13 +272,13 @@ def _specs(module: nnx.Module, prefix: tuple[str | None, ...]) -> Params:
     return _walk(nnx.split(module)[1], spec)
 
 
-def param_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False) -> Params:
+def param_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) -> Params:
     """``PartitionSpec`` for every canonical parameter on the ``(data, expert, tensor,
     pipeline)`` mesh: layers split over ``pipeline`` on the stacked dim (expert weights
     over ``expert`` too); embedding and head replicated over ``pipeline`` (only the first /
     last stage uses them), except, with ``vocab_over_pipeline``, the word embedding and
     the output weight: their vocabulary dim split over ``(pipeline, tensor)``."""
-    emb, layer, moe_layer, head = abstract_modules(cfg)
+    emb, layer, moe_layer, head = abstract_modules(cfg, etp=etp)
     out = {"embedding": _specs(emb, ())}
     pattern = cfg.moe_layer_pattern
     if not all(pattern):
@@ -301,7 +302,7 @@ def _grad_spec(v: nnx.Variable, chunk: str, roles: set[str], fused_in: str | Non
                     weight_decay=bool(facts.get("weight_decay")))
 
 
-def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False) -> DeviceTree:
+def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) -> DeviceTree:
     """The :class:`GradSpec` of every leaf of :func:`device_tree`, from the modules'
     parameter metadata and the model's roles: layers in the stage chunk (their linear
     weights fused in :data:`LAYERS`), the MoE layers' expert weights in the expert chunk;
@@ -309,7 +310,7 @@ def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False) -> DeviceTree:
     head by :data:`OUTPUT`; a tied word embedding by both, fused in :data:`OUTPUT` (it is
     the output layer's weight)."""
     emb, layer, moe_layer, head = (None if m is None else nnx.split(m)[1]
-                                   for m in abstract_modules(cfg))
+                                   for m in abstract_modules(cfg, etp=etp))
     orders = module_orders(cfg)
     tied = not cfg.untie_embeddings_and_output_weights
     layer_spec = _walk(layer, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS))

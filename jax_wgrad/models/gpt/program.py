@@ -63,7 +63,7 @@ class GPTProgram:
         emb, layer, moe_layer, head = abstract_modules(
             self.model, self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel,
             self.model.attention_implementation(self.platform),
-            self.parallel.expert_model_parallel_size, self._vocab_pp)
+            self.parallel.expert_model_parallel_size, self._vocab_pp, self._etp)
         object.__setattr__(self, "_emb_def", nnx.split(emb)[0])
         object.__setattr__(self, "_layer_def", nnx.split(layer)[0])
         object.__setattr__(self, "_moe_layer_def",
@@ -99,6 +99,11 @@ class GPTProgram:
         return par.pipeline_model_parallel_size if par.vocab_parallel_over_pipeline else 1
 
     @property
+    def _etp(self) -> int:
+        """Expert-tensor-parallel size of the MoE layers (1 for a dense model)."""
+        return self.parallel.expert_tensor_parallel_size if self.moe else 1
+
+    @property
     def ends_over_pipeline(self) -> bool:
         """``pre`` and ``post`` are collectives over ``pipeline`` (the vocabulary over the
         pipeline): every stage runs them (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`)."""
@@ -111,7 +116,7 @@ class GPTProgram:
 
     def canonical_specs(self) -> Params:
         """``PartitionSpec`` of every canonical parameter on the mesh."""
-        return param_specs(self.model, self._vocab_pp > 1)
+        return param_specs(self.model, self._vocab_pp > 1, self._etp)
 
     def param_specs(self) -> Params:
         """``PartitionSpec`` of every parameter of the layout on the mesh."""
@@ -137,7 +142,7 @@ class GPTProgram:
 
     def grad_specs(self) -> DeviceTree:
         """:class:`~jax_wgrad.grads.GradSpec` of every leaf of the device tree."""
-        return grad_specs(self.model, self._vocab_pp > 1)
+        return grad_specs(self.model, self._vocab_pp > 1, self._etp)
 
     # -- the stage programs
 
