@@ -108,20 +108,28 @@ def _check(ep, tp, etp, topk, fused, skewed, capacity=None, swiglu=False):
         assert counts[0] >= 0.8 * ep * tp * T and counts[E - 1] == 0, counts
 
 
-@pytest.mark.parametrize("ep", [1, 2, 4])
-@pytest.mark.parametrize("topk", [1, 2])
-@pytest.mark.parametrize("skewed", [False, True], ids=["random", "skewed"])
+def _grid(cases, default):
+    """``cases`` as params; those not in ``default`` marked slow (test_moe.py's
+    test_no_drop_equals_dense_reference covers EP 1, 2, 4 x top-1, top-2 without skew)."""
+    return [pytest.param(*c, marks=[] if c in default else [pytest.mark.slow]) for c in cases]
+
+
+@pytest.mark.parametrize("ep, topk, skewed", _grid(
+    [(ep, k, s) for ep in (1, 2, 4) for k in (1, 2) for s in (False, True)],
+    default=[(1, 2, True), (2, 2, True), (4, 1, True)]))
 def test_dropless_equals_dense_reference(ep, topk, skewed):
     _check(ep, 1, 1, topk, fused=True, skewed=skewed)
 
 
-@pytest.mark.parametrize("ep, etp", [(1, 2), (2, 2), (2, 1), (4, 2)])
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("ep, etp, fused", _grid(
+    [(ep, etp, f) for ep, etp in ((1, 2), (2, 2), (2, 1), (4, 2)) for f in (False, True)],
+    default=[(2, 2, True), (2, 1, False), (4, 2, False)]))
 def test_dropless_tensor_parallel_equals_dense_reference(ep, etp, fused):
     """tp = 2 with sequence parallelism; the experts split over tensor (ETP) or not."""
     _check(ep, 2, etp, 2, fused=fused, skewed=True)
 
 
+@pytest.mark.slow
 def test_swiglu_experts_with_expert_tensor_parallelism():
     _check(2, 2, 2, 2, fused=True, skewed=False, swiglu=True)
 

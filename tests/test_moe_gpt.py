@@ -7,7 +7,10 @@ expert-data-parallel ranks) and the distributed optimizer.
 * Megatron's bit-exactness test of ``--overlap-dispatch-backward-with-experts-wgrad``:
   option on vs off, same seed, 3 optimizer steps, every loss and final parameter bitwise
   equal, on (dp, ep, tp, pp) meshes with EP=4, EP=2 with tp=2+SP, EP=2 with pp=2, top-1 and
-  top-2, with and without the distributed optimizer.
+  top-2, with and without the distributed optimizer; and PR 3766's matrix (layers x shared
+  experts x dispatcher: dropless, capacity).
+* Issue 22: dropless experts, expert tensor parallelism and shared experts through the
+  pipeline equal the reference.
 * The configuration's checks (Megatron's wording where it has them).
 """
 
@@ -95,6 +98,27 @@ def test_interleaved_moe_equals_single_device_reference(schedule, vocab):
                      virtual_pipeline_model_parallel_size=2, vocab_parallel_over_pipeline=vocab)
 
 
+@pytest.mark.parametrize("ep, tp, pp, etp, topk, arch", [
+    pytest.param(2, 2, 2, 2, 2, dict(moe_shared_expert_intermediate_size=32),
+                 id="ep2-tp2-pp2-etp2-top2-shared"),
+    pytest.param(2, 2, 1, 1, 1, {}, id="ep2-tp2-etp1-top1"),
+    pytest.param(4, 2, 1, 2, 1, dict(moe_shared_expert_intermediate_size=32),
+                 id="ep4-tp2-etp2-top1-shared", marks=pytest.mark.slow),
+    pytest.param(1, 2, 2, 2, 2, {}, id="ep1-tp2-pp2-etp2-top2", marks=pytest.mark.slow),
+    pytest.param(4, 1, 2, 1, 1, dict(moe_shared_expert_intermediate_size=32, swiglu=True),
+                 id="ep4-pp2-top1-shared-swiglu", marks=pytest.mark.slow),
+    pytest.param(2, 2, 1, 2, 2, dict(moe_expert_capacity_factor=8.0,
+                                     moe_pad_expert_input_to_capacity=True),
+                 id="ep2-tp2-etp2-capacity-E", marks=pytest.mark.slow),
+])
+def test_dropless_layouts_equal_single_device_reference(ep, tp, pp, etp, topk, arch):
+    """Issue 22 through the whole pipeline: dropless experts (ragged GEMMs), expert tensor
+    parallelism on and off, shared experts; the capacity path with ETP where a capacity
+    of ``E`` drops nothing."""
+    _check_gradients(ep, tp, pp, True, 2, arch=dict(arch, moe_router_topk=topk),
+                     expert_tensor_parallel_size=etp)
+
+
 def _check_gradients(ep, tp, pp, fusion, freq, arch=None, **par_kw):
     if fusion and not FUSION:
         pytest.skip("the CPU FFI handler is not built")
@@ -161,16 +185,40 @@ BITWISE = [
 @pytest.mark.parametrize("ep, tp, pp, topk, dist, capacity", BITWISE)
 def test_overlap_option_is_bitwise_equal_over_three_steps(ep, tp, pp, topk, dist, capacity,
                                                           request):
+    schedule = "zb-h1" if "zb-h1" in request.node.name else "1f1b"
+    _check_bitwise(dict(moe_router_topk=topk, moe_expert_capacity_factor=capacity),
+                   _par(ep, tp, pp, gradient_accumulation_fusion=True,
+                        pipeline_schedule=schedule), dist)
+
+
+def _matrix():
+    """PR 3766's matrix: layers x shared experts x dispatcher (EP=2, top-2)."""
+    for layers in (2, 4):
+        for shared in (None, 32):
+            for capacity, name in ((None, "dropless"), (1.0, "capacity")):
+                default = (layers, shared, capacity) == (4, 32, None)
+                yield pytest.param(layers, shared, capacity,
+                                   id=f"{layers}layers-{'shared' if shared else 'routed'}-{name}",
+                                   marks=[] if default else [pytest.mark.slow])
+
+
+@pytest.mark.parametrize("layers, shared, capacity", list(_matrix()))
+def test_overlap_bitwise_matrix(layers, shared, capacity):
+    _check_bitwise(dict(num_layers=layers, moe_shared_expert_intermediate_size=shared,
+                        moe_expert_capacity_factor=capacity),
+                   _par(2, 1, 1, gradient_accumulation_fusion=True), False)
+
+
+def _check_bitwise(model_kw, par, dist):
+    """Megatron's test: the option on vs off, same seed, 3 optimizer steps, every loss and
+    final parameter bitwise equal."""
     if not FUSION:
         pytest.skip("the option needs the grouped fused wgrad (CPU FFI handler not built)")
-    pad = capacity is not None
+    pad = model_kw.get("moe_expert_capacity_factor") is not None
     runs = []
     for overlap in (False, True):
-        cfg = _model(moe_router_topk=topk, moe_expert_capacity_factor=capacity,
-                     moe_pad_expert_input_to_capacity=pad,
+        cfg = _model(**model_kw, moe_pad_expert_input_to_capacity=pad,
                      overlap_dispatch_backward_with_experts_wgrad=overlap)
-        par = _par(ep, tp, pp, gradient_accumulation_fusion=True,
-                   pipeline_schedule="zb-h1" if "zb-h1" in request.node.name else "1f1b")
         runs.append(_train(cfg, par, DDPConfig(use_distributed_optimizer=dist,
                                                overlap_grad_reduce=True)))
     (loss_off, params_off, _), (loss_on, params_on, _) = runs
@@ -211,6 +259,12 @@ def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
     (dict(moe_layer_freq=3), dict(pipeline_model_parallel_size=2),
      r"layers per pipeline stage \(2\) must be divisible by moe_layer_freq \(3\)"),
     (dict(), dict(), "moe_grouped_gemm needs gradient_accumulation_fusion"),
+    (dict(moe_ffn_hidden_size=50), dict(tensor_model_parallel_size=4, sequence_parallel=True),
+     r"moe_ffn_hidden_size \(50\) must be divisible by expert_tensor_parallel_size \(4\)"),
+    (dict(moe_shared_expert_intermediate_size=50),
+     dict(tensor_model_parallel_size=4, sequence_parallel=True, expert_tensor_parallel_size=1),
+     r"moe_shared_expert_intermediate_size \(50\) must be divisible by "
+     r"tensor_model_parallel_size \(4\)"),
 ])
 def test_layout_checks(kw, par_kw, match):
     cfg = GPTConfig(num_layers=4) if kw is None else _model(**kw)
@@ -230,10 +284,19 @@ def test_layout_checks(kw, par_kw, match):
     (dict(moe_router_load_balancing_type="sinkhorn"), "'sinkhorn' is not supported"),
     (dict(num_moe_experts=None, moe_grouped_gemm=True), r"MoE options \['moe_grouped_gemm'\] "
      "need num_moe_experts"),
+    (dict(moe_shared_expert_intermediate_size=0),
+     "moe_shared_expert_intermediate_size must be a positive integer"),
 ])
 def test_config_checks(kw, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**kw) if kw.get("num_moe_experts", 8) is None else _model(**kw)
+
+
+def test_expert_tensor_parallel_size_is_1_or_tp():
+    assert ParallelConfig(tensor_model_parallel_size=2).expert_tensor_parallel_size == 2
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(4\) must be 1 or "
+                                         r"tensor_model_parallel_size \(2\)"):
+        ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=4)
 
 
 def test_expert_parallel_size_must_divide_data_parallel_size():

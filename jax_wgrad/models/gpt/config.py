@@ -335,9 +335,17 @@ def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:
     if model.num_moe_experts % ep != 0:
         raise ValueError(f"Number of experts ({model.num_moe_experts}) should be a multiple of "
                          f"expert model parallel_size ({ep}).")
-    if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+    tp, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
+    if tp > 1 and not parallel.sequence_parallel:
         raise ValueError("When using MoE and tensor parallelism, sequence parallelism must "
                          "be used.")
+    if model.moe_ffn_hidden_size % etp != 0:
+        raise ValueError(f"moe_ffn_hidden_size ({model.moe_ffn_hidden_size}) must be "
+                         f"divisible by expert_tensor_parallel_size ({etp})")
+    shared = model.moe_shared_expert_intermediate_size
+    if shared is not None and shared % tp != 0:
+        raise ValueError(f"moe_shared_expert_intermediate_size ({shared}) must be divisible "
+                         f"by tensor_model_parallel_size ({tp})")
     per_stage = model.num_layers // (parallel.pipeline_model_parallel_size
                                      * parallel.num_model_chunks)
     if per_stage % model.moe_layer_freq != 0:
