@@ -47,6 +47,7 @@ BLOCKS = {
     "benchmarks/step_vs_plain_jax.py": "gpu",
     "--compile-only": "skip: needs jax's CUDA plugin (tests/test_aot.py runs it where it is)",
     "--num-layers-per-virtual-pipeline-stage": "slow",
+    "--moe-shared-expert-intermediate-size 128": "slow",
 }
 
 
