@@ -243,6 +243,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, default=None,
                    help="width of the shared experts' MLP beside the routed experts on every "
                         "MoE layer (absent: no shared experts)")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="let the shared experts run while the dispatcher's all-to-alls are in "
+                        "flight (absent: after the routed experts)")
     g.add_argument("--moe-layer-freq", type=int, default=model_default("moe_layer_freq"),
                    help="every N-th layer is an MoE layer (layers 0, N, 2N, ...)")
     g.add_argument("--overlap-dispatch-backward-with-experts-wgrad", action="store_true",
@@ -389,6 +392,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
             moe_grouped_gemm=args.moe_grouped_gemm, moe_layer_freq=args.moe_layer_freq,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_shared_expert_overlap=args.moe_shared_expert_overlap,
             layer_scan_unroll=args.layer_scan_unroll,
             overlap_dispatch_backward_with_experts_wgrad=(
                 args.overlap_dispatch_backward_with_experts_wgrad))
@@ -491,7 +495,8 @@ def describe(plan, data, state) -> list[str]:
            + ("dropless" if model.moe_expert_capacity_factor is None else
               f"capacity factor {model.moe_expert_capacity_factor}")
            + ("" if model.moe_shared_expert_intermediate_size is None else
-              f", shared experts {model.moe_shared_expert_intermediate_size}")
+              f", shared experts {model.moe_shared_expert_intermediate_size}"
+              + (" (overlapped)" if model.moe_shared_expert_overlap else ""))
            + ", overlap dispatch backward with experts wgrad "
            f"{model.overlap_dispatch_backward_with_experts_wgrad}"),
     ]

@@ -99,8 +99,9 @@ def test_interleaved_moe_equals_single_device_reference(schedule, vocab):
 
 
 @pytest.mark.parametrize("ep, tp, pp, etp, topk, arch", [
-    pytest.param(2, 2, 2, 2, 2, dict(moe_shared_expert_intermediate_size=32),
-                 id="ep2-tp2-pp2-etp2-top2-shared"),
+    pytest.param(2, 2, 2, 2, 2, dict(moe_shared_expert_intermediate_size=32,
+                                     moe_shared_expert_overlap=True),
+                 id="ep2-tp2-pp2-etp2-top2-shared-overlap"),
     pytest.param(2, 2, 1, 1, 1, {}, id="ep2-tp2-etp1-top1"),
     pytest.param(4, 2, 1, 2, 1, dict(moe_shared_expert_intermediate_size=32),
                  id="ep4-tp2-etp2-top1-shared", marks=pytest.mark.slow),
@@ -286,10 +287,41 @@ def test_layout_checks(kw, par_kw, match):
      "need num_moe_experts"),
     (dict(moe_shared_expert_intermediate_size=0),
      "moe_shared_expert_intermediate_size must be a positive integer"),
+    (dict(moe_shared_expert_overlap=True),
+     r"moe_shared_expert_overlap needs shared experts \(moe_shared_expert_intermediate_size\)"),
 ])
 def test_config_checks(kw, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**kw) if kw.get("num_moe_experts", 8) is None else _model(**kw)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hlo_shared_experts_wait_for_the_routed_experts_unless_overlapped(overlap):
+    """``moe_shared_expert_overlap``: in the program given to XLA (an MoE layer's forward,
+    EP = 2), the shared experts' GEMMs depend on the layer's all-to-alls (they run after
+    the routed experts, Megatron's order) exactly when the option is off."""
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from hlo_util import INSTRUCTION, ancestors, dataflow
+    from jax_wgrad.models.gpt import TransformerLayer
+    from jax_wgrad.parallel.mesh import EXPERT
+
+    cfg = _model(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=overlap)
+    graphdef, state = nnx.split(TransformerLayer(cfg, moe=True, ep_size=2, rngs=nnx.Rngs(0)))
+    fn = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x),
+                       mesh=Mesh(np.array(jax.devices()[:2]), (EXPERT,)),
+                       in_specs=(P(), P(EXPERT)), out_specs=P(EXPERT), check_vma=False)
+    x = np.zeros((4, cfg.seq_length, cfg.hidden_size), np.float32)
+    lines = [l.strip() for l in jax.jit(fn).lower(state, x).as_text(
+        dialect="hlo", debug_info=True).splitlines()]
+    graph = dataflow(lines)
+    name = lambda l: INSTRUCTION.match(l).group(1)
+    a2a = {name(l) for l in lines if INSTRUCTION.match(l) and " all-to-all(" in l}
+    shared = [name(l) for l in lines if INSTRUCTION.match(l) and " dot(" in l
+              and "shared_expert/" in l]
+    assert len(a2a) >= 2 and len(shared) == 2  # dispatch, combine; fc1, fc2
+    assert all(bool(ancestors(graph, d) & a2a) != overlap for d in shared)
 
 
 def test_expert_tensor_parallel_size_is_1_or_tp():

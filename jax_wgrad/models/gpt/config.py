@@ -131,6 +131,11 @@ class GPTConfig:
     """Width of the shared experts' MLP on every MoE layer (Megatron's
     ``--moe-shared-expert-intermediate-size``: the shared experts' total size, e.g. 2
     shared experts of ``F`` -> ``2F``); ``None``: no shared experts."""
+    moe_shared_expert_overlap: bool = _gpt_moe_option(False)
+    """Megatron's ``--moe-shared-expert-overlap``: the shared experts may run while the
+    dispatcher's all-to-alls are in flight (no dependence on the routed experts). Off: the
+    shared experts start after the routed experts' output (an ``optimization_barrier``),
+    Megatron's order without the option. Same arithmetic either way."""
     moe_layer_freq: int = _gpt_moe_option(1)
     """Every ``moe_layer_freq``-th layer (0, N, 2N, ...) is an MoE layer (Megatron's
     ``[1 if i % N == 0 else 0 for i in range(num_layers)]``); the others are dense."""
@@ -210,6 +215,9 @@ class GPTConfig:
         if self.moe_shared_expert_intermediate_size is not None:
             check_positive("moe_shared_expert_intermediate_size",
                            self.moe_shared_expert_intermediate_size)
+        elif self.moe_shared_expert_overlap:
+            raise ValueError("moe_shared_expert_overlap needs shared experts "
+                             "(moe_shared_expert_intermediate_size)")
         if self.moe_token_dispatcher_type != "alltoall":
             raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is "
                              "not supported; only 'alltoall' is implemented")

@@ -155,6 +155,7 @@ class TransformerLayer(nnx.Module):
         self.experts = MoEExperts(cfg, ep_size=ep_size, etp_size=etp_size, rngs=rngs)
         if cfg.moe_shared_expert_intermediate_size is not None:
             self.shared_expert = SharedExpertMLP(cfg, common=common, rngs=rngs)
+            self.shared_expert_overlap = cfg.moe_shared_expert_overlap
         self.ep_size, self.tp_size, self.etp_size = ep_size, tp_size, etp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
@@ -182,6 +183,8 @@ class TransformerLayer(nnx.Module):
             h = self.ln2(x)
             y = self._moe_mlp(h, None if slots[0] is None else slots, moe_stats)
             if hasattr(self, "shared_expert"):
+                if not self.shared_expert_overlap:  # after the routed experts (Megatron)
+                    y, h = jax.lax.optimization_barrier((y, h))
                 with jax.named_scope("shared_expert"):
                     y = y + self.shared_expert(h, main_grads=mg.get("shared_expert"))
             return x + y
