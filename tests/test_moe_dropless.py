@@ -146,3 +146,28 @@ def test_group_by_expert_orders_the_sources_by_local_expert():
     assert sizes.tolist() == [3, 2, 1]
     # expert 0: s0 rows 0, 1 then s1 row 0; expert 1: s1 rows 1, 2; expert 2: s0 row 2.
     assert dest.tolist() == [[0, 1, 5, 8], [2, 3, 4, 8]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--expert-tensor-parallel-size", "3"],
+     r"expert.tensor.parallel.size \(3\) must be 1 or (--)?tensor.model.parallel.size \(2\)"),
+    (["--moe-shared-expert-overlap"],
+     r"moe.shared.expert.overlap needs shared experts \((--)?moe.shared.expert.intermediate.size\)"),
+    (["--moe-shared-expert-intermediate-size", "0"],
+     "argument --moe-shared-expert-intermediate-size: must be >= 1"),
+    (["--tensor-model-parallel-size", "4", "--sequence-parallel", "--moe-ffn-hidden-size",
+      "50"], r"moe.ffn.hidden.size \(50\) must be divisible by (--)?expert.tensor.parallel.size "
+             r"\(4\)"),
+], ids=["etp", "overlap-without-shared", "shared-size", "ffn-etp"])
+def test_example_moe_flags_fail_loudly(example, capsys, argv, message):
+    import re
+
+    small = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+             "--no-progress", "--num-experts", "8", "--train-iters", "1"]
+    with pytest.raises(SystemExit) as exc:
+        example.main(small + argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert re.search(message, err), err
