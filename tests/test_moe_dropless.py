@@ -1,7 +1,10 @@
 """Issue 22: the dropless MoE layer (tokens sorted by expert, ragged grouped GEMMs) and
 expert tensor parallelism, against the dense single-device reference (every token
-through its top-k experts, nothing dropped), skewed routing included; its expert GEMM work
-is the routed rows (XLA's cost analysis of the step and the ragged calls' row counts)."""
+through its top-k experts, nothing dropped), skewed routing included; the delayed expert
+wgrad's order on the ragged path (HLO); the example's MoE flags fail loudly. The expert
+GEMM FLOPs: tests/test_moe_flops.py."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -171,3 +174,33 @@ def test_example_moe_flags_fail_loudly(example, capsys, argv, message):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err, err
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hlo_delayed_ragged_wgrad_frees_the_dispatch_backward(overlap):
+    """``--overlap-dispatch-backward-with-experts-wgrad`` on the dropless path (EP = 4): in
+    the program given to XLA the dispatch-backward all-to-all waits for the ragged expert
+    wgrads exactly when the option is off; compiled, with the option, no all-to-all
+    depends on them and each updates the bucket in place."""
+    from hlo_util import INSTRUCTION, ancestors, dataflow
+    from jax_wgrad.ops import registry
+
+    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=2, aux_loss_coeff=1e-2,
+                    overlap_wgrad=overlap)
+    params, (x, r) = _params(False), _data(4 * T, False)
+    lowered = _sharded(cfg, 4, 1, 1, fused=True).lower(params, x, r)
+    for text, compiled in ((lowered.as_text(dialect="hlo"), False),
+                           (lowered.compile().as_text(), True)):
+        if compiled and not overlap:
+            continue
+        lines = [l.strip() for l in text.splitlines()]
+        graph = dataflow(lines)
+        name = lambda l: INSTRUCTION.match(l).group(1)
+        a2a = [name(l) for l in lines if INSTRUCTION.match(l)
+               and re.search(r" all-to-all(-start)?\(", l)]
+        wgrads = [l for l in lines if f'custom_call_target="{registry.RAGGED_WGRAD_TARGET}"' in l]
+        assert len(wgrads) == 2 and len(a2a) >= 5  # rows, counts, combine; 2 transposes
+        waits = [any(name(w) in ancestors(graph, a) for a in a2a) for w in wgrads]
+        assert waits == [not overlap] * 2
+        if compiled:
+            assert all("output_to_operand_aliasing" in w for w in wgrads)
