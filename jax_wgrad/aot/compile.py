@@ -130,7 +130,7 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
       fusion: the line that says how the fused path was checked (default: skipped when
         fusion is on).
     """
-    from jax_wgrad.ops.registry import BUCKET_ADD_TARGET, TARGET, TARGET_AT
+    from jax_wgrad.ops import registry
     from jax_wgrad.parallel.mesh import DATA_PARALLEL
     from jax_wgrad.training.step import build_train_step
 
@@ -159,8 +159,8 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
                    | {int(max(buf.bucket_numels))}, reverse=True)
     comps = hlo.computations(text)
     loop, loop_ops, cooldown_ops = _loop_facts(text, comps, sizes)
-    wgrad = hlo.custom_calls(text, TARGET) + hlo.custom_calls(text, TARGET_AT)
-    badd = hlo.custom_calls(text, BUCKET_ADD_TARGET)
+    wgrad = [c for t in registry.WGRAD_TARGETS for c in hlo.custom_calls(text, t)]
+    badd = hlo.custom_calls(text, registry.BUCKET_ADD_TARGET)
 
     launches = None
     if loop is not None and thunk_text and meta_text:

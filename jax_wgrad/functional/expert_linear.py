@@ -32,9 +32,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_wgrad import ops
 from jax_wgrad.functional.linear import BucketSlot, check_bucket_block
+from jax_wgrad.functional.saved import SAVED
 
 __all__ = ["grouped_linear", "ragged_linear"]
 
@@ -42,8 +44,9 @@ __all__ = ["grouped_linear", "ragged_linear"]
 # ------------------------------------------------- the two layouts' GEMMs (static `kind`)
 def _forward(kind, x, w, sizes, precision):
     if kind == "ragged":
-        return ops.ragged_matmul(x, w.astype(x.dtype), sizes, transpose_rhs=True,
-                                 precision=precision)
+        return checkpoint_name(ops.ragged_matmul(x, w.astype(x.dtype), sizes,
+                                                 transpose_rhs=True, precision=precision),
+                               SAVED)  # a custom call: dots_saveable cannot see it
     return jnp.einsum("eci,eoi->eco", x, w.astype(x.dtype),
                       precision=jax.lax.Precision(precision))
 

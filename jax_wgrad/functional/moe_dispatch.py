@@ -32,8 +32,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax.ad_checkpoint import checkpoint_name
+
 from jax_wgrad.functional.collectives import (gather_from_sequence_parallel_region,
                                               reduce_scatter_to_sequence_parallel_region)
+from jax_wgrad.functional.saved import SAVED
 
 __all__ = ["CapacityDispatch", "DroplessDispatch", "dispatch_slots", "group_by_expert"]
 
@@ -128,7 +131,8 @@ class CapacityDispatch(_Exchange):
         e_l = self.num_experts // self.ep
         local = buf.reshape(self.ep, e_l, self.capacity, h).transpose(1, 0, 2, 3)
         local = self.tensor_gather(local, 1)                  # [E_l, S, C, H]
-        return local.reshape(e_l, -1, h), None, (experts, target, kept)
+        local = checkpoint_name(local.reshape(e_l, -1, h), SAVED)
+        return local, None, (experts, target, kept)
 
     def combine(self, out: jax.Array, gates: jax.Array, state) -> jax.Array:
         experts, target, kept = state
@@ -136,7 +140,8 @@ class CapacityDispatch(_Exchange):
         out = out.reshape(e_l, -1, self.ep, self.capacity, h)
         out = self.tensor_reduce_scatter(out, 1)              # [E_l, 1, EP, C, H]
         out = out.reshape(e_l, self.ep, self.capacity, h).transpose(1, 0, 2, 3)
-        back = self.expert_all_to_all(out.reshape(e_l * self.ep, self.capacity, h))
+        back = checkpoint_name(
+            self.expert_all_to_all(out.reshape(e_l * self.ep, self.capacity, h)), SAVED)
         picked = back.at[experts, target].get(mode="fill", fill_value=0)  # [T, k, H]
         weights = jnp.where(kept, gates, 0.0).astype(out.dtype)
         return jnp.einsum("tkh,tk->th", picked, weights)
@@ -179,7 +184,7 @@ class DroplessDispatch(_Exchange):
         s = dest.shape[0]
         source = jnp.full((s * tk + 1,), s * tk, jnp.int32).at[dest.reshape(-1)].set(
             jnp.arange(s * tk, dtype=jnp.int32), mode="drop")[:-1]
-        local = _rows_at(recv.reshape(s * tk, h), source)
+        local = checkpoint_name(_rows_at(recv.reshape(s * tk, h), source), SAVED)
         return local, sizes, (order, dest, start, sent)
 
     def combine(self, out: jax.Array, gates: jax.Array, state) -> jax.Array:
@@ -191,7 +196,7 @@ class DroplessDispatch(_Exchange):
         else:
             back = _rows_at(out, dest.reshape(-1)).reshape(dest.shape[0], t * k, h)
             back = self.tensor_reduce_scatter(back, 0)        # [EP, T k, H]
-            back = self.expert_all_to_all(back)               # [EP(dst), T k, H]: my rows
+            back = checkpoint_name(self.expert_all_to_all(back), SAVED)  # [EP(dst), T k, H]
             p = jnp.arange(t * k, dtype=jnp.int32)
             rank = jnp.searchsorted(jnp.cumsum(sent), p, side="right")
             sorted_out = _rows_at(back.reshape(-1, h), rank * (t * k) + p - start[rank])

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 
 __all__ = ["TARGET", "TARGET_AT", "BUCKET_ADD_TARGET", "RAGGED_MATMUL_TARGET",
-           "RAGGED_WGRAD_TARGET", "PLATFORMS", "OLDEST_SUPPORTED_FFI_API",
+           "RAGGED_WGRAD_TARGET", "WGRAD_TARGETS", "PLATFORMS", "OLDEST_SUPPORTED_FFI_API",
            "load_error", "handler_loaded", "handler_metadata", "runtime_ffi_api",
            "fusion_status", "fusion_available", "require_fusion"]
 
@@ -55,6 +55,8 @@ RAGGED_MATMUL_TARGET = "jax_wgrad_ragged_matmul"
 """FFI target of the ragged grouped GEMM ``y = x @ op(w[g])`` per group of rows (MoE)."""
 RAGGED_WGRAD_TARGET = "jax_wgrad_ragged_wgrad_accumulate"
 """FFI target of the ragged grouped weight-gradient GEMM ``main_grad[g] += dy_g^T x_g``."""
+WGRAD_TARGETS: tuple[str, ...] = (TARGET, TARGET_AT, RAGGED_WGRAD_TARGET)
+"""Every FFI target that accumulates a weight gradient in place (fused wgrad calls)."""
 
 OLDEST_SUPPORTED_FFI_API: tuple[int, int] = (0, 3)
 """XLA FFI API version of the oldest supported jax (0.10.2; 0.11.2 speaks 0.4, 0.12 0.5):

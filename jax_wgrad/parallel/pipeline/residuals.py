@@ -10,10 +10,12 @@ the saved activations) is written at ``slot`` of one ``[num_slots, ...]`` buffer
 residual, and read back from it, in place.
 
 * ``None``: ``dots_saveable``: every GEMM output is saved, so the backward recomputes no
-  GEMM of the forward (only casts, norms and elementwise ops);
-* ``"selective"``: ``dots_with_no_batch_dims_saveable``: the linear layers' outputs are
-  saved, the attention core (its batched ``QK^T`` and ``PV`` GEMMs, the softmax) is
-  recomputed -- Megatron's selective recomputation;
+  GEMM of the forward (only casts, norms and elementwise ops); custom-call GEMMs (the
+  ragged expert GEMMs) and the MoE token exchanges are saved by their name
+  (:data:`~jax_wgrad.functional.saved.SAVED`);
+* ``"selective"``: ``dots_with_no_batch_dims_saveable``: the linear layers' outputs
+  (and the named activations) are saved, the attention core (its batched ``QK^T``
+  and ``PV`` GEMMs, the softmax) is recomputed -- Megatron's selective recomputation;
 * ``"full"``: ``nothing_saveable``: only the stage input is stored and the whole stage
   forward is recomputed in the backward.
 """
@@ -27,11 +29,16 @@ from typing import Any
 import jax
 from jax import lax
 
+from jax_wgrad.functional.saved import SAVED
+
 __all__ = ["POLICIES", "ResidualStore"]
 
+_NAMED = jax.checkpoint_policies.save_only_these_names(SAVED)
 POLICIES = {
-    None: jax.checkpoint_policies.dots_saveable,
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    None: jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, _NAMED),
+    "selective": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _NAMED),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 """``jax.checkpoint`` policy per ``ParallelConfig.recompute_granularity``."""

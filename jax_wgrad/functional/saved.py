@@ -1,0 +1,13 @@
+"""The ``jax.ad_checkpoint.checkpoint_name`` of activations the pipeline's default
+recompute policies keep although ``jax.checkpoint``'s ``dots_saveable`` cannot see them:
+outputs of the library's custom-call GEMMs (the ragged expert GEMMs) and of the MoE
+layer's token exchanges (so the backward neither recomputes the forward's expert GEMMs nor
+repeats its all-to-alls). :mod:`jax_wgrad.parallel.pipeline.residuals` saves this name
+unless the whole stage is recomputed (``recompute_granularity="full"``)."""
+
+from __future__ import annotations
+
+__all__ = ["SAVED"]
+
+SAVED = "jax_wgrad_saved"
+"""Checkpoint name of an activation to keep for the backward."""
