@@ -233,6 +233,9 @@ def test_model_differences_field_by_field():
     assert model_differences(meta(moe), dataclasses.replace(moe, moe_ffn_hidden_size=64,
                                                             moe_layer_freq=1)) == [
         ("moe_ffn_hidden_size", 128, 64), ("moe_layer_freq", 2, 1)]
+    shared = dataclasses.replace(moe, moe_shared_expert_intermediate_size=256)
+    assert model_differences(meta(shared), moe) == [
+        ("moe_shared_expert_intermediate_size", 256, None)]  # shared experts fix shapes
     old = {k: v for k, v in dataclasses.asdict(GPTConfig()).items() if not k.startswith("moe")
            and k != "num_moe_experts"}  # a checkpoint from before MoE: the defaults
     assert model_differences({"model": old}, GPTConfig()) == []  # and before model_type

@@ -260,7 +260,8 @@ class GPTConfig:
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
         "ffn_hidden_size", "untie_embeddings_and_output_weights", "num_moe_experts",
-        "moe_ffn_hidden_size", "moe_layer_freq", "normalization", "position_embedding_type",
+        "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+        "normalization", "position_embedding_type",
         "swiglu", "group_query_attention", "num_query_groups", "add_bias_linear",
         "add_qkv_bias", "qk_layernorm", "kv_channels")
     """The fields that fix the parameters' shapes: a checkpoint must agree on them."""
