@@ -18,6 +18,7 @@
 
 #include "bucket_add.h"
 #include "common.h"
+#include "convert_cuda.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_wgrad {
@@ -48,17 +49,6 @@ __device__ __forceinline__ float LoadAsFloat(const void* p, Elem e, int64_t i) {
   }
 }
 
-__device__ __forceinline__ float ToF(float v) { return v; }
-__device__ __forceinline__ float ToF(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToF(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T FromF(float v);
-template <> __device__ __forceinline__ float FromF<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ __half FromF<__half>(float v) {
-  return __float2half_rn(v);
-}
 
 template <typename Acc>
 __global__ void BucketAddKernel(Acc* bucket, SegmentTable table) {

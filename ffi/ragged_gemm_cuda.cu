@@ -63,6 +63,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "convert_cuda.cuh"
 #include "ragged_gemm.h"
 #include "wgrad_accumulate.h"
 #include "xla/ffi/api/ffi.h"
@@ -97,17 +98,6 @@ template <> struct BitsOf<float> { using type = uint32_t; };
 template <> struct BitsOf<__nv_bfloat16> { using type = uint16_t; };
 template <> struct BitsOf<__half> { using type = uint16_t; };
 
-__device__ __forceinline__ float ToF(float v) { return v; }
-__device__ __forceinline__ float ToF(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToF(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T FromF(float v);
-template <> __device__ __forceinline__ float FromF<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ __half FromF<__half>(float v) {
-  return __float2half_rn(v);
-}
 
 // --- operand slabs in shared memory ----------------------------------------------------------
 // kRows x kCols elements of T kept as raw bits (no constructors in __shared__), each row

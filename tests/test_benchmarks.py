@@ -18,6 +18,7 @@ def _load(name):
     return mod
 
 
+@pytest.mark.slow  # a full fused and plain train step compile (suite time)
 @pytest.mark.skipif(not fusion_available("cpu"), reason="the fused step needs the CPU handler")
 def test_step_vs_plain_jax_prints_one_json_line(capsys):
     bench = _load("step_vs_plain_jax")

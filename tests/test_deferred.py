@@ -122,7 +122,7 @@ def _check(m, limit, sp, tied, mode, mesh=(2, 2, 2)):
 @needs_fusion
 @pytest.mark.parametrize("m, limit, sp, tied, mode", [
     (2, 0, True, True, "stash"),
-    (5, 2, True, False, "stash"),
+    pytest.param(5, 2, True, False, "stash", marks=pytest.mark.slow),  # suite time
     (1, 1, False, True, "stash"),
     (5, 0, True, True, "recompute"),
     (2, 1, False, False, "recompute"),

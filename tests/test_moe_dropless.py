@@ -119,14 +119,14 @@ def _grid(cases, default):
 
 @pytest.mark.parametrize("ep, topk, skewed", _grid(
     [(ep, k, s) for ep in (1, 2, 4) for k in (1, 2) for s in (False, True)],
-    default=[(1, 2, True), (2, 2, True), (4, 1, True)]))
+    default=[(2, 2, True), (4, 1, True)]))
 def test_dropless_equals_dense_reference(ep, topk, skewed):
     _check(ep, 1, 1, topk, fused=True, skewed=skewed)
 
 
 @pytest.mark.parametrize("ep, etp, fused", _grid(
     [(ep, etp, f) for ep, etp in ((1, 2), (2, 2), (2, 1), (4, 2)) for f in (False, True)],
-    default=[(2, 2, True), (2, 1, False), (4, 2, False)]))
+    default=[(2, 2, True), (2, 1, False)]))
 def test_dropless_tensor_parallel_equals_dense_reference(ep, etp, fused):
     """tp = 2 with sequence parallelism; the experts split over tensor (ETP) or not."""
     _check(ep, 2, etp, 2, fused=fused, skewed=True)

@@ -56,10 +56,11 @@ LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 
 def _grid():
     # All-MoE with the grouped fused wgrad, and MoE + dense layers with plain gradients;
-    # the default run keeps one of each EP = 2 / 4 layout (the rest: -m slow).
+    # the default run keeps the EP = 2 layouts (the rest: -m slow; EP 4 vs the reference:
+    # tests/test_moe.py, tests/test_moe_dropless.py).
     for ep, tp, pp in LAYOUTS:
         for fusion, freq, name in [(True, 1, "fused"), (False, 2, "mixed-plain")]:
-            slow = ep == 1 or (not fusion and (ep, tp, pp) != (2, 1, 2))
+            slow = ep in (1, 4) or (not fusion and (ep, tp, pp) != (2, 1, 2))
             yield pytest.param(ep, tp, pp, fusion, freq, id=f"{name}-{ep}-{tp}-{pp}",
                                marks=[pytest.mark.slow] if slow else [])
 
@@ -102,7 +103,7 @@ def test_interleaved_moe_equals_single_device_reference(schedule, vocab):
     pytest.param(2, 2, 2, 2, 2, dict(moe_shared_expert_intermediate_size=32,
                                      moe_shared_expert_overlap=True),
                  id="ep2-tp2-pp2-etp2-top2-shared-overlap"),
-    pytest.param(2, 2, 1, 1, 1, {}, id="ep2-tp2-etp1-top1"),
+    pytest.param(2, 2, 1, 1, 1, {}, id="ep2-tp2-etp1-top1", marks=pytest.mark.slow),
     pytest.param(4, 2, 1, 2, 1, dict(moe_shared_expert_intermediate_size=32),
                  id="ep4-tp2-etp2-top1-shared", marks=pytest.mark.slow),
     pytest.param(1, 2, 2, 2, 2, {}, id="ep1-tp2-pp2-etp2-top2", marks=pytest.mark.slow),
@@ -193,14 +194,14 @@ def test_overlap_option_is_bitwise_equal_over_three_steps(ep, tp, pp, topk, dist
 
 
 def _matrix():
-    """PR 3766's matrix: layers x shared experts x dispatcher (EP=2, top-2)."""
+    """PR 3766's matrix: layers x shared experts x dispatcher (EP=2, top-2); -m slow (the
+    default run has the BITWISE defaults, dropless and capacity)."""
     for layers in (2, 4):
         for shared in (None, 32):
             for capacity, name in ((None, "dropless"), (1.0, "capacity")):
-                default = (layers, shared, capacity) == (4, 32, None)
                 yield pytest.param(layers, shared, capacity,
                                    id=f"{layers}layers-{'shared' if shared else 'routed'}-{name}",
-                                   marks=[] if default else [pytest.mark.slow])
+                                   marks=[pytest.mark.slow])  # the 3 BITWISE defaults run
 
 
 @pytest.mark.parametrize("layers, shared, capacity", list(_matrix()))

@@ -95,7 +95,7 @@ def test_no_copy_of_a_carried_buffer_inside_the_loop(schedule, recompute):
         assert copies_of(inside, dtype, shape) == [], (dtype, shape)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_temp_memory_independent_of_microbatches(schedule):
     small = _step(schedule, None, m=4, dp=2).memory_analysis().temp_size_in_bytes
     large = _step(schedule, None, m=32, dp=2).memory_analysis().temp_size_in_bytes
