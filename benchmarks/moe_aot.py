@@ -50,8 +50,9 @@ from jax_wgrad.aot.compile import read_largest_dump
 from jax_wgrad.aot.targets import target_devices
 from jax_wgrad.functional import MoEConfig, moe_mlp
 from jax_wgrad.ops import registry
+from jax_wgrad.parallel.mesh import EXPERT
 
-AXIS = "expert"
+AXIS = EXPERT  # the mesh axis the experts are split over
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _WGRAD_TARGETS = (registry.RAGGED_MATMUL_TARGET, registry.RAGGED_WGRAD_TARGET,

@@ -29,6 +29,7 @@ import pytest  # noqa: E402
 
 import jax_wgrad  # noqa: E402
 from jax_wgrad.ops import registry  # noqa: E402
+from script_util import load_script  # noqa: E402
 
 jax_wgrad.use_virtual_cpu_devices(8)
 
@@ -58,8 +59,4 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def example():
     """``examples/pretrain_gpt.py`` loaded as a module (its ``main(argv)`` runs the job)."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/pretrain_gpt.py")

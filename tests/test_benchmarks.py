@@ -1,21 +1,15 @@
 """The benchmarks run and print what they promise (tiny sizes; numbers are not checked)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from jax_wgrad import fusion_available
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_util import load_script
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{name}.py")
 
 
 @pytest.mark.slow  # a full fused and plain train step compile (suite time)

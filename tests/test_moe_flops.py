@@ -2,9 +2,7 @@
 FLOPs are the routed tokens' (within 1.25x), while capacity = E (the dropless of before)
 costs about E times that; counted by ``benchmarks/moe_flops.py`` on a tiny shape."""
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 
 from jax_wgrad.functional import MoEConfig
 from jax_wgrad.ops import fusion_available
+from script_util import load_script
 
 pytestmark = [pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (virtual) devices"),
               pytest.mark.skipif(not fusion_available("cpu"),
@@ -20,15 +19,7 @@ pytestmark = [pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (virtua
 E, H, F, T, K = 8, 16, 24, 12, 2  # experts, hidden, expert ffn, tokens per rank, top-k
 
 
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_flops.py"
-    spec = importlib.util.spec_from_file_location("moe_flops", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_script("benchmarks/moe_flops.py")
 
 
 def _compiled_step(factor, ep, swiglu=False):

@@ -176,7 +176,7 @@ attach_aux_loss.defvjp(_attach_fwd, _attach_bwd)
 
 def _expert_shapes(params, cfg: MoEConfig, x: jax.Array, ep: int, etp: int) -> None:
     """Checks the router and this rank's expert weights against ``cfg`` and the layout."""
-    e, (t, h) = cfg.num_experts, x.shape
+    e, h = cfg.num_experts, x.shape[-1]
     e_local = params["fc1"].shape[0]
     if e_local * ep != e or params["router"].shape != (e, h):
         raise ValueError(
