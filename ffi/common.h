@@ -9,6 +9,13 @@
 
 #include "xla/ffi/api/ffi.h"
 
+// Functions that the CUDA kernels call too.
+#ifdef __CUDACC__
+#define JAX_WGRAD_HOST_DEVICE __host__ __device__
+#else
+#define JAX_WGRAD_HOST_DEVICE
+#endif
+
 namespace jax_wgrad {
 
 namespace ffi = xla::ffi;

@@ -19,9 +19,10 @@
 //   main_grad[g] += dy[rows of g]^T @ x[rows of g]   for every group g
 //   x [R, in], dy [R, out] (same dtype: f32, bf16 or f16); main_grad either [G, out, in] or
 //   a flat [N] bucket holding the G row-major [out, in] blocks back to back from element
-//   `offset` on. offset: an int32 scalar operand (host memory on the CPU, device memory on
-//   a GPU), CLAMPED into [0, N - G * out * in] like the start index of XLA's
-//   DynamicUpdateSlice; it must be 0 for a [G, out, in] accumulator (then it is not read).
+//   base + offset * stride on (a BlockPosition, wgrad_accumulate.h): int64 attributes base
+//   and stride, offset an int32 scalar operand (host memory on the CPU, device memory on a
+//   GPU), combined in int64 and CLAMPED into [0, N - G * out * in] like the start index of
+//   XLA's DynamicUpdateSlice; for a [G, out, in] accumulator they are not read.
 //   main_grad is f32 for any input dtype, or the 16-bit dtype of the inputs (accumulated in
 //   fp32, rounded once). Result 0 is main_grad (aliased by the caller).
 //
@@ -37,12 +38,6 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_wgrad {
-
-#ifdef __CUDACC__
-#define JAX_WGRAD_HOST_DEVICE __host__ __device__
-#else
-#define JAX_WGRAD_HOST_DEVICE
-#endif
 
 // Row bounds of the groups: start of group g = clamp(sum_{h<g} max(size_h, 0), 0, rows).
 struct RaggedBounds {
@@ -67,6 +62,7 @@ struct RaggedDims {
   int64_t acc_elements = 0;
   bool flat = false;
   int64_t max_offset = 0;  // N - G * out * in (flat)
+  BlockPosition position;  // of group 0's block (flat)
   Precision precision = Precision::kDefault;
 };
 
@@ -133,12 +129,13 @@ inline ffi::Error CheckRaggedMatmulArgs(const ffi::AnyBuffer& x, const ffi::AnyB
 }
 
 // jax_wgrad_ragged_wgrad_accumulate: x [R, in], dy [R, out], group_sizes [G],
-// main_grad [G, out, in] or flat [N], offset int32 [] , result like main_grad.
+// main_grad [G, out, in] or flat [N], offset int32 [] (the index of base + offset * stride),
+// result like main_grad.
 inline ffi::Error CheckRaggedWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
                                        const ffi::AnyBuffer& sizes, const ffi::AnyBuffer& acc,
                                        const ffi::AnyBuffer& offset,
-                                       const ffi::AnyBuffer& result, int32_t precision,
-                                       RaggedDims* dims) {
+                                       const ffi::AnyBuffer& result, int64_t base,
+                                       int64_t stride, int32_t precision, RaggedDims* dims) {
   const char* op = "ragged_wgrad_accumulate";
   const std::string describe = " (x=" + ShapeString(x) + ", dy=" + ShapeString(dy) +
                                ", group_sizes=" + ShapeString(sizes) + ", main_grad=" +
@@ -164,8 +161,11 @@ inline ffi::Error CheckRaggedWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBu
   }
   if (offset.element_type() != ffi::DataType::S32 || offset.element_count() != 1) {
     return ffi::Error::InvalidArgument(
-        "ragged_wgrad_accumulate: offset must be an int32 scalar, got " +
-        ShapeString(offset));
+        "ragged_wgrad_accumulate: offset must be an int32 scalar (the index of base + "
+        "index * stride), got " + ShapeString(offset));
+  }
+  if (ffi::Error err = CheckBlockPosition(op, base, stride, &dims->position); err.failure()) {
+    return err;
   }
   const ffi::DataType in_t = x.element_type(), acc_t = acc.element_type();
   if (!IsSupportedFloat(in_t) || dy.element_type() != in_t) {

@@ -1,7 +1,7 @@
 // CPU handlers of the ragged grouped GEMM FFI targets (ragged_gemm.h says what they do):
 //   jax_wgrad_ragged_matmul:           y[rows of g] = x[rows of g] @ op(w[g]), 0 past them
 //   jax_wgrad_ragged_wgrad_accumulate: main_grad[g] += dy[rows of g]^T @ x[rows of g]
-// group_sizes and offset are read from host memory. One BLAS sgemm per group (scipy-
+// group_sizes and the position's index are read from host memory. One BLAS sgemm per group (scipy-
 // openblas32, single-threaded), split into tiles on XLA's intra-op pool (gemm_cpu.h):
 // the work is proportional to the rows in groups; a group of zero rows does no GEMM and
 // rows past the groups are only zeroed (matmul) or not read (wgrad). 16-bit data are
@@ -193,9 +193,11 @@ void RaggedWgradImpl(ffi::ThreadPool* pool, const RaggedDims& d,
 
 ffi::Error RaggedWgradBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                            ffi::AnyBuffer sizes, ffi::AnyBuffer acc, ffi::AnyBuffer offset,
-                           ffi::Result<ffi::AnyBuffer> result, int32_t precision) {
+                           ffi::Result<ffi::AnyBuffer> result, int64_t base, int64_t stride,
+                           int32_t precision) {
   RaggedDims d;
-  if (ffi::Error err = CheckRaggedWgradArgs(x, dy, sizes, acc, offset, *result, precision, &d);
+  if (ffi::Error err = CheckRaggedWgradArgs(x, dy, sizes, acc, offset, *result, base, stride,
+                                            precision, &d);
       err.failure()) {
     return err;
   }
@@ -210,8 +212,9 @@ ffi::Error RaggedWgradBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::AnyBuff
   int64_t end = 0;
   const std::vector<GroupRows> groups = NonEmptyGroups(sizes, d.groups, d.rows, &end);
   if (groups.empty() || d.k == 0 || d.n == 0) return ffi::Error::Success();
-  const int64_t base =
-      d.flat ? ClampOffset(*static_cast<const int32_t*>(offset.untyped_data()), d.max_offset)
+  const int64_t block0 =
+      d.flat ? d.position.Clamped(*static_cast<const int32_t*>(offset.untyped_data()),
+                                  d.max_offset)
              : 0;
   UseSingleThreadedBlas();
   DispatchInputsAndAcc(x.element_type(), acc.element_type(), [&](auto in_tag, auto acc_tag) {
@@ -219,7 +222,7 @@ ffi::Error RaggedWgradBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::AnyBuff
     using Acc = typename decltype(acc_tag)::type;
     RaggedWgradImpl(pool, d, groups, static_cast<const In*>(x.untyped_data()),
                     static_cast<const In*>(dy.untyped_data()),
-                    static_cast<Acc*>(result->untyped_data()) + base);
+                    static_cast<Acc*>(result->untyped_data()) + block0);
   });
   return ffi::Error::Success();
 }
@@ -235,10 +238,11 @@ ffi::Error RaggedMatmulCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyB
 ffi::Error RaggedWgradAccumulateCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                         ffi::AnyBuffer dy, ffi::AnyBuffer sizes,
                                         ffi::AnyBuffer acc, ffi::AnyBuffer offset,
-                                        ffi::Result<ffi::AnyBuffer> result,
-                                        int32_t precision) {
+                                        ffi::Result<ffi::AnyBuffer> result, int64_t base,
+                                        int64_t stride, int32_t precision) {
   return Guarded("ragged_wgrad_accumulate", [&] {
-    return RaggedWgradBody(&pool, x, dy, sizes, acc, offset, result, precision);
+    return RaggedWgradBody(&pool, x, dy, sizes, acc, offset, result, base, stride,
+                           precision);
   });
 }
 
@@ -261,8 +265,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedWgradAccumulateCpu, RaggedWgradAccumulateCpu
                                   .Arg<ffi::AnyBuffer>()   // dy           [R, out]
                                   .Arg<ffi::AnyBuffer>()   // group_sizes  int32 [G]
                                   .Arg<ffi::AnyBuffer>()   // main_grad    [G, out, in] / [N]
-                                  .Arg<ffi::AnyBuffer>()   // offset       int32 [] (clamped)
+                                  .Arg<ffi::AnyBuffer>()   // offset       int32 []: index
                                   .Ret<ffi::AnyBuffer>()   // main_grad    (aliased)
+                                  .Attr<int64_t>("base")    // group 0's block at base +
+                                  .Attr<int64_t>("stride")  // index * stride, clamped
                                   .Attr<int32_t>("precision"));  // validated, unused
 
 }  // namespace jax_wgrad

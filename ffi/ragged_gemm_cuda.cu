@@ -2,7 +2,8 @@
 //   jax_wgrad_ragged_matmul:           y[rows of g] = x[rows of g] @ op(w[g]), 0 past them
 //   jax_wgrad_ragged_wgrad_accumulate: main_grad[g] += dy[rows of g]^T @ x[rows of g]
 //
-// Why own kernels and not cuBLAS. group_sizes (and the wgrad offset) live in device memory
+// Why own kernels and not cuBLAS. group_sizes (and the wgrad position's index) live in
+// device memory
 // and the step may be captured into a CUDA graph, so the handlers may not copy them to the
 // host. cublasGemmGroupedBatchedEx takes m/n/k as host arrays; cuBLASLt's grouped layout
 // with device shape arrays is experimental and only in cuBLAS 13.1+. So both ops are tiled
@@ -42,8 +43,9 @@
 // first row (a block reduction of max(size, 0) over group_sizes[0, g)) and returns at once
 // for a group of zero rows; otherwise it reduces over the rows [start, end) in slabs of
 // 32 rows (the last slab zero-filled past `end`) and adds the fp32 tile into
-// main_grad[g] at the clamped offset (beta = 1; a 16-bit accumulator is widened, added and
-// rounded once). Blocks own disjoint outputs: no atomics, deterministic.
+// main_grad[g] at the clamped position base + index * stride (computed in int64 from the
+// index in device memory; beta = 1; a 16-bit accumulator is widened, added and rounded
+// once). Blocks own disjoint outputs: no atomics, deterministic.
 // FLOP bound: 2 * out_pad * in_pad * (routed rows + 32 * G).
 //
 // Unmeasured: none of this has run on a GPU yet. It was written on a machine without one
@@ -395,7 +397,8 @@ struct WgradArgs {
   const void* x;            // [R, in]
   const void* dy;           // [R, out]
   const int32_t* sizes;     // [G], device memory
-  const int32_t* offset;    // int32 scalar, device memory (read only when flat)
+  const int32_t* index;     // int32 scalar, device memory (read only when flat)
+  BlockPosition position;   // group 0's block at position.Clamped(*index, max_offset)
   void* acc;                // the result: [G, out, in] or flat [N]
   int64_t groups, rows, in, out, max_offset;
   bool flat;
@@ -437,7 +440,7 @@ __global__ void __launch_bounds__(kThreads) RaggedWgradKernel(WgradArgs p) {
     const int64_t start = bounds.Clamp(BlockSum(before, scratch));
     const int64_t end = bounds.End(start, p.sizes[g]);
     if (end == start) continue;  // a group of zero rows touches nothing (same in all threads)
-    const int64_t block0 = (p.flat ? ClampOffset(*p.offset, p.max_offset) : 0) +
+    const int64_t block0 = (p.flat ? p.position.Clamped(*p.index, p.max_offset) : 0) +
                            g * p.out * p.in;
     for (int64_t ot = blockIdx.x; ot < out_tiles; ot += gridDim.x) {
       for (int64_t it = blockIdx.y; it < in_tiles; it += gridDim.y) {
@@ -540,11 +543,11 @@ void LaunchWgradFor(cudaStream_t stream, const WgradArgs& p, bool acc_is_f32) {
 ffi::Error RaggedWgradCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                ffi::AnyBuffer sizes, ffi::AnyBuffer acc,
                                ffi::AnyBuffer offset, ffi::Result<ffi::AnyBuffer> result,
-                               int32_t precision) {
+                               int64_t base, int64_t stride, int32_t precision) {
   const char* op = "ragged_wgrad_accumulate";
   RaggedDims d;
-  if (ffi::Error err =
-          CheckRaggedWgradArgs(x, dy, sizes, acc, offset, *result, precision, &d);
+  if (ffi::Error err = CheckRaggedWgradArgs(x, dy, sizes, acc, offset, *result, base, stride,
+                                            precision, &d);
       err.failure()) {
     return err;
   }
@@ -560,6 +563,7 @@ ffi::Error RaggedWgradCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                     dy.untyped_data(),
                     static_cast<const int32_t*>(sizes.untyped_data()),
                     static_cast<const int32_t*>(offset.untyped_data()),
+                    d.position,
                     result->untyped_data(),
                     d.groups,
                     d.rows,
@@ -599,9 +603,11 @@ ffi::Error RaggedMatmulCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
 
 ffi::Error RaggedWgradCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                ffi::AnyBuffer sizes, ffi::AnyBuffer acc, ffi::AnyBuffer offset,
-                               ffi::Result<ffi::AnyBuffer> result, int32_t precision) {
+                               ffi::Result<ffi::AnyBuffer> result, int64_t base,
+                               int64_t stride, int32_t precision) {
   return Guarded("ragged_wgrad_accumulate", [&] {
-    return RaggedWgradCudaBody(stream, x, dy, sizes, acc, offset, result, precision);
+    return RaggedWgradCudaBody(stream, x, dy, sizes, acc, offset, result, base, stride,
+                               precision);
   });
 }
 
@@ -625,8 +631,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedWgradAccumulateCuda, RaggedWgradCudaImpl,
                                   .Arg<ffi::AnyBuffer>()  // dy           [R, out]
                                   .Arg<ffi::AnyBuffer>()  // group_sizes  int32 [G], device
                                   .Arg<ffi::AnyBuffer>()  // main_grad    [G, out, in] / [N]
-                                  .Arg<ffi::AnyBuffer>()  // offset       int32 [], device
+                                  .Arg<ffi::AnyBuffer>()  // offset       int32 [] index, device
                                   .Ret<ffi::AnyBuffer>()  // main_grad    (aliased)
+                                  .Attr<int64_t>("base")           // group 0's block at base +
+                                  .Attr<int64_t>("stride")         // index * stride, clamped
                                   .Attr<int32_t>("precision"),     // 0/1/2: TF32 unless 2
                               {ffi::Traits::kCmdBufferCompatible});
 

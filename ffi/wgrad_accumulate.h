@@ -8,14 +8,17 @@
 // x and dy are f32, bf16 or f16 (the same dtype); main_grad is f32 for any input dtype,
 // or the input dtype itself when it is 16-bit (accumulated in fp32, rounded once).
 //
-// Block offset: an attribute (static, checked: out of range is an error), or, for the
-// jax_wgrad_wgrad_accumulate_at target, an int32 operand [...batch] (one per batch
-// element; traced in JAX) that is CLAMPED into [0, N - G * out * in] like the start index
-// of XLA's DynamicUpdateSlice (a negative offset becomes 0).
+// Block offset: an int64 attribute (static, checked: out of range is an error), or, for
+// the jax_wgrad_wgrad_accumulate_at target, a block POSITION base + index * stride: int64
+// attributes `base` and `stride` and an int32 operand `index` [...batch] (one per batch
+// element; traced in JAX), combined in int64 (BlockPosition) and CLAMPED into
+// [0, N - G * out * in] like the start index of XLA's DynamicUpdateSlice (a negative
+// position becomes 0). An int32 offset of the Python API is base 0, stride 1.
 #ifndef JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
 #define JAX_WGRAD_FFI_WGRAD_ACCUMULATE_H_
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "common.h"
@@ -50,12 +53,40 @@ struct WgradDims {
   }
 };
 
-// XLA DynamicUpdateSlice's clamp of a start index into [0, max_offset].
-#ifdef __CUDACC__
-__host__ __device__
-#endif
-inline int64_t ClampOffset(int64_t offset, int64_t max_offset) {
-  return offset < 0 ? 0 : (offset > max_offset ? max_offset : offset);
+// A block position base + index * stride (jax_wgrad/ops/position.py: BlockOffset): the
+// static base and stride are int64 attributes, the index an int32 operand (a layer of a
+// scan, a model chunk). CheckBlockPosition guarantees |base| + 2^31 * |stride| <= 2^63 - 1,
+// so the value is exact in int64 for every int32 index: buckets past 2^31 elements.
+struct BlockPosition {
+  int64_t base = 0;
+  int64_t stride = 0;
+
+  // base + index * stride clamped into [0, max_offset]: XLA DynamicUpdateSlice's rule for
+  // a start index, on the exact 64-bit value.
+  JAX_WGRAD_HOST_DEVICE int64_t Clamped(int32_t index, int64_t max_offset) const {
+    const int64_t position = base + static_cast<int64_t>(index) * stride;
+    return position < 0 ? 0 : (position > max_offset ? max_offset : position);
+  }
+};
+
+// The attributes of a BlockPosition, checked (the Python API refuses the same values).
+inline ffi::Error CheckBlockPosition(const char* op, int64_t base, int64_t stride,
+                                     BlockPosition* position) {
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kIndexMagnitude = int64_t{1} << 31;  // |int32 index| <= 2^31
+  const bool exact = base != kMin && stride != kMin &&
+                     (stride < 0 ? -stride : stride) <=
+                         (kMax - (base < 0 ? -base : base)) / kIndexMagnitude;
+  if (!exact) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": the block position base + index * stride must be exact in "
+        "int64 for every int32 index (|base| + 2^31 * |stride| <= 2^63 - 1), got base=" +
+        std::to_string(base) + ", stride=" + std::to_string(stride));
+  }
+  position->base = base;
+  position->stride = stride;
+  return ffi::Error::Success();
 }
 
 // Validates ranks, shapes and dtypes; fills `dims`. Returns an InvalidArgument error
@@ -148,14 +179,20 @@ inline ffi::Error CheckWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
-// CheckWgradArgs for the operand-offset form (jax_wgrad_wgrad_accumulate_at): the
-// accumulator must be flat (N >= G * out * in), and `offset` an int32 array with one
-// element per batch element. The offsets themselves are not checked (they are clamped).
+// CheckWgradArgs for the position form (jax_wgrad_wgrad_accumulate_at): the accumulator
+// must be flat (N >= G * out * in), `offset` (the index of the position) an int32 array
+// with one element per batch element, and base / stride exact (CheckBlockPosition). The
+// positions themselves are not checked (they are clamped).
 inline ffi::Error CheckWgradAtArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& dy,
                                    const ffi::AnyBuffer& acc, const ffi::AnyBuffer& out,
-                                   const ffi::AnyBuffer& offset, int32_t precision,
-                                   WgradDims* dims) {
+                                   const ffi::AnyBuffer& offset, int64_t base, int64_t stride,
+                                   int32_t precision, WgradDims* dims,
+                                   BlockPosition* position) {
   if (ffi::Error err = CheckWgradArgs(x, dy, acc, out, 0, precision, dims); err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckBlockPosition("wgrad_accumulate", base, stride, position);
+      err.failure()) {
     return err;
   }
   if (acc.dimensions().size() == x.dimensions().size()) {
@@ -167,7 +204,8 @@ inline ffi::Error CheckWgradAtArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer
       static_cast<int64_t>(offset.element_count()) != dims->batch) {
     return ffi::Error::InvalidArgument(
         "wgrad_accumulate: the offset operand must be int32 with one element per batch "
-        "element (" + std::to_string(dims->batch) + "), got " + ShapeString(offset));
+        "element (" + std::to_string(dims->batch) + ": the index of base + index * "
+        "stride), got " + ShapeString(offset));
   }
   return ffi::Error::Success();
 }

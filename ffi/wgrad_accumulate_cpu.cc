@@ -1,7 +1,8 @@
 // CPU handler of the jax_wgrad_wgrad_accumulate FFI target:
 //   main_grad[out, in] += dy[T, out]^T @ x[T, in]   (in place when XLA aliases the buffer)
-// main_grad may also be a flat buffer with the block at an element `offset`: an attribute
-// (jax_wgrad_wgrad_accumulate), or an int32 operand in host memory, clamped like
+// main_grad may also be a flat buffer with the block at an element `offset`: an int64
+// attribute (jax_wgrad_wgrad_accumulate), or the position base + index * stride (int64
+// attributes, an int32 index operand in host memory) computed in int64 and clamped like
 // lax.dynamic_update_slice (jax_wgrad_wgrad_accumulate_at); both run the same GEMMs.
 // A BLAS sgemm with beta = 1 from scipy-openblas32. 16-bit inputs are converted to f32 in
 // blocks of tokens, so temporary memory is bounded independently of T. A 16-bit
@@ -115,27 +116,33 @@ ffi::Error WgradAccumulateCpuBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::
   return WgradAccumulateCpuRun(pool, d, x, dy, acc, result);
 }
 
-// Operand offsets: read from host memory, clamped per batch element, then the same GEMMs.
+// Positions: indices read from host memory, base + index * stride in int64, clamped per
+// batch element, then the same GEMMs.
 ffi::Error WgradAccumulateAtCpuBody(ffi::ThreadPool* pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                     ffi::AnyBuffer acc, ffi::AnyBuffer offset,
-                                    ffi::Result<ffi::AnyBuffer> result, int32_t precision) {
+                                    ffi::Result<ffi::AnyBuffer> result, int64_t base,
+                                    int64_t stride, int32_t precision) {
   WgradDims d;
-  if (ffi::Error err = CheckWgradAtArgs(x, dy, acc, *result, offset, precision, &d);
+  BlockPosition position;
+  if (ffi::Error err = CheckWgradAtArgs(x, dy, acc, *result, offset, base, stride, precision,
+                                        &d, &position);
       err.failure()) {
     return err;
   }
-  const auto* given = static_cast<const int32_t*>(offset.untyped_data());
+  const auto* index = static_cast<const int32_t*>(offset.untyped_data());
   std::vector<int64_t> clamped(d.batch);
-  for (int64_t b = 0; b < d.batch; ++b) clamped[b] = ClampOffset(given[b], d.max_offset);
+  for (int64_t b = 0; b < d.batch; ++b) clamped[b] = position.Clamped(index[b], d.max_offset);
   d.batch_offsets = clamped.data();
   return WgradAccumulateCpuRun(pool, d, x, dy, acc, result);
 }
 
 ffi::Error WgradAccumulateAtCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                     ffi::AnyBuffer acc, ffi::AnyBuffer offset,
-                                    ffi::Result<ffi::AnyBuffer> result, int32_t precision) {
+                                    ffi::Result<ffi::AnyBuffer> result, int64_t base,
+                                    int64_t stride, int32_t precision) {
   return Guarded("wgrad_accumulate", [&] {
-    return WgradAccumulateAtCpuBody(&pool, x, dy, acc, offset, result, precision);
+    return WgradAccumulateAtCpuBody(&pool, x, dy, acc, offset, result, base, stride,
+                                    precision);
   });
 }
 
@@ -165,8 +172,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateAtCpu, WgradAccumulateAtCpuImpl,
                                   .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., N] (flat)
-                                  .Arg<ffi::AnyBuffer>()   // offset     int32 [...] (clamped)
+                                  .Arg<ffi::AnyBuffer>()   // offset     int32 [...]: index
                                   .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
+                                  .Attr<int64_t>("base")    // block at base + index * stride,
+                                  .Attr<int64_t>("stride")  // int64, clamped
                                   .Attr<int32_t>("precision"));  // validated, unused
 
 }  // namespace jax_wgrad

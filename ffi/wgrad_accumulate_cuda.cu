@@ -24,16 +24,17 @@
 // the workspace, so it is set after). Every error is returned as an FFI error, never
 // thrown.
 //
-// jax_wgrad_wgrad_accumulate_at: the block offset is an int32 operand in DEVICE memory
-// (traced in JAX, e.g. a scan over stacked layers). It is never copied to the host (that
-// would be a synchronization per call and break CUDA-graph capture); instead, all on
-// XLA's stream:
-//   1. a set-up kernel reads the offsets, clamps each into [0, N - G * out * in]
-//      (XLA DynamicUpdateSlice's rule: ClampOffset) and writes, per problem i (batch element x
-//      group), the pointers A[i] = x_i, B[i] = dy_i, C[i] = its block of the accumulator
-//      into the `pointers` result (device memory, as cublasGemmBatchedEx requires of its
-//      pointer arrays; the scalars alpha = beta = 1 stay host values, the handle's
-//      default CUBLAS_POINTER_MODE_HOST);
+// jax_wgrad_wgrad_accumulate_at: the block sits at the position base + index * stride,
+// base and stride int64 attributes, the index an int32 operand in DEVICE memory (traced in
+// JAX, e.g. the layer of a scan over stacked layers). The index is never copied to the
+// host (that would be a synchronization per call and break CUDA-graph capture); instead,
+// all on XLA's stream:
+//   1. a set-up kernel reads the indices, computes each position in int64 and clamps it
+//      into [0, N - G * out * in] (XLA DynamicUpdateSlice's rule: BlockPosition::Clamped)
+//      and writes, per problem i (batch element x group), the pointers A[i] = x_i,
+//      B[i] = dy_i, C[i] = its block of the accumulator into the `pointers` result (device
+//      memory, as cublasGemmBatchedEx requires of its pointer arrays; the scalars
+//      alpha = beta = 1 stay host values, the handle's default CUBLAS_POINTER_MODE_HOST);
 //   2. cublasGemmBatchedEx over the P problems, beta = 1, the compute type and data types
 //      of the strided handler (the same supported combinations).
 // Alignment: with 16-bit inputs or TF32 the cuBLAS docs require the matrix pointers of a
@@ -45,6 +46,11 @@
 // the `staging` result (16-byte aligned slots), accumulated there and copied back by two
 // small kernels that do nothing for an aligned block. An aligned block (offsets that are
 // multiples of 4 fp32 elements, as bucket layouts give) is updated in place.
+// Provably aligned positions: when base, stride, the block (out * in) and N are multiples
+// of 16 bytes, every clamped position is (jax_wgrad/ops/position.py: provably_aligned, the
+// same rule); the lowering then sizes `staging` to 0 elements, and the handler, after
+// checking that rule and the accumulator's own 16-byte alignment on the host, launches no
+// staging kernels at all.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -288,7 +294,8 @@ constexpr int kThreads = 256;
 // Where the problems of one call live; P = batch * groups problems, problem i is batch
 // element i / groups, group i % groups.
 struct AtProblems {
-  const int32_t* offsets;  // [batch] block offsets as given (device memory)
+  const int32_t* index;    // [batch] indices of the block positions (device memory)
+  BlockPosition position;  // block of batch element b at position.Clamped(index[b], ...)
   int64_t problems, groups, max_offset, acc_stride, block;  // elements
   const char* x;           // problem i's x at x + i * x_step bytes
   const char* dy;          // problem i's dy at dy + i * dy_step bytes
@@ -307,12 +314,13 @@ struct AtPointers {
   void** staged;
 };
 
-// Step 1: clamp every offset, write the GEMM pointers, route unaligned blocks to staging.
+// Step 1: clamp every position, write the GEMM pointers, route unaligned blocks to staging
+// (never taken when the positions are provably aligned: then p.staging may be empty).
 __global__ void PrepareAtKernel(AtProblems p, AtPointers out) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
        i < p.problems; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t batch = i / p.groups, group = i % p.groups;
-    const int64_t offset = ClampOffset(p.offsets[batch], p.max_offset);
+    const int64_t offset = p.position.Clamped(p.index[batch], p.max_offset);
     char* block = p.acc + (batch * p.acc_stride + offset + group * p.block) * p.acc_bytes;
     const bool aligned = reinterpret_cast<uintptr_t>(block) % kGemmPointerAlignment == 0;
     out.a[i] = p.x + i * p.x_step;
@@ -350,14 +358,26 @@ uintptr_t RequiredAlignment(const WgradDims& d, ffi::DataType in_t) {
   return d.tokens % 8 == 0 ? 16 : (d.tokens % 2 == 0 ? 4 : 1);
 }
 
+// Whether every block the position can address starts 16 bytes after an aligned buffer
+// start whatever the index: base, stride, the block and N multiples of 16 bytes (the rule
+// of jax_wgrad/ops/position.py: provably_aligned, by which the lowering sizes staging).
+bool ProvablyAligned(const BlockPosition& position, const WgradDims& d, int64_t acc_bytes) {
+  const int64_t unit = static_cast<int64_t>(kGemmPointerAlignment) / acc_bytes;
+  return position.base % unit == 0 && position.stride % unit == 0 &&
+         (d.out * d.in) % unit == 0 && d.acc_stride % unit == 0;
+}
+
 ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                      ffi::AnyBuffer acc, ffi::AnyBuffer offset,
                                      ffi::Result<ffi::AnyBuffer> result,
                                      ffi::Result<ffi::AnyBuffer> workspace,
                                      ffi::Result<ffi::AnyBuffer> pointers,
-                                     ffi::Result<ffi::AnyBuffer> staging, int32_t precision) {
+                                     ffi::Result<ffi::AnyBuffer> staging, int64_t base,
+                                     int64_t stride, int32_t precision) {
   WgradDims d;
-  if (ffi::Error err = CheckWgradAtArgs(x, dy, acc, *result, offset, precision, &d);
+  BlockPosition position;
+  if (ffi::Error err = CheckWgradAtArgs(x, dy, acc, *result, offset, base, stride, precision,
+                                        &d, &position);
       err.failure()) {
     return err;
   }
@@ -367,18 +387,29 @@ ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi:
   const int64_t block_bytes = d.out * d.in * acc_bytes;
   const int64_t staging_step =
       (block_bytes + kGemmPointerAlignment - 1) / kGemmPointerAlignment * kGemmPointerAlignment;
+  if (ffi::Error err = Prologue(stream, d, acc, result, workspace); err.failure()) return err;
+  if (Empty(d)) return ffi::Error::Success();  // no GEMM: pointers and staging unused
+  // No staging result: every block must be aligned by construction (file comment).
+  const bool unstaged = staging->size_bytes() == 0;
   if (pointers->element_type() != ffi::DataType::U8 ||
       static_cast<int64_t>(pointers->size_bytes()) < 4 * problems * 8 ||
       staging->element_type() != acc.element_type() ||
-      static_cast<int64_t>(staging->size_bytes()) < problems * staging_step) {
+      (!unstaged && static_cast<int64_t>(staging->size_bytes()) < problems * staging_step)) {
     return ffi::Error::InvalidArgument(
         "wgrad_accumulate: the pointers (uint8[" + std::to_string(4 * problems * 8) +
         "]) or staging (main_grad's dtype, " + std::to_string(problems * staging_step) +
-        " bytes) result is too small: pointers=" + ShapeString(*pointers) +
-        ", staging=" + ShapeString(*staging));
+        " bytes, or none for provably aligned blocks) result is too small: pointers=" +
+        ShapeString(*pointers) + ", staging=" + ShapeString(*staging));
   }
-  if (ffi::Error err = Prologue(stream, d, acc, result, workspace); err.failure()) return err;
-  if (Empty(d)) return ffi::Error::Success();
+  if (unstaged && (!ProvablyAligned(position, d, acc_bytes) ||
+                   reinterpret_cast<uintptr_t>(result->untyped_data()) %
+                           kGemmPointerAlignment != 0)) {
+    return ffi::Error::InvalidArgument(
+        "wgrad_accumulate: without a staging result every block must be 16-byte aligned: "
+        "base (" + std::to_string(base) + "), stride (" + std::to_string(stride) +
+        "), out * in and N multiples of 16 bytes and main_grad 16-byte aligned (main_grad=" +
+        ShapeString(acc) + ")");
+  }
 
   const int64_t x_step = d.tokens * d.in * in_bytes, dy_step = d.tokens * d.out * in_bytes;
   const uintptr_t need = RequiredAlignment(d, x.element_type());
@@ -394,8 +425,8 @@ ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi:
   auto** slots = static_cast<void**>(pointers->untyped_data());
   const AtPointers out{const_cast<const void**>(slots), const_cast<const void**>(slots + problems),
                        slots + 2 * problems, slots + 3 * problems};
-  const AtProblems p{static_cast<const int32_t*>(offset.untyped_data()), problems, d.groups,
-                     d.max_offset, d.acc_stride, d.out * d.in,
+  const AtProblems p{static_cast<const int32_t*>(offset.untyped_data()), position, problems,
+                     d.groups, d.max_offset, d.acc_stride, d.out * d.in,
                      static_cast<const char*>(x.untyped_data()),
                      static_cast<const char*>(dy.untyped_data()), x_step, dy_step,
                      static_cast<char*>(result->untyped_data()),
@@ -408,8 +439,10 @@ ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi:
       static_cast<unsigned>(std::min<int64_t>((problems + kThreads - 1) / kThreads, 1024));
 
   PrepareAtKernel<<<prepare_blocks, kThreads, 0, stream>>>(p, out);
-  StageKernel<true><<<stage_grid, kThreads, 0, stream>>>(out.staged, p.staging, problems,
-                                                         units, staging_step);
+  if (!unstaged) {
+    StageKernel<true><<<stage_grid, kThreads, 0, stream>>>(out.staged, p.staging, problems,
+                                                           units, staging_step);
+  }
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return CudaError("launching the offset set-up kernels", e);
   }
@@ -424,6 +457,7 @@ ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi:
       err.failure()) {
     return err;
   }
+  if (unstaged) return ffi::Error::Success();
   StageKernel<false><<<stage_grid, kThreads, 0, stream>>>(out.staged, p.staging, problems,
                                                           units, staging_step);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
@@ -437,10 +471,11 @@ ffi::Error WgradAccumulateAtCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi:
                                      ffi::Result<ffi::AnyBuffer> result,
                                      ffi::Result<ffi::AnyBuffer> workspace,
                                      ffi::Result<ffi::AnyBuffer> pointers,
-                                     ffi::Result<ffi::AnyBuffer> staging, int32_t precision) {
+                                     ffi::Result<ffi::AnyBuffer> staging, int64_t base,
+                                     int64_t stride, int32_t precision) {
   return Guarded("wgrad_accumulate", [&] {
     return WgradAccumulateAtCudaBody(stream, x, dy, acc, offset, result, workspace, pointers,
-                                     staging, precision);
+                                     staging, base, stride, precision);
   });
 }
 
@@ -490,11 +525,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateAtCuda, WgradAccumulateAtCudaImpl,
                                   .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., N] (flat)
-                                  .Arg<ffi::AnyBuffer>()   // offset     int32 [...], device
+                                  .Arg<ffi::AnyBuffer>()   // offset     int32 [...] index, device
                                   .Ret<ffi::AnyBuffer>()   // main_grad  (aliased)
                                   .Ret<ffi::AnyBuffer>()   // cuBLAS workspace, uint8
                                   .Ret<ffi::AnyBuffer>()   // GEMM pointer arrays, uint8
-                                  .Ret<ffi::AnyBuffer>()   // staging of unaligned blocks
+                                  .Ret<ffi::AnyBuffer>()   // staging of unaligned blocks / [0]
+                                  .Attr<int64_t>("base")         // block at base + index *
+                                  .Attr<int64_t>("stride")       // stride, int64, clamped
                                   .Attr<int32_t>("precision"),   // 0/1/2: TF32 unless 2
                               {ffi::Traits::kCmdBufferCompatible});
 

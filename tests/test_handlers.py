@@ -190,11 +190,14 @@ def test_probe_cases_cover_the_variants():
         "bfloat16 into bfloat16", "float16 into float32", "float16 into float16",
         "offset block of a flat bucket", "grouped experts into a bucket",
         "traced offset block of a flat bucket", "grouped experts at a traced, clamped offset",
+        "block at a 64-bit position base + index * stride",
+        "grouped experts at an aligned position base + index * stride",
         "bucket_add of several blocks", "ragged_matmul float32 transpose_rhs=1",
         "ragged_matmul bfloat16 transpose_rhs=0", "ragged_wgrad_accumulate float32",
         "ragged_wgrad_accumulate bfloat16 into bfloat16",
         "ragged_wgrad_accumulate float16 into a bucket",
-        "ragged_wgrad_accumulate at a traced, clamped offset"]
+        "ragged_wgrad_accumulate at a traced, clamped offset",
+        "ragged_wgrad_accumulate at a 64-bit position base + index * stride"]
 
 
 # ---- 4. CUDA architectures; 5. command buffers ------------------------------------------

@@ -100,7 +100,7 @@ def test_bad_traced_offsets_and_buckets_are_trace_time_errors():
 
 
 def test_handler_rejects_a_wrong_offset_operand_itself():
-    bind = functools.partial(ops.wgrad_accumulate_at_p.bind, precision=0)
+    bind = functools.partial(ops.wgrad_accumulate_at_p.bind, base=0, stride=1, precision=0)
     x, dy = jnp.zeros((4, 6)), jnp.zeros((4, 5))
     with pytest.raises(Exception, match="offset operand must be int32 with one element"):
         jax.jit(bind)(x, dy, jnp.zeros(N), jnp.zeros((2,), jnp.int32))

@@ -90,8 +90,9 @@ def _ordered(x, dy, dx, wgrad, overlap):
 
 
 # ---------------------------------------------------------------------- custom_vjp rules
-# Threaded into a bucket: a static (int) offset is a nondiff argument, a traced one a
-# regular integer argument saved as a residual (cotangent None); one backward body.
+# Threaded into a bucket: a static (int) offset is a nondiff argument, a traced one (a
+# BlockOffset pytree or an int32 array) a regular integer argument saved as a residual
+# (cotangent None); one backward body.
 def _threaded_bwd_body(kind, x, w, sizes, dy, ct_bucket, offset, precision, overlap):
     """``(dx, zeros like w, None for the sizes, bucket + every expert's block)``."""
     dx = _dgrad(kind, dy, w, sizes, precision, x.dtype)
@@ -170,7 +171,7 @@ def _expert_linear(kind, x, w, sizes, bucket, offset, main_grad, precision, over
 
 
 def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = None,
-                   offset: int | jax.Array = 0, main_grad: BucketSlot | None = None,
+                   offset: ops.Offset = 0, main_grad: BucketSlot | None = None,
                    precision: ops.PrecisionLike = None, overlap_wgrad: bool = False):
     """Per-expert ``y[e] = x[e] @ w[e]^T`` over capacity buffers.
 
@@ -180,9 +181,10 @@ def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = Non
         :func:`jax_wgrad.functional.linear_into_bucket`: the backward adds every expert's
         ``dy[e]^T x[e]`` to its blocks ``[offset, offset + E * out * in)`` with ONE
         grouped fused call (``w`` then gets a zero gradient).
-      offset: a Python int (static, checked to fit) or an int32 scalar array (may be
-        traced, e.g. per layer of a ``scan``; clamped into ``[0, N - E * out * in]`` like
-        ``lax.dynamic_update_slice``).
+      offset: a Python int (static, any size, checked to fit), or a
+        :class:`~jax_wgrad.ops.BlockOffset` ``base + index * stride`` / an int32 scalar
+        array (may be traced, e.g. per layer of a ``scan``; the exact value is clamped into
+        ``[0, N - E * out * in]`` like ``lax.dynamic_update_slice``).
       main_grad: instead of ``bucket``/``offset``, the weight's
         :class:`~jax_wgrad.functional.BucketSlot` in buckets threaded by a
         :class:`~jax_wgrad.functional.WgradBuckets` (returns ``y`` only).
@@ -198,7 +200,7 @@ def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = Non
 
 
 def ragged_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                  bucket: jax.Array | None = None, offset: int | jax.Array = 0,
+                  bucket: jax.Array | None = None, offset: ops.Offset = 0,
                   main_grad: BucketSlot | None = None, precision: ops.PrecisionLike = None,
                   overlap_wgrad: bool = False):
     """Per-expert ``y[rows of e] = x[rows of e] @ w[e]^T`` over tokens sorted by expert.

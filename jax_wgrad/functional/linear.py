@@ -35,9 +35,11 @@ does the chaining for layers that only know their own slot (``main_grad=slot``):
     y, vjp_fn = jax.vjp(stage, params, buckets, x)
     dparams, buckets, dx = vjp_fn((dy, buckets))   # buckets += both blocks
 
-**Traced offsets: stacked layers in a scan.** ``offset`` may also be an int32 scalar
-array, e.g. ``base + i * out * in`` for layer ``i`` of a ``lax.scan`` over stacked
-``[L, out, in]`` weights that occupy one contiguous region of a bucket. The bucket then
+**Traced offsets: stacked layers in a scan.** ``offset`` may also be a traced position
+:class:`~jax_wgrad.ops.BlockOffset` ``(base, i, out * in)`` -- layer ``i`` of a
+``lax.scan`` over stacked ``[L, out, in]`` weights that occupy one contiguous region of a
+bucket from ``base`` on, computed in 64 bits by the handler, so buckets past ``2**31``
+elements work (an int32 scalar array ``o`` is ``BlockOffset(0, o, 1)``). The bucket then
 rides in the scan carry; the backward of the scan carries its cotangent, and each
 iteration's fused call adds its layer's block in place (the traced-offset form of
 :func:`jax_wgrad.ops.wgrad_accumulate`, clamped like ``lax.dynamic_update_slice``)::
@@ -45,11 +47,12 @@ iteration's fused call adds its layer's block in place (the traced-offset form o
     def stack(ws, bucket, x):                      # ws: [L, out, in], out == in
         def layer(carry, xs):
             h, bk = carry
-            w, off = xs
-            h, bk = linear_into_bucket(h, w, None, bk, offset=off)
+            w, i = xs
+            h, bk = linear_into_bucket(h, w, None, bk,
+                                       offset=ops.BlockOffset(base, i, w_size))
             return (h, bk), None
-        offs = base + jnp.arange(L, dtype=jnp.int32) * w_size
-        (y, bucket), _ = jax.lax.scan(layer, (x, bucket), (ws, offs))
+        layers = jnp.arange(L, dtype=jnp.int32)
+        (y, bucket), _ = jax.lax.scan(layer, (x, bucket), (ws, layers))
         return y, bucket
 """
 
@@ -116,8 +119,8 @@ _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
 
 # ----------------------------------------------------------------------------- threaded
 # Two custom_vjp wrappers, one backward body: a static (int) offset is a nondiff argument
-# (the same HLO as ever); a traced one is a regular integer argument, saved as a residual,
-# whose cotangent is None (float0 zeros to jax).
+# (the same HLO as ever); a traced one (a BlockOffset pytree, or an int32 array) is a
+# regular integer argument, saved as a residual, whose cotangent is None (float0 zeros).
 
 
 def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision):
@@ -152,7 +155,7 @@ def _threaded_linear_at(x, w, b, bucket, offset, precision):
 
 
 def _threaded_linear_at_fwd(x, w, b, bucket, offset, precision):
-    # x, w, b and the int32 offset are saved; the bucket is NOT a residual.
+    # x, w, b and the offset's int32 index are saved; the bucket is NOT a residual.
     return (_forward(x, w, b, precision), bucket), (x, w, b, offset)
 
 
@@ -164,11 +167,12 @@ def _threaded_linear_at_bwd(precision, res, cts):
 _threaded_linear_at.defvjp(_threaded_linear_at_fwd, _threaded_linear_at_bwd)
 
 
-def check_bucket_block(who: str, bucket: jax.Array, offset: int | jax.Array, size: int,
+def check_bucket_block(who: str, bucket: jax.Array, offset: ops.Offset, size: int,
                        what: str) -> bool:
     """Checks that a flat float32 ``bucket`` holds ``size`` elements at ``offset``; returns
-    whether ``offset`` is traced (an int32 scalar array: only ``N >= size`` is checked, the
-    offset is clamped into ``[0, N - size]`` by the fused op)."""
+    whether ``offset`` is traced (a :class:`~jax_wgrad.ops.BlockOffset` or an int32 scalar
+    array: only ``N >= size`` is checked, the position is clamped into ``[0, N - size]`` by
+    the fused op)."""
     traced = ops.is_traced_offset(offset)
     fits = bucket.ndim == 1 and (
         bucket.shape[0] >= size if traced else
@@ -189,7 +193,7 @@ def linear_into_bucket(
     b: jax.Array | None,
     bucket: jax.Array,
     *,
-    offset: int | jax.Array,
+    offset: ops.Offset,
     precision: ops.PrecisionLike = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(x @ w.T + b, bucket)``: a linear whose weight gradient goes into a flat bucket.
@@ -203,9 +207,11 @@ def linear_into_bucket(
     Args:
       x: ``[..., in]`` input; w: ``[out, in]`` weight; b: optional ``[out]`` bias.
       bucket: flat ``[N]`` float32 gradient bucket holding the weight's row-major block.
-      offset: element offset of the block in ``bucket``: a Python int (static, checked to
-        fit), or an int32 scalar array (may be traced, e.g. per layer of a ``scan``;
-        clamped into ``[0, N - out * in]`` like ``lax.dynamic_update_slice``).
+      offset: element offset of the block in ``bucket``: a Python int (static, any size,
+        checked to fit), or a :class:`~jax_wgrad.ops.BlockOffset` ``base + index *
+        stride`` / an int32 scalar array (may be traced, e.g. per layer of a ``scan``; the
+        exact value is clamped into ``[0, N - out * in]`` like
+        ``lax.dynamic_update_slice``).
       precision: matmul precision of all three GEMMs (``jnp.dot``'s meaning and default,
         :func:`jax_wgrad.ops.matmul_precision`).
     Returns:
@@ -237,10 +243,11 @@ class WgradBuckets:
         """The current bucket tokens (return these from the differentiated function)."""
         return tuple(self._buckets)
 
-    def slot(self, bucket: int, offset: int | jax.Array) -> BucketSlot:
+    def slot(self, bucket: int, offset: ops.Offset) -> BucketSlot:
         """The main grad of one weight: elements ``[offset, offset + out * in)`` of
-        bucket ``bucket``; ``offset`` a Python int or an int32 scalar array (traced, e.g.
-        inside a ``scan`` over stacked layers; see :func:`linear_into_bucket`)."""
+        bucket ``bucket``; ``offset`` a Python int, or a :class:`~jax_wgrad.ops.BlockOffset`
+        / int32 scalar array (traced, e.g. inside a ``scan`` over stacked layers; see
+        :func:`linear_into_bucket`)."""
         if not 0 <= bucket < len(self._buckets):
             raise ValueError(f"WgradBuckets.slot: bucket {bucket} out of range "
                              f"(have {len(self._buckets)})")
@@ -252,7 +259,7 @@ class WgradBuckets:
         out, self._buckets[bucket] = fn(self._buckets[bucket])
         return out
 
-    def _linear(self, x, w, b, bucket: int, offset: int | jax.Array, precision
+    def _linear(self, x, w, b, bucket: int, offset: ops.Offset, precision
                 ) -> jax.Array:
         return self.thread(bucket, lambda bk: linear_into_bucket(
             x, w, b, bk, offset=offset, precision=precision))
@@ -307,12 +314,12 @@ class SplitSlot:
 @dataclasses.dataclass(frozen=True)
 class BucketSlot:
     """Where one weight's main grad lives in threaded buckets (``main_grad=`` of
-    :func:`linear`); made by :meth:`WgradBuckets.slot`. ``offset`` is a Python int or an
-    int32 scalar array (traced)."""
+    :func:`linear`); made by :meth:`WgradBuckets.slot`. ``offset`` is a Python int, or a
+    :class:`~jax_wgrad.ops.BlockOffset` / int32 scalar array (traced)."""
 
     owner: WgradBuckets
     bucket: int
-    offset: int | jax.Array
+    offset: ops.Offset
 
 
 def linear(

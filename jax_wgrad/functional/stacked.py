@@ -8,8 +8,8 @@ compile time does not grow with ``n`` (``unroll`` trades it back for straight-li
 the weight-gradient slots handed to the layer are rebuilt per iteration:
 
 * a :class:`~jax_wgrad.functional.BucketSlot` of a stacked weight becomes the slot of
-  layer ``i``'s block, at the TRACED offset ``offset + i * size`` (the fused op's
-  traced-offset form), and the buckets it writes ride in the scan's carry -- so the scan's
+  layer ``i``'s block, at the TRACED position ``BlockOffset(offset, i, size)`` (the fused
+  op's traced-offset form, exact in 64 bits at any bucket size), and the buckets it writes ride in the scan's carry -- so the scan's
   backward carries their cotangent and each iteration adds its layer's block in place;
 * a :class:`~jax_wgrad.functional.SplitSlot` (zero bubble) of a stacked weight takes its
   probe ``[n, ...]`` as a scan input and records the layer inputs as a scan output
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad.functional.linear import BucketSlot, SplitSlot, WgradBuckets, WgradSplit
+from jax_wgrad.ops.position import advance
 
 __all__ = ["scan_layers"]
 
@@ -100,7 +101,7 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
         for k, s in enumerate(slots):
             if isinstance(s, BucketSlot):
                 size = math.prod(leaves[k].shape[1:])
-                offset = jnp.asarray(s.offset, jnp.int32) + (start + i) * jnp.int32(size)
+                offset = advance(s.offset, start + i, size)
                 per_layer[k] = inner.slot(threaded.index((id(s.owner), s.bucket)), offset)
         for j, (k, _) in enumerate(split):
             per_layer[k] = ws.slot(j)

@@ -39,7 +39,7 @@ from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.layout import SYNC_AXES, GradLayout
 from jax_wgrad.grads.masks import flat_mask, local_mask
 from jax_wgrad.grads.spec import EXPERTS, SHARED, STAGE
-from jax_wgrad.grads.sync import axis_index, axis_size, shard_buckets, sync_buckets
+from jax_wgrad.grads.sync import axis_size, place_shards, shard_buckets, sync_buckets
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR
 
 __all__ = ["sync_chunk", "sync_stage_buckets", "finalize_grads"]
@@ -75,9 +75,7 @@ def sync_stage_buckets(buckets: Buckets, ddp: DDPConfig, chunk: str = STAGE) -> 
     synced = sync_chunk(buckets, ddp, chunk)
     if not ddp.use_distributed_optimizer:
         return synced
-    rank = axis_index(SYNC_AXES[chunk])
-    return tuple(lax.dynamic_update_slice(b, s, (rank * s.shape[0],))
-                 for b, s in zip(buckets, synced))
+    return place_shards(buckets, synced, axis_name=SYNC_AXES[chunk])
 
 
 def finalize_grads(

@@ -18,6 +18,7 @@ from jax import lax
 
 from jax_wgrad.grads.buffer import GradBuffer
 from jax_wgrad.grads.sync import AxisName, axis_index, axis_size
+from jax_wgrad.ops.position import INT32_MAX
 
 __all__ = ["flat_mask", "local_mask"]
 
@@ -50,8 +51,11 @@ def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
     """Per-element bool mask of this rank's shard of each bucket (or whole buckets).
 
     The traced counterpart of :func:`flat_mask` for use inside ``shard_map``: built from
-    the flagged parameters' ``[start, end)`` runs with ``searchsorted`` over the rank's
-    global element indices, so no bucket-sized constant enters the program.
+    the flagged parameters' ``[start, end)`` runs with ``searchsorted`` over the shard's
+    element indices, so no bucket-sized constant enters the program. Positions are
+    relative to the rank's shard: one static table of runs per rank (Python ints cut at
+    the shard's bounds, each value below the shard size), the rank's row picked by its
+    traced index -- exact for buckets of any size whose shards fit int32.
 
     Args:
       flags: as in :func:`flat_mask`.
@@ -61,6 +65,10 @@ def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
         buffer whose parts are sharded over different groups).
     Returns:
       One bool array per bucket, ``[shard_numels[i]]`` or ``[bucket_numels[i]]``.
+    Raises:
+      ValueError: a bucket not divisible by its ranks, or a partly flagged bucket whose
+        shard (the whole bucket without an axis) has more than ``2**31 - 1`` elements
+        (int32 element indices).
     """
     values = buffer.flag_values(flags)
     if bucket_axes is None:
@@ -91,9 +99,35 @@ def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
         if runs == [[0, n]]:
             out.append(jnp.ones((size,), bool))
             continue
-        starts = jnp.asarray([r[0] for r in runs], jnp.int32)
-        ends = jnp.asarray([r[1] for r in runs], jnp.int32)
-        idx = rank * size + lax.iota(jnp.int32, size)
+        if size > INT32_MAX:
+            raise ValueError(
+                f"local_mask: bucket {i} is partly flagged and its "
+                + ("whole bucket" if axis_name is None else f"shard over {axis_name!r}")
+                + f" has {size} elements; element indices are int32, so at most "
+                f"{INT32_MAX} are supported (more data-parallel ranks or smaller buckets)")
+        starts, ends = _rank_run_tables(runs, dp, size)
+        idx = lax.iota(jnp.int32, size)
+        starts, ends = jnp.asarray(starts)[rank], jnp.asarray(ends)[rank]
         pos = jnp.searchsorted(starts, idx, side="right") - 1
         out.append((pos >= 0) & (idx < ends[jnp.maximum(pos, 0)]))
     return tuple(out)
+
+
+def _rank_run_tables(runs: Sequence[Sequence[int]], dp: int, size: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the ``[start, end)`` runs cut at its shard ``[r * size, (r + 1) * size)``
+    and made relative to it: int32 ``[dp, R]`` starts and ends (every value <= ``size``),
+    rows padded with the empty run ``[size, size)`` (no element index reaches it)."""
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(dp)]
+    for start, end in runs:
+        for r in range(start // size, min((end - 1) // size, dp - 1) + 1):
+            lo, hi = max(start, r * size), min(end, (r + 1) * size)
+            if lo < hi:
+                per_rank[r].append((lo - r * size, hi - r * size))
+    width = max(1, max(len(p) for p in per_rank))
+    starts = np.full((dp, width), size, np.int32)
+    ends = np.full((dp, width), size, np.int32)
+    for r, row in enumerate(per_rank):
+        for k, (lo, hi) in enumerate(row):
+            starts[r, k], ends[r, k] = lo, hi
+    return starts, ends

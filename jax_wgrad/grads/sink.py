@@ -37,7 +37,6 @@ from collections.abc import Mapping
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 
 from jax_wgrad import ops
 from jax_wgrad.functional.linear import WgradBuckets, WgradSplit
@@ -75,14 +74,18 @@ class SinkEntry:
         """The backward leaves this weight's GEMM out (its ``(x, dy)`` pair is kept)."""
         return self.policy != "accumulate"
 
-    def offset_in(self, window: Window | None):
+    def offset_in(self, window: Window | None) -> int | ops.BlockOffset:
         """Its block's first element for model chunk ``window`` (a stacked weight's rows
-        of that chunk; traced when the window's index is): ``offset`` without one."""
+        of that chunk): ``offset + index * chunk size`` -- a Python int for a static window
+        index, a :class:`~jax_wgrad.ops.BlockOffset` (exact at any bucket size) for a
+        traced one; ``offset`` without a window."""
         if window is None or window.count == 1 or self.chunk not in STACKED:
             return self.offset
         rows = self.shape[0] // window.count
         size = rows * (math.prod(self.shape) // self.shape[0])
-        return jnp.int32(self.offset) + jnp.asarray(window.index, jnp.int32) * jnp.int32(size)
+        if isinstance(window.index, int):
+            return self.offset + window.index * size
+        return ops.BlockOffset(self.offset, window.index, size)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

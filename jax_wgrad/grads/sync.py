@@ -1,8 +1,11 @@
 """Data-parallel sync of flat gradient buckets (Megatron's ``start_grad_sync``).
 
 Everything here runs inside ``jax.shard_map``: one collective per bucket over the data
-axis (:func:`sync_buckets`), and the rank's contiguous shard of a replicated bucket
-(:func:`shard_buckets`, what a tiled reduce-scatter leaves on it).
+axis (:func:`sync_buckets`), the rank's contiguous shard of a replicated bucket
+(:func:`shard_buckets`, what a tiled reduce-scatter leaves on it), and the shards written
+back into the rank's own range (:func:`place_shards`). A rank's shard is addressed as row
+``rank`` of the bucket viewed as ``[dp, numel / dp]``, never as the element position
+``rank * numel / dp``, which is not an int32 past ``2**31`` elements.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["AxisName", "axis_size", "axis_index", "sync_buckets", "shard_buckets"]
+__all__ = ["AxisName", "axis_size", "axis_index", "sync_buckets", "shard_buckets",
+           "place_shards"]
 
 AxisName = str | tuple[str, ...]
 Buckets = tuple[jax.Array, ...]
@@ -93,20 +97,56 @@ def sync_buckets(
     return tuple(out)
 
 
+def _check_sharded(who: str, i: int, b: jax.Array | np.ndarray, dp: int,
+                   axis_name: AxisName) -> int:
+    """Elements per rank of flat bucket ``i`` (divisible by ``dp``)."""
+    if b.ndim != 1 or b.shape[0] % dp:
+        raise ValueError(f"{who}: bucket {i} of shape {b.shape} is not a flat "
+                         f"array divisible by the {dp} ranks of {axis_name!r}")
+    return b.shape[0] // dp
+
+
 def shard_buckets(buckets: Sequence[jax.Array | np.ndarray], *, axis_name: AxisName
                   ) -> Buckets:
     """This rank's contiguous ``numel / dp`` slice of each (replicated) bucket.
 
-    The slice a tiled reduce-scatter leaves on the rank (``buckets.shard_range``). Used for
-    master weights and per-element masks. Call inside ``shard_map``.
+    The slice a tiled reduce-scatter leaves on the rank (``buckets.shard_range``): row
+    ``rank`` of the bucket viewed as ``[dp, numel / dp]`` (exact at any bucket size). Used
+    for master weights and per-element masks. Call inside ``shard_map``.
+
+    Returns:
+      One ``[numel_i / dp]`` array per bucket.
     """
     dp = axis_size(axis_name)
     rank = axis_index(axis_name)
     out = []
     for i, b in enumerate(buckets):
-        if b.ndim != 1 or b.shape[0] % dp:
-            raise ValueError(f"shard_buckets: bucket {i} of shape {b.shape} is not a flat "
-                             f"array divisible by the {dp} ranks of {axis_name!r}")
-        size = b.shape[0] // dp
-        out.append(lax.dynamic_slice(jnp.asarray(b), (rank * size,), (size,)))
+        size = _check_sharded("shard_buckets", i, b, dp, axis_name)
+        out.append(lax.dynamic_index_in_dim(jnp.asarray(b).reshape(dp, size), rank, 0,
+                                            keepdims=False))
+    return tuple(out)
+
+
+def place_shards(buckets: Sequence[jax.Array], shards: Sequence[jax.Array], *,
+                 axis_name: AxisName) -> Buckets:
+    """Each bucket with this rank's shard range overwritten by its shard (the inverse of
+    :func:`shard_buckets`; where Megatron's reduce-scatter leaves the shard in the grad
+    buffer). Row ``rank`` of the ``[dp, numel / dp]`` view, exact at any bucket size. Call
+    inside ``shard_map``.
+
+    Args:
+      buckets: flat ``[numel_i]`` buckets; shards: ``[numel_i / dp]`` each.
+    Returns:
+      The ``[numel_i]`` buckets.
+    """
+    dp = axis_size(axis_name)
+    rank = axis_index(axis_name)
+    out = []
+    for i, (b, s) in enumerate(zip(buckets, shards, strict=True)):
+        size = _check_sharded("place_shards", i, b, dp, axis_name)
+        if s.shape != (size,):
+            raise ValueError(f"place_shards: shard {i} has shape {s.shape}, bucket {i} "
+                             f"{b.shape} needs ({size},) per rank of {axis_name!r}")
+        rows = lax.dynamic_update_index_in_dim(b.reshape(dp, size), s, rank, 0)
+        out.append(rows.reshape(-1))
     return tuple(out)

@@ -1,8 +1,9 @@
 """Tier 1: the XLA FFI ops and their registry.
 
 * :func:`wgrad_accumulate`: ``main_grad += dy^T x`` as one GEMM with beta = 1, in place
-  (optionally into a flat bucket at an offset: a static int, or a traced int32 scalar,
-  clamped like ``lax.dynamic_update_slice``).
+  (optionally into a flat bucket at an offset: a static int of any size, or a traced
+  :class:`BlockOffset` ``base + index * stride`` computed in 64 bits, clamped like
+  ``lax.dynamic_update_slice``; an int32 scalar array ``o`` is ``BlockOffset(0, o, 1)``).
 * :func:`grouped_wgrad_accumulate`: the same for expert weights ``[E, out, in]``, all
   experts in one call (one strided-batched GEMM on a GPU), into a bucket or an array.
 * :func:`ragged_matmul` / :func:`ragged_wgrad_accumulate`: the expert GEMMs of a dropless
@@ -16,6 +17,7 @@
 
 from jax_wgrad.ops.bucket_add import bucket_add, bucket_add_p, bucket_add_ref
 from jax_wgrad.ops.grouped import grouped_wgrad_accumulate, grouped_wgrad_accumulate_ref
+from jax_wgrad.ops.position import BlockOffset, Offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 from jax_wgrad.ops.ragged import (
     ragged_matmul,
@@ -36,6 +38,8 @@ from jax_wgrad.ops.wgrad import (
 )
 
 __all__ = [
+    "BlockOffset",
+    "Offset",
     "PrecisionLike",
     "WORKSPACE_BYTES",
     "bucket_add",

@@ -18,6 +18,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jax_wgrad.ops import registry
+from jax_wgrad.ops.position import INT32_MAX
 from jax_wgrad.ops.wgrad import FLOAT_DTYPES
 
 __all__ = ["bucket_add", "bucket_add_p", "bucket_add_ref"]
@@ -31,9 +32,16 @@ def _bucket_add_xla(bucket, *grads, offsets):
 
     In place on XLA:CPU, but XLA:GPU copies the whole bucket for each block when the
     offsets are constants (../shared/gpu/FINDINGS.md #6-7); used only on platforms
-    without a built handler.
+    without a built handler. XLA's slice starts are int32 without x64, so an offset past
+    ``2**31 - 1`` raises ``ValueError`` here (the handler takes int64 offsets).
     """
     for g, o in zip(grads, offsets):
+        if o > INT32_MAX:
+            raise ValueError(f"bucket_add: the plain-XLA path addresses offsets up to "
+                             f"{INT32_MAX} (int32 slice starts), got offset {o} for a "
+                             f"{g.dtype}{list(g.shape)} gradient in a bucket of "
+                             f"{bucket.shape[0]} elements; use a platform with the "
+                             "jax_wgrad handler")
         flat = jnp.ravel(g).astype(jnp.float32)
         cur = jax.lax.dynamic_slice(bucket, (o,), (flat.shape[0],)).astype(jnp.float32)
         bucket = jax.lax.dynamic_update_slice(bucket, (cur + flat).astype(bucket.dtype), (o,))

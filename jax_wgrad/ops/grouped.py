@@ -6,8 +6,9 @@ strided-batched cuBLAS GEMM with beta = 1 over the experts, on the CPU one BLAS 
 expert; in place when XLA aliases the accumulator (donated, or a ``scan`` carry). The
 accumulator is either the ``[E, out, in]`` array itself or a flat gradient bucket whose
 ``E`` row-major ``[out, in]`` blocks lie back to back from ``offset`` on -- the layout
-of an expert weight's slice of a bucket. ``offset`` is a static Python int or a traced
-int32 scalar (clamped into ``[0, N - E * out * in]``, see :mod:`jax_wgrad.ops.wgrad`).
+of an expert weight's slice of a bucket. ``offset`` is a static Python int, or a traced
+:class:`~jax_wgrad.ops.BlockOffset` / int32 scalar (its exact value clamped into
+``[0, N - E * out * in]``, see :mod:`jax_wgrad.ops.wgrad`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_wgrad.ops.position import Offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 from jax_wgrad.ops.wgrad import add_to_block, bind, check_block, check_dtypes
 
@@ -45,7 +47,7 @@ def grouped_wgrad_accumulate(
     dy: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | jax.Array | None = None,
+    offset: Offset | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Returns ``main_grad`` with ``dy[e]^T @ x[e]`` added to every expert's block.
@@ -58,7 +60,8 @@ def grouped_wgrad_accumulate(
         with ``offset`` a flat ``[N]`` buffer holding the ``E`` blocks back to back at
         ``[offset, offset + E * out * in)``; the rest is left as it is.
       offset: element offset of expert 0's block in a flat ``main_grad``: a Python int
-        (static, checked to fit) or an int32 scalar array (may be traced; clamped into
+        (static, any size, checked to fit), a :class:`~jax_wgrad.ops.BlockOffset` or an
+        int32 scalar array (may be traced; the exact value is clamped into
         ``[0, N - E * out * in]`` like ``lax.dynamic_update_slice`` with
         ``allow_negative_indices=False``).
       precision: ``jnp.dot``'s meaning and default (:func:`matmul_precision`).
@@ -80,7 +83,7 @@ def grouped_wgrad_accumulate_ref(
     dy: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | jax.Array | None = None,
+    offset: Offset | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Plain-XLA reference of :func:`grouped_wgrad_accumulate` (same rounding)."""

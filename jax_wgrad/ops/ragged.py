@@ -11,7 +11,10 @@ and ``end_g = clamp(start_g + max(size_g, 0), 0, R)``: sizes summing past ``R`` 
   and its input gradient (``dy @ w[g]``, ``transpose_rhs=False``);
 * :func:`ragged_wgrad_accumulate`: ``main_grad[g] += dy[rows of g]^T @ x[rows of g]``, in
   place (the accumulator, operand 3, is aliased to the result), into a ``[G, out, in]``
-  array or the ``G`` blocks of a flat gradient bucket from ``offset`` on.
+  array or the ``G`` blocks of a flat gradient bucket from ``offset`` on: a static int or
+  a :class:`~jax_wgrad.ops.BlockOffset` ``base + index * stride`` (the int32 ``index`` is
+  operand 4, ``base`` and ``stride`` int64 attributes, combined in 64 bits by the handler;
+  a static int ``o`` is ``(o, 0, 0)``), clamped like :func:`jax_wgrad.ops.wgrad_accumulate`'s.
 
 Both lower to XLA FFI custom calls (``jax_wgrad_ragged_matmul``,
 ``jax_wgrad_ragged_wgrad_accumulate``; ``ffi/ragged_gemm.h``) whose work is proportional
@@ -32,20 +35,19 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_wgrad.ops import registry
+from jax_wgrad.ops.position import Offset, as_block_offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
-from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, check_block, check_dtypes, \
-    is_traced_offset
+from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, check_block, check_dtypes
 
 __all__ = ["ragged_matmul", "ragged_matmul_p", "ragged_matmul_ref", "ragged_wgrad_accumulate",
            "ragged_wgrad_accumulate_p", "ragged_wgrad_accumulate_ref", "group_ids"]
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
 ragged_matmul_p = Primitive("ragged_matmul")
 """``ragged_matmul(x, w, group_sizes, *, transpose_rhs, precision) -> y``."""
 ragged_wgrad_accumulate_p = Primitive("ragged_wgrad_accumulate")
-"""``ragged_wgrad_accumulate(x, dy, group_sizes, main_grad, offset, *, precision) ->
-main_grad``; ``offset`` is an int32 scalar operand (read only for a flat ``main_grad``)."""
+"""``ragged_wgrad_accumulate(x, dy, group_sizes, main_grad, index, *, base, stride,
+precision) -> main_grad``: group 0's block at ``base + index * stride`` (an int32 scalar
+operand, int64 parameters; read only for a flat ``main_grad``)."""
 
 
 # ---- plain XLA: the references ----------------------------------------------------------
@@ -96,9 +98,10 @@ ragged_matmul_p.def_impl(functools.partial(jax.jit, static_argnames=(
     "transpose_rhs", "precision"))(
     lambda *args, **params: ragged_matmul_p.bind(*args, **params)))
 # The result is typed like the accumulator it updates (as ops.wgrad does).
-ragged_wgrad_accumulate_p.def_abstract_eval(lambda x, dy, sizes, main_grad, offset, **_:
+ragged_wgrad_accumulate_p.def_abstract_eval(lambda x, dy, sizes, main_grad, index, **_:
                                             main_grad)
-ragged_wgrad_accumulate_p.def_impl(functools.partial(jax.jit, static_argnames="precision")(
+ragged_wgrad_accumulate_p.def_impl(functools.partial(
+    jax.jit, static_argnames=("base", "stride", "precision"))(
     lambda *args, **params: ragged_wgrad_accumulate_p.bind(*args, **params)))
 
 
@@ -134,6 +137,10 @@ def _missing(platform: str, target: str) -> str | None:
     return reason
 
 
+# The FFI attributes' types: the position's base and stride are int64, the rest int32.
+_INT64_PARAMS = frozenset({"base", "stride"})
+
+
 def _lowering(platform: str, target: str, who: str, aliases: dict[int, int]):
     reason = _missing(platform, target)
     if reason is not None:
@@ -143,7 +150,8 @@ def _lowering(platform: str, target: str, who: str, aliases: dict[int, int]):
         return unavailable
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
     return lambda ctx, *args, **params: rule(
-        ctx, *args, **{k: np.int32(v) for k, v in params.items()})
+        ctx, *args, **{k: (np.int64 if k in _INT64_PARAMS else np.int32)(v)
+                       for k, v in params.items()})
 
 
 for _platform in registry.PLATFORMS:
@@ -201,9 +209,6 @@ def _check_wgrad(x, dy, group_sizes, main_grad, offset) -> jax.Array:
     if offset is not None:
         check_block(who, main_grad, offset, groups * d_out * d_in,
                     "[G, out, in] blocks", shapes)
-        if not is_traced_offset(offset) and offset > _INT32_MAX:
-            raise ValueError(f"{who}: offset={offset} exceeds the int32 range of the "
-                             f"handler's offset operand; got {shapes}")
     check_dtypes(who, x, dy, main_grad, shapes)
     return group_sizes
 
@@ -253,10 +258,14 @@ def ragged_matmul_ref(x, w, group_sizes, *, transpose_rhs: bool = True,
                        precision=matmul_precision(precision))
 
 
-def _offset_operand(offset) -> jax.Array:
-    if is_traced_offset(offset):
-        return jnp.asarray(offset, jnp.int32)
-    return jnp.asarray(np.int32(offset or 0))
+def _position_operands(offset: Offset | None) -> tuple[jax.Array, dict[str, int]]:
+    """The handler's ``(index operand, {base, stride})`` of a position: a static int ``o``
+    (or ``None``: 0) is ``base = o`` with a constant index 0 and ``stride = 0``."""
+    position = as_block_offset(offset)
+    if position is None:
+        return jnp.asarray(np.int32(0)), {"base": offset or 0, "stride": 0}
+    return (jnp.asarray(position.index, jnp.int32),
+            {"base": position.base, "stride": position.stride})
 
 
 def ragged_wgrad_accumulate(
@@ -265,7 +274,7 @@ def ragged_wgrad_accumulate(
     group_sizes: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | jax.Array | None = None,
+    offset: Offset | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Returns ``main_grad`` with ``dy[rows of g]^T @ x[rows of g]`` added to every
@@ -280,7 +289,8 @@ def ragged_wgrad_accumulate(
         accumulated in fp32, rounded once), or with ``offset`` a flat ``[N]`` buffer
         holding the ``G`` blocks back to back at ``[offset, offset + G * out * in)``.
       offset: element offset of group 0's block in a flat ``main_grad``: a Python int
-        (static, checked to fit) or an int32 scalar array (may be traced; clamped into
+        (static, any size, checked to fit), a :class:`~jax_wgrad.ops.BlockOffset` or an
+        int32 scalar array (may be traced; the exact value is clamped into
         ``[0, N - G * out * in]`` like ``lax.dynamic_update_slice`` with
         ``allow_negative_indices=False``).
       precision: ``jnp.dot``'s meaning and default (:func:`matmul_precision`).
@@ -294,12 +304,13 @@ def ragged_wgrad_accumulate(
     level = matmul_precision(precision)
     if 0 in (x.shape[0], x.shape[1], dy.shape[1], group_sizes.shape[0]):
         return main_grad
-    return ragged_wgrad_accumulate_p.bind(x, dy, group_sizes, main_grad,
-                                          _offset_operand(offset), precision=level)
+    index, position = _position_operands(offset)
+    return ragged_wgrad_accumulate_p.bind(x, dy, group_sizes, main_grad, index, **position,
+                                          precision=level)
 
 
 def ragged_wgrad_accumulate_ref(x, dy, group_sizes, main_grad, *,
-                                offset: int | jax.Array | None = None,
+                                offset: Offset | None = None,
                                 precision: PrecisionLike = None) -> jax.Array:
     """Plain-XLA reference of :func:`ragged_wgrad_accumulate` (same clamping, rounding)."""
     group_sizes = _check_wgrad(x, dy, group_sizes, main_grad, offset)

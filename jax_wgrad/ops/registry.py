@@ -48,7 +48,8 @@ __all__ = ["TARGET", "TARGET_AT", "BUCKET_ADD_TARGET", "RAGGED_MATMUL_TARGET",
 TARGET = "jax_wgrad_wgrad_accumulate"
 """FFI target of the fused weight-gradient GEMM (one name for CPU and CUDA)."""
 TARGET_AT = "jax_wgrad_wgrad_accumulate_at"
-"""The same GEMM with the block offset as an int32 operand (traced offsets), clamped."""
+"""The same GEMM with the block at ``base + index * stride`` (int64 attributes, an int32
+index operand: traced positions), clamped."""
 BUCKET_ADD_TARGET = "jax_wgrad_bucket_add"
 """FFI target of the in-place block add into a flat gradient bucket."""
 RAGGED_MATMUL_TARGET = "jax_wgrad_ragged_matmul"
@@ -214,6 +215,17 @@ def _probe_cases():
     cases.append(("grouped experts at a traced, clamped offset",
                   lambda x, dy, b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o),
                   (gx, gdy, flat, np.int32(30)), clamped))
+    # Positions base + index * stride combined in 64 bits: (2**32 + 7) - 2 * 2**31 = 7 (in
+    # 32 bits every term wraps), and for the grouped blocks 4 + 3 * 4 = 16 with aligned
+    # base and stride (the CUDA handler's unstaged form for an fp32 accumulator).
+    cases.append(("block at a 64-bit position base + index * stride",
+                  lambda x, dy, b, i: ops.wgrad_accumulate(
+                      x, dy, b, offset=ops.BlockOffset(2**32 + 7, i, 2**31)),
+                  (x, dy, flat, np.int32(-2)), block))
+    cases.append(("grouped experts at an aligned position base + index * stride",
+                  lambda x, dy, b, i: ops.grouped_wgrad_accumulate(
+                      x, dy, b, offset=ops.BlockOffset(4, i, 4)),
+                  (gx, gdy, flat, np.int32(3)), clamped))
     g1 = np.arange(1, 4, dtype=np.float32)
     g2 = (np.arange(6, dtype=np.float32) - 2).reshape(2, 3)
     added = flat.copy()
@@ -236,7 +248,8 @@ def _ragged_rows(sizes, rows):
 def _ragged_probe_cases(rng, flat):
     """The ragged grouped GEMMs (:mod:`jax_wgrad.ops.ragged`): a group of zero rows, rows
     past the groups, sizes summing past the rows (clamped), both ``w`` layouts, 16-bit
-    data, a 16-bit accumulator, a flat bucket at a static and at a traced, clamped offset."""
+    data, a 16-bit accumulator, a flat bucket at a static offset, at a traced, clamped
+    offset and at a 64-bit position ``base + index * stride``."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -277,6 +290,10 @@ def _ragged_probe_cases(rng, flat):
     cases.append(("ragged_wgrad_accumulate at a traced, clamped offset",
                   lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(x, dy, s, b, offset=o),
                   (x, dy, long, flat, np.int32(30)), at4))
+    cases.append(("ragged_wgrad_accumulate at a 64-bit position base + index * stride",
+                  lambda x, dy, s, b, i: ops.ragged_wgrad_accumulate(
+                      x, dy, s, b, offset=ops.BlockOffset(2**33 + 5, i, 2**31)),
+                  (x, dy, short, bucket, np.int32(-4)), at5))
     return cases
 
 
@@ -341,9 +358,10 @@ def fusion_status() -> dict[str, str | None]:
     """Per platform (``"cpu"``, ``"cuda"``): ``None`` if the fused handlers were shown to
     work by a test call on a device of this process (every kernel variant: float32 at
     default (TF32 on GPUs) and highest precision, bf16/fp16 into fp32 and into 16-bit, an
-    offset block, grouped experts, both at a traced offset, ``bucket_add`` of several
-    blocks, the ragged grouped GEMMs of :mod:`jax_wgrad.ops.ragged`), else the reason they cannot be used (not built, built for a newer jax,
-    library missing, no device, a call failed or was wrong).
+    offset block, grouped experts, both at a traced offset and at a 64-bit position
+    ``base + index * stride``, ``bucket_add`` of several blocks, the ragged grouped GEMMs
+    of :mod:`jax_wgrad.ops.ragged`), else the reason they cannot be used (not built, built
+    for a newer jax, library missing, no device, a call failed or was wrong).
 
     The first query of a platform compiles and runs one small program on it; it may be
     made anywhere, also while tracing.

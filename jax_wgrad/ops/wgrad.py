@@ -10,19 +10,23 @@ buffer in place: one GEMM with beta = 1, no temporary ``dW``.
 A named primitive (rather than a bare ``jax.ffi.ffi_call``) makes the op show up as
 ``wgrad_accumulate`` in compiled HLO and in profiler traces.
 
-**Static or traced offset.** A block of a flat bucket is addressed by ``offset``. A Python
-``int`` is a static primitive parameter (the FFI attribute ``offset`` of
-``jax_wgrad_wgrad_accumulate``). An int32 scalar array -- e.g. ``base + i * out * in``
-with ``i`` the index of a ``lax.scan`` over stacked layers -- binds
-``wgrad_accumulate_at_p`` instead: the offset is operand 3 of the FFI target
-``jax_wgrad_wgrad_accumulate_at`` (accumulator still operand 2, aliased to the result),
-read by the handler at run time (host memory on the CPU; device memory on a GPU, never
-copied back to the host). A traced offset cannot be checked at trace time, so it is
+**Static or traced offset.** A block of a flat bucket is addressed by ``offset``
+(:mod:`jax_wgrad.ops.position`). A Python ``int`` is a static primitive parameter (the
+int64 FFI attribute ``offset`` of ``jax_wgrad_wgrad_accumulate``), of any size. A
+:class:`~jax_wgrad.ops.BlockOffset` ``(base, index, stride)`` -- e.g. ``(region start, i,
+out * in)`` for layer ``i`` of a ``lax.scan`` over stacked layers -- binds
+``wgrad_accumulate_at_p`` instead: ``index`` is operand 3 of the FFI target
+``jax_wgrad_wgrad_accumulate_at`` (an int32; the accumulator is still operand 2, aliased
+to the result), ``base`` and ``stride`` are int64 attributes, and the handler computes
+``base + index * stride`` in 64 bits at run time (host memory on the CPU; device memory
+on a GPU, never copied back to the host). An int32 scalar array ``o`` is
+``BlockOffset(0, o, 1)``. A traced position cannot be checked at trace time, so it is
 CLAMPED into ``[0, N - block]`` exactly like XLA's ``DynamicUpdateSlice`` clamps its start
 index (``block`` = the elements written: ``out * in``, times ``E`` for grouped experts):
-the block lands where ``lax.dynamic_update_slice(bucket, block, (offset,),
-allow_negative_indices=False)`` puts it. A negative offset is clamped to 0 (jax's default
-``allow_negative_indices=True`` would first wrap it to ``N + offset``).
+the block lands where ``lax.dynamic_update_slice(bucket, block, (position,),
+allow_negative_indices=False)`` would put it with a 64-bit start index. A negative
+position is clamped to 0 (jax's default ``allow_negative_indices=True`` would first wrap
+it to ``N + position``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_wgrad.ops import registry
+from jax_wgrad.ops.position import (
+    INT32_MAX,
+    BlockOffset,
+    Offset,
+    as_block_offset,
+    clamped_start_int32,
+    provably_aligned,
+)
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 
 __all__ = ["WORKSPACE_BYTES", "wgrad_accumulate", "wgrad_accumulate_p", "wgrad_accumulate_at_p",
@@ -51,8 +63,9 @@ before). 256 bytes of slack let the handler align it as cublasSetWorkspace requi
 
 wgrad_accumulate_p = Primitive("wgrad_accumulate")
 wgrad_accumulate_at_p = Primitive("wgrad_accumulate_at")
-"""``wgrad_accumulate`` with the block offset as an int32 operand (``[*batch]``: one per
-vmapped batch element) instead of a static parameter; the offset is clamped."""
+"""``wgrad_accumulate_at(x, dy, main_grad, index, *, base, stride, precision)``: the block
+at ``base + index * stride`` (int64 parameters, an int32 ``index`` operand ``[*batch]``:
+one per vmapped batch element), clamped, instead of a static offset parameter."""
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "precision"))
@@ -85,25 +98,27 @@ def _batch_rule(args, dims, *, offset, precision):
 batching.primitive_batchers[wgrad_accumulate_p] = _batch_rule
 
 
-@functools.partial(jax.jit, static_argnames=("precision",))
-def _eager_at(x, dy, main_grad, offset, *, precision):
-    return wgrad_accumulate_at_p.bind(x, dy, main_grad, offset, precision=precision)
+@functools.partial(jax.jit, static_argnames=("base", "stride", "precision"))
+def _eager_at(x, dy, main_grad, index, *, base, stride, precision):
+    return wgrad_accumulate_at_p.bind(x, dy, main_grad, index, base=base, stride=stride,
+                                      precision=precision)
 
 
 wgrad_accumulate_at_p.def_impl(_eager_at)
-wgrad_accumulate_at_p.def_abstract_eval(lambda x, dy, main_grad, offset, **_: main_grad)
+wgrad_accumulate_at_p.def_abstract_eval(lambda x, dy, main_grad, index, **_: main_grad)
 
 
-def _batch_rule_at(args, dims, *, precision):
+def _batch_rule_at(args, dims, **params):
     """vmap of the traced-offset form: ``broadcast_all`` like :func:`_batch_rule`; the
-    offset gets the batch dim too (one block offset per batch element)."""
+    index gets the batch dim too (one block position per batch element, one shared
+    ``base`` and ``stride``)."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [
         jnp.broadcast_to(a, (size,) + a.shape) if d is None
         else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]
-    return wgrad_accumulate_at_p.bind(*moved, precision=precision), 0
+    return wgrad_accumulate_at_p.bind(*moved, **params), 0
 
 
 batching.primitive_batchers[wgrad_accumulate_at_p] = _batch_rule_at
@@ -139,7 +154,8 @@ _ALIGN = 16
 
 
 def cuda_at_scratch(x_shape: tuple[int, ...], dy_shape: tuple[int, ...],
-                    acc: jax.core.ShapedArray) -> tuple[jax.core.ShapedArray, jax.core.ShapedArray]:
+                    acc: jax.core.ShapedArray, *, base: int, stride: int
+                    ) -> tuple[jax.core.ShapedArray, jax.core.ShapedArray]:
     """Extra results of the CUDA ``jax_wgrad_wgrad_accumulate_at`` handler, besides its
     cuBLAS workspace (``ffi/wgrad_accumulate_cuda.cu`` says how each is used):
 
@@ -147,33 +163,46 @@ def cuda_at_scratch(x_shape: tuple[int, ...], dy_shape: tuple[int, ...],
       ``cublasGemmBatchedEx`` and, per problem, the block to stage (null when it is
       16-byte aligned), ``P`` = batch elements x groups, written on the device by the
       handler's set-up kernel;
-    * ``staging``: ``[P * stride]`` of the accumulator's dtype, ``stride`` = ``out * in``
+    * ``staging``: ``[P * step]`` of the accumulator's dtype, ``step`` = ``out * in``
       rounded up to 16 bytes: where the GEMM accumulates a block whose start in the bucket
       is not 16-byte aligned (cuBLAS's pointer-array GEMMs may use 16-byte vector accesses),
-      copied in before and out after; untouched for an aligned block.
+      copied in before and out after; untouched for an aligned block. EMPTY (``[0]``) when
+      every block the position ``base + index * stride`` can address is provably 16-byte
+      aligned (:func:`~jax_wgrad.ops.position.provably_aligned`: bucket layouts' blocks
+      are): the handler then checks the same facts and never stages.
     """
     grouped = acc.ndim + 2 == len(x_shape)
     lead = x_shape[:-3] if grouped else x_shape[:-2]
     problems = int(np.prod(lead, dtype=np.int64)) * (x_shape[-3] if grouped else 1)
     item = jnp.dtype(acc.dtype).itemsize
     block = dy_shape[-1] * x_shape[-1]
-    stride = -(-block * item // _ALIGN) * _ALIGN // item
+    step = -(-block * item // _ALIGN) * _ALIGN // item
+    if provably_aligned(BlockOffset(base, 0, stride), block=block, elements=acc.shape[-1],
+                        itemsize=item, alignment=_ALIGN):
+        step = 0
     return (jax.core.ShapedArray((4 * problems * 8,), jnp.uint8),
-            jax.core.ShapedArray((problems * stride,), acc.dtype))
+            jax.core.ShapedArray((problems * step,), acc.dtype))
 
 
 def _wgrad_at_lowering(platform: str):
     if not registry.handler_loaded(platform):
         return _unavailable(platform)
     rule = jax.ffi.ffi_lowering(registry.TARGET_AT, operand_output_aliases={2: 0})
-    if platform == "cpu":
-        return lambda ctx, *args, precision: rule(ctx, *args, precision=np.int32(precision))
 
-    def with_scratch(ctx, *args, precision):
+    def attrs(base: int, stride: int, precision: int) -> dict[str, np.generic]:
+        return {"base": np.int64(base), "stride": np.int64(stride),
+                "precision": np.int32(precision)}
+
+    if platform == "cpu":
+        return lambda ctx, *args, base, stride, precision: rule(
+            ctx, *args, **attrs(base, stride, precision))
+
+    def with_scratch(ctx, *args, base, stride, precision):
         x, dy, acc = ctx.avals_in[:3]
-        extra = [_WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc)]
+        extra = [_WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc, base=base,
+                                              stride=stride)]
         ctx = ctx.replace(avals_out=[*ctx.avals_out, *extra])
-        return rule(ctx, *args, precision=np.int32(precision))[:1]
+        return rule(ctx, *args, **attrs(base, stride, precision))[:1]
     return with_scratch
 
 
@@ -184,17 +213,10 @@ for _platform in registry.PLATFORMS:
 
 
 def is_traced_offset(offset) -> bool:
-    """Whether ``offset`` takes the traced-offset path: an array (jax or numpy), not a
-    Python int. Raises ``ValueError`` unless it is an int32 scalar."""
-    if offset is None or (isinstance(offset, int) and not isinstance(offset, bool)):
-        return False
-    if not isinstance(offset, (jax.Array, np.ndarray, np.generic)):
-        return False  # floats, bools, ...: rejected by the static checks, naming the value
-    if jnp.shape(offset) != () or jnp.result_type(offset) != jnp.int32:
-        raise ValueError(
-            f"offset must be a Python int (static) or an int32 scalar array (traced); got "
-            f"{jnp.result_type(offset)}{list(jnp.shape(offset))}")
-    return True
+    """Whether ``offset`` takes the traced-offset path: a :class:`BlockOffset` or an array
+    (jax or numpy), not a Python int. Raises ``ValueError`` for an array that is not an
+    int32 scalar (:func:`~jax_wgrad.ops.position.as_block_offset`)."""
+    return as_block_offset(offset) is not None
 
 
 def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset) -> None:
@@ -220,7 +242,7 @@ def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset) -> None
 def check_block(who: str, main_grad: jax.Array, offset, block: int, what: str,
                 shapes: str) -> None:
     """A flat ``main_grad [N]`` holds ``block`` elements from ``offset`` on: checked fully
-    for a static int offset; for a traced one only ``N >= block`` (it is clamped)."""
+    for a static int offset; for a traced position only ``N >= block`` (it is clamped)."""
     if is_traced_offset(offset):
         if main_grad.ndim != 1 or main_grad.shape[0] < block:
             raise ValueError(
@@ -249,29 +271,44 @@ def check_dtypes(who: str, x: jax.Array, dy: jax.Array, main_grad: jax.Array,
             f"(accumulated in fp32, rounded once); got {shapes}")
 
 
-def add_to_block(main_grad: jax.Array, update: jax.Array, offset) -> jax.Array:
+def add_to_block(main_grad: jax.Array, update: jax.Array, offset: Offset | None
+                 ) -> jax.Array:
     """Reference accumulation: ``main_grad + update`` in fp32, rounded once to its dtype;
     with ``offset``, into the flat elements ``[offset, offset + update.size)`` only. A
-    traced offset is clamped into ``[0, N - update.size]``, as the handlers do
-    (``lax.dynamic_slice`` / ``dynamic_update_slice`` without negative-index wrapping)."""
+    traced position is clamped into ``[0, N - update.size]`` on its exact value, as the
+    handlers do (``lax.dynamic_slice`` / ``dynamic_update_slice`` at the clamped start).
+
+    Raises:
+      ValueError: with an ``offset``, a buffer of more than ``2**31 - 1`` elements (XLA's
+        slice indices are int32 without x64: this reference cannot address it exactly;
+        the fused ops can).
+    """
     if offset is None:
         return (main_grad.astype(jnp.float32) + update).astype(main_grad.dtype)
-    if is_traced_offset(offset):
-        old = jax.lax.dynamic_slice(main_grad, (offset,), (update.size,),
-                                    allow_negative_indices=False)
+    if main_grad.shape[-1] > INT32_MAX:
+        raise ValueError(
+            f"the plain-XLA reference addresses flat buffers of at most {INT32_MAX} "
+            f"elements (int32 slice indices); got main_grad {main_grad.dtype}"
+            f"{list(main_grad.shape)} -- use the fused op for larger buckets")
+    position = as_block_offset(offset)
+    if position is not None:
+        start = clamped_start_int32(position, main_grad.shape[0] - update.size)
+        old = jax.lax.dynamic_slice(main_grad, (start,), (update.size,))
         new = (old.astype(jnp.float32) + update.reshape(-1)).astype(main_grad.dtype)
-        return jax.lax.dynamic_update_slice(main_grad, new, (offset,),
-                                            allow_negative_indices=False)
+        return jax.lax.dynamic_update_slice(main_grad, new, (start,))
     block = main_grad[offset:offset + update.size].astype(jnp.float32) + update.reshape(-1)
     return main_grad.at[offset:offset + update.size].set(block.astype(main_grad.dtype))
 
 
-def bind(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset, precision: int
-         ) -> jax.Array:
+def bind(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: Offset | None,
+         precision: int) -> jax.Array:
     """Binds the static-offset primitive for an int (or no) offset, the traced-offset one
-    for an int32 scalar array."""
-    if is_traced_offset(offset):
-        return wgrad_accumulate_at_p.bind(x, dy, main_grad, jnp.asarray(offset, jnp.int32),
+    for a :class:`BlockOffset` or an int32 scalar array."""
+    position = as_block_offset(offset)
+    if position is not None:
+        return wgrad_accumulate_at_p.bind(x, dy, main_grad,
+                                          jnp.asarray(position.index, jnp.int32),
+                                          base=position.base, stride=position.stride,
                                           precision=precision)
     return wgrad_accumulate_p.bind(x, dy, main_grad, offset=0 if offset is None else offset,
                                    precision=precision)
@@ -282,7 +319,7 @@ def wgrad_accumulate(
     dy: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | jax.Array | None = None,
+    offset: Offset | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Returns ``main_grad + dy^T @ x``, updating the buffer in place under XLA.
@@ -297,10 +334,11 @@ def wgrad_accumulate(
         ``[offset, offset + out * in)`` hold the row-major ``[out, in]`` block.
       offset: element offset of the block in a flat ``main_grad``; only that block is
         read and written, the rest of the buffer is left as it is. A Python int is static
-        (checked to fit); an int32 scalar array may be traced (e.g. a ``scan`` index
-        times the block size) and is clamped into ``[0, N - out * in]`` like
-        ``lax.dynamic_update_slice``'s start index with ``allow_negative_indices=False``
-        (module docstring).
+        (any size, checked to fit); a :class:`~jax_wgrad.ops.BlockOffset` ``(base, index,
+        stride)`` (e.g. a stacked weight's start, a ``scan`` index, the block size) or an
+        int32 scalar array (``BlockOffset(0, offset, 1)``) may be traced: its exact
+        value is clamped into ``[0, N - out * in]`` like ``lax.dynamic_update_slice``'s
+        start index with ``allow_negative_indices=False`` (module docstring).
       precision: ``jnp.dot``'s meaning and default (:func:`matmul_precision`): on a GPU
         float32 inputs use TF32 unless ``HIGHEST``, exactly like XLA's own ``dot``.
     Returns:
@@ -324,7 +362,7 @@ def wgrad_accumulate_ref(
     dy: jax.Array,
     main_grad: jax.Array,
     *,
-    offset: int | jax.Array | None = None,
+    offset: Offset | None = None,
     precision: PrecisionLike = None,
 ) -> jax.Array:
     """Plain-XLA reference of :func:`wgrad_accumulate` (same shapes, precision, rounding)."""
