@@ -147,8 +147,17 @@ def make_parser() -> argparse.ArgumentParser:
                         "stages (and tensor ranks) instead of keeping a copy on every stage; "
                         "their lookup, GEMMs and cross entropy run on every stage")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="recompute activations in the backward: full (the whole stage "
-                        "forward) or selective (the attention core); absent: none")
+                   help="recompute activations in the backward, per transformer layer: "
+                        "selective (the attention core) or full (whole layers, as "
+                        "--recompute-method says); absent: none (attention kept too)")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with --recompute-granularity full (required there, as in "
+                        "Megatron): uniform checkpoints every group of "
+                        "--recompute-num-layers layers; block the first "
+                        "--recompute-num-layers layers of each stage (model chunk)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recomputed group (uniform) or recomputed layers per "
+                        "stage (block); required with --recompute-granularity full")
     g.add_argument("--defer-mode", choices=("stash", "recompute"), default="stash",
                    help="stash (x, dy) per deferred microbatch, or (x, logsumexp, labels) "
                         "and recompute dy in the drain")
@@ -411,7 +420,9 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             microbatch_group_size_per_vp_stage=(
                 args.microbatch_group_size_per_virtual_pipeline_stage),
             vocab_parallel_over_pipeline=args.vocab_parallel_over_pipeline,
-            recompute_granularity=args.recompute_granularity)
+            recompute_granularity=args.recompute_granularity,
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers)
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
@@ -475,6 +486,8 @@ def describe(plan, data, state) -> list[str]:
         + (f" ({plan.table.num_chunks} model chunks per stage)" if plan.table.num_chunks > 1
            else "")
         + f" | recompute: {par.recompute_granularity}"
+        + (f" ({par.recompute_method}, {par.recompute_num_layers} layers)"
+           if par.recompute_method else "")
         + (" | vocabulary over the pipeline" if par.vocab_parallel_over_pipeline else ""),
         f"data: {data.name}, {len(data) / 1e6:.1f} M tokens for training",
         f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "

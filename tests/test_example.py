@@ -122,10 +122,31 @@ def test_loss_curve_unchanged_by_schedule_and_recompute(example, tmp_path, sched
               "--sequence-parallel", "--gradient-accumulation-fusion"]
     base = _curve(example, tmp_path, "1f1b-none", layout)
     extra = ["--pipeline-schedule", schedule] + (
-        ["--recompute-granularity", recompute] if recompute else [])
+        ["--recompute-granularity", recompute] if recompute else []) + (
+        ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        if recompute == "full" else [])
     curve = _curve(example, tmp_path, f"{schedule}-{recompute}", layout + extra)
     for a, b in zip(curve, base):
         assert abs(a - b) <= 1e-5 * abs(b), (schedule, recompute, curve, base)
+
+
+def test_recompute_errors(example, capsys):
+    """Megatron's rules and wording for the recompute flags."""
+    usage_error(example, capsys, SMALL + ["--recompute-granularity", "full"],
+                'Using --recompute-granularity: full so --recompute-method must be "block" '
+                'or "uniform"')
+    usage_error(example, capsys, SMALL + ["--recompute-granularity", "full",
+                                          "--recompute-method", "block"],
+                "When using --recompute-granularity: full --recompute-num-layers must be between")
+    usage_error(example, capsys, SMALL + ["--recompute-granularity", "full",
+                                          "--recompute-method", "uniform",
+                                          "--recompute-num-layers", "0"],
+                "--recompute-num-layers must be a positive integer, got 0")
+    usage_error(example, capsys, SMALL + ["--recompute-granularity", "selective",
+                                          "--recompute-num-layers", "2"],
+                "When using --recompute-granularity: selective --recompute-num-layers must be None")
+    usage_error(example, capsys, SMALL + ["--recompute-method", "uniform"],
+                "--recompute-method (uniform) is only used with --recompute-granularity 'full'")
 
 
 def test_schedule_errors(example, capsys):

@@ -62,6 +62,17 @@ LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=Tru
 """Every Llama option: RMSNorm, RoPE, SwiGLU, GQA 8:2, no bias (and untied below)."""
 
 
+def _recompute_kw(recompute) -> dict:
+    """``recompute``: None, "selective", "full" (Megatron's uniform method, one layer per
+    checkpoint), or ``("full", method, num_layers)``."""
+    if recompute == "full":
+        recompute = ("full", "uniform", 1)
+    if isinstance(recompute, tuple):
+        return dict(recompute_granularity="full", recompute_method=recompute[1],
+                    recompute_num_layers=recompute[2])
+    return dict(recompute_granularity=recompute)
+
+
 def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32", table=None,
                      schedule="1f1b", recompute=None, arch=None, ddp=None, **par_kw):
     if fusion and not fusion_available("cpu"):
@@ -73,8 +84,7 @@ def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32",
     par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          micro_batch_size=2, global_batch_size=2 * dp * m,
                          sequence_parallel=sp, gradient_accumulation_fusion=fusion,
-                         pipeline_schedule=schedule, recompute_granularity=recompute,
-                         **par_kw)
+                         pipeline_schedule=schedule, **_recompute_kw(recompute), **par_kw)
     validate(par, cfg)
     mesh = make_mesh(par, jax.devices()[:par.world_size])
     params = init_params(cfg, seed=0)
@@ -419,3 +429,17 @@ def test_interleaved_with_a_microbatch_group_size_equals_jax_grad():
     _assert_equal_grads(*_check_gradients(
         2, 2, 2, sp=True, fusion=True, m=3, arch=dict(num_layers=4),
         virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=2))
+
+
+# --------------------------------------------------------------------------- per-layer recompute
+
+@pytest.mark.parametrize("schedule, recompute", [
+    ("1f1b", ("full", "uniform", 2)), ("zb-h1", ("full", "block", 1)),
+    pytest.param("1f1b", ("full", "block", 2), marks=pytest.mark.slow)])
+def test_megatron_recompute_methods_equal_jax_grad(schedule, recompute):
+    """Megatron's --recompute-method uniform / block with --recompute-num-layers, the
+    checkpoints inside the layer scan: 3 layers per stage, so uniform 2 has a group of two
+    and a single layer, block 1 one recomputed layer and two that save their activations."""
+    _assert_equal_grads(*_check_gradients(2, 2, 2, sp=True, fusion=True, tied=False,
+                                          schedule=schedule, recompute=recompute,
+                                          arch=dict(LLAMA, num_layers=6)))

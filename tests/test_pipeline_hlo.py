@@ -28,7 +28,9 @@ MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_lengt
 def _step(schedule, recompute, m=2, dp=2):
     par = ParallelConfig(pipeline_model_parallel_size=4, micro_batch_size=2,
                          global_batch_size=2 * dp * m, gradient_accumulation_fusion=True,
-                         pipeline_schedule=schedule, recompute_granularity=recompute)
+                         pipeline_schedule=schedule, recompute_granularity=recompute,
+                         **(dict(recompute_method="uniform", recompute_num_layers=1)
+                            if recompute == "full" else {}))
     mesh = make_mesh(par)
     plan = TrainPlan.create(MODEL, par, mesh, default_optimizer(1e-3))
     state = init_train_state(plan, 0)

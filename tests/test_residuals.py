@@ -1,5 +1,6 @@
 """What the pipeline stores per in-flight microbatch: activations only, never a weight or
-a gradient bucket, and less with more recomputation."""
+a gradient bucket, and less with more recomputation (checkpointed per layer inside the
+layer scan, Megatron's recompute options)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +11,15 @@ from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.parallel.pipeline.executor import _StageRun
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
 
-MODEL = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
                   vocab_size=64, compute_dtype="bfloat16")
+LAYERS = 4  # one stage: all layers
 
 
-def _store(recompute, schedule="1f1b"):
+def _store(recompute, schedule="1f1b", method=None, num_layers=None):
     par = ParallelConfig(micro_batch_size=2, global_batch_size=4, world_size=1,
                          gradient_accumulation_fusion=True, recompute_granularity=recompute,
+                         recompute_method=method, recompute_num_layers=num_layers,
                          pipeline_schedule=schedule)
     program = GPTProgram(MODEL, par, platform="cpu")
     layout, table = grad_layout(program, DDPConfig()), schedule_of(program)
@@ -28,18 +31,38 @@ def _store(recompute, schedule="1f1b"):
     return run.store, weights, buckets
 
 
+FULL = [("uniform", 1), ("uniform", 2), ("uniform", 3), ("uniform", 4), ("block", 1),
+        ("block", 4)]
+
+
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_residuals_are_activations_only(schedule):
     sizes = {}
-    for recompute in (None, "selective", "full"):
-        store, weights, buckets = _store(recompute, schedule)
-        shapes = [tuple(s.shape) for s in store.shapes]
-        assert shapes and all(s[0] == 2 for s in shapes), shapes  # [micro_batch, ...]
-        assert not set(shapes) & (weights | buckets), shapes
-        assert all(i is not None for i in store.live_index if i is not None)
+    for recompute, method, n in [(None, None, None), ("selective", None, None),
+                                 *[("full", m, k) for m, k in FULL]]:
+        store, weights, buckets = _store(recompute, schedule, method, n)
+        # besides activations, only the scan's int32 layer indices (scalars, [layers])
+        shapes = [tuple(s.shape) for s in store.shapes
+                  if not (s.dtype == jnp.int32 and s.ndim <= 1)]
+        assert shapes and not set(shapes) & (weights | buckets), shapes
         assert sum(i is not None for i in store.live_index) > 0  # the weights, read live
-        sizes[recompute] = store.stored_bytes
-        if recompute == "full":  # the stage input alone
-            assert shapes == [(2, 16, 32)] and store.shapes[0].dtype == jnp.bfloat16
-    assert sizes["full"] < sizes["selective"] < sizes[None], sizes
+        # every stored residual is an activation of the microbatch: [(layers,) mb 2, ...]
+        assert all(s[:2] == (2, 16) or (s[0] <= LAYERS and s[1] == 2) for s in shapes), shapes
+        sizes[(recompute, method, n)] = store.stored_bytes
+        # (zb-h1 with grouped recompute also stores its zero probes regrouped: see
+        # functional/stacked.py)
+        if recompute == "full" and (method, n) in [("uniform", 4), ("block", 4)] \
+                and schedule == "1f1b":
+            # every layer recomputed: the input of the group (uniform 4) or of each layer
+            act = (2, 16, 32)
+            assert shapes == ([act] if method == "uniform" else [(LAYERS, *act)]), shapes
+            assert all(s.dtype == jnp.bfloat16 for s in store.shapes if s.ndim > 1)
+    if schedule != "1f1b":
+        return
+    none, sel = sizes[(None, None, None)], sizes[("selective", None, None)]
+    uni = [sizes[("full", "uniform", k)] for k in (1, 2, 4)]
+    assert uni[2] < uni[1] < uni[0] < sel < none, sizes
+    # block 1 recomputes one layer of four: between full recompute and none
+    assert uni[0] < sizes[("full", "block", 1)] < none, sizes
+    assert sizes[("full", "block", 4)] == uni[0]  # each layer's input, both ways

@@ -28,11 +28,13 @@ from jax_wgrad.functional.linear import (
     linear,
     linear_into_bucket,
 )
+from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.functional.stacked import scan_layers
 
 __all__ = [
     "SEQ_DIM",
     "BucketSlot",
+    "LayerRecompute",
     "MoEConfig",
     "MoEStats",
     "SplitSlot",

@@ -2,8 +2,9 @@
 recompute policies keep although ``jax.checkpoint``'s ``dots_saveable`` cannot see them:
 outputs of the library's custom-call GEMMs (the ragged expert GEMMs) and of the MoE
 layer's token exchanges (so the backward neither recomputes the forward's expert GEMMs nor
-repeats its all-to-alls). :mod:`jax_wgrad.parallel.pipeline.residuals` saves this name
-unless the whole stage is recomputed (``recompute_granularity="full"``)."""
+repeats its all-to-alls). The per-layer recompute policies
+(:mod:`jax_wgrad.functional.recompute`) save this name unless the layer is recomputed
+(``recompute_granularity="full"``)."""
 
 from __future__ import annotations
 

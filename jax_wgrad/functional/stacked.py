@@ -1,16 +1,21 @@
 """Layers with stacked parameters as ONE ``lax.scan``, their fused weight gradients still
-accumulated in place into their bucket blocks (:func:`scan_layers`).
+accumulated in place into their bucket blocks (:func:`scan_layers`), checkpointed per layer
+(or group of layers) as Megatron's recompute options say
+(:class:`~jax_wgrad.functional.recompute.LayerRecompute`).
 
 A stage's ``n`` layers of the same structure hold each parameter stacked, ``[n, ...]``;
 in a gradient bucket a stacked weight ``[n, out, in]`` is one contiguous region, layer
 ``i``'s block at ``offset + i * out * in``. A ``lax.scan`` traces the layer once, so its
 compile time does not grow with ``n`` (``unroll`` trades it back for straight-line code);
-the weight-gradient slots handed to the layer are rebuilt per iteration:
+each iteration reads its layer's parameters from the full stacks (no copy of the stacks),
+and the weight-gradient slots handed to the layer are rebuilt per iteration:
 
 * a :class:`~jax_wgrad.functional.BucketSlot` of a stacked weight becomes the slot of
   layer ``i``'s block, at the TRACED position ``BlockOffset(offset, i, size)`` (the fused
-  op's traced-offset form, exact in 64 bits at any bucket size), and the buckets it writes ride in the scan's carry -- so the scan's
-  backward carries their cotangent and each iteration adds its layer's block in place;
+  op's traced-offset form: ``offset + i * size`` computed in 64 bits by the handler, exact
+  in buckets past ``2**31`` elements), and the buckets it writes ride in the scan's
+  carry -- so the scan's backward carries their cotangent and each iteration adds its
+  layer's block in place;
 * a :class:`~jax_wgrad.functional.SplitSlot` (zero bubble) of a stacked weight takes its
   probe ``[n, ...]`` as a scan input and records the layer inputs as a scan output
   ``[n, ...]``: the ``W`` task's pair is then the stacked ``(x, dy)``, one grouped fused
@@ -27,7 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_wgrad import ops
 from jax_wgrad.functional.linear import BucketSlot, SplitSlot, WgradBuckets, WgradSplit
+from jax_wgrad.functional.recompute import LayerGroup, LayerRecompute
 from jax_wgrad.ops.position import advance
 
 __all__ = ["scan_layers"]
@@ -39,9 +46,19 @@ def _is_slot(x) -> bool:
     return x is None or isinstance(x, (BucketSlot, SplitSlot))
 
 
+def _layer_offset(slot: BucketSlot, layer: jax.Array, size: int) -> ops.BlockOffset:
+    """The block of stacked layer ``layer`` (traced int32) of the weight whose layer-0
+    block is at ``slot.offset``, ``size`` elements per layer: ``BlockOffset(slot.offset,
+    layer, size)``, exact at any bucket size (:func:`jax_wgrad.ops.position.advance`; a
+    traced ``slot.offset`` combines when its stride is a multiple of ``size``, else this
+    raises ``ValueError``)."""
+    return advance(slot.offset, layer, size)
+
+
 def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]],
                 x: jax.Array, params: PyTree, main_grads: PyTree | None, *,
-                unroll: int = 1, rows: tuple[Any, int] | None = None) -> tuple[jax.Array, PyTree]:
+                unroll: int = 1, rows: tuple[Any, int] | None = None,
+                recompute: LayerRecompute | None = None) -> tuple[jax.Array, PyTree]:
     """``for i in range(n): x, aux_i = layer(params[i], main_grads[i], x)`` as a scan.
 
     Args:
@@ -51,11 +68,16 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
       main_grads: ``None``, or a tree shaped like ``params`` with a slot (``BucketSlot`` /
         ``SplitSlot`` of the STACKED weight: its bucket block, its probe ``[k, ...]`` for
         the ``k`` layers run) or ``None`` at each leaf.
-      unroll: layers per iteration of the loop (``lax.scan``'s ``unroll``); ``n``: no loop
+      unroll: iterations per step of the loop (``lax.scan``'s ``unroll``; an iteration is
+        one layer, or one group of layers recomputed together); ``n``: no loop
         (straight-line code, the offsets constant; compile time grows with ``n``).
       rows: ``(start, k)``: run only layers ``start .. start + k - 1`` (``start`` may be
         traced: a model chunk of an interleaved stage), read from the full stacks inside
         the loop (no copy of the chunk's weights); default: all ``n``.
+      recompute: how the layers are checkpointed
+        (:class:`~jax_wgrad.functional.recompute.LayerRecompute`: one ``jax.checkpoint``
+        per layer or per group of layers, inside the scan); ``None``: no checkpoint (what
+        JAX's autodiff saves by itself).
     Returns:
       ``(x after the layers, aux stacked [k, ...])``. The threaded buckets and the
       split records of the slots' owners are updated as if each layer had been called.
@@ -69,18 +91,11 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
                                                             rows[1])
     if rows is not None and not 0 < count <= n:
         raise ValueError(f"scan_layers: rows {rows!r} outside the {n} stacked layers")
-    take = (lambda p, i: p) if rows is None else (
-        lambda p, i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, start + i, 0, False),
-                                  params))
-    xs_params = params if rows is None else None
-    if main_grads is None:
-        def plain(h, xs):
-            p, i = xs
-            return layer(take(p, i), None, h)
-        return lax.scan(plain, x, (xs_params, jnp.arange(count, dtype=jnp.int32)),
-                        unroll=min(unroll, count))
+    groups = ((LayerGroup(0, 1, count, None),) if recompute is None
+              else recompute.groups(count))
 
-    slots = treedef.flatten_up_to(jax.tree.map(lambda s: s, main_grads, is_leaf=_is_slot))
+    slots = ([None] * len(leaves) if main_grads is None else
+             treedef.flatten_up_to(jax.tree.map(lambda s: s, main_grads, is_leaf=_is_slot)))
     # Threaded buckets: one carry entry per (owner, bucket) a BucketSlot writes.
     owners: dict[int, WgradBuckets] = {}
     threaded: list[tuple[int, int]] = []
@@ -92,26 +107,69 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
     split = [(k, s) for k, s in enumerate(slots) if isinstance(s, SplitSlot)]
     probes = [s.owner._probes[s.index] for _, s in split]
 
-    def step(carry, xs):
-        h, bks = carry
-        p, i, probe = xs
+    def one_layer(h, bks, index, probe):
+        """Layer ``index`` (traced, of the ``count`` run) on ``h``: ``(h, bks, records)``."""
         inner = WgradBuckets(bks)
         ws = WgradSplit(probe)
         per_layer = list(slots)
         for k, s in enumerate(slots):
             if isinstance(s, BucketSlot):
-                size = math.prod(leaves[k].shape[1:])
-                offset = advance(s.offset, start + i, size)
-                per_layer[k] = inner.slot(threaded.index((id(s.owner), s.bucket)), offset)
+                per_layer[k] = inner.slot(threaded.index((id(s.owner), s.bucket)),
+                                          _layer_offset(s, start + index,
+                                                        math.prod(leaves[k].shape[1:])))
         for j, (k, _) in enumerate(split):
             per_layer[k] = ws.slot(j)
-        h, aux = layer(take(p, i), jax.tree.unflatten(treedef, per_layer), h)
-        return (h, inner.buckets), (aux, ws.inputs, ws.outputs)
+        p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, start + index, 0, False),
+                         params)
+        h, aux = layer(p, None if main_grads is None else
+                       jax.tree.unflatten(treedef, per_layer), h)
+        return h, inner.buckets, (aux, ws.inputs, ws.outputs)
 
-    bks0 = tuple(owners[o]._buckets[b] for o, b in threaded)
-    xs = (xs_params, jnp.arange(count, dtype=jnp.int32), probes)
-    (y, bks), (aux, inputs, outputs) = lax.scan(step, (x, bks0), xs,
-                                                unroll=min(unroll, count))
+    def run_group(g: LayerGroup):
+        def iteration(h, bks, it, probe):
+            # `size` layers from layer first + it * size on; probe leaves [size, ...], or
+            # the layer's own for size 1 (None: record only).
+            records = []
+            for j in range(g.size):
+                index = g.first + it * g.size + j
+                mine = [p if p is None or g.size == 1 else p[j] for p in probe]
+                h, bks, rec = one_layer(h, bks, index, mine)
+                records.append(rec)
+            return h, bks, jax.tree.map(lambda *r: jnp.stack(r), *records)
+
+        if g.policy is not None:
+            iteration = jax.checkpoint(iteration, policy=g.policy, prevent_cse=False)
+
+        def step(carry, xs):
+            h, bks = carry
+            it, probe = xs
+            h, bks, rec = iteration(h, bks, it, probe)
+            return (h, bks), rec
+
+        def group_probes(p):
+            # The probes are inputs of the checkpointed iterations, so their scan inputs are
+            # residuals: the probe itself (a live input, not stored) when one group of
+            # single layers runs them all; a slice or regrouping of it is stored (zeros,
+            # one probe per slot: zb-h1 with block or multi-layer uniform recompute).
+            if p is None or (g.size == 1 and g.first == 0 and g.count == p.shape[0]):
+                return p
+            part = lax.slice_in_dim(p, g.first, g.first + g.size * g.count, axis=0)
+            return part if g.size == 1 else part.reshape(g.count, g.size, *p.shape[1:])
+        return step, (jnp.arange(g.count, dtype=jnp.int32), [group_probes(p) for p in probes])
+
+    carry = (x, tuple(owners[o]._buckets[b] for o, b in threaded))
+    records = []
+    for g in groups:
+        step, xs = run_group(g)
+        if g.count == 1:  # no loop for a single iteration
+            carry, rec = step(carry, jax.tree.map(lambda a: a[0], xs))
+            rec = jax.tree.map(lambda a: a[None], rec)
+        else:
+            carry, rec = lax.scan(step, carry, xs, unroll=min(unroll, g.count))
+        records.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rec))
+    (y, bks) = carry
+    aux, inputs, outputs = (records[0] if len(records) == 1 else
+                            jax.tree.map(lambda *r: jnp.concatenate(r), *records))
     for (o, b), bk in zip(threaded, bks):
         owners[o]._buckets[b] = bk
     for j, (_, s) in enumerate(split):

@@ -6,7 +6,7 @@ import dataclasses
 import warnings
 from typing import Literal
 
-from jax_wgrad._validation import check_positive
+from jax_wgrad._validation import check_positive, check_recompute
 from jax_wgrad.parallel.pipeline.schedules import SCHEDULES
 
 __all__ = ["ParallelConfig"]
@@ -79,10 +79,19 @@ class ParallelConfig:
     entropy run on every stage as collectives over ``pipeline`` (and ``tensor``) in the
     ticks where the first / last virtual stage needs them."""
     recompute_granularity: Literal["full", "selective"] | None = None
-    """Megatron's activation recomputation: ``None`` (the backward uses the residuals its
-    forward saved; no forward GEMM is recomputed), ``"selective"`` (save the GEMM outputs,
-    recompute the attention core) or ``"full"`` (save only the stage input, recompute the
-    whole stage forward in the backward)."""
+    """Megatron's activation recomputation, per transformer layer
+    (:mod:`jax_wgrad.functional.recompute`): ``None`` (the backward uses what its forward
+    saved: no GEMM and no attention is recomputed), ``"selective"`` (save the linear layers'
+    outputs, recompute the attention core) or ``"full"`` (save the input of the layers
+    ``recompute_method`` names, recompute them in the backward)."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With ``recompute_granularity="full"`` (then required, as in Megatron):
+    ``"uniform"``: checkpoint the input of every group of ``recompute_num_layers``
+    consecutive layers and recompute the group; ``"block"``: checkpoint the input of each
+    of the first ``recompute_num_layers`` layers of each pipeline stage (of each model chunk
+    with interleaving), the other layers recompute nothing."""
+    recompute_num_layers: int | None = None
+    """``N`` of ``recompute_method`` (``"full"`` only, then required)."""
 
     def __post_init__(self) -> None:
         check_positive("tensor_model_parallel_size", self.tensor_model_parallel_size)
@@ -128,9 +137,8 @@ class ParallelConfig:
         if self.vocab_parallel_over_pipeline and self.pipeline_model_parallel_size == 1:
             raise ValueError("vocab_parallel_over_pipeline needs pipeline parallelism "
                              "(pipeline_model_parallel_size > 1)")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ValueError("recompute_granularity must be None, 'full' or 'selective', "
-                             f"got {self.recompute_granularity!r}")
+        check_recompute(self.recompute_granularity, self.recompute_method,
+                        self.recompute_num_layers)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron does the same (model_parallel_config.py).
             warnings.warn(

@@ -13,6 +13,7 @@ from jax import lax
 
 from jax_wgrad.functional.cross_entropy import recompute_dy
 from jax_wgrad.functional.moe import MoEStats
+from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.functional.stacked import scan_layers
 from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.models.gpt.config import GPTConfig
@@ -76,6 +77,20 @@ class GPTProgram:
     @property
     def tied(self) -> bool:
         return not self.model.untie_embeddings_and_output_weights
+
+    @property
+    def _recompute(self) -> LayerRecompute:
+        """Megatron's recompute options of the parallel config, applied inside the layer
+        scan (:mod:`jax_wgrad.functional.recompute`), whose iterations are periods of
+        layers (:attr:`period`): ``recompute_num_layers`` counts layers."""
+        par, k = self.parallel, len(self.period)
+        n = par.recompute_num_layers
+        if n is not None and n % k:
+            raise ValueError(f"recompute_num_layers ({n}) must be a multiple of the "
+                             f"{k} layers of the repeating MoE layer pattern "
+                             f"(moe_layer_freq): the layer scan recomputes whole periods")
+        return LayerRecompute(par.recompute_granularity, par.recompute_method,
+                              None if n is None else n // k)
 
     @property
     def period(self) -> tuple[bool, ...]:
@@ -168,7 +183,8 @@ class GPTProgram:
             rows = (layers.index * per_chunk, per_chunk)
         with jax.named_scope("transformer_layers"):
             y, stats = scan_layers(self._period, x, stacked, grads,
-                                   unroll=self.model.layer_scan_unroll, rows=rows)
+                                   unroll=self.model.layer_scan_unroll, rows=rows,
+                                   recompute=self._recompute)
         if not self.moe:
             return y, ()
         return y, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)

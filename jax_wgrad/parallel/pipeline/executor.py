@@ -148,7 +148,7 @@ class _StageRun(EndsMixin):
                                          self.micro[0])[1]
         self.body_probes = zeros_of(self.body_trace[1])
         self.post_probes = zeros_of(self.post_trace[1])
-        self.store = ResidualStore.create(self._body_fn, par.recompute_granularity,
+        self.store = ResidualStore.create(self._body_fn,
                                           (*chunk0, self.body_probes, jnp.int32(0)), self.act,
                                           has_aux=True)
         self.defer = sink.deferred

@@ -1,23 +1,16 @@
 """A stage forward's ``jax.vjp`` residuals, kept in fixed-size slot buffers of the scan
 carry and turned back into the pullback by the backward task.
 
-The stage function is wrapped in ``jax.checkpoint`` with the policy of
-``recompute_granularity`` before ``jax.vjp``: the residuals are then only what the policy
-saves plus the function's inputs. Inputs that are *live* -- the parameters and the gradient
-buckets, the same arrays whenever the backward runs -- are recognised by identity and not
-stored: a slot never holds a weight copy or a bucket. Everything else (the stage input and
-the saved activations) is written at ``slot`` of one ``[num_slots, ...]`` buffer per
-residual, and read back from it, in place.
-
-* ``None``: ``dots_saveable``: every GEMM output is saved, so the backward recomputes no
-  GEMM of the forward (only casts, norms and elementwise ops); custom-call GEMMs (the
-  ragged expert GEMMs) and the MoE token exchanges are saved by their name
-  (:data:`~jax_wgrad.functional.saved.SAVED`);
-* ``"selective"``: ``dots_with_no_batch_dims_saveable``: the linear layers' outputs
-  (and the named activations) are saved, the attention core (its batched ``QK^T``
-  and ``PV`` GEMMs, the softmax) is recomputed -- Megatron's selective recomputation;
-* ``"full"``: ``nothing_saveable``: only the stage input is stored and the whole stage
-  forward is recomputed in the backward.
+What the residuals are is the stage program's business: the GPT checkpoints its layers
+inside its layer scan with Megatron's recompute options
+(:class:`~jax_wgrad.functional.recompute.LayerRecompute`), so the residuals are what each
+layer's policy saves, stacked over the layers, plus the function's inputs. (A checkpoint
+around the whole stage would make the backward re-run the forward scan over all layers
+first, stacking every recomputed activation; it is not used.) Inputs that are *live* --
+the parameters and the gradient buckets, the same arrays whenever the backward runs -- are
+recognised by identity and not stored: a slot never holds a weight copy or a bucket.
+Everything else (the stage input and the saved activations) is written at ``slot`` of one
+``[num_slots, ...]`` buffer per residual, and read back from it.
 """
 
 from __future__ import annotations
@@ -29,19 +22,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from jax_wgrad.functional.saved import SAVED
-
-__all__ = ["POLICIES", "ResidualStore"]
-
-_NAMED = jax.checkpoint_policies.save_only_these_names(SAVED)
-POLICIES = {
-    None: jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable, _NAMED),
-    "selective": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _NAMED),
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
-"""``jax.checkpoint`` policy per ``ParallelConfig.recompute_granularity``."""
+__all__ = ["ResidualStore"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,28 +41,24 @@ class ResidualStore:
     """
 
     fn: Callable
-    policy: Any
     has_aux: bool
     treedef: Any
     live_index: tuple[int | None, ...]
     shapes: tuple[jax.ShapeDtypeStruct, ...]
 
     @classmethod
-    def create(cls, fn: Callable, recompute: str | None, live, *args,
-               has_aux: bool = False) -> ResidualStore:
+    def create(cls, fn: Callable, live, *args, has_aux: bool = False) -> ResidualStore:
         """Traces ``fn(live, *args)`` once (shapes only) to lay its residuals out."""
-        policy = POLICIES[recompute]
         found = {}
 
         def probe(live, *args):
-            _, pullback, *_ = jax.vjp(jax.checkpoint(fn, policy=policy), live, *args,
-                                      has_aux=has_aux)
+            _, pullback, *_ = jax.vjp(fn, live, *args, has_aux=has_aux)
             leaves, found["treedef"] = jax.tree.flatten(pullback)
             found["live"] = _live_index(leaves, live)
             return [x for x, k in zip(leaves, found["live"]) if k is None]
 
         shapes = jax.eval_shape(probe, live, *args)
-        return cls(fn, policy, has_aux, found["treedef"], tuple(found["live"]),
+        return cls(fn, has_aux, found["treedef"], tuple(found["live"]),
                    tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes))
 
     @property
@@ -95,8 +72,7 @@ class ResidualStore:
 
     def forward(self, buffers: Sequence[jax.Array], slot, live, *args):
         """Runs ``fn`` and stores its residuals at ``slot``: ``(out[, aux], buffers)``."""
-        out = jax.vjp(jax.checkpoint(self.fn, policy=self.policy), live, *args,
-                      has_aux=self.has_aux)
+        out = jax.vjp(self.fn, live, *args, has_aux=self.has_aux)
         leaves = jax.tree.leaves(out[1])
         stored = [x for x, k in zip(leaves, self.live_index) if k is None]
         if (_live_index(leaves, live) != list(self.live_index)
