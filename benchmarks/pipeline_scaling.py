@@ -32,8 +32,9 @@ from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, ByteDataset, build_
                        default_optimizer, init_train_state, make_mesh, shard_batch)
 
 
-SCHEDULE = {"pipeline_schedule": "1f1b", "recompute_granularity": None}
-"""Set from --pipeline-schedule / --recompute-granularity."""
+SCHEDULE = {"pipeline_schedule": "1f1b", "recompute_granularity": None,
+            "recompute_method": None, "recompute_num_layers": None}
+"""Set from --pipeline-schedule and the --recompute-* flags."""
 
 
 def _setup(model, dp_tp_pp, mbs, m, fusion=False, sp=False):
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None):
     p.add_argument("--pipeline-schedule", choices=("1f1b", "zb-h1"), default="1f1b")
     p.add_argument("--recompute-granularity", choices=("none", "full", "selective"),
                    default="none")
+    p.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="Megatron's, required with --recompute-granularity full")
+    p.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="Megatron's, required with --recompute-granularity full")
     p.add_argument("--step-layouts", default="8,1,1;2,2,2",
                    help="(dp,tp,pp) layouts for step, ';'-separated; the first is the baseline")
     p.add_argument("--json", default=None, help="write the results here")
@@ -146,7 +151,9 @@ def main(argv: list[str] | None = None):
     args.what = args.what or list(WHAT)
     SCHEDULE.update(pipeline_schedule=args.pipeline_schedule,
                     recompute_granularity=None if args.recompute_granularity == "none"
-                    else args.recompute_granularity)
+                    else args.recompute_granularity,
+                    recompute_method=args.recompute_method,
+                    recompute_num_layers=args.recompute_num_layers)
     model = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length)
     layout = tuple(int(x) for x in args.layout.split(","))
