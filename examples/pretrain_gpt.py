@@ -328,13 +328,17 @@ def make_parser() -> argparse.ArgumentParser:
                    help="compile the train step of this layout for --target GPUs and run "
                         "nothing: print per-device memory against the GPU's with a fits / "
                         "DOES NOT FIT verdict (exit status 1 when it does not fit), the "
-                        "compile time and the step's structure (needs jax's CUDA plugin; "
-                        "run with JAX_PLATFORMS=cpu)")
+                        "compile time and the step's structure (needs jax's CUDA plugin, "
+                        "no GPU: jax starts on the CPU, JAX_PLATFORMS=cpu unless set)")
     g.add_argument("--target", choices=("h100", "h200"), default="h100",
                    help="GPU to compile for with --compile-only")
     g.add_argument("--target-gpus-per-host", "--target-gpus", type=positive_int, default=1,
                    dest="target_gpus_per_host", help="GPUs per host")
     g.add_argument("--target-hosts", type=positive_int, default=1, help="hosts")
+    g.add_argument("--report-json", default=None, metavar="FILE",
+                   help="with --compile-only: also write the report's figures (bytes per "
+                        "device, fits, bytes per parameter, launches and non-GEMM traffic "
+                        "per microbatch, fused calls, compile time) to FILE as JSON")
     return p
 
 
@@ -570,10 +574,55 @@ def hf_model_fields(parser: argparse.ArgumentParser, directory: str) -> dict:
             if k not in RUN_OPTIONS | {"seq_length"} and FLAG_NAMES.get(k, k) in dests}
 
 
+def start_jax_on_cpu_to_compile_only(argv: list[str]) -> None:
+    """With ``--compile-only`` (or an abbreviation argparse accepts) nothing runs on a GPU:
+    ``JAX_PLATFORMS=cpu`` unless the user set it, before jax is imported. jax's CUDA
+    plugin still describes and compiles for the target GPUs; without a GPU it starts only
+    when jax's platforms exclude CUDA. A caller that imported jax already chose its
+    platforms (``jax_wgrad.aot.target_devices`` then says what to do)."""
+    import os
+
+    if "jax" not in sys.modules and any(
+            a.startswith("--com") and "--compile-only".startswith(a) for a in argv):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def check_report_json(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--report-json FILE`` needs ``--compile-only`` and a FILE that can be written, its
+    directory created if missing (checked before anything is compiled, as ``--save``
+    is); a one-line usage error naming the flag and the path otherwise."""
+    import os
+
+    path = args.report_json
+    if path is None:
+        return
+    if not args.compile_only:
+        parser.error(f"--report-json {path}: needs --compile-only (the report is of a "
+                     "compile for --target GPUs)")
+    if os.path.isdir(path):
+        parser.error(f"--report-json {path}: is a directory")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        parser.error(f"--report-json {path}: {folder} is not a directory")
+    probe = os.path.join(folder, f".write-probe-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(13, "the file is not writable")
+    except OSError as exc:
+        parser.error(f"--report-json {path}: cannot write there ({exc.strerror or exc})")
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    start_jax_on_cpu_to_compile_only(argv)
     parser = make_parser()
     apply_preset(parser, argv)
     args = parser.parse_args(argv)
+    check_report_json(parser, args)
     from jax_wgrad.training.console import LineFilter
     from jax_wgrad.training.loop import OutOfMemoryError, check_paths
 
@@ -643,6 +692,12 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
         except (RuntimeError, ValueError) as exc:  # no plugin or handler; a bad layout
             usage_error(parser, exc)
         print(report.format(), flush=True)
+        if args.report_json is not None:
+            import json
+
+            with open(args.report_json, "w") as f:
+                json.dump(report.figures(), f, indent=1)
+                f.write("\n")
         if not report.fits:
             raise SystemExit(1)
         return {"aot": report}

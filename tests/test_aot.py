@@ -1,12 +1,16 @@
 """Compiling the train step for GPUs without one (:mod:`jax_wgrad.aot`).
 
-Tests marked ``aot`` compile for H100s with jax's CUDA plugin (no GPU, no driver: run with
-``JAX_PLATFORMS=cpu``) and skip with the reason where the plugin is not importable. The
-others check the text analyses on CPU-compiled HLO and on small hand-written HLO/thunk
-texts, and run everywhere.
+Tests marked ``aot`` compile for H100s with jax's CUDA plugin (no GPU, no driver) and skip
+with the reason where the plugin is not usable: those compiling in this process need the
+session started with ``JAX_PLATFORMS=cpu``; the production-size one runs the example in a
+process of its own, which sets that up itself. The others check the text analyses on
+CPU-compiled HLO and on small hand-written HLO/thunk texts, and run everywhere.
 """
 
+import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -91,11 +95,277 @@ ENTRY %main (p: f32[8]) -> f32[8] {
 def test_async_collectives_and_what_runs_between():
     comps = hlo.computations(_SCHEDULED)
     found = {c.kind: c for c in hlo.async_collectives(comps)}
-    assert found["collective-permute"].overlapped
-    assert found["collective-permute"].compute_between == ("fusion.1",)
-    assert "send_recv" in found["collective-permute"].op_name
+    permute = found["collective-permute"]
+    assert permute.compute_between == ("fusion.1",)  # an elementwise fusion only
+    assert not permute.overlapped and permute.memory_bound_only
+    assert "send_recv" in permute.op_name
     assert not found["reduce-scatter"].overlapped
+    assert not found["reduce-scatter"].memory_bound_only  # nothing at all between
     assert [i.name for i in hlo.sync_collectives(comps)] == ["all-reduce.2"]
+
+
+# The cooldown grad sync as XLA:GPU schedules it (H100 compile of Llama-3-8B TP2 PP2, the
+# grad_sync_in_cooldown branch): each bucket's reduce-scatter is in flight while the next
+# bucket's 1/dp multiply runs -- memory-bound kernels of the same branch, no GEMM -- and a
+# pipeline permute in flight while a GEMM (a Triton GEMM fusion) runs.
+_COOLDOWN = """\
+HloModule m, is_scheduled=true
+
+%fused_multiply (param_0: f32[64]) -> f32[64] {
+  %param_0 = f32[64]{0} parameter(0)
+  %c = f32[] constant(0.5)
+  %b = f32[64]{0} broadcast(%c), dimensions={}
+  ROOT %m = f32[64]{0} multiply(%param_0, %b)
+}
+
+%gemm_computation (p0: bf16[8,8], p1: bf16[8,8]) -> bf16[8,8] {
+  %p0 = bf16[8,8]{1,0} parameter(0)
+  %p1 = bf16[8,8]{1,0} parameter(1)
+  ROOT %d = bf16[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%async_computation (p: f32[64]) -> f32[32] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %rs = f32[32]{0} reduce-scatter(%p), replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+}
+
+%async_computation.1 (p: f32[64]) -> f32[32] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %rs = f32[32]{0} reduce-scatter(%p), replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+}
+
+%sync_branch (param.1: (f32[64], f32[64])) -> (f32[32], f32[32]) {
+  %param.1 = (f32[64]{0}, f32[64]{0}) parameter(0)
+  %loop_multiply_fusion = f32[64]{0} fusion(%param.1#0), kind=kLoop, calls=%fused_multiply
+  %reduce-scatter-start = ((f32[64]{0}), f32[32]{0}) async-start(%loop_multiply_fusion), calls=%async_computation, metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond/branch_1_fun/reduce_scatter"}
+  %loop_multiply_fusion.1 = f32[64]{0} fusion(%param.1#1), kind=kLoop, calls=%fused_multiply
+  %reduce-scatter-done = f32[32]{0} async-done(%reduce-scatter-start)
+  %reduce-scatter-start.1 = ((f32[64]{0}), f32[32]{0}) async-start(%loop_multiply_fusion.1), calls=%async_computation.1, metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond/branch_1_fun/reduce_scatter"}
+  %reduce-scatter-done.1 = f32[32]{0} async-done(%reduce-scatter-start.1)
+  ROOT %t = (f32[32]{0}, f32[32]{0}) tuple(%reduce-scatter-done, %reduce-scatter-done.1)
+}
+
+ENTRY %main (a: bf16[8,8], g: (f32[64], f32[64])) -> bf16[8,8] {
+  %a = bf16[8,8]{1,0} parameter(0)
+  %g = (f32[64]{0}, f32[64]{0}) parameter(1)
+  %collective-permute-start = ((bf16[8,8]{1,0}), bf16[8,8]{1,0}) collective-permute-start(%a), source_target_pairs={{0,1}}, metadata={op_name="jit(step)/while/body/send_recv/ppermute"}
+  %gemm_fusion = bf16[8,8]{1,0} fusion(%a, %a), kind=kCustom, calls=%gemm_computation
+  %collective-permute-done = bf16[8,8]{1,0} collective-permute-done(%collective-permute-start)
+  %p = pred[] constant(true)
+  %conditional = (f32[32]{0}, f32[32]{0}) conditional(%p, %g, %g), true_computation=%sync_branch, false_computation=%sync_branch, metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond"}
+  ROOT %r = bf16[8,8]{1,0} add(%gemm_fusion, %collective-permute-done)
+}
+"""
+
+
+def test_reduce_scatters_beside_memory_bound_kernels_are_not_overlapped():
+    from jax_wgrad.aot.report import collectives
+
+    comps = hlo.computations(_COOLDOWN)
+    found = {c.start.name: c for c in hlo.async_collectives(comps)}
+    first = found["reduce-scatter-start"]
+    assert first.compute_between == ("loop_multiply_fusion.1",)
+    assert first.gemms_between == () and not first.overlapped and first.memory_bound_only
+    permute = found["collective-permute-start"]
+    assert permute.gemms_between == ("gemm_fusion",) and permute.overlapped
+    groups = {c.group: c for c in collectives(comps)}
+    sync = groups["cooldown reduce-scatters (data-parallel grad sync)"]
+    assert (sync.total, sync.asynchronous, sync.overlapped, sync.memory_bound_only) == \
+        (2, 2, 0, 1)
+    assert sync.format().endswith("not overlapped with compute: only memory-bound kernels "
+                                  "run while they are in flight")
+    assert groups["pipeline permutes"].format().endswith(": all overlapped with compute")
+
+
+# A tick of a schedule loop as XLA:GPU compiles it, with the traffic of each kernel known:
+#   forward (busy): a zero-fill f32[1024] (4096 B written), an fp32->bf16 weight cast
+#     f32[64,64] -> bf16[64,64] (16384 read + 8192 written), a Triton GEMM fusion and a
+#     custom call (not counted);
+#   backward (busy): a loop of 3 iterations copying f32[256] (2 x 1024 B each);
+#   every tick: a dynamic-update-slice of a bf16 [64,64] slot, read through a dynamic slice
+#     of a [2,64,64] stash, into a f32[16384] buffer in place (8192 read + 16384 written +
+#     the s32 offset 4), and a collective-permute (not counted).
+_TICK = """\
+HloModule m, is_scheduled=true
+
+%fused_zero () -> f32[1024] {
+  %c = f32[] constant(0)
+  ROOT %b = f32[1024]{0} broadcast(%c), dimensions={}
+}
+
+%fused_convert (param_0: f32[64,64]) -> bf16[64,64] {
+  %param_0 = f32[64,64]{1,0} parameter(0)
+  ROOT %cv = bf16[64,64]{1,0} convert(%param_0)
+}
+
+%gemm_computation (p0: bf16[64,64], p1: bf16[64,64]) -> bf16[64,64] {
+  %p0 = bf16[64,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %d = bf16[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_dus (param_0: f32[16384], param_1: bf16[2,64,64], param_2: s32[]) -> f32[16384] {
+  %param_0 = f32[16384]{0} parameter(0)
+  %param_1 = bf16[2,64,64]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,64,64]{2,1,0} dynamic-slice(%param_1, %param_2, %zero, %zero), dynamic_slice_sizes={1,64,64}
+  %cv = f32[1,64,64]{2,1,0} convert(%ds)
+  %flat = f32[4096]{0} bitcast(%cv)
+  %offset = s32[] multiply(%param_2, %param_2)
+  ROOT %u = f32[16384]{0} dynamic-update-slice(%param_0, %flat, %offset)
+}
+
+%fwd_busy (p: (f32[64,64], bf16[64,64])) -> (f32[1024], bf16[64,64]) {
+  %p = (f32[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
+  %loop_broadcast_fusion = f32[1024]{0} fusion(), kind=kLoop, calls=%fused_zero
+  %loop_convert_fusion = bf16[64,64]{1,0} fusion(%p#0), kind=kLoop, calls=%fused_convert
+  %gemm_fusion = bf16[64,64]{1,0} fusion(%loop_convert_fusion, %p#1), kind=kCustom, calls=%gemm_computation
+  %cc = bf16[64,64]{1,0} custom-call(%gemm_fusion), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %t = (f32[1024]{0}, bf16[64,64]{1,0}) tuple(%loop_broadcast_fusion, %cc)
+}
+
+%fwd_idle (p: (f32[64,64], bf16[64,64])) -> (f32[1024], bf16[64,64]) {
+  %p = (f32[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
+  %z = f32[1024]{0} constant({...})
+  %w = bf16[64,64]{1,0} get-tuple-element(%p), index=1
+  ROOT %t = (f32[1024]{0}, bf16[64,64]{1,0}) tuple(%z, %w)
+}
+
+%layer_body (q: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %q = (s32[], f32[256]{0}) parameter(0)
+  %x = f32[256]{0} get-tuple-element(%q), index=1
+  %copy.3 = f32[256]{0} copy(%x)
+  %i = s32[] get-tuple-element(%q), index=0
+  ROOT %t = (s32[], f32[256]{0}) tuple(%i, %copy.3)
+}
+
+%layer_cond (q: (s32[], f32[256])) -> pred[] {
+  %q = (s32[], f32[256]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%bwd_busy (p: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %p = (s32[], f32[256]{0}) parameter(0)
+  ROOT %while.2 = (s32[], f32[256]{0}) while(%p), condition=%layer_cond, body=%layer_body, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+%bwd_idle (p: (s32[], f32[256])) -> (s32[], f32[256]) {
+  ROOT %p = (s32[], f32[256]{0}) parameter(0)
+}
+
+%tick (param.1: (f32[16384], bf16[2,64,64], s32[], (f32[64,64], bf16[64,64]), (s32[], f32[256]))) -> f32[16384] {
+  %param.1 = (f32[16384]{0}, bf16[2,64,64]{2,1,0}, s32[], (f32[64,64]{1,0}, bf16[64,64]{1,0}), (s32[], f32[256]{0})) parameter(0)
+  %pred = pred[] constant(false)
+  %conditional.1 = (f32[1024]{0}, bf16[64,64]{1,0}) conditional(%pred, %param.1#3, %param.1#3), true_computation=%fwd_idle, false_computation=%fwd_busy, metadata={op_name="jit(step)/while/body/forward/cond"}
+  %conditional.2 = (s32[], f32[256]{0}) conditional(%param.1#2, %param.1#4, %param.1#4), branch_computations={%bwd_idle, %bwd_busy}, metadata={op_name="jit(step)/while/body/backward/cond"}
+  %loop_dynamic_update_slice_fusion = f32[16384]{0} fusion(%param.1#0, %param.1#1, %param.1#2), kind=kLoop, calls=%fused_dus
+  %cp = bf16[64,64]{1,0} collective-permute(%param.1#1), source_target_pairs={{0,1}}
+  ROOT %r = f32[16384]{0} copy(%loop_dynamic_update_slice_fusion)
+}
+"""
+
+
+def test_non_gemm_traffic_of_a_tick_by_task_and_kind():
+    tick = hlo.loop_traffic(_TICK, "tick")
+    # the copy at the root (2 x 65536 B) and the in-place dynamic-update-slice
+    assert tick.overhead == hlo.Traffic(copy=2 * 65536, dynamic_update_slice=8192 + 16384 + 4)
+    assert set(tick.tasks) == {"forward", "backward"}
+    idle, busy = tick.tasks["forward"]
+    assert idle == hlo.Traffic() and busy == hlo.Traffic(fusion=16384 + 8192, memset=4096)
+    idle, busy = tick.tasks["backward"]
+    assert idle == hlo.Traffic() and busy == hlo.Traffic(copy=3 * 2 * 1024)
+    assert busy.total == 6144 and tick.unknown_trip_loops == 0
+    comps = hlo.computations(_TICK)
+    gemm = next(i for i in hlo.instructions(comps["fwd_busy"]) if i.name == "gemm_fusion")
+    assert hlo.gemm_class(gemm, comps) and hlo.kernel_traffic(gemm, comps) is None
+    # compiled.as_text() runs the dynamic-update-slice as an asynchronous fusion: the same
+    dus = ("%loop_dynamic_update_slice_fusion = f32[16384]{0} fusion(%param.1#0, "
+           "%param.1#1, %param.1#2), kind=kLoop, calls=%fused_dus")
+    started = ("%fusion-start = ((f32[16384]{0}, bf16[2,64,64]{2,1,0}, s32[]), f32[16384]{0}, "
+               "u32[]) fusion-start(%param.1#0, %param.1#1, %param.1#2), kind=kLoop, "
+               "calls=%fused_dus\n  %loop_dynamic_update_slice_fusion = f32[16384]{0} "
+               "fusion-done(%fusion-start)")
+    assert dus in _TICK
+    assert hlo.loop_traffic(_TICK.replace(dus, started), "tick").overhead == tick.overhead
+    # a loop of unknown trip count: one iteration, its condition included, and said so
+    unknown = _TICK.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+    tick = hlo.loop_traffic(unknown, "tick")
+    assert tick.tasks["backward"][1] == hlo.Traffic(copy=2 * 1024)
+    assert tick.unknown_trip_loops == 1
+
+
+def test_dynamic_update_slice_into_a_fresh_buffer_writes_all_of_it():
+    text = """HloModule m
+
+%fused (param_0: f32[64]) -> f32[1024] {
+  %param_0 = f32[64]{0} parameter(0)
+  %zero = f32[] constant(0)
+  %fresh = f32[1024]{0} broadcast(%zero), dimensions={}
+  %at = s32[] constant(128)
+  ROOT %u = f32[1024]{0} dynamic-update-slice(%fresh, %param_0, %at)
+}
+
+ENTRY %main (x: f32[64]) -> f32[1024] {
+  %x = f32[64]{0} parameter(0)
+  ROOT %f = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused
+}
+"""
+    comps = hlo.computations(text)
+    fusion = hlo.instructions(comps["main"])[-1]
+    assert hlo.kernel_traffic(fusion, comps) == ("fusion", 256 + 4096)
+
+
+def test_shape_bytes():
+    assert hlo.shape_bytes("f32[8,4]{1,0}") == 128
+    assert hlo.shape_bytes("(bf16[2,3]{1,0}, s32[], /*index=2*/pred[4]{0})") == 12 + 4 + 4
+    assert hlo.shape_bytes("f8e4m3fn[16]{0}") == 16 and hlo.shape_bytes("token[]") == 0
+
+
+def test_non_gemm_traffic_of_a_cpu_compiled_scan():
+    # A scan of 3 iterations: b * 1.5 over the carried f32[N] (a fusion reading and writing
+    # 4 N bytes each), and a 128-float block written into a carried f32[2 N] buffer at a
+    # traced offset (in place: 512 B read from xs, 512 B written -- not the 8 N bytes of
+    # the buffer). What else runs is scalar bookkeeping (the counter, the offset).
+    def f(b, c, xs):
+        def body(carry, x):
+            b, c, i = carry
+            return (b * 1.5, lax.dynamic_update_slice(c, x * 2.0, (i * 128,)), i + 1), None
+        return lax.scan(body, (b, c, jnp.int32(0)), xs)[0]
+
+    text = jax.jit(f, donate_argnums=(0, 1)).lower(
+        jnp.zeros(N, jnp.float32), jnp.zeros(2 * N, jnp.float32),
+        jnp.ones((3, 128), jnp.float32)).compile().as_text()
+    _, body = hlo.schedule_loop(text, [2 * N])
+    tick = hlo.loop_traffic(text, body)
+    scalars = 64  # a few s32 copies and adds
+    assert 8 * N <= tick.overhead.fusion <= 8 * N + scalars
+    assert 1024 <= tick.overhead.dynamic_update_slice <= 1024 + scalars
+    assert tick.overhead.memset == 0 and tick.overhead.copy <= scalars
+    assert tick.tasks == {}
+    comps = hlo.computations(text)
+    whole, unknown = hlo.computation_traffic(comps, hlo.entry_name(text))
+    assert unknown == 0
+    assert 3 * tick.overhead.total <= whole.total <= 3 * tick.overhead.total + 4 * scalars
+
+
+def test_per_microbatch_cost_of_the_busiest_stage():
+    from jax_wgrad.aot.compile import _per_microbatch
+    from jax_wgrad.parallel.pipeline.schedules import one_f_one_b
+
+    table = one_f_one_b(2, 4)  # 2 stages, 4 microbatches
+    t = table.num_ticks
+    tasks = {"forward": (hlo.Traffic(fusion=1), hlo.Traffic(fusion=10)),
+             "backward": (hlo.Traffic(), hlo.Traffic(copy=100)),
+             "grad_sync_in_cooldown": (hlo.Traffic(), hlo.Traffic(memset=1000))}
+    got = _per_microbatch(hlo.Traffic(dynamic_update_slice=2), tasks, table,
+                          lambda x: x.total)
+    # every stage runs 4 forwards, 4 backwards and its cooldown sync once
+    want = hlo.Traffic(fusion=4 * 10 + (t - 4) * 1, copy=4 * 100, memset=1000,
+                       dynamic_update_slice=2 * t) * (1 / 4)
+    assert got == want
+    launches = _per_microbatch(3, {"forward": (1, 5), "backward": (0, 7)}, table, float)
+    assert launches == (3 * t + 4 * 5 + (t - 4) * 1 + 4 * 7) / 4
 
 
 _THUNKS = """\
@@ -278,6 +548,37 @@ def test_report_says_launches_in_nested_loops():
         _report(flat).format()
 
 
+def test_bytes_per_parameter_beside_megatron():
+    from jax_wgrad.aot.report import megatron_figures
+
+    bf16, text = megatron_figures(2, True, 4)
+    assert bf16 == {"params": 2, "grads": 4, "optimizer": 3, "total": 9}
+    assert text == "2 + 4 + 12/DP (DP 4)"
+    fp32, text = megatron_figures(4, True, 2)
+    assert fp32 == {"params": 4, "grads": 4, "optimizer": 4, "total": 12}
+    assert megatron_figures(2, False, 8)[0]["total"] == 18  # Megatron's table
+    assert megatron_figures(4, False, 8)[0]["total"] == 16
+    # half the parameters are experts, sharded over an expert-DP group of 1 (DP 4, EP 4)
+    moe, text = megatron_figures(2, True, 4, 0.5, 1)
+    assert moe["optimizer"] == 12 * (0.5 / 4 + 0.5 / 1) and "expert-DP size 1" in text
+    report = dataclasses.replace(
+        _report(None), param_bytes=2 * 1000, bucket_bytes=4 * 1000, optimizer_bytes=3 * 1000,
+        params_per_device=1000, param_itemsize=2, distributed_optimizer=True,
+        data_parallel_size=4, traffic=hlo.TickTraffic(hlo.Traffic(), {}, 0),
+        traffic_per_microbatch=hlo.Traffic(fusion=2e9, copy=1e9), memory_bandwidth=3e12)
+    assert report.bytes_per_parameter() == {"params": 2, "grads": 4, "optimizer": 3,
+                                            "total": 9}
+    text = report.format()
+    assert ("params 2.00 | grads 4.00 | optimizer 3.00 | total 9.00; Megatron-LM (16-bit "
+            "params, fp32 grads, distributed optimizer): 2 + 4 + 12/DP (DP 4)") in text
+    assert "non-GEMM memory traffic per microbatch" in text
+    assert ": 3.00 GB, 1.00 ms at 3.00 TB/s (fusions 2.00 GB, copies 1.00 GB," in text
+    figures = report.figures()
+    assert figures["non_gemm_bytes_per_microbatch"] == 3e9
+    assert figures["bytes_per_param"]["total"] == figures["megatron_bytes_per_param"]["total"] == 9
+    json.dumps(figures)  # plain JSON values
+
+
 def test_targets():
     h100, h200 = gpu_target("h100"), gpu_target("H200")
     assert h100.description == "NVIDIA H100 80GB HBM3" and h200.description == "NVIDIA H200"
@@ -309,6 +610,40 @@ def test_plan_without_fusion_check(monkeypatch):
     monkeypatch.setitem(registry._LOADED, "cpu", "the module is missing (test)")
     with pytest.raises(RuntimeError, match="cannot be lowered.*missing \\(test\\)"):
         TrainPlan.create(MODEL, par, mesh, default_optimizer(1e-3), check_fusion=False)
+
+
+def test_target_devices_blames_the_plugin_only_when_it_is_missing(monkeypatch):
+    from jax.experimental import topologies
+
+    from jax_wgrad.aot import targets
+
+    def no_topology(**kwargs):
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_topology)
+    monkeypatch.setattr(targets, "cuda_plugin", lambda: None)
+    with pytest.raises(RuntimeError) as exc:
+        targets.target_devices("h100", 8)
+    assert str(exc.value).startswith(
+        "compiling for a GPU needs jax's CUDA plugin (e.g. pip install 'jax[cuda13]'), and "
+        "none is installed here; jax could not describe 1 x 8 NVIDIA H100 80GB HBM3: "
+        "NotImplementedError: topology not implemented for cuda")
+    # installed, but jax started with CUDA among its platforms on a machine without a GPU
+    monkeypatch.setattr(targets, "cuda_plugin", lambda: "jax_plugins.xla_cuda13")
+    old = jax.config.jax_platforms
+    try:
+        for platforms, hint in ((None, True), ("cpu,cuda", True), ("cpu", False)):
+            jax.config.update("jax_platforms", platforms)
+            with pytest.raises(RuntimeError) as exc:
+                targets.target_devices("h100", 8)
+            text = str(exc.value)
+            assert text.startswith("jax's CUDA plugin (jax_plugins.xla_cuda13) is installed "
+                                   "but could not describe 1 x 8 NVIDIA H100 80GB HBM3: ")
+            assert "needs jax's CUDA plugin" not in text
+            assert ("set JAX_PLATFORMS=cpu before jax is imported" in text) == hint
+            assert (f"(JAX_PLATFORMS is {platforms or 'unset'})" in text) == hint
+    finally:
+        jax.config.update("jax_platforms", old)
 
 
 # --------------------------------------------------------------- with jax's CUDA plugin
@@ -407,6 +742,47 @@ def test_example_exits_1_when_it_does_not_fit(plugin, example, monkeypatch, caps
                       "--micro-batch-size", "2"])
     assert exc.value.code == 1
     assert "verdict: DOES NOT FIT: needs" in capsys.readouterr().out
+
+
+@functools.cache
+def _subprocess_skip() -> str | None:
+    """Why a compile in a fresh process (the example, the scale table) cannot run here."""
+    from jax_wgrad.aot import cuda_plugin
+
+    if cuda_plugin() is None:
+        return "jax's CUDA plugin is not installed (e.g. pip install 'jax[cuda13]')"
+    if registry.load_error("cuda") is not None:
+        return f"the CUDA handler is not loaded: {registry.load_error('cuda')}"
+    return None
+
+
+@aot
+def test_llama3_8b_on_8_h100_fits_in_place():
+    """Llama-3-8B TP2 PP2 DP2, seq 4096, --bf16, full recompute, fused, distributed
+    optimizer, as the scale table compiles it: the example in a process of its own,
+    without JAX_PLATFORMS (it sets itself up), writing --report-json. 40-60 s."""
+    if _subprocess_skip() is not None:
+        pytest.skip(_subprocess_skip())
+    from script_util import load_script
+
+    scale = load_script("benchmarks/scale_table.py")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    row = scale.run_layout(scale.BY_NAME["llama3-8b-tp2pp2dp2-s4k-full"], "h100", env=env)
+    assert row["status"] == "fits", row.get("error", row["status"])
+    for key in ("peak_bytes", "budget_bytes", "fits", "params_bytes", "optimizer_bytes",
+                "grad_bytes", "temp_bytes", "launches_per_microbatch", "fused_calls",
+                "fused_aliased", "compile_s", "bytes_per_param", "megatron_bytes_per_param",
+                "non_gemm_bytes_per_microbatch"):
+        assert key in row, key
+    assert row["peak_bytes"] <= row["budget_bytes"]
+    assert row["fused_calls"] > 0 and row["fused_aliased"] == row["fused_calls"]
+    assert row["wgrad_aliased"] == row["wgrad_calls"] > 0
+    assert row["loop_bucket_ops"] == []  # no bucket-sized kernel or copy in any tick
+    assert row["launches_per_microbatch"] > 0 and row["non_gemm_bytes_per_microbatch"] > 0
+    got, megatron = row["bytes_per_param"], row["megatron_bytes_per_param"]
+    assert megatron == {"params": 2, "grads": 4, "optimizer": 6, "total": 12}  # DP 2
+    assert got["params"] == pytest.approx(2, rel=0.02)  # bf16 parameters
+    assert got["grads"] == pytest.approx(4, rel=0.05)  # fp32 buckets
 
 
 _GRAPH_COND = """\

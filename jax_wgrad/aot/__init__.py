@@ -4,20 +4,23 @@
   -> :class:`AotReport`: per-device memory against the target's with a fits / DOES NOT
   FIT verdict, compile time, and structural facts of the compiled step
   (``report.format()`` prints them).
-* :func:`gpu_target` / :data:`TARGETS` (``"h100"``, ``"h200"``), :func:`target_devices`.
-* :mod:`jax_wgrad.aot.hlo` (compiled HLO text) and :mod:`jax_wgrad.aot.thunks` (XLA:GPU's
+* :func:`gpu_target` / :data:`TARGETS` (``"h100"``, ``"h200"``), :func:`target_devices`,
+  :func:`cuda_plugin` (which CUDA plugin is installed, if any).
+* :mod:`jax_wgrad.aot.hlo` (compiled HLO text, e.g. :func:`~jax_wgrad.aot.hlo.loop_traffic`:
+  non-GEMM memory traffic per loop iteration) and :mod:`jax_wgrad.aot.thunks` (XLA:GPU's
   thunk sequence, e.g. :func:`~jax_wgrad.aot.thunks.loop_launches`: launches per loop
   iteration, a command buffer counting as one): the analyses, reusable on any module.
 
-Needs jax's CUDA plugin (e.g. ``pip install 'jax[cuda13]'``), run with
-``JAX_PLATFORMS=cpu``; the CUDA handler must be built for the fused path to lower.
+Needs jax's CUDA plugin (e.g. ``pip install 'jax[cuda13]'``); on a machine without a GPU
+jax must start with ``JAX_PLATFORMS=cpu`` (``examples/pretrain_gpt.py --compile-only``
+sets it itself). The CUDA handler must be built for the fused path to lower.
 """
 
 from jax_wgrad.aot import hlo, thunks
 from jax_wgrad.aot.compile import abstract_train_state, compile_for_target, compile_plan
 from jax_wgrad.aot.report import AotReport, Collectives
-from jax_wgrad.aot.targets import TARGETS, GpuTarget, gpu_target, target_devices
+from jax_wgrad.aot.targets import TARGETS, GpuTarget, cuda_plugin, gpu_target, target_devices
 
 __all__ = ["AotReport", "Collectives", "GpuTarget", "TARGETS", "abstract_train_state",
-           "compile_for_target", "compile_plan", "gpu_target", "hlo", "target_devices",
-           "thunks"]
+           "compile_for_target", "compile_plan", "cuda_plugin", "gpu_target", "hlo",
+           "target_devices", "thunks"]

@@ -21,7 +21,8 @@ import glob
 import os
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ from jax_wgrad.aot.targets import GpuTarget, gpu_target, target_devices
 from jax_wgrad.parallel.mesh import mesh_shape
 
 __all__ = ["abstract_train_state", "compile_for_target", "compile_plan"]
+
+T = TypeVar("T")
+
 
 def _with_shardings(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -63,11 +67,30 @@ def abstract_train_state(plan) -> Any:
 
 
 def _device_bytes(tree) -> int:
-    total = 0
-    for a in jax.tree.leaves(tree):
-        shape = a.sharding.shard_shape(a.shape)
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-    return total
+    """Bytes one device holds of the abstract arrays of ``tree`` (their shard shapes)."""
+    return sum(_device_numel(a) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def _device_numel(a) -> int:
+    """Elements one device holds of the abstract array ``a``."""
+    return int(np.prod(a.sharding.shard_shape(a.shape), dtype=np.int64))
+
+
+def _param_facts(params) -> tuple[int, int, int]:
+    """``(elements one device holds, of which experts', bytes per element of most of
+    them)`` of the abstract parameters ``params``: an expert parameter is sharded over
+    the expert axis."""
+    from jax_wgrad.parallel.mesh import EXPERT
+
+    total, experts, by_size = 0, 0, {}
+    for a in jax.tree.leaves(params):
+        n = _device_numel(a)
+        total += n
+        spec = jax.tree.leaves(tuple(a.sharding.spec))
+        experts += n if EXPERT in spec else 0
+        size = np.dtype(a.dtype).itemsize
+        by_size[size] = by_size.get(size, 0) + n
+    return total, experts, max(by_size, key=by_size.get) if by_size else 4
 
 
 def _xla_options(extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -168,6 +191,8 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
         launches = thunks.loop_launches(thunks.parse_thunks(thunk_text),
                                         thunks.thunk_names(meta_text), loop[0], op_names,
                                         trips=hlo.trip_counts(text))
+    traffic = None if loop is None else hlo.loop_traffic(text, loop[1])
+    params_per_device, expert_params, itemsize = _param_facts(state.params)
 
     # jax's GPU allocator is capped at this share whether it preallocates or not.
     frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
@@ -192,29 +217,40 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
         scatters_16bit=tuple(f"{i.name} {i.shape}" for i in hlo.scatters_16bit(text)),
         collectives=collectives(comps),
         launches=launches,
-        launches_per_microbatch=None if launches is None else _per_microbatch(launches,
-                                                                              plan.table),
+        launches_per_microbatch=None if launches is None else _per_microbatch(
+            launches.overhead, launches.tasks, plan.table, float),
         num_microbatches=par.num_microbatches,
         num_ticks=plan.table.num_ticks,
         xla_flags=tuple(f"--{k}={v}".replace("=True", "=true").replace("=False", "=false")
-                        for k, v in opts.items()))
+                        for k, v in opts.items()),
+        params_per_device=params_per_device, expert_params_per_device=expert_params,
+        param_itemsize=itemsize, distributed_optimizer=plan.ddp.use_distributed_optimizer,
+        data_parallel_size=par.data_parallel_size,
+        expert_data_parallel_size=par.expert_data_parallel_size,
+        memory_bandwidth=target.memory_bandwidth, traffic=traffic,
+        traffic_per_microbatch=None if traffic is None else _per_microbatch(
+            traffic.overhead, traffic.tasks, plan.table, lambda t: t.total))
 
 
-def _per_microbatch(lc: thunks.LaunchCount, table) -> float:
+def _per_microbatch(overhead: T, tasks: Mapping[str, tuple[T, T]], table,
+                    size: Callable[[T], float]) -> T:
+    """The busiest stage's cost of the schedule's ticks, per microbatch: each tick costs
+    ``overhead`` plus each task's ``(idle, busy)`` cost as the schedule ``table`` says
+    (a tick count of launches, or a :class:`~jax_wgrad.aot.hlo.Traffic`); the stage with
+    the largest ``size`` of its sum is the busiest."""
     rows = {"forward": np.asarray(table.forward), "backward": np.asarray(table.backward),
             "weight_gradients": np.asarray(table.weight)}
-    most = 0
+    stages = []
     for s in range(table.num_stages):
-        n = 0
+        n = overhead * table.num_ticks
         for t in range(table.num_ticks):
-            n += lc.overhead
-            for key, (idle, busy) in lc.tasks.items():
+            for key, (idle, busy) in tasks.items():
                 key = key.rstrip("'")
                 on = (rows[key][t, s] >= 0 if key in rows else
                       t == table.last_grad_tick(s) if key == "grad_sync_in_cooldown" else True)
-                n += busy if on else idle
-        most = max(most, n)
-    return most / table.num_microbatches
+                n = n + (busy if on else idle)
+        stages.append(n)
+    return max(stages, key=size) * (1 / table.num_microbatches)
 
 
 def compile_for_target(model, parallel, ddp=None, *, target: GpuTarget | str = "h100",

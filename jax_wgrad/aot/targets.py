@@ -14,7 +14,7 @@ import dataclasses
 import re
 from importlib import resources
 
-__all__ = ["TARGETS", "GpuTarget", "gpu_target", "target_devices"]
+__all__ = ["TARGETS", "GpuTarget", "cuda_plugin", "gpu_target", "target_devices"]
 
 TARGETS: tuple[str, ...] = ("h100", "h200")
 """Names accepted by :func:`gpu_target`."""
@@ -34,6 +34,11 @@ class GpuTarget:
     @property
     def description(self) -> str:
         return re.search(r'device_description_str: "([^"]*)"', self.config).group(1)
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """Device memory bandwidth in bytes/s (``memory_bandwidth``)."""
+        return float(re.search(r"memory_bandwidth: (\d+)", self.config).group(1))
 
     @property
     def memory_bytes(self) -> int:
@@ -73,12 +78,30 @@ def gpu_target(name: str) -> GpuTarget:
     raise ValueError(f"unknown GPU target {name!r}; known: {', '.join(TARGETS)}")
 
 
+def cuda_plugin() -> str | None:
+    """The module of jax's CUDA plugin installed here (``"jax_plugins.xla_cuda13"``), or
+    ``None`` when there is none. Only looks: nothing is imported from the plugin."""
+    import pkgutil
+
+    try:
+        import jax_plugins
+    except ImportError:
+        return None
+    names = sorted(m.name for m in pkgutil.iter_modules(jax_plugins.__path__)
+                   if m.name.startswith("xla_cuda"))
+    return f"jax_plugins.{names[-1]}" if names else None
+
+
 def target_devices(target: GpuTarget | str, gpus_per_host: int = 1, hosts: int = 1) -> list:
     """Compile-only devices of ``hosts`` hosts with ``gpus_per_host`` GPUs each (jax's
     topology ``1x<hosts>x<gpus_per_host>``), from jax's CUDA plugin; nothing is started.
 
+    On a machine without a usable GPU the plugin only starts when jax's platforms exclude
+    CUDA (``JAX_PLATFORMS=cpu`` before jax is imported): otherwise its CUDA version check
+    fails and jax drops it. The error says which of the two happened.
+
     Raises:
-      RuntimeError: jax's CUDA plugin is not importable here, or it cannot describe the
+      RuntimeError: jax's CUDA plugin is not installed, or it is but cannot describe the
         topology (the reason is in the message).
       ValueError: a non-positive count.
     """
@@ -87,15 +110,28 @@ def target_devices(target: GpuTarget | str, gpus_per_host: int = 1, hosts: int =
     for what, n in (("gpus_per_host", gpus_per_host), ("hosts", hosts)):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"target_devices: {what} must be a positive int, got {n!r}")
+    import jax
     from jax.experimental import topologies
 
     try:
         topo = topologies.get_topology_desc(platform="cuda", target_config=target.config,
                                             topology=f"1x{hosts}x{gpus_per_host}")
     except Exception as exc:  # noqa: BLE001 -- any failure is the reason
-        raise RuntimeError(
-            "compiling for a GPU needs jax's CUDA plugin (e.g. pip install "
-            f"'jax[cuda13]'); jax could not describe {hosts} x {gpus_per_host} "
-            f"{target.description}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        what = f"{hosts} x {gpus_per_host} {target.description}"
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        plugin = cuda_plugin()
+        if plugin is None:
+            raise RuntimeError(
+                "compiling for a GPU needs jax's CUDA plugin (e.g. pip install "
+                f"'jax[cuda13]'), and none is installed here; jax could not describe {what}: "
+                f"{reason}") from exc
+        platforms = jax.config.jax_platforms
+        hint = ""
+        if not platforms or any(p.strip() in ("cuda", "gpu") for p in platforms.split(",")):
+            hint = ("; without a usable GPU the plugin does not start when jax's platforms "
+                    f"include CUDA (JAX_PLATFORMS is {platforms or 'unset'}): set "
+                    "JAX_PLATFORMS=cpu before jax is imported (examples/pretrain_gpt.py "
+                    "--compile-only does it itself)")
+        raise RuntimeError(f"jax's CUDA plugin ({plugin}) is installed but could not "
+                           f"describe {what}: {reason}{hint}") from exc
     return list(topo.devices)

@@ -16,6 +16,8 @@ import functools
 import re
 from collections.abc import Mapping, Sequence
 
+from jax_wgrad.aot import hlo
+
 __all__ = ["Thunk", "parse_thunks", "thunk_names", "find_thunk", "launches", "LaunchCount",
            "loop_launches"]
 
@@ -182,24 +184,17 @@ class LaunchCount:
                                    for k, (i, b) in self.tasks.items())
 
 
-def _task_of(op_name: str, scopes: Sequence[str]) -> str:
-    for s in scopes:
-        if f"/{s}/" in op_name or op_name.endswith(f"/{s}"):
-            return s
-    return op_name.rsplit("/", 1)[-1] or "?"
-
-
 def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
                   op_names: dict[str, str],
-                  scopes: Sequence[str] = ("forward", "backward", "weight_gradients",
-                                           "grad_sync_in_cooldown"),
+                  scopes: Sequence[str] = hlo.TASK_SCOPES,
                   once: Sequence[str] = ("grad_sync_in_cooldown",),
                   trips: Mapping[str, int | None] | None = None) -> LaunchCount | None:
     """Launch counts of one iteration of the while loop named ``loop`` (an HLO
     instruction name; ``names`` maps thunk ids to instruction names, ``op_names``
     instruction names to their ``op_name``), or ``None`` when its thunk is not found.
 
-    Conditionals are named by the first of ``scopes`` in their ``op_name``; the
+    Conditionals are named by the first of ``scopes`` in their ``op_name``
+    (:func:`jax_wgrad.aot.hlo.task_of`); the
     command-buffer and custom-call counts take every conditional's busier branch except
     those of ``once`` (a task that is busy in one tick per step). A while nested in the
     loop counts its body times its trip count where ``trips`` (``{while instruction name:
@@ -216,7 +211,7 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
     seqs = list(t.nested.values())
 
     def task_key(cond: Thunk) -> str:
-        key = _task_of(op_names.get(names.get(cond.id, ""), ""), scopes)
+        key = hlo.task_of(op_names.get(names.get(cond.id, ""), ""), scopes)
         while key in tasks:
             key += "'"
         return key

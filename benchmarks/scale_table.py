@@ -1,0 +1,321 @@
+"""The scale table: the real train step of named production layouts compiled for H100s (or
+H200s) without a GPU, one row per layout.
+
+Each layout (:data:`LAYOUTS`: Llama-3-8B on 8 GPUs in several layouts, Llama-3-70B on 64,
+Mixtral-8x7B on 16 and 32; ``--bf16``, fused weight-gradient accumulation, distributed
+optimizer) is compiled by ``examples/pretrain_gpt.py --compile-only --report-json`` in a
+subprocess of its own, one after the other, so one compile's memory is freed before the
+next starts and a layout that crashes becomes a row saying so. Each row gives the
+per-device memory against what jax may use of the GPU (75% by default), bytes per
+parameter by category beside Megatron-LM's formula, the non-GEMM memory traffic and the
+kernel launches per microbatch (the busiest pipeline stage), whether the fused calls are
+in place, and the compile time::
+
+    .venv/bin/python benchmarks/scale_table.py --list
+    .venv/bin/python benchmarks/scale_table.py --only llama3-8b-tp2pp2dp2-s4k-full --target h200
+    .venv/bin/python benchmarks/scale_table.py --out runs/scale.md --jsonl runs/scale.jsonl
+    .venv/bin/python benchmarks/scale_table.py --from-jsonl runs/scale.jsonl  # the table again
+
+Needs jax's CUDA plugin (``pip install "jax[cuda13]"``) and jax_wgrad built with its CUDA
+handler; no GPU (the example starts jax on the CPU itself). Each compile takes 30-90 s and
+several GB of host memory.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
+GPUS_PER_HOST = 8
+"""GPUs per host of every target topology (an H100/H200 node)."""
+
+COMMON_FLAGS: tuple[str, ...] = (
+    "--bf16", "--gradient-accumulation-fusion", "--use-distributed-optimizer",
+    "--sequence-parallel", "--micro-batch-size", "1")
+"""Flags every layout gets: Megatron's usual production options."""
+
+FULL_RECOMPUTE: tuple[str, ...] = ("--recompute-granularity", "full", "--recompute-method",
+                                   "uniform", "--recompute-num-layers", "1")
+"""Megatron's full activation recompute, one layer per checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One named production layout: a model preset on ``gpus`` GPUs with these flags."""
+
+    name: str
+    model: str
+    """An ``examples/pretrain_gpt.py --model`` preset."""
+    gpus: int
+    """GPUs in all (hosts of :data:`GPUS_PER_HOST`)."""
+    flags: tuple[str, ...]
+    """The example's flags besides :data:`COMMON_FLAGS` (layout, sequence, batch, ...)."""
+    about: str
+    """What the layout is, in words."""
+
+    def __post_init__(self) -> None:
+        if self.gpus > GPUS_PER_HOST and self.gpus % GPUS_PER_HOST:
+            raise ValueError(f"layout {self.name}: {self.gpus} GPUs are not whole hosts of "
+                             f"{GPUS_PER_HOST}")
+
+    def argv(self, target: str) -> list[str]:
+        """The example's arguments that compile this layout for ``target`` GPUs."""
+        per_host = min(self.gpus, GPUS_PER_HOST)
+        return ["--compile-only", "--target", target, "--target-gpus", str(per_host),
+                "--target-hosts", str(self.gpus // per_host), "--model", self.model,
+                *COMMON_FLAGS, *self.flags]
+
+
+def _tp_pp(tp: int, pp: int = 1, ep: int = 1) -> tuple[str, ...]:
+    out = ("--tensor-model-parallel-size", str(tp))
+    if pp > 1:
+        out += ("--pipeline-model-parallel-size", str(pp))
+    if ep > 1:
+        out += ("--expert-model-parallel-size", str(ep), "--moe-grouped-gemm")
+    return out
+
+
+def _seq(seq: int, global_batch: int) -> tuple[str, ...]:
+    return ("--seq-length", str(seq), "--global-batch-size", str(global_batch))
+
+
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("llama3-8b-tp2pp2dp2-s4k", "llama3-8b", 8,
+           _tp_pp(2, 2) + _seq(4096, 16) + ("--overlap-grad-reduce",
+                                            "--defer-embedding-wgrad-compute"),
+           "TP2 PP2 DP2, seq 4096, no recompute, output-layer wgrad deferred"),
+    Layout("llama3-8b-tp2pp2dp2-s4k-full", "llama3-8b", 8,
+           _tp_pp(2, 2) + _seq(4096, 16) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+           "TP2 PP2 DP2, seq 4096, full recompute"),
+    Layout("llama3-8b-tp2pp2dp2-s8k-full", "llama3-8b", 8,
+           _tp_pp(2, 2) + _seq(8192, 16) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+           "TP2 PP2 DP2, seq 8192, full recompute"),
+    Layout("llama3-8b-tp4dp2-s8k", "llama3-8b", 8,
+           _tp_pp(4) + _seq(8192, 16) + ("--overlap-grad-reduce", "--recompute-granularity",
+                                         "selective"),
+           "TP4 DP2, seq 8192, selective recompute, grad reduce per bucket"),
+    Layout("llama3-8b-tp2dp4-s4k", "llama3-8b", 8,
+           _tp_pp(2) + _seq(4096, 16) + ("--overlap-grad-reduce",),
+           "TP2 DP4, seq 4096, no recompute, grad reduce per bucket"),
+    Layout("llama3-70b-tp8pp4dp2-s4k-full", "llama3-70b", 64,
+           _tp_pp(8, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+           "TP8 PP4 DP2 on 8 hosts, seq 4096, full recompute"),
+    Layout("mixtral-8x7b-tp2pp2ep4-s4k-full", "mixtral-8x7b", 16,
+           _tp_pp(2, 2, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+           "TP2 PP2 EP4 (DP4) on 2 hosts, seq 4096, dropless, full recompute"),
+    Layout("mixtral-8x7b-tp2pp4ep4-s4k-full", "mixtral-8x7b", 32,
+           _tp_pp(2, 4, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+           "TP2 PP4 EP4 (DP4) on 4 hosts, seq 4096, dropless, full recompute"),
+)
+"""The layouts of the table, by name."""
+
+BY_NAME: dict[str, Layout] = {layout.name: layout for layout in LAYOUTS}
+
+
+def command(layout: Layout, target: str, python: str = ".venv/bin/python") -> str:
+    """The shell command that compiles ``layout`` (what a row reports)."""
+    return shlex.join([python, "examples/pretrain_gpt.py", *layout.argv(target)])
+
+
+def run_layout(layout: Layout, target: str = "h100", *, timeout: float = 1800.0,
+               python: str = sys.executable, env: dict[str, str] | None = None
+               ) -> dict[str, Any]:
+    """Compiles ``layout`` in a subprocess of the example and returns its row: ``name``,
+    ``about``, ``gpus``, ``command``, ``wall_s``, ``status`` (``"fits"``, ``"does not
+    fit"``, ``"failed"`` or ``"timed out"``) and, when the compile finished, the report's
+    figures (``--report-json``); otherwise ``error``, the last line the example printed
+    to stderr (or stdout)."""
+    row: dict[str, Any] = {"name": layout.name, "about": layout.about, "gpus": layout.gpus,
+                           "target": target, "command": command(layout, target)}
+    with tempfile.TemporaryDirectory(prefix="scale_table_") as tmp:
+        report = os.path.join(tmp, "report.json")
+        argv = [python, str(EXAMPLE), *layout.argv(target), "--report-json", report]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            row.update(status="timed out", wall_s=time.perf_counter() - start,
+                       error=f"no report after {timeout:.0f} s")
+            return row
+        row["wall_s"] = time.perf_counter() - start
+        if os.path.exists(report):
+            with open(report) as f:
+                figures = json.load(f)
+            row.update(figures, status="fits" if figures["fits"] else "does not fit")
+            return row
+    lines = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+    row.update(status="failed", returncode=proc.returncode,
+               error=lines[-1].strip() if lines else f"exit status {proc.returncode}")
+    return row
+
+
+# ---------------------------------------------------------------------------- the table
+
+_GiB = float(1 << 30)
+
+COLUMNS: tuple[str, ...] = (
+    "layout", "GPUs", "mesh (DP/EP, EP, TP, PP)", "peak / budget per GPU", "fits",
+    "bytes/param: params + grads + optimizer (Megatron)", "non-GEMM traffic / µbatch",
+    "launches / µbatch", "fused calls in place", "compile")
+"""The Markdown table's columns."""
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    """One row's cells (:data:`COLUMNS`)."""
+    head = [f"`{row['name']}`", str(row["gpus"])]
+    if row["status"] in ("failed", "timed out"):
+        error = str(row.get("error", "")).replace("|", "\\|")
+        return head + ["—"] * 3 + [f"**{row['status']}**: {error}"] + [""] * (
+            len(COLUMNS) - 6)
+    peak, budget = row["peak_bytes"] / _GiB, row["budget_bytes"] / _GiB
+    fits = (f"yes ({budget - peak:.1f} GiB spare)" if row["fits"]
+            else f"**no** (over by {peak - budget:.1f} GiB)")
+    got, megatron = row["bytes_per_param"], row["megatron_bytes_per_param"]
+    bpp = (f"{got['params']:.2f} + {got['grads']:.2f} + {got['optimizer']:.2f} = "
+           f"{got['total']:.1f} ({megatron['params']:.0f} + {megatron['grads']:.0f} + "
+           f"{megatron['optimizer']:.2f} = {megatron['total']:.1f})")
+    traffic = row.get("non_gemm_bytes_per_microbatch")
+    bandwidth = row.get("memory_bandwidth_bytes_per_s") or 0
+    traffic_cell = "—" if traffic is None else (
+        f"{traffic / 1e9:.1f} GB" + (f" ({traffic / bandwidth * 1e3:.1f} ms)" if bandwidth
+                                     else ""))
+    launches = row.get("launches_per_microbatch")
+    copies = len(row.get("loop_bucket_ops", []))
+    in_place = (f"{row['fused_aliased']}/{row['fused_calls']}"
+                + ("" if not copies else f"; **{copies} bucket-sized ops per tick**"))
+    return head + [
+        ", ".join(map(str, row["mesh_shape"])), f"{peak:.1f} / {budget:.1f} GiB", fits, bpp,
+        traffic_cell, "—" if launches is None else f"{launches:.0f}", in_place,
+        f"{row['compile_s']:.0f} s"]
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows (from :func:`run_layout`) as a Markdown table, one line per layout."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance(target: str) -> str:
+    """One line: the target, the date, and the commit the table was made at (and whether
+    the working tree had changes)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") \
+        else ""
+    return (f"Compiled for {target.upper()} with `benchmarks/scale_table.py` on "
+            f"{time.strftime('%Y-%m-%d')} at commit {commit}{dirty}; common flags: "
+            f"`{' '.join(COMMON_FLAGS)}`.")
+
+
+def legend() -> str:
+    """What the columns mean (printed under the table)."""
+    return (
+        "Peak: XLA's per-device peak (arguments + temporaries + outputs not aliased); budget:"
+        " the share of the GPU's memory jax's allocator may use "
+        "(`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 75%); a real GPU adds the CUDA context, "
+        "cuBLAS/cuDNN workspaces and NCCL buffers (roughly 1-3 GiB). Bytes per parameter: "
+        "one device's parameter, gradient-bucket and optimizer-state bytes over the "
+        "parameters it holds; Megatron-LM's figures in parentheses (bf16 params: 2 + 4 + "
+        "12/DP with the distributed optimizer). Non-GEMM traffic: bytes read + written per "
+        "microbatch by the busiest pipeline stage's kernels in the schedule loop other than "
+        "GEMMs and custom calls (fusions, copies, zero-fills, dynamic-update-slices), and "
+        "the time that takes at the GPU's memory bandwidth. Launches: kernel launches per "
+        "microbatch (a CUDA graph counts as one). Fused calls in place: the fused wgrad and "
+        "bucket-add custom calls whose output aliases the bucket, of all of them. Compile: "
+        "XLA's compile time on the machine that made the table (no GEMM autotuning without "
+        "a GPU).")
+
+
+def _write(path: str | None, text: str) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--list", action="store_true", help="list the layouts and exit")
+    p.add_argument("--only", nargs="+", metavar="NAME", default=None,
+                   help="compile only these layouts (names from --list)")
+    p.add_argument("--target", choices=("h100", "h200"), default="h100",
+                   help="GPU to compile for")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds one layout's compile may take before its row says so")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the table here")
+    p.add_argument("--jsonl", default=None, metavar="FILE",
+                   help="write each layout's row (the report's figures) as a JSON line here")
+    p.add_argument("--from-jsonl", default=None, metavar="FILE",
+                   help="compile nothing: the table of the rows a --jsonl run wrote")
+    return p
+
+
+def main(argv: list[str] | None = None, *,
+         run: Callable[..., dict[str, Any]] = run_layout) -> list[dict[str, Any]]:
+    """The command line (see the module docstring); returns the rows."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        for layout in LAYOUTS:
+            print(f"{layout.name:34} {layout.gpus:3} GPUs  {layout.about}\n"
+                  f"{'':34} {command(layout, args.target)}")
+        return []
+    unknown = sorted(set(args.only or ()) - set(BY_NAME))
+    if unknown:
+        parser.error(f"--only: unknown layout {', '.join(unknown)}; known: "
+                     f"{', '.join(BY_NAME)}")
+    for flag, path in (("--out", args.out), ("--jsonl", args.jsonl)):
+        if path:  # before any compile: the folder made, a file that cannot be is an error
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                with open(path, "a"):
+                    pass
+            except OSError as exc:
+                parser.error(f"{flag} {path}: cannot write there ({exc.strerror or exc})")
+    if args.from_jsonl is not None:
+        try:
+            with open(args.from_jsonl) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError) as exc:
+            parser.error(f"--from-jsonl {args.from_jsonl}: {exc}")
+        if args.only:
+            rows = [r for r in rows if r["name"] in args.only]
+        made = rows[0].get("provenance", "") if rows else ""
+    else:
+        made = provenance(args.target)
+        layouts = [layout for layout in LAYOUTS if not args.only or layout.name in args.only]
+        rows = []
+        for i, layout in enumerate(layouts, 1):
+            print(f"[{i}/{len(layouts)}] {layout.name}: {command(layout, args.target)}",
+                  file=sys.stderr, flush=True)
+            row = {**run(layout, args.target, timeout=args.timeout), "provenance": made}
+            print(f"    {row['status']} ({row['wall_s']:.0f} s)"
+                  + (f": {row['error']}" if "error" in row else ""), file=sys.stderr,
+                  flush=True)
+            rows.append(row)
+            if args.jsonl:  # written as it goes: a long run keeps what it has
+                _write(args.jsonl, "".join(json.dumps(r) + "\n" for r in rows))
+    text = "\n\n".join([made, markdown_table(rows), legend()]) + "\n"
+    print(text, end="")
+    _write(args.out, text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
