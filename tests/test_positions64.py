@@ -169,6 +169,7 @@ def _check_blocks(bucket: jax.Array, blocks: dict[int, np.ndarray]) -> None:
     assert np.count_nonzero(host.view(np.uint16)) == nonzero
 
 
+@pytest.mark.slow  # 4.3 GB; the scan case below runs by default
 @needs_cpu_handler
 def test_fused_add_at_a_static_offset_past_2_31():
     x, dy = _ints(7, (4, 48), BF16), _ints(8, (4, 40), BF16)
@@ -198,6 +199,7 @@ def test_scan_over_stacked_layers_at_positions_past_2_31():
     assert base + 2 * stride > 2**31
 
 
+@pytest.mark.slow  # 4.3 GB; the scan case above runs by default
 @needs_cpu_handler
 def test_ragged_wgrad_past_2_31():
     x, dy = _ints(11, (10, 16), BF16), _ints(12, (10, 8), BF16)

@@ -36,7 +36,7 @@ FULL = [("uniform", 1), ("uniform", 2), ("uniform", 3), ("uniform", 4), ("block"
 
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_residuals_are_activations_only(schedule):
     sizes = {}
     for recompute, method, n in [(None, None, None), ("selective", None, None),
