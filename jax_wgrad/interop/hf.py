@@ -168,10 +168,11 @@ def hf_tensors(cfg: GPTConfig, *, aliases: bool = False) -> list[HFTensor]:
 
 
 def canonical_arrays(cfg: GPTConfig) -> dict:
-    """Uninitialised numpy arrays of :func:`init_params`'s tree (shapes, dtypes), pages
+    """Uninitialised fp32 numpy arrays of :func:`init_params`'s tree (its shapes; fp32
+    whatever ``cfg.params_dtype``: a run with bf16 parameters rounds them itself), pages
     untouched until written."""
     shapes = jax.eval_shape(functools.partial(init_params, cfg, 0))
-    return jax.tree.map(lambda s: np.empty(s.shape, s.dtype), shapes)
+    return jax.tree.map(lambda s: np.empty(s.shape, np.float32), shapes)
 
 
 def _leaves(params: dict) -> dict[str, Any]:

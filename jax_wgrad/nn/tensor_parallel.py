@@ -247,18 +247,18 @@ class VocabParallelEmbedding(nnx.Module):
     def __call__(self, ids: jax.Array, *, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """``ids``: int ``[b, s]`` -> ``[b, s(/tp), hidden]`` in ``dtype``.
 
-        The rows are gathered from the table in its own dtype (fp32) and cast afterwards,
-        so the backward scatter-adds the token gradients in fp32: a 16-bit scatter-add
-        rounds every partial sum and, on text-like ids (a few rows hit by most tokens),
-        is two orders of magnitude slower on a GPU (../shared/gpu/FINDINGS.md #7).
+        The backward scatter-adds the token gradients in fp32 whatever the table's dtype
+        (:func:`take_rows`): a 16-bit scatter-add rounds every partial sum and, on text-like
+        ids (a few rows hit by most tokens), is two orders of magnitude slower on a GPU
+        (``DESIGN.md``, traps).
         """
         with jax.named_scope("vocab_parallel_embedding"):
             table = self.embedding[...]
             if self.tp_size * self.pipeline_size == 1:
-                return jnp.take(table, ids, axis=0).astype(dtype)
+                return take_rows(table, ids).astype(dtype)
             axes = vocab_axes(self.axis_name, self.tp_size, self.pipeline_size)
             local, in_range = vocab_shard_index(ids, table.shape[0], axes)
-            out = jnp.take(table, local, axis=0).astype(dtype)
+            out = take_rows(table, local).astype(dtype)
             out = jnp.where(in_range[..., None], out, jnp.zeros((), dtype))
             if self.pipeline_size > 1:
                 out = jax.lax.psum(out, PIPELINE)
@@ -267,6 +267,39 @@ class VocabParallelEmbedding(nnx.Module):
             if self.sequence_parallel:
                 return reduce_scatter_to_sequence_parallel_region(out, self.axis_name, SEQ_DIM)
             return reduce_from_tensor_parallel_region(out, self.axis_name)
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[ids]``: rows of ``table`` ``[V, H]`` for integer ``ids`` ``[...]`` (in
+    ``[0, V)``) -> ``[..., H]`` in the table's dtype.
+
+    Its gradient with respect to the table is the token gradients scatter-added in fp32
+    and rounded once to the table's dtype (what Megatron's embedding backward does for
+    bf16 parameters: PyTorch accumulates in fp32); an fp32 table takes ``jnp.take``'s own
+    gradient (the same fp32 scatter-add)."""
+    if table.dtype == jnp.float32:
+        return jnp.take(table, ids, axis=0)
+    return _take_rows_fp32_grad(table, ids)
+
+
+@jax.custom_vjp
+def _take_rows_fp32_grad(table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0)
+
+
+def _take_rows_fwd(table, ids):
+    # Only the ids and the table's shape and dtype are needed by the backward.
+    return jnp.take(table, ids, axis=0), (ids, jnp.zeros((0,), table.dtype), table.shape[0])
+
+
+def _take_rows_bwd(res, dy):
+    ids, like, rows = res
+    grad = jnp.zeros((rows, dy.shape[-1]), jnp.float32).at[ids].add(
+        dy.astype(jnp.float32), mode="drop")
+    return grad.astype(like.dtype), None
+
+
+_take_rows_fp32_grad.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def vocab_axes(axis_name: str, tp_size: int, pipeline_size: int):

@@ -1,8 +1,14 @@
 """Tier: the optimizer step on the bucketed gradients -- Megatron's distributed optimizer
-(fp32 master weights and optax state on this rank's bucket shards) or the replicated one,
-with Megatron's fp32 global norm, clipping and non-finite skip."""
+(optax state, and the fp32 main parameters of bf16 parameters, on this rank's bucket
+shards) or the replicated one, with Megatron's fp32 global norm, clipping and non-finite
+skip; the bytes per parameter of its state beside Megatron's figure."""
 
 from jax_wgrad.optim.distributed import DistributedOptimizer, OptimizerState, StepInfo
+from jax_wgrad.optim.memory import (
+    BytesPerParameter,
+    bytes_per_parameter,
+    megatron_bytes_per_parameter,
+)
 from jax_wgrad.optim.transforms import (
     adamw,
     add_decayed_weights,
@@ -10,5 +16,6 @@ from jax_wgrad.optim.transforms import (
     global_grad_norm,
 )
 
-__all__ = ["DistributedOptimizer", "OptimizerState", "StepInfo", "adamw",
-           "add_decayed_weights", "clip_by_total_norm", "global_grad_norm"]
+__all__ = ["BytesPerParameter", "DistributedOptimizer", "OptimizerState", "StepInfo", "adamw",
+           "add_decayed_weights", "bytes_per_parameter", "clip_by_total_norm",
+           "global_grad_norm", "megatron_bytes_per_parameter"]

@@ -3,12 +3,24 @@
 Runs inside ``shard_map``, after :func:`jax_wgrad.grads.sync_buckets`:
 
 * **distributed** (the buffer was planned with ``use_distributed_optimizer=True``): each
-  data-parallel rank keeps fp32 master weights and optax state only for its contiguous
-  ``numel / dp`` shard of every bucket. optax runs on the tuple of flat shards; the updated
+  data-parallel rank keeps the optax state only for its contiguous ``numel / dp`` shard of
+  every bucket. optax runs on the tuple of flat fp32 *main-parameter* shards; the updated
   shards are cast to the parameter dtype and all-gathered (``all_gather(tiled=True)``, one
-  per bucket) and unpacked into the parameter tree.
+  per bucket, in the parameters' dtype: bf16 parameters are gathered in bf16) and
+  unpacked into the parameter tree.
 * **replicated** (``use_distributed_optimizer=False``): the all-reduced buckets are unpacked
-  into a gradient tree and optax updates fp32 master weights of the whole tree on every rank.
+  into a gradient tree and optax updates the main parameters of the whole tree on every
+  rank.
+
+**Main parameters** (Megatron's ``Float16OptimizerWithFloat16Params`` and
+``DistributedOptimizer``): the fp32 values optax updates. For fp32 parameters they are the
+parameters themselves (their shard, under the distributed optimizer): no second fp32 copy
+is kept. For 16-bit parameters (a bucket of bf16 parameters, ``GPTConfig.params_dtype``)
+the state holds an fp32 copy, ``OptimizerState.master``: the rank's shard of it
+(distributed), or of the whole tree (replicated); the parameters are its cast. Bytes per
+parameter per device (Adam, fp32 gradient buckets, :func:`bytes_per_parameter`):
+bf16 parameters ``2 + 4 + 12/DP`` distributed, ``2 + 4 + 12`` replicated; fp32 parameters
+``4 + 4 + 8/DP`` and ``4 + 4 + 8`` -- Megatron's table.
 
 Step order follows Megatron's ``MixedPrecisionOptimizer.step``: global gradient norm in fp32
 (:func:`global_grad_norm`) -> skip the step if it is not finite -> clip by the total norm
@@ -44,6 +56,8 @@ from jax_wgrad.parallel.mesh import DATA
 
 __all__ = ["DistributedOptimizer", "OptimizerState", "StepInfo"]
 
+F32 = np.dtype(np.float32)
+
 PyTree = Any
 
 
@@ -51,9 +65,15 @@ class OptimizerState(NamedTuple):
     """Per-device optimizer state.
 
     Attributes:
-      master: fp32 master weights: a tuple of ``[shard_numels[i]]`` shards (distributed) or
-        a tree shaped like the parameters (replicated).
-      inner: the optax state for ``master``.
+      master: the fp32 main parameters of the 16-bit parameters only (those of fp32
+        parameters are the parameters themselves). Distributed: a tuple with one entry per
+        bucket, the fp32 ``[shard_numels[i]]`` shard of a bucket of 16-bit parameters or
+        ``None`` for a bucket of fp32 parameters. Replicated: a tree shaped like the
+        parameters, fp32 at a 16-bit parameter and ``None`` at an fp32 one. With fp32
+        parameters it holds no array. In the *tree form* of :meth:`~DistributedOptimizer.
+        state_to_tree` (checkpoints) it is instead the whole fp32 main-parameter tree.
+      inner: the optax state of the main parameters (every bucket's fp32 shard, or the
+        whole tree).
     """
 
     master: PyTree
@@ -239,60 +259,144 @@ class DistributedOptimizer:
                 raise ValueError(f"DistributedOptimizer: bucket {i} is sharded over {a!r} "
                                  f"({axis_size(a)} devices) but was planned for {n}")
 
+    # -- main parameters
+
+    @property
+    def keeps_master(self) -> tuple[bool, ...]:
+        """Per bucket (distributed) or per leaf in flatten order (replicated): whether the
+        state holds an fp32 copy of those parameters (they are not fp32). Megatron's
+        split of the parameters into ``float16_groups`` (fp32 copies made) and
+        ``fp32_from_fp32_groups`` (the parameters are their own main parameters)."""
+        if self.distributed:
+            return tuple(np.dtype(d) != F32 for d in self.buffer.bucket_param_dtypes)
+        return tuple(np.dtype(s.param_dtype) != F32 for s in self.buffer.slots)
+
+    def _main_treedef(self):
+        """Structure of the per-device main parameters: a tuple of one shard per bucket
+        (distributed) or the parameter tree (replicated)."""
+        if self.distributed:
+            return jax.tree.structure(tuple(range(self.buffer.num_buckets)))
+        return self.buffer.treedef
+
+    def is_main_params(self, value: Any) -> bool:
+        """Whether ``value`` (a part of the per-device optax state) is shaped like the
+        main parameters: the ``is_leaf`` for :func:`optax.tree_map_params` on
+        :attr:`OptimizerState.inner` (Adam's moments are, its count is not)."""
+        return jax.tree.structure(value) == self._main_treedef()
+
+    def _master_of(self, main: PyTree) -> PyTree:
+        """The part of the fp32 main parameters the state keeps (:attr:`OptimizerState.master`):
+        ``None`` where the parameters are fp32 (they are their own main parameters)."""
+        if self.distributed:
+            return tuple(m if k else None for m, k in zip(main, self.keeps_master))
+        leaves = self.buffer.treedef.flatten_up_to(main)
+        return jax.tree.unflatten(self.buffer.treedef, [
+            m if k else None for m, k in zip(leaves, self.keeps_master)])
+
+    def _main(self, params: PyTree, master: PyTree | None) -> PyTree:
+        """The fp32 main parameters of this device: ``master`` where the state keeps a
+        copy, else the parameters themselves (this rank's shard of their buckets when
+        distributed). ``master=None``: from the parameters everywhere (at init, the fp32
+        values of 16-bit parameters).
+
+        Raises:
+          ValueError: a parameter whose dtype is not the one the buckets were planned for.
+        """
+        leaves = self.buffer._check_tree(params, "main parameters")
+        for slot, leaf in zip(self.buffer.slots, leaves):
+            if np.dtype(leaf.dtype) != np.dtype(slot.param_dtype):
+                raise ValueError(f"DistributedOptimizer: parameter {slot.path} is "
+                                 f"{np.dtype(leaf.dtype)}, but the buckets were planned for "
+                                 f"{np.dtype(slot.param_dtype)} (cast the parameters to the "
+                                 "plan's dtypes, GPTConfig.params_dtype)")
+        if self.distributed:
+            own = self._shard(self.buffer.from_tree(params, dtype=jnp.float32))
+            if master is None:
+                return own
+            return tuple(m if k else o for m, o, k in zip(master, own, self.keeps_master))
+        kept = ([None] * len(leaves) if master is None
+                else self.buffer.treedef.flatten_up_to(master))
+        return jax.tree.unflatten(self.buffer.treedef, [
+            m if m is not None else p.astype(jnp.float32) for m, p in zip(kept, leaves)])
+
     # -- init
 
     def init(self, params: PyTree) -> OptimizerState:
-        """fp32 master weights (this rank's shards, or the tree) and the optax state.
+        """The fp32 copy of the 16-bit parameters (this rank's shards, or the tree) and the
+        optax state of the main parameters.
 
         Args:
-          params: the per-device parameter tree (any float dtypes), equal on all data ranks.
+          params: the per-device parameter tree (fp32 or 16-bit leaves), equal on all data
+            ranks.
         """
         self._check_axis()
+        main = self._main(params, None)
+        return OptimizerState(self._master_of(main), self.tx.init(main))
+
+    def state_shapes(self) -> OptimizerState:
+        """The per-device :class:`OptimizerState` as ``jax.ShapeDtypeStruct`` (what
+        :meth:`init` returns, without a mesh or arrays): the kept fp32 copies and the optax
+        state of the main parameters."""
         if self.distributed:
-            master = self._shard(self.buffer.from_tree(params, dtype=jnp.float32))
+            main = tuple(jax.ShapeDtypeStruct((n,), F32) for n in self.buffer.shard_numels)
         else:
-            self.buffer._check_tree(params, "init")
-            master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
-        return OptimizerState(master, self.tx.init(master))
+            main = jax.tree.unflatten(self.buffer.treedef, [
+                jax.ShapeDtypeStruct(s.shape, F32) for s in self.buffer.slots])
+        return OptimizerState(self._master_of(main), jax.eval_shape(self.tx.init, main))
 
     # -- layout-independent form (checkpoints)
 
     def map_param_parts(self, fn, state: OptimizerState) -> OptimizerState:
-        """Applies ``fn`` to ``master`` and to every parameter-shaped part of the optax
-        state (located with :func:`optax.tree_map_params`: the subtrees shaped like
-        ``master``), leaving counts and the like as they are."""
+        """On the *tree form* (:meth:`state_to_tree`; its ``master`` is the whole main
+        parameter tree): applies ``fn`` to ``master`` and to every parameter-shaped part
+        of the optax state (located with :func:`optax.tree_map_params`: the subtrees
+        shaped like ``master``), leaving counts and the like as they are."""
         structure = jax.tree.structure(state.master)
         is_part = lambda v: jax.tree.structure(v) == structure
         inner = optax.tree_map_params(self.tx, fn, state.inner, is_leaf=is_part)
         return OptimizerState(fn(state.master), inner)
 
-    def state_to_tree(self, state: OptimizerState) -> OptimizerState:
-        """The per-device state with every parameter-shaped part (master weights, Adam
-        moments) as this device's parameter tree: bucket shards are all-gathered over the
-        data axis and unpacked. Call inside ``shard_map``; the inverse of
-        :meth:`state_from_tree`."""
-        if not self.distributed:
-            return state
+    def state_to_tree(self, state: OptimizerState, params: PyTree) -> OptimizerState:
+        """The *tree form* of the per-device state: ``master`` the whole fp32 main
+        parameter tree of this device (the kept copy, or ``params`` where they are fp32),
+        every parameter-shaped part of the optax state (Adam's moments) a tree like the
+        parameters; bucket shards are all-gathered over the data axis and unpacked. Call
+        inside ``shard_map``; the inverse of :meth:`state_from_tree`.
+
+        Args:
+          state: from :meth:`init` or :meth:`step`.
+          params: this device's parameter tree (the state's parameters).
+        """
         self._check_axis()
-
-        def gather(shards):
-            full = tuple(lax.all_gather(s, a, axis=0, tiled=True)
-                         for s, a in zip(shards, self._axes()))
-            return self.buffer.to_tree(full)
-
-        return self.map_param_parts(gather, state)
+        if not self.distributed:
+            return OptimizerState(self._main(params, state.master), state.inner)
+        gather = lambda shard, axis: lax.all_gather(shard, axis, axis=0, tiled=True)
+        own = self.buffer.from_tree(params, dtype=jnp.float32)
+        main = self.buffer.to_tree(tuple(
+            gather(m, a) if k else o
+            for m, o, k, a in zip(state.master, own, self.keeps_master, self._axes())))
+        inner = optax.tree_map_params(
+            self.tx, lambda shards: self.buffer.to_tree(tuple(map(gather, shards,
+                                                                  self._axes()))),
+            state.inner, is_leaf=self.is_main_params)
+        return OptimizerState(main, inner)
 
     def state_from_tree(self, state: OptimizerState) -> OptimizerState:
-        """Inverse of :meth:`state_to_tree`: parameter trees back to this rank's fp32
-        bucket shards (distributed) or as they are (replicated)."""
-        if not self.distributed:
-            return state
+        """Inverse of :meth:`state_to_tree`: the per-device state from the tree form (its
+        ``master`` the whole fp32 main-parameter tree): the kept fp32 copies and the optax
+        state as this rank's bucket shards (distributed) or trees (replicated). The
+        parameters themselves are the main parameters cast to their dtypes (the caller's:
+        :func:`jax_wgrad.training.checkpoint.state_from_canonical`)."""
         self._check_axis()
+        if not self.distributed:
+            main = jax.tree.map(lambda m: m.astype(jnp.float32), state.master)
+            return OptimizerState(self._master_of(main), state.inner)
 
         def shard(tree):
             return self._shard(self.buffer.from_tree(tree, dtype=jnp.float32))
 
-        return self.map_param_parts(shard, state)
+        tree_state = self.map_param_parts(shard, state)
+        return OptimizerState(self._master_of(tree_state.master), tree_state.inner)
 
     # -- masks
 
@@ -358,17 +462,19 @@ class DistributedOptimizer:
         if self.clip_grad:
             grads, coeff = clip_by_total_norm(grads, self.clip_grad, norm)
 
-        updates, inner = self.tx.update(grads, state.inner, state.master,
+        main = self._main(params, state.master)
+        updates, inner = self.tx.update(grads, state.inner, main,
                                         weight_decay_mask=self._decay_mask())
-        master = optax.apply_updates(state.master, updates)
+        main = optax.apply_updates(main, updates)
 
-        if self.distributed:
+        if self.distributed:  # in the parameters' dtype: bf16 parameters gather bf16
             gathered = tuple(_all_gather_params(m.astype(dt), a) for m, dt, a in
-                             zip(master, self.buffer.bucket_param_dtypes, self._axes()))
+                             zip(main, self.buffer.bucket_param_dtypes, self._axes()))
             new_params = self.buffer.to_tree(gathered)
         else:
-            new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+            new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), main, params)
 
         keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
-        new_state = OptimizerState(keep(state.master, master), keep(state.inner, inner))
+        new_state = OptimizerState(keep(state.master, self._master_of(main)),
+                                   keep(state.inner, inner))
         return keep(params, new_params), new_state, StepInfo(norm, coeff, skipped)

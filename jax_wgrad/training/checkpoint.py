@@ -3,16 +3,22 @@
 A :class:`Checkpointer` saves, per step, three items with an ``orbax``
 ``CheckpointManager``:
 
-* ``params``: the canonical parameters (:mod:`jax_wgrad.models.gpt.params`), the same
-  arrays whatever the ``(dp, tp, pp)`` layout or optimizer mode;
-* ``opt``: the optimizer state in the same canonical form -- fp32 master weights and
+* ``params``: the canonical parameters (:mod:`jax_wgrad.models.gpt.params`) in their
+  dtype, the same arrays whatever the ``(dp, tp, pp)`` layout or optimizer mode;
+* ``opt``: the optimizer state in the same canonical form -- the fp32 main parameters
+  (``master``: the optimizer's fp32 copy of bf16 parameters, the parameters themselves when
+  they are fp32; Megatron saves its fp32 main parameters in the optimizer state too) and
   every optax moment as a canonical parameter tree (bucket shards of the distributed
   optimizer are gathered, :meth:`DistributedOptimizer.state_to_tree`), counts as scalars;
 * ``meta`` (JSON): step, data position, seed and the three configs.
 
 So a checkpoint loads onto ANY layout, with or without the distributed optimizer
 (restored straight into the new mesh's shardings, then re-sharded into the new plan's
-buckets) -- what Megatron needs offline conversion tools for. Saves are asynchronous (the
+buckets) -- what Megatron needs offline conversion tools for -- and with either parameter
+dtype: with the optimizer state, the parameters are the saved fp32 main parameters cast to
+the run's ``params_dtype`` (so a bf16 run continues exactly, and a run with the other dtype
+starts from the fp32 values); without it (``load_optim=False``, a parameters-only
+checkpoint) the saved parameters are cast. Saves are asynchronous (the
 step loop goes on while orbax writes) and atomic (orbax writes into a temporary directory
 and renames it when complete, so a save killed half-way never becomes the latest
 checkpoint). A checkpoint of a differently shaped model fails to load with a message
@@ -61,10 +67,9 @@ def _opt_specs(plan: TrainPlan, per_device_state, specs=None) -> OptimizerState:
     (default: the layout's; ``specs``: others, e.g. the canonical ones) for every
     parameter-shaped part, replicated for the rest (counts)."""
     specs = plan.program.param_specs() if specs is None else specs
-    structure = jax.tree.structure(per_device_state.master)
     inner = optax.tree_map_params(plan.optimizer.tx, lambda _: specs, per_device_state.inner,
                                   transform_non_params=lambda _: P(),
-                                  is_leaf=lambda v: jax.tree.structure(v) == structure)
+                                  is_leaf=plan.optimizer.is_main_params)
     return OptimizerState(specs, inner)
 
 
@@ -79,7 +84,8 @@ def canonical_state(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
     canon = lambda tree: program.canonical_tree(tree)
 
     def body(params, opt_state):
-        tree_state = opt.state_to_tree(jax.tree.map(lambda x: x[0], opt_state))
+        tree_state = opt.state_to_tree(jax.tree.map(lambda x: x[0], opt_state),
+                                       program.device_tree(params))
         return opt.map_param_parts(canon, tree_state)
 
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(program.param_specs(), P(AXES)),
@@ -90,14 +96,16 @@ def canonical_state(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
             "opt": opt.map_param_parts(program.to_canonical, opt_tree)}
 
 
-def state_from_canonical(plan: TrainPlan, template: TrainState, params, opt,
-                         step: int) -> TrainState:
-    """The plan's :class:`TrainState` from canonical ``params`` and ``opt`` (as
-    :func:`canonical_state` gives them); ``template``: a state of the plan (shapes)."""
+def state_from_canonical(plan: TrainPlan, template: TrainState, opt, step: int) -> TrainState:
+    """The plan's :class:`TrainState` from the canonical optimizer state ``opt`` (as
+    :func:`canonical_state` gives it): the parameters are its fp32 main parameters cast to
+    the plan's parameter dtypes (Megatron's model parameters are always the cast of its
+    main parameters), the optimizer state its re-sharded form. ``template``: a state of
+    the plan (shapes and dtypes)."""
     program, optimizer = plan.program, plan.optimizer
     in_opt = _opt_specs(plan, _unstacked_abstract(plan, template))
-    params = program.from_canonical(params)
     opt = optimizer.map_param_parts(program.from_canonical, opt)
+    params = jax.tree.map(lambda m, t: m.astype(t.dtype), opt.master, template.params)
 
     def body(opt_state):
         state = optimizer.map_param_parts(program.device_tree, opt_state)
@@ -182,14 +190,15 @@ class Checkpointer:
         _check_model(meta, plan, self.directory, step)
         load_optim = load_optim and not meta.get("params_only", False)
         abstract = canonical_abstract(plan, state)
+        # The parameters are read either way (a damaged item is reported, whatever is used);
+        # orbax casts them to the run's dtype.
         items = {"params": ocp.args.StandardRestore(abstract["params"])}
         if load_optim:
             items["opt"] = ocp.args.StandardRestore(abstract["opt"])
         restored = self._read(step, lambda: self.manager.restore(
             step, args=ocp.args.Composite(**items)))
-        if load_optim:
-            new = state_from_canonical(plan, state, restored["params"], restored["opt"],
-                                       int(meta["step"]))
+        if load_optim:  # the parameters: the fp32 main parameters in opt, cast
+            new = state_from_canonical(plan, state, restored["opt"], int(meta["step"]))
         else:  # the optimizer starts afresh from the loaded parameters
             params = jax.device_put(plan.program.from_canonical(restored["params"]),
                                     plan.param_shardings)

@@ -16,6 +16,7 @@ from jax_wgrad.grads.sink import GradSink
 from jax_wgrad.ops import require_fusion
 from jax_wgrad.ops.registry import load_error
 from jax_wgrad.optim.distributed import DistributedOptimizer
+from jax_wgrad.optim.memory import BytesPerParameter, bytes_per_parameter
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR, mesh_shape
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
@@ -114,8 +115,16 @@ class TrainPlan:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.program.param_specs(),
                             is_leaf=lambda x: isinstance(x, P))
 
+    def bytes_per_parameter(self) -> BytesPerParameter:
+        """One device's training state per parameter by category (params, gradient
+        buckets, optimizer) beside Megatron's formula:
+        :func:`jax_wgrad.optim.bytes_per_parameter` of the plan's optimizer."""
+        return bytes_per_parameter(self.optimizer)
+
     def buffer_summary(self) -> str:
-        """One line: the gradient buffer of pipeline stage 0 (buckets, padding)."""
+        """Two lines: the gradient buffer of pipeline stage 0 (buckets, padding), and one
+        device's bytes per parameter by category beside Megatron's figure
+        (:meth:`bytes_per_parameter`)."""
         buf, lay = self.layout.buffer, self.layout
         padding = (buf.numel - buf.param_numel) / buf.numel
         return (f"gradient buffer of pipeline stage 0: {buf.num_buckets} bucket(s) "
@@ -123,4 +132,4 @@ class TrainPlan:
                 + (f"{lay.experts.num_buckets} expert + " if lay.experts.num_buckets else "")
                 + f"{lay.shared.num_buckets} embedding/head), "
                 f"{buf.param_numel:,} gradient elements, {buf.numel:,} buffer elements, "
-                f"padding {100 * padding:.2f}%")
+                f"padding {100 * padding:.2f}%\n" + self.bytes_per_parameter().summary())

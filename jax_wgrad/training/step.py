@@ -15,9 +15,9 @@ Metrics: ``loss`` (global mean token loss), ``grad_norm`` (global L2 norm before
 clipping), ``skipped`` (the step was skipped: non-finite norm; nothing changed); an MoE
 model's program adds its own (:meth:`StageProgram.metrics`: the GPT's ``moe_*`` figures).
 
-The optimizer state is per device (fp32 master weights and optax state of the device's
-shard); it is stored as global arrays with a leading device axis
-(``PartitionSpec(AXES)``).
+The optimizer state is per device (the optax state of the device's shard, and the fp32
+copy of bf16 parameters -- none of fp32 ones, :class:`~jax_wgrad.optim.OptimizerState`); it
+is stored as global arrays with a leading device axis (``PartitionSpec(AXES)``).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _unstack(tree):
 
 def init_optimizer_state(plan: TrainPlan, params) -> Any:
     """Each device's optimizer state for ``params`` (canonical, sharded as the plan's):
-    fp32 master + optax state of its shard, stacked on a leading device axis."""
+    optax state of its shard (and the fp32 copy of it if the parameters are bf16), stacked
+    on a leading device axis."""
     program, opt = plan.program, plan.optimizer
     init = jax.shard_map(lambda p: _stack(opt.init(program.device_tree(p))), mesh=plan.mesh,
                          in_specs=(program.param_specs(),), out_specs=P(AXES), check_vma=False)

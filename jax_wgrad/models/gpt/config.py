@@ -41,7 +41,8 @@ FLAG_NAMES: dict[str, str] = {"num_moe_experts": "num_experts",
 another name; every other field's flag is its name."""
 NEGATED_FLAGS = frozenset({"add_bias_linear"})
 """Fields whose flag sets the opposite value (``--disable-bias-linear``)."""
-RUN_OPTIONS = frozenset({"compute_dtype", "attention_backend", "layer_scan_unroll"})
+RUN_OPTIONS = frozenset({"compute_dtype", "params_dtype", "attention_backend",
+                         "layer_scan_unroll"})
 """Fields that say how a run computes, not which model it is (no preset or converted
 checkpoint sets them)."""
 
@@ -88,7 +89,14 @@ class GPTConfig:
     kv_channels: int | None = None
     """Each head's dims; ``None`` means ``hidden_size / num_attention_heads``."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Activations and GEMM inputs; parameters and gradients stay fp32."""
+    """Activations and GEMM inputs (the layers cast their weights to it)."""
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The model parameters' dtype (Megatron's ``params_dtype``, which its ``--bf16``
+    sets to bf16). Gradient buckets stay fp32 either way. ``bfloat16`` needs
+    ``compute_dtype="bfloat16"``; the optimizer then keeps fp32 main parameters (with the
+    distributed optimizer only its shard of them, Megatron's 2 + 4 + 12/DP bytes per
+    parameter) and all-gathers the updated parameters in bf16. ``float32``: the optimizer
+    updates the parameters themselves, no second fp32 copy (4 + 4 + 8/DP)."""
     attention_backend: Literal["auto", "xla", "cudnn"] = "auto"
     """The attention core (Megatron's ``--attention-backend``): ``xla`` computes
     ``softmax(Q K^T / sqrt(d)) V`` with plain XLA ops (fp32 softmax); ``cudnn`` is
@@ -155,6 +163,13 @@ class GPTConfig:
             raise ValueError(
                 f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}"
             )
+        if self.params_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"params_dtype must be 'float32' or 'bfloat16', got {self.params_dtype!r}")
+        if self.params_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
+            raise ValueError("params_dtype 'bfloat16' needs compute_dtype 'bfloat16' (Megatron's "
+                             "--bf16 sets both), got compute_dtype "
+                             f"{self.compute_dtype!r}")
         if self.attention_backend not in ("auto", "xla", "cudnn"):
             raise ValueError("attention_backend must be 'auto', 'xla' or 'cudnn', got "
                              f"{self.attention_backend!r}")

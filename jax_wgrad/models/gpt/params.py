@@ -222,11 +222,14 @@ def _walk(node: Any, fn) -> Any:
 
 
 def init_params(cfg: GPTConfig, seed: int) -> Params:
-    """Full (unsharded) canonical parameters; depend only on ``cfg`` and ``seed``.
+    """Full (unsharded) canonical parameters in ``cfg.params_dtype``; depend only on
+    ``cfg`` and ``seed``.
 
     Every part draws from its own ``fold_in`` of the seed, so the values do not depend
-    on the parallel layout. Call under ``jax.jit(..., out_shardings=...)`` to create
-    them sharded directly.
+    on the parallel layout. The modules draw in fp32; bf16 parameters
+    (``params_dtype="bfloat16"``) are those values rounded to bf16 (the optimizer's fp32
+    main parameters start from the bf16 values, as Megatron's copy of its bf16 model). Call
+    under ``jax.jit(..., out_shardings=...)`` to create them sharded directly.
     """
     key = jax.random.key(seed)
     embedding = GPTEmbedding(cfg, rngs=nnx.Rngs(jax.random.fold_in(key, 0)))
@@ -240,7 +243,8 @@ def init_params(cfg: GPTConfig, seed: int) -> Params:
         if ps:
             out[k] = jax.tree.map(lambda *xs: jnp.stack(xs), *ps)
     out["head"] = _pure(head)
-    return out
+    dtype = jnp.dtype(cfg.params_dtype)
+    return jax.tree.map(lambda a: a.astype(dtype), out)
 
 
 def abstract_modules(cfg: GPTConfig, tp: int = 1, sp: bool = False, attention: str = "xla",
