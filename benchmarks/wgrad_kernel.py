@@ -170,12 +170,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"fused handler unavailable on {jax.default_backend()}: "
                  f"{jax_wgrad.fusion_status()}")
     cases = args.cases or (GPU_CASES if jax.default_backend() == "gpu" else CPU_CASES)
+    start = time.perf_counter()
     for dtype in args.dtypes:
         for case in cases:
             experts = case[0] if len(case) == 4 else None
             T, n_out, n_in = case[-3:]
             print(json.dumps(bench_case(T, n_out, n_in, jnp.dtype(dtype), args.warmup,
                                         args.iters, args.precision, experts)), flush=True)
+    # On stderr: stdout stays one JSON line per case.
+    print(f"run time: {time.perf_counter() - start:.1f} s ({len(cases) * len(args.dtypes)} "
+          f"cases on {jax.default_backend()})", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         plot(args.metrics, args.output, args.title)
     except ValueError as exc:
         p.error(str(exc))
+    except OSError as exc:  # an output path that cannot be written
+        p.error(f"--output {args.output}: cannot write it ({exc.strerror or exc})")
+    print(f"wrote {args.output} ({len(args.metrics)} metrics file(s))")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 
 FIELD_DESTS = {"num_moe_experts": "num_experts", "bucket_size": "ddp_bucket_size",
                "average_in_collective": "ddp_average_in_collective",
                "load_optim": "no_load_optim",
+               "layernorm_epsilon": "norm_epsilon",
                "microbatch_group_size_per_vp_stage":
                    "microbatch_group_size_per_virtual_pipeline_stage"}
 """Config fields whose flag has another name (the rest are spelled like their flag)."""
@@ -55,8 +57,9 @@ def finite_float(text: str) -> float:
     return value
 
 
-def int_at_least(minimum: int):
-    """argparse type: an integer >= ``minimum`` (the error names the flag)."""
+def int_at_least(minimum: int, below: int | None = None):
+    """argparse type: an integer >= ``minimum`` (and < ``below`` when given); the error
+    names the flag."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -64,12 +67,28 @@ def int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"must be < {below}, got {value}")
+        return value
+    return parse
+
+
+def float_above(minimum: float, inclusive: bool):
+    """argparse type: a finite float >= ``minimum`` (``inclusive``) or > ``minimum``; the
+    error names the flag and repeats the value as typed."""
+    def parse(text: str) -> float:
+        value = finite_float(text)
+        if value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if inclusive else '>'} {minimum:g}, got {text}")
         return value
     return parse
 
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+nonnegative_float = float_above(0.0, inclusive=True)
+positive_float = float_above(0.0, inclusive=False)
 
 
 def model_default(field: str):
@@ -91,6 +110,7 @@ instead."""
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                                allow_abbrev=False,  # as Megatron: --hidden is no flag
                                 usage="%(prog)s [flags] (all flags: --help)",
                                 formatter_class=HelpFormatter)
     g = p.add_argument_group("launch")
@@ -129,7 +149,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="defer the output layer's weight-gradient GEMMs of the last stage "
                         "to after the pipeline schedule (needs pipeline parallelism and "
                         "--gradient-accumulation-fusion)")
-    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
+    g.add_argument("--wgrad-deferral-limit", type=nonnegative_int, default=0,
                    help="microbatches whose output-layer wgrad is deferred (0: all)")
     g.add_argument("--pipeline-schedule", choices=("1f1b", "zb-h1"), default="1f1b",
                    help="1f1b (Megatron's) or zb-h1 (zero bubble: weight-gradient GEMMs fill "
@@ -224,7 +244,9 @@ def make_parser() -> argparse.ArgumentParser:
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--fp32", action="store_true", help="fp32 compute (the default)")
     prec.add_argument("--bf16", action="store_true",
-                      help="bf16 activations/GEMMs; fp32 params, grads, optimizer")
+                      help="Megatron's --bf16: bf16 parameters, activations and GEMMs; fp32 "
+                           "gradient buckets and fp32 main parameters in the optimizer (only "
+                           "this rank's shard of them with --use-distributed-optimizer)")
     g = p.add_argument_group("mixture of experts (Megatron's flags)")
     g.add_argument("--num-experts", type=int, default=None,
                    help="experts per MoE layer (absent: a dense model)")
@@ -266,15 +288,16 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=32, help="samples per step")
     g.add_argument("--train-iters", type=int, default=40,
                    help="steps to train to (counted from step 0, also when resuming)")
-    g.add_argument("--lr", type=finite_float, default=2e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=finite_float, default=None,
+    g.add_argument("--lr", type=nonnegative_float, default=2e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=nonnegative_float, default=None,
                    help="cosine-decay floor (absent: constant lr after warm-up)")
-    g.add_argument("--lr-warmup-iters", type=int, default=0,
+    g.add_argument("--lr-warmup-iters", type=nonnegative_int, default=0,
                    help="steps of linear warm-up from 0 to --lr")
-    g.add_argument("--weight-decay", type=finite_float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
+                   help="AdamW weight decay")
     g.add_argument("--clip-grad", type=finite_float, default=1.0,
                    help="clip the global gradient norm to this value (0: no clipping)")
-    g.add_argument("--seed", type=int, default=1234,
+    g.add_argument("--seed", type=int_at_least(0, below=2**32), default=1234,
                    help="initial parameters and batches (the same for every layout)")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
@@ -285,7 +308,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="train,validation,test proportions of every dataset (Megatron's)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="absent: bytes 256; Megatron data: largest id + 1, padded")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
                    help="pad a vocabulary sized from the data to a multiple of this")
     g = p.add_argument_group("checkpointing (see below)")
     g.add_argument("--save", default=None,
@@ -389,6 +412,7 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
             seq_length=args.seq_length,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             compute_dtype="bfloat16" if args.bf16 else "float32",
+            params_dtype="bfloat16" if args.bf16 else "float32",
             normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
             position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
@@ -451,8 +475,12 @@ def load_data(args, parser):
         usage_error(parser, exc)
     if args.vocab_size is not None:
         if args.vocab_size <= train.max_token_id:
-            parser.error(f"--vocab-size {args.vocab_size} must exceed the data's largest "
-                         f"token id {train.max_token_id}")
+            source = (f"--vocab-size {args.vocab_size}"
+                      if "vocab_size" in getattr(args, "given_flags", {"vocab_size"}) else
+                      f"the vocabulary of --load-hf {args.load_hf} ({args.vocab_size})"
+                      if args.load_hf else f"the --model preset's vocabulary ({args.vocab_size})")
+            parser.error(f"{source} must exceed the data's largest token id "
+                         f"{train.max_token_id} ({train.name})")
         vocab = args.vocab_size
     if args.eval_interval and len(valid) <= args.seq_length + 1:
         parser.error(f"--eval-interval needs a validation split: --split {args.split!r} "
@@ -531,42 +559,55 @@ def loop_options(args: argparse.Namespace):
         profile_steps=args.profile_steps, progress=not args.no_progress)
 
 
-def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
     """``--model NAME`` or ``--load-hf DIR``: the preset's (the directory's config's)
-    values become the flags' defaults, so flags given on the command line still win."""
+    values become the flags' defaults, so flags given on the command line still win.
+    Returns the ``dest`` of every flag the preset sets (empty without one)."""
     from jax_wgrad.models.gpt.presets import PRESETS
 
     known, _ = parser.parse_known_args(argv)
     if known.model is not None and known.load_hf is not None:
         parser.error("--model and --load-hf both give the model; choose one")
     if known.load_hf is not None:
-        fields = hf_model_fields(parser, known.load_hf)
+        fields = hf_model_fields(parser, known.load_hf, known.seq_length)
     elif known.model is not None:
         fields = PRESETS[known.model]
     else:
-        return
+        return set()
     from jax_wgrad.models.gpt.config import FLAG_NAMES, NEGATED_FLAGS
 
-    parser.set_defaults(**{FLAG_NAMES.get(field, field):
-                           (not value) if field in NEGATED_FLAGS else value
-                           for field, value in fields.items()})
+    defaults = {FLAG_NAMES.get(field, field): (not value) if field in NEGATED_FLAGS else value
+                for field, value in fields.items()}
+    parser.set_defaults(**defaults)
+    return set(defaults)
 
 
-def hf_model_fields(parser: argparse.ArgumentParser, directory: str) -> dict:
+def preset_line(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                preset: set[str]) -> str | None:
+    """The log line naming the model preset in use and the flags that override it
+    (``None`` without ``--model``/``--load-hf``)."""
+    if args.model is None and args.load_hf is None:
+        return None
+    source = (f"--model {args.model}" if args.model is not None else
+              f"the config.json of --load-hf {args.load_hf}")
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    overrides = sorted(flags[d] for d in preset & args.given_flags)
+    return f"model preset: {source}" + (
+        f"; overridden by {', '.join(overrides)}" if overrides else "; no flag overrides it")
+
+
+def hf_model_fields(parser: argparse.ArgumentParser, directory: str, seq_length: int) -> dict:
     """The ``GPTConfig`` fields of a Hugging Face directory's ``config.json`` that flags
     exist for; an unreadable or unsupported config is a usage error naming it."""
     import dataclasses
-    import json
-    import os
 
-    from jax_wgrad.interop import config_from_hf
+    from jax_wgrad.interop.hf import check_shards, config_from_hf, read_hf_config
     from jax_wgrad.models.gpt.config import FLAG_NAMES, RUN_OPTIONS
 
-    path = os.path.join(directory, "config.json")
-    try:
-        with open(path) as f:
-            cfg = config_from_hf(json.load(f))
-    except (OSError, ValueError) as exc:
+    try:  # the run's --seq-length (not max_position_embeddings) meets the sliding window
+        cfg = config_from_hf(read_hf_config(directory), seq_length=seq_length)
+        check_shards(directory)  # missing, truncated: refused before anything is built
+    except ValueError as exc:
         parser.error(f"--load-hf {directory}: {exc}")
     dests = vars(parser.parse_args([]))
     # seq_length: the training sequence length is this run's choice (RoPE takes any).
@@ -585,6 +626,34 @@ def start_jax_on_cpu_to_compile_only(argv: list[str]) -> None:
     if "jax" not in sys.modules and any(
             a.startswith("--com") and "--compile-only".startswith(a) for a in argv):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin",
+                "jax_cuda12_plugin")
+"""The modules of jax's CUDA plugin (``jax[cuda12]``, ``jax[cuda13]``)."""
+
+
+def start_jax_on_cpu_without_gpu() -> None:
+    """``JAX_PLATFORMS=cpu`` (unless the user set it, before jax is imported) when jax's
+    CUDA plugin is installed (as the README suggests for ``--compile-only``) but this
+    machine has no NVIDIA device (no ``/dev/nvidia0``..., no WSL ``/dev/dxg``): jax would
+    otherwise open every CPU run with the plugin's failed-initialisation traceback."""
+    import glob
+    import importlib.util
+
+    if "jax" in sys.modules or "JAX_PLATFORMS" in os.environ:
+        return
+    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg"):
+        return
+
+    def installed(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    if any(installed(name) for name in CUDA_PLUGINS):
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def check_report_json(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -616,12 +685,185 @@ def check_report_json(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(f"--report-json {path}: cannot write there ({exc.strerror or exc})")
 
 
+def given_flags(argv: list[str]) -> set[str]:
+    """The ``dest`` of every flag ``argv`` gives explicitly (a preset's or the parser's
+    default is not "given"): a parser whose defaults are all suppressed parses it."""
+    bare = make_parser()
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+    known, _ = bare.parse_known_args(argv)
+    return set(vars(known))
+
+
+CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+"""Environment variables by which ``jax.distributed.initialize`` finds its coordinator
+(``jax_wgrad.initialize_distributed`` counts the same ones as a multi-process launch)."""
+
+
+def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """``(dest, partner present, what the flag needs)`` for every flag that does nothing
+    without another: given alone it would be silently ignored."""
+    rope = args.position_embedding_type == "rope"
+    return [
+        ("save_interval", args.save is not None,
+         "--save (the directory checkpoints are written to)"),
+        ("eval_iters", args.eval_interval is not None, "--eval-interval (absent: no evaluation)"),
+        ("target", args.compile_only, "--compile-only (without it the run trains here)"),
+        ("target_gpus_per_host", args.compile_only, "--compile-only"),
+        ("target_hosts", args.compile_only, "--compile-only"),
+        ("load_fallback_to_intact", args.load is not None, "--load"),
+        ("no_load_optim", args.load is not None, "--load"),
+        ("defer_mode", args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute"),
+        ("rotary_base", rope, "--position-embedding-type rope"),
+        ("rotary_percent", rope, "--position-embedding-type rope"),
+        ("profile_steps", args.profile_dir is not None, "--profile-dir"),
+        ("coordinator_address", args.distributed, "--distributed"),
+        ("num_processes", args.distributed, "--distributed"),
+        ("process_id", args.distributed, "--distributed"),
+        ("verbose_collectives", args.distributed, "--distributed"),
+    ]
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                given: set[str]) -> None:
+    """The rules between flags (ranges of single flags are their argparse types; rules of
+    a config are its dataclass's): a flag without the partner it needs, ``--min-lr`` above
+    ``--lr``, a warm-up as long as the decay, a rank outside the launch, a ``--distributed``
+    launch with no coordinator. One argparse-style line each, before anything is built."""
+    import os
+
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    for dest, present, needs in partner_rules(args):
+        if dest in given and not present:
+            value = getattr(args, dest)
+            shown = "" if isinstance(value, bool) else f" {value}"
+            parser.error(f"{flags[dest]}{shown} needs {needs}")
+    if args.min_lr is not None and args.min_lr > args.lr:  # Megatron: min_lr <= max_lr
+        parser.error(f"--min-lr ({args.min_lr:g}) must be <= --lr ({args.lr:g})")
+    if args.min_lr is not None and 0 < args.train_iters <= args.lr_warmup_iters:
+        parser.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --train-iters "
+                     f"({args.train_iters}), the steps of the --min-lr decay")
+    if args.distributed:
+        if args.coordinator_address is None and not any(v in os.environ for v in CLUSTER_ENV):
+            parser.error("--distributed needs --coordinator-address (or "
+                         "JAX_COORDINATOR_ADDRESS, or a SLURM / Open MPI launch)")
+        if (args.process_id is not None and args.num_processes is not None
+                and args.process_id >= args.num_processes):
+            parser.error(f"--process-id ({args.process_id}) must be < --num-processes "
+                         f"({args.num_processes})")
+
+
+def unwritable(path: str, directory: bool) -> str | None:
+    """Why ``path`` cannot be written (a file, or a ``directory`` to write files in), its
+    missing parent directories created; ``None`` when it can."""
+    import os
+
+    folder = path if directory else os.path.dirname(os.path.abspath(path))
+    if not directory and os.path.isdir(path):
+        return "is a directory"
+    if directory and os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a directory"
+    probe = os.path.join(folder, f".write-probe-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+        if not directory and os.path.exists(path) and not os.access(path, os.W_OK):
+            raise PermissionError(13, "the file is not writable")
+    except OSError as exc:
+        return f"cannot write there ({exc.strerror or exc})"
+    return None
+
+
+def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--metrics-file``, ``--tensorboard-dir`` and ``--profile-dir`` can be written,
+    checked before anything is compiled or trained (as ``--save`` is)."""
+    for flag, path, directory in (("--metrics-file", args.metrics_file, False),
+                                  ("--tensorboard-dir", args.tensorboard_dir, True),
+                                  ("--profile-dir", args.profile_dir, True)):
+        problem = None if path is None else unwritable(path, directory)
+        if problem:
+            parser.error(f"{flag} {path}: {problem}")
+
+
+def resume_point(argv: list[str]) -> str:
+    """What an interrupted run of ``argv`` resumes from: the newest checkpoint step in its
+    ``--save`` directory (else its ``--load`` one), read from the directory names alone."""
+    import os
+
+    bare = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # imports nothing:
+    bare.add_argument("--save")  # an interrupted import must not be re-run here
+    bare.add_argument("--load")
+    try:
+        args, _ = bare.parse_known_args(argv)
+    except SystemExit:
+        return "nothing was saved"
+    for flag, directory in (("--save", args.save), ("--load", args.load)):
+        if directory and os.path.isdir(directory):
+            steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
+            if steps:
+                return (f"the newest checkpoint is step {max(steps)} in {flag} {directory} "
+                        f"(resume with --load {directory})")
+    return ("no checkpoint was written" + (f" to --save {args.save}" if args.save else
+                                           " (no --save)"))
+
+
 def main(argv: list[str] | None = None) -> dict:
+    """Runs the job of ``argv`` (default ``sys.argv[1:]``). Ctrl-C at any moment, start-up
+    included, ends it with exit status 130 and one line saying what to resume from."""
     argv = sys.argv[1:] if argv is None else argv
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_interrupt(previous_hook)
+    try:
+        return run_job(argv)
+    except KeyboardInterrupt:
+        _flush_stdio()
+        sys.stderr.write(f"pretrain_gpt.py: interrupted; {resume_point(argv)}\n")
+        raise SystemExit(130) from None
+    finally:
+        sys.unraisablehook = previous_hook
+
+
+def _redeliver_interrupt(previous):
+    """An ``sys.unraisablehook`` that re-sends a Ctrl-C Python swallowed: the
+    KeyboardInterrupt can be raised inside a callback whose exceptions are only reported
+    (jax's garbage-collection callback), and the run would go on as if nothing was
+    pressed. Other reports go to ``previous``. The interrupt is re-sent from a timer
+    thread a moment later: sent from inside the hook it would land in the hook itself,
+    where it is swallowed again."""
+    import _thread
+    import threading
+
+    def hook(args) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
+            timer = threading.Timer(0.05, _thread.interrupt_main)
+            timer.daemon = True
+            timer.start()
+        else:
+            previous(args)
+    return hook
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def run_job(argv: list[str]) -> dict:
+    """:func:`main` without its Ctrl-C handling."""
     start_jax_on_cpu_to_compile_only(argv)
+    start_jax_on_cpu_without_gpu()
     parser = make_parser()
-    apply_preset(parser, argv)
+    preset = apply_preset(parser, argv)
     args = parser.parse_args(argv)
+    args.given_flags = given_flags(argv)  # the flags typed (not a preset's defaults)
+    args.preset_line = preset_line(parser, args, preset)
+    check_flags(parser, args, args.given_flags)
+    check_output_paths(parser, args)
     check_report_json(parser, args)
     from jax_wgrad.training.console import LineFilter
     from jax_wgrad.training.loop import OutOfMemoryError, check_paths
@@ -636,8 +878,6 @@ def main(argv: list[str] | None = None) -> dict:
         return train(parser, args, opts)
     except OutOfMemoryError as exc:
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
-    except KeyboardInterrupt:
-        parser.exit(130, f"{parser.prog}: interrupted\n")
     finally:
         if quiet is not None:
             quiet.close()
@@ -661,7 +901,9 @@ def start_from_hf(parser, directory: str, plan, state):
     if diff:
         parser.error(f"--load-hf {directory}: the flags give another model: " + "; ".join(
             f"{k}={a!r} in the directory, {b!r} in this run" for k, a, b in diff))
-    params = jax.device_put(plan.program.from_canonical(params), plan.param_shardings)
+    params = jax.tree.map(lambda a, like: a.astype(like.dtype),  # the run's params dtype
+                          plan.program.from_canonical(params), state.params)
+    params = jax.device_put(params, plan.param_shardings)
     return state._replace(params=params,
                           opt_state=jax_wgrad.training.init_optimizer_state(plan, params))
 
@@ -727,7 +969,8 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
         state = start_from_hf(parser, args.load_hf, plan, state)
         log(f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh "
             "optimizer)")
-    for line in describe(plan, train_data, state):
+    for line in ([args.preset_line] if args.preset_line else []) + describe(
+            plan, train_data, state):
         log(line)
     if gpu_flags:
         log(f"XLA flags for the GPU: {' '.join(gpu_flags)}")
@@ -737,10 +980,12 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
         out = run(plan, state, train_data, valid, opts, metrics=metrics, log=log)
     except ValueError as exc:  # a checkpoint that is missing, damaged or of another model
         usage_error(parser, exc)
-    return summarize(plan, out, log)
+    return summarize(plan, out, log, args.train_iters)
 
 
-def summarize(plan, out: dict, log) -> dict:
+def summarize(plan, out: dict, log, train_iters: int | None = None) -> dict:
+    """The run's summary (returned by :func:`main`) and its last log line; a run with no
+    step to train (a resumed checkpoint already at ``--train-iters``) says why."""
     import numpy as np
 
     buf, losses, times = plan.layout.buffer, out["losses"], out["times"]
@@ -758,9 +1003,26 @@ def summarize(plan, out: dict, log) -> dict:
             f"{summary['mean_step_time_s'] * 1e3:.1f} ms | loss {losses[0]:.4f} -> "
             f"{losses[-1]:.4f}")
     else:
-        log("done: no training step to run")
+        start = out.get("start_step", 0)
+        log("done: no training step to run" + (
+            f": the run resumed at step {start} and --train-iters is {train_iters}; "
+            f"pass a --train-iters above {start} to train on"
+            if train_iters is not None and start >= train_iters and start > 0 else
+            f": --train-iters is {train_iters}" if train_iters is not None else ""))
     return summary
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:  # a Ctrl-C re-sent (see _redeliver_interrupt) after main
+        _flush_stdio()
+        os._exit(130)
+    except SystemExit as exc:
+        if exc.code != 130:
+            raise
+        # Interrupted: the loop has waited for its checkpoint writes already. Leave without
+        # the interpreter's finalization, which races jax's and XLA's own threads (a
+        # compilation or transfer under way) and crashed with SIGSEGV.
+        _flush_stdio()
+        os._exit(130)

@@ -90,7 +90,8 @@ def test_megatrons_rules_and_wording():
     assert table.num_microbatches == 6
     with pytest.raises(ValueError, match=r"microbatch_group_size_per_vp_stage \(2\)"):
         get_schedule("1f1b", 4, 8, 2, group_size=2)
-    with pytest.raises(ValueError, match="pipeline-model-parallel size should be greater than 1"):
+    with pytest.raises(ValueError,
+                       match="interleaved schedule, which needs pipeline_model_parallel_size"):
         ParallelConfig(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2,
                        world_size=1)
     with pytest.raises(ValueError, match=r"number of microbatches \(2\) is not divisible"):

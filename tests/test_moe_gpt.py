@@ -255,7 +255,7 @@ def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
     (dict(num_moe_experts=6), dict(expert_model_parallel_size=4),
      r"Number of experts \(6\) should be a multiple of expert model parallel_size \(4\)"),
     (None, dict(expert_model_parallel_size=2),
-     "num_experts must be not None to use expert model parallelism"),
+     r"expert_model_parallel_size \(2\) needs num_experts"),
     (dict(), dict(tensor_model_parallel_size=2, sequence_parallel=False),
      "When using MoE and tensor parallelism, sequence parallelism must be used"),
     (dict(moe_layer_freq=3), dict(pipeline_model_parallel_size=2),

@@ -92,11 +92,29 @@ def compare(directory: Path, torch_python: str | None) -> dict:
     return out
 
 
+def missing_inputs(directory: Path) -> str | None:
+    """What ``directory`` lacks to be compared (``None``: nothing): a model directory
+    with the ``reference.npz`` of ``tools/make_hf_fixtures.py``."""
+    if not directory.is_dir():
+        return "no such directory"
+    if not (directory / "config.json").is_file():
+        return "no config.json (not a Hugging Face model directory)"
+    if not (directory / "reference.npz").is_file():
+        return ("no reference.npz: the comparison needs the reference logits of "
+                "tools/make_hf_fixtures.py (an exported directory has none; write them with "
+                "make_hf_fixtures.py --logits-of DIR REFERENCE OUT in the torch environment)")
+    return None
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dirs", nargs="+", type=Path)
     p.add_argument("--torch-python", default=None)
     args = p.parse_args(argv)
+    for d in args.dirs:  # all checked before the first (slow) comparison
+        problem = missing_inputs(d)
+        if problem:
+            p.error(f"{d}: {problem}")
     import jax_wgrad
 
     jax_wgrad.use_virtual_cpu_devices(8)

@@ -69,7 +69,10 @@ def export_from_checkpoint(load: str, hf_dir: str, template: str | None, dtype: 
     extra = {}
     if template:
         hf = json.loads((Path(template) / "config.json").read_text())
-        extra = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+        # The model's context (max_position_embeddings) is the template's, not the
+        # training sequence length, which may be shorter.
+        extra = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
+                                    "max_position_embeddings") if k in hf}
     files = export_hf(cfg, params, hf_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
                       extra_config=extra)
     for name in TOKENIZER_FILES if template else ():
@@ -88,7 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--export", action="store_true", help="checkpoint -> HF directory")
     p.add_argument("--load", help="export: the checkpoint directory (newest step)")
     p.add_argument("--hf-template", default=None,
-                   help="export: copy tokenizer files and token ids from this HF directory")
+                   help="export: copy tokenizer files, token ids and max_position_embeddings "
+                        "from this HF directory (absent: max_position_embeddings is the "
+                        "training --seq-length)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="export: the safetensors dtype")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30)

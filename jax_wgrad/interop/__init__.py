@@ -6,6 +6,7 @@ from jax_wgrad.interop.hf import (
     export_hf,
     hf_tensors,
     import_hf,
+    read_hf_config,
     read_hf_tensors,
 )
 from jax_wgrad.interop.hf_config import (
@@ -13,9 +14,12 @@ from jax_wgrad.interop.hf_config import (
     UnsupportedHFConfig,
     config_from_hf,
     hf_config_from,
+    hf_to_megatron_aux_loss_coeff,
     megatron_flags,
+    megatron_to_hf_aux_loss_coeff,
 )
 
 __all__ = ["FAMILIES", "UnsupportedHFConfig", "canonical_arrays", "config_from_hf",
-           "export_hf", "hf_config_from", "hf_tensors", "import_hf", "megatron_flags",
+           "export_hf", "hf_config_from", "hf_tensors", "hf_to_megatron_aux_loss_coeff",
+           "import_hf", "megatron_flags", "megatron_to_hf_aux_loss_coeff", "read_hf_config",
            "read_hf_tensors"]

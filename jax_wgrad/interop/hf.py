@@ -41,7 +41,7 @@ from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.params import init_params
 
 __all__ = ["HFTensor", "canonical_arrays", "export_hf", "hf_tensors", "import_hf",
-           "read_hf_tensors", "shard_files"]
+           "check_shards", "read_hf_config", "read_hf_tensors", "read_json", "shard_files"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -180,15 +180,74 @@ def _leaves(params: dict) -> dict[str, Any]:
     return {".".join(k.key for k in path): a for path, a in flat}
 
 
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``.
+
+    Raises:
+      ValueError: the file is missing, unreadable or not a JSON object (the file named).
+    """
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def read_hf_config(directory: str | os.PathLike) -> dict:
+    """The ``config.json`` of an HF model directory (a dict); a missing or broken file is a
+    ``ValueError`` naming it."""
+    return read_json(Path(directory) / "config.json")
+
+
 def shard_files(directory: str | os.PathLike) -> list[Path]:
-    """The safetensors files of an HF directory, in index order."""
+    """The safetensors files of an HF directory, in index order.
+
+    Raises:
+      ValueError: no safetensors weights (e.g. only ``pytorch_model.bin``), an index that
+        is broken or names a shard that is not there (the file named).
+    """
     d = Path(directory)
     if (d / INDEX).is_file():
-        weight_map = json.loads((d / INDEX).read_text())["weight_map"]
-        return [d / f for f in dict.fromkeys(weight_map.values())]
+        weight_map = read_json(d / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{d / INDEX}: has no 'weight_map' object")
+        files = [d / f for f in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{d / INDEX}: names shard(s) that are not there: "
+                             + ", ".join(missing))
+        return files
     if (d / SINGLE).is_file():
         return [d / SINGLE]
-    raise FileNotFoundError(f"{d}: neither {SINGLE} nor {INDEX}")
+    others = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+    raise ValueError(f"{d}: neither {SINGLE} nor {INDEX}" + (
+        f" (found {', '.join(others)}: only safetensors weights are read; convert them "
+        "with transformers' save_pretrained(..., safe_serialization=True))" if others else ""))
+
+
+def check_shards(directory: str | os.PathLike) -> list[Path]:
+    """:func:`shard_files`, each file's header read (cheap: no tensor is loaded), so that a
+    missing, truncated or foreign shard is refused before anything is built.
+
+    Raises:
+      ValueError: naming the directory or the file and what is wrong.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    files = shard_files(directory)
+    for path in files:
+        try:
+            with safe_open(path, framework="numpy") as f:
+                f.keys()
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+    return files
 
 
 def import_hf(directory: str | os.PathLike, **overrides) -> tuple[GPTConfig, dict]:
@@ -200,7 +259,7 @@ def import_hf(directory: str | os.PathLike, **overrides) -> tuple[GPTConfig, dic
         with no place in the model, or missing ones (named).
     """
     d = Path(directory)
-    cfg = config_from_hf(json.loads((d / "config.json").read_text()), **overrides)
+    cfg = config_from_hf(read_hf_config(d), **overrides)
     return cfg, read_hf_tensors(d, cfg, canonical_arrays(cfg))
 
 
@@ -226,6 +285,15 @@ def read_hf_tensors(directory: str | os.PathLike, cfg: GPTConfig, params: dict) 
 
 
 def _read_shard(path: Path, table: dict, params: dict, written: dict, cfg) -> None:
+    from safetensors import SafetensorError
+
+    try:
+        _read_shard_tensors(path, table, params, written, cfg)
+    except (SafetensorError, OSError) as exc:  # truncated, not safetensors, unreadable
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def _read_shard_tensors(path: Path, table: dict, params: dict, written: dict, cfg) -> None:
     from safetensors import safe_open
 
     tied = not cfg.untie_embeddings_and_output_weights

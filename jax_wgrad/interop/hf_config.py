@@ -15,7 +15,7 @@ from typing import Any
 from jax_wgrad.models.gpt.config import FLAG_NAMES, NEGATED_FLAGS, RUN_OPTIONS, GPTConfig
 
 __all__ = ["FAMILIES", "UnsupportedHFConfig", "config_from_hf", "hf_config_from", "head_dim",
-           "megatron_flags"]
+           "hf_to_megatron_aux_loss_coeff", "megatron_flags", "megatron_to_hf_aux_loss_coeff"]
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
             "Qwen2ForCausalLM": "qwen2", "MixtralForCausalLM": "mixtral"}
@@ -92,7 +92,44 @@ def _check(hf: dict, family: str, seq_length: int) -> None:
             _refuse(name, hf[name], "not implemented (must be 0)")
 
 
+def hf_to_megatron_aux_loss_coeff(router_aux_loss_coef: float, topk: int,
+                                  moe_layers: int) -> float:
+    """Megatron's ``moe_aux_loss_coeff`` giving the load-balancing loss of Mixtral's
+    ``router_aux_loss_coef`` (exactly when every MoE layer routes alike; the two losses
+    are normalised differently, so the coefficients differ):
+
+    - transformers (``load_balancing_loss_func``): the router logits of all ``L`` MoE
+      layers are concatenated into ``L T`` rows; ``f_e`` = the one-hot top-k mask's mean
+      over the rows, summed over the ``k`` choices (so ``sum_e f_e = k``), ``P_e`` = the
+      mean full-softmax probability of expert ``e``;
+      ``loss = router_aux_loss_coef * E * sum_e f_e P_e``: one term for the whole model.
+    - Megatron (``switch_load_balancing_loss_func``, :func:`jax_wgrad.functional.
+      load_balancing_loss`): per MoE layer ``coeff * E / (k T^2) * sum_e (sum_t p[t, e])
+      * count_e`` = ``coeff * (E / k) * sum_e f_e P_e`` with that layer's ``f``, ``P``;
+      added over the ``L`` layers.
+
+    With the same statistics in every layer Megatron's is ``L / k`` times transformers'
+    for equal coefficients, hence ``coeff = router_aux_loss_coef * k / L``."""
+    return float(router_aux_loss_coef) * topk / moe_layers
+
+
+def megatron_to_hf_aux_loss_coeff(moe_aux_loss_coeff: float, topk: int,
+                                  moe_layers: int) -> float:
+    """The inverse of :func:`hf_to_megatron_aux_loss_coeff`."""
+    return float(moe_aux_loss_coeff) * moe_layers / topk
+
+
 def config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of a Hugging Face ``config.json`` (a dict); a required key
+    that is absent is a ``ValueError`` naming it (see :func:`_config_from_hf`)."""
+    try:
+        return _config_from_hf(hf_config, **overrides)
+    except KeyError as exc:
+        raise ValueError(f"config.json has no {exc.args[0]!r} (a required field of this "
+                         "model family)") from None
+
+
+def _config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
     """The :class:`GPTConfig` of a Hugging Face ``config.json`` (a dict).
 
     ``overrides`` are GPTConfig fields set on top (e.g. ``seq_length=4096`` -- the default
@@ -123,7 +160,9 @@ def config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
         fields.update(num_moe_experts=hf["num_local_experts"],
                       moe_router_topk=hf["num_experts_per_tok"],
                       moe_ffn_hidden_size=hf["intermediate_size"], moe_layer_freq=1,
-                      moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0))
+                      moe_aux_loss_coeff=hf_to_megatron_aux_loss_coeff(
+                          hf.get("router_aux_loss_coef", 0.0), hf["num_experts_per_tok"],
+                          hf["num_hidden_layers"])
                       if hf.get("output_router_logits") else 0.0)
     fields.update(overrides)
     _check(hf, family, fields["seq_length"])
@@ -186,7 +225,8 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None,
     if family == "mixtral":
         out.update(num_local_experts=cfg.num_moe_experts,
                    num_experts_per_tok=cfg.moe_router_topk, router_jitter_noise=0.0,
-                   router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+                   router_aux_loss_coef=megatron_to_hf_aux_loss_coeff(
+                       cfg.moe_aux_loss_coeff, cfg.moe_router_topk, sum(cfg.moe_layer_pattern)),
                    output_router_logits=cfg.moe_aux_loss_coeff > 0)
     return out
 

@@ -188,9 +188,10 @@ class ParallelConfig:
             return
         check_positive("virtual_pipeline_model_parallel_size", v)
         p, m = self.pipeline_model_parallel_size, self.num_microbatches
-        if v > 1 and p == 1:  # Megatron's wording (arguments.py)
-            raise ValueError("When interleaved schedule is used, pipeline-model-parallel size "
-                             "should be greater than 1")
+        if v > 1 and p == 1:  # Megatron's rule (arguments.py), naming the fields
+            raise ValueError(f"virtual_pipeline_model_parallel_size ({v}) asks for the "
+                             "interleaved schedule, which needs pipeline_model_parallel_size "
+                             f"> 1, got {p}")
         if g is not None:
             check_positive("microbatch_group_size_per_vp_stage", g)
             if g < p:

@@ -105,7 +105,13 @@ class ByteDataset(TokenDataset):
         else:
             raise ValueError(f"--data-path {str(path)!r} is neither a file, a directory nor "
                              "a Megatron PREFIX with PREFIX.bin and PREFIX.idx")
-        return cls(_read(files, max_bytes), name=str(path))
+        data = _read(files, max_bytes)
+        if data.size < 2:
+            what = (f"a directory with {len(files)} file(s)" if path.is_dir() else "a file")
+            raise ValueError(f"--data-path {str(path)!r}: {what} holding {data.size} byte(s) "
+                             "of text; at least 2 are needed (more than --seq-length + 1 to "
+                             "make a sample)")
+        return cls(data, name=str(path))
 
     @classmethod
     def from_stdlib(cls, *, max_bytes: int = 8 << 20) -> ByteDataset:

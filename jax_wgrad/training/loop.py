@@ -310,14 +310,15 @@ def _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, l
     tokens = batch(i)
     gb_tokens = int(np.prod(tokens.shape)) - tokens.shape[0]
     t0 = time.perf_counter()
-    with jax.profiler.StepTraceAnnotation("train_step", step_num=i):
+    with jax.profiler.StepTraceAnnotation("train_step", step_num=i + 1):  # 1-based, as logged
         state, m = compiled(state, tokens)
         loss = float(m["loss"])  # waits for the step
         grad_norm, skipped = float(m["grad_norm"]), bool(m["skipped"])
     dt = time.perf_counter() - t0
     if opts.profile_dir and i + 1 == min(profile[0] + profile[1], opts.train_iters):
         jax.profiler.stop_trace()
-        log(f"profile of steps {profile[0]}..{i} written to {opts.profile_dir}")
+        log(f"profile of steps {profile[0] + 1}..{i + 1} (as the log counts them) written "
+            f"to {opts.profile_dir}")
     summary["losses"].append(loss)
     summary["times"].append(dt)
     summary["skipped_steps"] += skipped

@@ -193,12 +193,17 @@ class GPTConfig:
         if self.position_embedding_type not in ("learned_absolute", "rope"):
             raise ValueError("position_embedding_type must be 'learned_absolute' or 'rope', "
                              f"got {self.position_embedding_type!r}")
+        for name in ("layernorm_epsilon", "init_method_std"):  # NaN or wrong otherwise
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not self.rotary_base > 0 or not 0 < self.rotary_percent <= 1:
             raise ValueError(f"rotary_base ({self.rotary_base}) must be > 0 and rotary_percent "
                              f"({self.rotary_percent}) in (0, 1]")
         if self.position_embedding_type == "rope" and int(self.head_dim * self.rotary_percent) % 2:
             raise ValueError(f"rotary_percent ({self.rotary_percent}) x kv_channels "
                              f"({self.head_dim}) must be an even number of rotary dims")
+        if self.num_query_groups is not None:
+            check_positive("num_query_groups", self.num_query_groups)
         if self.num_query_groups is not None and not self.group_query_attention:
             raise ValueError(f"num_query_groups ({self.num_query_groups}) needs "
                              "group_query_attention (--group-query-attention)")
@@ -353,8 +358,8 @@ def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:
     ep = parallel.expert_model_parallel_size
     if model.num_moe_experts is None:
         if ep > 1:  # Megatron's wording (arguments.py)
-            raise ValueError("num_experts must be not None to use expert model parallelism "
-                             f"(expert_model_parallel_size = {ep})")
+            raise ValueError(f"expert_model_parallel_size ({ep}) needs num_experts (experts "
+                             "to split); a dense model takes expert_model_parallel_size 1")
         return
     if model.num_moe_experts % ep != 0:
         raise ValueError(f"Number of experts ({model.num_moe_experts}) should be a multiple of "
