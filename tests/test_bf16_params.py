@@ -304,6 +304,7 @@ def test_bf16_params_step_has_no_16bit_scatter(bf16_run):
 # --------------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.slow  # a resume test runs by default: tests/test_checkpoint.py
 def test_bf16_checkpoint_resume_is_bitwise_and_loads_across_dtypes(bf16_run, tmp_path):
     """Saved after 2 steps and resumed, 2 more steps: the same losses and state bitwise as
     straight on. The checkpoint's fp32 main parameters are what a resume starts from: a
@@ -333,6 +334,7 @@ def test_bf16_checkpoint_resume_is_bitwise_and_loads_across_dtypes(bf16_run, tmp
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_load_hf_into_a_bf16_run(example, tmp_path, capsys):
     """The example's ``--load-hf`` (fp32 values from safetensors) with ``--bf16``: the
     parameters are the directory's values rounded to bf16, the optimizer's fp32 main
