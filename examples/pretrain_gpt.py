@@ -149,7 +149,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="defer the output layer's weight-gradient GEMMs of the last stage "
                         "to after the pipeline schedule (needs pipeline parallelism and "
                         "--gradient-accumulation-fusion)")
-    g.add_argument("--wgrad-deferral-limit", type=nonnegative_int, default=0,
+    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
                    help="microbatches whose output-layer wgrad is deferred (0: all)")
     g.add_argument("--pipeline-schedule", choices=("1f1b", "zb-h1"), default="1f1b",
                    help="1f1b (Megatron's) or zb-h1 (zero bubble: weight-gradient GEMMs fill "

@@ -41,7 +41,7 @@ def usage_error(example, capsys, argv: list[str], message: str) -> str:
      "--num-query-groups must be a positive integer, got 0"),
     (["--make-vocab-size-divisible-by", "0"],
      "argument --make-vocab-size-divisible-by: must be >= 1, got 0"),
-    (["--wgrad-deferral-limit", "-1"], "argument --wgrad-deferral-limit: must be >= 0, got -1"),
+    (["--wgrad-deferral-limit", "-1"], "Wgrad deferral limit must be >= 0 (got -1)"),
 ])
 def test_numeric_range(example, capsys, argv, message):
     usage_error(example, capsys, SMALL + argv, message)

@@ -168,6 +168,9 @@ class ParallelConfig:
         if self.defer_mode not in ("stash", "recompute"):
             raise ValueError(
                 f"defer_mode must be 'stash' or 'recompute', got {self.defer_mode!r}")
+        if limit < 0:  # Megatron's wording (model_parallel_config.py); refused with or
+            # without deferral (a negative limit is never meant)
+            raise ValueError(f"Wgrad deferral limit must be >= 0 (got {limit})")
         if not self.defer_embedding_wgrad_compute:
             return
         # Megatron's checks and wording (model_parallel_config.py), in its order.
@@ -176,8 +179,6 @@ class ParallelConfig:
         if not self.gradient_accumulation_fusion:
             raise ValueError(
                 "Cannot defer embedding wgrad without gradient accumulation fusion")
-        if limit < 0:
-            raise ValueError(f"Wgrad deferral limit must be >= 0 (got {limit})")
 
     def _validate_interleaving(self) -> None:
         v, g = self.virtual_pipeline_model_parallel_size, self.microbatch_group_size_per_vp_stage
