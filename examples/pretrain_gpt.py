@@ -668,21 +668,9 @@ def check_report_json(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if not args.compile_only:
         parser.error(f"--report-json {path}: needs --compile-only (the report is of a "
                      "compile for --target GPUs)")
-    if os.path.isdir(path):
-        parser.error(f"--report-json {path}: is a directory")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        parser.error(f"--report-json {path}: {folder} is not a directory")
-    probe = os.path.join(folder, f".write-probe-{os.getpid()}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            raise PermissionError(13, "the file is not writable")
-    except OSError as exc:
-        parser.error(f"--report-json {path}: cannot write there ({exc.strerror or exc})")
+    problem = unwritable(path, directory=False)
+    if problem is not None:
+        parser.error(f"--report-json {path}: {problem}")
 
 
 def given_flags(argv: list[str]) -> set[str]:
@@ -763,6 +751,8 @@ def unwritable(path: str, directory: bool) -> str | None:
         return "is a directory"
     if directory and os.path.exists(path) and not os.path.isdir(path):
         return "is a file, not a directory"
+    if not directory and os.path.exists(folder) and not os.path.isdir(folder):
+        return f"{folder} is not a directory"
     probe = os.path.join(folder, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(folder, exist_ok=True)
