@@ -20,26 +20,39 @@ import json
 import pathlib
 import sys
 
-LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-          "--sequence-parallel", "--gradient-accumulation-fusion", "--use-distributed-optimizer",
-          "--overlap-grad-reduce", "--defer-embedding-wgrad-compute"]
+LAYOUT = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--gradient-accumulation-fusion",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--defer-embedding-wgrad-compute",
+]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
-    p.add_argument("--example", default=str(pathlib.Path(__file__).resolve().parents[1]
-                                            / "examples" / "pretrain_gpt.py"))
+    p.add_argument(
+        "--example",
+        default=str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"),
+    )
     args = p.parse_args()
     spec = importlib.util.spec_from_file_location("pretrain_gpt", args.example)
     example = importlib.util.module_from_spec(spec)
     sys.modules["pretrain_gpt"] = example
     spec.loader.exec_module(example)
     for n in args.layers:
-        summary = example.main(LAYOUT + ["--num-layers", str(n), "--train-iters", "1",
-                                         "--no-progress"])
-        print(json.dumps({"num_layers": n, "compile_time_s": round(summary["compile_time_s"], 2)}),
-              flush=True)
+        summary = example.main(
+            LAYOUT + ["--num-layers", str(n), "--train-iters", "1", "--no-progress"]
+        )
+        print(
+            json.dumps({"num_layers": n, "compile_time_s": round(summary["compile_time_s"], 2)}),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

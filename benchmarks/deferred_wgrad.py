@@ -31,29 +31,47 @@ import jax_wgrad
 jax_wgrad.use_virtual_cpu_devices(8)
 import numpy as np  # noqa: E402
 
-from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, build_train_step,  # noqa: E402
-                       default_optimizer, init_train_state, make_mesh, shard_batch)
+from jax_wgrad import (
+    GPTConfig,
+    ParallelConfig,
+    TrainPlan,
+    build_train_step,
+    default_optimizer,
+    init_train_state,
+    make_mesh,
+    shard_batch,
+)
 from jax_wgrad.parallel.deferred import stash_bytes  # noqa: E402
 from jax_wgrad.parallel.pipeline.gradients import carry_shapes  # noqa: E402
 
 
 def run(vocab: int, mode: str | None, steps: int, args) -> dict:
-    model = GPTConfig(vocab_size=vocab, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_attention_heads=4, seq_length=args.seq_length)
-    par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                         micro_batch_size=args.micro_batch_size,
-                         global_batch_size=args.global_batch_size, sequence_parallel=True,
-                         gradient_accumulation_fusion=True,
-                         defer_embedding_wgrad_compute=mode is not None,
-                         defer_mode=mode or "stash")
+    model = GPTConfig(
+        vocab_size=vocab,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=4,
+        seq_length=args.seq_length,
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        sequence_parallel=True,
+        gradient_accumulation_fusion=True,
+        defer_embedding_wgrad_compute=mode is not None,
+        defer_mode=mode or "stash",
+    )
     mesh = make_mesh(par)
     opt = default_optimizer(1e-3)
     plan = TrainPlan.create(model, par, mesh, opt)
     state = init_train_state(plan, seed=0)
     step = build_train_step(plan, state)
     rng = np.random.default_rng(0)
-    batch = shard_batch(mesh, rng.integers(0, vocab, (par.global_batch_size,
-                                                      model.seq_length + 1), dtype=np.int32))
+    batch = shard_batch(
+        mesh, rng.integers(0, vocab, (par.global_batch_size, model.seq_length + 1), dtype=np.int32)
+    )
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -66,15 +84,19 @@ def run(vocab: int, mode: str | None, steps: int, args) -> dict:
         times.append(time.perf_counter() - t0)
     carry = carry_shapes(plan.program, plan.sink, plan.ddp, plan.table, mesh)
     shapes = [s for stash in carry.deferred.values() for s in stash]
-    return {"vocab": vocab, "mode": mode or "off", "M": par.num_microbatches,
-            "stash_shapes": [list(s.shape) for s in shapes],
-            "stash_bytes": stash_bytes(shapes),
-            "temp_bytes": int(mem.temp_size_in_bytes),
-            "argument_bytes": int(mem.argument_size_in_bytes),
-            "peak_bytes": int(getattr(mem, "peak_memory_in_bytes", -1) or -1),
-            "compile_s": round(compile_s, 2),
-            "step_ms": round(1e3 * statistics.median(times[1:]), 1),
-            "loss": float(metrics["loss"])}
+    return {
+        "vocab": vocab,
+        "mode": mode or "off",
+        "M": par.num_microbatches,
+        "stash_shapes": [list(s.shape) for s in shapes],
+        "stash_bytes": stash_bytes(shapes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "peak_bytes": int(getattr(mem, "peak_memory_in_bytes", -1) or -1),
+        "compile_s": round(compile_s, 2),
+        "step_ms": round(1e3 * statistics.median(times[1:]), 1),
+        "loss": float(metrics["loss"]),
+    }
 
 
 def main() -> None:
@@ -90,8 +112,10 @@ def main() -> None:
     args = p.parse_args()
     for vocab in args.vocab:
         for mode in args.modes:
-            print(json.dumps(run(vocab, None if mode == "off" else mode, args.steps, args)),
-                  flush=True)
+            print(
+                json.dumps(run(vocab, None if mode == "off" else mode, args.steps, args)),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

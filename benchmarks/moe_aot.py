@@ -53,10 +53,27 @@ from jax_wgrad.ops import registry
 from jax_wgrad.parallel.mesh import EXPERT
 
 AXIS = EXPERT  # the mesh axis the experts are split over
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_WGRAD_TARGETS = (registry.RAGGED_MATMUL_TARGET, registry.RAGGED_WGRAD_TARGET,
-                  registry.TARGET, registry.TARGET_AT)
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
+_WGRAD_TARGETS = (
+    registry.RAGGED_MATMUL_TARGET,
+    registry.RAGGED_WGRAD_TARGET,
+    registry.TARGET,
+    registry.TARGET_AT,
+)
 
 
 # ------------------------------------------------------------------------ HLO reading
@@ -72,17 +89,27 @@ def stack_functions(text: str) -> dict[int, list[str]]:
     """``{stack frame id: ["file.py:function", innermost first]}`` from the module's
     ``FunctionNames``/``FileLocations``/``StackFrames`` tables (a frame's printed
     ``parent_frame_id`` is its parent's id + 1, 0: none)."""
+
     def table(name):
         m = re.search(rf"^{name}\n(.*?)(?:\n\n|\Z)", text, re.DOTALL | re.MULTILINE)
         return m.group(1).splitlines() if m else []
+
     funcs = {int(l.split()[0]): l.split(None, 1)[1].strip('"') for l in table("FunctionNames")}
     files = {int(l.split()[0]): l.split(None, 1)[1].strip('"') for l in table("FileNames")}
-    locs = {int(l.split()[0]): (int(re.search(r"file_name_id=(\d+)", l).group(1)),
-                                int(re.search(r"function_name_id=(\d+)", l).group(1)))
-            for l in table("FileLocations")}
-    frames = {int(l.split()[0]): (int(re.search(r"file_location_id=(\d+)", l).group(1)),
-                                  int(re.search(r"parent_frame_id=(\d+)", l).group(1)) - 1)
-              for l in table("StackFrames")}
+    locs = {
+        int(l.split()[0]): (
+            int(re.search(r"file_name_id=(\d+)", l).group(1)),
+            int(re.search(r"function_name_id=(\d+)", l).group(1)),
+        )
+        for l in table("FileLocations")
+    }
+    frames = {
+        int(l.split()[0]): (
+            int(re.search(r"file_location_id=(\d+)", l).group(1)),
+            int(re.search(r"parent_frame_id=(\d+)", l).group(1)) - 1,
+        )
+        for l in table("StackFrames")
+    }
     out = {}
     for fid in frames:
         chain, f = [], fid
@@ -158,10 +185,16 @@ def gemms(text: str) -> list[dict]:
             lhs = ops_[0][1] if ops_ else ()
             k = math.prod(lhs[d] for d in contracting) if lhs else 0
             chain = frames.get(_frame(ins.line), [])
-            out.append({"kind": kind, "result": _fmt(*result),
-                            "operands": [_fmt(*o) for o in ops_[:2]],
-                            "flops": 2 * math.prod(result[1]) * k, "part": classify(chain),
-                            "fn": next((f for f in chain if not f.endswith("<lambda>")), "?")})
+            out.append(
+                {
+                    "kind": kind,
+                    "result": _fmt(*result),
+                    "operands": [_fmt(*o) for o in ops_[:2]],
+                    "flops": 2 * math.prod(result[1]) * k,
+                    "part": classify(chain),
+                    "fn": next((f for f in chain if not f.endswith("<lambda>")), "?"),
+                }
+            )
     return out
 
 
@@ -176,18 +209,26 @@ def library_calls(text: str) -> list[dict]:
             m = re.search(r'custom_call_target="([^"]+)"', ins.line)
             if ins.opcode != "custom-call" or not m or m.group(1) not in _WGRAD_TARGETS:
                 continue
-            lay = re.search(r"operand_layout_constraints=\{(.*?)\}, (?:output_to|api_)",
-                            ins.line)
+            lay = re.search(r"operand_layout_constraints=\{(.*?)\}, (?:output_to|api_)", ins.line)
             operands = re.findall(r"([a-z]+\d*\[[\d,]*\])", lay.group(1)) if lay else []
             alias = re.search(r"output_to_operand_aliasing=(\{\{.*?\)\})", ins.line)
-            out.append({"target": m.group(1), "result": _no_layout(ins.shape),
-                            "operands": operands, "alias": alias.group(1) if alias else None,
-                            "computation": c, "in_loop": c in loops})
+            out.append(
+                {
+                    "target": m.group(1),
+                    "result": _no_layout(ins.shape),
+                    "operands": operands,
+                    "alias": alias.group(1) if alias else None,
+                    "computation": c,
+                    "in_loop": c in loops,
+                }
+            )
     return out
 
 
-_A2A_OP = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (.*?) (ragged-all-to-all-start|ragged-all-to-all|"
-                     r"all-to-all-start|all-to-all)\(([^)]*)\)")
+_A2A_OP = re.compile(
+    r"^(?:ROOT )?%?([\w.\-]+) = (.*?) (ragged-all-to-all-start|ragged-all-to-all|"
+    r"all-to-all-start|all-to-all)\(([^)]*)\)"
+)
 
 
 def all_to_alls(text: str) -> list[dict]:
@@ -208,16 +249,33 @@ def all_to_alls(text: str) -> list[dict]:
             last = arrays[-1] if arrays else ("?", "")
             result = (last[0], tuple(int(x) for x in last[1].split(",") if x))
             sync = re.search(r'"is_sync":(true|false)', line)
-            out.append({"opcode": m.group(3), "computation": c,
-                            "async_": m.group(3).endswith("-start"),
-                            "is_sync": None if sync is None else sync.group(1) == "true",
-                            "operands": ops_, "result": _fmt(*result),
-                            "result_bytes": _nbytes(*result)})
+            out.append(
+                {
+                    "opcode": m.group(3),
+                    "computation": c,
+                    "async_": m.group(3).endswith("-start"),
+                    "is_sync": None if sync is None else sync.group(1) == "true",
+                    "operands": ops_,
+                    "result": _fmt(*result),
+                    "result_bytes": _nbytes(*result),
+                }
+            )
     return out
 
 
-_SKIP = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
-         "conditional", "call", "opt-barrier", "after-all", "partition-id"}
+_SKIP = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "while",
+    "conditional",
+    "call",
+    "opt-barrier",
+    "after-all",
+    "partition-id",
+}
 
 
 def largest_buffers(text: str, top: int = 10) -> list[dict]:
@@ -227,8 +285,10 @@ def largest_buffers(text: str, top: int = 10) -> list[dict]:
     frames = stack_functions(text)
     rows = []
     for c, lines in comps.items():
-        if c.startswith(("fused_", "wrapped_", "gemm_fusion", "dynamic-slice-fusion")) \
-                or "fused_computation" in c:
+        if (
+            c.startswith(("fused_", "wrapped_", "gemm_fusion", "dynamic-slice-fusion"))
+            or "fused_computation" in c
+        ):
             continue
         for ins in hlo.instructions(lines):
             if ins.opcode in _SKIP or ins.opcode.endswith("-done"):
@@ -236,8 +296,16 @@ def largest_buffers(text: str, top: int = 10) -> list[dict]:
             for d, s in ins.arrays()[:1]:
                 chain = frames.get(_frame(ins.line), [])
                 fn = next((f for f in chain if not f.endswith("<lambda>")), "?")
-                rows.append({"bytes": _nbytes(d, s), "shape": _fmt(d, s), "opcode": ins.opcode,
-                                 "name": ins.name, "part": classify(chain), "fn": fn})
+                rows.append(
+                    {
+                        "bytes": _nbytes(d, s),
+                        "shape": _fmt(d, s),
+                        "opcode": ins.opcode,
+                        "name": ins.name,
+                        "part": classify(chain),
+                        "fn": fn,
+                    }
+                )
     rows.sort(key=lambda r: -r["bytes"])
     return rows[:top]
 
@@ -257,8 +325,12 @@ def _call_flops(call: dict) -> int:
 
 def _memory(compiled) -> dict:
     m = compiled.memory_analysis()
-    return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-                "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes}
+    return {
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+    }
 
 
 def _mesh(gpus: int) -> Mesh:
@@ -279,11 +351,20 @@ def _capacity_factor(variant: str, e: int) -> float | None:
     return {"dropless": None, "cf=E": float(e), "cf=1": 1.0}[variant]
 
 
-def compile_mlp(gpus: int, e: int, variant: str, t: int, h: int, f: int, k: int,
-                swiglu: bool, cublas: bool, dump: str | None = None):
+def compile_mlp(
+    gpus: int,
+    e: int,
+    variant: str,
+    t: int,
+    h: int,
+    f: int,
+    k: int,
+    swiglu: bool,
+    cublas: bool,
+    dump: str | None = None,
+):
     """The compiled ``moe_mlp`` forward + backward of one rank (``T`` tokens, bf16)."""
-    cfg = MoEConfig(e, f, topk=k, capacity_factor=_capacity_factor(variant, e),
-                    swiglu=swiglu)
+    cfg = MoEConfig(e, f, topk=k, capacity_factor=_capacity_factor(variant, e), swiglu=swiglu)
     mesh = _mesh(gpus)
     ep = gpus
     el = e // ep
@@ -292,24 +373,39 @@ def compile_mlp(gpus: int, e: int, variant: str, t: int, h: int, f: int, k: int,
 
     def local(p, bucket, x, dy):
         def fwd(p, bucket, x):
-            (y, b), _ = moe_mlp(p, x, cfg, expert_axis=AXIS if ep > 1 else None,
-                                buckets=(bucket, 0, p["fc1"].size))
+            (y, b), _ = moe_mlp(
+                p, x, cfg, expert_axis=AXIS if ep > 1 else None, buckets=(bucket, 0, p["fc1"].size)
+            )
             return y, b
+
         _, vjp = jax.vjp(fwd, p, bucket, x)
         dp, new_bucket, dx = vjp((dy, bucket))
         return dp["router"][None], new_bucket, dx
 
     pspec = {"router": P(), "fc1": P(AXIS), "fc2": P(AXIS)}
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(pspec, P(AXIS), P(AXIS), P(AXIS)),
-                       out_specs=(P(AXIS), P(AXIS), P(AXIS)), check_vma=False)
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(pspec, P(AXIS), P(AXIS), P(AXIS)),
+        out_specs=(P(AXIS), P(AXIS), P(AXIS)),
+        check_vma=False,
+    )
 
     def arg(shape, dtype, spec):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
     bf = jnp.bfloat16
-    params = {"router": arg((e, h), bf, P()),
-              "fc1": arg((e,) + fc1[1:], bf, P(AXIS)), "fc2": arg((e, h, f), bf, P(AXIS))}
-    args = (params, arg((ep * n,), jnp.float32, P(AXIS)), arg((ep * t, h), bf, P(AXIS)),
-            arg((ep * t, h), bf, P(AXIS)))
+    params = {
+        "router": arg((e, h), bf, P()),
+        "fc1": arg((e,) + fc1[1:], bf, P(AXIS)),
+        "fc2": arg((e, h, f), bf, P(AXIS)),
+    }
+    args = (
+        params,
+        arg((ep * n,), jnp.float32, P(AXIS)),
+        arg((ep * t, h), bf, P(AXIS)),
+        arg((ep * t, h), bf, P(AXIS)),
+    )
     lowered = jax.jit(fn, donate_argnums=1).trace(*args).lower()
     t0 = time.time()
     compiled = lowered.compile(_options(cublas, dump))
@@ -325,26 +421,42 @@ def mlp_report(gpus, e, variant, t, h, f, k, swiglu, cublas) -> dict:
     calls = library_calls(text)
     for c in calls:
         c["flops_over_all_rows"] = _call_flops(c)
-    dense_calls = sum(c["flops_over_all_rows"] for c in calls
-                      if c["target"] in (registry.TARGET, registry.TARGET_AT))
+    dense_calls = sum(
+        c["flops_over_all_rows"]
+        for c in calls
+        if c["target"] in (registry.TARGET, registry.TARGET_AT)
+    )
     expert_flops = sum(g["flops"] for g in gs if g["part"] == "expert") + dense_calls
-    ragged_rows = sorted({_dims(c["operands"][0])[0] for c in calls
-                          if c["target"].startswith("jax_wgrad_ragged")})
+    ragged_rows = sorted(
+        {_dims(c["operands"][0])[0] for c in calls if c["target"].startswith("jax_wgrad_ragged")}
+    )
     return {
-        "gpus": gpus, "ep": gpus, "experts": e, "local_experts": e // gpus, "variant": variant,
+        "gpus": gpus,
+        "ep": gpus,
+        "experts": e,
+        "local_experts": e // gpus,
+        "variant": variant,
         "capacity": None if cfg.capacity_factor is None else cfg.capacity(t),
-        "T": t, "H": h, "F": f, "k": k, "swiglu": swiglu,
+        "T": t,
+        "H": h,
+        "F": f,
+        "k": k,
+        "swiglu": swiglu,
         "gemm_backend": "cublas" if cublas else "default",
-        "compile_s": round(secs, 1), "memory": _memory(compiled),
+        "compile_s": round(secs, 1),
+        "memory": _memory(compiled),
         "routed_expert_gemm_flops": routed,
         "xla_expert_gemm_flops": expert_flops,
         "xla_expert_gemm_over_routed": round(expert_flops / routed, 3),
         "ragged_buffer_rows": ragged_rows,
         "ragged_flops_if_every_buffer_row": sum(
-            c["flops_over_all_rows"] for c in calls
-            if c["target"].startswith("jax_wgrad_ragged")),
-        "library_calls": calls, "gemms": gs, "all_to_alls": all_to_alls(text),
-        "largest_buffers": largest_buffers(text)}
+            c["flops_over_all_rows"] for c in calls if c["target"].startswith("jax_wgrad_ragged")
+        ),
+        "library_calls": calls,
+        "gemms": gs,
+        "all_to_alls": all_to_alls(text),
+        "largest_buffers": largest_buffers(text),
+    }
 
 
 # ------------------------------------------------------------------------ ragged a2a
@@ -358,9 +470,15 @@ def _ragged_exchange(x, sizes_to):
     recv_sizes = jax.lax.all_to_all(sizes_to, AXIS, 0, 0, tiled=True)
     output_offsets = jnp.full((ep,), me * tk, jnp.int32)  # where MY rows go on each peer
     out = jnp.zeros((ep * tk, x.shape[1]), x.dtype)
-    return jax.lax.ragged_all_to_all(x, out, input_offsets, sizes_to.astype(jnp.int32),
-                                     output_offsets, recv_sizes.astype(jnp.int32),
-                                     axis_name=AXIS)
+    return jax.lax.ragged_all_to_all(
+        x,
+        out,
+        input_offsets,
+        sizes_to.astype(jnp.int32),
+        output_offsets,
+        recv_sizes.astype(jnp.int32),
+        axis_name=AXIS,
+    )
 
 
 def ragged_a2a_report(gpus, t, h, k, platform, keep_dump: str | None = None) -> dict:
@@ -375,35 +493,57 @@ def ragged_a2a_report(gpus, t, h, k, platform, keep_dump: str | None = None) -> 
         y, vjp = jax.vjp(lambda x: _ragged_exchange(x, sizes), x)
         return y, vjp(dy)[0]
 
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-                               out_specs=(P(AXIS), P(AXIS)), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(AXIS), P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS)),
+            check_vma=False,
+        )
+    )
     sh = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P(AXIS)))
-    args = (sh((gpus * tk, h), jnp.bfloat16), sh((gpus * gpus,), jnp.int32),
-            sh((gpus * gpus * tk, h), jnp.bfloat16))
-    row = {"platform": platform, "gpus": gpus, "send": _fmt("bf16", (tk, h)),
-               "receive": _fmt("bf16", (gpus * tk, h))}
+    args = (
+        sh((gpus * tk, h), jnp.bfloat16),
+        sh((gpus * gpus,), jnp.int32),
+        sh((gpus * gpus * tk, h), jnp.bfloat16),
+    )
+    row = {
+        "platform": platform,
+        "gpus": gpus,
+        "send": _fmt("bf16", (tk, h)),
+        "receive": _fmt("bf16", (gpus * tk, h)),
+    }
     try:
         lowered = fn.trace(*args).lower()
-    except Exception as err:  # noqa: BLE001 - reported
+    except Exception as err:
         return dict(row, error=f"lower: {type(err).__name__}: {err}")
     with tempfile.TemporaryDirectory(prefix="moe_aot_") as tmp:
         dump = keep_dump or tmp
         try:
             opts = _options(False, dump) if platform != "cpu" else {}
             compiled = lowered.compile(opts)
-        except Exception as err:  # noqa: BLE001 - reported
+        except Exception as err:
             return dict(row, error=f"compile: {type(err).__name__}: {str(err)[:2000]}")
-        seq = read_largest_dump(dump, "*thunk_sequence_after_thunk_passes.txt",
-                                "*thunk_sequence.txt") or ""
+        seq = (
+            read_largest_dump(dump, "*thunk_sequence_after_thunk_passes.txt", "*thunk_sequence.txt")
+            or ""
+        )
         names = thunks.thunk_names(read_largest_dump(dump, "*thunk_metadata.txt") or "")
     text = compiled.as_text()
-    comm = [{"kind": w.kind, "instruction": names.get(w.id, ""), "text": w.text.strip()[:160]}
-            for top in thunks.parse_thunks(seq) for w in top.walk()
-            if re.search(r"AllToAll|Ragged|Nccl|Collective|Send|Recv|Memcpy|Copy", w.kind)]
-    return dict(row, memory=_memory(compiled), all_to_alls=all_to_alls(text),
-                thunks=comm,
-                hlo=[l for l in text.splitlines()
-                     if re.search(r"all-to-all|custom-call\(", l)][:12])
+    comm = [
+        {"kind": w.kind, "instruction": names.get(w.id, ""), "text": w.text.strip()[:160]}
+        for top in thunks.parse_thunks(seq)
+        for w in top.walk()
+        if re.search(r"AllToAll|Ragged|Nccl|Collective|Send|Recv|Memcpy|Copy", w.kind)
+    ]
+    return dict(
+        row,
+        memory=_memory(compiled),
+        all_to_alls=all_to_alls(text),
+        thunks=comm,
+        hlo=[l for l in text.splitlines() if re.search(r"all-to-all|custom-call\(", l)][:12],
+    )
 
 
 # ------------------------------------------------------------------------ scan
@@ -423,6 +563,7 @@ def scan_report(layers, e, t, h, f, k, bucket_elems, keep_dump: str | None = Non
             p, off = xs
             (y, bk), _ = moe_mlp(p, hid, cfg, buckets=(bk, off, off + e * f * h))
             return (hid + y, bk), None
+
         return jax.lax.scan(layer, (x, bucket), (ws, offsets))[0]
 
     def backward(ws, bucket, x, dy):
@@ -433,21 +574,32 @@ def scan_report(layers, e, t, h, f, k, bucket_elems, keep_dump: str | None = Non
     mesh = _mesh(1)
     sh = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P()))
     bf = jnp.bfloat16
-    ws = {"router": sh((layers, e, h), bf), "fc1": sh((layers, e, f, h), bf),
-          "fc2": sh((layers, e, h, f), bf)}
-    lowered = jax.jit(backward, donate_argnums=1).trace(
-        ws, sh((bucket_elems,), jnp.float32), sh((t, h), bf), sh((t, h), bf)).lower()
+    ws = {
+        "router": sh((layers, e, h), bf),
+        "fc1": sh((layers, e, f, h), bf),
+        "fc2": sh((layers, e, h, f), bf),
+    }
+    lowered = (
+        jax.jit(backward, donate_argnums=1)
+        .trace(ws, sh((bucket_elems,), jnp.float32), sh((t, h), bf), sh((t, h), bf))
+        .lower()
+    )
     stablehlo = lowered.as_text()
-    lowering = [re.search(r"output_operand_aliases = \[.*?>\]", l).group(0)
-                for l in stablehlo.splitlines()
-                if f"@{registry.RAGGED_WGRAD_TARGET}" in l and "output_operand_aliases" in l]
+    lowering = [
+        re.search(r"output_operand_aliases = \[.*?>\]", l).group(0)
+        for l in stablehlo.splitlines()
+        if f"@{registry.RAGGED_WGRAD_TARGET}" in l and "output_operand_aliases" in l
+    ]
     with tempfile.TemporaryDirectory(prefix="moe_aot_") as tmp:
         dump = keep_dump or tmp
         compiled = lowered.compile(_options(False, dump))
-        assignment = read_largest_dump(dump, "*buffer-assignment.txt",
-                                       "*buffer_assignment.txt") or ""
-        seq = read_largest_dump(dump, "*thunk_sequence_after_thunk_passes.txt",
-                                "*thunk_sequence.txt") or ""
+        assignment = (
+            read_largest_dump(dump, "*buffer-assignment.txt", "*buffer_assignment.txt") or ""
+        )
+        seq = (
+            read_largest_dump(dump, "*thunk_sequence_after_thunk_passes.txt", "*thunk_sequence.txt")
+            or ""
+        )
         names = thunks.thunk_names(read_largest_dump(dump, "*thunk_metadata.txt") or "")
     text = compiled.as_text()
     comps = hlo.computations(text)
@@ -459,13 +611,13 @@ def scan_report(layers, e, t, h, f, k, bucket_elems, keep_dump: str | None = Non
         sized = hlo.sized_ops(comps, reach, [bucket_elems])
         loops[body] = {
             "ragged_calls": sum(1 for c in reach for l in comps[c] if "jax_wgrad_ragged" in l),
-            "bucket_sized": [i.line[:160] for i in sized]}
+            "bucket_sized": [i.line[:160] for i in sized],
+        }
     whole = hlo.sized_ops(comps, hlo.reachable(comps, entry), [bucket_elems])
     allocs = []
     for block in re.split(r"\n(?=allocation \d+:)", assignment):
         if block.startswith("allocation") and f"f32[{bucket_elems}]" in block:
-            vals = [l.strip()[:150] for l in block.splitlines()[1:]
-                    if f"f32[{bucket_elems}]" in l]
+            vals = [l.strip()[:150] for l in block.splitlines()[1:] if f"f32[{bucket_elems}]" in l]
             allocs.append({"head": block.splitlines()[0][:200], "values": vals})
     loop_thunks = {}
     for top in thunks.parse_thunks(seq):
@@ -475,17 +627,28 @@ def scan_report(layers, e, t, h, f, k, bucket_elems, keep_dump: str | None = Non
             body = w.nested.get("body", [])
             loop_thunks[f"while thunk {w.id}"] = [
                 f"{leaf.kind} {names.get(leaf.id, '')} {leaf.text.strip()[:120]}"
-                for b in body for leaf in b.walk()
-                if not leaf.nested or leaf.kind == "kCommandBuffer"]
+                for b in body
+                for leaf in b.walk()
+                if not leaf.nested or leaf.kind == "kCommandBuffer"
+            ]
     alias = re.search(r"input_output_alias=(\{.*?\) \})", text)
-    return {"layers": layers, "E": e, "T": t, "H": h, "F": f, "k": k,
-            "bucket": f"f32[{bucket_elems}]",
-                "stablehlo_wgrad_aliases": lowering,
-                "module_input_output_alias": alias.group(1) if alias else None,
-                "library_calls": library_calls(text), "loops": loops,
-                "whole_program_bucket_sized": [i.line[:160] for i in whole],
-                "bucket_allocations": allocs, "loop_thunks": loop_thunks,
-                "memory": _memory(compiled)}
+    return {
+        "layers": layers,
+        "E": e,
+        "T": t,
+        "H": h,
+        "F": f,
+        "k": k,
+        "bucket": f"f32[{bucket_elems}]",
+        "stablehlo_wgrad_aliases": lowering,
+        "module_input_output_alias": alias.group(1) if alias else None,
+        "library_calls": library_calls(text),
+        "loops": loops,
+        "whole_program_bucket_sized": [i.line[:160] for i in whole],
+        "bucket_allocations": allocs,
+        "loop_thunks": loop_thunks,
+        "memory": _memory(compiled),
+    }
 
 
 # ------------------------------------------------------------------------ CLI
@@ -495,15 +658,22 @@ def main(argv=None):
     m = sub.add_parser("mlp")
     m.add_argument("--gpus", type=int, default=1)
     m.add_argument("--experts", type=int, nargs="+", default=[8, 64])
-    m.add_argument("--variants", nargs="+", default=["dropless", "cf=E", "cf=1"],
-                   choices=["dropless", "cf=E", "cf=1"])
+    m.add_argument(
+        "--variants",
+        nargs="+",
+        default=["dropless", "cf=E", "cf=1"],
+        choices=["dropless", "cf=E", "cf=1"],
+    )
     m.add_argument("--tokens", type=int, default=4096, help="T per rank")
     m.add_argument("--hidden", type=int, default=2048)
     m.add_argument("--ffn", type=int, default=1024)
     m.add_argument("--topk", type=int, default=2)
     m.add_argument("--swiglu", action="store_true")
-    m.add_argument("--cublas", action="store_true",
-                   help="--xla_gpu_enable_triton_gemm=false: GEMMs as cuBLAS custom calls")
+    m.add_argument(
+        "--cublas",
+        action="store_true",
+        help="--xla_gpu_enable_triton_gemm=false: GEMMs as cuBLAS custom calls",
+    )
     r = sub.add_parser("ragged-a2a")
     r.add_argument("--gpus", type=int, default=8)
     r.add_argument("--tokens", type=int, default=4096)
@@ -518,21 +688,35 @@ def main(argv=None):
     s.add_argument("--hidden", type=int, default=2048)
     s.add_argument("--ffn", type=int, default=1024)
     s.add_argument("--topk", type=int, default=2)
-    s.add_argument("--bucket", type=int, default=200_000_003,
-                   help="bucket elements (odd: no other array has this size)")
+    s.add_argument(
+        "--bucket",
+        type=int,
+        default=200_000_003,
+        help="bucket elements (odd: no other array has this size)",
+    )
     s.add_argument("--dump", help="keep XLA's dump in this directory")
     a = ap.parse_args(argv)
     if a.cmd == "mlp":
         for e in a.experts:
             for v in a.variants:
-                print(json.dumps(mlp_report(a.gpus, e, v, a.tokens, a.hidden, a.ffn, a.topk,
-                                            a.swiglu, a.cublas)), flush=True)
+                print(
+                    json.dumps(
+                        mlp_report(
+                            a.gpus, e, v, a.tokens, a.hidden, a.ffn, a.topk, a.swiglu, a.cublas
+                        )
+                    ),
+                    flush=True,
+                )
     elif a.cmd == "ragged-a2a":
-        print(json.dumps(ragged_a2a_report(a.gpus, a.tokens, a.hidden, a.topk, a.platform,
-                                           a.dump)))
+        print(json.dumps(ragged_a2a_report(a.gpus, a.tokens, a.hidden, a.topk, a.platform, a.dump)))
     else:
-        print(json.dumps(scan_report(a.layers, a.experts, a.tokens, a.hidden, a.ffn, a.topk,
-                                     a.bucket, a.dump)))
+        print(
+            json.dumps(
+                scan_report(
+                    a.layers, a.experts, a.tokens, a.hidden, a.ffn, a.topk, a.bucket, a.dump
+                )
+            )
+        )
 
 
 if __name__ == "__main__":

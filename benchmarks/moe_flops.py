@@ -97,46 +97,64 @@ def build_step(cfg: MoEConfig, ep: int):
     """jitted ``(params, x, r) -> (loss, grads, dx, tokens_per_expert [EP, E])`` on ``ep``
     expert ranks: each rank its own tokens and ``E/EP`` experts, loss = sum(y r) / N + the
     ranks' aux losses, the expert weight gradients in a flat fp32 bucket (the fused path)."""
+
     def local(p, x, r):
         sizes = (p["fc1"].size, p["fc2"].size)
 
         def loss(p, bucket, x):
-            (y, bucket), stats = moe_mlp(p, x, cfg, expert_axis=EXPERT,
-                                         buckets=(bucket, 0, sizes[0]))
+            (y, bucket), stats = moe_mlp(
+                p, x, cfg, expert_axis=EXPERT, buckets=(bucket, 0, sizes[0])
+            )
             return jnp.sum(y * r) / (ep * x.shape[0]) + stats.aux_loss, (bucket, stats)
 
         bucket = jnp.zeros(sum(sizes), jnp.float32)
         (value, (_, stats)), (dp, dbucket, dx) = jax.value_and_grad(
-            loss, argnums=(0, 1, 2), has_aux=True)(p, bucket, x)
-        dp = dict(dp, fc1=dbucket[:sizes[0]].reshape(p["fc1"].shape),
-                  fc2=dbucket[sizes[0]:].reshape(p["fc2"].shape),
-                  router=jax.lax.psum(dp["router"], EXPERT))
+            loss, argnums=(0, 1, 2), has_aux=True
+        )(p, bucket, x)
+        dp = dict(
+            dp,
+            fc1=dbucket[: sizes[0]].reshape(p["fc1"].shape),
+            fc2=dbucket[sizes[0] :].reshape(p["fc2"].shape),
+            router=jax.lax.psum(dp["router"], EXPERT),
+        )
         return jax.lax.psum(value, EXPERT), dp, dx, stats.tokens_per_expert[None]
 
     specs = {"router": P(), "fc1": P(EXPERT), "fc2": P(EXPERT)}
     mesh = Mesh(np.array(jax.devices()[:ep]), (EXPERT,))
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P(EXPERT), P(EXPERT)),
-                                 out_specs=(P(), specs, P(EXPERT), P(EXPERT)),
-                                 check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(specs, P(EXPERT), P(EXPERT)),
+            out_specs=(P(), specs, P(EXPERT), P(EXPERT)),
+            check_vma=False,
+        )
+    )
 
 
 def dispatch_group_sizes(params, x, cfg: MoEConfig, ep: int) -> np.ndarray:
     """``[EP, E/EP]``: the group sizes the dropless dispatch hands to each rank's ragged
     GEMMs (the library's router and :class:`DroplessDispatch`, run on their own)."""
+
     def local(router, x):
         _, experts, _ = route(x, router, cfg.topk)
-        _, sizes, _ = DroplessDispatch(expert_axis=EXPERT, ep=ep,
-                                       num_experts=cfg.num_experts).dispatch(x, experts)
+        _, sizes, _ = DroplessDispatch(
+            expert_axis=EXPERT, ep=ep, num_experts=cfg.num_experts
+        ).dispatch(x, experts)
         return sizes[None]
 
     mesh = Mesh(np.array(jax.devices()[:ep]), (EXPERT,))
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(EXPERT)),
-                               out_specs=P(EXPERT), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(EXPERT)), out_specs=P(EXPERT), check_vma=False
+        )
+    )
     return np.asarray(fn(params["router"], x))
 
 
-def make_inputs(cfg: MoEConfig, ep: int, tokens: int, hidden: int, skewed: bool = False,
-                seed: int = 0):
+def make_inputs(
+    cfg: MoEConfig, ep: int, tokens: int, hidden: int, skewed: bool = False, seed: int = 0
+):
     """``(params, x [EP T, H], r [EP T, H])``; ``skewed``: every token's first choice is
     expert 0 (router and tokens shifted as ``tests/test_moe_dropless.py`` does)."""
     e, f = cfg.num_experts, cfg.ffn_hidden_size
@@ -148,8 +166,11 @@ def make_inputs(cfg: MoEConfig, ep: int, tokens: int, hidden: int, skewed: bool 
         router = 0.3 * router + 4.0 * jnp.outer(jnp.eye(e)[0] - 3 * jnp.eye(e)[e - 1], u)
         x = x + 2.0
     fc1 = (e, 2, f, hidden) if cfg.swiglu else (e, f, hidden)
-    params = {"router": router, "fc1": jax.random.normal(k[1], fc1) / np.sqrt(hidden),
-              "fc2": jax.random.normal(k[2], (e, hidden, f)) / np.sqrt(f)}
+    params = {
+        "router": router,
+        "fc1": jax.random.normal(k[1], fc1) / np.sqrt(hidden),
+        "fc2": jax.random.normal(k[2], (e, hidden, f)) / np.sqrt(f),
+    }
     return params, x, jax.random.normal(k[4], (ep * tokens, hidden))
 
 
@@ -175,8 +196,11 @@ def call_counts(hlo: str) -> dict[str, int]:
         counts[comp] = counts.get(comp, 0) + times
         for ins in instructions(comps.get(comp, ())):
             callees = re.findall(r"\bcalls=%([\w.\-]+)", ins.line)
-            callees += [c.strip().lstrip("%") for g in re.findall(
-                r"branch_computations=\{([^}]*)\}", ins.line) for c in g.split(",")]
+            callees += [
+                c.strip().lstrip("%")
+                for g in re.findall(r"branch_computations=\{([^}]*)\}", ins.line)
+                for c in g.split(",")
+            ]
             callees += re.findall(r"(?:true|false)_computation=%([\w.\-]+)", ins.line)
             if ins.opcode == "call":
                 callees += re.findall(r"\bto_apply=%([\w.\-]+)", ins.line)
@@ -184,8 +208,10 @@ def call_counts(hlo: str) -> dict[str, int]:
                 visit(c, times)
             if ins.opcode == "while":
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.line)
-                visit(re.search(r"\bbody=%([\w.\-]+)", ins.line).group(1),
-                      times * (int(trip.group(1)) if trip else 1))
+                visit(
+                    re.search(r"\bbody=%([\w.\-]+)", ins.line).group(1),
+                    times * (int(trip.group(1)) if trip else 1),
+                )
 
     visit(entry_name(hlo), 1)
     return counts
@@ -236,10 +262,14 @@ def dots(hlo: str) -> list[Dot]:
                 operands.append(_dims(arg) if "[" in arg else _dims(shapes[name]))
             lhs, rhs = operands[:2]
             if ins.opcode == "dot":
-                lb, lc = _attr_dims(ins.line, "lhs_batch_dims"), \
-                    _attr_dims(ins.line, "lhs_contracting_dims")
-                rb, rc = _attr_dims(ins.line, "rhs_batch_dims"), \
-                    _attr_dims(ins.line, "rhs_contracting_dims")
+                lb, lc = (
+                    _attr_dims(ins.line, "lhs_batch_dims"),
+                    _attr_dims(ins.line, "lhs_contracting_dims"),
+                )
+                rb, rc = (
+                    _attr_dims(ins.line, "rhs_batch_dims"),
+                    _attr_dims(ins.line, "rhs_contracting_dims"),
+                )
                 batch = math.prod(lhs[d] for d in lb)
                 kk = math.prod(lhs[d] for d in lc)
                 m = math.prod(s for d, s in enumerate(lhs) if d not in lb + lc)
@@ -251,13 +281,27 @@ def dots(hlo: str) -> list[Dot]:
                 out_features = rhs[labels.index("o")]
                 batch, m, n = 1, 1, math.prod(_dims(ins.shape))
                 kk = math.prod(rhs) // out_features // groups
-            out.append(Dot(ins.name, c, callers.get(c), lhs, rhs, batch, m, n, kk,
-                           runs.get(c, 0), ins.op_name))
+            out.append(
+                Dot(
+                    ins.name,
+                    c,
+                    callers.get(c),
+                    lhs,
+                    rhs,
+                    batch,
+                    m,
+                    n,
+                    kk,
+                    runs.get(c, 0),
+                    ins.op_name,
+                )
+            )
     return out
 
 
-def expert_dots(all_dots: list[Dot], experts_local: int, hidden: int,
-                widths: tuple[int, ...]) -> list[Dot]:
+def expert_dots(
+    all_dots: list[Dot], experts_local: int, hidden: int, widths: tuple[int, ...]
+) -> list[Dot]:
     """The dots over expert buffers: a batch of ``E/EP`` products two of whose dimensions
     are ``H`` and an expert width (``F``, or ``2F`` for SwiGLU's fc1), the third the rows
     (the expert capacity, or the buffer's tokens in the wgrad)."""
@@ -283,8 +327,13 @@ def _covers(mnk: list[int], pair: tuple[int, int]) -> bool:
 def batched_over(all_dots: list[Dot], size: int) -> list[Dot]:
     """Dots with an operand of rank >= 3 whose leading dimension is ``size`` and is one of
     the dot's batch dimensions (a product batched over ``size`` experts)."""
-    return [d for d in all_dots if d.batch % size == 0 and d.batch >= size
-            and any(len(s) >= 3 and s[0] == size for s in (d.lhs, d.rhs))]
+    return [
+        d
+        for d in all_dots
+        if d.batch % size == 0
+        and d.batch >= size
+        and any(len(s) >= 3 and s[0] == size for s in (d.lhs, d.rhs))
+    ]
 
 
 class ExpertCall(NamedTuple):
@@ -318,8 +367,12 @@ def expert_calls(hlo: str) -> list[ExpertCall]:
         if ins.opcode != "custom-call" or target is None:
             continue
         target = target.group(1)
-        if target not in (registry.RAGGED_MATMUL_TARGET, registry.RAGGED_WGRAD_TARGET,
-                          registry.TARGET, registry.TARGET_AT):
+        if target not in (
+            registry.RAGGED_MATMUL_TARGET,
+            registry.RAGGED_WGRAD_TARGET,
+            registry.TARGET,
+            registry.TARGET_AT,
+        ):
             continue
         layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, [a-z_]+=", ins.line)
         shapes = [_dims(s) for s in re.findall(r"[a-z]+\d*\[[\d,]*\]", layouts.group(1))]
@@ -329,8 +382,9 @@ def expert_calls(hlo: str) -> list[ExpertCall]:
             n = a if transpose else b
             # forward: x [R, in] -> [R, out]; dgrad: dy [R, out] -> dx [R, in] (fc's in/out)
             d_in, d_out = (k, n) if transpose else (n, k)
-            out.append(ExpertCall(ins.name, target, "fwd" if transpose else "dgrad", g, rows,
-                                  d_in, d_out))
+            out.append(
+                ExpertCall(ins.name, target, "fwd" if transpose else "dgrad", g, rows, d_in, d_out)
+            )
         elif target == registry.RAGGED_WGRAD_TARGET:
             (rows, d_in), (_, d_out), (g,) = shapes[0], shapes[1], shapes[2]
             out.append(ExpertCall(ins.name, target, "wgrad", g, rows, d_in, d_out))
@@ -341,8 +395,11 @@ def expert_calls(hlo: str) -> list[ExpertCall]:
 
 
 def ragged_calls(hlo: str) -> list[ExpertCall]:
-    return [c for c in expert_calls(hlo) if c.target in (registry.RAGGED_MATMUL_TARGET,
-                                                         registry.RAGGED_WGRAD_TARGET)]
+    return [
+        c
+        for c in expert_calls(hlo)
+        if c.target in (registry.RAGGED_MATMUL_TARGET, registry.RAGGED_WGRAD_TARGET)
+    ]
 
 
 def _linear(call: ExpertCall, hidden: int) -> str:
@@ -356,8 +413,9 @@ def xla_flops(compiled) -> float:
     return float(cost["flops"])
 
 
-def expert_gemm_flops(hlo: str, cfg: MoEConfig, ep: int, hidden: int,
-                      rank_rows: np.ndarray | None = None) -> dict:
+def expert_gemm_flops(
+    hlo: str, cfg: MoEConfig, ep: int, hidden: int, rank_rows: np.ndarray | None = None
+) -> dict:
     """Expert GEMM FLOPs per rank of a compiled step (module docstring).
 
     ``rank_rows``: ``[EP]`` rows each rank's ragged GEMMs compute on at run time (the sums
@@ -375,51 +433,86 @@ def expert_gemm_flops(hlo: str, cfg: MoEConfig, ep: int, hidden: int,
     rows = [None] if rank_rows is None else [float(r) for r in rank_rows]
     for r in rows:
         per_rank.append(dot_flops + sum(c.flops(r) for c in calls))
-    return {"flops": float(np.mean(per_rank)), "max_rank": float(np.max(per_rank)),
-            "dot_flops": dot_flops, "bound": dot_flops + sum(c.flops() for c in calls),
-            "dots": [f"{d.caller or d.name}:{d.name}" for d in xd],
-            "calls": [f"{c.name}({c.role} {_linear(c, hidden)})" for c in calls],
-            "ragged": len([c for c in calls if c.target.startswith("jax_wgrad_ragged")])}
+    return {
+        "flops": float(np.mean(per_rank)),
+        "max_rank": float(np.max(per_rank)),
+        "dot_flops": dot_flops,
+        "bound": dot_flops + sum(c.flops() for c in calls),
+        "dots": [f"{d.caller or d.name}:{d.name}" for d in xd],
+        "calls": [f"{c.name}({c.role} {_linear(c, hidden)})" for c in calls],
+        "ragged": len([c for c in calls if c.target.startswith("jax_wgrad_ragged")]),
+    }
 
 
 # ------------------------------------------------------------------------ one row
-def measure(variant: str, experts: int, ep: int, tokens: int, hidden: int, ffn: int,
-            topk: int, swiglu: bool, skewed: bool, warmup: int, iters: int,
-            time_it: bool = True) -> dict:
+def measure(
+    variant: str,
+    experts: int,
+    ep: int,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    topk: int,
+    swiglu: bool,
+    skewed: bool,
+    warmup: int,
+    iters: int,
+    time_it: bool = True,
+) -> dict:
     """One (variant, E, EP, routing) row: expert GEMM FLOPs from the compiled step against
     the routed tokens', XLA's cost of the rest, and the step time."""
-    cfg = MoEConfig(num_experts=experts, ffn_hidden_size=ffn, topk=topk,
-                    capacity_factor=capacity_factor(variant, experts),
-                    load_balancing_type="aux_loss", aux_loss_coeff=1e-2, swiglu=swiglu)
+    cfg = MoEConfig(
+        num_experts=experts,
+        ffn_hidden_size=ffn,
+        topk=topk,
+        capacity_factor=capacity_factor(variant, experts),
+        load_balancing_type="aux_loss",
+        aux_loss_coeff=1e-2,
+        swiglu=swiglu,
+    )
     params, x, r = make_inputs(cfg, ep, tokens, hidden, skewed)
     step = build_step(cfg, ep)
     compiled = step.lower(params, x, r).compile()
     hlo = compiled.as_text()
-    counts = np.asarray(compiled(params, x, r)[3])          # [EP(src), E] tokens_per_expert
+    counts = np.asarray(compiled(params, x, r)[3])  # [EP(src), E] tokens_per_expert
     if not np.all(counts.sum(1) == tokens * topk):
-        raise AssertionError(f"a source rank routed {counts.sum(1)} choices, not T k = "
-                             f"{tokens * topk}")
-    rank_rows = counts.sum(0).reshape(ep, -1).sum(1)        # rows each expert rank receives
+        raise AssertionError(
+            f"a source rank routed {counts.sum(1)} choices, not T k = {tokens * topk}"
+        )
+    rank_rows = counts.sum(0).reshape(ep, -1).sum(1)  # rows each expert rank receives
     if cfg.capacity_factor is None:
-        sizes = dispatch_group_sizes(params, x, cfg, ep)    # [EP, E/EP] the ragged groups
+        sizes = dispatch_group_sizes(params, x, cfg, ep)  # [EP, E/EP] the ragged groups
         if not np.array_equal(sizes.sum(1), rank_rows):
-            raise AssertionError(f"group sizes {sizes.tolist()} disagree with the stats' "
-                                 f"rows per rank {rank_rows.tolist()}")
+            raise AssertionError(
+                f"group sizes {sizes.tolist()} disagree with the stats' "
+                f"rows per rank {rank_rows.tolist()}"
+            )
     got = expert_gemm_flops(hlo, cfg, ep, hidden, rank_rows)
     routed = routed_flops(tokens, topk, hidden, ffn, swiglu)
     total = xla_flops(compiled)
     row = {
-        "platform": jax.default_backend(), "variant": variant,
-        "routing": "skewed" if skewed else "random", "E": experts, "EP": ep, "T": tokens,
-        "H": hidden, "F": ffn, "k": topk, "swiglu": swiglu,
+        "platform": jax.default_backend(),
+        "variant": variant,
+        "routing": "skewed" if skewed else "random",
+        "E": experts,
+        "EP": ep,
+        "T": tokens,
+        "H": hidden,
+        "F": ffn,
+        "k": topk,
+        "swiglu": swiglu,
         "capacity": None if cfg.capacity_factor is None else cfg.capacity(tokens),
-        "expert_gflop": got["flops"] / 1e9, "routed_gflop": routed / 1e9,
-        "ratio": got["flops"] / routed, "max_rank": got["max_rank"] / routed,
+        "expert_gflop": got["flops"] / 1e9,
+        "routed_gflop": routed / 1e9,
+        "ratio": got["flops"] / routed,
+        "max_rank": got["max_rank"] / routed,
         "bound_ratio": got["bound"] / routed,
-        "xla_gflop": total / 1e9, "rest_gflop": (total - got["dot_flops"]) / 1e9,
+        "xla_gflop": total / 1e9,
+        "rest_gflop": (total - got["dot_flops"]) / 1e9,
         "top_share": float(counts.sum(0).max() / counts.sum()),
         "dropped": 0.0 if cfg.capacity_factor is None else _dropped(counts, cfg, tokens),
-        "ragged_calls": got["ragged"], "expert_dots": got["dots"],
+        "ragged_calls": got["ragged"],
+        "expert_dots": got["dots"],
         "expert_calls": got["calls"],
     }
     if time_it:
@@ -445,11 +538,24 @@ _timer = None
 
 
 # column, format; each column as wide as its name (at least 8)
-_COLUMNS = [("routing", "s"), ("E", "d"), ("EP", "d"), ("variant", "s"), ("capacity", "s"),
-            ("expert_gflop", ".3f"), ("routed_gflop", ".3f"), ("ratio", ".3f"),
-            ("max_rank", ".3f"), ("xla_gflop", ".3f"), ("rest_gflop", ".3f"),
-            ("top_share", ".3f"), ("dropped", ".3f"), ("ragged_calls", "d"), ("step_ms", ".1f"),
-            ("vs_dropless", ".2f")]
+_COLUMNS = [
+    ("routing", "s"),
+    ("E", "d"),
+    ("EP", "d"),
+    ("variant", "s"),
+    ("capacity", "s"),
+    ("expert_gflop", ".3f"),
+    ("routed_gflop", ".3f"),
+    ("ratio", ".3f"),
+    ("max_rank", ".3f"),
+    ("xla_gflop", ".3f"),
+    ("rest_gflop", ".3f"),
+    ("top_share", ".3f"),
+    ("dropped", ".3f"),
+    ("ragged_calls", "d"),
+    ("step_ms", ".1f"),
+    ("vs_dropless", ".2f"),
+]
 
 
 def _table_row(row: dict | None) -> str:
@@ -466,53 +572,86 @@ def _table_row(row: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
     parser.add_argument("--tokens", type=int, default=1024, help="T: tokens per rank")
     parser.add_argument("--hidden", type=int, default=256, help="H: hidden size")
     parser.add_argument("--ffn", type=int, default=512, help="F: expert ffn hidden size")
     parser.add_argument("--topk", type=int, default=2, help="k: experts per token")
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 16], help="E values")
-    parser.add_argument("--ep", type=int, nargs="+", default=[1, 4],
-                        help="expert-parallel sizes (of the 8 virtual CPU devices)")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="expert-parallel sizes (of the 8 virtual CPU devices)",
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--skewed-variants", nargs="*", default=["dropless", "capacity=E"],
-                        choices=VARIANTS, help="variants also run with skewed routing")
+    parser.add_argument(
+        "--skewed-variants",
+        nargs="*",
+        default=["dropless", "capacity=E"],
+        choices=VARIANTS,
+        help="variants also run with skewed routing",
+    )
     parser.add_argument("--swiglu", action="store_true", help="SwiGLU experts (F1 = 2F)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--no-time", action="store_true", help="FLOPs only (no step timing)")
     parser.add_argument("--json", action="store_true", help="one JSON line per row")
     args = parser.parse_args(argv)
-    if min(args.tokens, args.hidden, args.ffn, args.topk, args.iters, *args.experts,
-           *args.ep) < 1 or args.warmup < 0:
+    if (
+        min(args.tokens, args.hidden, args.ffn, args.topk, args.iters, *args.experts, *args.ep) < 1
+        or args.warmup < 0
+    ):
         parser.error("sizes and --iters must be >= 1, --warmup >= 0")
     for e in args.experts:
         for ep in args.ep:
             if ep > jax.device_count() or e % ep or args.topk > e:
-                parser.error(f"E={e}, EP={ep}: EP must divide E and be <= "
-                             f"{jax.device_count()} devices, and k <= E")
+                parser.error(
+                    f"E={e}, EP={ep}: EP must divide E and be <= "
+                    f"{jax.device_count()} devices, and k <= E"
+                )
     if not jax_wgrad.fusion_available():
-        sys.exit(f"fused handlers unavailable on {jax.default_backend()}: "
-                 f"{jax_wgrad.fusion_status()}")
+        sys.exit(
+            f"fused handlers unavailable on {jax.default_backend()}: {jax_wgrad.fusion_status()}"
+        )
     if not args.json:
-        print(f"# {jax.default_backend()}: T={args.tokens}/rank H={args.hidden} "
-              f"F={args.ffn} k={args.topk}{' SwiGLU' if args.swiglu else ''}; per rank "
-              "fwd+bwd; ratio = expert GEMM FLOPs / routed tokens'; step_ms median of "
-              f"{args.iters}")
+        print(
+            f"# {jax.default_backend()}: T={args.tokens}/rank H={args.hidden} "
+            f"F={args.ffn} k={args.topk}{' SwiGLU' if args.swiglu else ''}; per rank "
+            "fwd+bwd; ratio = expert GEMM FLOPs / routed tokens'; step_ms median of "
+            f"{args.iters}"
+        )
         print(_table_row(None))
     named = {}  # variant -> (E, EP, the expert GEMM instructions counted)
     for routing in ("random", "skewed"):
-        variants = args.variants if routing == "random" else \
-            [v for v in args.variants if v in args.skewed_variants]
+        variants = (
+            args.variants
+            if routing == "random"
+            else [v for v in args.variants if v in args.skewed_variants]
+        )
         for e in args.experts:
             for ep in args.ep:
                 base = None
                 for v in variants:
-                    row = measure(v, e, ep, args.tokens, args.hidden, args.ffn, args.topk,
-                                  args.swiglu, routing == "skewed", args.warmup, args.iters,
-                                  time_it=not args.no_time)
+                    row = measure(
+                        v,
+                        e,
+                        ep,
+                        args.tokens,
+                        args.hidden,
+                        args.ffn,
+                        args.topk,
+                        args.swiglu,
+                        routing == "skewed",
+                        args.warmup,
+                        args.iters,
+                        time_it=not args.no_time,
+                    )
                     if v == "dropless":
                         base = row.get("step_ms")
                     if base and "step_ms" in row:

@@ -28,21 +28,38 @@ import jax_wgrad
 jax_wgrad.use_virtual_cpu_devices(8)
 import numpy as np  # noqa: E402
 
-from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, ByteDataset, build_train_step,  # noqa: E402
-                       default_optimizer, init_train_state, make_mesh, shard_batch)
+from jax_wgrad import (
+    ByteDataset,
+    GPTConfig,
+    ParallelConfig,
+    TrainPlan,
+    build_train_step,
+    default_optimizer,
+    init_train_state,
+    make_mesh,
+    shard_batch,
+)
 
-
-SCHEDULE = {"pipeline_schedule": "1f1b", "recompute_granularity": None,
-            "recompute_method": None, "recompute_num_layers": None}
+SCHEDULE = {
+    "pipeline_schedule": "1f1b",
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
+}
 """Set from --pipeline-schedule and the --recompute-* flags."""
 
 
 def _setup(model, dp_tp_pp, mbs, m, fusion=False, sp=False):
     dp, tp, pp = dp_tp_pp
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         micro_batch_size=mbs, global_batch_size=mbs * dp * m,
-                         sequence_parallel=sp, gradient_accumulation_fusion=fusion,
-                         **SCHEDULE)
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        micro_batch_size=mbs,
+        global_batch_size=mbs * dp * m,
+        sequence_parallel=sp,
+        gradient_accumulation_fusion=fusion,
+        **SCHEDULE,
+    )
     mesh = make_mesh(par)
     opt = default_optimizer(1e-3)
     plan = TrainPlan.create(model, par, mesh, opt)
@@ -57,11 +74,16 @@ def memory(model, layout, ms, mbs, fusion):
     for m in ms:
         _, _, state, step, batch = _setup(model, layout, mbs, m, fusion)
         mem = step.lower(state, batch).compile().memory_analysis()
-        out[m] = {"temp_bytes": int(mem.temp_size_in_bytes),
-                  "argument_bytes": int(mem.argument_size_in_bytes),
-                  "output_bytes": int(mem.output_size_in_bytes)}
-        print(f"memory  M={m:3d}: temp {mem.temp_size_in_bytes / 2**20:8.2f} MiB, "
-              f"arguments {mem.argument_size_in_bytes / 2**20:8.2f} MiB", flush=True)
+        out[m] = {
+            "temp_bytes": int(mem.temp_size_in_bytes),
+            "argument_bytes": int(mem.argument_size_in_bytes),
+            "output_bytes": int(mem.output_size_in_bytes),
+        }
+        print(
+            f"memory  M={m:3d}: temp {mem.temp_size_in_bytes / 2**20:8.2f} MiB, "
+            f"arguments {mem.argument_size_in_bytes / 2**20:8.2f} MiB",
+            flush=True,
+        )
     return out
 
 
@@ -78,10 +100,16 @@ def compile_time(model, layout, ms, mbs, fusion, repeats=5):
             times[m].append(time.perf_counter() - t0)
     out = {}
     for m in ms:
-        out[m] = {"median_s": statistics.median(times[m]), "min_s": min(times[m]),
-                  "all_s": times[m]}
-        print(f"compile M={m:3d}: median {statistics.median(times[m]):.2f} s, "
-              f"min {min(times[m]):.2f} s of {[round(t, 2) for t in times[m]]}", flush=True)
+        out[m] = {
+            "median_s": statistics.median(times[m]),
+            "min_s": min(times[m]),
+            "all_s": times[m],
+        }
+        print(
+            f"compile M={m:3d}: median {statistics.median(times[m]):.2f} s, "
+            f"min {min(times[m]):.2f} s of {[round(t, 2) for t in times[m]]}",
+            flush=True,
+        )
     return out
 
 
@@ -93,8 +121,9 @@ def step_time(model, layouts, global_batch, mbs, fusion, sp, iters):
     for layout in layouts:
         m = global_batch // (mbs * layout[0])
         _, mesh, state, step, _ = _setup(model, layout, mbs, m, fusion, sp and layout[1] > 1)
-        compiled = step.lower(state, shard_batch(
-            mesh, data.batch(0, global_batch, model.seq_length, 0))).compile()
+        compiled = step.lower(
+            state, shard_batch(mesh, data.batch(0, global_batch, model.seq_length, 0))
+        ).compile()
         runs[layout] = {"M": m, "mesh": mesh, "state": state, "fn": compiled, "times": []}
     for i in range(iters + 2):
         for layout, r in runs.items():
@@ -108,11 +137,16 @@ def step_time(model, layouts, global_batch, mbs, fusion, sp, iters):
     for layout, r in runs.items():
         times = r["times"]
         out["x".join(map(str, layout))] = {
-            "M": r["M"], "median_step_s": statistics.median(times),
-            "min_step_s": min(times), "mean_step_s": statistics.fmean(times)}
-        print(f"step    (dp,tp,pp)={layout} M={r['M']}: median "
-              f"{statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms",
-              flush=True)
+            "M": r["M"],
+            "median_step_s": statistics.median(times),
+            "min_step_s": min(times),
+            "mean_step_s": statistics.fmean(times),
+        }
+        print(
+            f"step    (dp,tp,pp)={layout} M={r['M']}: median "
+            f"{statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms",
+            flush=True,
+        )
     return out
 
 
@@ -120,10 +154,15 @@ WHAT = ("memory", "compile", "step")
 
 
 def main(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("what", nargs="*", metavar="{memory,compile,step}",
-                   help="what to measure (absent: all three)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "what",
+        nargs="*",
+        metavar="{memory,compile,step}",
+        help="what to measure (absent: all three)",
+    )
     p.add_argument("--layout", default="2,1,4", help="(dp,tp,pp) for memory/compile")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=128)
@@ -135,32 +174,53 @@ def main(argv: list[str] | None = None):
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--pipeline-schedule", choices=("1f1b", "zb-h1"), default="1f1b")
-    p.add_argument("--recompute-granularity", choices=("none", "full", "selective"),
-                   default="none")
-    p.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="Megatron's, required with --recompute-granularity full")
-    p.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="Megatron's, required with --recompute-granularity full")
-    p.add_argument("--step-layouts", default="8,1,1;2,2,2",
-                   help="(dp,tp,pp) layouts for step, ';'-separated; the first is the baseline")
+    p.add_argument("--recompute-granularity", choices=("none", "full", "selective"), default="none")
+    p.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="Megatron's, required with --recompute-granularity full",
+    )
+    p.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="Megatron's, required with --recompute-granularity full",
+    )
+    p.add_argument(
+        "--step-layouts",
+        default="8,1,1;2,2,2",
+        help="(dp,tp,pp) layouts for step, ';'-separated; the first is the baseline",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     unknown = [w for w in args.what if w not in WHAT]
     if unknown:  # not choices=: argparse rejects an empty list for nargs="*" with choices
         p.error(f"argument what: invalid choice: {unknown[0]!r} (choose from {', '.join(WHAT)})")
     args.what = args.what or list(WHAT)
-    SCHEDULE.update(pipeline_schedule=args.pipeline_schedule,
-                    recompute_granularity=None if args.recompute_granularity == "none"
-                    else args.recompute_granularity,
-                    recompute_method=args.recompute_method,
-                    recompute_num_layers=args.recompute_num_layers)
-    model = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length)
+    SCHEDULE.update(
+        pipeline_schedule=args.pipeline_schedule,
+        recompute_granularity=None
+        if args.recompute_granularity == "none"
+        else args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+    )
+    model = GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+    )
     layout = tuple(int(x) for x in args.layout.split(","))
     fusion = args.gradient_accumulation_fusion
-    results = {"devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
-               "cpu_cores": os.cpu_count(), "model": vars(model) | {}, "layout": layout,
-               **SCHEDULE}
+    results = {
+        "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+        "cpu_cores": os.cpu_count(),
+        "model": vars(model) | {},
+        "layout": layout,
+        **SCHEDULE,
+    }
     if "memory" in args.what:
         results["memory"] = memory(model, layout, [4, 32], args.micro_batch_size, fusion)
         r = results["memory"]
@@ -171,13 +231,20 @@ def main(argv: list[str] | None = None):
         print(f"compile ratio M=32 / M=4: {r[32]['median_s'] / r[4]['median_s']:.3f}")
     if "step" in args.what:
         layouts = [tuple(int(x) for x in lay.split(",")) for lay in args.step_layouts.split(";")]
-        results["step"] = step_time(model, layouts, args.global_batch_size,
-                                    args.micro_batch_size, fusion, args.sequence_parallel,
-                                    args.iters)
+        results["step"] = step_time(
+            model,
+            layouts,
+            args.global_batch_size,
+            args.micro_batch_size,
+            fusion,
+            args.sequence_parallel,
+            args.iters,
+        )
         r = list(results["step"].items())
         for key, v in r[1:]:
-            print(f"step ratio {key} / {r[0][0]}: "
-                  f"{v['median_step_s'] / r[0][1]['median_step_s']:.3f}")
+            print(
+                f"step ratio {key} / {r[0][0]}: {v['median_step_s'] / r[0][1]['median_step_s']:.3f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

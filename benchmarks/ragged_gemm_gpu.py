@@ -58,10 +58,13 @@ def timed(fn, args, warmup: int, iters: int) -> float:
 def scan_of(op, steps):
     """A jitted scan applying op to each of `steps` stacked inputs; the carry keeps one
     element of each result, so that no call can be hoisted or removed."""
+
     def run(stacked, *rest):
         def body(c, xs):
             return c + op(xs, *rest)[0, 0].astype(jnp.float32), None
+
         return jax.lax.scan(body, jnp.float32(0), stacked)[0]
+
     return jax.jit(run)
 
 
@@ -76,33 +79,79 @@ def run_case(case, dtype, skew, steps, warmup, iters, device):
     sizes = jax.device_put(jnp.asarray(group_sizes(g, r, skew)), device)
 
     per_call = {}
-    per_call["fwd"] = timed(scan_of(lambda x, w, s: ops.ragged_matmul(
-        x, w, s, transpose_rhs=True), steps), (xs, w, sizes), warmup, iters) / steps
-    per_call["dgrad"] = timed(scan_of(lambda dy, w, s: ops.ragged_matmul(
-        dy, w, s, transpose_rhs=False), steps), (dys, w, sizes), warmup, iters) / steps
-    per_call["xla_ragged_dot"] = timed(scan_of(lambda x, w, s: jax.lax.ragged_dot(
-        x, w, s, preferred_element_type=jnp.float32).astype(x.dtype), steps),
-        (xs, w_kn, sizes), warmup, iters) / steps
+    per_call["fwd"] = (
+        timed(
+            scan_of(lambda x, w, s: ops.ragged_matmul(x, w, s, transpose_rhs=True), steps),
+            (xs, w, sizes),
+            warmup,
+            iters,
+        )
+        / steps
+    )
+    per_call["dgrad"] = (
+        timed(
+            scan_of(lambda dy, w, s: ops.ragged_matmul(dy, w, s, transpose_rhs=False), steps),
+            (dys, w, sizes),
+            warmup,
+            iters,
+        )
+        / steps
+    )
+    per_call["xla_ragged_dot"] = (
+        timed(
+            scan_of(
+                lambda x, w, s: jax.lax.ragged_dot(
+                    x, w, s, preferred_element_type=jnp.float32
+                ).astype(x.dtype),
+                steps,
+            ),
+            (xs, w_kn, sizes),
+            warmup,
+            iters,
+        )
+        / steps
+    )
     if skew == 0 and r % g == 0:
-        per_call["dense_fwd"] = timed(scan_of(lambda x, w: jnp.einsum(
-            "gck,gnk->gcn", x.reshape(g, r // g, k), w).reshape(r, n), steps),
-            (xs, w), warmup, iters) / steps
+        per_call["dense_fwd"] = (
+            timed(
+                scan_of(
+                    lambda x, w: jnp.einsum("gck,gnk->gcn", x.reshape(g, r // g, k), w).reshape(
+                        r, n
+                    ),
+                    steps,
+                ),
+                (xs, w),
+                warmup,
+                iters,
+            )
+            / steps
+        )
 
     def wgrad_scan(acc, xs, dys, s):
         def body(a, xy):
             return ops.ragged_wgrad_accumulate(xy[0], xy[1], s, a), None
+
         return jax.lax.scan(body, acc, (xs, dys))[0]
+
     wgrad = jax.jit(wgrad_scan, donate_argnums=0)
     acc = [jax.device_put(jnp.zeros((g, n, k), jnp.float32), device)]
 
     def wgrad_once(xs, dys, s):  # the donated accumulator is threaded from call to call
         acc[0] = wgrad(acc[0], xs, dys, s)
         return acc[0]
+
     per_call["wgrad"] = timed(wgrad_once, (xs, dys, sizes), warmup, iters) / steps
 
     flops = 2.0 * r * k * n
-    row = {"platform": device.platform, "dtype": jnp.dtype(dtype).name, "G": g, "R": r,
-           "K": k, "N": n, "skew": skew}
+    row = {
+        "platform": device.platform,
+        "dtype": jnp.dtype(dtype).name,
+        "G": g,
+        "R": r,
+        "K": k,
+        "N": n,
+        "skew": skew,
+    }
     for name, seconds in per_call.items():
         row[f"{name}_ms"] = round(seconds * 1e3, 4)
         row[f"{name}_tflops"] = round(flops / seconds / 1e12, 1)
@@ -112,8 +161,7 @@ def run_case(case, dtype, skew, steps, warmup, iters, device):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=None, help="GxRxKxN ...")
-    parser.add_argument("--dtype", default="bfloat16",
-                        choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--skew", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
@@ -132,8 +180,20 @@ def main(argv=None):
     except RuntimeError:
         sys.exit("ragged_gemm_gpu: needs a CUDA GPU visible to jax")
     for case in cases:
-        print(json.dumps(run_case(case, jnp.dtype(args.dtype), args.skew, args.steps,
-                                  args.warmup, args.iters, device)), flush=True)
+        print(
+            json.dumps(
+                run_case(
+                    case,
+                    jnp.dtype(args.dtype),
+                    args.skew,
+                    args.steps,
+                    args.warmup,
+                    args.iters,
+                    device,
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

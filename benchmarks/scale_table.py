@@ -40,12 +40,23 @@ GPUS_PER_HOST = 8
 """GPUs per host of every target topology (an H100/H200 node)."""
 
 COMMON_FLAGS: tuple[str, ...] = (
-    "--bf16", "--gradient-accumulation-fusion", "--use-distributed-optimizer",
-    "--sequence-parallel", "--micro-batch-size", "1")
+    "--bf16",
+    "--gradient-accumulation-fusion",
+    "--use-distributed-optimizer",
+    "--sequence-parallel",
+    "--micro-batch-size",
+    "1",
+)
 """Flags every layout gets: Megatron's usual production options."""
 
-FULL_RECOMPUTE: tuple[str, ...] = ("--recompute-granularity", "full", "--recompute-method",
-                                   "uniform", "--recompute-num-layers", "1")
+FULL_RECOMPUTE: tuple[str, ...] = (
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+)
 """Megatron's full activation recompute, one layer per checkpoint."""
 
 
@@ -65,15 +76,26 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.gpus > GPUS_PER_HOST and self.gpus % GPUS_PER_HOST:
-            raise ValueError(f"layout {self.name}: {self.gpus} GPUs are not whole hosts of "
-                             f"{GPUS_PER_HOST}")
+            raise ValueError(
+                f"layout {self.name}: {self.gpus} GPUs are not whole hosts of {GPUS_PER_HOST}"
+            )
 
     def argv(self, target: str) -> list[str]:
         """The example's arguments that compile this layout for ``target`` GPUs."""
         per_host = min(self.gpus, GPUS_PER_HOST)
-        return ["--compile-only", "--target", target, "--target-gpus", str(per_host),
-                "--target-hosts", str(self.gpus // per_host), "--model", self.model,
-                *COMMON_FLAGS, *self.flags]
+        return [
+            "--compile-only",
+            "--target",
+            target,
+            "--target-gpus",
+            str(per_host),
+            "--target-hosts",
+            str(self.gpus // per_host),
+            "--model",
+            self.model,
+            *COMMON_FLAGS,
+            *self.flags,
+        ]
 
 
 def _tp_pp(tp: int, pp: int = 1, ep: int = 1) -> tuple[str, ...]:
@@ -90,32 +112,66 @@ def _seq(seq: int, global_batch: int) -> tuple[str, ...]:
 
 
 LAYOUTS: tuple[Layout, ...] = (
-    Layout("llama3-8b-tp2pp2dp2-s4k", "llama3-8b", 8,
-           _tp_pp(2, 2) + _seq(4096, 16) + ("--overlap-grad-reduce",
-                                            "--defer-embedding-wgrad-compute"),
-           "TP2 PP2 DP2, seq 4096, no recompute, output-layer wgrad deferred"),
-    Layout("llama3-8b-tp2pp2dp2-s4k-full", "llama3-8b", 8,
-           _tp_pp(2, 2) + _seq(4096, 16) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
-           "TP2 PP2 DP2, seq 4096, full recompute"),
-    Layout("llama3-8b-tp2pp2dp2-s8k-full", "llama3-8b", 8,
-           _tp_pp(2, 2) + _seq(8192, 16) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
-           "TP2 PP2 DP2, seq 8192, full recompute"),
-    Layout("llama3-8b-tp4dp2-s8k", "llama3-8b", 8,
-           _tp_pp(4) + _seq(8192, 16) + ("--overlap-grad-reduce", "--recompute-granularity",
-                                         "selective"),
-           "TP4 DP2, seq 8192, selective recompute, grad reduce per bucket"),
-    Layout("llama3-8b-tp2dp4-s4k", "llama3-8b", 8,
-           _tp_pp(2) + _seq(4096, 16) + ("--overlap-grad-reduce",),
-           "TP2 DP4, seq 4096, no recompute, grad reduce per bucket"),
-    Layout("llama3-70b-tp8pp4dp2-s4k-full", "llama3-70b", 64,
-           _tp_pp(8, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
-           "TP8 PP4 DP2 on 8 hosts, seq 4096, full recompute"),
-    Layout("mixtral-8x7b-tp2pp2ep4-s4k-full", "mixtral-8x7b", 16,
-           _tp_pp(2, 2, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
-           "TP2 PP2 EP4 (DP4) on 2 hosts, seq 4096, dropless, full recompute"),
-    Layout("mixtral-8x7b-tp2pp4ep4-s4k-full", "mixtral-8x7b", 32,
-           _tp_pp(2, 4, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
-           "TP2 PP4 EP4 (DP4) on 4 hosts, seq 4096, dropless, full recompute"),
+    Layout(
+        "llama3-8b-tp2pp2dp2-s4k",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2)
+        + _seq(4096, 16)
+        + ("--overlap-grad-reduce", "--defer-embedding-wgrad-compute"),
+        "TP2 PP2 DP2, seq 4096, no recompute, output-layer wgrad deferred",
+    ),
+    Layout(
+        "llama3-8b-tp2pp2dp2-s4k-full",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2) + _seq(4096, 16) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+        "TP2 PP2 DP2, seq 4096, full recompute",
+    ),
+    Layout(
+        "llama3-8b-tp2pp2dp2-s8k-full",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2) + _seq(8192, 16) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+        "TP2 PP2 DP2, seq 8192, full recompute",
+    ),
+    Layout(
+        "llama3-8b-tp4dp2-s8k",
+        "llama3-8b",
+        8,
+        _tp_pp(4)
+        + _seq(8192, 16)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective"),
+        "TP4 DP2, seq 8192, selective recompute, grad reduce per bucket",
+    ),
+    Layout(
+        "llama3-8b-tp2dp4-s4k",
+        "llama3-8b",
+        8,
+        _tp_pp(2) + _seq(4096, 16) + ("--overlap-grad-reduce",),
+        "TP2 DP4, seq 4096, no recompute, grad reduce per bucket",
+    ),
+    Layout(
+        "llama3-70b-tp8pp4dp2-s4k-full",
+        "llama3-70b",
+        64,
+        _tp_pp(8, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+        "TP8 PP4 DP2 on 8 hosts, seq 4096, full recompute",
+    ),
+    Layout(
+        "mixtral-8x7b-tp2pp2ep4-s4k-full",
+        "mixtral-8x7b",
+        16,
+        _tp_pp(2, 2, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+        "TP2 PP2 EP4 (DP4) on 2 hosts, seq 4096, dropless, full recompute",
+    ),
+    Layout(
+        "mixtral-8x7b-tp2pp4ep4-s4k-full",
+        "mixtral-8x7b",
+        32,
+        _tp_pp(2, 4, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
+        "TP2 PP4 EP4 (DP4) on 4 hosts, seq 4096, dropless, full recompute",
+    ),
 )
 """The layouts of the table, by name."""
 
@@ -127,26 +183,40 @@ def command(layout: Layout, target: str, python: str = ".venv/bin/python") -> st
     return shlex.join([python, "examples/pretrain_gpt.py", *layout.argv(target)])
 
 
-def run_layout(layout: Layout, target: str = "h100", *, timeout: float = 1800.0,
-               python: str = sys.executable, env: dict[str, str] | None = None
-               ) -> dict[str, Any]:
+def run_layout(
+    layout: Layout,
+    target: str = "h100",
+    *,
+    timeout: float = 1800.0,
+    python: str = sys.executable,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Compiles ``layout`` in a subprocess of the example and returns its row: ``name``,
     ``about``, ``gpus``, ``command``, ``wall_s``, ``status`` (``"fits"``, ``"does not
     fit"``, ``"failed"`` or ``"timed out"``) and, when the compile finished, the report's
     figures (``--report-json``); otherwise ``error``, the last line the example printed
     to stderr (or stdout)."""
-    row: dict[str, Any] = {"name": layout.name, "about": layout.about, "gpus": layout.gpus,
-                           "target": target, "command": command(layout, target)}
+    row: dict[str, Any] = {
+        "name": layout.name,
+        "about": layout.about,
+        "gpus": layout.gpus,
+        "target": target,
+        "command": command(layout, target),
+    }
     with tempfile.TemporaryDirectory(prefix="scale_table_") as tmp:
         report = os.path.join(tmp, "report.json")
         argv = [python, str(EXAMPLE), *layout.argv(target), "--report-json", report]
         start = time.perf_counter()
         try:
-            proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=timeout, env=env)
+            proc = subprocess.run(
+                argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+            )
         except subprocess.TimeoutExpired:
-            row.update(status="timed out", wall_s=time.perf_counter() - start,
-                       error=f"no report after {timeout:.0f} s")
+            row.update(
+                status="timed out",
+                wall_s=time.perf_counter() - start,
+                error=f"no report after {timeout:.0f} s",
+            )
             return row
         row["wall_s"] = time.perf_counter() - start
         if os.path.exists(report):
@@ -155,8 +225,11 @@ def run_layout(layout: Layout, target: str = "h100", *, timeout: float = 1800.0,
             row.update(figures, status="fits" if figures["fits"] else "does not fit")
             return row
     lines = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
-    row.update(status="failed", returncode=proc.returncode,
-               error=lines[-1].strip() if lines else f"exit status {proc.returncode}")
+    row.update(
+        status="failed",
+        returncode=proc.returncode,
+        error=lines[-1].strip() if lines else f"exit status {proc.returncode}",
+    )
     return row
 
 
@@ -165,9 +238,17 @@ def run_layout(layout: Layout, target: str = "h100", *, timeout: float = 1800.0,
 _GiB = float(1 << 30)
 
 COLUMNS: tuple[str, ...] = (
-    "layout", "GPUs", "mesh (DP/EP, EP, TP, PP)", "peak / budget per GPU", "fits",
-    "bytes/param: params + grads + optimizer (Megatron)", "non-GEMM traffic / µbatch",
-    "launches / µbatch", "fused calls in place", "compile")
+    "layout",
+    "GPUs",
+    "mesh (DP/EP, EP, TP, PP)",
+    "peak / budget per GPU",
+    "fits",
+    "bytes/param: params + grads + optimizer (Megatron)",
+    "non-GEMM traffic / µbatch",
+    "launches / µbatch",
+    "fused calls in place",
+    "compile",
+)
 """The Markdown table's columns."""
 
 
@@ -176,28 +257,44 @@ def _cells(row: dict[str, Any]) -> list[str]:
     head = [f"`{row['name']}`", str(row["gpus"])]
     if row["status"] in ("failed", "timed out"):
         error = str(row.get("error", "")).replace("|", "\\|")
-        return head + ["—"] * 3 + [f"**{row['status']}**: {error}"] + [""] * (
-            len(COLUMNS) - 6)
+        return head + ["—"] * 3 + [f"**{row['status']}**: {error}"] + [""] * (len(COLUMNS) - 6)
     peak, budget = row["peak_bytes"] / _GiB, row["budget_bytes"] / _GiB
-    fits = (f"yes ({budget - peak:.1f} GiB spare)" if row["fits"]
-            else f"**no** (over by {peak - budget:.1f} GiB)")
+    fits = (
+        f"yes ({budget - peak:.1f} GiB spare)"
+        if row["fits"]
+        else f"**no** (over by {peak - budget:.1f} GiB)"
+    )
     got, megatron = row["bytes_per_param"], row["megatron_bytes_per_param"]
-    bpp = (f"{got['params']:.2f} + {got['grads']:.2f} + {got['optimizer']:.2f} = "
-           f"{got['total']:.1f} ({megatron['params']:.0f} + {megatron['grads']:.0f} + "
-           f"{megatron['optimizer']:.2f} = {megatron['total']:.1f})")
+    bpp = (
+        f"{got['params']:.2f} + {got['grads']:.2f} + {got['optimizer']:.2f} = "
+        f"{got['total']:.1f} ({megatron['params']:.0f} + {megatron['grads']:.0f} + "
+        f"{megatron['optimizer']:.2f} = {megatron['total']:.1f})"
+    )
     traffic = row.get("non_gemm_bytes_per_microbatch")
     bandwidth = row.get("memory_bandwidth_bytes_per_s") or 0
-    traffic_cell = "—" if traffic is None else (
-        f"{traffic / 1e9:.1f} GB" + (f" ({traffic / bandwidth * 1e3:.1f} ms)" if bandwidth
-                                     else ""))
+    traffic_cell = (
+        "—"
+        if traffic is None
+        else (
+            f"{traffic / 1e9:.1f} GB"
+            + (f" ({traffic / bandwidth * 1e3:.1f} ms)" if bandwidth else "")
+        )
+    )
     launches = row.get("launches_per_microbatch")
     copies = len(row.get("loop_bucket_ops", []))
-    in_place = (f"{row['fused_aliased']}/{row['fused_calls']}"
-                + ("" if not copies else f"; **{copies} bucket-sized ops per tick**"))
+    in_place = f"{row['fused_aliased']}/{row['fused_calls']}" + (
+        "" if not copies else f"; **{copies} bucket-sized ops per tick**"
+    )
     return head + [
-        ", ".join(map(str, row["mesh_shape"])), f"{peak:.1f} / {budget:.1f} GiB", fits, bpp,
-        traffic_cell, "—" if launches is None else f"{launches:.0f}", in_place,
-        f"{row['compile_s']:.0f} s"]
+        ", ".join(map(str, row["mesh_shape"])),
+        f"{peak:.1f} / {budget:.1f} GiB",
+        fits,
+        bpp,
+        traffic_cell,
+        "—" if launches is None else f"{launches:.0f}",
+        in_place,
+        f"{row['compile_s']:.0f} s",
+    ]
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -210,18 +307,24 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 def provenance(target: str) -> str:
     """One line: the target, the date, and the commit the table was made at (and whether
     the working tree had changes)."""
+
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=30).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
+
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") \
-        else ""
-    return (f"Compiled for {target.upper()} with `benchmarks/scale_table.py` on "
-            f"{time.strftime('%Y-%m-%d')} at commit {commit}{dirty}; common flags: "
-            f"`{' '.join(COMMON_FLAGS)}`.")
+    dirty = (
+        " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    )
+    return (
+        f"Compiled for {target.upper()} with `benchmarks/scale_table.py` on "
+        f"{time.strftime('%Y-%m-%d')} at commit {commit}{dirty}; common flags: "
+        f"`{' '.join(COMMON_FLAGS)}`."
+    )
 
 
 def legend() -> str:
@@ -240,7 +343,8 @@ def legend() -> str:
         "microbatch (a CUDA graph counts as one). Fused calls in place: the fused wgrad and "
         "bucket-add custom calls whose output aliases the bucket, of all of them. Compile: "
         "XLA's compile time on the machine that made the table (no GEMM autotuning without "
-        "a GPU).")
+        "a GPU)."
+    )
 
 
 def _write(path: str | None, text: str) -> None:
@@ -252,34 +356,52 @@ def _write(path: str | None, text: str) -> None:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--list", action="store_true", help="list the layouts and exit")
-    p.add_argument("--only", nargs="+", metavar="NAME", default=None,
-                   help="compile only these layouts (names from --list)")
-    p.add_argument("--target", choices=("h100", "h200"), default="h100",
-                   help="GPU to compile for")
-    p.add_argument("--timeout", type=float, default=1800.0,
-                   help="seconds one layout's compile may take before its row says so")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        default=None,
+        help="compile only these layouts (names from --list)",
+    )
+    p.add_argument("--target", choices=("h100", "h200"), default="h100", help="GPU to compile for")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds one layout's compile may take before its row says so",
+    )
     p.add_argument("--out", default=None, metavar="FILE", help="also write the table here")
-    p.add_argument("--jsonl", default=None, metavar="FILE",
-                   help="write each layout's row (the report's figures) as a JSON line here")
-    p.add_argument("--from-jsonl", default=None, metavar="FILE",
-                   help="compile nothing: the table of the rows a --jsonl run wrote")
+    p.add_argument(
+        "--jsonl",
+        default=None,
+        metavar="FILE",
+        help="write each layout's row (the report's figures) as a JSON line here",
+    )
+    p.add_argument(
+        "--from-jsonl",
+        default=None,
+        metavar="FILE",
+        help="compile nothing: the table of the rows a --jsonl run wrote",
+    )
     return p
 
 
-def main(argv: list[str] | None = None, *,
-         run: Callable[..., dict[str, Any]] = run_layout) -> list[dict[str, Any]]:
+def main(
+    argv: list[str] | None = None, *, run: Callable[..., dict[str, Any]] = run_layout
+) -> list[dict[str, Any]]:
     """The command line (see the module docstring); returns the rows."""
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.list:
         for layout in LAYOUTS:
-            print(f"{layout.name:34} {layout.gpus:3} GPUs  {layout.about}\n"
-                  f"{'':34} {command(layout, args.target)}")
+            print(
+                f"{layout.name:34} {layout.gpus:3} GPUs  {layout.about}\n"
+                f"{'':34} {command(layout, args.target)}"
+            )
         return []
     unknown = sorted(set(args.only or ()) - set(BY_NAME))
     if unknown:
-        parser.error(f"--only: unknown layout {', '.join(unknown)}; known: "
-                     f"{', '.join(BY_NAME)}")
+        parser.error(f"--only: unknown layout {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
     for flag, path in (("--out", args.out), ("--jsonl", args.jsonl)):
         if path:  # before any compile: the folder made, a file that cannot be is an error
             try:
@@ -302,12 +424,18 @@ def main(argv: list[str] | None = None, *,
         layouts = [layout for layout in LAYOUTS if not args.only or layout.name in args.only]
         rows = []
         for i, layout in enumerate(layouts, 1):
-            print(f"[{i}/{len(layouts)}] {layout.name}: {command(layout, args.target)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{i}/{len(layouts)}] {layout.name}: {command(layout, args.target)}",
+                file=sys.stderr,
+                flush=True,
+            )
             row = {**run(layout, args.target, timeout=args.timeout), "provenance": made}
-            print(f"    {row['status']} ({row['wall_s']:.0f} s)"
-                  + (f": {row['error']}" if "error" in row else ""), file=sys.stderr,
-                  flush=True)
+            print(
+                f"    {row['status']} ({row['wall_s']:.0f} s)"
+                + (f": {row['error']}" if "error" in row else ""),
+                file=sys.stderr,
+                flush=True,
+            )
             rows.append(row)
             if args.jsonl:  # written as it goes: a long run keeps what it has
                 _write(args.jsonl, "".join(json.dumps(r) + "\n" for r in rows))

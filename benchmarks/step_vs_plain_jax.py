@@ -43,8 +43,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_wgrad import (DDPConfig, GPTConfig, ParallelConfig, TrainPlan, build_train_step,
-                       default_optimizer, init_params, init_train_state, make_mesh, shard_batch)
+from jax_wgrad import (
+    DDPConfig,
+    GPTConfig,
+    ParallelConfig,
+    TrainPlan,
+    build_train_step,
+    default_optimizer,
+    init_params,
+    init_train_state,
+    make_mesh,
+    shard_batch,
+)
 from jax_wgrad.functional import causal_attention
 
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP = 1e-4, 0.9, 0.95, 1e-8, 0.01, 1.0
@@ -65,16 +75,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="bfloat16 compute (fp32 params)")
     p.add_argument("--attention-backend", choices=("auto", "xla", "cudnn"), default="auto")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved timing rounds (fused, unfused, plain; rotating order)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved timing rounds (fused, unfused, plain; rotating order)",
+    )
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="the device's peak for the MFU (default: datasheet or measured)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's peak for the MFU (default: datasheet or measured)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
-        p.error(f"--steps ({args.steps}), --rounds ({args.rounds}) and --warmup "
-                f"({args.warmup}) must be >= 1")
+        p.error(
+            f"--steps ({args.steps}), --rounds ({args.rounds}) and --warmup "
+            f"({args.warmup}) must be >= 1"
+        )
     return args
 
 
@@ -104,16 +124,20 @@ def plain_loss(params, tokens, cfg: GPTConfig, attention: str):
 
     def layer(x, p):
         qkv = _dense(_layer_norm(x, p["ln1"], eps), p["qkv"]).reshape(b, s, nh, 3, hd)
-        a = causal_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :],
-                             implementation=attention)
+        a = causal_attention(
+            qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], implementation=attention
+        )
         x = x + _dense(a, p["proj"])
         h = jax.nn.gelu(_dense(_layer_norm(x, p["ln2"], eps), p["fc1"]), approximate=False)
         return x + _dense(h, p["fc2"]), None
 
     x, _ = jax.lax.scan(layer, x, params["layers"])
     x = _layer_norm(x, params["head"]["final_norm"], eps)
-    w = params["head"]["output"]["weight"] if "output" in params["head"] \
+    w = (
+        params["head"]["output"]["weight"]
+        if "output" in params["head"]
         else emb["word"]["embedding"]
+    )
     logits = (x @ w.T.astype(dt)).astype(jnp.float32)
     lp = jax.nn.log_softmax(logits, -1)
     return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], -1))
@@ -123,11 +147,15 @@ def plain_optimizer(params) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW, decaying only weights and the word embedding
     (what jax_wgrad's default optimizer decays)."""
     decay = jax.tree_util.tree_map_with_path(
-        lambda path, _: jax.tree_util.keystr(path).endswith(("['weight']", "['word']['embedding']")),
-        params)
-    return optax.chain(optax.clip_by_global_norm(CLIP),
-                       optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                   mask=decay))
+        lambda path, _: jax.tree_util.keystr(path).endswith(
+            ("['weight']", "['word']['embedding']")
+        ),
+        params,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(CLIP),
+        optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WEIGHT_DECAY, mask=decay),
+    )
 
 
 def plain_step_fn(cfg: GPTConfig, num_micro: int, attention: str, tx):
@@ -167,8 +195,9 @@ class _Timed:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            self.state, loss = self.compiled(self.state,
-                                             self.batches[self.calls % len(self.batches)])
+            self.state, loss = self.compiled(
+                self.state, self.batches[self.calls % len(self.batches)]
+            )
             loss = float(loss if not isinstance(loss, dict) else loss["loss"])
             times.append((time.perf_counter() - t0) * 1e3)
             self.first_loss = loss if self.first_loss is None else self.first_loss
@@ -178,8 +207,9 @@ class _Timed:
         return times
 
 
-def _time_interleaved(variants: dict[str, _Timed], warmup: int, steps: int,
-                      rounds: int) -> dict[str, list[float]]:
+def _time_interleaved(
+    variants: dict[str, _Timed], warmup: int, steps: int, rounds: int
+) -> dict[str, list[float]]:
     """Warms every variant up, then ``rounds`` rounds of ``steps`` timed steps each, the
     variants' order rotated per round. Returns each variant's per-round medians (ms)."""
     for v in variants.values():
@@ -187,7 +217,7 @@ def _time_interleaved(variants: dict[str, _Timed], warmup: int, steps: int,
     names = list(variants)
     per_round = {n: [] for n in names}
     for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             per_round[n].append(statistics.median(variants[n].run(steps, record=True)))
     return per_round
 
@@ -207,8 +237,9 @@ def device_peak(device, dtype: str, override: float | None) -> tuple[float, str]
     if device.platform == "gpu":
         for name, (p16, p32) in GPU_PEAKS.items():
             if name in device.device_kind:
-                return (p16 if dtype == "bfloat16" else p32), \
-                    f"datasheet dense {'bf16' if dtype == 'bfloat16' else 'TF32'} of {name}"
+                return (
+                    p16 if dtype == "bfloat16" else p32
+                ), f"datasheet dense {'bf16' if dtype == 'bfloat16' else 'TF32'} of {name}"
     n = 2048
     a = jnp.ones((n, n), jnp.dtype(dtype))
     mm = jax.jit(lambda a: a @ a)
@@ -226,26 +257,44 @@ def _timed(fn, *args) -> float:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = jax.devices()[0]
-    cfg = GPTConfig(vocab_size=args.vocab_size, num_layers=args.num_layers,
-                    hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                    seq_length=args.seq_length, attention_backend=args.attention_backend,
-                    compute_dtype="bfloat16" if args.bf16 else "float32")
+    cfg = GPTConfig(
+        vocab_size=args.vocab_size,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        attention_backend=args.attention_backend,
+        compute_dtype="bfloat16" if args.bf16 else "float32",
+    )
     attention = cfg.attention_implementation(device.platform)
     rng = np.random.default_rng(args.seed)
-    batches = [rng.integers(0, cfg.vocab_size, (args.global_batch_size, cfg.seq_length + 1),
-                            dtype=np.int32) for _ in range(2)]
-    result = {"device": device.device_kind, "platform": device.platform,
-              "jax": jax.__version__, "num_layers": cfg.num_layers,
-              "hidden_size": cfg.hidden_size, "seq_length": cfg.seq_length,
-              "micro_batch_size": args.micro_batch_size,
-              "global_batch_size": args.global_batch_size, "dtype": cfg.compute_dtype,
-              "attention": attention}
+    batches = [
+        rng.integers(
+            0, cfg.vocab_size, (args.global_batch_size, cfg.seq_length + 1), dtype=np.int32
+        )
+        for _ in range(2)
+    ]
+    result = {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "seq_length": cfg.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size,
+        "dtype": cfg.compute_dtype,
+        "attention": attention,
+    }
 
     variants: dict[str, _Timed] = {}
     for name, fusion in (("fused", True), ("unfused", False)):
-        par = ParallelConfig(micro_batch_size=args.micro_batch_size,
-                             global_batch_size=args.global_batch_size, world_size=1,
-                             gradient_accumulation_fusion=fusion)
+        par = ParallelConfig(
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            world_size=1,
+            gradient_accumulation_fusion=fusion,
+        )
         mesh = make_mesh(par, devices=[device])
         tx = default_optimizer(LR, weight_decay=WEIGHT_DECAY, b1=B1, b2=B2, eps=EPS)
         ddp = DDPConfig(clip_grad=CLIP)
@@ -257,30 +306,41 @@ def main(argv=None) -> dict:
 
     params = jax.device_put(init_params(cfg, args.seed), device)
     tx = plain_optimizer(params)
-    variants["plain"] = _Timed(plain_step_fn(cfg, num_micro, attention, tx),
-                               (params, tx.init(params)),
-                               [jax.device_put(b, device) for b in batches])
+    variants["plain"] = _Timed(
+        plain_step_fn(cfg, num_micro, attention, tx),
+        (params, tx.init(params)),
+        [jax.device_put(b, device) for b in batches],
+    )
 
     per_round = _time_interleaved(variants, args.warmup, args.steps, args.rounds)
     for name, v in variants.items():
-        result.update({f"{name}_ms": round(statistics.median(v.times), 3),
-                       f"{name}_first_loss": v.first_loss,
-                       f"{name}_compile_s": round(v.compile_s, 2)})
+        result.update(
+            {
+                f"{name}_ms": round(statistics.median(v.times), 3),
+                f"{name}_first_loss": v.first_loss,
+                f"{name}_compile_s": round(v.compile_s, 2),
+            }
+        )
 
     def ratio(a: str, b: str) -> float:
         return round(statistics.median(x / y for x, y in zip(per_round[a], per_round[b])), 4)
 
     flops = model_flops_per_step(cfg, args.global_batch_size * cfg.seq_length)
     peak, source = device_peak(device, cfg.compute_dtype, args.peak_tflops)
-    result.update({
-        "steps": args.steps, "rounds": args.rounds,
-        "fused_over_plain": ratio("fused", "plain"),
-        "unfused_over_plain": ratio("unfused", "plain"),
-        "fused_over_unfused": ratio("fused", "unfused"),
-        "model_tflop_per_step": round(flops / 1e12, 4),
-        "mfu": round(flops / (result["fused_ms"] * 1e-3) / (peak * 1e12), 4),
-        "mfu_plain": round(flops / (result["plain_ms"] * 1e-3) / (peak * 1e12), 4),
-        "peak_tflops": round(peak, 2), "peak_source": source})
+    result.update(
+        {
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "fused_over_plain": ratio("fused", "plain"),
+            "unfused_over_plain": ratio("unfused", "plain"),
+            "fused_over_unfused": ratio("fused", "unfused"),
+            "model_tflop_per_step": round(flops / 1e12, 4),
+            "mfu": round(flops / (result["fused_ms"] * 1e-3) / (peak * 1e12), 4),
+            "mfu_plain": round(flops / (result["plain_ms"] * 1e-3) / (peak * 1e12), 4),
+            "peak_tflops": round(peak, 2),
+            "peak_source": source,
+        }
+    )
     print(json.dumps(result), flush=True)
     return result
 

@@ -21,25 +21,46 @@ import argparse
 import json
 import os
 
-MODEL = dict(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=256,
-             vocab_size=131072, untie_embeddings_and_output_weights=True)
+MODEL = dict(
+    num_layers=4,
+    hidden_size=1024,
+    num_attention_heads=8,
+    seq_length=256,
+    vocab_size=131072,
+    untie_embeddings_and_output_weights=True,
+)
 
 
 def measure(vocab_over_pipeline: bool, dist: bool) -> dict:
     import jax
     import numpy as np
 
-    from jax_wgrad import DDPConfig, GPTConfig, ParallelConfig, TrainPlan, default_optimizer
-    from jax_wgrad import make_mesh
-    from jax_wgrad.parallel.mesh import DATA_PARALLEL
+    from jax_wgrad import (
+        DDPConfig,
+        GPTConfig,
+        ParallelConfig,
+        TrainPlan,
+        default_optimizer,
+        make_mesh,
+    )
     from jax_wgrad.aot.compile import abstract_train_state
+    from jax_wgrad.parallel.mesh import DATA_PARALLEL
     from jax_wgrad.training.step import build_train_step
 
-    par = ParallelConfig(pipeline_model_parallel_size=4, micro_batch_size=1,
-                         global_batch_size=4, world_size=4,
-                         vocab_parallel_over_pipeline=vocab_over_pipeline)
-    plan = TrainPlan.create(GPTConfig(**MODEL), par, make_mesh(par), default_optimizer(1e-4),
-                            ddp=DDPConfig(use_distributed_optimizer=dist))
+    par = ParallelConfig(
+        pipeline_model_parallel_size=4,
+        micro_batch_size=1,
+        global_batch_size=4,
+        world_size=4,
+        vocab_parallel_over_pipeline=vocab_over_pipeline,
+    )
+    plan = TrainPlan.create(
+        GPTConfig(**MODEL),
+        par,
+        make_mesh(par),
+        default_optimizer(1e-4),
+        ddp=DDPConfig(use_distributed_optimizer=dist),
+    )
     state = abstract_train_state(plan)
 
     def per_device(tree, leading_device_axis=False) -> int:
@@ -51,19 +72,26 @@ def measure(vocab_over_pipeline: bool, dist: bool) -> dict:
 
     ends = {k: v for k, v in state.params.items() if k in ("embedding", "head")}
     step = build_train_step(plan, state)
-    tokens = jax.ShapeDtypeStruct((4, MODEL["seq_length"] + 1), np.int32,
-                                  sharding=jax.sharding.NamedSharding(
-                                      plan.mesh, jax.sharding.PartitionSpec(DATA_PARALLEL)))
+    tokens = jax.ShapeDtypeStruct(
+        (4, MODEL["seq_length"] + 1),
+        np.int32,
+        sharding=jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(DATA_PARALLEL)),
+    )
     mem = step.lower(state, tokens).compile().memory_analysis()
     grads = sum(n * 4 for n in plan.sink.layout.buffer.bucket_numels)
-    return {"vocab_parallel_over_pipeline": vocab_over_pipeline, "distributed_optimizer": dist,
-            "params_bytes": per_device(state.params),
-            "embedding_and_head_bytes": per_device(ends),
-            "optimizer_bytes": per_device(state.opt_state, leading_device_axis=True),
-            "grad_bucket_bytes": grads,
-            "compiled": {"argument_bytes": mem.argument_size_in_bytes,
-                         "output_bytes": mem.output_size_in_bytes,
-                         "temp_bytes": mem.temp_size_in_bytes}}
+    return {
+        "vocab_parallel_over_pipeline": vocab_over_pipeline,
+        "distributed_optimizer": dist,
+        "params_bytes": per_device(state.params),
+        "embedding_and_head_bytes": per_device(ends),
+        "optimizer_bytes": per_device(state.opt_state, leading_device_axis=True),
+        "grad_bucket_bytes": grads,
+        "compiled": {
+            "argument_bytes": mem.argument_size_in_bytes,
+            "output_bytes": mem.output_size_in_bytes,
+            "temp_bytes": mem.temp_size_in_bytes,
+        },
+    }
 
 
 def main() -> None:

@@ -40,11 +40,24 @@ import jax.numpy as jnp
 import jax_wgrad
 
 # (T, out, in), or (E, T, out, in) for the grouped expert op (T tokens per expert).
-CPU_CASES = [(4096, 1024, 1024), (8192, 4096, 1024), (2048, 4096, 4096),
-             (8, 512, 1024, 1024), (4, 1024, 2048, 512)]
-GPU_CASES = [(4096, 1024, 1024), (8192, 4096, 1024), (2048, 4096, 4096),
-             (16384, 8192, 8192), (32768, 4096, 4096), (8192, 12288, 4096),
-             (8, 2048, 4096, 1024), (8, 2048, 1024, 4096), (64, 512, 2048, 1024)]
+CPU_CASES = [
+    (4096, 1024, 1024),
+    (8192, 4096, 1024),
+    (2048, 4096, 4096),
+    (8, 512, 1024, 1024),
+    (4, 1024, 2048, 512),
+]
+GPU_CASES = [
+    (4096, 1024, 1024),
+    (8192, 4096, 1024),
+    (2048, 4096, 4096),
+    (16384, 8192, 8192),
+    (32768, 4096, 4096),
+    (8192, 12288, 4096),
+    (8, 2048, 4096, 1024),
+    (8, 2048, 1024, 4096),
+    (64, 512, 2048, 1024),
+]
 
 
 def blas_core() -> str:
@@ -54,8 +67,9 @@ def blas_core() -> str:
 
     import scipy_openblas32
 
-    lib = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(),
-                                   "lib" + scipy_openblas32.get_library() + ".so"))
+    lib = ctypes.CDLL(
+        os.path.join(scipy_openblas32.get_lib_dir(), "lib" + scipy_openblas32.get_library() + ".so")
+    )
     lib.scipy_openblas_get_corename.restype = ctypes.c_char_p
     return lib.scipy_openblas_get_corename().decode()
 
@@ -81,13 +95,24 @@ def tolerance(dtype: jnp.dtype, precision: str | None) -> float:
     result is off by about 2u relative; two such results differ by up to ~4u, and 8u
     covers the largest of many elements.
     """
-    tf32 = (jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "gpu"
-            and jax_wgrad.ops.matmul_precision(precision) < 2)
+    tf32 = (
+        jnp.dtype(dtype) == jnp.float32
+        and jax.default_backend() == "gpu"
+        and jax_wgrad.ops.matmul_precision(precision) < 2
+    )
     return 8 * 2.0**-11 if tf32 else 1e-4
 
 
-def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, iters: int,
-               precision: str | None = None, experts: int | None = None) -> dict:
+def bench_case(
+    T: int,
+    n_out: int,
+    n_in: int,
+    dtype: jnp.dtype,
+    warmup: int,
+    iters: int,
+    precision: str | None = None,
+    experts: int | None = None,
+) -> dict:
     """Times one case; ``experts``: the grouped op on ``[E, T, ...]`` inputs."""
     k1, k2 = jax.random.split(jax.random.key(0))
     lead = () if experts is None else (experts,)
@@ -96,11 +121,11 @@ def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, ite
     zeros = lambda: jnp.zeros(lead + (n_out, n_in), jnp.float32)
 
     def dw(x, dy):
-        return jnp.einsum("...to,...ti->...oi", dy, x, preferred_element_type=jnp.float32,
-                          precision=precision)
+        return jnp.einsum(
+            "...to,...ti->...oi", dy, x, preferred_element_type=jnp.float32, precision=precision
+        )
 
-    op = jax_wgrad.wgrad_accumulate if experts is None else \
-        jax_wgrad.ops.grouped_wgrad_accumulate
+    op = jax_wgrad.wgrad_accumulate if experts is None else jax_wgrad.ops.grouped_wgrad_accumulate
     fused = jax.jit(functools.partial(op, precision=precision), donate_argnums=2)
     xla = jax.jit(lambda x, dy, acc: acc + dw(x, dy), donate_argnums=2)
     gemm = jax.jit(dw)
@@ -115,7 +140,9 @@ def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, ite
         "dtype": jnp.dtype(dtype).name,
         "precision": precision or str(jax.config.jax_default_matmul_precision or "default"),
         **({} if experts is None else {"E": experts}),
-        "T": T, "out": n_out, "in": n_in,
+        "T": T,
+        "out": n_out,
+        "in": n_in,
         "fused_ms": _time(fused, acc_args, warmup, iters),
         "xla_ms": _time(xla, acc_args, warmup, iters),
         "unfused_ms": _time(unfused, acc_args, warmup, iters),
@@ -126,8 +153,10 @@ def bench_case(T: int, n_out: int, n_in: int, dtype: jnp.dtype, warmup: int, ite
     err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
     result["rel_diff"] = err
     if err > tolerance(dtype, precision):
-        raise AssertionError(f"fused and XLA results differ (relative {err:.2e} > "
-                             f"{tolerance(dtype, precision):.1e} at precision {precision})")
+        raise AssertionError(
+            f"fused and XLA results differ (relative {err:.2e} > "
+            f"{tolerance(dtype, precision):.1e} at precision {precision})"
+        )
     result["fused_over_xla"] = round(result["fused_ms"] / result["xla_ms"], 4)
     result["fused_over_gemm"] = round(result["fused_ms"] / result["gemm_ms"], 4)
     if result["platform"] == "cpu":
@@ -147,39 +176,69 @@ def _parse_case(text: str) -> tuple[int, ...]:
         case = ()
     if len(case) not in (3, 4) or min(case) < 1:
         raise argparse.ArgumentTypeError(
-            f"case '{text}' is not TxOUTxIN or ExTxOUTxIN (experts), e.g. 4096x1024x1024")
+            f"case '{text}' is not TxOUTxIN or ExTxOUTxIN (experts), e.g. 4096x1024x1024"
+        )
     return case
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", type=_parse_case, nargs="+",
-                        help="TxOUTxIN, or ExTxOUTxIN for E experts' grouped weights "
-                             "(default: the platform's case list)")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                        choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--precision", default=None,
-                        choices=["default", "tensorfloat32", "float32", "highest"],
-                        help="matmul precision of every path (default: jax's)")
+    parser.add_argument(
+        "--cases",
+        type=_parse_case,
+        nargs="+",
+        help="TxOUTxIN, or ExTxOUTxIN for E experts' grouped weights "
+        "(default: the platform's case list)",
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
+    )
+    parser.add_argument(
+        "--precision",
+        default=None,
+        choices=["default", "tensorfloat32", "float32", "highest"],
+        help="matmul precision of every path (default: jax's)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         parser.error(f"--iters ({args.iters}) must be >= 1 and --warmup ({args.warmup}) >= 0")
     if not jax_wgrad.fusion_available():
-        sys.exit(f"fused handler unavailable on {jax.default_backend()}: "
-                 f"{jax_wgrad.fusion_status()}")
+        sys.exit(
+            f"fused handler unavailable on {jax.default_backend()}: {jax_wgrad.fusion_status()}"
+        )
     cases = args.cases or (GPU_CASES if jax.default_backend() == "gpu" else CPU_CASES)
     start = time.perf_counter()
     for dtype in args.dtypes:
         for case in cases:
             experts = case[0] if len(case) == 4 else None
             T, n_out, n_in = case[-3:]
-            print(json.dumps(bench_case(T, n_out, n_in, jnp.dtype(dtype), args.warmup,
-                                        args.iters, args.precision, experts)), flush=True)
+            print(
+                json.dumps(
+                    bench_case(
+                        T,
+                        n_out,
+                        n_in,
+                        jnp.dtype(dtype),
+                        args.warmup,
+                        args.iters,
+                        args.precision,
+                        experts,
+                    )
+                ),
+                flush=True,
+            )
     # On stderr: stdout stays one JSON line per case.
-    print(f"run time: {time.perf_counter() - start:.1f} s ({len(cases) * len(args.dtypes)} "
-          f"cases on {jax.default_backend()})", file=sys.stderr, flush=True)
+    print(
+        f"run time: {time.perf_counter() - start:.1f} s ({len(cases) * len(args.dtypes)} "
+        f"cases on {jax.default_backend()})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -37,17 +37,21 @@ def plot(paths: list[str], out: str, title: str | None = None) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    panels = [("loss", "loss"), ("grad_norm", "gradient norm"),
-              ("tokens_per_s", "tokens / s")]
+    panels = [("loss", "loss"), ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens / s")]
     for path in paths:
         train, valid = read(path)
         label = Path(path).stem
         for ax, (key, _) in zip(axes, panels):
             steps = [r["step"] for r in train if key in r]
-            line, = ax.plot(steps, [r[key] for r in train if key in r], label=label, alpha=0.8)
+            (line,) = ax.plot(steps, [r[key] for r in train if key in r], label=label, alpha=0.8)
             if key == "loss" and valid:
-                ax.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o",
-                        color=line.get_color(), label=f"{label} (validation)")
+                ax.plot(
+                    [r["step"] for r in valid],
+                    [r["valid_loss"] for r in valid],
+                    "o",
+                    color=line.get_color(),
+                    label=f"{label} (validation)",
+                )
     for ax, (_, name) in zip(axes, panels):
         ax.set_xlabel("step")
         ax.set_ylabel(name)

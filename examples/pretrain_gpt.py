@@ -24,12 +24,14 @@ import os
 import re
 import sys
 
-FIELD_DESTS = {"num_moe_experts": "num_experts", "bucket_size": "ddp_bucket_size",
-               "average_in_collective": "ddp_average_in_collective",
-               "load_optim": "no_load_optim",
-               "layernorm_epsilon": "norm_epsilon",
-               "microbatch_group_size_per_vp_stage":
-                   "microbatch_group_size_per_virtual_pipeline_stage"}
+FIELD_DESTS = {
+    "num_moe_experts": "num_experts",
+    "bucket_size": "ddp_bucket_size",
+    "average_in_collective": "ddp_average_in_collective",
+    "load_optim": "no_load_optim",
+    "layernorm_epsilon": "norm_epsilon",
+    "microbatch_group_size_per_vp_stage": "microbatch_group_size_per_virtual_pipeline_stage",
+}
 """Config fields whose flag has another name (the rest are spelled like their flag)."""
 
 
@@ -39,9 +41,13 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if (action.option_strings and "%(default)" not in text
-                and action.default is not None and action.default is not False
-                and action.default is not argparse.SUPPRESS):
+        if (
+            action.option_strings
+            and "%(default)" not in text
+            and action.default is not None
+            and action.default is not False
+            and action.default is not argparse.SUPPRESS
+        ):
             text += " (default: %(default)s)"
         return text
 
@@ -60,6 +66,7 @@ def finite_float(text: str) -> float:
 def int_at_least(minimum: int, below: int | None = None):
     """argparse type: an integer >= ``minimum`` (and < ``below`` when given); the error
     names the flag."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -70,18 +77,22 @@ def int_at_least(minimum: int, below: int | None = None):
         if below is not None and value >= below:
             raise argparse.ArgumentTypeError(f"must be < {below}, got {value}")
         return value
+
     return parse
 
 
 def float_above(minimum: float, inclusive: bool):
     """argparse type: a finite float >= ``minimum`` (``inclusive``) or > ``minimum``; the
     error names the flag and repeats the value as typed."""
+
     def parse(text: str) -> float:
         value = finite_float(text)
         if value < minimum or (value == minimum and not inclusive):
             raise argparse.ArgumentTypeError(
-                f"must be {'>=' if inclusive else '>'} {minimum:g}, got {text}")
+                f"must be {'>=' if inclusive else '>'} {minimum:g}, got {text}"
+            )
         return value
+
     return parse
 
 
@@ -109,267 +120,556 @@ instead."""
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EPILOG,
-                                allow_abbrev=False,  # as Megatron: --hidden is no flag
-                                usage="%(prog)s [flags] (all flags: --help)",
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=EPILOG,
+        allow_abbrev=False,  # as Megatron: --hidden is no flag
+        usage="%(prog)s [flags] (all flags: --help)",
+        formatter_class=HelpFormatter,
+    )
     g = p.add_argument_group("launch")
-    g.add_argument("--num-cpu-devices", type=positive_int, default=8,
-                   help="virtual CPU devices of this process when running on CPU")
-    g.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() (multi-process launch)")
-    g.add_argument("--coordinator-address", default=None,
-                   help="host:port of process 0 (with --distributed; or JAX_COORDINATOR_ADDRESS)")
-    g.add_argument("--num-processes", type=positive_int, default=None,
-                   help="processes of a --distributed launch (absent: from the cluster's "
-                        "environment)")
-    g.add_argument("--process-id", type=nonnegative_int, default=None,
-                   help="this process's rank in a --distributed launch (absent: from the "
-                        "cluster's environment)")
-    g.add_argument("--verbose-collectives", action="store_true",
-                   help="keep the CPU collectives' (gloo) connection messages on stdout "
-                        "(absent: filtered out)")
+    g.add_argument(
+        "--num-cpu-devices",
+        type=positive_int,
+        default=8,
+        help="virtual CPU devices of this process when running on CPU",
+    )
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (multi-process launch)",
+    )
+    g.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="host:port of process 0 (with --distributed; or JAX_COORDINATOR_ADDRESS)",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=positive_int,
+        default=None,
+        help="processes of a --distributed launch (absent: from the cluster's environment)",
+    )
+    g.add_argument(
+        "--process-id",
+        type=nonnegative_int,
+        default=None,
+        help="this process's rank in a --distributed launch (absent: from the "
+        "cluster's environment)",
+    )
+    g.add_argument(
+        "--verbose-collectives",
+        action="store_true",
+        help="keep the CPU collectives' (gloo) connection messages on stdout "
+        "(absent: filtered out)",
+    )
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
-                   help="devices each layer's weights are split over (Megatron TP)")
-    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1,
-                   help="pipeline stages (Megatron PP); data-parallel size = devices / (TP x PP)")
-    g.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
-                   help="devices each MoE layer's experts are split over, carved out of the "
-                        "data-parallel ranks (Megatron EP)")
-    g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=None,
-                   help="tensor ranks each expert's weights are split over: 1 or "
-                        "--tensor-model-parallel-size (absent: the latter, Megatron's default)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="shard layer norms and dropout over the sequence on the tensor-parallel "
-                        "ranks (needs TP > 1 to matter)")
-    g.add_argument("--gradient-accumulation-fusion", action="store_true",
-                   help="accumulate weight gradients in fp32 main grads with the fused op")
-    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
-                   help="defer the output layer's weight-gradient GEMMs of the last stage "
-                        "to after the pipeline schedule (needs pipeline parallelism and "
-                        "--gradient-accumulation-fusion)")
-    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
-                   help="microbatches whose output-layer wgrad is deferred (0: all)")
-    g.add_argument("--pipeline-schedule", choices=("1f1b", "zb-h1"), default="1f1b",
-                   help="1f1b (Megatron's) or zb-h1 (zero bubble: weight-gradient GEMMs fill "
-                        "the bubbles; needs --gradient-accumulation-fusion)")
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
-                   metavar="V", help="model chunks per pipeline stage: Megatron's interleaved "
-                   "1F1B (with --pipeline-schedule zb-h1: the same order, split backwards)")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   metavar="N", help="the same as V = num_layers / pp / N")
-    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int,
-                   default=None, metavar="G", help="microbatches each virtual stage runs back "
-                   "to back (default: pp, and the microbatch count must be a multiple of it)")
-    g.add_argument("--vocab-parallel-over-pipeline", action="store_true",
-                   help="split the word embedding and the output layer over all pipeline "
-                        "stages (and tensor ranks) instead of keeping a copy on every stage; "
-                        "their lookup, GEMMs and cross entropy run on every stage")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="recompute activations in the backward, per transformer layer: "
-                        "selective (the attention core) or full (whole layers, as "
-                        "--recompute-method says); absent: none (attention kept too)")
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="with --recompute-granularity full (required there, as in "
-                        "Megatron): uniform checkpoints every group of "
-                        "--recompute-num-layers layers; block the first "
-                        "--recompute-num-layers layers of each stage (model chunk)")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="layers per recomputed group (uniform) or recomputed layers per "
-                        "stage (block); required with --recompute-granularity full")
-    g.add_argument("--defer-mode", choices=("stash", "recompute"), default="stash",
-                   help="stash (x, dy) per deferred microbatch, or (x, logsumexp, labels) "
-                        "and recompute dy in the drain")
+    g.add_argument(
+        "--tensor-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help="devices each layer's weights are split over (Megatron TP)",
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help="pipeline stages (Megatron PP); data-parallel size = devices / (TP x PP)",
+    )
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help="devices each MoE layer's experts are split over, carved out of the "
+        "data-parallel ranks (Megatron EP)",
+    )
+    g.add_argument(
+        "--expert-tensor-parallel-size",
+        type=positive_int,
+        default=None,
+        help="tensor ranks each expert's weights are split over: 1 or "
+        "--tensor-model-parallel-size (absent: the latter, Megatron's default)",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="shard layer norms and dropout over the sequence on the tensor-parallel "
+        "ranks (needs TP > 1 to matter)",
+    )
+    g.add_argument(
+        "--gradient-accumulation-fusion",
+        action="store_true",
+        help="accumulate weight gradients in fp32 main grads with the fused op",
+    )
+    g.add_argument(
+        "--defer-embedding-wgrad-compute",
+        action="store_true",
+        help="defer the output layer's weight-gradient GEMMs of the last stage "
+        "to after the pipeline schedule (needs pipeline parallelism and "
+        "--gradient-accumulation-fusion)",
+    )
+    g.add_argument(
+        "--wgrad-deferral-limit",
+        type=int,
+        default=0,
+        help="microbatches whose output-layer wgrad is deferred (0: all)",
+    )
+    g.add_argument(
+        "--pipeline-schedule",
+        choices=("1f1b", "zb-h1"),
+        default="1f1b",
+        help="1f1b (Megatron's) or zb-h1 (zero bubble: weight-gradient GEMMs fill "
+        "the bubbles; needs --gradient-accumulation-fusion)",
+    )
+    g.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        metavar="V",
+        help="model chunks per pipeline stage: Megatron's interleaved "
+        "1F1B (with --pipeline-schedule zb-h1: the same order, split backwards)",
+    )
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the same as V = num_layers / pp / N",
+    )
+    g.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        metavar="G",
+        help="microbatches each virtual stage runs back "
+        "to back (default: pp, and the microbatch count must be a multiple of it)",
+    )
+    g.add_argument(
+        "--vocab-parallel-over-pipeline",
+        action="store_true",
+        help="split the word embedding and the output layer over all pipeline "
+        "stages (and tensor ranks) instead of keeping a copy on every stage; "
+        "their lookup, GEMMs and cross entropy run on every stage",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="recompute activations in the backward, per transformer layer: "
+        "selective (the attention core) or full (whole layers, as "
+        "--recompute-method says); absent: none (attention kept too)",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="with --recompute-granularity full (required there, as in "
+        "Megatron): uniform checkpoints every group of "
+        "--recompute-num-layers layers; block the first "
+        "--recompute-num-layers layers of each stage (model chunk)",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="layers per recomputed group (uniform) or recomputed layers per "
+        "stage (block); required with --recompute-granularity full",
+    )
+    g.add_argument(
+        "--defer-mode",
+        choices=("stash", "recompute"),
+        default="stash",
+        help="stash (x, dy) per deferred microbatch, or (x, logsumexp, labels) "
+        "and recompute dy in the drain",
+    )
     g = p.add_argument_group("gradient buffers and data-parallel sync")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard fp32 master weights and optimizer state over data ranks "
-                        "(reduce-scatter gradient buckets, all-gather parameters)")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="sync each stage's gradient buckets in the pipeline cooldown")
-    g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="elements per gradient bucket (only with --overlap-grad-reduce; "
-                        "absent: max(40M, 1M x dp), Megatron's rule)")
-    g.add_argument("--ddp-average-in-collective", action="store_true",
-                   help="average gradients in the collective instead of pre-scaling by 1/dp")
-    g.add_argument("--pad-buckets-for-high-nccl-busbw", action="store_true",
-                   help="pad buckets to a multiple of lcm(dp, 128, 2^16) (distributed optimizer)")
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard fp32 master weights and optimizer state over data ranks "
+        "(reduce-scatter gradient buckets, all-gather parameters)",
+    )
+    g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="sync each stage's gradient buckets in the pipeline cooldown",
+    )
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="elements per gradient bucket (only with --overlap-grad-reduce; "
+        "absent: max(40M, 1M x dp), Megatron's rule)",
+    )
+    g.add_argument(
+        "--ddp-average-in-collective",
+        action="store_true",
+        help="average gradients in the collective instead of pre-scaling by 1/dp",
+    )
+    g.add_argument(
+        "--pad-buckets-for-high-nccl-busbw",
+        action="store_true",
+        help="pad buckets to a multiple of lcm(dp, 128, 2^16) (distributed optimizer)",
+    )
     from jax_wgrad.models.gpt.presets import PRESETS
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(PRESETS), default=None,
-                   help="a preset shape (its architecture and sizes); the flags below "
-                        "override it")
+    g.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a preset shape (its architecture and sizes); the flags below override it",
+    )
     g.add_argument("--num-layers", type=int, default=2, help="transformer layers")
     g.add_argument("--hidden-size", type=int, default=128, help="model width")
     g.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="MLP width (absent: 4 x --hidden-size)")
+    g.add_argument(
+        "--ffn-hidden-size", type=int, default=None, help="MLP width (absent: 4 x --hidden-size)"
+    )
     g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="a separate output layer instead of the word embeddings' transpose")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"),
-                   default=model_default("normalization"), help="the norm layers' kind")
-    g.add_argument("--norm-epsilon", type=finite_float,
-                   default=model_default("layernorm_epsilon"), help="the norms' epsilon")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
-                   default=model_default("position_embedding_type"),
-                   help="learned positions or rotary embeddings")
-    g.add_argument("--rotary-base", type=finite_float, default=model_default("rotary_base"),
-                   help="RoPE's base (theta)")
-    g.add_argument("--rotary-percent", type=finite_float,
-                   default=model_default("rotary_percent"),
-                   help="the share of each head's dims RoPE rotates")
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="a separate output layer instead of the word embeddings' transpose",
+    )
+    g.add_argument(
+        "--normalization",
+        choices=("LayerNorm", "RMSNorm"),
+        default=model_default("normalization"),
+        help="the norm layers' kind",
+    )
+    g.add_argument(
+        "--norm-epsilon",
+        type=finite_float,
+        default=model_default("layernorm_epsilon"),
+        help="the norms' epsilon",
+    )
+    g.add_argument(
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope"),
+        default=model_default("position_embedding_type"),
+        help="learned positions or rotary embeddings",
+    )
+    g.add_argument(
+        "--rotary-base",
+        type=finite_float,
+        default=model_default("rotary_base"),
+        help="RoPE's base (theta)",
+    )
+    g.add_argument(
+        "--rotary-percent",
+        type=finite_float,
+        default=model_default("rotary_percent"),
+        help="the share of each head's dims RoPE rotates",
+    )
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLPs instead of GELU")
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention (with --num-query-groups)")
-    g.add_argument("--num-query-groups", type=int, default=None,
-                   help="key/value heads with --group-query-attention")
-    g.add_argument("--disable-bias-linear", action="store_true",
-                   help="no biases in the linear layers")
-    g.add_argument("--add-qkv-bias", action="store_true",
-                   help="a qkv bias even with --disable-bias-linear (Qwen2)")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="normalize each query and key head")
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="dims per attention head (absent: hidden size / heads)")
-    g.add_argument("--init-method-std", type=finite_float,
-                   default=model_default("init_method_std"),
-                   help="standard deviation of the weights' normal init")
-    g.add_argument("--layer-scan-unroll", type=int, default=model_default("layer_scan_unroll"),
-                   help="layers per iteration of a stage's loop over its layers: 1 keeps "
-                        "compile time flat in the depth; the layers per stage unroll it "
-                        "(fewer GPU kernel launches, compile time grows with depth)")
+    g.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="grouped-query attention (with --num-query-groups)",
+    )
+    g.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="key/value heads with --group-query-attention",
+    )
+    g.add_argument(
+        "--disable-bias-linear", action="store_true", help="no biases in the linear layers"
+    )
+    g.add_argument(
+        "--add-qkv-bias",
+        action="store_true",
+        help="a qkv bias even with --disable-bias-linear (Qwen2)",
+    )
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize each query and key head")
+    g.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="dims per attention head (absent: hidden size / heads)",
+    )
+    g.add_argument(
+        "--init-method-std",
+        type=finite_float,
+        default=model_default("init_method_std"),
+        help="standard deviation of the weights' normal init",
+    )
+    g.add_argument(
+        "--layer-scan-unroll",
+        type=int,
+        default=model_default("layer_scan_unroll"),
+        help="layers per iteration of a stage's loop over its layers: 1 keeps "
+        "compile time flat in the depth; the layers per stage unroll it "
+        "(fewer GPU kernel launches, compile time grows with depth)",
+    )
     g = p.add_argument_group("precision")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--fp32", action="store_true", help="fp32 compute (the default)")
-    prec.add_argument("--bf16", action="store_true",
-                      help="Megatron's --bf16: bf16 parameters, activations and GEMMs; fp32 "
-                           "gradient buckets and fp32 main parameters in the optimizer (only "
-                           "this rank's shard of them with --use-distributed-optimizer)")
+    prec.add_argument(
+        "--bf16",
+        action="store_true",
+        help="Megatron's --bf16: bf16 parameters, activations and GEMMs; fp32 "
+        "gradient buckets and fp32 main parameters in the optimizer (only "
+        "this rank's shard of them with --use-distributed-optimizer)",
+    )
     g = p.add_argument_group("mixture of experts (Megatron's flags)")
-    g.add_argument("--num-experts", type=int, default=None,
-                   help="experts per MoE layer (absent: a dense model)")
-    g.add_argument("--moe-router-topk", type=int, default=model_default("moe_router_topk"), help="experts each token is routed to")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
-                   help="each expert's MLP width (absent: --ffn-hidden-size)")
-    g.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "none"),
-                   default=model_default("moe_router_load_balancing_type"),
-                   help="the router's load-balancing loss")
-    g.add_argument("--moe-aux-loss-coeff", type=finite_float,
-                   default=model_default("moe_aux_loss_coeff"),
-                   help="weight of the load-balancing loss")
-    g.add_argument("--moe-token-dispatcher-type",
-                   default=model_default("moe_token_dispatcher_type"),
-                   help="only alltoall is implemented")
-    g.add_argument("--moe-expert-capacity-factor", type=finite_float, default=None,
-                   help="drop tokens over ceil(T k f / E) per expert (absent: dropless, the "
-                        "expert GEMMs over the routed tokens only)")
-    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
-                   help="pad each expert's input to its capacity (required with a capacity "
-                        "factor: static shapes)")
-    g.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="expert weight gradients by one grouped fused wgrad call per expert "
-                        "linear (with --gradient-accumulation-fusion)")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=positive_int, default=None,
-                   help="width of the shared experts' MLP beside the routed experts on every "
-                        "MoE layer (absent: no shared experts)")
-    g.add_argument("--moe-shared-expert-overlap", action="store_true",
-                   help="let the shared experts run while the dispatcher's all-to-alls are in "
-                        "flight (absent: after the routed experts)")
-    g.add_argument("--moe-layer-freq", type=int, default=model_default("moe_layer_freq"),
-                   help="every N-th layer is an MoE layer (layers 0, N, 2N, ...)")
-    g.add_argument("--overlap-dispatch-backward-with-experts-wgrad", action="store_true",
-                   help="expert wgrad after the expert dgrad, independent of the dispatch "
-                        "all-to-all's backward (needs --moe-grouped-gemm; bitwise equal)")
+    g.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="experts per MoE layer (absent: a dense model)",
+    )
+    g.add_argument(
+        "--moe-router-topk",
+        type=int,
+        default=model_default("moe_router_topk"),
+        help="experts each token is routed to",
+    )
+    g.add_argument(
+        "--moe-ffn-hidden-size",
+        type=int,
+        default=None,
+        help="each expert's MLP width (absent: --ffn-hidden-size)",
+    )
+    g.add_argument(
+        "--moe-router-load-balancing-type",
+        choices=("aux_loss", "none"),
+        default=model_default("moe_router_load_balancing_type"),
+        help="the router's load-balancing loss",
+    )
+    g.add_argument(
+        "--moe-aux-loss-coeff",
+        type=finite_float,
+        default=model_default("moe_aux_loss_coeff"),
+        help="weight of the load-balancing loss",
+    )
+    g.add_argument(
+        "--moe-token-dispatcher-type",
+        default=model_default("moe_token_dispatcher_type"),
+        help="only alltoall is implemented",
+    )
+    g.add_argument(
+        "--moe-expert-capacity-factor",
+        type=finite_float,
+        default=None,
+        help="drop tokens over ceil(T k f / E) per expert (absent: dropless, the "
+        "expert GEMMs over the routed tokens only)",
+    )
+    g.add_argument(
+        "--moe-pad-expert-input-to-capacity",
+        action="store_true",
+        help="pad each expert's input to its capacity (required with a capacity "
+        "factor: static shapes)",
+    )
+    g.add_argument(
+        "--moe-grouped-gemm",
+        action="store_true",
+        help="expert weight gradients by one grouped fused wgrad call per expert "
+        "linear (with --gradient-accumulation-fusion)",
+    )
+    g.add_argument(
+        "--moe-shared-expert-intermediate-size",
+        type=positive_int,
+        default=None,
+        help="width of the shared experts' MLP beside the routed experts on every "
+        "MoE layer (absent: no shared experts)",
+    )
+    g.add_argument(
+        "--moe-shared-expert-overlap",
+        action="store_true",
+        help="let the shared experts run while the dispatcher's all-to-alls are in "
+        "flight (absent: after the routed experts)",
+    )
+    g.add_argument(
+        "--moe-layer-freq",
+        type=int,
+        default=model_default("moe_layer_freq"),
+        help="every N-th layer is an MoE layer (layers 0, N, 2N, ...)",
+    )
+    g.add_argument(
+        "--overlap-dispatch-backward-with-experts-wgrad",
+        action="store_true",
+        help="expert wgrad after the expert dgrad, independent of the dispatch "
+        "all-to-all's backward (needs --moe-grouped-gemm; bitwise equal)",
+    )
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=4,
-                   help="samples per microbatch and data-parallel rank")
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=4,
+        help="samples per microbatch and data-parallel rank",
+    )
     g.add_argument("--global-batch-size", type=int, default=32, help="samples per step")
-    g.add_argument("--train-iters", type=int, default=40,
-                   help="steps to train to (counted from step 0, also when resuming)")
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=40,
+        help="steps to train to (counted from step 0, also when resuming)",
+    )
     g.add_argument("--lr", type=nonnegative_float, default=2e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=nonnegative_float, default=None,
-                   help="cosine-decay floor (absent: constant lr after warm-up)")
-    g.add_argument("--lr-warmup-iters", type=nonnegative_int, default=0,
-                   help="steps of linear warm-up from 0 to --lr")
-    g.add_argument("--weight-decay", type=nonnegative_float, default=0.01,
-                   help="AdamW weight decay")
-    g.add_argument("--clip-grad", type=finite_float, default=1.0,
-                   help="clip the global gradient norm to this value (0: no clipping)")
-    g.add_argument("--seed", type=int_at_least(0, below=2**32), default=1234,
-                   help="initial parameters and batches (the same for every layout)")
+    g.add_argument(
+        "--min-lr",
+        type=nonnegative_float,
+        default=None,
+        help="cosine-decay floor (absent: constant lr after warm-up)",
+    )
+    g.add_argument(
+        "--lr-warmup-iters",
+        type=nonnegative_int,
+        default=0,
+        help="steps of linear warm-up from 0 to --lr",
+    )
+    g.add_argument(
+        "--weight-decay", type=nonnegative_float, default=0.01, help="AdamW weight decay"
+    )
+    g.add_argument(
+        "--clip-grad",
+        type=finite_float,
+        default=1.0,
+        help="clip the global gradient norm to this value (0: no clipping)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int_at_least(0, below=2**32),
+        default=1234,
+        help="initial parameters and batches (the same for every layout)",
+    )
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=None,
-                   help="a text file or directory, a Megatron PREFIX (PREFIX.bin/.idx), or "
-                        "weighted prefixes 'w1 PREFIX1 w2 PREFIX2 ...' (absent: the Python "
-                        "standard library's sources)")
-    g.add_argument("--split", default="98,2,0",
-                   help="train,validation,test proportions of every dataset (Megatron's)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="absent: bytes 256; Megatron data: largest id + 1, padded")
-    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
-                   help="pad a vocabulary sized from the data to a multiple of this")
+    g.add_argument(
+        "--data-path",
+        nargs="+",
+        default=None,
+        help="a text file or directory, a Megatron PREFIX (PREFIX.bin/.idx), or "
+        "weighted prefixes 'w1 PREFIX1 w2 PREFIX2 ...' (absent: the Python "
+        "standard library's sources)",
+    )
+    g.add_argument(
+        "--split",
+        default="98,2,0",
+        help="train,validation,test proportions of every dataset (Megatron's)",
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="absent: bytes 256; Megatron data: largest id + 1, padded",
+    )
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=positive_int,
+        default=128,
+        help="pad a vocabulary sized from the data to a multiple of this",
+    )
     g = p.add_argument_group("checkpointing (see below)")
-    g.add_argument("--save", default=None,
-                   help="save checkpoints in this directory (checked writable before the "
-                        "first step)")
-    g.add_argument("--save-interval", type=int, default=None,
-                   help="steps between checkpoints (a final one is always written)")
-    g.add_argument("--load", default=None,
-                   help="resume from the newest checkpoint here; must exist unless it is "
-                        "also --save")
-    g.add_argument("--load-hf", default=None, metavar="DIR",
-                   help="start from a Hugging Face model directory (Llama, Mistral, Qwen2, "
-                        "Mixtral): its config gives the model flags' defaults, its weights "
-                        "the initial parameters (step 0, fresh optimizer)")
-    g.add_argument("--load-fallback-to-intact", action="store_true",
-                   help="if the newest checkpoint is damaged, load the newest intact one "
-                        "(absent: a damaged newest checkpoint is an error)")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="load only the parameters; the optimizer starts afresh")
+    g.add_argument(
+        "--save",
+        default=None,
+        help="save checkpoints in this directory (checked writable before the first step)",
+    )
+    g.add_argument(
+        "--save-interval",
+        type=int,
+        default=None,
+        help="steps between checkpoints (a final one is always written)",
+    )
+    g.add_argument(
+        "--load",
+        default=None,
+        help="resume from the newest checkpoint here; must exist unless it is also --save",
+    )
+    g.add_argument(
+        "--load-hf",
+        default=None,
+        metavar="DIR",
+        help="start from a Hugging Face model directory (Llama, Mistral, Qwen2, "
+        "Mixtral): its config gives the model flags' defaults, its weights "
+        "the initial parameters (step 0, fresh optimizer)",
+    )
+    g.add_argument(
+        "--load-fallback-to-intact",
+        action="store_true",
+        help="if the newest checkpoint is damaged, load the newest intact one "
+        "(absent: a damaged newest checkpoint is an error)",
+    )
+    g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="load only the parameters; the optimizer starts afresh",
+    )
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="evaluate on the validation split every this many steps (absent: "
-                        "never)")
-    g.add_argument("--eval-iters", type=int, default=10,
-                   help="validation batches per evaluation")
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="evaluate on the validation split every this many steps (absent: never)",
+    )
+    g.add_argument("--eval-iters", type=int, default=10, help="validation batches per evaluation")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=5, help="steps between log lines")
-    g.add_argument("--metrics-file", default=None,
-                   help="JSON lines: step, loss, grad_norm, skipped, step_time_s, tokens_per_s "
-                        "(and valid_loss, valid_ppl); a resumed run keeps the steps up to "
-                        "its checkpoint")
+    g.add_argument(
+        "--metrics-file",
+        default=None,
+        help="JSON lines: step, loss, grad_norm, skipped, step_time_s, tokens_per_s "
+        "(and valid_loss, valid_ppl); a resumed run keeps the steps up to "
+        "its checkpoint",
+    )
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
-    g.add_argument("--profile-dir", default=None,
-                   help="write a jax.profiler trace of a few steps after compilation")
+    g.add_argument(
+        "--profile-dir",
+        default=None,
+        help="write a jax.profiler trace of a few steps after compilation",
+    )
     g.add_argument("--profile-steps", type=int, default=3, help="steps the profile covers")
-    g.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (there is none when stdout is not a terminal)")
+    g.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none when stdout is not a terminal)",
+    )
     g = p.add_argument_group("compile for a GPU (no GPU needed)")
-    g.add_argument("--compile-only", action="store_true",
-                   help="compile the train step of this layout for --target GPUs and run "
-                        "nothing: print per-device memory against the GPU's with a fits / "
-                        "DOES NOT FIT verdict (exit status 1 when it does not fit), the "
-                        "compile time and the step's structure (needs jax's CUDA plugin, "
-                        "no GPU: jax starts on the CPU, JAX_PLATFORMS=cpu unless set)")
-    g.add_argument("--target", choices=("h100", "h200"), default="h100",
-                   help="GPU to compile for with --compile-only")
-    g.add_argument("--target-gpus-per-host", "--target-gpus", type=positive_int, default=1,
-                   dest="target_gpus_per_host", help="GPUs per host")
+    g.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile the train step of this layout for --target GPUs and run "
+        "nothing: print per-device memory against the GPU's with a fits / "
+        "DOES NOT FIT verdict (exit status 1 when it does not fit), the "
+        "compile time and the step's structure (needs jax's CUDA plugin, "
+        "no GPU: jax starts on the CPU, JAX_PLATFORMS=cpu unless set)",
+    )
+    g.add_argument(
+        "--target",
+        choices=("h100", "h200"),
+        default="h100",
+        help="GPU to compile for with --compile-only",
+    )
+    g.add_argument(
+        "--target-gpus-per-host",
+        "--target-gpus",
+        type=positive_int,
+        default=1,
+        dest="target_gpus_per_host",
+        help="GPUs per host",
+    )
     g.add_argument("--target-hosts", type=positive_int, default=1, help="hosts")
-    g.add_argument("--report-json", default=None, metavar="FILE",
-                   help="with --compile-only: also write the report's figures (bytes per "
-                        "device, fits, bytes per parameter, launches and non-GEMM traffic "
-                        "per microbatch, fused calls, compile time) to FILE as JSON")
+    g.add_argument(
+        "--report-json",
+        default=None,
+        metavar="FILE",
+        help="with --compile-only: also write the report's figures (bytes per "
+        "device, fits, bytes per parameter, launches and non-GEMM traffic "
+        "per microbatch, fused calls, compile time) to FILE as JSON",
+    )
     return p
 
 
 def flag_names(parser: argparse.ArgumentParser, message: str) -> str:
     """``message`` with the config fields it names (``hidden_size``) spelled as the flags
     the user typed (``--hidden-size``); the table comes from the parser's own actions."""
-    flags = {a.dest: a.option_strings[-1] for a in parser._actions
-             if a.option_strings and a.option_strings[-1].startswith("--")}
+    flags = {
+        a.dest: a.option_strings[-1]
+        for a in parser._actions
+        if a.option_strings and a.option_strings[-1].startswith("--")
+    }
     flags |= {field: flags[dest] for field, dest in FIELD_DESTS.items() if dest in flags}
     names = sorted((n for n in flags if "_" in n), key=len, reverse=True)  # not "lr", "load"
     if not names:
@@ -391,12 +691,16 @@ def virtual_stages(args: argparse.Namespace) -> int | None:
     if per_chunk is None:
         return v
     if v is not None:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage and "
-                         "--virtual-pipeline-model-parallel-size cannot be set at the same time")
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage and "
+            "--virtual-pipeline-model-parallel-size cannot be set at the same time"
+        )
     per_stage = args.num_layers // args.pipeline_model_parallel_size
     if per_chunk < 1 or per_stage % per_chunk:
-        raise ValueError(f"number of layers per pipeline stage ({per_stage}) must be divisible "
-                         f"by number of layers per virtual pipeline stage ({per_chunk})")
+        raise ValueError(
+            f"number of layers per pipeline stage ({per_stage}) must be divisible "
+            f"by number of layers per virtual pipeline stage ({per_chunk})"
+        )
     return per_stage // per_chunk
 
 
@@ -407,56 +711,75 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
 
     try:
         model = GPTConfig(
-            vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+            vocab_size=vocab_size,
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            ffn_hidden_size=args.ffn_hidden_size,
             seq_length=args.seq_length,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             compute_dtype="bfloat16" if args.bf16 else "float32",
             params_dtype="bfloat16" if args.bf16 else "float32",
-            normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+            normalization=args.normalization,
+            layernorm_epsilon=args.norm_epsilon,
             position_embedding_type=args.position_embedding_type,
-            rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-            swiglu=args.swiglu, group_query_attention=args.group_query_attention,
-            num_query_groups=args.num_query_groups, add_bias_linear=not args.disable_bias_linear,
-            add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-            kv_channels=args.kv_channels, init_method_std=args.init_method_std,
-            num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+            rotary_base=args.rotary_base,
+            rotary_percent=args.rotary_percent,
+            swiglu=args.swiglu,
+            group_query_attention=args.group_query_attention,
+            num_query_groups=args.num_query_groups,
+            add_bias_linear=not args.disable_bias_linear,
+            add_qkv_bias=args.add_qkv_bias,
+            qk_layernorm=args.qk_layernorm,
+            kv_channels=args.kv_channels,
+            init_method_std=args.init_method_std,
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
             moe_router_load_balancing_type=args.moe_router_load_balancing_type,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
             moe_expert_capacity_factor=args.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
-            moe_grouped_gemm=args.moe_grouped_gemm, moe_layer_freq=args.moe_layer_freq,
+            moe_grouped_gemm=args.moe_grouped_gemm,
+            moe_layer_freq=args.moe_layer_freq,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_shared_expert_overlap=args.moe_shared_expert_overlap,
             layer_scan_unroll=args.layer_scan_unroll,
             overlap_dispatch_backward_with_experts_wgrad=(
-                args.overlap_dispatch_backward_with_experts_wgrad))
+                args.overlap_dispatch_backward_with_experts_wgrad
+            ),
+        )
         parallel = ParallelConfig(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
             expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-            micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
             sequence_parallel=args.sequence_parallel,
             gradient_accumulation_fusion=args.gradient_accumulation_fusion,
             defer_embedding_wgrad_compute=args.defer_embedding_wgrad_compute,
-            wgrad_deferral_limit=args.wgrad_deferral_limit, defer_mode=args.defer_mode,
+            wgrad_deferral_limit=args.wgrad_deferral_limit,
+            defer_mode=args.defer_mode,
             pipeline_schedule=args.pipeline_schedule,
             virtual_pipeline_model_parallel_size=virtual_stages(args),
             microbatch_group_size_per_vp_stage=(
-                args.microbatch_group_size_per_virtual_pipeline_stage),
+                args.microbatch_group_size_per_virtual_pipeline_stage
+            ),
             vocab_parallel_over_pipeline=args.vocab_parallel_over_pipeline,
             recompute_granularity=args.recompute_granularity,
             recompute_method=args.recompute_method,
-            recompute_num_layers=args.recompute_num_layers)
+            recompute_num_layers=args.recompute_num_layers,
+        )
         ddp = DDPConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
-            overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            bucket_size=args.ddp_bucket_size,
             average_in_collective=args.ddp_average_in_collective,
             pad_buckets_for_high_nccl_busbw=args.pad_buckets_for_high_nccl_busbw,
-            clip_grad=args.clip_grad)
+            clip_grad=args.clip_grad,
+        )
     except ValueError as exc:
         usage_error(parser, exc)
     return model, parallel, ddp
@@ -465,26 +788,37 @@ def build_configs(args: argparse.Namespace, vocab_size: int, parser):
 def load_data(args, parser):
     """``(train, valid, vocab size)``; a bad ``--data-path``/``--split`` is an
     argparse-style error."""
-    from jax_wgrad.training.data import load_data as load, padded_vocab_size
+    from jax_wgrad.training.data import load_data as load
+    from jax_wgrad.training.data import padded_vocab_size
 
     try:
         train, valid, _ = load(args.data_path, args.split)
-        vocab = train.vocab_size if getattr(train, "vocab_size", None) else padded_vocab_size(
-            train.max_token_id, args.make_vocab_size_divisible_by)
+        vocab = (
+            train.vocab_size
+            if getattr(train, "vocab_size", None)
+            else padded_vocab_size(train.max_token_id, args.make_vocab_size_divisible_by)
+        )
     except ValueError as exc:
         usage_error(parser, exc)
     if args.vocab_size is not None:
         if args.vocab_size <= train.max_token_id:
-            source = (f"--vocab-size {args.vocab_size}"
-                      if "vocab_size" in getattr(args, "given_flags", {"vocab_size"}) else
-                      f"the vocabulary of --load-hf {args.load_hf} ({args.vocab_size})"
-                      if args.load_hf else f"the --model preset's vocabulary ({args.vocab_size})")
-            parser.error(f"{source} must exceed the data's largest token id "
-                         f"{train.max_token_id} ({train.name})")
+            source = (
+                f"--vocab-size {args.vocab_size}"
+                if "vocab_size" in getattr(args, "given_flags", {"vocab_size"})
+                else f"the vocabulary of --load-hf {args.load_hf} ({args.vocab_size})"
+                if args.load_hf
+                else f"the --model preset's vocabulary ({args.vocab_size})"
+            )
+            parser.error(
+                f"{source} must exceed the data's largest token id "
+                f"{train.max_token_id} ({train.name})"
+            )
         vocab = args.vocab_size
     if args.eval_interval and len(valid) <= args.seq_length + 1:
-        parser.error(f"--eval-interval needs a validation split: --split {args.split!r} "
-                     f"leaves {len(valid)} tokens ({valid.name})")
+        parser.error(
+            f"--eval-interval needs a validation split: --split {args.split!r} "
+            f"leaves {len(valid)} tokens ({valid.name})"
+        )
     return train, valid, vocab
 
 
@@ -494,11 +828,16 @@ def learning_rate(args: argparse.Namespace):
 
     if args.min_lr is not None:
         return optax.warmup_cosine_decay_schedule(
-            0.0, args.lr, max(args.lr_warmup_iters, 1), max(args.train_iters, 1), args.min_lr)
+            0.0, args.lr, max(args.lr_warmup_iters, 1), max(args.train_iters, 1), args.min_lr
+        )
     if args.lr_warmup_iters:
         return optax.join_schedules(
-            [optax.linear_schedule(0.0, args.lr, args.lr_warmup_iters),
-             optax.constant_schedule(args.lr)], [args.lr_warmup_iters])
+            [
+                optax.linear_schedule(0.0, args.lr, args.lr_warmup_iters),
+                optax.constant_schedule(args.lr),
+            ],
+            [args.lr_warmup_iters],
+        )
     return args.lr
 
 
@@ -515,11 +854,17 @@ def describe(plan, data, state) -> list[str]:
         f"{par.mesh_shape} | microbatches per step: {par.num_microbatches} | sequence "
         f"parallel: {par.sequence_parallel} | gradient accumulation fusion: "
         f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name}"
-        + (f" ({plan.table.num_chunks} model chunks per stage)" if plan.table.num_chunks > 1
-           else "")
+        + (
+            f" ({plan.table.num_chunks} model chunks per stage)"
+            if plan.table.num_chunks > 1
+            else ""
+        )
         + f" | recompute: {par.recompute_granularity}"
-        + (f" ({par.recompute_method}, {par.recompute_num_layers} layers)"
-           if par.recompute_method else "")
+        + (
+            f" ({par.recompute_method}, {par.recompute_num_layers} layers)"
+            if par.recompute_method
+            else ""
+        )
         + (" | vocabulary over the pipeline" if par.vocab_parallel_over_pipeline else ""),
         f"data: {data.name}, {len(data) / 1e6:.1f} M tokens for training",
         f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
@@ -533,17 +878,26 @@ def describe(plan, data, state) -> list[str]:
         f"{model.normalization}, {model.position_embedding_type}, "
         f"{'swiglu' if model.swiglu else 'gelu'}, "
         f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'}"
-        + ("" if model.num_moe_experts is None else
-           f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}, "
-           f"ETP {par.expert_tensor_parallel_size}), top-{model.moe_router_topk}, "
-           f"{sum(model.moe_layer_pattern)} MoE layers, "
-           + ("dropless" if model.moe_expert_capacity_factor is None else
-              f"capacity factor {model.moe_expert_capacity_factor}")
-           + ("" if model.moe_shared_expert_intermediate_size is None else
-              f", shared experts {model.moe_shared_expert_intermediate_size}"
-              + (" (overlapped)" if model.moe_shared_expert_overlap else ""))
-           + ", overlap dispatch backward with experts wgrad "
-           f"{model.overlap_dispatch_backward_with_experts_wgrad}"),
+        + (
+            ""
+            if model.num_moe_experts is None
+            else f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}, "
+            f"ETP {par.expert_tensor_parallel_size}), top-{model.moe_router_topk}, "
+            f"{sum(model.moe_layer_pattern)} MoE layers, "
+            + (
+                "dropless"
+                if model.moe_expert_capacity_factor is None
+                else f"capacity factor {model.moe_expert_capacity_factor}"
+            )
+            + (
+                ""
+                if model.moe_shared_expert_intermediate_size is None
+                else f", shared experts {model.moe_shared_expert_intermediate_size}"
+                + (" (overlapped)" if model.moe_shared_expert_overlap else "")
+            )
+            + ", overlap dispatch backward with experts wgrad "
+            f"{model.overlap_dispatch_backward_with_experts_wgrad}"
+        ),
     ]
 
 
@@ -552,11 +906,20 @@ def loop_options(args: argparse.Namespace):
     from jax_wgrad.training.loop import LoopOptions
 
     return LoopOptions(
-        train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
-        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
-        save_interval=args.save_interval, load=args.load, load_optim=not args.no_load_optim,
-        load_fallback=args.load_fallback_to_intact, profile_dir=args.profile_dir,
-        profile_steps=args.profile_steps, progress=not args.no_progress)
+        train_iters=args.train_iters,
+        seed=args.seed,
+        log_interval=args.log_interval,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+        save=args.save,
+        save_interval=args.save_interval,
+        load=args.load,
+        load_optim=not args.no_load_optim,
+        load_fallback=args.load_fallback_to_intact,
+        profile_dir=args.profile_dir,
+        profile_steps=args.profile_steps,
+        progress=not args.no_progress,
+    )
 
 
 def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
@@ -576,24 +939,31 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> set
         return set()
     from jax_wgrad.models.gpt.config import FLAG_NAMES, NEGATED_FLAGS
 
-    defaults = {FLAG_NAMES.get(field, field): (not value) if field in NEGATED_FLAGS else value
-                for field, value in fields.items()}
+    defaults = {
+        FLAG_NAMES.get(field, field): (not value) if field in NEGATED_FLAGS else value
+        for field, value in fields.items()
+    }
     parser.set_defaults(**defaults)
     return set(defaults)
 
 
-def preset_line(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                preset: set[str]) -> str | None:
+def preset_line(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, preset: set[str]
+) -> str | None:
     """The log line naming the model preset in use and the flags that override it
     (``None`` without ``--model``/``--load-hf``)."""
     if args.model is None and args.load_hf is None:
         return None
-    source = (f"--model {args.model}" if args.model is not None else
-              f"the config.json of --load-hf {args.load_hf}")
+    source = (
+        f"--model {args.model}"
+        if args.model is not None
+        else f"the config.json of --load-hf {args.load_hf}"
+    )
     flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     overrides = sorted(flags[d] for d in preset & args.given_flags)
     return f"model preset: {source}" + (
-        f"; overridden by {', '.join(overrides)}" if overrides else "; no flag overrides it")
+        f"; overridden by {', '.join(overrides)}" if overrides else "; no flag overrides it"
+    )
 
 
 def hf_model_fields(parser: argparse.ArgumentParser, directory: str, seq_length: int) -> dict:
@@ -611,8 +981,11 @@ def hf_model_fields(parser: argparse.ArgumentParser, directory: str, seq_length:
         parser.error(f"--load-hf {directory}: {exc}")
     dests = vars(parser.parse_args([]))
     # seq_length: the training sequence length is this run's choice (RoPE takes any).
-    return {k: v for k, v in dataclasses.asdict(cfg).items()
-            if k not in RUN_OPTIONS | {"seq_length"} and FLAG_NAMES.get(k, k) in dests}
+    return {
+        k: v
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in RUN_OPTIONS | {"seq_length"} and FLAG_NAMES.get(k, k) in dests
+    }
 
 
 def start_jax_on_cpu_to_compile_only(argv: list[str]) -> None:
@@ -624,12 +997,17 @@ def start_jax_on_cpu_to_compile_only(argv: list[str]) -> None:
     import os
 
     if "jax" not in sys.modules and any(
-            a.startswith("--com") and "--compile-only".startswith(a) for a in argv):
+        a.startswith("--com") and "--compile-only".startswith(a) for a in argv
+    ):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin",
-                "jax_cuda12_plugin")
+CUDA_PLUGINS = (
+    "jax_plugins.xla_cuda13",
+    "jax_plugins.xla_cuda12",
+    "jax_cuda13_plugin",
+    "jax_cuda12_plugin",
+)
 """The modules of jax's CUDA plugin (``jax[cuda12]``, ``jax[cuda13]``)."""
 
 
@@ -660,14 +1038,15 @@ def check_report_json(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """``--report-json FILE`` needs ``--compile-only`` and a FILE that can be written, its
     directory created if missing (checked before anything is compiled, as ``--save``
     is); a one-line usage error naming the flag and the path otherwise."""
-    import os
 
     path = args.report_json
     if path is None:
         return
     if not args.compile_only:
-        parser.error(f"--report-json {path}: needs --compile-only (the report is of a "
-                     "compile for --target GPUs)")
+        parser.error(
+            f"--report-json {path}: needs --compile-only (the report is of a "
+            "compile for --target GPUs)"
+        )
     problem = unwritable(path, directory=False)
     if problem is not None:
         parser.error(f"--report-json {path}: {problem}")
@@ -693,8 +1072,11 @@ def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     without another: given alone it would be silently ignored."""
     rope = args.position_embedding_type == "rope"
     return [
-        ("save_interval", args.save is not None,
-         "--save (the directory checkpoints are written to)"),
+        (
+            "save_interval",
+            args.save is not None,
+            "--save (the directory checkpoints are written to)",
+        ),
         ("eval_iters", args.eval_interval is not None, "--eval-interval (absent: no evaluation)"),
         ("target", args.compile_only, "--compile-only (without it the run trains here)"),
         ("target_gpus_per_host", args.compile_only, "--compile-only"),
@@ -712,8 +1094,7 @@ def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     ]
 
 
-def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                given: set[str]) -> None:
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set[str]) -> None:
     """The rules between flags (ranges of single flags are their argparse types; rules of
     a config are its dataclass's): a flag without the partner it needs, ``--min-lr`` above
     ``--lr``, a warm-up as long as the decay, a rank outside the launch, a ``--distributed``
@@ -729,16 +1110,24 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if args.min_lr is not None and args.min_lr > args.lr:  # Megatron: min_lr <= max_lr
         parser.error(f"--min-lr ({args.min_lr:g}) must be <= --lr ({args.lr:g})")
     if args.min_lr is not None and 0 < args.train_iters <= args.lr_warmup_iters:
-        parser.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --train-iters "
-                     f"({args.train_iters}), the steps of the --min-lr decay")
+        parser.error(
+            f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --train-iters "
+            f"({args.train_iters}), the steps of the --min-lr decay"
+        )
     if args.distributed:
         if args.coordinator_address is None and not any(v in os.environ for v in CLUSTER_ENV):
-            parser.error("--distributed needs --coordinator-address (or "
-                         "JAX_COORDINATOR_ADDRESS, or a SLURM / Open MPI launch)")
-        if (args.process_id is not None and args.num_processes is not None
-                and args.process_id >= args.num_processes):
-            parser.error(f"--process-id ({args.process_id}) must be < --num-processes "
-                         f"({args.num_processes})")
+            parser.error(
+                "--distributed needs --coordinator-address (or "
+                "JAX_COORDINATOR_ADDRESS, or a SLURM / Open MPI launch)"
+            )
+        if (
+            args.process_id is not None
+            and args.num_processes is not None
+            and args.process_id >= args.num_processes
+        ):
+            parser.error(
+                f"--process-id ({args.process_id}) must be < --num-processes ({args.num_processes})"
+            )
 
 
 def unwritable(path: str, directory: bool) -> str | None:
@@ -769,9 +1158,11 @@ def unwritable(path: str, directory: bool) -> str | None:
 def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--metrics-file``, ``--tensorboard-dir`` and ``--profile-dir`` can be written,
     checked before anything is compiled or trained (as ``--save`` is)."""
-    for flag, path, directory in (("--metrics-file", args.metrics_file, False),
-                                  ("--tensorboard-dir", args.tensorboard_dir, True),
-                                  ("--profile-dir", args.profile_dir, True)):
+    for flag, path, directory in (
+        ("--metrics-file", args.metrics_file, False),
+        ("--tensorboard-dir", args.tensorboard_dir, True),
+        ("--profile-dir", args.profile_dir, True),
+    ):
         problem = None if path is None else unwritable(path, directory)
         if problem:
             parser.error(f"{flag} {path}: {problem}")
@@ -793,10 +1184,13 @@ def resume_point(argv: list[str]) -> str:
         if directory and os.path.isdir(directory):
             steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
             if steps:
-                return (f"the newest checkpoint is step {max(steps)} in {flag} {directory} "
-                        f"(resume with --load {directory})")
-    return ("no checkpoint was written" + (f" to --save {args.save}" if args.save else
-                                           " (no --save)"))
+                return (
+                    f"the newest checkpoint is step {max(steps)} in {flag} {directory} "
+                    f"(resume with --load {directory})"
+                )
+    return "no checkpoint was written" + (
+        f" to --save {args.save}" if args.save else " (no --save)"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -832,6 +1226,7 @@ def _redeliver_interrupt(previous):
             timer.start()
         else:
             previous(args)
+
     return hook
 
 
@@ -887,15 +1282,22 @@ def start_from_hf(parser, directory: str, plan, state):
     except ValueError as exc:
         parser.error(f"--load-hf {directory}: {exc}")
     import dataclasses
+
     diff = plan.model.shape_differences(dataclasses.asdict(cfg))
     if diff:
-        parser.error(f"--load-hf {directory}: the flags give another model: " + "; ".join(
-            f"{k}={a!r} in the directory, {b!r} in this run" for k, a, b in diff))
-    params = jax.tree.map(lambda a, like: a.astype(like.dtype),  # the run's params dtype
-                          plan.program.from_canonical(params), state.params)
+        parser.error(
+            f"--load-hf {directory}: the flags give another model: "
+            + "; ".join(f"{k}={a!r} in the directory, {b!r} in this run" for k, a, b in diff)
+        )
+    params = jax.tree.map(
+        lambda a, like: a.astype(like.dtype),  # the run's params dtype
+        plan.program.from_canonical(params),
+        state.params,
+    )
     params = jax.device_put(params, plan.param_shardings)
-    return state._replace(params=params,
-                          opt_state=jax_wgrad.training.init_optimizer_state(plan, params))
+    return state._replace(
+        params=params, opt_state=jax_wgrad.training.init_optimizer_state(plan, params)
+    )
 
 
 def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> dict:
@@ -904,8 +1306,12 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
 
     import jax_wgrad
     from jax_wgrad.training.gpu import apply_gpu_xla_flags
-    from jax_wgrad.training.loop import (OutOfMemoryError, is_out_of_memory,
-                                         out_of_memory_message, run)
+    from jax_wgrad.training.loop import (
+        OutOfMemoryError,
+        is_out_of_memory,
+        out_of_memory_message,
+        run,
+    )
     from jax_wgrad.training.metrics import MetricsWriter
 
     if args.compile_only:  # compile for GPUs that are not here; nothing is run
@@ -918,9 +1324,14 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
         model, parallel, ddp = build_configs(args, load_data(args, parser)[2], parser)
         try:
             report = aot.compile_for_target(
-                model, parallel, ddp, target=args.target, hosts=args.target_hosts,
-                gpus_per_host=args.target_gpus_per_host, tx=jax_wgrad.default_optimizer(
-                    learning_rate(args), weight_decay=args.weight_decay))
+                model,
+                parallel,
+                ddp,
+                target=args.target,
+                hosts=args.target_hosts,
+                gpus_per_host=args.target_gpus_per_host,
+                tx=jax_wgrad.default_optimizer(learning_rate(args), weight_decay=args.weight_decay),
+            )
         except (RuntimeError, ValueError) as exc:  # no plugin or handler; a bad layout
             usage_error(parser, exc)
         print(report.format(), flush=True)
@@ -936,17 +1347,26 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
     gpu_flags = apply_gpu_xla_flags()  # before jax initialises its backends
     jax_wgrad.use_virtual_cpu_devices(args.num_cpu_devices)
     if args.distributed:
-        jax_wgrad.initialize_distributed(**{k: v for k, v in dict(
-            coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-            process_id=args.process_id).items() if v is not None})
+        jax_wgrad.initialize_distributed(
+            **{
+                k: v
+                for k, v in dict(
+                    coordinator_address=args.coordinator_address,
+                    num_processes=args.num_processes,
+                    process_id=args.process_id,
+                ).items()
+                if v is not None
+            }
+        )
     is_main = jax.process_index() == 0
     log = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
     train_data, valid, vocab = load_data(args, parser)
     model, parallel, ddp = build_configs(args, vocab, parser)
     optimizer = jax_wgrad.default_optimizer(learning_rate(args), weight_decay=args.weight_decay)
     try:  # the plan checks the model against the layout (the one place it is checked)
-        plan = jax_wgrad.TrainPlan.create(model, parallel, jax_wgrad.make_mesh(parallel),
-                                          optimizer, ddp=ddp)
+        plan = jax_wgrad.TrainPlan.create(
+            model, parallel, jax_wgrad.make_mesh(parallel), optimizer, ddp=ddp
+        )
     except ValueError as exc:
         usage_error(parser, exc)
     try:
@@ -957,15 +1377,16 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
         raise OutOfMemoryError(out_of_memory_message(plan, None, "initialization", exc)) from None
     if args.load_hf is not None:
         state = start_from_hf(parser, args.load_hf, plan, state)
-        log(f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh "
-            "optimizer)")
+        log(f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh optimizer)")
     for line in ([args.preset_line] if args.preset_line else []) + describe(
-            plan, train_data, state):
+        plan, train_data, state
+    ):
         log(line)
     if gpu_flags:
         log(f"XLA flags for the GPU: {' '.join(gpu_flags)}")
-    metrics = MetricsWriter(args.metrics_file if is_main else None,
-                            args.tensorboard_dir if is_main else None)
+    metrics = MetricsWriter(
+        args.metrics_file if is_main else None, args.tensorboard_dir if is_main else None
+    )
     try:
         out = run(plan, state, train_data, valid, opts, metrics=metrics, log=log)
     except ValueError as exc:  # a checkpoint that is missing, damaged or of another model
@@ -981,24 +1402,37 @@ def summarize(plan, out: dict, log, train_iters: int | None = None) -> dict:
     buf, losses, times = plan.layout.buffer, out["losses"], out["times"]
     steady = times[1:] or times
     summary = {
-        "compile_time_s": out["compile_time_s"], "steps": len(losses),
+        "compile_time_s": out["compile_time_s"],
+        "steps": len(losses),
         "mean_step_time_s": float(np.mean(steady)) if steady else 0.0,
-        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-        "skipped_steps": out["skipped_steps"], "valid": out["valid"],
-        "num_buckets": buf.num_buckets, "buffer_numel": buf.numel, "grad_numel": buf.param_numel,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "skipped_steps": out["skipped_steps"],
+        "valid": out["valid"],
+        "num_buckets": buf.num_buckets,
+        "buffer_numel": buf.numel,
+        "grad_numel": buf.param_numel,
         "padding_fraction": (buf.numel - buf.param_numel) / buf.numel,
     }
     if losses:
-        log(f"done: compile {summary['compile_time_s']:.2f} s | mean step "
+        log(
+            f"done: compile {summary['compile_time_s']:.2f} s | mean step "
             f"{summary['mean_step_time_s'] * 1e3:.1f} ms | loss {losses[0]:.4f} -> "
-            f"{losses[-1]:.4f}")
+            f"{losses[-1]:.4f}"
+        )
     else:
         start = out.get("start_step", 0)
-        log("done: no training step to run" + (
-            f": the run resumed at step {start} and --train-iters is {train_iters}; "
-            f"pass a --train-iters above {start} to train on"
-            if train_iters is not None and start >= train_iters and start > 0 else
-            f": --train-iters is {train_iters}" if train_iters is not None else ""))
+        log(
+            "done: no training step to run"
+            + (
+                f": the run resumed at step {start} and --train-iters is {train_iters}; "
+                f"pass a --train-iters above {start} to train on"
+                if train_iters is not None and start >= train_iters and start > 0
+                else f": --train-iters is {train_iters}"
+                if train_iters is not None
+                else ""
+            )
+        )
     return summary
 
 

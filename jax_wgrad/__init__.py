@@ -20,6 +20,7 @@ Tiers, bottom up (each imports only the ones before it):
 
 from jax_wgrad import functional, grads, models, nn, ops, optim, parallel, testing, training
 from jax_wgrad.functional import BucketSlot, WgradBuckets, linear, linear_into_bucket
+from jax_wgrad.functional.cross_entropy import vocab_parallel_cross_entropy
 from jax_wgrad.grads import DDPConfig, GradBuffer, GradLayout, GradSpec, plan_buckets
 from jax_wgrad.models.gpt import GPTConfig, GPTProgram, init_params, param_specs
 from jax_wgrad.nn import (
@@ -39,7 +40,6 @@ from jax_wgrad.parallel import (
     use_virtual_cpu_devices,
 )
 from jax_wgrad.parallel.pipeline.gradients import pipeline_gradients
-from jax_wgrad.functional.cross_entropy import vocab_parallel_cross_entropy
 from jax_wgrad.training import (
     ByteDataset,
     TrainPlan,
@@ -53,18 +53,54 @@ from jax_wgrad.training import (
 
 __all__ = [
     # configs and the run
-    "DDPConfig", "GPTConfig", "ParallelConfig", "TrainPlan", "TrainState",
-    "make_mesh", "initialize_distributed", "use_virtual_cpu_devices",
-    "init_params", "param_specs", "GPTProgram", "pipeline_gradients",
-    "init_train_state", "build_train_step", "default_optimizer", "shard_batch", "ByteDataset",
+    "DDPConfig",
+    "GPTConfig",
+    "ParallelConfig",
+    "TrainPlan",
+    "TrainState",
+    "make_mesh",
+    "initialize_distributed",
+    "use_virtual_cpu_devices",
+    "init_params",
+    "param_specs",
+    "GPTProgram",
+    "pipeline_gradients",
+    "init_train_state",
+    "build_train_step",
+    "default_optimizer",
+    "shard_batch",
+    "ByteDataset",
     # gradients
-    "plan_buckets", "GradBuffer", "GradLayout", "GradSpec", "DistributedOptimizer",
+    "plan_buckets",
+    "GradBuffer",
+    "GradLayout",
+    "GradSpec",
+    "DistributedOptimizer",
     # ops and layers
-    "wgrad_accumulate", "bucket_add", "fusion_available", "fusion_status",
-    "linear", "linear_into_bucket", "BucketSlot", "WgradBuckets",
-    "Linear", "MainGrad", "ColumnParallelLinear", "RowParallelLinear",
-    "VocabParallelEmbedding", "LayerNorm", "vocab_parallel_cross_entropy",
+    "wgrad_accumulate",
+    "bucket_add",
+    "fusion_available",
+    "fusion_status",
+    "linear",
+    "linear_into_bucket",
+    "BucketSlot",
+    "WgradBuckets",
+    "Linear",
+    "MainGrad",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "LayerNorm",
+    "vocab_parallel_cross_entropy",
     "accumulate_gradients",
     # tiers
-    "ops", "functional", "nn", "models", "parallel", "grads", "optim", "training", "testing",
+    "ops",
+    "functional",
+    "nn",
+    "models",
+    "parallel",
+    "grads",
+    "optim",
+    "training",
+    "testing",
 ]

@@ -11,8 +11,10 @@ __all__ = ["cuda_gpu_usable"]
 
 def cuda_gpu_usable() -> bool:
     """A jax CUDA plugin is installed and the NVIDIA driver reports at least one device."""
-    names = {(d.metadata["Name"] or "").lower().replace("_", "-")
-             for d in importlib.metadata.distributions()}
+    names = {
+        (d.metadata["Name"] or "").lower().replace("_", "-")
+        for d in importlib.metadata.distributions()
+    }
     if not any(n.startswith("jax-cuda") for n in names):
         return False
     try:
@@ -20,5 +22,8 @@ def cuda_gpu_usable() -> bool:
     except OSError:
         return False
     count = ctypes.c_int(0)
-    return libcuda.cuInit(0) == 0 and libcuda.cuDeviceGetCount(ctypes.byref(count)) == 0 \
+    return (
+        libcuda.cuInit(0) == 0
+        and libcuda.cuDeviceGetCount(ctypes.byref(count)) == 0
         and count.value > 0
+    )

@@ -17,23 +17,32 @@ def check_recompute(granularity, method, num_layers) -> None:
     (``"uniform"`` / ``"block"``, required with ``"full"``, refused otherwise) and
     ``recompute_num_layers`` (a positive int, required with ``"full"``, refused otherwise)."""
     if granularity not in (None, "full", "selective"):
-        raise ValueError(f'When using recompute_granuarlity: {granularity} must be "full" or '
-                         '"selective".')
+        raise ValueError(
+            f'When using recompute_granuarlity: {granularity} must be "full" or "selective".'
+        )
     if method is not None:
         if method not in ("block", "uniform"):
             raise ValueError(f'recompute_method: {method} must be "block" or "uniform".')
         if granularity != "full":
-            raise ValueError(f"recompute_method ({method}) is only used with "
-                             f"recompute_granularity 'full' (got {granularity!r})")
+            raise ValueError(
+                f"recompute_method ({method}) is only used with "
+                f"recompute_granularity 'full' (got {granularity!r})"
+            )
     elif granularity == "full":
-        raise ValueError(f"Using recompute_granularity: {granularity} so recompute_method "
-                         'must be "block" or "uniform"')
+        raise ValueError(
+            f"Using recompute_granularity: {granularity} so recompute_method "
+            'must be "block" or "uniform"'
+        )
     if granularity == "full":
         if num_layers is None:
-            raise ValueError(f"When using recompute_granularity: {granularity} "
-                             "recompute_num_layers must be between 1 and the layers per "
-                             "pipeline rank")
+            raise ValueError(
+                f"When using recompute_granularity: {granularity} "
+                "recompute_num_layers must be between 1 and the layers per "
+                "pipeline rank"
+            )
         check_positive("recompute_num_layers", num_layers)
     elif num_layers is not None:
-        raise ValueError(f"When using recompute_granularity: {granularity} "
-                         f"recompute_num_layers must be None (got {num_layers!r})")
+        raise ValueError(
+            f"When using recompute_granularity: {granularity} "
+            f"recompute_num_layers must be None (got {num_layers!r})"
+        )

@@ -35,23 +35,28 @@ __all__ = ["summary", "plot_timeline", "main"]
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
-def summary(table: ScheduleTable, cost_f: float = 1.0, cost_b: float = 1.0,
-            cost_w: float = 1.0) -> dict:
+def summary(
+    table: ScheduleTable, cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0
+) -> dict:
     """The simulator's JSON object for ``table`` (module docstring)."""
     return {
-        "schedule": table.name, "stages": table.num_stages,
-        "microbatches": table.num_microbatches, "virtual_stages": table.num_chunks,
+        "schedule": table.name,
+        "stages": table.num_stages,
+        "microbatches": table.num_microbatches,
+        "virtual_stages": table.num_chunks,
         "costs": {"F": cost_f, "B": cost_b, "W": cost_w},
         "num_ticks": table.num_ticks,
         "makespan": table.makespan(cost_f, cost_b, cost_w),
         "bubble_fraction": round(table.bubble_fraction(cost_f, cost_b, cost_w), 6),
         "max_in_flight": [table.in_flight(s) for s in range(table.num_stages)],
-        "residual_slots": table.num_slots, "weight_slots": table.weight_slots,
+        "residual_slots": table.num_slots,
+        "weight_slots": table.weight_slots,
     }
 
 
-def plot_timeline(table: ScheduleTable, path: str, cost_f: float = 1.0, cost_b: float = 1.0,
-                  cost_w: float = 1.0) -> None:
+def plot_timeline(
+    table: ScheduleTable, path: str, cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0
+) -> None:
     """Draws each stage's tasks on the lock-step time axis into ``path`` (matplotlib)."""
     import matplotlib
 
@@ -61,8 +66,9 @@ def plot_timeline(table: ScheduleTable, path: str, cost_f: float = 1.0, cost_b: 
     full_b = cost_b if table.split_backward else cost_b + cost_w
     cost = {"F": cost_f, "B": full_b, "W": cost_w}
     tick_len = table.work(cost_f, cost_b, cost_w).max(axis=1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * float(tick_len.sum())),
-                                    0.6 * table.num_stages + 1.2))
+    fig, ax = plt.subplots(
+        figsize=(max(6.0, 0.35 * float(tick_len.sum())), 0.6 * table.num_stages + 1.2)
+    )
     start = 0.0
     for t in range(table.num_ticks):
         for s in range(table.num_stages):
@@ -71,24 +77,44 @@ def plot_timeline(table: ScheduleTable, path: str, cost_f: float = 1.0, cost_b: 
                 m, v = int(col[t, s]), int(table.chunks(task)[t, s])
                 if m < 0:
                     continue
-                ax.barh(s, cost[task], left=offset, color=COLORS[task], edgecolor="black",
-                        linewidth=0.5, hatch="//" if v else None)
+                ax.barh(
+                    s,
+                    cost[task],
+                    left=offset,
+                    color=COLORS[task],
+                    edgecolor="black",
+                    linewidth=0.5,
+                    hatch="//" if v else None,
+                )
                 label = f"{m}.{v}" if table.num_chunks > 1 else str(m)
-                ax.text(offset + cost[task] / 2, s, label, ha="center", va="center",
-                        fontsize=6 if table.num_chunks > 1 else 7, color="white")
+                ax.text(
+                    offset + cost[task] / 2,
+                    s,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=6 if table.num_chunks > 1 else 7,
+                    color="white",
+                )
                 offset += cost[task]
         start += float(tick_len[t])
     ax.set_yticks(range(table.num_stages), [f"stage {s}" for s in range(table.num_stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (lock-step ticks; a tick lasts as long as its busiest stage)")
     chunks = f", V={table.num_chunks}" if table.num_chunks > 1 else ""
-    ax.set_title(f"{table.name}: P={table.num_stages}, M={table.num_microbatches}{chunks}, makespan "
-                 f"{table.makespan(cost_f, cost_b, cost_w):g}, bubble "
-                 f"{100 * table.bubble_fraction(cost_f, cost_b, cost_w):.0f}%")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in COLORS.items()
-               if k != "W" or table.split_backward]
+    ax.set_title(
+        f"{table.name}: P={table.num_stages}, M={table.num_microbatches}{chunks}, makespan "
+        f"{table.makespan(cost_f, cost_b, cost_w):g}, bubble "
+        f"{100 * table.bubble_fraction(cost_f, cost_b, cost_w):.0f}%"
+    )
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=c)
+        for k, c in COLORS.items()
+        if k != "W" or table.split_backward
+    ]
     labels = ["F", "B" if table.split_backward else "B (with W)"] + (
-        ["W"] if table.split_backward else [])
+        ["W"] if table.split_backward else []
+    )
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -96,22 +122,39 @@ def plot_timeline(table: ScheduleTable, path: str, cost_f: float = 1.0, cost_b: 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m jax_wgrad.schedules",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m jax_wgrad.schedules", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages P")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches M")
     p.add_argument("--cost-f", type=float, default=1.0)
-    p.add_argument("--cost-b", type=float, default=1.0,
-                   help="input-gradient backward (B); without a split backward B costs B + W")
+    p.add_argument(
+        "--cost-b",
+        type=float,
+        default=1.0,
+        help="input-gradient backward (B); without a split backward B costs B + W",
+    )
     p.add_argument("--cost-w", type=float, default=1.0)
-    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="model chunks per stage (interleaved schedule; costs divided by V)")
-    p.add_argument("--microbatch-group-size", type=int, default=None,
-                   help="Megatron's --microbatch-group-size-per-virtual-pipeline-stage "
-                        "(default: P, and M must be a multiple of P)")
-    p.add_argument("--compare", action="store_true",
-                   help="1F1B, ZB-H1 and (V > 1) their interleaved forms side by side")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per stage (interleaved schedule; costs divided by V)",
+    )
+    p.add_argument(
+        "--microbatch-group-size",
+        type=int,
+        default=None,
+        help="Megatron's --microbatch-group-size-per-virtual-pipeline-stage "
+        "(default: P, and M must be a multiple of P)",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="1F1B, ZB-H1 and (V > 1) their interleaved forms side by side",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-stage timeline")
     args = p.parse_args(argv)
@@ -126,8 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name, v in runs:
         try:
-            table = get_schedule(name, args.stages, args.microbatches, v,
-                                 args.microbatch_group_size)
+            table = get_schedule(
+                name, args.stages, args.microbatches, v, args.microbatch_group_size
+            )
         except ValueError as exc:
             p.error(str(exc))
         costs = (args.cost_f / v, args.cost_b / v, args.cost_w / v)
@@ -138,10 +182,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(rows if args.compare else rows[0]))
     else:
         for out in rows:
-            print(f"{out['schedule']}: P={out['stages']} M={out['microbatches']} "
-                  f"V={out['virtual_stages']} | ticks {out['num_ticks']} | makespan "
-                  f"{out['makespan']:g} | bubble {100 * out['bubble_fraction']:.1f}% | "
-                  f"max in flight {out['max_in_flight']}")
+            print(
+                f"{out['schedule']}: P={out['stages']} M={out['microbatches']} "
+                f"V={out['virtual_stages']} | ticks {out['num_ticks']} | makespan "
+                f"{out['makespan']:g} | bubble {100 * out['bubble_fraction']:.1f}% | "
+                f"max in flight {out['max_in_flight']}"
+            )
     return rows if args.compare else rows[0]
 
 

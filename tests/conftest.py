@@ -26,10 +26,10 @@ if "JAX_PLATFORMS" not in os.environ and _cuda_gpu_usable():
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from script_util import load_script  # noqa: E402
 
 import jax_wgrad  # noqa: E402
 from jax_wgrad.ops import registry  # noqa: E402
-from script_util import load_script  # noqa: E402
 
 jax_wgrad.use_virtual_cpu_devices(8)
 
@@ -48,7 +48,8 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to jax here")
     cuda_handler = registry.load_error("cuda")  # None: built, imported and registered
     skip_handler = pytest.mark.skip(
-        reason=f"needs the CUDA handler importable (no GPU needed): {cuda_handler}")
+        reason=f"needs the CUDA handler importable (no GPU needed): {cuda_handler}"
+    )
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)

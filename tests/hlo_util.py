@@ -44,9 +44,14 @@ def collective_arrays(lines, op: str, dtype: str = "f32", replica_groups=None) -
         if m and want is not None:
             g = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
             named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-            got = [] if g is None else [
-                tuple(sorted(int(x) for x in grp.split(",") if x))
-                for grp in re.findall(r"\{([\d,]*)\}", g.group(1))]
+            got = (
+                []
+                if g is None
+                else [
+                    tuple(sorted(int(x) for x in grp.split(",") if x))
+                    for grp in re.findall(r"\{([\d,]*)\}", g.group(1))
+                ]
+            )
             if named is not None:
                 got = _mesh_groups(named.group(1), named.group(2))
             if sorted(got) != want:
@@ -79,7 +84,7 @@ def dataflow(lines) -> dict[str, set[str]]:
     for line in lines:
         m = INSTRUCTION.match(line.strip())
         if m:
-            rhs = re.sub(r'(metadata=\{[^}]*\}|"[^"]*")', "", line.strip()[m.end():])
+            rhs = re.sub(r'(metadata=\{[^}]*\}|"[^"]*")', "", line.strip()[m.end() :])
             # %-style: operands are the %names; bare style: names not followed by "("
             # (which are opcodes).
             token = r"%([\w.\-]+)" if "%" in line else r"(?<![\w.\-])([\w.\-]+)(?![\w.\-(])"

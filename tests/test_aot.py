@@ -17,8 +17,15 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from jax_wgrad import GPTConfig, ParallelConfig, TrainPlan, default_optimizer
-from jax_wgrad import fusion_available, make_mesh, wgrad_accumulate
+from jax_wgrad import (
+    GPTConfig,
+    ParallelConfig,
+    TrainPlan,
+    default_optimizer,
+    fusion_available,
+    make_mesh,
+    wgrad_accumulate,
+)
 from jax_wgrad.aot import gpu_target, hlo, thunks
 from jax_wgrad.ops import registry
 
@@ -42,8 +49,11 @@ def _fused_update(b, x):
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
 def test_schedule_loop_and_custom_call_aliasing_on_cpu_hlo():
-    text = _loop_hlo(lambda b, x: b.at[:256].add(wgrad_accumulate(
-        x, x, jnp.zeros((16, 16), jnp.float32)).ravel()))
+    text = _loop_hlo(
+        lambda b, x: b.at[:256].add(
+            wgrad_accumulate(x, x, jnp.zeros((16, 16), jnp.float32)).ravel()
+        )
+    )
     name, body = hlo.schedule_loop(text, [N])
     assert name and body in hlo.computations(text)
     calls = hlo.custom_calls(text, registry.TARGET)
@@ -52,27 +62,36 @@ def test_schedule_loop_and_custom_call_aliasing_on_cpu_hlo():
 
 
 def test_bucket_sized_kernel_in_loop_is_found():
-    comps_of = lambda t: (hlo.computations(t), hlo.schedule_loop(t, [N]))  # noqa: E731
+    comps_of = lambda t: (hlo.computations(t), hlo.schedule_loop(t, [N]))
     comps, (_, body) = comps_of(_loop_hlo(lambda b, x: b * 1.5 + x.sum()))
     found = hlo.sized_ops(comps, hlo.reachable(comps, body), [N])
     assert found and all(f"f32[{N}]" in i.shape for i in found), found
+
     # A traced-offset block update: XLA:CPU updates in place, no bucket-sized kernel.
     def block(b, x):
         o = (x[0, 0] > 0).astype(jnp.int32) * 512
         return lax.dynamic_update_slice(b, lax.dynamic_slice(b, (o,), (128,)) + x.ravel(), (o,))
+
     comps, (_, body) = comps_of(_loop_hlo(block))
-    assert [i for i in hlo.sized_ops(comps, hlo.reachable(comps, body), [N])
-            if i.opcode == "copy"] == []
+    assert [
+        i for i in hlo.sized_ops(comps, hlo.reachable(comps, body), [N]) if i.opcode == "copy"
+    ] == []
 
 
 def test_16bit_scatter_is_found():
     # XLA:CPU upcasts 16-bit scatters itself (XLA:GPU does not): a GPU-style line.
-    line = ("  %input_scatter_fusion = bf16[256,2048]{1,0} scatter(%p0, %p1, %p2), "
-            "update_window_dims={1}, to_apply=%add")
+    line = (
+        "  %input_scatter_fusion = bf16[256,2048]{1,0} scatter(%p0, %p1, %p2), "
+        "update_window_dims={1}, to_apply=%add"
+    )
     assert [i.name for i in hlo.scatters_16bit(line)] == ["input_scatter_fusion"]
     ids = jnp.arange(64) % 7
-    text = jax.jit(lambda t, g: t.at[ids].add(g)).lower(
-        jnp.zeros((16, 8), jnp.float32), jnp.ones((64, 8), jnp.float32)).compile().as_text()
+    text = (
+        jax.jit(lambda t, g: t.at[ids].add(g))
+        .lower(jnp.zeros((16, 8), jnp.float32), jnp.ones((64, 8), jnp.float32))
+        .compile()
+        .as_text()
+    )
     assert "scatter(" in text and hlo.scatters_16bit(text) == []
 
 
@@ -170,10 +189,10 @@ def test_reduce_scatters_beside_memory_bound_kernels_are_not_overlapped():
     assert permute.gemms_between == ("gemm_fusion",) and permute.overlapped
     groups = {c.group: c for c in collectives(comps)}
     sync = groups["cooldown reduce-scatters (data-parallel grad sync)"]
-    assert (sync.total, sync.asynchronous, sync.overlapped, sync.memory_bound_only) == \
-        (2, 2, 0, 1)
-    assert sync.format().endswith("not overlapped with compute: only memory-bound kernels "
-                                  "run while they are in flight")
+    assert (sync.total, sync.asynchronous, sync.overlapped, sync.memory_bound_only) == (2, 2, 0, 1)
+    assert sync.format().endswith(
+        "not overlapped with compute: only memory-bound kernels run while they are in flight"
+    )
     assert groups["pipeline permutes"].format().endswith(": all overlapped with compute")
 
 
@@ -280,12 +299,16 @@ def test_non_gemm_traffic_of_a_tick_by_task_and_kind():
     gemm = next(i for i in hlo.instructions(comps["fwd_busy"]) if i.name == "gemm_fusion")
     assert hlo.gemm_class(gemm, comps) and hlo.kernel_traffic(gemm, comps) is None
     # compiled.as_text() runs the dynamic-update-slice as an asynchronous fusion: the same
-    dus = ("%loop_dynamic_update_slice_fusion = f32[16384]{0} fusion(%param.1#0, "
-           "%param.1#1, %param.1#2), kind=kLoop, calls=%fused_dus")
-    started = ("%fusion-start = ((f32[16384]{0}, bf16[2,64,64]{2,1,0}, s32[]), f32[16384]{0}, "
-               "u32[]) fusion-start(%param.1#0, %param.1#1, %param.1#2), kind=kLoop, "
-               "calls=%fused_dus\n  %loop_dynamic_update_slice_fusion = f32[16384]{0} "
-               "fusion-done(%fusion-start)")
+    dus = (
+        "%loop_dynamic_update_slice_fusion = f32[16384]{0} fusion(%param.1#0, "
+        "%param.1#1, %param.1#2), kind=kLoop, calls=%fused_dus"
+    )
+    started = (
+        "%fusion-start = ((f32[16384]{0}, bf16[2,64,64]{2,1,0}, s32[]), f32[16384]{0}, "
+        "u32[]) fusion-start(%param.1#0, %param.1#1, %param.1#2), kind=kLoop, "
+        "calls=%fused_dus\n  %loop_dynamic_update_slice_fusion = f32[16384]{0} "
+        "fusion-done(%fusion-start)"
+    )
     assert dus in _TICK
     assert hlo.loop_traffic(_TICK.replace(dus, started), "tick").overhead == tick.overhead
     # a loop of unknown trip count: one iteration, its condition included, and said so
@@ -331,11 +354,19 @@ def test_non_gemm_traffic_of_a_cpu_compiled_scan():
         def body(carry, x):
             b, c, i = carry
             return (b * 1.5, lax.dynamic_update_slice(c, x * 2.0, (i * 128,)), i + 1), None
+
         return lax.scan(body, (b, c, jnp.int32(0)), xs)[0]
 
-    text = jax.jit(f, donate_argnums=(0, 1)).lower(
-        jnp.zeros(N, jnp.float32), jnp.zeros(2 * N, jnp.float32),
-        jnp.ones((3, 128), jnp.float32)).compile().as_text()
+    text = (
+        jax.jit(f, donate_argnums=(0, 1))
+        .lower(
+            jnp.zeros(N, jnp.float32),
+            jnp.zeros(2 * N, jnp.float32),
+            jnp.ones((3, 128), jnp.float32),
+        )
+        .compile()
+        .as_text()
+    )
     _, body = hlo.schedule_loop(text, [2 * N])
     tick = hlo.loop_traffic(text, body)
     scalars = 64  # a few s32 copies and adds
@@ -355,14 +386,16 @@ def test_per_microbatch_cost_of_the_busiest_stage():
 
     table = one_f_one_b(2, 4)  # 2 stages, 4 microbatches
     t = table.num_ticks
-    tasks = {"forward": (hlo.Traffic(fusion=1), hlo.Traffic(fusion=10)),
-             "backward": (hlo.Traffic(), hlo.Traffic(copy=100)),
-             "grad_sync_in_cooldown": (hlo.Traffic(), hlo.Traffic(memset=1000))}
-    got = _per_microbatch(hlo.Traffic(dynamic_update_slice=2), tasks, table,
-                          lambda x: x.total)
+    tasks = {
+        "forward": (hlo.Traffic(fusion=1), hlo.Traffic(fusion=10)),
+        "backward": (hlo.Traffic(), hlo.Traffic(copy=100)),
+        "grad_sync_in_cooldown": (hlo.Traffic(), hlo.Traffic(memset=1000)),
+    }
+    got = _per_microbatch(hlo.Traffic(dynamic_update_slice=2), tasks, table, lambda x: x.total)
     # every stage runs 4 forwards, 4 backwards and its cooldown sync once
-    want = hlo.Traffic(fusion=4 * 10 + (t - 4) * 1, copy=4 * 100, memset=1000,
-                       dynamic_update_slice=2 * t) * (1 / 4)
+    want = hlo.Traffic(
+        fusion=4 * 10 + (t - 4) * 1, copy=4 * 100, memset=1000, dynamic_update_slice=2 * t
+    ) * (1 / 4)
     assert got == want
     launches = _per_microbatch(3, {"forward": (1, 5), "backward": (0, 7)}, table, float)
     assert launches == (3 * t + 4 * 5 + (t - 4) * 1 + 4 * 7) / 4
@@ -401,9 +434,11 @@ condition:
 000: kCommandBuffer [prev=003 (1) | sink        ]
     017: kCopy         [source        | sink         ] kCopy
 """
-_META = "".join(f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n'
-                f'    thunk_id: {i}\n  }}\n  thunk_kind: "k"\n}}\n'
-                for i, n in [(3, "while.1"), (8, "cond.1"), (15, "cond.2")])
+_META = "".join(
+    f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n'
+    f'    thunk_id: {i}\n  }}\n  thunk_kind: "k"\n}}\n'
+    for i, n in [(3, "while.1"), (8, "cond.1"), (15, "cond.2")]
+)
 
 
 def test_thunk_sequence_launch_counts():
@@ -416,15 +451,24 @@ def test_thunk_sequence_launch_counts():
     # once: 2 command buffers + the while (condition 1, body: async copy 1, busy branches
     # 1 graph + 1 custom call + inner while 2, and 1 custom call)
     assert thunks.launches(seq) == 2 + 1 + 1 + 4 + 1
-    count = thunks.loop_launches(seq, thunks.thunk_names(_META), "while.1",
-                              {"cond.1": "jit(step)/while/body/forward/cond",
-                               "cond.2": "jit(step)/while/body/grad_sync_in_cooldown/cond"})
+    count = thunks.loop_launches(
+        seq,
+        thunks.thunk_names(_META),
+        "while.1",
+        {
+            "cond.1": "jit(step)/while/body/forward/cond",
+            "cond.2": "jit(step)/while/body/grad_sync_in_cooldown/cond",
+        },
+    )
     assert count.overhead == 2  # the condition's compare and the async slice copy
     assert count.tasks == {"forward": (0, 4), "grad_sync_in_cooldown": (0, 1)}
     assert count.tick("forward") == 6 and count.conditionals == 2
     # the cooldown's branch is busy once per step: not in the per-tick counts
-    assert (count.command_buffers, count.kernels_in_command_buffers,
-            count.custom_calls_outside) == (1, 2, 1)
+    assert (
+        count.command_buffers,
+        count.kernels_in_command_buffers,
+        count.custom_calls_outside,
+    ) == (1, 2, 1)
 
 
 def _nested_scan_hlo() -> str:
@@ -432,8 +476,9 @@ def _nested_scan_hlo() -> str:
     # pipeline's layer scan inside a tick); XLA:CPU prints the inner while first
     def f(b, xs):
         def tick(b, x):
-            layer = lambda b, w: (b.at[:16].add(w.sum() * x.sum()), None)  # noqa: E731
+            layer = lambda b, w: (b.at[:16].add(w.sum() * x.sum()), None)
             return lax.scan(layer, b, jnp.ones((3, 4), jnp.float32))[0], None
+
         return lax.scan(tick, b, xs)[0]
 
     args = (jnp.zeros(N, jnp.float32), jnp.ones((5, 8), jnp.float32))
@@ -484,7 +529,8 @@ condition:
 _NESTED_META = "".join(
     f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n'
     f'    thunk_id: {i}\n  }}\n  thunk_kind: "k"\n}}\n'
-    for i, n in [(3, "while.1"), (8, "cond.1"), (20, "while.2"), (30, "while.3")])
+    for i, n in [(3, "while.1"), (8, "cond.1"), (20, "while.2"), (30, "while.3")]
+)
 
 
 def test_nested_while_counts_its_body_times_its_trip_count():
@@ -492,12 +538,16 @@ def test_nested_while_counts_its_body_times_its_trip_count():
     assert [t.id for t in seq] == [3]
     layers = thunks.find_thunk(seq, 20)
     assert {k: [t.id for t in v] for k, v in layers.nested.items()} == {
-        "condition": [21], "body": [22, 0, 25]}
+        "condition": [21],
+        "body": [22, 0, 25],
+    }
     # what follows the nested loop stays in the branch, not in the outer loop
     assert [t.id for t in thunks.find_thunk(seq, 8).nested["false_branch"]] == [9, 20, 26]
     assert [t.id for t in seq[0].nested["body"]] == [5, 8, 30]
-    names, op_names = thunks.thunk_names(_NESTED_META), {
-        "cond.1": "jit(step)/while/body/forward/cond"}
+    names, op_names = (
+        thunks.thunk_names(_NESTED_META),
+        {"cond.1": "jit(step)/while/body/forward/cond"},
+    )
     # while.2 (the layers) runs 4 times, body only (XLA:GPU skips the condition of a loop of
     # known trip count); while.3's trip count is unknown: condition + body once
     trips = {"while.1": 10, "while.2": 4, "while.3": None}
@@ -506,46 +556,89 @@ def test_nested_while_counts_its_body_times_its_trip_count():
     assert count.overhead == 1 + 1 + 2  # the condition, the slice, while.3 once
     assert count.tick("forward") == 18
     assert (count.nested_loops, count.nested_launches, count.unknown_trip_loops) == (2, 14, 1)
-    assert (count.command_buffers, count.kernels_in_command_buffers,
-            count.custom_calls_outside) == (4, 8, 4)
+    assert (
+        count.command_buffers,
+        count.kernels_in_command_buffers,
+        count.custom_calls_outside,
+    ) == (4, 8, 4)
     assert thunks.launches(seq, trips={3: 10, 20: 4}) == 10 * (1 + 14 + 2)
     # without trip counts every nested loop is one iteration (condition + body)
     once = thunks.loop_launches(seq, names, "while.1", op_names)
     assert once.tasks == {"forward": (0, 1 + 4 + 1)} and once.overhead == 4
     assert (once.nested_loops, once.nested_launches, once.unknown_trip_loops) == (2, 6, 2)
-    assert (once.command_buffers, once.kernels_in_command_buffers,
-            once.custom_calls_outside) == (1, 2, 1)
+    assert (once.command_buffers, once.kernels_in_command_buffers, once.custom_calls_outside) == (
+        1,
+        2,
+        1,
+    )
 
 
 def _report(launches):
     from jax_wgrad.aot import AotReport
 
     return AotReport(
-        target="t", gpus_per_host=1, hosts=1, mesh_shape=(1, 1, 1, 1), num_params=0,
-        device_memory=1 << 30, mem_fraction=0.75, param_bytes=0, optimizer_bytes=0,
-        bucket_bytes=0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
-        generated_code_bytes=0, trace_lower_s=0.0, compile_s=0.0, fusion="", wgrad_calls=0,
-        wgrad_aliased=0, bucket_add_calls=0, bucket_add_aliased=0, loop="while.1",
-        bucket_sizes=(), loop_bucket_ops=(), cooldown_bucket_ops=(), scatters_16bit=(),
-        collectives=(), launches=launches, launches_per_microbatch=1.0, num_microbatches=1,
-        num_ticks=1, xla_flags=())
+        target="t",
+        gpus_per_host=1,
+        hosts=1,
+        mesh_shape=(1, 1, 1, 1),
+        num_params=0,
+        device_memory=1 << 30,
+        mem_fraction=0.75,
+        param_bytes=0,
+        optimizer_bytes=0,
+        bucket_bytes=0,
+        argument_bytes=0,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=0,
+        generated_code_bytes=0,
+        trace_lower_s=0.0,
+        compile_s=0.0,
+        fusion="",
+        wgrad_calls=0,
+        wgrad_aliased=0,
+        bucket_add_calls=0,
+        bucket_add_aliased=0,
+        loop="while.1",
+        bucket_sizes=(),
+        loop_bucket_ops=(),
+        cooldown_bucket_ops=(),
+        scatters_16bit=(),
+        collectives=(),
+        launches=launches,
+        launches_per_microbatch=1.0,
+        num_microbatches=1,
+        num_ticks=1,
+        xla_flags=(),
+    )
 
 
 def test_report_says_launches_in_nested_loops():
     seq, names = thunks.parse_thunks(_NESTED_THUNKS), thunks.thunk_names(_NESTED_META)
     op_names = {"cond.1": "jit(step)/while/body/forward/cond"}
-    count = thunks.loop_launches(seq, names, "while.1", op_names,
-                                 trips={"while.2": 4, "while.3": 7})
-    assert ("launches per tick (a tick running every task): 23 (loop 9, forward 14, of "
-            "which 19 in 2 nested loops);") in _report(count).format()
+    count = thunks.loop_launches(
+        seq, names, "while.1", op_names, trips={"while.2": 4, "while.3": 7}
+    )
+    assert (
+        "launches per tick (a tick running every task): 23 (loop 9, forward 14, of "
+        "which 19 in 2 nested loops);"
+    ) in _report(count).format()
     count = thunks.loop_launches(seq, names, "while.1", op_names, trips={"while.2": 4})
-    assert ("18 (loop 4, forward 14, of which 14 in 2 nested loops (a loop of unknown trip "
-            "count counted once));") in _report(count).format()
+    assert (
+        "18 (loop 4, forward 14, of which 14 in 2 nested loops (a loop of unknown trip "
+        "count counted once));"
+    ) in _report(count).format()
     # no nested loop: the line as before
-    flat = thunks.loop_launches(thunks.parse_thunks(_GRAPH_COND), thunks.thunk_names(_META),
-                                "while.1", {"cond.1": "jit(step)/while/body/backward/cond"})
-    assert "launches per tick (a tick running every task): 2 (loop 1, backward 1); " in \
-        _report(flat).format()
+    flat = thunks.loop_launches(
+        thunks.parse_thunks(_GRAPH_COND),
+        thunks.thunk_names(_META),
+        "while.1",
+        {"cond.1": "jit(step)/while/body/backward/cond"},
+    )
+    assert (
+        "launches per tick (a tick running every task): 2 (loop 1, backward 1); "
+        in _report(flat).format()
+    )
 
 
 def test_bytes_per_parameter_beside_megatron():
@@ -562,15 +655,24 @@ def test_bytes_per_parameter_beside_megatron():
     moe, text = megatron_figures(2, True, 4, 0.5, 1)
     assert moe["optimizer"] == 12 * (0.5 / 4 + 0.5 / 1) and "expert-DP size 1" in text
     report = dataclasses.replace(
-        _report(None), param_bytes=2 * 1000, bucket_bytes=4 * 1000, optimizer_bytes=3 * 1000,
-        params_per_device=1000, param_itemsize=2, distributed_optimizer=True,
-        data_parallel_size=4, traffic=hlo.TickTraffic(hlo.Traffic(), {}, 0),
-        traffic_per_microbatch=hlo.Traffic(fusion=2e9, copy=1e9), memory_bandwidth=3e12)
-    assert report.bytes_per_parameter() == {"params": 2, "grads": 4, "optimizer": 3,
-                                            "total": 9}
+        _report(None),
+        param_bytes=2 * 1000,
+        bucket_bytes=4 * 1000,
+        optimizer_bytes=3 * 1000,
+        params_per_device=1000,
+        param_itemsize=2,
+        distributed_optimizer=True,
+        data_parallel_size=4,
+        traffic=hlo.TickTraffic(hlo.Traffic(), {}, 0),
+        traffic_per_microbatch=hlo.Traffic(fusion=2e9, copy=1e9),
+        memory_bandwidth=3e12,
+    )
+    assert report.bytes_per_parameter() == {"params": 2, "grads": 4, "optimizer": 3, "total": 9}
     text = report.format()
-    assert ("params 2.00 | grads 4.00 | optimizer 3.00 | total 9.00; Megatron-LM (16-bit "
-            "params, fp32 grads, distributed optimizer): 2 + 4 + 12/DP (DP 4)") in text
+    assert (
+        "params 2.00 | grads 4.00 | optimizer 3.00 | total 9.00; Megatron-LM (16-bit "
+        "params, fp32 grads, distributed optimizer): 2 + 4 + 12/DP (DP 4)"
+    ) in text
     assert "non-GEMM memory traffic per microbatch" in text
     assert ": 3.00 GB, 1.00 ms at 3.00 TB/s (fusions 2.00 GB, copies 1.00 GB," in text
     figures = report.figures()
@@ -589,15 +691,17 @@ def test_targets():
         gpu_target("a100")
 
 
-MODEL = GPTConfig(vocab_size=256, num_layers=2, hidden_size=64, num_attention_heads=4,
-                  seq_length=32)
+MODEL = GPTConfig(
+    vocab_size=256, num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32
+)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
 def test_plan_without_fusion_check(monkeypatch):
-    par = ParallelConfig(micro_batch_size=2, global_batch_size=16,
-                         gradient_accumulation_fusion=True)
+    par = ParallelConfig(
+        micro_batch_size=2, global_batch_size=16, gradient_accumulation_fusion=True
+    )
     mesh = make_mesh(par)
     from jax_wgrad.training import plan as plan_module
 
@@ -627,7 +731,8 @@ def test_target_devices_blames_the_plugin_only_when_it_is_missing(monkeypatch):
     assert str(exc.value).startswith(
         "compiling for a GPU needs jax's CUDA plugin (e.g. pip install 'jax[cuda13]'), and "
         "none is installed here; jax could not describe 1 x 8 NVIDIA H100 80GB HBM3: "
-        "NotImplementedError: topology not implemented for cuda")
+        "NotImplementedError: topology not implemented for cuda"
+    )
     # installed, but jax started with CUDA among its platforms on a machine without a GPU
     monkeypatch.setattr(targets, "cuda_plugin", lambda: "jax_plugins.xla_cuda13")
     old = jax.config.jax_platforms
@@ -637,8 +742,10 @@ def test_target_devices_blames_the_plugin_only_when_it_is_missing(monkeypatch):
             with pytest.raises(RuntimeError) as exc:
                 targets.target_devices("h100", 8)
             text = str(exc.value)
-            assert text.startswith("jax's CUDA plugin (jax_plugins.xla_cuda13) is installed "
-                                   "but could not describe 1 x 8 NVIDIA H100 80GB HBM3: ")
+            assert text.startswith(
+                "jax's CUDA plugin (jax_plugins.xla_cuda13) is installed "
+                "but could not describe 1 x 8 NVIDIA H100 80GB HBM3: "
+            )
             assert "needs jax's CUDA plugin" not in text
             assert ("set JAX_PLATFORMS=cpu before jax is imported" in text) == hint
             assert (f"(JAX_PLATFORMS is {platforms or 'unset'})" in text) == hint
@@ -655,7 +762,7 @@ def _plugin_error() -> str | None:
         from jax_wgrad.aot import target_devices
 
         target_devices("h100", 1)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return str(exc)
     if registry.load_error("cuda") is not None:
         return f"the CUDA handler is not loaded: {registry.load_error('cuda')}"
@@ -675,8 +782,9 @@ aot = pytest.mark.aot
 def test_single_h100_step_structure(plugin):
     from jax_wgrad.aot import compile_for_target
 
-    par = ParallelConfig(micro_batch_size=2, global_batch_size=8, world_size=1,
-                         gradient_accumulation_fusion=True)
+    par = ParallelConfig(
+        micro_batch_size=2, global_batch_size=8, world_size=1, gradient_accumulation_fusion=True
+    )
     model = GPTConfig(**{**MODEL.__dict__, "compute_dtype": "bfloat16"})
     report = compile_for_target(model, par, target="h100")
     assert report.fits and "fits (" in report.verdict()
@@ -707,12 +815,32 @@ def test_does_not_fit_verdict(plugin):
 
 @aot
 def test_example_compile_only_on_8_h100(plugin, example, capsys):
-    argv = ["--compile-only", "--target", "h100", "--target-gpus", "8",
-            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-            "--sequence-parallel", "--gradient-accumulation-fusion",
-            "--use-distributed-optimizer", "--overlap-grad-reduce",
-            "--defer-embedding-wgrad-compute", "--num-layers", "4", "--hidden-size", "64",
-            "--seq-length", "32", "--global-batch-size", "16", "--micro-batch-size", "2"]
+    argv = [
+        "--compile-only",
+        "--target",
+        "h100",
+        "--target-gpus",
+        "8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--gradient-accumulation-fusion",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--defer-embedding-wgrad-compute",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--seq-length",
+        "32",
+        "--global-batch-size",
+        "16",
+        "--micro-batch-size",
+        "2",
+    ]
     report = example.main(argv)["aot"]
     out = capsys.readouterr().out
     assert "8 NVIDIA H100 80GB HBM3" in out and "(2, 1, 2, 2)" in out
@@ -737,9 +865,21 @@ def test_example_compile_only_on_8_h100(plugin, example, capsys):
 def test_example_exits_1_when_it_does_not_fit(plugin, example, monkeypatch, capsys):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.00001")  # < 1 MiB of 79 GiB
     with pytest.raises(SystemExit) as exc:
-        example.main(["--compile-only", "--num-layers", "2", "--hidden-size", "64",
-                      "--seq-length", "32", "--global-batch-size", "16",
-                      "--micro-batch-size", "2"])
+        example.main(
+            [
+                "--compile-only",
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "64",
+                "--seq-length",
+                "32",
+                "--global-batch-size",
+                "16",
+                "--micro-batch-size",
+                "2",
+            ]
+        )
     assert exc.value.code == 1
     assert "verdict: DOES NOT FIT: needs" in capsys.readouterr().out
 
@@ -769,10 +909,22 @@ def test_llama3_8b_on_8_h100_fits_in_place():
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     row = scale.run_layout(scale.BY_NAME["llama3-8b-tp2pp2dp2-s4k-full"], "h100", env=env)
     assert row["status"] == "fits", row.get("error", row["status"])
-    for key in ("peak_bytes", "budget_bytes", "fits", "params_bytes", "optimizer_bytes",
-                "grad_bytes", "temp_bytes", "launches_per_microbatch", "fused_calls",
-                "fused_aliased", "compile_s", "bytes_per_param", "megatron_bytes_per_param",
-                "non_gemm_bytes_per_microbatch"):
+    for key in (
+        "peak_bytes",
+        "budget_bytes",
+        "fits",
+        "params_bytes",
+        "optimizer_bytes",
+        "grad_bytes",
+        "temp_bytes",
+        "launches_per_microbatch",
+        "fused_calls",
+        "fused_aliased",
+        "compile_s",
+        "bytes_per_param",
+        "megatron_bytes_per_param",
+        "non_gemm_bytes_per_microbatch",
+    ):
         assert key in row, key
     assert row["peak_bytes"] <= row["budget_bytes"]
     assert row["fused_calls"] > 0 and row["fused_aliased"] == row["fused_calls"]
@@ -801,21 +953,40 @@ condition:
 
 
 def test_conditional_captured_in_a_command_buffer_is_one_launch():
-    count = thunks.loop_launches(thunks.parse_thunks(_GRAPH_COND), thunks.thunk_names(_META), "while.1",
-                              {"cond.1": "jit(step)/while/body/backward/cond"})
+    count = thunks.loop_launches(
+        thunks.parse_thunks(_GRAPH_COND),
+        thunks.thunk_names(_META),
+        "while.1",
+        {"cond.1": "jit(step)/while/body/backward/cond"},
+    )
     assert count.tasks == {"backward": (1, 1)} and count.overhead == 1
     assert count.tasks_in_command_buffers == ("backward",) and count.conditionals == 0
-    assert (count.command_buffers, count.kernels_in_command_buffers,
-            count.custom_calls_outside) == (1, 2, 0)
+    assert (
+        count.command_buffers,
+        count.kernels_in_command_buffers,
+        count.custom_calls_outside,
+    ) == (1, 2, 0)
 
 
 def test_example_compile_only_without_plugin_is_a_clear_error(example, capsys):
     if _plugin_error() is None:
         pytest.skip("jax's CUDA plugin is here: the compile would run (see the aot tests)")
     with pytest.raises(SystemExit) as exc:
-        example.main(["--compile-only", "--num-layers", "2", "--hidden-size", "64",
-                      "--seq-length", "32", "--global-batch-size", "16",
-                      "--micro-batch-size", "2"])
+        example.main(
+            [
+                "--compile-only",
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "64",
+                "--seq-length",
+                "32",
+                "--global-batch-size",
+                "16",
+                "--micro-batch-size",
+                "2",
+            ]
+        )
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "compiling for a GPU needs jax's CUDA plugin" in err or "cannot be lowered" in err

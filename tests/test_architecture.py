@@ -17,11 +17,17 @@ MODULES = sorted(p for p in PKG.rglob("*.py"))
 # Import tiers, bottom up: a module may import its own tier and the ones below. The
 # foundation (mesh with the axis names, the parallel config, the schedule tables, the
 # per-step stage set-up, argument checks) is importable from anywhere.
-FOUNDATION = ("jax_wgrad._validation", "jax_wgrad._cuda_probe", "jax_wgrad.parallel.mesh",
-              "jax_wgrad.parallel.config",
-              "jax_wgrad.parallel.pipeline.schedules", "jax_wgrad.parallel.pipeline.interleaved",
-              "jax_wgrad.parallel.pipeline.setup", "jax_wgrad.parallel.pipeline.virtual",
-              "jax_wgrad.parallel")
+FOUNDATION = (
+    "jax_wgrad._validation",
+    "jax_wgrad._cuda_probe",
+    "jax_wgrad.parallel.mesh",
+    "jax_wgrad.parallel.config",
+    "jax_wgrad.parallel.pipeline.schedules",
+    "jax_wgrad.parallel.pipeline.interleaved",
+    "jax_wgrad.parallel.pipeline.setup",
+    "jax_wgrad.parallel.pipeline.virtual",
+    "jax_wgrad.parallel",
+)
 TIERS = [
     ("jax_wgrad.ops",),
     ("jax_wgrad.functional",),
@@ -88,8 +94,11 @@ def test_imports_follow_the_tiers():
 def test_grads_do_not_import_the_model():
     for path in (PKG / "grads").rglob("*.py"):
         deps = _imports(path)
-        assert not [d for d in deps if d.startswith(("jax_wgrad.models", "jax_wgrad.nn",
-                                                     "jax_wgrad.training"))], path
+        assert not [
+            d
+            for d in deps
+            if d.startswith(("jax_wgrad.models", "jax_wgrad.nn", "jax_wgrad.training"))
+        ], path
 
 
 def _docstrings(tree) -> set[int]:
@@ -122,10 +131,24 @@ def test_axis_names_are_spelled_only_in_the_mesh_module():
 
 
 def test_public_api():
-    required = ["DDPConfig", "GPTConfig", "ParallelConfig", "make_mesh", "init_params",
-                "param_specs", "GPTProgram", "pipeline_gradients", "init_train_state",
-                "build_train_step", "default_optimizer", "shard_batch", "plan_buckets",
-                "wgrad_accumulate", "linear", "linear_into_bucket"]
+    required = [
+        "DDPConfig",
+        "GPTConfig",
+        "ParallelConfig",
+        "make_mesh",
+        "init_params",
+        "param_specs",
+        "GPTProgram",
+        "pipeline_gradients",
+        "init_train_state",
+        "build_train_step",
+        "default_optimizer",
+        "shard_batch",
+        "plan_buckets",
+        "wgrad_accumulate",
+        "linear",
+        "linear_into_bucket",
+    ]
     for name in required:
         assert name in jax_wgrad.__all__ and hasattr(jax_wgrad, name), name
     for name in jax_wgrad.__all__:

@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from script_util import load_script
 
 from jax_wgrad import fusion_available
-from script_util import load_script
 
 
 def _load(name):
@@ -16,13 +16,37 @@ def _load(name):
 @pytest.mark.skipif(not fusion_available("cpu"), reason="the fused step needs the CPU handler")
 def test_step_vs_plain_jax_prints_one_json_line(capsys):
     bench = _load("step_vs_plain_jax")
-    bench.main(["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
-                "--micro-batch-size", "2", "--global-batch-size", "4", "--steps", "1",
-                "--warmup", "1", "--peak-tflops", "1.0"])
+    bench.main(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--peak-tflops",
+            "1.0",
+        ]
+    )
     (line,) = capsys.readouterr().out.strip().splitlines()
     row = json.loads(line)
-    for key in ("plain_ms", "fused_ms", "unfused_ms", "fused_over_plain", "mfu",
-                "peak_tflops", "peak_source"):
+    for key in (
+        "plain_ms",
+        "fused_ms",
+        "unfused_ms",
+        "fused_over_plain",
+        "mfu",
+        "peak_tflops",
+        "peak_source",
+    ):
         assert key in row, key
     assert row["peak_source"] == "--peak-tflops" and row["fused_ms"] > 0
     # Same parameters and batch: the three steps' first losses agree.
@@ -41,8 +65,20 @@ def test_model_flops_formula():
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
 def test_wgrad_kernel_prints_rows(capsys):
-    _load("wgrad_kernel").main(["--cases", "64x16x8", "4x32x16x8", "--dtypes", "float32",
-                                "bfloat16", "--warmup", "0", "--iters", "1"])
+    _load("wgrad_kernel").main(
+        [
+            "--cases",
+            "64x16x8",
+            "4x32x16x8",
+            "--dtypes",
+            "float32",
+            "bfloat16",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+        ]
+    )
     rows = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
     assert [r["dtype"] for r in rows] == ["float32"] * 2 + ["bfloat16"] * 2
     assert [r.get("E") for r in rows] == [None, 4] * 2  # the grouped (expert) case
@@ -56,9 +92,28 @@ def test_wgrad_kernel_bad_case():
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
 def test_ragged_gemm_prints_rows(capsys):
-    _load("ragged_gemm").main(["--rows", "64", "--hidden", "16", "--ffn", "8", "--groups",
-                               "4", "--fractions", "1", "0.25", "--dtypes", "bfloat16",
-                               "--warmup", "0", "--iters", "1", "--json"])
+    _load("ragged_gemm").main(
+        [
+            "--rows",
+            "64",
+            "--hidden",
+            "16",
+            "--ffn",
+            "8",
+            "--groups",
+            "4",
+            "--fractions",
+            "1",
+            "0.25",
+            "--dtypes",
+            "bfloat16",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--json",
+        ]
+    )
     rows = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
     assert [r["routed"] for r in rows] == [1.0, 0.25]
     assert all(r["fwd_fused_ms"] > 0 and r["wgrad_ratio"] > 0 for r in rows)

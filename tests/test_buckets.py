@@ -23,7 +23,6 @@ from jax_wgrad.grads.plan import (
     shard_range,
 )
 
-
 # ----------------------------------------------------------------------------------------
 # Port of Megatron's test_bucket_sizes.
 #
@@ -384,13 +383,33 @@ def test_shard_range_and_param_shards():
     assert shard_range(bucket, 1, 2) == (192, 384)
     r0 = param_shards(plan, 0, 0)
     r1 = param_shards(plan, 0, 1)
-    assert [(p.param_index, p.buffer_start, p.buffer_end, p.shard_start, p.shard_end,
-             p.param_start, p.param_end) for p in r0] == [
+    assert [
+        (
+            p.param_index,
+            p.buffer_start,
+            p.buffer_end,
+            p.shard_start,
+            p.shard_end,
+            p.param_start,
+            p.param_end,
+        )
+        for p in r0
+    ] == [
         (1, 0, 100, 0, 100, 0, 100),
         (0, 128, 192, 128, 192, 0, 64),
     ]
-    assert [(p.param_index, p.buffer_start, p.buffer_end, p.shard_start, p.shard_end,
-             p.param_start, p.param_end) for p in r1] == [
+    assert [
+        (
+            p.param_index,
+            p.buffer_start,
+            p.buffer_end,
+            p.shard_start,
+            p.shard_end,
+            p.param_start,
+            p.param_end,
+        )
+        for p in r1
+    ] == [
         (0, 192, 328, 0, 136, 64, 200),
     ]
 
@@ -431,7 +450,9 @@ def test_validation(kwargs, match):
 
 def test_accepts_numpy_integers_and_is_frozen():
     plan = plan_buckets(
-        np.array([3, 4], dtype=np.int64), dp_size=np.int32(2), bucket_size=None,
+        np.array([3, 4], dtype=np.int64),
+        dp_size=np.int32(2),
+        bucket_size=None,
         use_distributed_optimizer=True,
     )
     assert plan.param_ranges == ((64, 67, 0), (0, 4, 0))
@@ -441,8 +462,9 @@ def test_accepts_numpy_integers_and_is_frozen():
     with pytest.raises(AttributeError):
         plan.buckets[0].offset = 1  # type: ignore[misc]
     assert isinstance(plan, BucketPlan)
-    assert hash(plan) == hash(plan_buckets([3, 4], dp_size=2, bucket_size=None,
-                                           use_distributed_optimizer=True))
+    assert hash(plan) == hash(
+        plan_buckets([3, 4], dp_size=2, bucket_size=None, use_distributed_optimizer=True)
+    )
 
 
 def test_summary_and_padding_fraction():
@@ -521,7 +543,7 @@ def _check_invariants(numels, shared, plan: BucketPlan, *, dp, bucket_size, use_
                     assert lo <= p.buffer_start < p.buffer_end <= hi
                     assert (p.param_start, p.param_end) == (p.buffer_start - s, p.buffer_end - s)
                     assert (p.shard_start, p.shard_end) == (p.buffer_start - lo, p.buffer_end - lo)
-                    covered[p.buffer_start:p.buffer_end] += 1
+                    covered[p.buffer_start : p.buffer_end] += 1
         expected = np.zeros(plan.numel, dtype=np.int32)
         for s, e, _ in plan.param_ranges:
             expected[s:e] = 1
@@ -546,12 +568,14 @@ def test_random_invariants():
             pad_buckets_for_high_nccl_busbw=high,
             shared_embedding=shared,
         )
-        _check_invariants(numels, shared, plan, dp=dp, bucket_size=bucket_size, use_do=use_do,
-                          high=high)
+        _check_invariants(
+            numels, shared, plan, dp=dp, bucket_size=bucket_size, use_do=use_do, high=high
+        )
         # Without shared embeddings the layout also matches Megatron's test gold values.
         if bucket_size is not None and not high:
-            plan = plan_buckets(numels, dp_size=dp, bucket_size=bucket_size,
-                                use_distributed_optimizer=use_do)
+            plan = plan_buckets(
+                numels, dp_size=dp, bucket_size=bucket_size, use_distributed_optimizer=use_do
+            )
             unpadded, padded = _megatron_gold(numels, bucket_size, use_do, False, dp)
             assert [b.numel_unpadded for b in plan.buckets] == unpadded
             assert [b.numel for b in plan.buckets] == padded
@@ -580,8 +604,9 @@ def test_small_gpt_layout(bucket_size):
     numels = gpt_numels()
     assert sum(numels) == 32768 + 16384 + 2 * (4 * 128 + 49536 + 16512 + 66048 + 65664) + 256
     plan = plan_buckets(numels, dp_size=8, bucket_size=bucket_size, use_distributed_optimizer=True)
-    _check_invariants(numels, [False] * len(numels), plan, dp=8, bucket_size=bucket_size,
-                      use_do=True, high=False)
+    _check_invariants(
+        numels, [False] * len(numels), plan, dp=8, bucket_size=bucket_size, use_do=True, high=False
+    )
     # Every size here is a multiple of 128, so nothing is padded. With bucket_size=40000,
     # backprop order gives: [final ln x2, fc2 b, fc2 w] = 65920; [fc1 b, fc1 w] = 66048;
     # [ln2 x2, proj b, proj w, qkv b, qkv w] = 66304; the same for layer 0 (the first of
@@ -596,6 +621,7 @@ def test_small_gpt_layout(bucket_size):
     # Hidden 100 (not a multiple of 64) does pad.
     odd = gpt_numels(hidden=100, vocab=257, seq=100)
     plan = plan_buckets(odd, dp_size=8, bucket_size=bucket_size, use_distributed_optimizer=True)
-    _check_invariants(odd, [False] * len(odd), plan, dp=8, bucket_size=bucket_size,
-                      use_do=True, high=False)
+    _check_invariants(
+        odd, [False] * len(odd), plan, dp=8, bucket_size=bucket_size, use_do=True, high=False
+    )
     assert 0 < plan.padding_fraction < 0.01

@@ -17,16 +17,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
-SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-         "--lr", "3e-3", "--no-progress", "--seed", "3"]
-L222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--sequence-parallel", "--use-distributed-optimizer"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--lr",
+    "3e-3",
+    "--no-progress",
+    "--seed",
+    "3",
+]
+L222 = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+]
 
 
 def _losses(path):
-    return [r["loss"] for r in map(json.loads, Path(path).read_text().splitlines())
-            if "loss" in r]
+    return [r["loss"] for r in map(json.loads, Path(path).read_text().splitlines()) if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +61,30 @@ def straight_and_saved(example, tmp_path_factory):
 def test_resume_is_bitwise_exact_on_the_same_layout(example, straight_and_saved):
     d, straight = straight_and_saved
     out = d / "resumed.jsonl"
-    example.main(SMALL + L222 + ["--train-iters", "6", "--load", str(d / "ckpt"),
-                                 "--metrics-file", str(out)])
+    example.main(
+        SMALL + L222 + ["--train-iters", "6", "--load", str(d / "ckpt"), "--metrics-file", str(out)]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 5, 6]
     assert [r["loss"] for r in rows] == straight[3:]  # bitwise
 
 
-@pytest.mark.parametrize("layout", [
-    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
-    [],  # (8, 1, 1), replicated optimizer
-], ids=["tp2pp4", "dp8"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
+        [],  # (8, 1, 1), replicated optimizer
+    ],
+    ids=["tp2pp4", "dp8"],
+)
 def test_resume_onto_another_layout(example, straight_and_saved, layout):
     d, straight = straight_and_saved
     out = d / f"other-{len(layout)}.jsonl"
-    example.main(SMALL + layout + ["--train-iters", "6", "--load", str(d / "ckpt"),
-                                   "--metrics-file", str(out)])
+    example.main(
+        SMALL
+        + layout
+        + ["--train-iters", "6", "--load", str(d / "ckpt"), "--metrics-file", str(out)]
+    )
     got = _losses(out)
     assert len(got) == 3
     for a, b in zip(got, straight[3:]):
@@ -65,8 +94,19 @@ def test_resume_onto_another_layout(example, straight_and_saved, layout):
 def test_no_load_optim_keeps_parameters_only(example, straight_and_saved):
     d, straight = straight_and_saved
     out = d / "fresh-optim.jsonl"
-    example.main(SMALL + L222 + ["--train-iters", "5", "--load", str(d / "ckpt"),
-                                 "--no-load-optim", "--metrics-file", str(out)])
+    example.main(
+        SMALL
+        + L222
+        + [
+            "--train-iters",
+            "5",
+            "--load",
+            str(d / "ckpt"),
+            "--no-load-optim",
+            "--metrics-file",
+            str(out),
+        ]
+    )
     got = _losses(out)
     assert got[0] == straight[3]  # same parameters, same batch: same loss
     assert got[1] != straight[4]  # but a fresh Adam state moves differently
@@ -79,8 +119,10 @@ def test_other_model_is_a_clear_error(example, straight_and_saved, capsys):
         example.main(other + ["--train-iters", "4", "--load", str(d / "ckpt")])
     assert exc.value.code == 2  # argparse's usage error
     err = capsys.readouterr().err
-    assert "was saved for a different model: --hidden-size=32 in the checkpoint, 64 in this " \
-        "run; --seq-length=32 in the checkpoint, 64 in this run" in err, err
+    assert (
+        "was saved for a different model: --hidden-size=32 in the checkpoint, 64 in this "
+        "run; --seq-length=32 in the checkpoint, 64 in this run" in err
+    ), err
 
 
 _KILL_DURING_SAVE = r"""
@@ -105,11 +147,26 @@ def test_killed_async_save_leaves_the_previous_checkpoint_loadable(example, tmp_
     the newest complete checkpoint and the metrics file holds every step exactly once."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     script = _KILL_DURING_SAVE % str(ROOT / "examples" / "pretrain_gpt.py")
-    run = subprocess.run([sys.executable, "-c", script, *SMALL, "--train-iters", "6",
-                          "--save", str(ckpt), "--save-interval", "2",
-                          "--metrics-file", str(metrics)],
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            *SMALL,
+            "--train-iters",
+            "6",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "2",
+            "--metrics-file",
+            str(metrics),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     from jax_wgrad.training import Checkpointer
 
@@ -118,8 +175,10 @@ def test_killed_async_save_leaves_the_previous_checkpoint_loadable(example, tmp_
     leftovers = [p.name for p in ckpt.iterdir() if not p.name.isdigit()]
     killed_steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert killed_steps == [1, 2, 3, 4]  # steps after the checkpoint are in the file
-    example.main(SMALL + ["--train-iters", str(latest + 1), "--load", str(ckpt),
-                          "--metrics-file", str(metrics)])
+    example.main(
+        SMALL
+        + ["--train-iters", str(latest + 1), "--load", str(ckpt), "--metrics-file", str(metrics)]
+    )
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, latest + 2))  # each step once: the redone ones replaced
     assert all("tmp" in name for name in leftovers), leftovers
@@ -142,16 +201,35 @@ def test_load_of_a_missing_directory_is_an_error(example, tmp_path, capsys):
     assert f"--load {typo}: no such directory" in line and "--save" in line
     assert not typo.exists()  # nothing created
     (tmp_path / "empty").mkdir()
-    line = _usage_error(example, capsys, SMALL + ["--train-iters", "2", "--load",
-                                                  str(tmp_path / "empty")])
+    line = _usage_error(
+        example, capsys, SMALL + ["--train-iters", "2", "--load", str(tmp_path / "empty")]
+    )
     assert "no checkpoint in this directory" in line
 
 
 def test_load_equal_to_save_starts_from_scratch_and_says_so(example, tmp_path, capsys):
     d = str(tmp_path / "new")
-    example.main(["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
-                  "--micro-batch-size", "2", "--global-batch-size", "16", "--no-progress",
-                  "--train-iters", "1", "--load", d, "--save", d])
+    example.main(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--no-progress",
+            "--train-iters",
+            "1",
+            "--load",
+            d,
+            "--save",
+            d,
+        ]
+    )
     assert f"no checkpoint in {d} yet: starting from scratch" in capsys.readouterr().out
     from jax_wgrad.training import Checkpointer
 
@@ -168,32 +246,50 @@ def _damaged_copy(src: Path, dst: Path, damage) -> Path:
 
 def _data_chunk(step_dir: Path) -> Path:
     """The largest data file of a step's parameters (tensorstore's OCDBT chunks)."""
-    return max((p for p in (step_dir / "params").rglob("*") if p.is_file()
-                and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    return max(
+        (p for p in (step_dir / "params").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: (d / "9").mkdir(), "step 9 is damaged: item 'meta' is missing"),
-    (lambda d: (d / "3" / "meta" / "metadata").unlink(), "step 3 is damaged: missing file "),
-    (lambda d: _data_chunk(d / "3").unlink(), "step 3 is damaged: ValueError: "),
-], ids=["fake-step-folder", "deleted-meta", "deleted-data-chunk"])
-def test_damaged_checkpoint_is_one_line(example, straight_and_saved, tmp_path, capsys, damage,
-                                        message):
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "9").mkdir(), "step 9 is damaged: item 'meta' is missing"),
+        (lambda d: (d / "3" / "meta" / "metadata").unlink(), "step 3 is damaged: missing file "),
+        (lambda d: _data_chunk(d / "3").unlink(), "step 3 is damaged: ValueError: "),
+    ],
+    ids=["fake-step-folder", "deleted-meta", "deleted-data-chunk"],
+)
+def test_damaged_checkpoint_is_one_line(
+    example, straight_and_saved, tmp_path, capsys, damage, message
+):
     d, _ = straight_and_saved
     ckpt = _damaged_copy(d / "ckpt", tmp_path / "ckpt", damage)
-    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load",
-                                                         str(ckpt)])
+    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt)])
     assert f"checkpoint {ckpt} {message}" in line, line
     assert len(line) < 400
 
 
-def test_fallback_to_the_newest_intact_step_when_told(example, straight_and_saved, tmp_path,
-                                                      capsys):
+def test_fallback_to_the_newest_intact_step_when_told(
+    example, straight_and_saved, tmp_path, capsys
+):
     d, straight = straight_and_saved
     ckpt = _damaged_copy(d / "ckpt", tmp_path / "ckpt", lambda d: (d / "9").mkdir())
     out = tmp_path / "m.jsonl"
-    example.main(SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt),
-                                 "--load-fallback-to-intact", "--metrics-file", str(out)])
+    example.main(
+        SMALL
+        + L222
+        + [
+            "--train-iters",
+            "4",
+            "--load",
+            str(ckpt),
+            "--load-fallback-to-intact",
+            "--metrics-file",
+            str(out),
+        ]
+    )
     log = capsys.readouterr().out
     assert "step 9 is damaged: item 'meta' is missing; trying the previous step" in log
     assert f"resumed from {ckpt} at step 3" in log
@@ -209,16 +305,20 @@ def _as_moe(ckpt: Path, experts: int) -> None:
     meta.write_text(json.dumps(record))
 
 
-def test_moe_checkpoint_loaded_as_dense_names_the_fields(example, straight_and_saved, tmp_path,
-                                                         capsys):
+def test_moe_checkpoint_loaded_as_dense_names_the_fields(
+    example, straight_and_saved, tmp_path, capsys
+):
     d, _ = straight_and_saved
     ckpt = _damaged_copy(d / "ckpt", tmp_path / "moe", lambda c: _as_moe(c, 4))
-    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load",
-                                                         str(ckpt)])
-    assert line.endswith("was saved for a different model: --num-experts=4 in the checkpoint, "
-                         "None in this run"), line
-    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load",
-                                                         str(ckpt), "--num-experts", "8"])
+    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt)])
+    assert line.endswith(
+        "was saved for a different model: --num-experts=4 in the checkpoint, None in this run"
+    ), line
+    line = _usage_error(
+        example,
+        capsys,
+        SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt), "--num-experts", "8"],
+    )
     assert line.endswith("--num-experts=4 in the checkpoint, 8 in this run"), line
 
 
@@ -230,21 +330,27 @@ def test_model_differences_field_by_field():
     meta = lambda cfg: {"model_type": "GPTConfig", "model": dataclasses.asdict(cfg)}
     assert model_differences(meta(moe), moe) == []
     assert model_differences(meta(moe), GPTConfig()) == [("num_moe_experts", 4, None)]
-    assert model_differences(meta(moe), dataclasses.replace(moe, moe_ffn_hidden_size=64,
-                                                            moe_layer_freq=1)) == [
-        ("moe_ffn_hidden_size", 128, 64), ("moe_layer_freq", 2, 1)]
+    assert model_differences(
+        meta(moe), dataclasses.replace(moe, moe_ffn_hidden_size=64, moe_layer_freq=1)
+    ) == [("moe_ffn_hidden_size", 128, 64), ("moe_layer_freq", 2, 1)]
     shared = dataclasses.replace(moe, moe_shared_expert_intermediate_size=256)
     assert model_differences(meta(shared), moe) == [
-        ("moe_shared_expert_intermediate_size", 256, None)]  # shared experts fix shapes
-    old = {k: v for k, v in dataclasses.asdict(GPTConfig()).items() if not k.startswith("moe")
-           and k != "num_moe_experts"}  # a checkpoint from before MoE: the defaults
+        ("moe_shared_expert_intermediate_size", 256, None)
+    ]  # shared experts fix shapes
+    old = {
+        k: v
+        for k, v in dataclasses.asdict(GPTConfig()).items()
+        if not k.startswith("moe") and k != "num_moe_experts"
+    }  # a checkpoint from before MoE: the defaults
     assert model_differences({"model": old}, GPTConfig()) == []  # and before model_type
     assert model_differences({"model_type": "MLPStackConfig", "model": {}}, GPTConfig()) == [
-        ("model type", "MLPStackConfig", "GPTConfig")]
+        ("model type", "MLPStackConfig", "GPTConfig")
+    ]
 
 
-def test_save_target_that_cannot_be_written_fails_before_training(example, tmp_path, capsys,
-                                                                  monkeypatch):
+def test_save_target_that_cannot_be_written_fails_before_training(
+    example, tmp_path, capsys, monkeypatch
+):
     (tmp_path / "a-file").write_text("")
     line = _usage_error(example, capsys, SMALL + ["--save", str(tmp_path / "a-file" / "ckpt")])
     assert f"--save {tmp_path / 'a-file' / 'ckpt'}: cannot write there" in line
@@ -259,7 +365,9 @@ def test_save_target_that_cannot_be_written_fails_before_training(example, tmp_p
 
     full = collections.namedtuple("usage", "total used free")(10 << 20, 10 << 20, 1024)
     monkeypatch.setattr(loop.shutil, "disk_usage", lambda path: full)
-    line = _usage_error(example, capsys, SMALL + ["--train-iters", "2", "--save",
-                                                  str(tmp_path / "full")])
-    assert f"--save {tmp_path / 'full'}: 0.0 MiB free, a checkpoint of this model takes up " \
-        "to" in line
+    line = _usage_error(
+        example, capsys, SMALL + ["--train-iters", "2", "--save", str(tmp_path / "full")]
+    )
+    assert (
+        f"--save {tmp_path / 'full'}: 0.0 MiB free, a checkpoint of this model takes up to" in line
+    )

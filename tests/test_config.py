@@ -13,8 +13,11 @@ from jax_wgrad.parallel.mesh import AXES, make_mesh
 
 def test_derived_sizes():
     par = ParallelConfig(
-        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, micro_batch_size=2,
-        global_batch_size=16, world_size=8,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        micro_batch_size=2,
+        global_batch_size=16,
+        world_size=8,
     )
     assert par.data_parallel_size == 2
     assert par.num_microbatches == 4
@@ -31,18 +34,27 @@ def test_world_size_defaults_to_device_count():
 
 
 def test_device_count_not_divisible_by_tp_pp():
-    with pytest.raises(ValueError, match=re.escape(
-        "world size (8) is not divisible by tensor_model_parallel_size (3) x "
-        "pipeline_model_parallel_size (1)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "world size (8) is not divisible by tensor_model_parallel_size (3) x "
+            "pipeline_model_parallel_size (1)"
+        ),
+    ):
         ParallelConfig(tensor_model_parallel_size=3, world_size=8)
 
 
 def test_global_batch_not_divisible():
-    with pytest.raises(ValueError, match=re.escape(
-        "global batch size (10) is not divisible by micro batch size (2) times data "
-        "parallel size (4)")):
-        ParallelConfig(tensor_model_parallel_size=2, micro_batch_size=2,
-                       global_batch_size=10, world_size=8)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "global batch size (10) is not divisible by micro batch size (2) times data "
+            "parallel size (4)"
+        ),
+    ):
+        ParallelConfig(
+            tensor_model_parallel_size=2, micro_batch_size=2, global_batch_size=10, world_size=8
+        )
 
 
 @pytest.mark.parametrize("field", ["tensor_model_parallel_size", "micro_batch_size"])
@@ -66,14 +78,26 @@ def test_frozen():
 @pytest.mark.parametrize(
     "model, tp, message",
     [
-        (GPTConfig(num_attention_heads=12, hidden_size=60), 5,
-         "num_attention_heads (12) must be divisible by tensor_model_parallel_size (5)"),
-        (GPTConfig(num_attention_heads=2, hidden_size=6), 4,
-         "num_attention_heads (2) must be divisible by tensor_model_parallel_size (4)"),
-        (GPTConfig(num_attention_heads=4, hidden_size=64, ffn_hidden_size=130), 4,
-         "ffn_hidden_size (130) must be divisible by tensor_model_parallel_size (4)"),
-        (GPTConfig(num_attention_heads=4, hidden_size=64, vocab_size=250), 4,
-         "vocab_size (250) must be divisible by tensor_model_parallel_size (4)"),
+        (
+            GPTConfig(num_attention_heads=12, hidden_size=60),
+            5,
+            "num_attention_heads (12) must be divisible by tensor_model_parallel_size (5)",
+        ),
+        (
+            GPTConfig(num_attention_heads=2, hidden_size=6),
+            4,
+            "num_attention_heads (2) must be divisible by tensor_model_parallel_size (4)",
+        ),
+        (
+            GPTConfig(num_attention_heads=4, hidden_size=64, ffn_hidden_size=130),
+            4,
+            "ffn_hidden_size (130) must be divisible by tensor_model_parallel_size (4)",
+        ),
+        (
+            GPTConfig(num_attention_heads=4, hidden_size=64, vocab_size=250),
+            4,
+            "vocab_size (250) must be divisible by tensor_model_parallel_size (4)",
+        ),
     ],
 )
 def test_tp_must_divide_model(model, tp, message):
@@ -82,22 +106,30 @@ def test_tp_must_divide_model(model, tp, message):
 
 
 def test_pp_must_divide_layers():
-    with pytest.raises(ValueError, match=re.escape(
-        "num_layers (3) must be divisible by pipeline_model_parallel_size (2)")):
-        validate(ParallelConfig(pipeline_model_parallel_size=2, world_size=8),
-                 GPTConfig(num_layers=3))
+    with pytest.raises(
+        ValueError,
+        match=re.escape("num_layers (3) must be divisible by pipeline_model_parallel_size (2)"),
+    ):
+        validate(
+            ParallelConfig(pipeline_model_parallel_size=2, world_size=8), GPTConfig(num_layers=3)
+        )
 
 
 def test_sequence_parallel_needs_divisible_seq():
-    with pytest.raises(ValueError, match=re.escape(
-        "seq_length (30) must be divisible by tensor_model_parallel_size (4)")):
-        validate(ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True,
-                                world_size=8), GPTConfig(seq_length=30))
+    with pytest.raises(
+        ValueError,
+        match=re.escape("seq_length (30) must be divisible by tensor_model_parallel_size (4)"),
+    ):
+        validate(
+            ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True, world_size=8),
+            GPTConfig(seq_length=30),
+        )
 
 
 def test_gpt_config_heads_divide_hidden():
-    with pytest.raises(ValueError, match=re.escape(
-        "hidden_size (10) must be divisible by num_attention_heads (4)")):
+    with pytest.raises(
+        ValueError, match=re.escape("hidden_size (10) must be divisible by num_attention_heads (4)")
+    ):
         GPTConfig(hidden_size=10, num_attention_heads=4)
 
 
@@ -136,12 +168,16 @@ def test_ddp_config_validation_and_megatron_bucket_size_rule():
 
 # ------------------------------------------------------------ one definition per fact
 
+
 def _forwarded_fields():
     """GPTConfig's MoE options forwarded to MoEConfig: ``{gpt field: MoEConfig field}``."""
     import dataclasses
 
-    return {f.name: f.metadata["moe_config"] for f in dataclasses.fields(GPTConfig)
-            if f.metadata.get("moe_config")}
+    return {
+        f.name: f.metadata["moe_config"]
+        for f in dataclasses.fields(GPTConfig)
+        if f.metadata.get("moe_config")
+    }
 
 
 def test_moe_options_have_one_default_megatrons():
@@ -171,25 +207,41 @@ def test_gpt_moe_config_is_what_the_moe_layer_gets():
     cfg = GPTConfig(num_moe_experts=4)
     assert cfg.moe_config() == MoEConfig(num_experts=4, ffn_hidden_size=cfg.ffn_hidden_size)
     assert cfg.moe_config().capacity_factor is None and cfg.moe_config().aux_loss_coeff == 0.0
-    cfg = GPTConfig(num_moe_experts=8, moe_router_topk=1, moe_ffn_hidden_size=32,
-                    moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
-                    moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="none",
-                    moe_grouped_gemm=True, overlap_dispatch_backward_with_experts_wgrad=True)
-    assert cfg.moe_config() == MoEConfig(num_experts=8, ffn_hidden_size=32, topk=1,
-                                         capacity_factor=1.5, load_balancing_type="none",
-                                         aux_loss_coeff=1e-2, overlap_wgrad=True)
+    cfg = GPTConfig(
+        num_moe_experts=8,
+        moe_router_topk=1,
+        moe_ffn_hidden_size=32,
+        moe_expert_capacity_factor=1.5,
+        moe_pad_expert_input_to_capacity=True,
+        moe_aux_loss_coeff=1e-2,
+        moe_router_load_balancing_type="none",
+        moe_grouped_gemm=True,
+        overlap_dispatch_backward_with_experts_wgrad=True,
+    )
+    assert cfg.moe_config() == MoEConfig(
+        num_experts=8,
+        ffn_hidden_size=32,
+        topk=1,
+        capacity_factor=1.5,
+        load_balancing_type="none",
+        aux_loss_coeff=1e-2,
+        overlap_wgrad=True,
+    )
     assert GPTConfig().moe_config() is None
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(topk=9), r"moe_router_topk \(9\) must be in \[1, num_moe_experts = 8\]"),
-    (dict(capacity_factor=0.0), r"moe_expert_capacity_factor \(0.0\) must be > 0"),
-    (dict(load_balancing_type="sinkhorn"), "'sinkhorn' is not supported"),
-    (dict(aux_loss_coeff=-1.0), "moe_aux_loss_coeff must be >= 0, got -1.0"),
-    (dict(aux_loss_coeff=float("nan")), "moe_aux_loss_coeff must be >= 0, got nan"),
-    (dict(num_experts=0), "num_moe_experts must be a positive integer, got 0"),
-    (dict(ffn_hidden_size=0), "moe_ffn_hidden_size must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(topk=9), r"moe_router_topk \(9\) must be in \[1, num_moe_experts = 8\]"),
+        (dict(capacity_factor=0.0), r"moe_expert_capacity_factor \(0.0\) must be > 0"),
+        (dict(load_balancing_type="sinkhorn"), "'sinkhorn' is not supported"),
+        (dict(aux_loss_coeff=-1.0), "moe_aux_loss_coeff must be >= 0, got -1.0"),
+        (dict(aux_loss_coeff=float("nan")), "moe_aux_loss_coeff must be >= 0, got nan"),
+        (dict(num_experts=0), "num_moe_experts must be a positive integer, got 0"),
+        (dict(ffn_hidden_size=0), "moe_ffn_hidden_size must be a positive integer, got 0"),
+    ],
+)
 def test_moe_options_are_checked_once_by_moe_config(kw, match):
     """MoEConfig is the one validator of the layer's options: the same message whether it
     is built directly or from GPTConfig's flat fields."""
@@ -218,22 +270,32 @@ def test_mesh_shape_has_one_derivation():
 def test_stage_setup():
     from jax_wgrad.parallel.pipeline.setup import StageSetup
 
-    par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                         sequence_parallel=True, micro_batch_size=2, global_batch_size=8)
+    par = ParallelConfig(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        sequence_parallel=True,
+        micro_batch_size=2,
+        global_batch_size=8,
+    )
     setup = StageSetup.create(par, seq_length=16, hidden_size=8, dtype="bfloat16")
     assert (setup.num_stages, setup.num_microbatches, setup.local_seq_length) == (2, 2, 8)
     assert setup.batch_shape == (4, 17) and setup.num_tokens == 2 * 2 * 16
     assert setup.zero_activation().shape == (2, 8, 8)
     assert setup.zero_activation().dtype == jax.numpy.bfloat16
     assert setup.microbatches(jax.numpy.zeros((4, 17), "int32"), "me").shape == (2, 2, 17)
-    with pytest.raises(ValueError, match=re.escape("me: expected a local batch of shape [4, 17], got [4, 16]")):
+    with pytest.raises(
+        ValueError, match=re.escape("me: expected a local batch of shape [4, 17], got [4, 16]")
+    ):
         setup.microbatches(jax.numpy.zeros((4, 16), "int32"), "me")
-    floats = StageSetup.create(par, seq_length=16, hidden_size=8, dtype="float32",
-                               sample_shape=(16, 3))
+    floats = StageSetup.create(
+        par, seq_length=16, hidden_size=8, dtype="float32", sample_shape=(16, 3)
+    )
     assert floats.microbatches(jax.numpy.zeros((4, 16, 3)), "me").shape == (2, 2, 16, 3)
     no_sp = ParallelConfig(tensor_model_parallel_size=2, micro_batch_size=2)
-    assert StageSetup.create(no_sp, seq_length=16, hidden_size=8,
-                             dtype="float32").local_seq_length == 16
+    assert (
+        StageSetup.create(no_sp, seq_length=16, hidden_size=8, dtype="float32").local_seq_length
+        == 16
+    )
 
 
 def test_train_plan_validates_once(monkeypatch):
@@ -255,8 +317,10 @@ def test_train_plan_validates_once(monkeypatch):
     par = ParallelConfig(pipeline_model_parallel_size=2)
     TrainPlan.create(GPTConfig(), par, make_mesh(par), optax.sgd(0.1))
     assert len(calls) == 1
-    with pytest.raises(ValueError, match=re.escape(
-            "num_layers (2) must be divisible by pipeline_model_parallel_size (8)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("num_layers (2) must be divisible by pipeline_model_parallel_size (8)"),
+    ):
         bad = ParallelConfig(pipeline_model_parallel_size=8)
         TrainPlan.create(GPTConfig(), bad, make_mesh(bad), optax.sgd(0.1))
     example = (Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py").read_text()
@@ -272,6 +336,5 @@ def test_resume_log_reads_the_saved_layouts_mesh_shape():
 
     par = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2)
     assert _mesh({"parallel": dataclasses.asdict(par)}) == par.mesh_shape == (2, 2, 2, 1)
-    old = {k: v for k, v in dataclasses.asdict(par).items()
-           if k != "expert_model_parallel_size"}
+    old = {k: v for k, v in dataclasses.asdict(par).items() if k != "expert_model_parallel_size"}
     assert _mesh({"parallel": old}) == (4, 1, 2, 1)

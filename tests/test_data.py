@@ -8,16 +8,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_wgrad.training.data import (BlendedDataset, ByteDataset, TokenDataset, load_data,
-                                     padded_vocab_size, parse_split)
+from jax_wgrad.training.data import (
+    BlendedDataset,
+    ByteDataset,
+    TokenDataset,
+    load_data,
+    padded_vocab_size,
+    parse_split,
+)
 from jax_wgrad.training.indexed import IndexedDataset, write_indexed_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("preprocess_data",
-                                                  ROOT / "tools" / "preprocess_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "preprocess_data", ROOT / "tools" / "preprocess_data.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -32,7 +39,9 @@ def test_reads_a_fixture_built_byte_for_byte_to_megatrons_layout(tmp_path):
     (tmp_path / "fixture.bin").write_bytes(b"".join(struct.pack("<H", t) for d in docs for t in d))
     idx = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8)
     idx += struct.pack("<Q", 3) + struct.pack("<Q", 4)
-    idx += struct.pack("<3i", 3, 2, 4) + struct.pack("<3q", 0, 6, 10) + struct.pack("<4q", 0, 1, 2, 3)
+    idx += (
+        struct.pack("<3i", 3, 2, 4) + struct.pack("<3q", 0, 6, 10) + struct.pack("<4q", 0, 1, 2, 3)
+    )
     (tmp_path / "fixture.idx").write_bytes(idx)
     ds = IndexedDataset(prefix)
     assert ds.dtype == np.uint16 and len(ds) == 3 and ds.num_documents == 3
@@ -66,8 +75,16 @@ def test_preprocess_tool_bytes(tmp_path, capsys):
     jsonl.write_text("\n".join(json.dumps({"text": t}) for t in ["héllo", "", "world!"]) + "\n")
     txt = tmp_path / "d.txt"
     txt.write_text("plain file")
-    out = _tool().main(["--input", str(jsonl), str(txt), "--output-prefix",
-                        str(tmp_path / "out" / "c"), "--append-eod"])
+    out = _tool().main(
+        [
+            "--input",
+            str(jsonl),
+            str(txt),
+            "--output-prefix",
+            str(tmp_path / "out" / "c"),
+            "--append-eod",
+        ]
+    )
     assert out["documents"] == 4 and out["vocab_size"] == 256
     ds = IndexedDataset(tmp_path / "out" / "c")
     assert ds.dtype == np.uint16
@@ -77,13 +94,25 @@ def test_preprocess_tool_bytes(tmp_path, capsys):
 
 def test_preprocess_tool_with_a_tokenizer(tmp_path):
     tokenizers = pytest.importorskip("tokenizers", reason="the optional tokenizers library")
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {"<|endoftext|>": 0, "[UNK]": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel(
+            {"<|endoftext|>": 0, "[UNK]": 1, "a": 2, "b": 3}, unk_token="[UNK]"
+        )
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "t.txt").write_text("a b a zz")
-    _tool().main(["--input", str(tmp_path / "t.txt"), "--output-prefix", str(tmp_path / "t"),
-                  "--tokenizer-json", str(tmp_path / "tokenizer.json"), "--append-eod"])
+    _tool().main(
+        [
+            "--input",
+            str(tmp_path / "t.txt"),
+            "--output-prefix",
+            str(tmp_path / "t"),
+            "--tokenizer-json",
+            str(tmp_path / "tokenizer.json"),
+            "--append-eod",
+        ]
+    )
     np.testing.assert_array_equal(IndexedDataset(tmp_path / "t")[0], [2, 3, 2, 1, 0])
 
 
@@ -92,8 +121,9 @@ def test_split_by_documents_and_blend(tmp_path):
     write_indexed_dataset(tmp_path / "b", [[2] * 40] * 50, np.uint16)
     train, valid, test = load_data([str(tmp_path / "a")], "90,10,0")
     assert (len(train), len(valid), len(test)) == (45 * 40, 5 * 40, 0)
-    train, valid, _ = load_data(["0.25", str(tmp_path / "a"), "0.75", str(tmp_path / "b")],
-                                "90,10,0")
+    train, valid, _ = load_data(
+        ["0.25", str(tmp_path / "a"), "0.75", str(tmp_path / "b")], "90,10,0"
+    )
     assert isinstance(train, BlendedDataset) and isinstance(valid, BlendedDataset)
     batch = train.batch(0, 400, 8, seed=3)
     share_b = float((batch[:, 0] == 2).mean())
@@ -137,8 +167,11 @@ def test_truncated_or_padded_bin_is_an_error_naming_the_file(tmp_path):
     prefix = _dataset(tmp_path)
     data = (tmp_path / "d.bin").read_bytes()
     (tmp_path / "d.bin").write_bytes(data[: len(data) // 3])
-    with pytest.raises(ValueError, match=r"d\.bin: 2000 bytes, but .*d\.idx describes 3000 "
-                                         r"uint16 tokens \(6000 bytes\); truncated"):
+    with pytest.raises(
+        ValueError,
+        match=r"d\.bin: 2000 bytes, but .*d\.idx describes 3000 "
+        r"uint16 tokens \(6000 bytes\); truncated",
+    ):
         IndexedDataset(prefix)
     with pytest.raises(ValueError, match=r"d\.bin: .*truncated"):
         load_data([str(prefix)])
@@ -151,8 +184,11 @@ def test_truncated_idx_is_an_error_naming_the_file(tmp_path):
     prefix = _dataset(tmp_path)
     idx = (tmp_path / "d.idx").read_bytes()
     (tmp_path / "d.idx").write_bytes(idx[:-40])
-    with pytest.raises(ValueError, match=r"d\.idx: .* bytes, but its header announces 30 "
-                                         r"sequences .*\(truncated\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"d\.idx: .* bytes, but its header announces 30 "
+        r"sequences .*\(truncated\)",
+    ):
         IndexedDataset(prefix)
     (tmp_path / "d.idx").write_bytes(idx[:20])
     with pytest.raises(ValueError, match=r"d\.idx: 20 bytes, shorter than the 34-byte header"):

@@ -10,21 +10,38 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hlo_util import (
+    collective_arrays,
+    computations,
+    copies_of,
+    custom_calls,
+    entry_name,
+    reachable,
+    while_bodies,
+)
 
-from hlo_util import (collective_arrays, computations, copies_of, custom_calls, entry_name,
-                      reachable, while_bodies)
-from jax_wgrad import (ByteDataset, DDPConfig, GPTConfig, ParallelConfig, TrainPlan,
-                       build_train_step, default_optimizer, fusion_available,
-                       init_train_state, make_mesh, shard_batch)
+from jax_wgrad import (
+    ByteDataset,
+    DDPConfig,
+    GPTConfig,
+    ParallelConfig,
+    TrainPlan,
+    build_train_step,
+    default_optimizer,
+    fusion_available,
+    init_train_state,
+    make_mesh,
+    shard_batch,
+)
 from jax_wgrad.ops import registry
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
-MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                  vocab_size=64)
-DATA = ByteDataset(np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200,
-                                 np.uint8) % 64)
+MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64)
+DATA = ByteDataset(
+    np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200, np.uint8) % 64
+)
 STEPS, GBS, SEED = 5, 16, 11
 # Adam divides by sqrt(v): a gradient entry that is ~0 up to fp32 rounding (e.g. the key
 # bias, which softmax ignores) gets an update of +-lr * |noise| / (|noise| + eps) whose
@@ -40,8 +57,12 @@ def _batch(i):
 
 def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) in ("weight", "embedding")
-        and not (len(path) >= 2 and getattr(path[-2], "key", None) == "position"), params)
+        lambda path, _: (
+            getattr(path[-1], "key", None) in ("weight", "embedding")
+            and not (len(path) >= 2 and getattr(path[-2], "key", None) == "position")
+        ),
+        params,
+    )
 
 
 def _reference(params, clip, skip=()):
@@ -70,9 +91,14 @@ def _setup(dp_tp_pp, ddp, *, fusion, sp, hook=None):
     dp, tp, pp = dp_tp_pp
     if fusion and not fusion_available("cpu"):
         fusion = False
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         micro_batch_size=2, global_batch_size=GBS, sequence_parallel=sp,
-                         gradient_accumulation_fusion=fusion)
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        micro_batch_size=2,
+        global_batch_size=GBS,
+        sequence_parallel=sp,
+        gradient_accumulation_fusion=fusion,
+    )
     mesh = make_mesh(par)
     opt = default_optimizer(LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS)
     plan = TrainPlan.create(MODEL, par, mesh, opt, ddp=ddp)
@@ -87,8 +113,13 @@ def _train(dp_tp_pp, ddp, *, fusion, sp, hook=None):
     history = []
     for i in range(STEPS):
         state, m = step(state, shard_batch(mesh, _batch(i)))
-        history.append((jax.device_get(state.params), jax.device_get(state.opt_state),
-                        {k: float(v) for k, v in m.items()}))
+        history.append(
+            (
+                jax.device_get(state.params),
+                jax.device_get(state.opt_state),
+                {k: float(v) for k, v in m.items()},
+            )
+        )
     return init, history
 
 
@@ -97,8 +128,9 @@ def _assert_params_close(got, want, what):
     for (path, w), g in zip(flat, jax.tree.leaves(got)):
         w, g = np.asarray(w), np.asarray(g)
         diff, scale = np.abs(g - w).max(), np.abs(w).max()
-        assert diff <= 1e-5 * scale, \
+        assert diff <= 1e-5 * scale, (
             f"{what} {jax.tree_util.keystr(path)}: {diff:.3g} > 1e-5 x {scale:.3g}"
+        )
 
 
 CASES = [  # (dp, tp, pp), distributed optimizer, buckets, clip: every mesh, both optimizers,
@@ -107,23 +139,38 @@ CASES = [  # (dp, tp, pp), distributed optimizer, buckets, clip: every mesh, bot
     ((2, 2, 2), False, "single", 0.0),
     ((2, 1, 4), True, "small", 0.0),
 ]
-ALL = [(m, d, b, c) for m in [(8, 1, 1), (2, 2, 2), (2, 1, 4)] for d in (True, False)
-       for b in ("small", "single") for c in (0.5, 0.0)]
+ALL = [
+    (m, d, b, c)
+    for m in [(8, 1, 1), (2, 2, 2), (2, 1, 4)]
+    for d in (True, False)
+    for b in ("small", "single")
+    for c in (0.5, 0.0)
+]
 
 
 def _ddp(dist, buckets, clip, **kw):
     # Megatron: bucket_size only takes effect with overlap_grad_reduce (one bucket without).
     small = buckets == "small"
-    return DDPConfig(use_distributed_optimizer=dist, overlap_grad_reduce=small,
-                     bucket_size=SMALL_BUCKET if small else None, clip_grad=clip, **kw)
+    return DDPConfig(
+        use_distributed_optimizer=dist,
+        overlap_grad_reduce=small,
+        bucket_size=SMALL_BUCKET if small else None,
+        clip_grad=clip,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize(
     "mesh_shape, dist, buckets, clip",
-    [pytest.param(*c, id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}")
-     for c in CASES]
-    + [pytest.param(*c, id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}",
-                    marks=pytest.mark.slow) for c in ALL if c not in CASES])
+    [pytest.param(*c, id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}") for c in CASES]
+    + [
+        pytest.param(
+            *c, id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}", marks=pytest.mark.slow
+        )
+        for c in ALL
+        if c not in CASES
+    ],
+)
 def test_five_steps_equal_single_device_optax(mesh_shape, dist, buckets, clip):
     tp = mesh_shape[1]
     ddp = _ddp(dist, buckets, clip)
@@ -141,8 +188,10 @@ def test_five_steps_equal_single_device_optax(mesh_shape, dist, buckets, clip):
     np.testing.assert_allclose([h[2]["grad_norm"] for h in history], ref_norms, rtol=1e-5)
     assert not any(h[2]["skipped"] for h in history)
     _assert_params_close(history[-1][0], ref, f"{mesh_shape} dist={dist} {buckets} clip={clip}")
-    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-                for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(init)))
+    moved = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max())
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(init))
+    )
     assert moved > 1e-3  # the steps did something (>> the 1e-5-relative tolerance)
 
 
@@ -182,8 +231,11 @@ def _compiled(dp_tp_pp, ddp, fusion=True, sp=False):
     entry = entry_name(hlo)
     # The schedule's scan: the while loop whose state holds every bucket.
     shapes = [f"f32[{n}]" for n in layout.buffer.bucket_numels]
-    (loop,) = [(line, body) for line, body in while_bodies(comps, entry)
-               if all(s in line.split(" while(")[0] for s in shapes)]
+    (loop,) = [
+        (line, body)
+        for line, body in while_bodies(comps, entry)
+        if all(s in line.split(" while(")[0] for s in shapes)
+    ]
     inside = reachable(comps, loop[1])
     in_loop = [line for c in inside for line in comps[c]]
     outside = [line for c, lines in comps.items() if c not in inside for line in lines]
@@ -198,8 +250,13 @@ def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
         assert copies_of("\n".join(in_loop), "f32", (n,)) == [], n
     if fusion_available("cpu"):  # fused linears of the stage's layers and the output layer
         # (the layers' at traced offsets inside the scan over layers)
-        assert len(custom_calls("\n".join(in_loop), registry.TARGET)
-                   + custom_calls("\n".join(in_loop), registry.TARGET_AT)) >= 4 + 1
+        assert (
+            len(
+                custom_calls("\n".join(in_loop), registry.TARGET)
+                + custom_calls("\n".join(in_loop), registry.TARGET_AT)
+            )
+            >= 4 + 1
+        )
     # Every other gradient goes into its block through the aliased bucket_add call, never
     # a dynamic-update-slice of a bucket at a constant offset (XLA:GPU copies the whole
     # bucket for that, ../shared/gpu/FINDINGS.md #6). The only bucket-sized updates left
@@ -208,9 +265,11 @@ def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
     # of the bucket viewed as [dp, numel / dp] (exact past 2^31 elements, grads/sync.py).
     assert custom_calls("\n".join(in_loop), registry.BUCKET_ADD_TARGET)
     dp = 2  # of the (2, 1, 4) layout
-    dus = [re.search(rf"= f32\[(?:{n}|{dp},{n // dp})\]\S* dynamic-update-slice\(([^)]*)\)",
-                     line)
-           for line in in_loop for n in set(layout.buffer.bucket_numels)]
+    dus = [
+        re.search(rf"= f32\[(?:{n}|{dp},{n // dp})\]\S* dynamic-update-slice\(([^)]*)\)", line)
+        for line in in_loop
+        for n in set(layout.buffer.bucket_numels)
+    ]
     dus = [m.group(1).split(", ") for m in dus if m]
     assert len(dus) == (layout.stage.num_buckets if dist else 0), dus
     # the offset (1-D) or the rank's row (2-D view) is traced, never a constant

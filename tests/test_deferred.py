@@ -8,61 +8,95 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_util import computations
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hlo_util import computations
-from jax_wgrad import fusion_available
-from jax_wgrad import GPTConfig, ParallelConfig
+from jax_wgrad import (
+    GPTConfig,
+    GPTProgram,
+    ParallelConfig,
+    fusion_available,
+    init_params,
+    make_mesh,
+    param_specs,
+    pipeline_gradients,
+)
 from jax_wgrad.models.gpt import validate
-from jax_wgrad import GPTProgram, init_params, param_specs
 from jax_wgrad.testing import reference_loss
-from jax_wgrad import make_mesh
-from jax_wgrad import pipeline_gradients
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
-needs_fusion = pytest.mark.skipif(not fusion_available("cpu"),
-                                  reason="the CPU wgrad_accumulate handler was not built")
+needs_fusion = pytest.mark.skipif(
+    not fusion_available("cpu"), reason="the CPU wgrad_accumulate handler was not built"
+)
 
 # --------------------------------------------------------------------------- validation
 
 
 def test_validation_messages():
-    with pytest.raises(ValueError, match="Cannot defer embedding wgrad when pipeline "
-                                         "parallel not used"):
-        ParallelConfig(pipeline_model_parallel_size=1, gradient_accumulation_fusion=True,
-                       defer_embedding_wgrad_compute=True, world_size=8)
-    with pytest.raises(ValueError, match="Cannot defer embedding wgrad without gradient "
-                                         "accumulation fusion"):
-        ParallelConfig(pipeline_model_parallel_size=2, defer_embedding_wgrad_compute=True,
-                       world_size=8)
+    with pytest.raises(
+        ValueError, match="Cannot defer embedding wgrad when pipeline parallel not used"
+    ):
+        ParallelConfig(
+            pipeline_model_parallel_size=1,
+            gradient_accumulation_fusion=True,
+            defer_embedding_wgrad_compute=True,
+            world_size=8,
+        )
+    with pytest.raises(
+        ValueError, match="Cannot defer embedding wgrad without gradient accumulation fusion"
+    ):
+        ParallelConfig(
+            pipeline_model_parallel_size=2, defer_embedding_wgrad_compute=True, world_size=8
+        )
     with pytest.raises(ValueError, match="Wgrad deferral limit must be >= 0"):
-        ParallelConfig(pipeline_model_parallel_size=2, gradient_accumulation_fusion=True,
-                       defer_embedding_wgrad_compute=True, wgrad_deferral_limit=-1,
-                       world_size=8)
+        ParallelConfig(
+            pipeline_model_parallel_size=2,
+            gradient_accumulation_fusion=True,
+            defer_embedding_wgrad_compute=True,
+            wgrad_deferral_limit=-1,
+            world_size=8,
+        )
 
 
 @pytest.mark.parametrize("limit", [1.5, "2", True, None])
 def test_bad_limits_refused(limit):
     with pytest.raises(ValueError, match="wgrad_deferral_limit must be an integer"):
-        ParallelConfig(pipeline_model_parallel_size=2, gradient_accumulation_fusion=True,
-                       defer_embedding_wgrad_compute=True, wgrad_deferral_limit=limit,
-                       world_size=8)
+        ParallelConfig(
+            pipeline_model_parallel_size=2,
+            gradient_accumulation_fusion=True,
+            defer_embedding_wgrad_compute=True,
+            wgrad_deferral_limit=limit,
+            world_size=8,
+        )
 
 
 def test_bad_mode_refused():
     with pytest.raises(ValueError, match="defer_mode"):
-        ParallelConfig(pipeline_model_parallel_size=2, gradient_accumulation_fusion=True,
-                       defer_embedding_wgrad_compute=True, defer_mode="later", world_size=8)
+        ParallelConfig(
+            pipeline_model_parallel_size=2,
+            gradient_accumulation_fusion=True,
+            defer_embedding_wgrad_compute=True,
+            defer_mode="later",
+            world_size=8,
+        )
 
 
-@pytest.mark.parametrize("limit, m, expect", [(0, 5, 5), (1, 5, 1), (2, 5, 2), (4, 5, 4),
-                                              (5, 5, 5), (8, 5, 5), (0, 1, 1), (1, 1, 1)])
+@pytest.mark.parametrize(
+    "limit, m, expect",
+    [(0, 5, 5), (1, 5, 1), (2, 5, 2), (4, 5, 4), (5, 5, 5), (8, 5, 5), (0, 1, 1), (1, 1, 1)],
+)
 def test_number_of_deferred_microbatches(limit, m, expect):
-    par = ParallelConfig(pipeline_model_parallel_size=2, gradient_accumulation_fusion=True,
-                         defer_embedding_wgrad_compute=True, wgrad_deferral_limit=limit,
-                         micro_batch_size=1, global_batch_size=4 * m, world_size=8)
+    par = ParallelConfig(
+        pipeline_model_parallel_size=2,
+        gradient_accumulation_fusion=True,
+        defer_embedding_wgrad_compute=True,
+        wgrad_deferral_limit=limit,
+        micro_batch_size=1,
+        global_batch_size=4 * m,
+        world_size=8,
+    )
     assert par.num_microbatches == m and par.num_deferred_microbatches == expect
     assert ParallelConfig(world_size=8).num_deferred_microbatches == 0
 
@@ -76,20 +110,28 @@ _cache = {}
 def _run(m, *, sp, tied, defer, limit=0, mode="stash", mesh=(2, 2, 2)):
     dp, tp, pp = mesh
     cfg = GPTConfig(**CFG, untie_embeddings_and_output_weights=not tied)
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         micro_batch_size=2, global_batch_size=2 * dp * m,
-                         sequence_parallel=sp, gradient_accumulation_fusion=True,
-                         defer_embedding_wgrad_compute=defer, wgrad_deferral_limit=limit,
-                         defer_mode=mode)
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        micro_batch_size=2,
+        global_batch_size=2 * dp * m,
+        sequence_parallel=sp,
+        gradient_accumulation_fusion=True,
+        defer_embedding_wgrad_compute=defer,
+        wgrad_deferral_limit=limit,
+        defer_mode=mode,
+    )
     validate(par, cfg)
     mesh_ = make_mesh(par)
     params = init_params(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh_, s), param_specs(cfg),
-                             is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh_, s), param_specs(cfg), is_leaf=lambda x: isinstance(x, P)
+    )
     stages = GPTProgram(cfg, par)
     grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh_, p, t))(
-        jax.device_put(params, shardings), jax.device_put(tokens, NamedSharding(mesh_, P("data"))))
+        jax.device_put(params, shardings), jax.device_put(tokens, NamedSharding(mesh_, P("data")))
+    )
     return float(loss), jax.tree.map(np.asarray, grads), (params, tokens, cfg)
 
 
@@ -106,7 +148,9 @@ def _close(a, b, tol):
     flat, _ = jax.tree_util.tree_flatten_with_path(a)
     for (path, g), r in zip(flat, jax.tree.leaves(b)):
         diff, scale = np.abs(g - r).max(), np.abs(r).max()
-        assert diff <= tol * scale, f"{jax.tree_util.keystr(path)}: {diff:.3g} > {tol} x {scale:.3g}"
+        assert diff <= tol * scale, (
+            f"{jax.tree_util.keystr(path)}: {diff:.3g} > {tol} x {scale:.3g}"
+        )
 
 
 def _check(m, limit, sp, tied, mode, mesh=(2, 2, 2)):
@@ -114,19 +158,23 @@ def _check(m, limit, sp, tied, mode, mesh=(2, 2, 2)):
     loss, grads, _ = _run(m, sp=sp, tied=tied, defer=True, limit=limit, mode=mode, mesh=mesh)
     assert jax.tree.structure(grads) == jax.tree.structure(base_grads)
     np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
-    _close(grads, base_grads, 1e-6)          # = the non-deferred run
+    _close(grads, base_grads, 1e-6)  # = the non-deferred run
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    _close(grads, ref_grads, 1e-5)           # = single-device jax.grad (as test_pipeline)
+    _close(grads, ref_grads, 1e-5)  # = single-device jax.grad (as test_pipeline)
 
 
 @needs_fusion
-@pytest.mark.parametrize("m, limit, sp, tied, mode", [
-    (2, 0, True, True, "stash"),
-    pytest.param(5, 2, True, False, "stash", marks=pytest.mark.slow),  # suite time
-    (1, 1, False, True, "stash"),
-    (5, 0, True, True, "recompute"),
-    (2, 1, False, False, "recompute"),
-], ids=str)
+@pytest.mark.parametrize(
+    "m, limit, sp, tied, mode",
+    [
+        (2, 0, True, True, "stash"),
+        pytest.param(5, 2, True, False, "stash", marks=pytest.mark.slow),  # suite time
+        (1, 1, False, True, "stash"),
+        (5, 0, True, True, "recompute"),
+        (2, 1, False, False, "recompute"),
+    ],
+    ids=str,
+)
 def test_deferred_equals_non_deferred(m, limit, sp, tied, mode):
     _check(m, limit, sp, tied, mode)
 
@@ -156,8 +204,12 @@ def test_full_grid(m, sp, tied, mode):
 
 def _operands(line: str) -> list[str]:
     rhs = line.split("=", 1)[1]
-    rhs = re.sub(r"(branch_computations=\{[^}]*\}|calls=%[\w.\-]+|to_apply=%[\w.\-]+"
-                 r"|body=%[\w.\-]+|condition=%[\w.\-]+|metadata=\{.*)", "", rhs)
+    rhs = re.sub(
+        r"(branch_computations=\{[^}]*\}|calls=%[\w.\-]+|to_apply=%[\w.\-]+"
+        r"|body=%[\w.\-]+|condition=%[\w.\-]+|metadata=\{.*)",
+        "",
+        rhs,
+    )
     return re.findall(r"%([\w.\-]+)", rhs)
 
 
@@ -169,20 +221,32 @@ def test_drain_ring_overlaps_gemms_with_permutes():
     schedule starts GEMMs before the last permute (no wait for a whole gather)."""
     cfg = GPTConfig(**CFG)
     tp = 4
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
-                         micro_batch_size=1, global_batch_size=3, sequence_parallel=True,
-                         gradient_accumulation_fusion=True, defer_embedding_wgrad_compute=True)
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=3,
+        sequence_parallel=True,
+        gradient_accumulation_fusion=True,
+        defer_embedding_wgrad_compute=True,
+    )
     mesh = make_mesh(par)
     stages = GPTProgram(cfg, par)
     params = jax.eval_shape(lambda: init_params(cfg, 0))
-    sh = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
-                      is_leaf=lambda x: isinstance(x, P))
-    fn = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t),
-                 in_shardings=(sh, NamedSharding(mesh, P("data"))))
+    sh = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), param_specs(cfg), is_leaf=lambda x: isinstance(x, P)
+    )
+    fn = jax.jit(
+        lambda p, t: pipeline_gradients(stages, mesh, p, t),
+        in_shardings=(sh, NamedSharding(mesh, P("data"))),
+    )
     hlo = fn.lower(params, jax.ShapeDtypeStruct((3, 9), jnp.int32)).compile().as_text()
     comps = computations(hlo)
-    bodies = [n for n, lines in comps.items()
-              if any("collective-permute" in l and "deferred_wgrad_ring" in l for l in lines)]
+    bodies = [
+        n
+        for n, lines in comps.items()
+        if any("collective-permute" in l and "deferred_wgrad_ring" in l for l in lines)
+    ]
     assert len(bodies) == 1, bodies
     lines = comps[bodies[0]]
     assert not any("all-gather" in l for l in lines)
@@ -208,8 +272,11 @@ def test_drain_ring_overlaps_gemms_with_permutes():
     assert len(gemms) == tp and len(permutes) == 2 * (tp - 1)
     for l in (defs[g] for g in gemms):
         branches = re.search(r"branch_computations=\{([^}]*)\}", l).group(1)
-        assert any('custom_call_target="jax_wgrad_wgrad_accumulate"' in x
-                   for b in branches.split(",") for x in comps[b.strip().lstrip("%")])
+        assert any(
+            'custom_call_target="jax_wgrad_wgrad_accumulate"' in x
+            for b in branches.split(",")
+            for x in comps[b.strip().lstrip("%")]
+        )
     for k, g in enumerate(gemms):
         ring = int(re.search(r"deferred_wgrad_ring(\d+)", defs[g]).group(1))
         n_perm = sum(1 for a in ancestors(g) if a in permutes)

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jax_wgrad.optim import (DistributedOptimizer, adamw, clip_by_total_norm,
-                                      global_grad_norm)
 from jax_wgrad.grads import GradBuffer, sync_buckets
+from jax_wgrad.optim import DistributedOptimizer, adamw, clip_by_total_norm, global_grad_norm
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -62,16 +62,25 @@ def _train(mesh, params, grads, *, dist, bucket_size, clip, tensor_split=False):
     w_spec = (None, "tensor") if tensor_split else (None,)
     param_specs = {k: P(*w_spec) if k == "w" else P() for k in SHAPES}
     grad_specs = {k: P(None, "data", *w_spec) if k == "w" else P(None, "data") for k in SHAPES}
-    local = {k: jax.ShapeDtypeStruct(
-        (s[0], s[1] // mesh.shape["tensor"]) if (k == "w" and tensor_split) else s, F32)
-        for k, s in SHAPES.items()}
-    buf = GradBuffer.create(local, dp_size=dp, bucket_size=bucket_size,
-                            use_distributed_optimizer=dist)
+    local = {
+        k: jax.ShapeDtypeStruct(
+            (s[0], s[1] // mesh.shape["tensor"]) if (k == "w" and tensor_split) else s, F32
+        )
+        for k, s in SHAPES.items()
+    }
+    buf = GradBuffer.create(
+        local, dp_size=dp, bucket_size=bucket_size, use_distributed_optimizer=dist
+    )
     model_axes = ("tensor",) if tp else ()
     duplicated = {"tensor": {k: not (k == "w" and tensor_split) for k in SHAPES}} if tp else None
-    opt = DistributedOptimizer.create(buf, adamw(LR, weight_decay=WD), clip_grad=clip,
-                                      weight_decay_mask=DECAY, model_axes=model_axes,
-                                      duplicated=duplicated)
+    opt = DistributedOptimizer.create(
+        buf,
+        adamw(LR, weight_decay=WD),
+        clip_grad=clip,
+        weight_decay_mask=DECAY,
+        model_axes=model_axes,
+        duplicated=duplicated,
+    )
 
     def body(p, g):
         state = opt.init(p)
@@ -81,22 +90,32 @@ def _train(mesh, params, grads, *, dist, bucket_size, clip, tensor_split=False):
             buckets = buf.add_tree(buf.zeros(), local_g)
             synced = sync_buckets(buckets, axis_name="data", use_distributed_optimizer=dist)
             new_p, new_state, info = opt.step(p, synced, state)
-            same = jnp.stack([jnp.array_equal(a, b) for a, b in zip(
-                jax.tree.leaves((p, state)), jax.tree.leaves((new_p, new_state)))]).all()
+            same = jnp.stack(
+                [
+                    jnp.array_equal(a, b)
+                    for a, b in zip(
+                        jax.tree.leaves((p, state)), jax.tree.leaves((new_p, new_state))
+                    )
+                ]
+            ).all()
             p, state = new_p, new_state
             norms.append(info.grad_norm)
             skips.append(info.skipped)
             unchanged.append(same)
-        stats = jnp.stack([jnp.stack(norms), jnp.stack(skips).astype(F32),
-                           jnp.stack(unchanged).astype(F32)])
+        stats = jnp.stack(
+            [jnp.stack(norms), jnp.stack(skips).astype(F32), jnp.stack(unchanged).astype(F32)]
+        )
         # A leading per-device axis: lets the test check that all ranks agree.
         return jax.tree.map(lambda x: x[None], p), stats[None]
 
     out_p = {k: P(names, *w_spec[1:]) if k == "w" else P(names) for k in SHAPES}
     if tensor_split:
         out_p["w"] = P("data", None, "tensor")
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(param_specs, grad_specs),
-                               out_specs=(out_p, P(names))))
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(param_specs, grad_specs), out_specs=(out_p, P(names))
+        )
+    )
     return fn(params, grads)
 
 
@@ -115,18 +134,22 @@ def _check(got_params, stats, ref_params, ref_norms, ref_skipped, ndev):
         np.testing.assert_array_equal(stats[dev, 2].astype(bool), ref_skipped)
 
 
-@pytest.mark.parametrize("dist,bucket_size,clip", [
-    (True, 40, None),     # several small buckets, no clipping
-    (True, None, 0.5),    # one bucket, clipping active
-    (False, 40, 0.5),     # replicated optimizer on the full tree
-])
+@pytest.mark.parametrize(
+    "dist,bucket_size,clip",
+    [
+        (True, 40, None),  # several small buckets, no clipping
+        (True, None, 0.5),  # one bucket, clipping active
+        (False, 40, 0.5),  # replicated optimizer on the full tree
+    ],
+)
 def test_matches_single_device_adamw_dp8(dist, bucket_size, clip):
     params, grads = _data(0, 8)
     ref, norms, skipped = _reference(params, grads, clip)
     if clip:
         assert (norms > clip).all()  # the test exercises clipping
-    got, stats = _train(_mesh((8,), ("data",)), params, grads, dist=dist,
-                        bucket_size=bucket_size, clip=clip)
+    got, stats = _train(
+        _mesh((8,), ("data",)), params, grads, dist=dist, bucket_size=bucket_size, clip=clip
+    )
     _check(got, stats, ref, norms, skipped, 8)
 
 
@@ -135,8 +158,15 @@ def test_matches_single_device_adamw_data4_tensor2():
     # and must be counted once in the clipping norm.
     params, grads = _data(1, 4)
     ref, norms, skipped = _reference(params, grads, 0.5)
-    got, stats = _train(_mesh((4, 2), ("data", "tensor")), params, grads, dist=True,
-                        bucket_size=40, clip=0.5, tensor_split=True)
+    got, stats = _train(
+        _mesh((4, 2), ("data", "tensor")),
+        params,
+        grads,
+        dist=True,
+        bucket_size=40,
+        clip=0.5,
+        tensor_split=True,
+    )
     _check(got, stats, ref, norms, skipped, 8)
 
 
@@ -144,8 +174,7 @@ def test_non_finite_gradient_skips_the_step_and_training_continues():
     params, grads = _data(2, 8, nan_at=2)
     ref, norms, skipped = _reference(params, grads, 0.5)
     assert skipped.tolist() == [False, False, True, False, False]
-    got, stats = _train(_mesh((8,), ("data",)), params, grads, dist=True, bucket_size=40,
-                        clip=0.5)
+    got, stats = _train(_mesh((8,), ("data",)), params, grads, dist=True, bucket_size=40, clip=0.5)
     _check(got, stats, ref, norms, skipped, 8)
 
 
@@ -176,8 +205,9 @@ def test_bad_inputs_raise_value_errors():
     opt = DistributedOptimizer.create(buf, tx)
     mesh = _mesh((4, 2), ("data", "tensor"))
     params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
-    fn = jax.shard_map(lambda p: opt.init(p).master[0], mesh=mesh, in_specs=P(),
-                       out_specs=P("data"))
+    fn = jax.shard_map(
+        lambda p: opt.init(p).master[0], mesh=mesh, in_specs=P(), out_specs=P("data")
+    )
     with pytest.raises(ValueError, match="dp_size=8"):
         jax.jit(fn).lower(params)
 
@@ -185,8 +215,10 @@ def test_bad_inputs_raise_value_errors():
 def test_bf16_params_fp32_master_and_bf16_all_gather():
     # Two dtype groups -> two buckets; the bf16 bucket is all-gathered in bf16.
     rng = np.random.default_rng(3)
-    params = {"b": jnp.asarray(rng.standard_normal(8), F32),
-              "w": jnp.asarray(rng.standard_normal((8, 16)), jnp.bfloat16)}
+    params = {
+        "b": jnp.asarray(rng.standard_normal(8), F32),
+        "w": jnp.asarray(rng.standard_normal((8, 16)), jnp.bfloat16),
+    }
     grads = {k: rng.standard_normal((8,) + v.shape).astype(np.float32) for k, v in params.items()}
     buf = GradBuffer.create(params, dp_size=8, bucket_size=None, use_distributed_optimizer=True)
     assert buf.bucket_param_dtypes == (jnp.dtype(F32), jnp.dtype(jnp.bfloat16))
@@ -199,8 +231,11 @@ def test_bf16_params_fp32_master_and_bf16_all_gather():
         new_p, state, _ = opt.step(p, synced, state)
         return jax.tree.map(lambda x: x[None], (new_p, state.master))
 
-    fn = jax.jit(jax.shard_map(body, mesh=_mesh((8,), ("data",)), in_specs=(P(), P("data")),
-                               out_specs=P("data")))
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=_mesh((8,), ("data",)), in_specs=(P(), P("data")), out_specs=P("data")
+        )
+    )
     # Checked on the emitted StableHLO: XLA:CPU widens bf16 collectives to f32 when compiling.
     text = fn.lower(params, grads).as_text()
     gathers = [line for line in text.splitlines() if "stablehlo.all_gather" in line]
@@ -216,8 +251,9 @@ def test_bf16_params_fp32_master_and_bf16_all_gather():
         np.testing.assert_allclose(got["b"][r], ref["b"], rtol=1e-5, atol=1e-6)
     # fp32 master of rank 0's bf16-bucket shard carries the exact fp32 update.
     n = buf.shard_numels[1]
-    np.testing.assert_allclose(master[1][0].reshape(-1)[:n],
-                               np.asarray(buf.from_tree(ref)[1])[:n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        master[1][0].reshape(-1)[:n], np.asarray(buf.from_tree(ref)[1])[:n], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("dist", [True, False])
@@ -229,13 +265,15 @@ def test_updated_params_are_replicated_over_data(dist):
     opt = DistributedOptimizer.create(buf, adamw(LR))
 
     def f(p, g):
-        synced = sync_buckets(buf.add_tree(buf.zeros(), {"w": g[0]}), axis_name="data",
-                              use_distributed_optimizer=dist)
+        synced = sync_buckets(
+            buf.add_tree(buf.zeros(), {"w": g[0]}), axis_name="data", use_distributed_optimizer=dist
+        )
         new_p, _, info = opt.step(p, synced, opt.init(p))
         return new_p, info.grad_norm
 
-    fn = jax.shard_map(f, mesh=_mesh((8,), ("data",)), in_specs=(P(), P("data")),
-                       out_specs=(P(), P()))
+    fn = jax.shard_map(
+        f, mesh=_mesh((8,), ("data",)), in_specs=(P(), P("data")), out_specs=(P(), P())
+    )
     new_p, norm = jax.jit(fn)(params, jnp.ones((8, 4, 8)))
     assert float(norm) == pytest.approx(np.sqrt(32.0))
     np.testing.assert_allclose(new_p["w"], 1.0 - LR * (1.0 + 1e-4), rtol=1e-5)

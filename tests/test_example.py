@@ -13,9 +13,25 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
 
-SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-         "--lr", "3e-3", "--no-progress", "--seed", "3"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--lr",
+    "3e-3",
+    "--no-progress",
+    "--seed",
+    "3",
+]
 
 
 def _curve(example, tmp_path, name, extra):
@@ -23,8 +39,7 @@ def _curve(example, tmp_path, name, extra):
     summary = example.main(SMALL + ["--train-iters", "6", "--metrics-file", str(path)] + extra)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
-    assert set(rows[0]) == {"step", "loss", "grad_norm", "skipped", "step_time_s",
-                            "tokens_per_s"}
+    assert set(rows[0]) == {"step", "loss", "grad_norm", "skipped", "step_time_s", "tokens_per_s"}
     assert summary["compile_time_s"] > 0
     return [r["loss"] for r in rows]
 
@@ -32,27 +47,50 @@ def _curve(example, tmp_path, name, extra):
 def test_loss_curves_equal_across_layouts_and_loss_falls(example, tmp_path):
     base = _curve(example, tmp_path, "dp8", [])
     assert base[-1] < base[0]
-    for name, extra in [("dp2tp2pp2", ["--tensor-model-parallel-size", "2",
-                                       "--pipeline-model-parallel-size", "2",
-                                       "--sequence-parallel"]),
-                        ("tp2pp4", ["--tensor-model-parallel-size", "2",
-                                    "--pipeline-model-parallel-size", "4"]
-                         + (["--gradient-accumulation-fusion"] if fusion_available("cpu") else []))]:
+    for name, extra in [
+        (
+            "dp2tp2pp2",
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+            ],
+        ),
+        (
+            "tp2pp4",
+            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
+            + (["--gradient-accumulation-fusion"] if fusion_available("cpu") else []),
+        ),
+    ]:
         curve = _curve(example, tmp_path, name, extra)
         for a, b in zip(curve, base):
             assert abs(a - b) <= 1e-4 * abs(b), (name, curve, base)
 
 
 def test_loss_curve_unchanged_by_distributed_optimizer_and_bucket_size(example, tmp_path):
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-              "--sequence-parallel", "--clip-grad", "0.3"]  # dp = 2; clipping active
+    layout = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--clip-grad",
+        "0.3",
+    ]  # dp = 2; clipping active
     base = _curve(example, tmp_path, "replicated", layout)
     for name, extra in [
-            ("distopt", ["--use-distributed-optimizer"]),
-            ("distopt-small-buckets", ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                                       "--ddp-bucket-size", "3000"]),
-            ("small-buckets-avg", ["--overlap-grad-reduce", "--ddp-bucket-size", "1000",
-                                   "--ddp-average-in-collective"])]:
+        ("distopt", ["--use-distributed-optimizer"]),
+        (
+            "distopt-small-buckets",
+            ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"],
+        ),
+        (
+            "small-buckets-avg",
+            ["--overlap-grad-reduce", "--ddp-bucket-size", "1000", "--ddp-average-in-collective"],
+        ),
+    ]:
         curve = _curve(example, tmp_path, name, layout + extra)
         for a, b in zip(curve, base):
             assert abs(a - b) <= 1e-5 * abs(b), (name, curve, base)
@@ -60,8 +98,7 @@ def test_loss_curve_unchanged_by_distributed_optimizer_and_bucket_size(example, 
 
 def test_profile_dir(example, tmp_path):
     prof = tmp_path / "prof"
-    example.main(SMALL + ["--train-iters", "3", "--profile-dir", str(prof),
-                          "--profile-steps", "1"])
+    example.main(SMALL + ["--train-iters", "3", "--profile-dir", str(prof), "--profile-steps", "1"])
     assert list(prof.rglob("*.xplane.pb"))
 
 
@@ -76,55 +113,89 @@ def usage_error(example, capsys, argv: list[str], message: str) -> None:
 
 def test_clear_error(example, capsys):
     # The config's error names its fields; the example names the flags the user typed.
-    usage_error(example, capsys, SMALL + ["--pipeline-model-parallel-size", "8"],
-                "--num-layers (4) must be divisible by --pipeline-model-parallel-size (8)")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--pipeline-model-parallel-size", "8"],
+        "--num-layers (4) must be divisible by --pipeline-model-parallel-size (8)",
+    )
 
 
 @pytest.mark.slow  # ~1 min alone (5 runs of 6 steps)
 @pytest.mark.skipif(not fusion_available("cpu"), reason="deferral needs the fused op")
 def test_loss_curve_unchanged_by_deferred_output_wgrad(example, tmp_path):
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-              "--sequence-parallel", "--gradient-accumulation-fusion"]
+    layout = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--gradient-accumulation-fusion",
+    ]
     base = _curve(example, tmp_path, "no-defer", layout)
-    for name, extra in [("defer-all", ["--defer-embedding-wgrad-compute"]),
-                        ("defer-1", ["--defer-embedding-wgrad-compute",
-                                     "--wgrad-deferral-limit", "1"]),
-                        ("defer-3", ["--defer-embedding-wgrad-compute",
-                                     "--wgrad-deferral-limit", "3"]),
-                        ("defer-recompute", ["--defer-embedding-wgrad-compute",
-                                             "--defer-mode", "recompute"])]:
+    for name, extra in [
+        ("defer-all", ["--defer-embedding-wgrad-compute"]),
+        ("defer-1", ["--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "1"]),
+        ("defer-3", ["--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "3"]),
+        ("defer-recompute", ["--defer-embedding-wgrad-compute", "--defer-mode", "recompute"]),
+    ]:
         curve = _curve(example, tmp_path, name, layout + extra)
         for a, b in zip(curve, base):
             assert abs(a - b) <= 1e-5 * abs(b), (name, curve, base)
 
 
 def test_deferral_errors(example, capsys):
-    usage_error(example, capsys,
-                SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion"],
-                "Cannot defer embedding wgrad when pipeline parallel not used")
-    usage_error(example, capsys,
-                SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion",
-                         "--pipeline-model-parallel-size", "2", "--wgrad-deferral-limit", "-2"],
-                "Wgrad deferral limit must be >= 0")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion"],
+        "Cannot defer embedding wgrad when pipeline parallel not used",
+    )
+    usage_error(
+        example,
+        capsys,
+        SMALL
+        + [
+            "--defer-embedding-wgrad-compute",
+            "--gradient-accumulation-fusion",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--wgrad-deferral-limit",
+            "-2",
+        ],
+        "Wgrad deferral limit must be >= 0",
+    )
 
 
 def _schedule_runs():
     runs = [("zb-h1", "selective"), ("1f1b", "full")]
     slow = [("1f1b", "selective"), ("zb-h1", None), ("zb-h1", "full")]
-    return ([pytest.param(s, r, id=f"{s}-{r}") for s, r in runs]
-            + [pytest.param(s, r, id=f"{s}-{r}", marks=pytest.mark.slow) for s, r in slow])
+    return [pytest.param(s, r, id=f"{s}-{r}") for s, r in runs] + [
+        pytest.param(s, r, id=f"{s}-{r}", marks=pytest.mark.slow) for s, r in slow
+    ]
 
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="zb-h1 needs the fused op")
 @pytest.mark.parametrize("schedule, recompute", _schedule_runs())
 def test_loss_curve_unchanged_by_schedule_and_recompute(example, tmp_path, schedule, recompute):
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-              "--sequence-parallel", "--gradient-accumulation-fusion"]
+    layout = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--gradient-accumulation-fusion",
+    ]
     base = _curve(example, tmp_path, "1f1b-none", layout)
-    extra = ["--pipeline-schedule", schedule] + (
-        ["--recompute-granularity", recompute] if recompute else []) + (
-        ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
-        if recompute == "full" else [])
+    extra = (
+        ["--pipeline-schedule", schedule]
+        + (["--recompute-granularity", recompute] if recompute else [])
+        + (
+            ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
+            if recompute == "full"
+            else []
+        )
+    )
     curve = _curve(example, tmp_path, f"{schedule}-{recompute}", layout + extra)
     for a, b in zip(curve, base):
         assert abs(a - b) <= 1e-5 * abs(b), (schedule, recompute, curve, base)
@@ -132,27 +203,53 @@ def test_loss_curve_unchanged_by_schedule_and_recompute(example, tmp_path, sched
 
 def test_recompute_errors(example, capsys):
     """Megatron's rules and wording for the recompute flags."""
-    usage_error(example, capsys, SMALL + ["--recompute-granularity", "full"],
-                'Using --recompute-granularity: full so --recompute-method must be "block" '
-                'or "uniform"')
-    usage_error(example, capsys, SMALL + ["--recompute-granularity", "full",
-                                          "--recompute-method", "block"],
-                "When using --recompute-granularity: full --recompute-num-layers must be between")
-    usage_error(example, capsys, SMALL + ["--recompute-granularity", "full",
-                                          "--recompute-method", "uniform",
-                                          "--recompute-num-layers", "0"],
-                "--recompute-num-layers must be a positive integer, got 0")
-    usage_error(example, capsys, SMALL + ["--recompute-granularity", "selective",
-                                          "--recompute-num-layers", "2"],
-                "When using --recompute-granularity: selective --recompute-num-layers must be None")
-    usage_error(example, capsys, SMALL + ["--recompute-method", "uniform"],
-                "--recompute-method (uniform) is only used with --recompute-granularity 'full'")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--recompute-granularity", "full"],
+        'Using --recompute-granularity: full so --recompute-method must be "block" or "uniform"',
+    )
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--recompute-granularity", "full", "--recompute-method", "block"],
+        "When using --recompute-granularity: full --recompute-num-layers must be between",
+    )
+    usage_error(
+        example,
+        capsys,
+        SMALL
+        + [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "0",
+        ],
+        "--recompute-num-layers must be a positive integer, got 0",
+    )
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+        "When using --recompute-granularity: selective --recompute-num-layers must be None",
+    )
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--recompute-method", "uniform"],
+        "--recompute-method (uniform) is only used with --recompute-granularity 'full'",
+    )
 
 
 def test_schedule_errors(example, capsys):
-    usage_error(example, capsys,
-                SMALL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
-                "Cannot use the zb-h1 pipeline schedule without gradient accumulation fusion")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+        "Cannot use the zb-h1 pipeline schedule without gradient accumulation fusion",
+    )
 
 
 def test_model_preset_gives_the_flags_defaults_and_flags_override(example):

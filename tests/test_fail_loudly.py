@@ -8,9 +8,23 @@ import pytest
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
-SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-         "--no-progress", "--train-iters", "2"]
+SMALL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--no-progress",
+    "--train-iters",
+    "2",
+]
 
 
 def usage_error(example, capsys, argv: list[str], message: str) -> str:
@@ -24,47 +38,79 @@ def usage_error(example, capsys, argv: list[str], message: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--lr", "-1"], "argument --lr: must be >= 0, got -1"),
-    (["--min-lr", "-0.1"], "argument --min-lr: must be >= 0, got -0.1"),
-    (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr (0.01) must be <= --lr (0.001)"),
-    (["--weight-decay", "-1"], "argument --weight-decay: must be >= 0, got -1"),
-    (["--lr-warmup-iters", "-3"], "argument --lr-warmup-iters: must be >= 0, got -3"),
-    (["--min-lr", "1e-5", "--lr-warmup-iters", "2"],
-     "--lr-warmup-iters (2) must be < --train-iters (2), the steps of the --min-lr decay"),
-    (["--norm-epsilon", "-1"], "--norm-epsilon must be > 0, got -1.0"),
-    (["--norm-epsilon", "0"], "--norm-epsilon must be > 0, got 0.0"),
-    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
-    (["--seed", str(2**32)], f"argument --seed: must be < 4294967296, got {2**32}"),
-    (["--init-method-std", "0"], "--init-method-std must be > 0, got 0.0"),
-    (["--group-query-attention", "--num-query-groups", "0"],
-     "--num-query-groups must be a positive integer, got 0"),
-    (["--make-vocab-size-divisible-by", "0"],
-     "argument --make-vocab-size-divisible-by: must be >= 1, got 0"),
-    (["--wgrad-deferral-limit", "-1"], "Wgrad deferral limit must be >= 0 (got -1)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "-1"], "argument --lr: must be >= 0, got -1"),
+        (["--min-lr", "-0.1"], "argument --min-lr: must be >= 0, got -0.1"),
+        (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr (0.01) must be <= --lr (0.001)"),
+        (["--weight-decay", "-1"], "argument --weight-decay: must be >= 0, got -1"),
+        (["--lr-warmup-iters", "-3"], "argument --lr-warmup-iters: must be >= 0, got -3"),
+        (
+            ["--min-lr", "1e-5", "--lr-warmup-iters", "2"],
+            "--lr-warmup-iters (2) must be < --train-iters (2), the steps of the --min-lr decay",
+        ),
+        (["--norm-epsilon", "-1"], "--norm-epsilon must be > 0, got -1.0"),
+        (["--norm-epsilon", "0"], "--norm-epsilon must be > 0, got 0.0"),
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["--seed", str(2**32)], f"argument --seed: must be < 4294967296, got {2**32}"),
+        (["--init-method-std", "0"], "--init-method-std must be > 0, got 0.0"),
+        (
+            ["--group-query-attention", "--num-query-groups", "0"],
+            "--num-query-groups must be a positive integer, got 0",
+        ),
+        (
+            ["--make-vocab-size-divisible-by", "0"],
+            "argument --make-vocab-size-divisible-by: must be >= 1, got 0",
+        ),
+        (["--wgrad-deferral-limit", "-1"], "Wgrad deferral limit must be >= 0 (got -1)"),
+    ],
+)
 def test_numeric_range(example, capsys, argv, message):
     usage_error(example, capsys, SMALL + argv, message)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--save-interval", "5"], "--save-interval 5 needs --save (the directory checkpoints "
-                               "are written to)"),
-    (["--eval-iters", "3"], "--eval-iters 3 needs --eval-interval"),
-    (["--target", "h200"], "--target h200 needs --compile-only"),
-    (["--target-hosts", "2"], "--target-hosts 2 needs --compile-only"),
-    (["--load-fallback-to-intact"], "--load-fallback-to-intact needs --load"),
-    (["--no-load-optim"], "--no-load-optim needs --load"),
-    (["--defer-mode", "recompute"], "--defer-mode recompute needs --defer-embedding-wgrad-compute"),
-    (["--rotary-base", "500000"], "--rotary-base 500000.0 needs --position-embedding-type rope"),
-    (["--rotary-percent", "0.5"], "--rotary-percent 0.5 needs --position-embedding-type rope"),
-    (["--profile-steps", "2"], "--profile-steps 2 needs --profile-dir"),
-    (["--process-id", "0"], "--process-id 0 needs --distributed"),
-    (["--coordinator-address", "localhost:1234"],
-     "--coordinator-address localhost:1234 needs --distributed"),
-    (["--distributed", "--coordinator-address", "localhost:1", "--num-processes", "2",
-      "--process-id", "2"], "--process-id (2) must be < --num-processes (2)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--save-interval", "5"],
+            "--save-interval 5 needs --save (the directory checkpoints are written to)",
+        ),
+        (["--eval-iters", "3"], "--eval-iters 3 needs --eval-interval"),
+        (["--target", "h200"], "--target h200 needs --compile-only"),
+        (["--target-hosts", "2"], "--target-hosts 2 needs --compile-only"),
+        (["--load-fallback-to-intact"], "--load-fallback-to-intact needs --load"),
+        (["--no-load-optim"], "--no-load-optim needs --load"),
+        (
+            ["--defer-mode", "recompute"],
+            "--defer-mode recompute needs --defer-embedding-wgrad-compute",
+        ),
+        (
+            ["--rotary-base", "500000"],
+            "--rotary-base 500000.0 needs --position-embedding-type rope",
+        ),
+        (["--rotary-percent", "0.5"], "--rotary-percent 0.5 needs --position-embedding-type rope"),
+        (["--profile-steps", "2"], "--profile-steps 2 needs --profile-dir"),
+        (["--process-id", "0"], "--process-id 0 needs --distributed"),
+        (
+            ["--coordinator-address", "localhost:1234"],
+            "--coordinator-address localhost:1234 needs --distributed",
+        ),
+        (
+            [
+                "--distributed",
+                "--coordinator-address",
+                "localhost:1",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "2",
+            ],
+            "--process-id (2) must be < --num-processes (2)",
+        ),
+    ],
+)
 def test_flag_needs_partner(example, capsys, monkeypatch, argv, message):
     for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -74,9 +120,13 @@ def test_flag_needs_partner(example, capsys, monkeypatch, argv, message):
 def test_distributed_needs_a_coordinator(example, capsys, monkeypatch):
     for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    usage_error(example, capsys, SMALL + ["--distributed"],
-                "--distributed needs --coordinator-address (or JAX_COORDINATOR_ADDRESS, or a "
-                "SLURM / Open MPI launch)")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--distributed"],
+        "--distributed needs --coordinator-address (or JAX_COORDINATOR_ADDRESS, or a "
+        "SLURM / Open MPI launch)",
+    )
 
 
 def test_no_abbreviations(example, capsys):
@@ -92,8 +142,12 @@ def test_unwritable_output_path(example, capsys, tmp_path, flag):
 
 
 def test_metrics_file_is_a_directory(example, capsys, tmp_path):
-    usage_error(example, capsys, SMALL + ["--metrics-file", str(tmp_path)],
-                f"--metrics-file {tmp_path}: is a directory")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--metrics-file", str(tmp_path)],
+        f"--metrics-file {tmp_path}: is a directory",
+    )
 
 
 # ------------------------------------------------------------------ --load-hf directories
@@ -123,46 +177,70 @@ def _edit_config(directory, **changes):
 def test_hf_config_missing(example, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     (d / "config.json").unlink()
-    usage_error(example, capsys, SMALL + ["--load-hf", str(d)],
-                f"--load-hf {d}: {d / 'config.json'}: no such file")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--load-hf", str(d)],
+        f"--load-hf {d}: {d / 'config.json'}: no such file",
+    )
 
 
 def test_hf_config_not_json(example, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     (d / "config.json").write_text("{not json")
-    usage_error(example, capsys, SMALL + ["--load-hf", str(d)],
-                f"--load-hf {d}: {d / 'config.json'}: not valid JSON")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--load-hf", str(d)],
+        f"--load-hf {d}: {d / 'config.json'}: not valid JSON",
+    )
 
 
 def test_hf_config_missing_a_key(example, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     _edit_config(d, hidden_size=None)
-    usage_error(example, capsys, SMALL + ["--load-hf", str(d)],
-                f"--load-hf {d}: config.json has no 'hidden_size'")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--load-hf", str(d)],
+        f"--load-hf {d}: config.json has no 'hidden_size'",
+    )
 
 
 def test_hf_only_pytorch_bin(example, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     (d / "model.safetensors").rename(d / "pytorch_model.bin")
-    usage_error(example, capsys, SMALL + ["--load-hf", str(d)],
-                f"--load-hf {d}: {d}: neither model.safetensors nor "
-                "model.safetensors.index.json (found pytorch_model.bin")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--load-hf", str(d)],
+        f"--load-hf {d}: {d}: neither model.safetensors nor "
+        "model.safetensors.index.json (found pytorch_model.bin",
+    )
 
 
 def test_hf_truncated_shard(example, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     data = (d / "model.safetensors").read_bytes()
-    (d / "model.safetensors").write_bytes(data[:len(data) // 2])
-    usage_error(example, capsys, SMALL + ["--load-hf", str(d)],
-                f"--load-hf {d}: {d / 'model.safetensors'}: not a readable safetensors file")
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--load-hf", str(d)],
+        f"--load-hf {d}: {d / 'model.safetensors'}: not a readable safetensors file",
+    )
 
 
 def test_hf_missing_shard(example, capsys, tmp_path):
     d = _copy("llama", tmp_path)
     (d / "model-00002-of-00002.safetensors").unlink()
-    usage_error(example, capsys, SMALL + ["--load-hf", str(d)],
-                f"--load-hf {d}: {d / 'model.safetensors.index.json'}: names shard(s) that "
-                "are not there: model-00002-of-00002.safetensors")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--load-hf", str(d)],
+        f"--load-hf {d}: {d / 'model.safetensors.index.json'}: names shard(s) that "
+        "are not there: model-00002-of-00002.safetensors",
+    )
 
 
 def test_hf_sliding_window_is_checked_against_seq_length(example, capsys, tmp_path):
@@ -182,10 +260,22 @@ def test_hf_vocab_size_names_the_directory(example, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(256)) * 200)  # byte 255 > the fixture's vocabulary 128
-    usage_error(example, capsys, SMALL + ["--load-hf", str(d), "--data-path", str(text),
-                                          "--num-layers", "4", "--hidden-size", "64"],
-                f"the vocabulary of --load-hf {d} (128) must exceed the data's largest token "
-                "id 255")
+    usage_error(
+        example,
+        capsys,
+        SMALL
+        + [
+            "--load-hf",
+            str(d),
+            "--data-path",
+            str(text),
+            "--num-layers",
+            "4",
+            "--hidden-size",
+            "64",
+        ],
+        f"the vocabulary of --load-hf {d} (128) must exceed the data's largest token id 255",
+    )
 
 
 def _hf_mixtral_loss(gate_logits: list, topk: int, coef: float) -> float:
@@ -198,9 +288,9 @@ def _hf_mixtral_loss(gate_logits: list, topk: int, coef: float) -> float:
     probs /= probs.sum(-1, keepdims=True)
     num_experts = probs.shape[1]
     top = np.argsort(-probs, axis=-1)[:, :topk]
-    mask = np.eye(num_experts)[top]                      # [L T, k, E]
-    tokens_per_expert = mask.mean(0)                     # [k, E]
-    router_prob_per_expert = probs.mean(0)               # [E]
+    mask = np.eye(num_experts)[top]  # [L T, k, E]
+    tokens_per_expert = mask.mean(0)  # [k, E]
+    router_prob_per_expert = probs.mean(0)  # [E]
     return coef * float(np.sum(tokens_per_expert * router_prob_per_expert[None])) * num_experts
 
 
@@ -223,8 +313,9 @@ def test_mixtral_aux_loss_coefficient_is_mapped_not_copied():
     logits = np.random.default_rng(0).normal(size=(16, hf["num_local_experts"]))
     probs = jax.nn.softmax(jnp.asarray(logits), axis=-1)
     counts = np.eye(logits.shape[1])[np.argsort(-logits, -1)[:, :k]].sum((0, 1))
-    megatron = layers * float(load_balancing_loss(probs, jnp.asarray(counts), k,
-                                                  cfg.moe_aux_loss_coeff))
+    megatron = layers * float(
+        load_balancing_loss(probs, jnp.asarray(counts), k, cfg.moe_aux_loss_coeff)
+    )
     assert megatron == pytest.approx(_hf_mixtral_loss([logits] * layers, k, 0.02), rel=1e-5)
 
 
@@ -255,10 +346,21 @@ def _interrupt(after_s: float, extra: list[str] = (), wait_for: str | None = Non
     import time
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "pretrain_gpt.py"),
-                             *SMALL[:-1], "200", "--log-interval", "1", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "pretrain_gpt.py"),
+            *SMALL[:-1],
+            "200",
+            "--log-interval",
+            "1",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     out = ""
     if wait_for is not None:
         for line in proc.stdout:
@@ -287,8 +389,9 @@ def test_ctrl_c_while_compiling_exits_130_without_a_crash(after_s):
 @pytest.mark.slow
 def test_ctrl_c_while_training_names_the_checkpoint_to_resume_from(tmp_path):
     save = tmp_path / "ckpt"
-    code, out, err = _interrupt(0.5, ["--save", str(save), "--save-interval", "2"],
-                                wait_for="iteration     4/200")
+    code, out, err = _interrupt(
+        0.5, ["--save", str(save), "--save-interval", "2"], wait_for="iteration     4/200"
+    )
     assert code == 130 and "Traceback" not in err and "Fatal" not in err, (code, err)
     assert f"(resume with --load {save})" in err, err
     assert "interrupted after step" in out, out
@@ -296,25 +399,39 @@ def test_ctrl_c_while_training_names_the_checkpoint_to_resume_from(tmp_path):
 
 # ------------------------------------------------------------------------ vague messages
 
+
 def test_empty_data_directory_is_named(example, capsys, tmp_path):
     empty = tmp_path / "texts"
     empty.mkdir()
-    usage_error(example, capsys, SMALL + ["--data-path", str(empty)],
-                f"--data-path '{empty}': a directory with 0 file(s) holding 0 byte(s) of text")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--data-path", str(empty)],
+        f"--data-path '{empty}': a directory with 0 file(s) holding 0 byte(s) of text",
+    )
 
 
 def test_expert_parallelism_without_experts_names_both_flags(example, capsys):
-    usage_error(example, capsys, SMALL + ["--expert-model-parallel-size", "2"],
-                "--expert-model-parallel-size (2) needs --num-experts")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--expert-model-parallel-size", "2"],
+        "--expert-model-parallel-size (2) needs --num-experts",
+    )
 
 
 def test_interleaving_without_pipeline_names_the_flags(example, capsys):
-    usage_error(example, capsys, SMALL + ["--virtual-pipeline-model-parallel-size", "2"],
-                "--virtual-pipeline-model-parallel-size (2) asks for the interleaved schedule, "
-                "which needs --pipeline-model-parallel-size > 1, got 1")
+    usage_error(
+        example,
+        capsys,
+        SMALL + ["--virtual-pipeline-model-parallel-size", "2"],
+        "--virtual-pipeline-model-parallel-size (2) asks for the interleaved schedule, "
+        "which needs --pipeline-model-parallel-size > 1, got 1",
+    )
 
 
 # ------------------------------------------------------------------------- log and tools
+
 
 def test_the_preset_and_its_overrides_are_named(example):
     argv = ["--model", "llama3-tiny", "--num-layers", "2", "--seq-length", "32", "--lr", "1e-3"]
@@ -323,29 +440,53 @@ def test_the_preset_and_its_overrides_are_named(example):
     args = parser.parse_args(argv)
     args.given_flags = example.given_flags(argv)
     assert example.preset_line(parser, args, preset) == (
-        "model preset: --model llama3-tiny; overridden by --num-layers, --seq-length")
+        "model preset: --model llama3-tiny; overridden by --num-layers, --seq-length"
+    )
     plain = example.make_parser()
-    assert example.preset_line(plain, plain.parse_args([]), example.apply_preset(plain, [])) \
-        is None
+    assert example.preset_line(plain, plain.parse_args([]), example.apply_preset(plain, [])) is None
 
 
 def test_a_resume_past_train_iters_says_why_nothing_runs(example):
     lines = []
     # summarize reads the plan's buffer sizes only; the message comes from out, train_iters
-    plan = type("Plan", (), {"layout": type("L", (), {"buffer": type("B", (), {
-        "num_buckets": 1, "numel": 2, "param_numel": 2})()})()})()
-    example.summarize(plan, {"losses": [], "times": [], "start_step": 8, "compile_time_s": 0.0,
-                             "skipped_steps": 0, "valid": []}, lines.append, train_iters=6)
-    assert lines == ["done: no training step to run: the run resumed at step 8 and "
-                     "--train-iters is 6; pass a --train-iters above 8 to train on"]
+    plan = type(
+        "Plan",
+        (),
+        {
+            "layout": type(
+                "L",
+                (),
+                {"buffer": type("B", (), {"num_buckets": 1, "numel": 2, "param_numel": 2})()},
+            )()
+        },
+    )()
+    example.summarize(
+        plan,
+        {
+            "losses": [],
+            "times": [],
+            "start_step": 8,
+            "compile_time_s": 0.0,
+            "skipped_steps": 0,
+            "valid": [],
+        },
+        lines.append,
+        train_iters=6,
+    )
+    assert lines == [
+        "done: no training step to run: the run resumed at step 8 and "
+        "--train-iters is 6; pass a --train-iters above 8 to train on"
+    ]
 
 
 def test_plot_metrics_says_what_it_wrote(capsys, tmp_path):
     from script_util import load_script
 
     metrics = tmp_path / "m.jsonl"
-    metrics.write_text('{"step": 1, "loss": 5.0, "grad_norm": 1.0, "tokens_per_s": 10}\n'
-                       '{"step": 2, "loss": 4.0, "grad_norm": 0.9, "tokens_per_s": 11}\n')
+    metrics.write_text(
+        '{"step": 1, "loss": 5.0, "grad_norm": 1.0, "tokens_per_s": 10}\n'
+        '{"step": 2, "loss": 4.0, "grad_norm": 0.9, "tokens_per_s": 11}\n'
+    )
     out = tmp_path / "m.png"
     load_script("examples/plot_metrics.py").main([str(metrics), "-o", str(out)])
     assert out.is_file() and f"wrote {out}" in capsys.readouterr().out
@@ -359,10 +500,20 @@ def test_export_keeps_the_templates_max_position_embeddings(tmp_path):
     from script_util import load_script
 
     tool = load_script("tools/convert_hf.py")
-    tool.main(["--hf-dir", str(FIXTURES / "llama"), "--out", str(tmp_path / "ckpt"),
-               "--seq-length", "16"])
-    tool.main(["--export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "hf"),
-               "--hf-template", str(FIXTURES / "llama")])
+    tool.main(
+        ["--hf-dir", str(FIXTURES / "llama"), "--out", str(tmp_path / "ckpt"), "--seq-length", "16"]
+    )
+    tool.main(
+        [
+            "--export",
+            "--load",
+            str(tmp_path / "ckpt"),
+            "--hf-dir",
+            str(tmp_path / "hf"),
+            "--hf-template",
+            str(FIXTURES / "llama"),
+        ]
+    )
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert exported["max_position_embeddings"] == 64
 
@@ -376,8 +527,9 @@ print(os.environ.get("JAX_PLATFORMS"))
 """
 
 
-@pytest.mark.skipif(bool(__import__("glob").glob("/dev/nvidia[0-9]*")),
-                    reason="this machine has an NVIDIA device")
+@pytest.mark.skipif(
+    bool(__import__("glob").glob("/dev/nvidia[0-9]*")), reason="this machine has an NVIDIA device"
+)
 @pytest.mark.parametrize("plugin, want", [(True, "cpu"), (False, "None")])
 def test_an_installed_cuda_plugin_without_a_gpu_stays_quiet(tmp_path, plugin, want):
     """jax's CUDA plugin installed, no NVIDIA device: the run starts jax on the CPU (no
@@ -391,6 +543,12 @@ def test_an_installed_cuda_plugin_without_a_gpu_stays_quiet(tmp_path, plugin, wa
         (tmp_path / "jax_plugins" / "xla_cuda13" / "__init__.py").write_text("")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env["PYTHONPATH"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", _PLATFORMS], cwd=ROOT, env=env,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _PLATFORMS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip().splitlines()[-1] == want

@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
-
 from hlo_util import compiled_text, copies_of, custom_calls
-from jax_wgrad.ops import registry
-from jax_wgrad.grads.plan import plan_buckets, shard_range
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
 from jax_wgrad.grads import GradBuffer, flat_mask, local_mask, shard_buckets, sync_buckets
+from jax_wgrad.grads.plan import plan_buckets, shard_range
+from jax_wgrad.ops import registry
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -21,8 +22,12 @@ needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) de
 def _params(dtype2=F32):
     # flatten order (sorted keys): a_w [6,4], b_bias [6], c_w [5,6] (dtype2), d_ln [5]
     sds = jax.ShapeDtypeStruct
-    return {"a_w": sds((6, 4), F32), "b_bias": sds((6,), F32), "c_w": sds((5, 6), dtype2),
-            "d_ln": sds((5,), F32)}
+    return {
+        "a_w": sds((6, 4), F32),
+        "b_bias": sds((6,), F32),
+        "c_w": sds((5, 6), dtype2),
+        "d_ln": sds((5,), F32),
+    }
 
 
 def _random_tree(buf, seed, dtype=F32):
@@ -37,10 +42,12 @@ def _padding_mask(buf):
 
 @pytest.mark.parametrize("dist,bucket_size", [(True, 30), (False, 30), (True, None)])
 def test_layout_matches_plan_and_round_trips(dist, bucket_size):
-    buf = GradBuffer.create(_params(), dp_size=4, bucket_size=bucket_size,
-                            use_distributed_optimizer=dist)
-    plan = plan_buckets([24, 6, 30, 5], dp_size=4, bucket_size=bucket_size,
-                        use_distributed_optimizer=dist)
+    buf = GradBuffer.create(
+        _params(), dp_size=4, bucket_size=bucket_size, use_distributed_optimizer=dist
+    )
+    plan = plan_buckets(
+        [24, 6, 30, 5], dp_size=4, bucket_size=bucket_size, use_distributed_optimizer=dist
+    )
     assert buf.bucket_numels == tuple(b.numel for b in plan.buckets)
     for k, (start, end, bid) in enumerate(plan.param_ranges):
         assert buf.offset_of(buf.slots[k].path) == (bid, start - plan.buckets[bid].offset)
@@ -60,10 +67,13 @@ def test_layout_matches_plan_and_round_trips(dist, bucket_size):
 
 
 def test_dtype_groups_and_casts():
-    buf = GradBuffer.create(_params(BF16), dp_size=2, bucket_size=None,
-                            use_distributed_optimizer=True)
+    buf = GradBuffer.create(
+        _params(BF16), dp_size=2, bucket_size=None, use_distributed_optimizer=True
+    )
     assert [(g.param_dtype, g.grad_dtype) for g in buf.groups] == [
-        (jnp.dtype(F32), jnp.dtype(F32)), (jnp.dtype(BF16), jnp.dtype(F32))]
+        (jnp.dtype(F32), jnp.dtype(F32)),
+        (jnp.dtype(BF16), jnp.dtype(F32)),
+    ]
     assert buf.num_buckets == 2 and buf.bucket_param_dtypes[1] == jnp.dtype(BF16)
     assert buf.slot("['c_w']").bucket == 1 and buf.slot("['c_w']").offset == 0
     tree = _random_tree(buf, 1)
@@ -73,8 +83,9 @@ def test_dtype_groups_and_casts():
     np.testing.assert_array_equal(back["c_w"], tree["c_w"].astype(F32))
     as_bf16 = buf.to_tree(buf.from_tree(tree, dtype=BF16))
     assert all(leaf.dtype == BF16 for leaf in jax.tree.leaves(as_bf16))
-    own = GradBuffer.create(_params(BF16), dp_size=2, bucket_size=None,
-                            use_distributed_optimizer=False, grad_dtype=None)
+    own = GradBuffer.create(
+        _params(BF16), dp_size=2, bucket_size=None, use_distributed_optimizer=False, grad_dtype=None
+    )
     assert own.bucket_dtypes == (jnp.dtype(F32), jnp.dtype(BF16))
 
 
@@ -115,9 +126,9 @@ def test_fused_wgrad_and_add_tree_into_bucket_in_scan_are_in_place():
             xa, dya, xc, dyc, bias, ln = mb
             bk = buf.wgrad_accumulate(bk, "['c_w']", xc, dyc)
             bk = buf.wgrad_accumulate(bk, "['a_w']", xa, dya)
-            grads = {"a_w": jnp.zeros((6, 4)), "b_bias": bias, "c_w": jnp.zeros((5, 6)),
-                     "d_ln": ln}
+            grads = {"a_w": jnp.zeros((6, 4)), "b_bias": bias, "c_w": jnp.zeros((5, 6)), "d_ln": ln}
             return buf.add_tree(bk, grads), None
+
         return jax.lax.scan(body, buckets, (xa, dya, xc, dyc, bias, ln))[0]
 
     args = (buf.zeros(), *xs, jnp.asarray(small["b_bias"], F32), jnp.asarray(small["d_ln"], F32))
@@ -140,10 +151,15 @@ def _mesh(shape, names):
 
 def _sync_all_variants(buckets_local):
     shards = sync_buckets(buckets_local, axis_name="data", use_distributed_optimizer=True)
-    avg = sync_buckets(buckets_local, axis_name="data", use_distributed_optimizer=True,
-                       average_in_collective=True)
-    full = sync_buckets(buckets_local, axis_name="data", use_distributed_optimizer=False,
-                        gradient_scaling_factor=0.5)
+    avg = sync_buckets(
+        buckets_local, axis_name="data", use_distributed_optimizer=True, average_in_collective=True
+    )
+    full = sync_buckets(
+        buckets_local,
+        axis_name="data",
+        use_distributed_optimizer=False,
+        gradient_scaling_factor=0.5,
+    )
     return shards, avg, full
 
 
@@ -162,8 +178,7 @@ def test_sync_buckets_matches_numpy(mesh_shape):
         outs = _sync_all_variants(tuple(b[0] for b in bks))
         return jax.tree.map(lambda o: o[None], outs)
 
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * len(data),
-                               out_specs=spec))
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * len(data), out_specs=spec))
     shards, avg, full = fn(*data)
     for i, d in enumerate(data):
         d = d.reshape(mesh_shape + (-1,))  # [data, (tensor,) numel]
@@ -172,7 +187,7 @@ def test_sync_buckets_matches_numpy(mesh_shape):
             r, rest = np.unravel_index(dev, mesh_shape)[0], np.unravel_index(dev, mesh_shape)[1:]
             lo, hi = shard_range(buf.groups[0].plan.buckets[i], r, dp)
             base = buf.groups[0].plan.buckets[i].offset
-            want = total[rest][lo - base:hi - base]
+            want = total[rest][lo - base : hi - base]
             np.testing.assert_allclose(shards[i][dev], want / dp, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(avg[i][dev], want / dp, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(full[i][dev], 0.5 * total[rest], rtol=1e-5, atol=1e-6)
@@ -197,8 +212,9 @@ def test_one_collective_per_bucket_in_hlo():
     tree = [sds((40,), F32) for _ in range(6)]
     mesh = _mesh((8,), ("data",))
     for dist, op, stablehlo_op, numel, result in (
-            (True, "reduce-scatter", "reduce_scatter", 128, 16),  # lcm(8, 128) padding
-            (False, "all-reduce", "all_reduce", 80, 80)):
+        (True, "reduce-scatter", "reduce_scatter", 128, 16),  # lcm(8, 128) padding
+        (False, "all-reduce", "all_reduce", 80, 80),
+    ):
         buf = GradBuffer.create(tree, dp_size=8, bucket_size=80, use_distributed_optimizer=dist)
         assert buf.bucket_numels == (numel,) * 3
 
@@ -223,8 +239,9 @@ def test_buckets_as_scan_carry_inside_shard_map():
     mesh = _mesh((8,), ("data",))
     buf = GradBuffer.create(_params(), dp_size=8, bucket_size=30, use_distributed_optimizer=True)
     rng = np.random.default_rng(8)
-    grads = {s.path[2:-2]: rng.standard_normal((8, 3) + s.shape).astype(np.float32)
-             for s in buf.slots}  # [device, microbatch, ...]
+    grads = {
+        s.path[2:-2]: rng.standard_normal((8, 3) + s.shape).astype(np.float32) for s in buf.slots
+    }  # [device, microbatch, ...]
 
     def f(g):
         g = jax.tree.map(lambda v: v[0], g)
@@ -251,7 +268,7 @@ def test_shard_buckets_is_the_reduce_scatter_slice():
         bucket = buf.groups[0].plan.buckets[i]
         for r in range(8):
             lo, hi = shard_range(bucket, r, 8)
-            np.testing.assert_array_equal(g[r], full[i][lo - bucket.offset:hi - bucket.offset])
+            np.testing.assert_array_equal(g[r], full[i][lo - bucket.offset : hi - bucket.offset])
 
 
 @needs8
@@ -311,14 +328,20 @@ def test_sync_rejects_indivisible_bucket():
 
 
 def test_concatenate_keeps_each_chunks_plan_and_add_tree_where():
-    a = GradBuffer.create([jax.ShapeDtypeStruct((40,), F32)] * 3, dp_size=2, bucket_size=80,
-                          use_distributed_optimizer=True)
+    a = GradBuffer.create(
+        [jax.ShapeDtypeStruct((40,), F32)] * 3,
+        dp_size=2,
+        bucket_size=80,
+        use_distributed_optimizer=True,
+    )
     b = GradBuffer.create(_params(), dp_size=2, bucket_size=None, use_distributed_optimizer=True)
     ab = GradBuffer.concatenate([a, b])
     assert ab.bucket_numels == a.bucket_numels + b.bucket_numels
     assert ab.num_buckets == a.num_buckets + b.num_buckets
-    assert ab.offset_of("[1]['c_w']") == (a.num_buckets + b.offset_of("['c_w']")[0],
-                                           b.offset_of("['c_w']")[1])
+    assert ab.offset_of("[1]['c_w']") == (
+        a.num_buckets + b.offset_of("['c_w']")[0],
+        b.offset_of("['c_w']")[1],
+    )
     assert ab.offset_of("[0][2]") == a.offset_of("[2]")
     assert ab.numel == a.numel + b.numel and ab.param_numel == a.param_numel + b.param_numel
     tree = ([jnp.full((40,), 1.0 + i) for i in range(3)], _random_tree(b, 9))
@@ -329,8 +352,14 @@ def test_concatenate_keeps_each_chunks_plan_and_add_tree_where():
     for got, want, w in zip(jax.tree.leaves(added), jax.tree.leaves(tree), jax.tree.leaves(where)):
         np.testing.assert_array_equal(got, want if w else np.zeros_like(want))
     with pytest.raises(ValueError, match="share use_distributed_optimizer"):
-        GradBuffer.concatenate([a, GradBuffer.create(_params(), dp_size=2, bucket_size=None,
-                                                     use_distributed_optimizer=False)])
+        GradBuffer.concatenate(
+            [
+                a,
+                GradBuffer.create(
+                    _params(), dp_size=2, bucket_size=None, use_distributed_optimizer=False
+                ),
+            ]
+        )
     # Parts synced over different groups (expert buckets over the expert-data-parallel
     # ranks) keep their own data-parallel size per bucket, and their shards follow it.
     c = GradBuffer.create(_params(), dp_size=4, bucket_size=None, use_distributed_optimizer=True)

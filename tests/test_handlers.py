@@ -24,6 +24,7 @@ def _loaded_platforms() -> list[str]:
 
 # ---- 1. handlers that load into every supported jax ----------------------------------
 
+
 def test_built_handlers_declare_the_oldest_supported_api():
     # Asked the way XLA asks at registration (a metadata call frame): every handler must
     # declare an FFI API that jax 0.10.2 (0.3) accepts -- XLA rejects newer handlers.
@@ -32,15 +33,24 @@ def test_built_handlers_declare_the_oldest_supported_api():
     for platform in _loaded_platforms():
         module = importlib.import_module(registry._MODULES[platform][0])
         if module.built_for_newer_ffi_api:
-            pytest.skip(f"the {platform} handlers were built with "
-                        "JAX_WGRAD_ALLOW_NEWER_FFI_API=ON (they load into that jax and newer)")
+            pytest.skip(
+                f"the {platform} handlers were built with "
+                "JAX_WGRAD_ALLOW_NEWER_FFI_API=ON (they load into that jax and newer)"
+            )
         metadata = registry.handler_metadata(platform)
-        assert set(metadata) == {registry.TARGET, registry.TARGET_AT,
-                                 registry.BUCKET_ADD_TARGET, registry.RAGGED_MATMUL_TARGET,
-                                 registry.RAGGED_WGRAD_TARGET}, platform
+        assert set(metadata) == {
+            registry.TARGET,
+            registry.TARGET_AT,
+            registry.BUCKET_ADD_TARGET,
+            registry.RAGGED_MATMUL_TARGET,
+            registry.RAGGED_WGRAD_TARGET,
+        }, platform
         for name, meta in metadata.items():
             assert tuple(meta["api_version"]) <= registry.OLDEST_SUPPORTED_FFI_API, (
-                platform, name, meta)
+                platform,
+                name,
+                meta,
+            )
 
 
 def test_runtime_ffi_api_is_read_from_the_running_jaxlib():
@@ -56,6 +66,7 @@ _REAL_IMPORT = importlib.import_module
 def _importing(monkeypatch, name, fake):
     """``importlib.import_module(name)`` returns ``fake`` (an object, or an exception to
     raise); every other import is the real one."""
+
     def import_module(requested, *args, **kwargs):
         if requested != name:
             return _REAL_IMPORT(requested, *args, **kwargs)
@@ -73,8 +84,13 @@ class _FakeModule:
         self.version, self._registrations, self.registered = version, registrations, False
 
     def handler_metadata(self):
-        return {"fake_target": {"api_version": self.version, "traits": 0,
-                                "command_buffer_compatible": False}}
+        return {
+            "fake_target": {
+                "api_version": self.version,
+                "traits": 0,
+                "command_buffer_compatible": False,
+            }
+        }
 
     def registrations(self):
         self.registered = True
@@ -105,13 +121,17 @@ def test_registration_error_is_a_status(monkeypatch):
 
 
 def test_import_error_is_a_status(monkeypatch):
-    _importing(monkeypatch, "jax_wgrad._wgrad_ffi_cuda",
-               ImportError("libcublas.so.13: cannot open shared object file"))
+    _importing(
+        monkeypatch,
+        "jax_wgrad._wgrad_ffi_cuda",
+        ImportError("libcublas.so.13: cannot open shared object file"),
+    )
     reason = registry._register_module("cuda", "jax_wgrad._wgrad_ffi_cuda", "CUDA")
     assert "could not be imported: libcublas.so.13" in reason
 
 
 # ---- 2. a status that tells the truth everywhere ---------------------------------------
+
 
 @pytest.fixture
 def fresh_status(monkeypatch):
@@ -134,8 +154,9 @@ def test_status_asked_while_tracing_is_not_a_failure(fresh_status):
 
 def test_fused_linear_built_inside_nnx_eval_shape(fresh_status):
     # Building the module runs require_fusion (a probe) inside NNX's abstract trace.
-    layer = nnx.eval_shape(lambda: jax_wgrad.Linear(
-        4, 3, gradient_accumulation_fusion=True, rngs=nnx.Rngs(0)))
+    layer = nnx.eval_shape(
+        lambda: jax_wgrad.Linear(4, 3, gradient_accumulation_fusion=True, rngs=nnx.Rngs(0))
+    )
     assert layer.weight.get_value().shape == (3, 4) == layer.main_grad.get_value().shape
     assert ops.fusion_status()["cpu"] is None
 
@@ -171,40 +192,57 @@ def test_out_of_memory_is_not_remembered(fresh_status, monkeypatch):
     assert "cpu" not in registry._VERIFIED
 
 
-@pytest.mark.parametrize("broken,case", [
-    ("grouped_wgrad_accumulate", "grouped experts into a bucket"),
-    ("bucket_add", "bucket_add of several blocks"),
-    ("ragged_matmul", "ragged_matmul float32 transpose_rhs=1"),
-    ("ragged_wgrad_accumulate", "ragged_wgrad_accumulate float32"),
-])
+@pytest.mark.parametrize(
+    "broken,case",
+    [
+        ("grouped_wgrad_accumulate", "grouped experts into a bucket"),
+        ("bucket_add", "bucket_add of several blocks"),
+        ("ragged_matmul", "ragged_matmul float32 transpose_rhs=1"),
+        ("ragged_wgrad_accumulate", "ragged_wgrad_accumulate float32"),
+    ],
+)
 def test_probe_checks_every_kernel_variant(fresh_status, monkeypatch, broken, case):
-    monkeypatch.setattr(ops, broken, lambda *args, **kwargs: args[2] if broken ==
-                        "grouped_wgrad_accumulate" else args[0])
+    monkeypatch.setattr(
+        ops,
+        broken,
+        lambda *args, **kwargs: args[2] if broken == "grouped_wgrad_accumulate" else args[0],
+    )
     assert registry._status("cpu").endswith(f"returned wrong values ({case})")
 
 
 def test_probe_cases_cover_the_variants():
     names = [c[0] for c in registry._probe_cases()]
     assert names == [
-        "float32 default", "float32 highest", "bfloat16 into float32",
-        "bfloat16 into bfloat16", "float16 into float32", "float16 into float16",
-        "offset block of a flat bucket", "grouped experts into a bucket",
-        "traced offset block of a flat bucket", "grouped experts at a traced, clamped offset",
+        "float32 default",
+        "float32 highest",
+        "bfloat16 into float32",
+        "bfloat16 into bfloat16",
+        "float16 into float32",
+        "float16 into float16",
+        "offset block of a flat bucket",
+        "grouped experts into a bucket",
+        "traced offset block of a flat bucket",
+        "grouped experts at a traced, clamped offset",
         "block at a 64-bit position base + index * stride",
         "grouped experts at an aligned position base + index * stride",
-        "bucket_add of several blocks", "ragged_matmul float32 transpose_rhs=1",
-        "ragged_matmul bfloat16 transpose_rhs=0", "ragged_wgrad_accumulate float32",
+        "bucket_add of several blocks",
+        "ragged_matmul float32 transpose_rhs=1",
+        "ragged_matmul bfloat16 transpose_rhs=0",
+        "ragged_wgrad_accumulate float32",
         "ragged_wgrad_accumulate bfloat16 into bfloat16",
         "ragged_wgrad_accumulate float16 into a bucket",
         "ragged_wgrad_accumulate at a traced, clamped offset",
-        "ragged_wgrad_accumulate at a 64-bit position base + index * stride"]
+        "ragged_wgrad_accumulate at a 64-bit position base + index * stride",
+    ]
 
 
 # ---- 4. CUDA architectures; 5. command buffers ------------------------------------------
 
+
 def _cuobjdump() -> str | None:
     try:
         import nvidia.cu13
+
         for root in nvidia.cu13.__path__:
             tool = Path(root) / "bin" / "cuobjdump"
             if tool.exists():
@@ -225,10 +263,12 @@ def test_cuda_library_holds_sm80_sm90_sm100_code_and_ptx():
         pytest.skip("the CUDA handler was not built (no nvcc, or JAX_WGRAD_CUDA=OFF)")
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    elf = subprocess.run([tool, "--list-elf", str(library)], capture_output=True, text=True,
-                         check=True).stdout
-    ptx = subprocess.run([tool, "--list-ptx", str(library)], capture_output=True, text=True,
-                         check=True).stdout
+    elf = subprocess.run(
+        [tool, "--list-elf", str(library)], capture_output=True, text=True, check=True
+    ).stdout
+    ptx = subprocess.run(
+        [tool, "--list-ptx", str(library)], capture_output=True, text=True, check=True
+    ).stdout
     for arch in ("sm_80", "sm_90", "sm_100"):
         assert f".{arch}.cubin" in elf, elf
     assert ".sm_100.ptx" in ptx, ptx
@@ -257,14 +297,19 @@ def test_a_newer_jax_build_refuses_at_configure_time(tmp_path):
     (headers / "c_api.h").write_text("#define XLA_FFI_API_MAJOR 0\n#define XLA_FFI_API_MINOR 5\n")
     script = tmp_path / "check.cmake"
     source = (Path(__file__).resolve().parents[1] / "ffi" / "CMakeLists.txt").read_text()
-    block = source[source.index("set(JAX_WGRAD_OLDEST_FFI_API"):source.index(
-        "message(STATUS \"jax_wgrad: XLA FFI API")]
+    block = source[
+        source.index("set(JAX_WGRAD_OLDEST_FFI_API") : source.index(
+            'message(STATUS "jax_wgrad: XLA FFI API'
+        )
+    ]
     script.write_text(f'set(XLA_FFI_INCLUDE_DIR "{tmp_path / "include"}")\n' + block)
-    out = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True,
-                         cwd=tmp_path)
+    out = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode != 0
     assert "declare API 0.5, newer than 0.3" in " ".join(out.stderr.split())
-    allowed = subprocess.run([cmake, "-DJAX_WGRAD_ALLOW_NEWER_FFI_API=ON", "-P", str(script)],
-                             capture_output=True, text=True, cwd=tmp_path)
+    allowed = subprocess.run(
+        [cmake, "-DJAX_WGRAD_ALLOW_NEWER_FFI_API=ON", "-P", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert allowed.returncode == 0, allowed.stderr
-

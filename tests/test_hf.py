@@ -57,39 +57,60 @@ def _spec_namespace(hf: dict):
     nh, h = hf["num_attention_heads"], hf["hidden_size"]
     moe = hf["architectures"][0] == "MixtralForCausalLM"
     return types.SimpleNamespace(
-        vocab_size=hf["vocab_size"], hidden_size=h, num_attention_heads=nh,
-        num_layers=hf["num_hidden_layers"], num_query_groups=hf["num_key_value_heads"],
-        kv_channels=hf.get("head_dim") or h // nh, ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        hidden_size=h,
+        num_attention_heads=nh,
+        num_layers=hf["num_hidden_layers"],
+        num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf.get("head_dim") or h // nh,
+        ffn_hidden_size=hf["intermediate_size"],
         moe_ffn_hidden_size=hf["intermediate_size"],
-        num_moe_experts=hf.get("num_local_experts"), add_bias_linear=False,
+        num_moe_experts=hf.get("num_local_experts"),
+        add_bias_linear=False,
         add_qkv_bias=hf["model_type"] == "qwen2",
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        moe_layer_pattern=(moe,) * hf["num_hidden_layers"])
+        moe_layer_pattern=(moe,) * hf["num_hidden_layers"],
+    )
 
 
 def _spec_skeleton(c) -> dict:
     """Canonical arrays as the layout spec gives them (group-major qkv, fc1 [L, 2, F, H],
     experts.fc1 [L, E, 2, F, H])."""
-    L, h, d, nh, ng = c.num_layers, c.hidden_size, c.kv_channels, c.num_attention_heads, \
-        c.num_query_groups
+    L, h, d, nh, ng = (
+        c.num_layers,
+        c.hidden_size,
+        c.kv_channels,
+        c.num_attention_heads,
+        c.num_query_groups,
+    )
     qkv = (nh + 2 * ng) * d
-    layer = {"ln1": {"scale": (L, h)}, "ln2": {"scale": (L, h)},
-             "qkv": {"weight": (L, qkv, h), **({"bias": (L, qkv)} if c.add_qkv_bias else {})},
-             "proj": {"weight": (L, h, nh * d)}}
+    layer = {
+        "ln1": {"scale": (L, h)},
+        "ln2": {"scale": (L, h)},
+        "qkv": {"weight": (L, qkv, h), **({"bias": (L, qkv)} if c.add_qkv_bias else {})},
+        "proj": {"weight": (L, h, nh * d)},
+    }
     if c.num_moe_experts:
         e, f = c.num_moe_experts, c.moe_ffn_hidden_size
-        stacks = {"moe_layers": {**layer, "router": (L, e, h),
-                                 "experts": {"fc1": (L, e, 2, f, h), "fc2": (L, e, h, f)}}}
+        stacks = {
+            "moe_layers": {
+                **layer,
+                "router": (L, e, h),
+                "experts": {"fc1": (L, e, 2, f, h), "fc2": (L, e, h, f)},
+            }
+        }
     else:
         f = c.ffn_hidden_size
-        stacks = {"layers": {**layer, "fc1": {"weight": (L, 2, f, h)},
-                             "fc2": {"weight": (L, h, f)}}}
+        stacks = {
+            "layers": {**layer, "fc1": {"weight": (L, 2, f, h)}, "fc2": {"weight": (L, h, f)}}
+        }
     head = {"final_norm": {"scale": (h,)}}
     if c.untie_embeddings_and_output_weights:
         head["output"] = {"weight": (c.vocab_size, h)}
     tree = {"embedding": {"word": {"embedding": (c.vocab_size, h)}}, **stacks, "head": head}
-    return jax.tree.map(lambda s: np.full(s, np.nan, np.float32), tree,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda s: np.full(s, np.nan, np.float32), tree, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -105,15 +126,20 @@ def test_tensor_table_fills_the_canonical_layout_and_reads_back_bitwise(family):
     qkv = params[stack]["qkv"]["weight"][1].reshape(ng, hpg + 2, d, -1)
     p = "model.layers.1.self_attn."
     for g in range(ng):
-        q = files[p + "q_proj.weight"].reshape(ng * hpg, d, -1)[g * hpg:(g + 1) * hpg]
+        q = files[p + "q_proj.weight"].reshape(ng * hpg, d, -1)[g * hpg : (g + 1) * hpg]
         np.testing.assert_array_equal(qkv[g, :hpg], q.astype(np.float32))
-        np.testing.assert_array_equal(qkv[g, hpg], files[p + "k_proj.weight"].reshape(
-            ng, d, -1)[g].astype(np.float32))
-        np.testing.assert_array_equal(qkv[g, hpg + 1], files[p + "v_proj.weight"].reshape(
-            ng, d, -1)[g].astype(np.float32))
+        np.testing.assert_array_equal(
+            qkv[g, hpg], files[p + "k_proj.weight"].reshape(ng, d, -1)[g].astype(np.float32)
+        )
+        np.testing.assert_array_equal(
+            qkv[g, hpg + 1], files[p + "v_proj.weight"].reshape(ng, d, -1)[g].astype(np.float32)
+        )
     for t in hf_tensors(c):  # every tensor of the files, and nothing else, read back bitwise
-        np.testing.assert_array_equal(np.asarray(t.view(params)).reshape(t.shape),
-                                      files.pop(t.name).astype(np.float32), err_msg=t.name)
+        np.testing.assert_array_equal(
+            np.asarray(t.view(params)).reshape(t.shape),
+            files.pop(t.name).astype(np.float32),
+            err_msg=t.name,
+        )
     assert files == {}
 
 
@@ -133,8 +159,7 @@ def test_a_missing_tensor_is_named(tmp_path):
 
 def test_config_mapping():
     cfg = config_from_hf(_hf_config("llama"))
-    assert (cfg.normalization, cfg.position_embedding_type, cfg.swiglu) == ("RMSNorm", "rope",
-                                                                            True)
+    assert (cfg.normalization, cfg.position_embedding_type, cfg.swiglu) == ("RMSNorm", "rope", True)
     assert (cfg.group_query_attention, cfg.num_query_groups) == (True, 2)
     assert (cfg.add_bias_linear, cfg.add_qkv_bias) == (False, False)
     assert cfg.untie_embeddings_and_output_weights and cfg.rotary_base == 10000.0
@@ -145,8 +170,14 @@ def test_config_mapping():
     assert qwen.add_qkv_bias and not qwen.add_bias_linear
     assert not qwen.untie_embeddings_and_output_weights
     moe = config_from_hf(_hf_config("mixtral"), seq_length=16)
-    assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size,
-            moe.moe_layer_freq, moe.moe_aux_loss_coeff, moe.seq_length) == (4, 2, 64, 1, 0.0, 16)
+    assert (
+        moe.num_moe_experts,
+        moe.moe_router_topk,
+        moe.moe_ffn_hidden_size,
+        moe.moe_layer_freq,
+        moe.moe_aux_loss_coeff,
+        moe.seq_length,
+    ) == (4, 2, 64, 1, 0.0, 16)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -155,19 +186,33 @@ def test_exported_config_maps_back_to_the_same_model(family):
     assert config_from_hf(hf_config_from(cfg)) == cfg
 
 
-@pytest.mark.parametrize("family, change, field", [
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
-     "rope_parameters.rope_type"),
-    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
-    ("llama", {"attention_bias": True}, "attention_bias/mlp_bias"),
-    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ("llama", {"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-    ("mistral", {"sliding_window": 32}, "sliding_window"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2,
-               "layer_types": None}, "sliding_window"),
-    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
-])
+@pytest.mark.parametrize(
+    "family, change, field",
+    [
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+            "rope_parameters.rope_type",
+        ),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+        ("llama", {"attention_bias": True}, "attention_bias/mlp_bias"),
+        ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("llama", {"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+        ("mistral", {"sliding_window": 32}, "sliding_window"),
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 32,
+                "max_window_layers": 2,
+                "layer_types": None,
+            },
+            "sliding_window",
+        ),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ],
+)
 def test_unrepresentable_configs_are_refused_naming_the_field(family, change, field):
     with pytest.raises(UnsupportedHFConfig, match=f"config {field}="):
         config_from_hf({**_hf_config(family), **change})
@@ -200,11 +245,23 @@ def test_import_export_import_is_bitwise(family, tmp_path):
 def test_export_of_a_random_model_imports_bitwise(tmp_path):
     from jax_wgrad import GPTConfig, init_params
 
-    cfg = GPTConfig(vocab_size=96, num_layers=2, hidden_size=48, num_attention_heads=6,
-                    seq_length=32, ffn_hidden_size=80, normalization="RMSNorm",
-                    position_embedding_type="rope", rotary_base=5e5, swiglu=True,
-                    group_query_attention=True, num_query_groups=2, add_bias_linear=False,
-                    add_qkv_bias=True, untie_embeddings_and_output_weights=True)
+    cfg = GPTConfig(
+        vocab_size=96,
+        num_layers=2,
+        hidden_size=48,
+        num_attention_heads=6,
+        seq_length=32,
+        ffn_hidden_size=80,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        rotary_base=5e5,
+        swiglu=True,
+        group_query_attention=True,
+        num_query_groups=2,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        untie_embeddings_and_output_weights=True,
+    )
     params = jax.tree.map(np.asarray, init_params(cfg, seed=5))
     export_hf(cfg, params, tmp_path)
     cfg2, params2 = import_hf(tmp_path)
@@ -243,8 +300,7 @@ def test_bf16_kl_per_token(family):
     ref = _reference(family)
     cfg, params = import_hf(FIXTURES / family, seq_length=16, compute_dtype="bfloat16")
     ids = jnp.asarray(ref["tokens"][:, :-1])
-    ours = _log_softmax(np.asarray(reference_logits(jax.tree.map(jnp.asarray, params), ids,
-                                                    cfg)))
+    ours = _log_softmax(np.asarray(reference_logits(jax.tree.map(jnp.asarray, params), ids, cfg)))
     theirs = _log_softmax(ref["logits_fp32"])
     kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
     assert kl.max() <= 1e-3, kl.max()
@@ -255,17 +311,31 @@ def _pipeline_loss(cfg, params, tokens, dp, tp, pp, sp):
     from jax_wgrad.parallel.mesh import DATA_PARALLEL
     from jax_wgrad.parallel.pipeline.evaluate import eval_loss
 
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         micro_batch_size=1, global_batch_size=tokens.shape[0],
-                         sequence_parallel=sp)
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        micro_batch_size=1,
+        global_batch_size=tokens.shape[0],
+        sequence_parallel=sp,
+    )
     mesh, program = make_mesh(par), GPTProgram(cfg, par)
     specs = program.param_specs()
-    fn = jax.shard_map(lambda p, t: eval_loss(program, program.device_tree(p), t), mesh=mesh,
-                       in_specs=(specs, P(DATA_PARALLEL)), out_specs=P(), check_vma=False)
-    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                         is_leaf=lambda x: isinstance(x, P))
-    return float(jax.jit(fn)(jax.device_put(params, shard),
-                             jax.device_put(tokens, NamedSharding(mesh, P(DATA_PARALLEL)))))
+    fn = jax.shard_map(
+        lambda p, t: eval_loss(program, program.device_tree(p), t),
+        mesh=mesh,
+        in_specs=(specs, P(DATA_PARALLEL)),
+        out_specs=P(),
+        check_vma=False,
+    )
+    shard = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    return float(
+        jax.jit(fn)(
+            jax.device_put(params, shard),
+            jax.device_put(tokens, NamedSharding(mesh, P(DATA_PARALLEL))),
+        )
+    )
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -276,8 +346,7 @@ def test_pipeline_cross_entropy_equals_transformers(family, dp, tp, pp, sp):
     sp = sp or family == "mixtral"  # MoE with tensor parallelism needs SP (Megatron's rule)
     cfg, params = import_hf(FIXTURES / family, seq_length=16)
     tokens = ref["tokens"]
-    theirs = -np.mean(np.take_along_axis(_log_softmax(ref["logits_fp32"]),
-                                         tokens[:, 1:, None], -1))
+    theirs = -np.mean(np.take_along_axis(_log_softmax(ref["logits_fp32"]), tokens[:, 1:, None], -1))
     ours = _pipeline_loss(cfg, params, jnp.asarray(tokens), dp, tp, pp, sp)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
@@ -293,15 +362,39 @@ def test_a_parameters_only_checkpoint_starts_a_run(example, tmp_path, capsys):
     from jax_wgrad import GPTConfig, init_params
     from jax_wgrad.training.checkpoint import save_params_checkpoint
 
-    small = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-             "--no-progress", "--seed", "3", "--train-iters", "1",
-             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    cfg = GPTConfig(vocab_size=256, num_layers=2, hidden_size=32, num_attention_heads=4,
-                    seq_length=16)
-    save_params_checkpoint(tmp_path / "ckpt", cfg, jax.tree.map(np.asarray,
-                                                                init_params(cfg, 3)),
-                           source="a test", required_fields=("layernorm_epsilon",))
+    small = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--no-progress",
+        "--seed",
+        "3",
+        "--train-iters",
+        "1",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+    ]
+    cfg = GPTConfig(
+        vocab_size=256, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16
+    )
+    save_params_checkpoint(
+        tmp_path / "ckpt",
+        cfg,
+        jax.tree.map(np.asarray, init_params(cfg, 3)),
+        source="a test",
+        required_fields=("layernorm_epsilon",),
+    )
     scratch = example.main(small)
     loaded = example.main(small + ["--load", str(tmp_path / "ckpt")])
     assert loaded["first_loss"] == scratch["first_loss"]
@@ -322,16 +415,34 @@ def test_the_example_starts_from_a_hf_directory(example, tmp_path, capsys):
 
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(32, 127)) * 400)  # ASCII: ids < the fixture's vocab 128
-    run = ["--data-path", str(text), "--seq-length", "16", "--micro-batch-size", "2",
-           "--global-batch-size", "8", "--no-progress", "--seed", "3", "--train-iters", "1",
-           "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-           "--sequence-parallel"]
+    run = [
+        "--data-path",
+        str(text),
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--no-progress",
+        "--seed",
+        "3",
+        "--train-iters",
+        "1",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ]
     direct = example.main(run + ["--load-hf", str(FIXTURES / "llama")])
     assert "starting from the Hugging Face model in" in capsys.readouterr().out
     cfg, params = import_hf(FIXTURES / "llama", seq_length=16)
-    save_params_checkpoint(tmp_path / "ckpt", cfg, params, source="a test",
-                           required_fields=("layernorm_epsilon",))
+    save_params_checkpoint(
+        tmp_path / "ckpt", cfg, params, source="a test", required_fields=("layernorm_epsilon",)
+    )
     from jax_wgrad.interop import megatron_flags
+
     converted = example.main(run + megatron_flags(cfg) + ["--load", str(tmp_path / "ckpt")])
     assert direct["first_loss"] == converted["first_loss"]
     with pytest.raises(SystemExit):
@@ -347,21 +458,32 @@ def test_preprocess_takes_a_hf_directorys_tokenizer(tmp_path):
 
     tokenizers = pytest.importorskip("tokenizers", reason="the optional tokenizers library")
     spec = importlib.util.spec_from_file_location(
-        "preprocess_data", Path(__file__).parents[1] / "tools" / "preprocess_data.py")
+        "preprocess_data", Path(__file__).parents[1] / "tools" / "preprocess_data.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     from jax_wgrad.training.indexed import IndexedDataset
 
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {"<s>": 0, "</s>": 1, "[UNK]": 2, "a": 3, "b": 4}, unk_token="[UNK]"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel(
+            {"<s>": 0, "</s>": 1, "[UNK]": 2, "a": 3, "b": 4}, unk_token="[UNK]"
+        )
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     hf = tmp_path / "hf"
     hf.mkdir()
     tok.save(str(hf / "tokenizer.json"))
     (hf / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 1}))
     (tmp_path / "t.txt").write_text("a b zz")
-    args = ["--input", str(tmp_path / "t.txt"), "--output-prefix", str(tmp_path / "t"),
-            "--tokenizer-hf-dir", str(hf), "--append-eod"]
+    args = [
+        "--input",
+        str(tmp_path / "t.txt"),
+        "--output-prefix",
+        str(tmp_path / "t"),
+        "--tokenizer-hf-dir",
+        str(hf),
+        "--append-eod",
+    ]
     assert tool.main(args)["vocab_size"] == 8
     np.testing.assert_array_equal(IndexedDataset(tmp_path / "t")[0], [3, 4, 2, 1])
     (hf / "config.json").write_text(json.dumps({"vocab_size": 4}))
@@ -373,14 +495,32 @@ def test_convert_tool_round_trip_is_bitwise(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "convert_hf", Path(__file__).parents[1] / "tools" / "convert_hf.py")
+        "convert_hf", Path(__file__).parents[1] / "tools" / "convert_hf.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    out = tool.main(["--hf-dir", str(FIXTURES / "mixtral"), "--out", str(tmp_path / "ckpt"),
-                     "--seq-length", "16"])
+    out = tool.main(
+        [
+            "--hf-dir",
+            str(FIXTURES / "mixtral"),
+            "--out",
+            str(tmp_path / "ckpt"),
+            "--seq-length",
+            "16",
+        ]
+    )
     assert "--num-experts 4" in out["flags"] and "--hidden-size 64" in out["flags"]
-    tool.main(["--export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "hf"),
-               "--hf-template", str(FIXTURES / "mixtral")])
+    tool.main(
+        [
+            "--export",
+            "--load",
+            str(tmp_path / "ckpt"),
+            "--hf-dir",
+            str(tmp_path / "hf"),
+            "--hf-template",
+            str(FIXTURES / "mixtral"),
+        ]
+    )
     theirs, ours = _file_tensors(FIXTURES / "mixtral"), _file_tensors(tmp_path / "hf")
     assert sorted(theirs) == sorted(ours)
     for k in theirs:

@@ -43,7 +43,8 @@ def test_each_stage_runs_megatrons_order_with_its_warmup(p, m, v):
         warmup = min((p - s - 1) * 2 + (v - 1) * p, m * v)
         # the warm-up forwards, then 1F1B starts with a forward
         assert next(k for k, (task, _, _) in enumerate(order) if task == "B") == min(
-            warmup + 1, m * v)
+            warmup + 1, m * v
+        )
         # Megatron holds at most warmup + 1 microbatch-chunks on a stage
         assert table.in_flight(s) == min(warmup + 1, m * v)
 
@@ -54,8 +55,11 @@ def test_residual_slots_are_megatrons_bound_and_never_shared(p, m, v):
     assert table.num_slots == max(table.in_flight(s) for s in range(p))
     slots = table.slot_map("F", "B")
     for s in range(p):
-        live = [(table.ticks("F", s, c)[k], table.ticks("B", s, c)[k], slots[s, c, k])
-                for c in range(v) for k in range(m)]
+        live = [
+            (table.ticks("F", s, c)[k], table.ticks("B", s, c)[k], slots[s, c, k])
+            for c in range(v)
+            for k in range(m)
+        ]
         for a0, b0, k0 in live:  # two pairs alive in one tick never share a slot
             assert sum(1 for a, b, k in live if k == k0 and a <= b0 and a0 <= b) == 1
 
@@ -83,20 +87,29 @@ def test_split_backward_keeps_the_order_and_the_bound(p, m, v):
 
 
 def test_megatrons_rules_and_wording():
-    with pytest.raises(ValueError, match=r"number of microbatches \(6\) is not divisible by "
-                       r"pipeline-model-parallel-size \(4\) when using interleaved schedule"):
+    with pytest.raises(
+        ValueError,
+        match=r"number of microbatches \(6\) is not divisible by "
+        r"pipeline-model-parallel-size \(4\) when using interleaved schedule",
+    ):
         get_schedule("1f1b", 4, 6, 2)
     table = get_schedule("1f1b", 4, 6, 2, group_size=4)  # Megatron's group size allows it
     assert table.num_microbatches == 6
     with pytest.raises(ValueError, match=r"microbatch_group_size_per_vp_stage \(2\)"):
         get_schedule("1f1b", 4, 8, 2, group_size=2)
-    with pytest.raises(ValueError,
-                       match="interleaved schedule, which needs pipeline_model_parallel_size"):
-        ParallelConfig(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2,
-                       world_size=1)
+    with pytest.raises(
+        ValueError, match="interleaved schedule, which needs pipeline_model_parallel_size"
+    ):
+        ParallelConfig(
+            pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2, world_size=1
+        )
     with pytest.raises(ValueError, match=r"number of microbatches \(2\) is not divisible"):
-        ParallelConfig(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
-                       world_size=4, global_batch_size=2)
+        ParallelConfig(
+            pipeline_model_parallel_size=4,
+            virtual_pipeline_model_parallel_size=2,
+            world_size=4,
+            global_batch_size=2,
+        )
     with pytest.raises(ValueError, match="only used with the interleaved schedule"):
         ParallelConfig(microbatch_group_size_per_vp_stage=4, world_size=1)
 
@@ -120,8 +133,9 @@ def test_validate_checks_the_ring_edge():
 
 
 def test_simulator_interleaved_below_1f1b_at_unit_costs():
-    rows = sim.main(["--stages", "4", "--microbatches", "8", "--virtual-stages", "2",
-                     "--compare", "--json"])
+    rows = sim.main(
+        ["--stages", "4", "--microbatches", "8", "--virtual-stages", "2", "--compare", "--json"]
+    )
     by = {(r["schedule"], r["virtual_stages"]): r for r in rows}
     one, zb = by[("1f1b", 1)], by[("zb-h1", 1)]
     inter, inter_zb = by[("interleaved-1f1b", 2)], by[("interleaved-zb-h1", 2)]
@@ -135,25 +149,59 @@ def test_simulator_interleaved_below_1f1b_at_unit_costs():
 
 def test_simulator_plots_chunks(tmp_path):
     png = tmp_path / "i.png"
-    out = sim.main(["--stages", "2", "--microbatches", "4", "--virtual-stages", "2",
-                    "--plot", str(png)])
+    out = sim.main(
+        ["--stages", "2", "--microbatches", "4", "--virtual-stages", "2", "--plot", str(png)]
+    )
     assert out["schedule"] == "interleaved-1f1b" and png.read_bytes()[:4] == b"\x89PNG"
 
 
 # --------------------------------------------------------------------------- end to end
 
-SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-         "--lr", "3e-3", "--no-progress", "--seed", "3",
-         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-         "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--lr",
+    "3e-3",
+    "--no-progress",
+    "--seed",
+    "3",
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+]
 FUSED = ["--gradient-accumulation-fusion", "--defer-embedding-wgrad-compute"]
-RUNS = {"1f1b": [], "interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"],
-        "vocab": ["--vocab-parallel-over-pipeline"]}
-MORE_RUNS = {"interleaved-zb": ["--virtual-pipeline-model-parallel-size", "2",
-                                "--pipeline-schedule", "zb-h1"],
-             "interleaved-vocab": ["--virtual-pipeline-model-parallel-size", "2",
-                                   "--vocab-parallel-over-pipeline"]}
+RUNS = {
+    "1f1b": [],
+    "interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"],
+    "vocab": ["--vocab-parallel-over-pipeline"],
+}
+MORE_RUNS = {
+    "interleaved-zb": [
+        "--virtual-pipeline-model-parallel-size",
+        "2",
+        "--pipeline-schedule",
+        "zb-h1",
+    ],
+    "interleaved-vocab": [
+        "--virtual-pipeline-model-parallel-size",
+        "2",
+        "--vocab-parallel-over-pipeline",
+    ],
+}
 EVAL = ["--eval-interval", "3", "--eval-iters", "2"]
 
 
@@ -182,10 +230,17 @@ def curves(example, tmp_path_factory):
 
 
 def _curve(example, d, fused, name, flags) -> dict:
-    example.main(SMALL + fused + flags + EVAL + [
-        "--train-iters", "6", "--metrics-file", str(d / f"{name}.jsonl")])
-    return {name: _losses(d / f"{name}.jsonl"),
-            name + ":valid": _losses(d / f"{name}.jsonl", "valid_loss")}
+    example.main(
+        SMALL
+        + fused
+        + flags
+        + EVAL
+        + ["--train-iters", "6", "--metrics-file", str(d / f"{name}.jsonl")]
+    )
+    return {
+        name: _losses(d / f"{name}.jsonl"),
+        name + ":valid": _losses(d / f"{name}.jsonl", "valid_loss"),
+    }
 
 
 def _assert_curves_equal_1f1b(out: dict, base: dict) -> None:
@@ -214,29 +269,39 @@ def test_example_more_loss_curves_equal_1f1b(example, curves, name):
     _assert_curves_equal_1f1b(_curve(example, d, fused, name, MORE_RUNS[name]), out)
 
 
-@pytest.mark.parametrize("saved, flags", [
-    pytest.param("1f1b", RUNS["interleaved"], marks=pytest.mark.slow),
-    ("interleaved", []),
-    pytest.param("interleaved", ["--pipeline-model-parallel-size", "4",
-                                 "--tensor-model-parallel-size", "1"], marks=pytest.mark.slow),
-    pytest.param("interleaved", RUNS["vocab"], marks=pytest.mark.slow),
-], ids=["v1-to-v2", "v2-to-v1", "v2-to-tp1pp4", "v2-to-vocab-over-pipeline"])
+@pytest.mark.parametrize(
+    "saved, flags",
+    [
+        pytest.param("1f1b", RUNS["interleaved"], marks=pytest.mark.slow),
+        ("interleaved", []),
+        pytest.param(
+            "interleaved",
+            ["--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "1"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param("interleaved", RUNS["vocab"], marks=pytest.mark.slow),
+    ],
+    ids=["v1-to-v2", "v2-to-v1", "v2-to-tp1pp4", "v2-to-vocab-over-pipeline"],
+)
 def test_checkpoints_resume_across_virtual_stages(example, curves, saved, flags):
     d, fused, out = curves
     if not (d / saved).exists():  # a 3-step checkpoint of that run
-        example.main(SMALL + fused + RUNS[saved] + ["--train-iters", "3", "--save",
-                                                     str(d / saved)])
+        example.main(SMALL + fused + RUNS[saved] + ["--train-iters", "3", "--save", str(d / saved)])
     resumed = d / f"resumed-{saved}-{len(flags)}.jsonl"
-    example.main(SMALL + fused + flags + EVAL + [
-        "--train-iters", "6", "--load", str(d / saved), "--metrics-file", str(resumed)])
+    example.main(
+        SMALL
+        + fused
+        + flags
+        + EVAL
+        + ["--train-iters", "6", "--load", str(d / saved), "--metrics-file", str(resumed)]
+    )
     np.testing.assert_allclose(_losses(resumed), out["1f1b"][3:], rtol=1e-5)
 
 
 def _permute_pairs(hlo: str) -> list[list[tuple[int, int]]]:
     import re
 
-    found = re.findall(r"collective-permute(?:-start)?\(.*?source_target_pairs=(\{.*?\}\})",
-                       hlo)
+    found = re.findall(r"collective-permute(?:-start)?\(.*?source_target_pairs=(\{.*?\}\})", hlo)
     return [[(int(a), int(b)) for a, b in re.findall(r"(\d+),(\d+)", m)] for m in found]
 
 
@@ -250,19 +315,32 @@ def test_compiled_ring_edge_is_its_own_acyclic_permute():
 
     if jax.device_count() < 4:
         pytest.skip("needs 4 (virtual) devices")
-    cfg = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=8,
-                    vocab_size=64)
-    par = ParallelConfig(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
-                         micro_batch_size=1, global_batch_size=4, world_size=4)
+    cfg = GPTConfig(
+        num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64
+    )
+    par = ParallelConfig(
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=4,
+        world_size=4,
+    )
     mesh = make_mesh(par, jax.devices()[:4])
     program = GPTProgram(cfg, par)
     params = jax.eval_shape(program.init_params)
     shard = lambda tree, specs: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-        tree, specs, is_leaf=lambda x: isinstance(x, P))
+        tree,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
     tokens = jax.ShapeDtypeStruct((4, 9), np.int32, sharding=NamedSharding(mesh, P("data")))
-    hlo = jax.jit(lambda p, t: pipeline_gradients(program, mesh, p, t)).lower(
-        shard(params, program.param_specs()), tokens).compile().as_text()
+    hlo = (
+        jax.jit(lambda p, t: pipeline_gradients(program, mesh, p, t))
+        .lower(shard(params, program.param_specs()), tokens)
+        .compile()
+        .as_text()
+    )
     pairs = [sorted(p) for p in _permute_pairs(hlo)]
     assert [(3, 0)] in pairs and [(0, 3)] in pairs  # the ring edge, each way
     assert [(0, 1), (1, 2), (2, 3)] in pairs and [(1, 0), (2, 1), (3, 2)] in pairs
@@ -270,20 +348,42 @@ def test_compiled_ring_edge_is_its_own_acyclic_permute():
         assert len({s for s, _ in p} | {t for _, t in p}) > len(p), p
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num-layers-per-virtual-pipeline-stage", "1", "--virtual-pipeline-model-parallel-size",
-      "2"], "--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size "
-            "cannot be set at the same time"),
-    (["--num-layers-per-virtual-pipeline-stage", "3"],
-     r"number of layers per pipeline stage \(2\) must be divisible by number of layers per "
-     r"virtual pipeline stage \(3\)"),
-    (["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
-     r"number of microbatches \(1\) is not divisible by pipeline-model-parallel-size \(2\) "
-     "when using interleaved schedule"),
-    (["--pipeline-model-parallel-size", "1", "--tensor-model-parallel-size", "2",
-      "--vocab-parallel-over-pipeline"], "--vocab-parallel-over-pipeline needs pipeline "
-                                         "parallelism"),
-], ids=["both-flags", "not-divisible", "microbatches", "vocab-without-pipeline"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            [
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+            ],
+            "--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size "
+            "cannot be set at the same time",
+        ),
+        (
+            ["--num-layers-per-virtual-pipeline-stage", "3"],
+            r"number of layers per pipeline stage \(2\) must be divisible by number of layers per "
+            r"virtual pipeline stage \(3\)",
+        ),
+        (
+            ["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
+            r"number of microbatches \(1\) is not divisible by pipeline-model-parallel-size \(2\) "
+            "when using interleaved schedule",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "1",
+                "--tensor-model-parallel-size",
+                "2",
+                "--vocab-parallel-over-pipeline",
+            ],
+            "--vocab-parallel-over-pipeline needs pipeline parallelism",
+        ),
+    ],
+    ids=["both-flags", "not-divisible", "microbatches", "vocab-without-pipeline"],
+)
 def test_example_flags_fail_loudly(example, capsys, argv, message):
     import re
 

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(jax.device_count() < TP, reason=f"needs {TP} dev
 
 @pytest.fixture(scope="module")
 def mesh():
-    return jax.make_mesh((TP,), ("tensor",), devices=jax.devices()[:TP],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(
+        (TP,), ("tensor",), devices=jax.devices()[:TP], axis_types=(jax.sharding.AxisType.Auto,)
+    )
 
 
 def _close(a, b, rtol=1e-5):
@@ -43,8 +44,9 @@ def _split(module_fn):
     _, state = nnx.split(full)
     abstract = nnx.eval_shape(lambda: module_fn(TP, nnx.Rngs(0)))
     graphdef, astate = nnx.split(abstract)
-    specs = jax.tree.map(lambda v, a: _spec(v, a.ndim), astate, state,
-                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    specs = jax.tree.map(
+        lambda v, a: _spec(v, a.ndim), astate, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
     return graphdef, nnx.to_pure_dict(state), dict(specs)
 
 
@@ -52,7 +54,9 @@ def _split(module_fn):
 @pytest.mark.parametrize("fusion", [False, True], ids=["plain", "fused"])
 def test_column_row_mlp(mesh, sp, fusion):
     kw = dict(sequence_parallel=sp)
-    col_def, col_p, col_s = _split(lambda tp, r: ColumnParallelLinear(H, F, tp_size=tp, rngs=r, **kw))
+    col_def, col_p, col_s = _split(
+        lambda tp, r: ColumnParallelLinear(H, F, tp_size=tp, rngs=r, **kw)
+    )
     row_def, row_p, row_s = _split(lambda tp, r: RowParallelLinear(F, H, tp_size=tp, rngs=r, **kw))
     # Nonzero biases so their gradients and placement are tested.
     col_p = jax.tree.map(lambda a: a + 0.1 * jnp.arange(a.size).reshape(a.shape) / a.size, col_p)
@@ -78,14 +82,22 @@ def test_column_row_mlp(mesh, sp, fusion):
             col, row = nnx.merge(col_def, p["col"]), nnx.merge(row_def, p["row"])
             m = mg if fusion else {"col": None, "row": None}
             return row(jax.nn.gelu(col(x, main_grad=m["col"])), main_grad=m["row"])
+
         y, f_vjp = jax.vjp(f, p, mg, x)
         g, new_mg, dx = f_vjp(dy)
         if sp:  # tensor-replicated params saw only their sequence chunk
             g["row"]["bias"] = jax.lax.psum(g["row"]["bias"], "tensor")
         return y, g, new_mg, dx
 
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, mg_specs, act, act),
-                               out_specs=(act, specs, mg_specs, act), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(specs, mg_specs, act, act),
+            out_specs=(act, specs, mg_specs, act),
+            check_vma=False,
+        )
+    )
     y, g, new_mg, dx = fn(params, mg0, x, dy)
     _close(y, y_ref)
     _close(dx, dx_ref)
@@ -102,7 +114,8 @@ def test_column_row_mlp(mesh, sp, fusion):
 @pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
 def test_vocab_parallel_embedding(mesh, sp):
     gdef, p, specs = _split(
-        lambda tp, r: VocabParallelEmbedding(V, H, tp_size=tp, sequence_parallel=sp, rngs=r))
+        lambda tp, r: VocabParallelEmbedding(V, H, tp_size=tp, sequence_parallel=sp, rngs=r)
+    )
     ids = jax.random.randint(jax.random.key(1), (B, S), 0, V)
     dy = jax.random.normal(jax.random.key(2), (B, S, H))
     out_ref, vjp = jax.vjp(lambda p: p["embedding"][ids], p)
@@ -113,8 +126,11 @@ def test_vocab_parallel_embedding(mesh, sp):
         out, f_vjp = jax.vjp(lambda p: nnx.merge(gdef, p)(ids), p)
         return out, f_vjp(dy)[0]
 
-    out, g = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), act),
-                                   out_specs=(act, specs), check_vma=False))(p, ids, dy)
+    out, g = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, P(), act), out_specs=(act, specs), check_vma=False
+        )
+    )(p, ids, dy)
     _close(out, out_ref)
     _close(g["embedding"], g_ref["embedding"])
 
@@ -135,9 +151,15 @@ def test_vocab_parallel_cross_entropy(mesh):
         loss, f_vjp = jax.vjp(lambda lg: f(lg, labels), lg)
         return loss, f_vjp(g)[0]
 
-    loss, dl = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, None, "tensor"), P(), P()),
-                                     out_specs=(P(), P(None, None, "tensor")),
-                                     check_vma=False))(logits, labels, g)
+    loss, dl = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(None, None, "tensor"), P(), P()),
+            out_specs=(P(), P(None, None, "tensor")),
+            check_vma=False,
+        )
+    )(logits, labels, g)
     _close(loss, loss_ref)
     _close(dl, dl_ref)
     # tp_size=1 path (no collectives) too.
@@ -148,8 +170,15 @@ def test_cross_entropy_never_gathers_vocab(mesh):
     def local(lg, labels):
         return vocab_parallel_cross_entropy(lg, labels, tp_size=TP, axis_name="tensor")
 
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, None, "tensor"), P()),
-                               out_specs=P(), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(None, None, "tensor"), P()),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
     hlo = fn.lower(jnp.zeros((B, S, V)), jnp.zeros((B, S), jnp.int32)).as_text()
     assert "all-gather" not in hlo and "all_gather" not in hlo
 
@@ -164,6 +193,9 @@ def test_layer_norm():
 
 
 def test_column_tp_must_divide():
-    with pytest.raises(ValueError, match=r"out_features \(10\) must be divisible by "
-                                         r"tensor_model_parallel_size \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"out_features \(10\) must be divisible by "
+        r"tensor_model_parallel_size \(4\)",
+    ):
         ColumnParallelLinear(H, 10, tp_size=4, rngs=nnx.Rngs(0))

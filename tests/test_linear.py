@@ -8,9 +8,9 @@ from flax import nnx
 from jax.test_util import check_grads
 
 import jax_wgrad
-from jax_wgrad.ops import registry
 from jax_wgrad import Linear, MainGrad, accumulate_gradients, linear
 from jax_wgrad.functional import WgradBuckets, linear_into_bucket
+from jax_wgrad.ops import registry
 
 
 def _ref_linear(x, w, b):
@@ -55,8 +55,9 @@ def test_fused_linear_no_bias_and_bf16():
     x, w, _ = _inputs(lead=(9,))
     xb = x.astype(jnp.bfloat16)
     acc = jnp.zeros((7, 5), jnp.float32)
-    dx, new_acc = jax.grad(lambda x, a: jnp.sum(linear(x, w, main_grad=a).astype(jnp.float32)),
-                           argnums=(0, 1))(xb, acc)
+    dx, new_acc = jax.grad(
+        lambda x, a: jnp.sum(linear(x, w, main_grad=a).astype(jnp.float32)), argnums=(0, 1)
+    )(xb, acc)
     assert dx.dtype == jnp.bfloat16 and new_acc.dtype == jnp.float32
     ref = np.ones((9, 7)).T @ np.asarray(xb, np.float64)
     np.testing.assert_allclose(new_acc, ref, rtol=1e-6)
@@ -126,7 +127,8 @@ def test_accumulate_gradients_equals_jax_grad_of_mean(fuse):
 
     loss, grads = run(batches)
     ref_loss, ref_grads = nnx.value_and_grad(
-        lambda m: jnp.mean(jax.vmap(lambda b: _mse(m, b))(batches)))(ref_model)
+        lambda m: jnp.mean(jax.vmap(lambda b: _mse(m, b))(batches))
+    )(ref_model)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     flat, ref_flat = nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)
     assert [p for p, _ in flat] == [p for p, _ in ref_flat]
@@ -146,8 +148,15 @@ def test_accumulate_gradients_bad_microbatches():
 
 
 def test_public_api():
-    for name in ["ops", "linear", "Linear", "MainGrad", "accumulate_gradients",
-                 "fusion_available", "wgrad_accumulate"]:
+    for name in [
+        "ops",
+        "linear",
+        "Linear",
+        "MainGrad",
+        "accumulate_gradients",
+        "fusion_available",
+        "wgrad_accumulate",
+    ]:
         assert hasattr(jax_wgrad, name), name
 
 
@@ -178,7 +187,12 @@ def test_threaded_linears_share_one_bucket_and_add_each_block_once():
     def run(x, w1, b1, w2, bucket):
         (y, tok), vjp_fn = jax.vjp(
             lambda x, w1, b1, w2, bk: _two_layer_threaded(x, w1, b1, w2, bk, offsets),
-            x, w1, b1, w2, bucket)
+            x,
+            w1,
+            b1,
+            w2,
+            bucket,
+        )
         return (y, tok), vjp_fn((dy, carried))
 
     (y, tok), (dx, dw1, db1, dw2, new_bucket) = jax.jit(run)(x, w1, b1, w2, jnp.zeros(128))
@@ -219,6 +233,7 @@ def test_threaded_bucket_in_place_in_a_scan_over_microbatches():
             xi, dyi = xs
             _, vjp_fn = jax.vjp(lambda bk: _two_layer_threaded(xi, w1, b1, w2, bk, offsets), bk)
             return vjp_fn((dyi, bk))[0], None
+
         return jax.lax.scan(body, bucket, (x, dys))[0]
 
     hlo = compiled_text(accumulate, jnp.zeros(n), x, dys, donate_argnums=0)

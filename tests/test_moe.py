@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_util import INSTRUCTION, ancestors, dataflow
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -15,16 +16,17 @@ from jax_wgrad.functional.moe import dispatch_slots
 from jax_wgrad.ops import registry
 from jax_wgrad.parallel.mesh import EXPERT
 from jax_wgrad.testing import reference_moe_mlp
-from hlo_util import INSTRUCTION, ancestors, dataflow
 
 E, H, F, T = 8, 16, 32, 24  # experts, hidden, expert ffn, tokens per rank
 
 
 def _params(seed=0):
     k = jax.random.split(jax.random.key(seed), 3)
-    return {"router": jax.random.normal(k[0], (E, H)),
-            "fc1": jax.random.normal(k[1], (E, F, H)) / np.sqrt(H),
-            "fc2": jax.random.normal(k[2], (E, H, F)) / np.sqrt(F)}
+    return {
+        "router": jax.random.normal(k[0], (E, H)),
+        "fc1": jax.random.normal(k[1], (E, F, H)) / np.sqrt(H),
+        "fc2": jax.random.normal(k[2], (E, H, F)) / np.sqrt(F),
+    }
 
 
 def _data(ep, seed=1):
@@ -46,49 +48,57 @@ def _sharded_loss_and_grads(cfg, ep, fused):
     def local(p, x, r):
         def loss(p, bucket, x):
             if fused:
-                (y, bucket), stats = moe_mlp(p, x, cfg, expert_axis=EXPERT,
-                                             buckets=(bucket, 0, sizes[0]))
+                (y, bucket), stats = moe_mlp(
+                    p, x, cfg, expert_axis=EXPERT, buckets=(bucket, 0, sizes[0])
+                )
             else:
                 y, stats = moe_mlp(p, x, cfg, expert_axis=EXPERT)
             return jnp.sum(y * r) / n + stats.aux_loss, (bucket, stats)
 
         bucket = jnp.zeros(sum(sizes), jnp.float32)
         (value, (_, stats)), (dp, dbucket, dx) = jax.value_and_grad(
-            loss, argnums=(0, 1, 2), has_aux=True)(p, bucket, x)
+            loss, argnums=(0, 1, 2), has_aux=True
+        )(p, bucket, x)
         if fused:  # the expert weight gradients live in the bucket
-            dp = dict(dp, fc1=dbucket[:sizes[0]].reshape(p["fc1"].shape),
-                      fc2=dbucket[sizes[0]:].reshape(p["fc2"].shape))
+            dp = dict(
+                dp,
+                fc1=dbucket[: sizes[0]].reshape(p["fc1"].shape),
+                fc2=dbucket[sizes[0] :].reshape(p["fc2"].shape),
+            )
         dp = dict(dp, router=jax.lax.psum(dp["router"], EXPERT))
         return jax.lax.psum(value, EXPERT), dp, dx, jax.tree.map(lambda a: a[None], stats)
 
     specs = {"router": P(), "fc1": P(EXPERT), "fc2": P(EXPERT)}
-    fn = jax.shard_map(local, mesh=_mesh(ep), in_specs=(specs, P(EXPERT), P(EXPERT)),
-                       out_specs=(P(), specs, P(EXPERT), P(EXPERT)),
-                       check_vma=False)
+    fn = jax.shard_map(
+        local,
+        mesh=_mesh(ep),
+        in_specs=(specs, P(EXPERT), P(EXPERT)),
+        out_specs=(P(), specs, P(EXPERT), P(EXPERT)),
+        check_vma=False,
+    )
     return jax.jit(fn)
 
 
 def _reference_loss(params, x, r, cfg, ep):
     total = 0.0
     for i in range(ep):  # the aux loss is per rank (its own tokens)
-        y, aux = reference_moe_mlp(params, x[i * T:(i + 1) * T], cfg)
-        total = total + jnp.sum(y * r[i * T:(i + 1) * T]) / (ep * T) + aux
+        y, aux = reference_moe_mlp(params, x[i * T : (i + 1) * T], cfg)
+        total = total + jnp.sum(y * r[i * T : (i + 1) * T]) / (ep * T) + aux
     return total
 
 
 @pytest.mark.parametrize("ep,topk", [(1, 1), (2, 2), (4, 1), (4, 2)])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 def test_no_drop_equals_dense_reference(ep, topk, fused):
-    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=None,
-                    aux_loss_coeff=1e-2)
+    cfg = MoEConfig(
+        num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=None, aux_loss_coeff=1e-2
+    )
     params, (x, r) = _params(), _data(ep)
     loss, grads, dx, stats = _sharded_loss_and_grads(cfg, ep, fused)(params, x, r)
-    want, (wgrads, wdx) = jax.value_and_grad(_reference_loss, argnums=(0, 1))(
-        params, x, r, cfg, ep)
+    want, (wgrads, wdx) = jax.value_and_grad(_reference_loss, argnums=(0, 1))(params, x, r, cfg, ep)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     for name in params:
-        np.testing.assert_allclose(grads[name], wgrads[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(grads[name], wgrads[name], rtol=1e-5, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(dx, wdx, rtol=1e-5, atol=1e-6)
     assert float(jnp.max(stats.dropped_fraction)) == 0.0
     counts = np.asarray(stats.tokens_per_expert).sum(0)
@@ -109,8 +119,9 @@ def test_dispatch_slots_pin_the_dropped_tokens():
 
 
 def test_dropped_tokens_get_no_expert_output():
-    cfg = MoEConfig(num_experts=4, ffn_hidden_size=8, topk=1, capacity_factor=0.5,
-                    load_balancing_type="none")
+    cfg = MoEConfig(
+        num_experts=4, ffn_hidden_size=8, topk=1, capacity_factor=0.5, load_balancing_type="none"
+    )
     # Router = identity on the first 4 features: token i goes to expert argmax(x[i, :4]).
     choice = np.array([0, 0, 1, 0, 2, 2, 3, 1])
     x = np.zeros((8, 4), np.float32)
@@ -140,8 +151,9 @@ def _train(cfg, ep, steps=3, lr=0.1):
 def test_delayed_wgrad_is_bitwise_the_serial_order(ep, topk, factor):
     # Megatron's test of --overlap-dispatch-backward-with-experts-wgrad: same seed, 3
     # optimizer steps, every loss and every final parameter bitwise equal.
-    base = dict(num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=factor,
-                aux_loss_coeff=1e-2)
+    base = dict(
+        num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=factor, aux_loss_coeff=1e-2
+    )
     off_losses, off_params = _train(MoEConfig(**base, overlap_wgrad=False), ep)
     on_losses, on_params = _train(MoEConfig(**base, overlap_wgrad=True), ep)
     assert [l.tobytes() for l in on_losses] == [l.tobytes() for l in off_losses]
@@ -153,8 +165,14 @@ def test_delayed_wgrad_is_bitwise_the_serial_order(ep, topk, factor):
 def _backward_graph(overlap, compiled):
     """Dataflow of the loss-and-gradient program on EP=4: the HLO given to XLA
     (``compiled=False``: optimization barriers still visible) or XLA's compiled HLO."""
-    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=2, capacity_factor=1.0,
-                    aux_loss_coeff=1e-2, overlap_wgrad=overlap)
+    cfg = MoEConfig(
+        num_experts=E,
+        ffn_hidden_size=F,
+        topk=2,
+        capacity_factor=1.0,
+        aux_loss_coeff=1e-2,
+        overlap_wgrad=overlap,
+    )
     params, (x, r) = _params(), _data(4)
     lowered = _sharded_loss_and_grads(cfg, 4, fused=True).lower(params, x, r)
     hlo = lowered.compile().as_text() if compiled else lowered.as_text(dialect="hlo")
@@ -208,20 +226,28 @@ def test_bad_config():
 
 def test_experts_not_divisible_by_the_expert_ranks():
     cfg = MoEConfig(num_experts=6, ffn_hidden_size=F, capacity_factor=1.0, aux_loss_coeff=1e-2)
-    params = {"router": jnp.zeros((6, H)), "fc1": jnp.zeros((6, F, H)),
-              "fc2": jnp.zeros((6, H, F))}
-    fn = jax.shard_map(lambda p, x: moe_mlp(p, x, cfg, expert_axis=EXPERT)[0], mesh=_mesh(4),
-                       in_specs=({"router": P(), "fc1": P(), "fc2": P()}, P(EXPERT)),
-                       out_specs=P(EXPERT), check_vma=False)
-    with pytest.raises(ValueError, match=r"num_moe_experts \(6\) must equal "
-                                         r"expert_model_parallel_size \(4\) x local experts"):
+    params = {"router": jnp.zeros((6, H)), "fc1": jnp.zeros((6, F, H)), "fc2": jnp.zeros((6, H, F))}
+    fn = jax.shard_map(
+        lambda p, x: moe_mlp(p, x, cfg, expert_axis=EXPERT)[0],
+        mesh=_mesh(4),
+        in_specs=({"router": P(), "fc1": P(), "fc2": P()}, P(EXPERT)),
+        out_specs=P(EXPERT),
+        check_vma=False,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"num_moe_experts \(6\) must equal "
+        r"expert_model_parallel_size \(4\) x local experts",
+    ):
         fn(params, jnp.zeros((4 * T, H)))
 
 
 def test_expert_weights_must_match_the_ffn_hidden_size():
     cfg = MoEConfig(num_experts=4, ffn_hidden_size=8, capacity_factor=1.0, aux_loss_coeff=1e-2)
-    params = {"router": jnp.zeros((4, 4)), "fc1": jnp.zeros((4, 6, 4)),
-              "fc2": jnp.zeros((4, 4, 6))}
-    with pytest.raises(ValueError, match=r"fc1 \[E/EP, moe_ffn_hidden_size, H\] = \[4, 8, 4\]"
-                                         r".*got fc1 \[4, 6, 4\]"):
+    params = {"router": jnp.zeros((4, 4)), "fc1": jnp.zeros((4, 6, 4)), "fc2": jnp.zeros((4, 4, 6))}
+    with pytest.raises(
+        ValueError,
+        match=r"fc1 \[E/EP, moe_ffn_hidden_size, H\] = \[4, 8, 4\]"
+        r".*got fc1 \[4, 6, 4\]",
+    ):
         moe_mlp(params, jnp.zeros((8, 4)), cfg)

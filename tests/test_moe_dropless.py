@@ -19,9 +19,12 @@ from jax_wgrad.ops import fusion_available
 from jax_wgrad.parallel.mesh import EXPERT, TENSOR
 from jax_wgrad.testing import reference_moe_mlp
 
-pytestmark = [pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices"),
-              pytest.mark.skipif(not fusion_available("cpu"),
-                                 reason="the ragged GEMMs need the CPU FFI handlers")]
+pytestmark = [
+    pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices"),
+    pytest.mark.skipif(
+        not fusion_available("cpu"), reason="the ragged GEMMs need the CPU FFI handlers"
+    ),
+]
 
 E, H, F, T = 8, 16, 32, 12  # experts, hidden, expert ffn, tokens per (expert, tensor) rank
 
@@ -33,15 +36,18 @@ def _params(skewed: bool, swiglu: bool = False, seed: int = 0):
         u = jnp.ones((H,)) / np.sqrt(H)
         router = 0.3 * router + 4.0 * jnp.outer(jnp.eye(E)[0] - 3 * jnp.eye(E)[E - 1], u)
     fc1 = (E, 2, F, H) if swiglu else (E, F, H)
-    return {"router": router, "fc1": jax.random.normal(k[1], fc1) / np.sqrt(H),
-            "fc2": jax.random.normal(k[2], (E, H, F)) / np.sqrt(F)}
+    return {
+        "router": router,
+        "fc1": jax.random.normal(k[1], fc1) / np.sqrt(H),
+        "fc2": jax.random.normal(k[2], (E, H, F)) / np.sqrt(F),
+    }
 
 
 def _data(n: int, skewed: bool, seed: int = 1):
     kx, kr = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (n, H))
     if skewed:
-        x = x + 2.0 / np.sqrt(H) * H ** 0.5
+        x = x + 2.0 / np.sqrt(H) * H**0.5
     return x, jax.random.normal(kr, (n, H))
 
 
@@ -51,15 +57,21 @@ def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool):
     experts, their ``F / etp`` features with expert tensor parallelism."""
     n = ep * tp * T
     f_axis = TENSOR if etp > 1 else None
-    specs = {"router": P(), "fc1": P(EXPERT, *([None] if cfg.swiglu else []), f_axis, None),
-             "fc2": P(EXPERT, None, f_axis)}
+    specs = {
+        "router": P(),
+        "fc1": P(EXPERT, *([None] if cfg.swiglu else []), f_axis, None),
+        "fc2": P(EXPERT, None, f_axis),
+    }
 
     def local(p, x, r):
         sizes = (p["fc1"].size, p["fc2"].size)
 
         def loss(p, bucket, x):
-            kw = dict(expert_axis=EXPERT, sequence_axis=TENSOR,
-                      expert_tensor_axis=TENSOR if etp > 1 else None)
+            kw = dict(
+                expert_axis=EXPERT,
+                sequence_axis=TENSOR,
+                expert_tensor_axis=TENSOR if etp > 1 else None,
+            )
             if fused:
                 (y, bucket), stats = moe_mlp(p, x, cfg, buckets=(bucket, 0, sizes[0]), **kw)
             else:
@@ -68,38 +80,54 @@ def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool):
 
         bucket = jnp.zeros(sum(sizes), jnp.float32)
         (value, (_, stats)), (dp, dbucket, dx) = jax.value_and_grad(
-            loss, argnums=(0, 1, 2), has_aux=True)(p, bucket, x)
+            loss, argnums=(0, 1, 2), has_aux=True
+        )(p, bucket, x)
         if fused:
-            dp = dict(dp, fc1=dbucket[:sizes[0]].reshape(p["fc1"].shape),
-                      fc2=dbucket[sizes[0]:].reshape(p["fc2"].shape))
+            dp = dict(
+                dp,
+                fc1=dbucket[: sizes[0]].reshape(p["fc1"].shape),
+                fc2=dbucket[sizes[0] :].reshape(p["fc2"].shape),
+            )
         dp["router"] = jax.lax.psum(dp["router"], (EXPERT, TENSOR))
         if etp == 1:  # experts replicated over the tensor ranks: each saw its own tokens
             dp["fc1"], dp["fc2"] = (jax.lax.psum(dp[k], TENSOR) for k in ("fc1", "fc2"))
         counts = jax.lax.psum(stats.tokens_per_expert, (EXPERT, TENSOR))
         return jax.lax.psum(value, (EXPERT, TENSOR)), dp, dx, counts
 
-    mesh = Mesh(np.array(jax.devices()[:ep * tp]).reshape(ep, tp), (EXPERT, TENSOR))
+    mesh = Mesh(np.array(jax.devices()[: ep * tp]).reshape(ep, tp), (EXPERT, TENSOR))
     tokens = P((EXPERT, TENSOR))
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, tokens, tokens),
-                                 out_specs=(P(), specs, tokens, P()), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(specs, tokens, tokens),
+            out_specs=(P(), specs, tokens, P()),
+            check_vma=False,
+        )
+    )
 
 
 def _reference(params, x, r, cfg, ep, tp):
     """Per expert rank the whole sequence of its tensor ranks (the aux loss's ``T``)."""
     total, seq = 0.0, tp * T
     for i in range(ep):
-        y, aux = reference_moe_mlp(params, x[i * seq:(i + 1) * seq], cfg)
-        total = total + jnp.sum(y * r[i * seq:(i + 1) * seq]) / (ep * seq) + aux
+        y, aux = reference_moe_mlp(params, x[i * seq : (i + 1) * seq], cfg)
+        total = total + jnp.sum(y * r[i * seq : (i + 1) * seq]) / (ep * seq) + aux
     return total
 
 
 def _check(ep, tp, etp, topk, fused, skewed, capacity=None, swiglu=False):
-    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=capacity,
-                    aux_loss_coeff=1e-2, swiglu=swiglu)
+    cfg = MoEConfig(
+        num_experts=E,
+        ffn_hidden_size=F,
+        topk=topk,
+        capacity_factor=capacity,
+        aux_loss_coeff=1e-2,
+        swiglu=swiglu,
+    )
     params, (x, r) = _params(skewed, swiglu), _data(ep * tp * T, skewed)
     loss, grads, dx, counts = _sharded(cfg, ep, tp, etp, fused)(params, x, r)
-    want, (wgrads, wdx) = jax.value_and_grad(_reference, argnums=(0, 1))(
-        params, x, r, cfg, ep, tp)
+    want, (wgrads, wdx) = jax.value_and_grad(_reference, argnums=(0, 1))(params, x, r, cfg, ep, tp)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     for name in params:
         g, w = np.asarray(grads[name]), np.asarray(wgrads[name])
@@ -117,16 +145,24 @@ def _grid(cases, default):
     return [pytest.param(*c, marks=[] if c in default else [pytest.mark.slow]) for c in cases]
 
 
-@pytest.mark.parametrize("ep, topk, skewed", _grid(
-    [(ep, k, s) for ep in (1, 2, 4) for k in (1, 2) for s in (False, True)],
-    default=[(2, 2, True), (4, 1, True)]))
+@pytest.mark.parametrize(
+    "ep, topk, skewed",
+    _grid(
+        [(ep, k, s) for ep in (1, 2, 4) for k in (1, 2) for s in (False, True)],
+        default=[(2, 2, True), (4, 1, True)],
+    ),
+)
 def test_dropless_equals_dense_reference(ep, topk, skewed):
     _check(ep, 1, 1, topk, fused=True, skewed=skewed)
 
 
-@pytest.mark.parametrize("ep, etp, fused", _grid(
-    [(ep, etp, f) for ep, etp in ((1, 2), (2, 2), (2, 1), (4, 2)) for f in (False, True)],
-    default=[(2, 2, True), (2, 1, False)]))
+@pytest.mark.parametrize(
+    "ep, etp, fused",
+    _grid(
+        [(ep, etp, f) for ep, etp in ((1, 2), (2, 2), (2, 1), (4, 2)) for f in (False, True)],
+        default=[(2, 2, True), (2, 1, False)],
+    ),
+)
 def test_dropless_tensor_parallel_equals_dense_reference(ep, etp, fused):
     """tp = 2 with sequence parallelism; the experts split over tensor (ETP) or not."""
     _check(ep, 2, etp, 2, fused=fused, skewed=True)
@@ -151,24 +187,63 @@ def test_group_by_expert_orders_the_sources_by_local_expert():
     assert dest.tolist() == [[0, 1, 5, 8], [2, 3, 4, 8]]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel",
-      "--expert-tensor-parallel-size", "3"],
-     r"expert.tensor.parallel.size \(3\) must be 1 or (--)?tensor.model.parallel.size \(2\)"),
-    (["--moe-shared-expert-overlap"],
-     r"moe.shared.expert.overlap needs shared experts \((--)?moe.shared.expert.intermediate.size\)"),
-    (["--moe-shared-expert-intermediate-size", "0"],
-     "argument --moe-shared-expert-intermediate-size: must be >= 1"),
-    (["--tensor-model-parallel-size", "4", "--sequence-parallel", "--moe-ffn-hidden-size",
-      "50"], r"moe.ffn.hidden.size \(50\) must be divisible by (--)?expert.tensor.parallel.size "
-             r"\(4\)"),
-], ids=["etp", "overlap-without-shared", "shared-size", "ffn-etp"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--expert-tensor-parallel-size",
+                "3",
+            ],
+            r"expert.tensor.parallel.size \(3\) must be 1 or (--)?tensor.model.parallel.size \(2\)",
+        ),
+        (
+            ["--moe-shared-expert-overlap"],
+            r"moe.shared.expert.overlap needs shared experts \((--)?moe.shared.expert.intermediate.size\)",
+        ),
+        (
+            ["--moe-shared-expert-intermediate-size", "0"],
+            "argument --moe-shared-expert-intermediate-size: must be >= 1",
+        ),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "4",
+                "--sequence-parallel",
+                "--moe-ffn-hidden-size",
+                "50",
+            ],
+            r"moe.ffn.hidden.size \(50\) must be divisible by (--)?expert.tensor.parallel.size "
+            r"\(4\)",
+        ),
+    ],
+    ids=["etp", "overlap-without-shared", "shared-size", "ffn-etp"],
+)
 def test_example_moe_flags_fail_loudly(example, capsys, argv, message):
     import re
 
-    small = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-             "--no-progress", "--num-experts", "8", "--train-iters", "1"]
+    small = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--no-progress",
+        "--num-experts",
+        "8",
+        "--train-iters",
+        "1",
+    ]
     with pytest.raises(SystemExit) as exc:
         example.main(small + argv)
     err = capsys.readouterr().err
@@ -183,21 +258,28 @@ def test_hlo_delayed_ragged_wgrad_frees_the_dispatch_backward(overlap):
     wgrads exactly when the option is off; compiled, with the option, no all-to-all
     depends on them and each updates the bucket in place."""
     from hlo_util import INSTRUCTION, ancestors, dataflow
+
     from jax_wgrad.ops import registry
 
-    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=2, aux_loss_coeff=1e-2,
-                    overlap_wgrad=overlap)
+    cfg = MoEConfig(
+        num_experts=E, ffn_hidden_size=F, topk=2, aux_loss_coeff=1e-2, overlap_wgrad=overlap
+    )
     params, (x, r) = _params(False), _data(4 * T, False)
     lowered = _sharded(cfg, 4, 1, 1, fused=True).lower(params, x, r)
-    for text, compiled in ((lowered.as_text(dialect="hlo"), False),
-                           (lowered.compile().as_text(), True)):
+    for text, compiled in (
+        (lowered.as_text(dialect="hlo"), False),
+        (lowered.compile().as_text(), True),
+    ):
         if compiled and not overlap:
             continue
         lines = [l.strip() for l in text.splitlines()]
         graph = dataflow(lines)
         name = lambda l: INSTRUCTION.match(l).group(1)
-        a2a = [name(l) for l in lines if INSTRUCTION.match(l)
-               and re.search(r" all-to-all(-start)?\(", l)]
+        a2a = [
+            name(l)
+            for l in lines
+            if INSTRUCTION.match(l) and re.search(r" all-to-all(-start)?\(", l)
+        ]
         wgrads = [l for l in lines if f'custom_call_target="{registry.RAGGED_WGRAD_TARGET}"' in l]
         assert len(wgrads) == 2 and len(a2a) >= 5  # rows, counts, combine; 2 transposes
         waits = [any(name(w) in ancestors(graph, a) for a in a2a) for w in wgrads]

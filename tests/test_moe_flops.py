@@ -7,14 +7,17 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
+from script_util import load_script
 
 from jax_wgrad.functional import MoEConfig
 from jax_wgrad.ops import fusion_available
-from script_util import load_script
 
-pytestmark = [pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (virtual) devices"),
-              pytest.mark.skipif(not fusion_available("cpu"),
-                                 reason="the ragged GEMMs need the CPU FFI handlers")]
+pytestmark = [
+    pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (virtual) devices"),
+    pytest.mark.skipif(
+        not fusion_available("cpu"), reason="the ragged GEMMs need the CPU FFI handlers"
+    ),
+]
 
 E, H, F, T, K = 8, 16, 24, 12, 2  # experts, hidden, expert ffn, tokens per rank, top-k
 
@@ -24,12 +27,18 @@ bench = load_script("benchmarks/moe_flops.py")
 
 def _compiled_step(factor, ep, swiglu=False):
     """``(cfg, hlo, rows each expert rank's ragged GEMMs get at run time)``."""
-    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=K, capacity_factor=factor,
-                    aux_loss_coeff=1e-2, swiglu=swiglu)
+    cfg = MoEConfig(
+        num_experts=E,
+        ffn_hidden_size=F,
+        topk=K,
+        capacity_factor=factor,
+        aux_loss_coeff=1e-2,
+        swiglu=swiglu,
+    )
     params, x, r = bench.make_inputs(cfg, ep, T, H)
     compiled = bench.build_step(cfg, ep).lower(params, x, r).compile()
-    counts = np.asarray(compiled(params, x, r)[3])          # [EP(src), E] tokens_per_expert
-    assert (counts.sum(1) == T * K).all()                   # every source routes T k rows
+    counts = np.asarray(compiled(params, x, r)[3])  # [EP(src), E] tokens_per_expert
+    assert (counts.sum(1) == T * K).all()  # every source routes T k rows
     rank_rows = counts.sum(0).reshape(ep, -1).sum(1)
     if factor is None:  # the ragged calls' group sizes are those rows
         sizes = bench.dispatch_group_sizes(params, x, cfg, ep)
@@ -48,7 +57,8 @@ def test_dropless_expert_gemm_flops_are_the_routed_tokens(ep, swiglu):
     # of fc2 -- and no XLA GEMM over an [E, ...] expert buffer.
     calls = bench.ragged_calls(hlo)
     assert Counter((c.role, bench._linear(c, H)) for c in calls) == Counter(
-        (role, fc) for role in ("fwd", "dgrad", "wgrad") for fc in ("fc1", "fc2")), calls
+        (role, fc) for role in ("fwd", "dgrad", "wgrad") for fc in ("fc1", "fc2")
+    ), calls
     dots = bench.dots(hlo)
     widths = (2 * F, F) if swiglu else (F,)
     assert bench.expert_dots(dots, E // ep, H, widths) == []

@@ -22,32 +22,59 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad import (ByteDataset, DDPConfig, GPTConfig, GPTProgram, ParallelConfig, TrainPlan,
-                       build_train_step, default_optimizer, fusion_available, init_params,
-                       init_train_state, make_mesh, shard_batch)
+from jax_wgrad import (
+    ByteDataset,
+    DDPConfig,
+    GPTConfig,
+    GPTProgram,
+    ParallelConfig,
+    TrainPlan,
+    build_train_step,
+    default_optimizer,
+    fusion_available,
+    init_params,
+    init_train_state,
+    make_mesh,
+    pipeline_gradients,
+    shard_batch,
+)
 from jax_wgrad.models.gpt.config import validate
 from jax_wgrad.parallel.mesh import DATA_PARALLEL
-from jax_wgrad import pipeline_gradients
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
 FUSION = fusion_available("cpu")
-DATA = ByteDataset(np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200,
-                                 np.uint8) % 64)
+DATA = ByteDataset(
+    np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200, np.uint8) % 64
+)
 
 
 def _model(**kw) -> GPTConfig:
-    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                vocab_size=64, num_moe_experts=8, moe_ffn_hidden_size=48,
-                moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True)
+    base = dict(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=64,
+        num_moe_experts=8,
+        moe_ffn_hidden_size=48,
+        moe_aux_loss_coeff=1e-2,
+        moe_grouped_gemm=True,
+    )
     return GPTConfig(**{**base, **kw})
 
 
 def _par(ep, tp, pp, *, gbs=16, **kw) -> ParallelConfig:
-    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          expert_model_parallel_size=ep, micro_batch_size=2,
-                          global_batch_size=gbs, sequence_parallel=tp > 1, **kw)
+    return ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        micro_batch_size=2,
+        global_batch_size=gbs,
+        sequence_parallel=tp > 1,
+        **kw,
+    )
 
 
 # (EP, tp, pp) on 8 devices: data = 8 / (EP tp pp).
@@ -61,8 +88,15 @@ def _grid():
     for ep, tp, pp in LAYOUTS:
         for fusion, freq, name in [(True, 1, "fused"), (False, 2, "mixed-plain")]:
             slow = ep in (1, 4) or (not fusion and (ep, tp, pp) != (2, 1, 2))
-            yield pytest.param(ep, tp, pp, fusion, freq, id=f"{name}-{ep}-{tp}-{pp}",
-                               marks=[pytest.mark.slow] if slow else [])
+            yield pytest.param(
+                ep,
+                tp,
+                pp,
+                fusion,
+                freq,
+                id=f"{name}-{ep}-{tp}-{pp}",
+                marks=[pytest.mark.slow] if slow else [],
+            )
 
 
 @pytest.mark.parametrize("ep, tp, pp, fusion, freq", list(_grid()))
@@ -77,15 +111,26 @@ def test_zero_bubble_schedule_equals_single_device_reference(ep, tp, pp):
     _check_gradients(ep, tp, pp, True, 2, pipeline_schedule="zb-h1")
 
 
-MIXTRAL = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-               group_query_attention=True, num_query_groups=2, add_bias_linear=False,
-               untie_embeddings_and_output_weights=True, moe_router_topk=2)
+MIXTRAL = dict(
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    moe_router_topk=2,
+)
 """A Mixtral-shaped model: SwiGLU experts, GQA 4:2, RMSNorm, RoPE, no biases, untied."""
 
 
-@pytest.mark.parametrize("ep, tp, pp, schedule", [
-    pytest.param(2, 2, 2, "1f1b", id="2-2-2-1f1b"),
-    pytest.param(2, 1, 2, "zb-h1", id="2-1-2-zb-h1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "ep, tp, pp, schedule",
+    [
+        pytest.param(2, 2, 2, "1f1b", id="2-2-2-1f1b"),
+        pytest.param(2, 1, 2, "zb-h1", id="2-1-2-zb-h1", marks=pytest.mark.slow),
+    ],
+)
 def test_mixtral_shaped_model_equals_single_device_reference(ep, tp, pp, schedule):
     _check_gradients(ep, tp, pp, True, 2, arch=MIXTRAL, pipeline_schedule=schedule)
 
@@ -95,30 +140,72 @@ def test_mixtral_shaped_model_equals_single_device_reference(ep, tp, pp, schedul
 def test_interleaved_moe_equals_single_device_reference(schedule, vocab):
     """V = 2 model chunks of one dense and one MoE layer each (moe_layer_freq 2); with the
     split backward also the vocabulary over the pipeline."""
-    _check_gradients(2, 1, 2, True, 2, arch=dict(num_layers=8), pipeline_schedule=schedule,
-                     virtual_pipeline_model_parallel_size=2, vocab_parallel_over_pipeline=vocab)
+    _check_gradients(
+        2,
+        1,
+        2,
+        True,
+        2,
+        arch=dict(num_layers=8),
+        pipeline_schedule=schedule,
+        virtual_pipeline_model_parallel_size=2,
+        vocab_parallel_over_pipeline=vocab,
+    )
 
 
-@pytest.mark.parametrize("ep, tp, pp, etp, topk, arch", [
-    pytest.param(2, 2, 2, 2, 2, dict(moe_shared_expert_intermediate_size=32,
-                                     moe_shared_expert_overlap=True),
-                 id="ep2-tp2-pp2-etp2-top2-shared-overlap"),
-    pytest.param(2, 2, 1, 1, 1, {}, id="ep2-tp2-etp1-top1", marks=pytest.mark.slow),
-    pytest.param(4, 2, 1, 2, 1, dict(moe_shared_expert_intermediate_size=32),
-                 id="ep4-tp2-etp2-top1-shared", marks=pytest.mark.slow),
-    pytest.param(1, 2, 2, 2, 2, {}, id="ep1-tp2-pp2-etp2-top2", marks=pytest.mark.slow),
-    pytest.param(4, 1, 2, 1, 1, dict(moe_shared_expert_intermediate_size=32, swiglu=True),
-                 id="ep4-pp2-top1-shared-swiglu", marks=pytest.mark.slow),
-    pytest.param(2, 2, 1, 2, 2, dict(moe_expert_capacity_factor=8.0,
-                                     moe_pad_expert_input_to_capacity=True),
-                 id="ep2-tp2-etp2-capacity-E", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "ep, tp, pp, etp, topk, arch",
+    [
+        pytest.param(
+            2,
+            2,
+            2,
+            2,
+            2,
+            dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
+            id="ep2-tp2-pp2-etp2-top2-shared-overlap",
+        ),
+        pytest.param(2, 2, 1, 1, 1, {}, id="ep2-tp2-etp1-top1", marks=pytest.mark.slow),
+        pytest.param(
+            4,
+            2,
+            1,
+            2,
+            1,
+            dict(moe_shared_expert_intermediate_size=32),
+            id="ep4-tp2-etp2-top1-shared",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(1, 2, 2, 2, 2, {}, id="ep1-tp2-pp2-etp2-top2", marks=pytest.mark.slow),
+        pytest.param(
+            4,
+            1,
+            2,
+            1,
+            1,
+            dict(moe_shared_expert_intermediate_size=32, swiglu=True),
+            id="ep4-pp2-top1-shared-swiglu",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            2,
+            2,
+            1,
+            2,
+            2,
+            dict(moe_expert_capacity_factor=8.0, moe_pad_expert_input_to_capacity=True),
+            id="ep2-tp2-etp2-capacity-E",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_dropless_layouts_equal_single_device_reference(ep, tp, pp, etp, topk, arch):
     """Issue 22 through the whole pipeline: dropless experts (ragged GEMMs), expert tensor
     parallelism on and off, shared experts; the capacity path with ETP where a capacity
     of ``E`` drops nothing."""
-    _check_gradients(ep, tp, pp, True, 2, arch=dict(arch, moe_router_topk=topk),
-                     expert_tensor_parallel_size=etp)
+    _check_gradients(
+        ep, tp, pp, True, 2, arch=dict(arch, moe_router_topk=topk), expert_tensor_parallel_size=etp
+    )
 
 
 def _check_gradients(ep, tp, pp, fusion, freq, arch=None, **par_kw):
@@ -131,32 +218,39 @@ def _check_gradients(ep, tp, pp, fusion, freq, arch=None, **par_kw):
     params = init_params(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 17), 0, 64)
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(
-        params, tokens, cfg, micro_batch_size=par.micro_batch_size)
+        params, tokens, cfg, micro_batch_size=par.micro_batch_size
+    )
 
     stages = GPTProgram(cfg, par)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), stages.param_specs(),
-                             is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), stages.param_specs(), is_leaf=lambda x: isinstance(x, P)
+    )
     grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t))(
         jax.device_put(stages.from_canonical(params), shardings),
-        jax.device_put(tokens, NamedSharding(mesh, P(DATA_PARALLEL))))
+        jax.device_put(tokens, NamedSharding(mesh, P(DATA_PARALLEL))),
+    )
     grads = stages.to_canonical(grads)  # interleaved layouts: layer stacks back to [L, ...]
-    np.testing.assert_allclose(float(loss), float(ref_loss) - _aux(params, tokens, cfg, par),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        float(loss), float(ref_loss) - _aux(params, tokens, cfg, par), rtol=1e-5
+    )
     flat, _ = jax.tree_util.tree_flatten_with_path(grads)
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
         g, r = np.asarray(g), np.asarray(r)
         diff, scale = np.abs(g - r).max(), np.abs(r).max()
         assert scale > 0, jax.tree_util.keystr(path)
-        assert diff <= 1e-5 * scale, f"{jax.tree_util.keystr(path)}: {diff:.3g} > 1e-5 x {scale:.3g}"
+        assert diff <= 1e-5 * scale, (
+            f"{jax.tree_util.keystr(path)}: {diff:.3g} > 1e-5 x {scale:.3g}"
+        )
 
 
 def _aux(params, tokens, cfg, par) -> float:
     """The reference's aux-loss term (the step reports the language-model loss only)."""
     no_aux = dataclasses.replace(cfg, moe_aux_loss_coeff=0.0)
     with_aux = reference_loss(params, tokens, cfg, micro_batch_size=par.micro_batch_size)
-    return float(with_aux - reference_loss(params, tokens, no_aux,
-                                           micro_batch_size=par.micro_batch_size))
+    return float(
+        with_aux - reference_loss(params, tokens, no_aux, micro_batch_size=par.micro_batch_size)
+    )
 
 
 def _train(cfg, par, ddp, steps=3, tx=None):
@@ -165,8 +259,10 @@ def _train(cfg, par, ddp, steps=3, tx=None):
     step = build_train_step(plan, state)
     losses, norms = [], []
     for i in range(steps):
-        state, m = step(state, shard_batch(plan.mesh, DATA.batch(i, par.global_batch_size,
-                                                                 cfg.seq_length, seed=5)))
+        state, m = step(
+            state,
+            shard_batch(plan.mesh, DATA.batch(i, par.global_batch_size, cfg.seq_length, seed=5)),
+        )
         losses.append(np.asarray(m["loss"]))
         norms.append(np.asarray(m["grad_norm"]))
     return np.array(losses), jax.tree.map(np.asarray, state.params), np.array(norms)
@@ -185,12 +281,15 @@ BITWISE = [
 
 
 @pytest.mark.parametrize("ep, tp, pp, topk, dist, capacity", BITWISE)
-def test_overlap_option_is_bitwise_equal_over_three_steps(ep, tp, pp, topk, dist, capacity,
-                                                          request):
+def test_overlap_option_is_bitwise_equal_over_three_steps(
+    ep, tp, pp, topk, dist, capacity, request
+):
     schedule = "zb-h1" if "zb-h1" in request.node.name else "1f1b"
-    _check_bitwise(dict(moe_router_topk=topk, moe_expert_capacity_factor=capacity),
-                   _par(ep, tp, pp, gradient_accumulation_fusion=True,
-                        pipeline_schedule=schedule), dist)
+    _check_bitwise(
+        dict(moe_router_topk=topk, moe_expert_capacity_factor=capacity),
+        _par(ep, tp, pp, gradient_accumulation_fusion=True, pipeline_schedule=schedule),
+        dist,
+    )
 
 
 def _matrix():
@@ -199,16 +298,26 @@ def _matrix():
     for layers in (2, 4):
         for shared in (None, 32):
             for capacity, name in ((None, "dropless"), (1.0, "capacity")):
-                yield pytest.param(layers, shared, capacity,
-                                   id=f"{layers}layers-{'shared' if shared else 'routed'}-{name}",
-                                   marks=[pytest.mark.slow])  # the 3 BITWISE defaults run
+                yield pytest.param(
+                    layers,
+                    shared,
+                    capacity,
+                    id=f"{layers}layers-{'shared' if shared else 'routed'}-{name}",
+                    marks=[pytest.mark.slow],
+                )  # the 3 BITWISE defaults run
 
 
 @pytest.mark.parametrize("layers, shared, capacity", list(_matrix()))
 def test_overlap_bitwise_matrix(layers, shared, capacity):
-    _check_bitwise(dict(num_layers=layers, moe_shared_expert_intermediate_size=shared,
-                        moe_expert_capacity_factor=capacity),
-                   _par(2, 1, 1, gradient_accumulation_fusion=True), False)
+    _check_bitwise(
+        dict(
+            num_layers=layers,
+            moe_shared_expert_intermediate_size=shared,
+            moe_expert_capacity_factor=capacity,
+        ),
+        _par(2, 1, 1, gradient_accumulation_fusion=True),
+        False,
+    )
 
 
 def _check_bitwise(model_kw, par, dist):
@@ -219,10 +328,14 @@ def _check_bitwise(model_kw, par, dist):
     pad = model_kw.get("moe_expert_capacity_factor") is not None
     runs = []
     for overlap in (False, True):
-        cfg = _model(**model_kw, moe_pad_expert_input_to_capacity=pad,
-                     overlap_dispatch_backward_with_experts_wgrad=overlap)
-        runs.append(_train(cfg, par, DDPConfig(use_distributed_optimizer=dist,
-                                               overlap_grad_reduce=True)))
+        cfg = _model(
+            **model_kw,
+            moe_pad_expert_input_to_capacity=pad,
+            overlap_dispatch_backward_with_experts_wgrad=overlap,
+        )
+        runs.append(
+            _train(cfg, par, DDPConfig(use_distributed_optimizer=dist, overlap_grad_reduce=True))
+        )
     (loss_off, params_off, _), (loss_on, params_on, _) = runs
     assert np.isfinite(loss_off).all() and loss_off[-1] < loss_off[0]
     np.testing.assert_array_equal(loss_on, loss_off)
@@ -239,9 +352,15 @@ def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
     import optax
 
     cfg = _model(moe_grouped_gemm=FUSION)
-    runs = [_train(cfg, _par(ep, 1, pp, gradient_accumulation_fusion=FUSION),
-                   DDPConfig(use_distributed_optimizer=dist, clip_grad=0.5), tx=optax.sgd(0.5))
-            for ep, pp, dist in [(2, 2, True), (2, 2, False), (1, 1, False)]]
+    runs = [
+        _train(
+            cfg,
+            _par(ep, 1, pp, gradient_accumulation_fusion=FUSION),
+            DDPConfig(use_distributed_optimizer=dist, clip_grad=0.5),
+            tx=optax.sgd(0.5),
+        )
+        for ep, pp, dist in [(2, 2, True), (2, 2, False), (1, 1, False)]
+    ]
     (loss, params, norms), others = runs[0], runs[1:]
     assert (norms > 0.5).all()  # clipping is active: the norm shapes every update
     for other_loss, other_params, other_norms in others:
@@ -251,23 +370,45 @@ def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kw, par_kw, match", [
-    (dict(num_moe_experts=6), dict(expert_model_parallel_size=4),
-     r"Number of experts \(6\) should be a multiple of expert model parallel_size \(4\)"),
-    (None, dict(expert_model_parallel_size=2),
-     r"expert_model_parallel_size \(2\) needs num_experts"),
-    (dict(), dict(tensor_model_parallel_size=2, sequence_parallel=False),
-     "When using MoE and tensor parallelism, sequence parallelism must be used"),
-    (dict(moe_layer_freq=3), dict(pipeline_model_parallel_size=2),
-     r"layers per pipeline stage \(2\) must be divisible by moe_layer_freq \(3\)"),
-    (dict(), dict(), "moe_grouped_gemm needs gradient_accumulation_fusion"),
-    (dict(moe_ffn_hidden_size=50), dict(tensor_model_parallel_size=4, sequence_parallel=True),
-     r"moe_ffn_hidden_size \(50\) must be divisible by expert_tensor_parallel_size \(4\)"),
-    (dict(moe_shared_expert_intermediate_size=50),
-     dict(tensor_model_parallel_size=4, sequence_parallel=True, expert_tensor_parallel_size=1),
-     r"moe_shared_expert_intermediate_size \(50\) must be divisible by "
-     r"tensor_model_parallel_size \(4\)"),
-])
+@pytest.mark.parametrize(
+    "kw, par_kw, match",
+    [
+        (
+            dict(num_moe_experts=6),
+            dict(expert_model_parallel_size=4),
+            r"Number of experts \(6\) should be a multiple of expert model parallel_size \(4\)",
+        ),
+        (
+            None,
+            dict(expert_model_parallel_size=2),
+            r"expert_model_parallel_size \(2\) needs num_experts",
+        ),
+        (
+            dict(),
+            dict(tensor_model_parallel_size=2, sequence_parallel=False),
+            "When using MoE and tensor parallelism, sequence parallelism must be used",
+        ),
+        (
+            dict(moe_layer_freq=3),
+            dict(pipeline_model_parallel_size=2),
+            r"layers per pipeline stage \(2\) must be divisible by moe_layer_freq \(3\)",
+        ),
+        (dict(), dict(), "moe_grouped_gemm needs gradient_accumulation_fusion"),
+        (
+            dict(moe_ffn_hidden_size=50),
+            dict(tensor_model_parallel_size=4, sequence_parallel=True),
+            r"moe_ffn_hidden_size \(50\) must be divisible by expert_tensor_parallel_size \(4\)",
+        ),
+        (
+            dict(moe_shared_expert_intermediate_size=50),
+            dict(
+                tensor_model_parallel_size=4, sequence_parallel=True, expert_tensor_parallel_size=1
+            ),
+            r"moe_shared_expert_intermediate_size \(50\) must be divisible by "
+            r"tensor_model_parallel_size \(4\)",
+        ),
+    ],
+)
 def test_layout_checks(kw, par_kw, match):
     cfg = GPTConfig(num_layers=4) if kw is None else _model(**kw)
     par = ParallelConfig(**{"micro_batch_size": 1, **par_kw})
@@ -275,22 +416,36 @@ def test_layout_checks(kw, par_kw, match):
         validate(par, cfg)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(overlap_dispatch_backward_with_experts_wgrad=True, moe_grouped_gemm=False),
-     "overlap_dispatch_backward_with_experts_wgrad requires moe_grouped_gemm"),
-    (dict(moe_pad_expert_input_to_capacity=True),
-     "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"),
-    (dict(moe_expert_capacity_factor=1.0), "needs moe_pad_expert_input_to_capacity"),
-    (dict(moe_token_dispatcher_type="allgather"), "'allgather' is not supported"),
-    (dict(moe_router_topk=9), r"moe_router_topk \(9\) must be in \[1, num_moe_experts = 8\]"),
-    (dict(moe_router_load_balancing_type="sinkhorn"), "'sinkhorn' is not supported"),
-    (dict(num_moe_experts=None, moe_grouped_gemm=True), r"MoE options \['moe_grouped_gemm'\] "
-     "need num_moe_experts"),
-    (dict(moe_shared_expert_intermediate_size=0),
-     "moe_shared_expert_intermediate_size must be a positive integer"),
-    (dict(moe_shared_expert_overlap=True),
-     r"moe_shared_expert_overlap needs shared experts \(moe_shared_expert_intermediate_size\)"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            dict(overlap_dispatch_backward_with_experts_wgrad=True, moe_grouped_gemm=False),
+            "overlap_dispatch_backward_with_experts_wgrad requires moe_grouped_gemm",
+        ),
+        (
+            dict(moe_pad_expert_input_to_capacity=True),
+            "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity",
+        ),
+        (dict(moe_expert_capacity_factor=1.0), "needs moe_pad_expert_input_to_capacity"),
+        (dict(moe_token_dispatcher_type="allgather"), "'allgather' is not supported"),
+        (dict(moe_router_topk=9), r"moe_router_topk \(9\) must be in \[1, num_moe_experts = 8\]"),
+        (dict(moe_router_load_balancing_type="sinkhorn"), "'sinkhorn' is not supported"),
+        (
+            dict(num_moe_experts=None, moe_grouped_gemm=True),
+            r"MoE options \['moe_grouped_gemm'\] "
+            "need num_moe_experts",
+        ),
+        (
+            dict(moe_shared_expert_intermediate_size=0),
+            "moe_shared_expert_intermediate_size must be a positive integer",
+        ),
+        (
+            dict(moe_shared_expert_overlap=True),
+            r"moe_shared_expert_overlap needs shared experts \(moe_shared_expert_intermediate_size\)",
+        ),
+    ],
+)
 def test_config_checks(kw, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**kw) if kw.get("num_moe_experts", 8) is None else _model(**kw)
@@ -302,41 +457,57 @@ def test_hlo_shared_experts_wait_for_the_routed_experts_unless_overlapped(overla
     EP = 2), the shared experts' GEMMs depend on the layer's all-to-alls (they run after
     the routed experts, Megatron's order) exactly when the option is off."""
     from flax import nnx
+    from hlo_util import INSTRUCTION, ancestors, dataflow
     from jax.sharding import Mesh
 
-    from hlo_util import INSTRUCTION, ancestors, dataflow
     from jax_wgrad.models.gpt import TransformerLayer
     from jax_wgrad.parallel.mesh import EXPERT
 
     cfg = _model(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=overlap)
     graphdef, state = nnx.split(TransformerLayer(cfg, moe=True, ep_size=2, rngs=nnx.Rngs(0)))
-    fn = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x),
-                       mesh=Mesh(np.array(jax.devices()[:2]), (EXPERT,)),
-                       in_specs=(P(), P(EXPERT)), out_specs=P(EXPERT), check_vma=False)
+    fn = jax.shard_map(
+        lambda s, x: nnx.merge(graphdef, s)(x),
+        mesh=Mesh(np.array(jax.devices()[:2]), (EXPERT,)),
+        in_specs=(P(), P(EXPERT)),
+        out_specs=P(EXPERT),
+        check_vma=False,
+    )
     x = np.zeros((4, cfg.seq_length, cfg.hidden_size), np.float32)
-    lines = [l.strip() for l in jax.jit(fn).lower(state, x).as_text(
-        dialect="hlo", debug_info=True).splitlines()]
+    lines = [
+        l.strip()
+        for l in jax.jit(fn).lower(state, x).as_text(dialect="hlo", debug_info=True).splitlines()
+    ]
     graph = dataflow(lines)
     name = lambda l: INSTRUCTION.match(l).group(1)
     a2a = {name(l) for l in lines if INSTRUCTION.match(l) and " all-to-all(" in l}
-    shared = [name(l) for l in lines if INSTRUCTION.match(l) and " dot(" in l
-              and "shared_expert/" in l]
+    shared = [
+        name(l) for l in lines if INSTRUCTION.match(l) and " dot(" in l and "shared_expert/" in l
+    ]
     assert len(a2a) >= 2 and len(shared) == 2  # dispatch, combine; fc1, fc2
     assert all(bool(ancestors(graph, d) & a2a) != overlap for d in shared)
 
 
 def test_expert_tensor_parallel_size_is_1_or_tp():
     assert ParallelConfig(tensor_model_parallel_size=2).expert_tensor_parallel_size == 2
-    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size \(4\) must be 1 or "
-                                         r"tensor_model_parallel_size \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert_tensor_parallel_size \(4\) must be 1 or "
+        r"tensor_model_parallel_size \(2\)",
+    ):
         ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=4)
 
 
 def test_expert_parallel_size_must_divide_data_parallel_size():
-    with pytest.raises(ValueError, match=r"data parallel size \(2\) is not divisible by "
-                                         r"expert_model_parallel_size \(4\)"):
-        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                       expert_model_parallel_size=4)
+    with pytest.raises(
+        ValueError,
+        match=r"data parallel size \(2\) is not divisible by "
+        r"expert_model_parallel_size \(4\)",
+    ):
+        ParallelConfig(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            expert_model_parallel_size=4,
+        )
 
 
 def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
@@ -350,14 +521,28 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
         pytest.skip("the CPU FFI handler is not built")
     import re
 
-    from hlo_util import (ancestors, collective_arrays, computations, custom_calls, dataflow,
-                          entry_name, reachable, while_bodies)
+    from hlo_util import (
+        ancestors,
+        collective_arrays,
+        computations,
+        custom_calls,
+        dataflow,
+        entry_name,
+        reachable,
+        while_bodies,
+    )
+
     from jax_wgrad.ops import registry
 
     cfg = _model(overlap_dispatch_backward_with_experts_wgrad=True)
     par = _par(2, 1, 1, gradient_accumulation_fusion=True)
-    plan = TrainPlan.create(cfg, par, make_mesh(par), default_optimizer(1e-2),
-                            ddp=DDPConfig(use_distributed_optimizer=True))
+    plan = TrainPlan.create(
+        cfg,
+        par,
+        make_mesh(par),
+        default_optimizer(1e-2),
+        ddp=DDPConfig(use_distributed_optimizer=True),
+    )
     state = init_train_state(plan, seed=3)
     tokens = shard_batch(plan.mesh, DATA.batch(0, par.global_batch_size, cfg.seq_length, seed=5))
     hlo = build_train_step(plan, state).lower(state, tokens).compile().as_text()
@@ -369,28 +554,40 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
     dense = sorted(n // 8 for n in lay.stage.bucket_numels + lay.shared.bucket_numels)
     lines = hlo.splitlines()
     assert collective_arrays(lines, "reduce-scatter", replica_groups=expert_groups) == [
-        expert_numel // 4]
+        expert_numel // 4
+    ]
     assert sorted(collective_arrays(lines, "reduce-scatter", replica_groups=data_groups)) == dense
     assert expert_numel in collective_arrays(lines, "all-gather", replica_groups=expert_groups)
 
     comps = computations(hlo)
     entry = entry_name(hlo)
     bucket = f"f32[{expert_numel}]"
-    (loop,) = [(line, body) for line, body in while_bodies(comps, entry)
-               if bucket in line.split(" while(")[0]]
+    (loop,) = [
+        (line, body)
+        for line, body in while_bodies(comps, entry)
+        if bucket in line.split(" while(")[0]
+    ]
     inside = reachable(comps, loop[1])
     # fc1 and fc2 of every MoE layer, one call each: the layers run as one scan, so each
     # expert linear's call is in the layer loop's body, at the layer's traced offset.
-    (layer_loop,) = [(line, body) for n in inside for line, body in while_bodies(comps, n)
-                     if bucket in line.split(" while(")[0]
-                     and re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                     and "/backward/" in line]
+    (layer_loop,) = [
+        (line, body)
+        for n in inside
+        for line, body in while_bodies(comps, n)
+        if bucket in line.split(" while(")[0]
+        and re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        and "/backward/" in line
+    ]
     assert re.search(r'"known_trip_count":\{"n":"(\d+)"', layer_loop[0]).group(1) == str(
-        cfg.num_layers)
+        cfg.num_layers
+    )
     in_layers = reachable(comps, layer_loop[1])
-    grouped = [c for c in custom_calls(hlo, registry.RAGGED_WGRAD_TARGET)
-               if re.search(rf"= {re.escape(bucket)}\S* custom-call\(", c)
-               and any(c in [x.strip() for x in comps[n]] for n in in_layers)]
+    grouped = [
+        c
+        for c in custom_calls(hlo, registry.RAGGED_WGRAD_TARGET)
+        if re.search(rf"= {re.escape(bucket)}\S* custom-call\(", c)
+        and any(c in [x.strip() for x in comps[n]] for n in in_layers)
+    ]
     assert len(grouped) == 2  # fc1 and fc2 in the body, run once per layer
     # The ragged forward GEMMs' outputs are saved (checkpoint name), not recomputed: the
     # program has fc1 and fc2 forward and input-gradient calls only (4, not 6).
@@ -398,6 +595,9 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
     assert all("output_to_operand_aliasing" in c for c in grouped)
     graph = dataflow(comps[entry])
     loop_name = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", loop[0]).group(1)
-    (rs,) = [re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line).group(1) for line in comps[entry]
-             if "reduce-scatter" in line and f"f32[{expert_numel // 4}]" in line.split("=")[1]]
+    (rs,) = [
+        re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line).group(1)
+        for line in comps[entry]
+        if "reduce-scatter" in line and f"f32[{expert_numel // 4}]" in line.split("=")[1]
+    ]
     assert loop_name in ancestors(graph, rs)

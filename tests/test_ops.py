@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad import ops
 from jax_wgrad.ops import registry
-from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # (input dtype, main_grad dtype): every combination apex supports.
@@ -55,8 +55,14 @@ def _check_against_float64(result, x, dy, acc, *, input_roundoff=0.0):
 @pytest.mark.parametrize("in_dtype,acc_dtype", DTYPE_COMBOS)
 @pytest.mark.parametrize(
     "lead,n_in,n_out",
-    [((1,), 3, 5), ((7,), 13, 19), ((37,), 64, 17), ((4099,), 33, 24), ((3, 50), 16, 9),
-     ((2, 3, 700), 11, 6)],
+    [
+        ((1,), 3, 5),
+        ((7,), 13, 19),
+        ((37,), 64, 17),
+        ((4099,), 33, 24),
+        ((3, 50), 16, 9),
+        ((2, 3, 700), 11, 6),
+    ],
 )
 def test_matches_float64(in_dtype, acc_dtype, lead, n_in, n_out):
     x, dy, acc = _data(0, lead, n_in, n_out, in_dtype, acc_dtype)
@@ -100,9 +106,13 @@ def test_tiled_gemm_flat_offset_and_vmap(in_dtype):
     got = jax.jit(jax.vmap(functools.partial(ops.wgrad_accumulate, offset=21)))(xs, dys, flats)
     for i in range(2):
         np.testing.assert_array_equal(got[i, :21], flats[i, :21])
-        np.testing.assert_array_equal(got[i, 21 + block:], flats[i, 21 + block:])
-        _check_against_float64(got[i, 21:21 + block].reshape(150, 112), xs[i], dys[i],
-                               flats[i, 21:21 + block].reshape(150, 112))
+        np.testing.assert_array_equal(got[i, 21 + block :], flats[i, 21 + block :])
+        _check_against_float64(
+            got[i, 21 : 21 + block].reshape(150, 112),
+            xs[i],
+            dys[i],
+            flats[i, 21 : 21 + block].reshape(150, 112),
+        )
 
 
 def test_repeated_accumulation_in_scan():
@@ -155,7 +165,8 @@ def test_vmap_matches_per_example():
         _check_against_float64(got[i], xs[i], dys[i], accs[i])
     # Unbatched accumulator: broadcast, one result per batch element.
     got = jax.vmap(ops.wgrad_accumulate, in_axes=(1, 1, None))(
-        jnp.swapaxes(xs, 0, 1), jnp.swapaxes(dys, 0, 1), accs[0])
+        jnp.swapaxes(xs, 0, 1), jnp.swapaxes(dys, 0, 1), accs[0]
+    )
     for i in range(3):
         _check_against_float64(got[i], xs[i], dys[i], accs[0])
 
@@ -170,10 +181,16 @@ def test_in_shard_map_per_shard():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     x, dy, _ = _data(9, (8 * 5,), 6, 4, F32, F32)
     accs = jnp.asarray(np.random.default_rng(1).standard_normal((8 * 4, 6)), F32)
-    fn = jax.shard_map(ops.wgrad_accumulate, mesh=mesh, in_specs=(P("data"), P("data"), P("data")),
-                       out_specs=P("data"))
+    fn = jax.shard_map(
+        ops.wgrad_accumulate,
+        mesh=mesh,
+        in_specs=(P("data"), P("data"), P("data")),
+        out_specs=P("data"),
+    )
     got = jax.jit(fn)(x, dy, accs)
-    assert len(custom_calls(jax.jit(fn).lower(x, dy, accs).compile().as_text(), registry.TARGET)) == 1
+    assert (
+        len(custom_calls(jax.jit(fn).lower(x, dy, accs).compile().as_text(), registry.TARGET)) == 1
+    )
     for i in range(8):
         sl, ac = slice(5 * i, 5 * i + 5), slice(4 * i, 4 * i + 4)
         _check_against_float64(got[ac], x[sl], dy[sl], accs[ac])
@@ -233,11 +250,14 @@ def test_handler_rejects_bad_operands_itself():
     x = jnp.zeros((4, 3), jnp.int32)
     with pytest.raises(Exception, match="float32, bfloat16 or float16"):
         jax.jit(functools.partial(ops.wgrad_accumulate_p.bind, offset=0, precision=0))(
-            x, jnp.zeros((4, 2), x.dtype), jnp.zeros((2, 3)))
+            x, jnp.zeros((4, 2), x.dtype), jnp.zeros((2, 3))
+        )
 
 
 def test_unavailable_platform_error(monkeypatch):
-    monkeypatch.setitem(registry._LOADED, "cuda", "jax_wgrad._wgrad_ffi_cuda could not be imported: x")
+    monkeypatch.setitem(
+        registry._LOADED, "cuda", "jax_wgrad._wgrad_ffi_cuda could not be imported: x"
+    )
     assert not ops.fusion_available("gpu")
     with pytest.raises(RuntimeError, match="you must turn off gradient accumulation fusion"):
         registry.require_fusion("cuda")
@@ -330,8 +350,9 @@ def test_gpu_handler_errors_are_python_exceptions():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _GPU_BAD_OPERANDS], capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _GPU_BAD_OPERANDS], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, (run.returncode, run.stdout, run.stderr[-3000:])
     lines = run.stdout.splitlines()
     assert lines[-1] == "ALIVE", run.stdout
@@ -350,8 +371,7 @@ def test_gpu_bucket_add_in_place(bucket_dtype, grad_dtype):
     n = 1 << 20
     bucket = jax.device_put(jnp.asarray(rng.standard_normal(n), bucket_dtype), gpu)
     shapes = [(2048,), (64, 33), (5,)] + [(700,)] * 40  # > 32 blocks: two launches
-    grads = [jax.device_put(jnp.asarray(rng.standard_normal(s), grad_dtype), gpu)
-             for s in shapes]
+    grads = [jax.device_put(jnp.asarray(rng.standard_normal(s), grad_dtype), gpu) for s in shapes]
     offsets, pos = [], 0
     for g in grads:
         offsets.append(pos)
@@ -397,6 +417,7 @@ def test_flat_buffer_two_params_in_place_in_scan():
         def body(b, mb):
             b = ops.wgrad_accumulate(mb[2], mb[3], b, offset=0)
             return ops.wgrad_accumulate(mb[0], mb[1], b, offset=64), None
+
         return jax.lax.scan(body, bucket, (xs1, dys1, xs2, dys2))[0]
 
     bucket = jnp.zeros((128,), F32)
@@ -428,4 +449,5 @@ def test_handler_rejects_out_of_range_offset_itself():
     x, dy = jnp.zeros((4, 6)), jnp.zeros((4, 5))
     with pytest.raises(Exception, match=r"exceeds the flat main_grad"):
         jax.jit(functools.partial(ops.wgrad_accumulate_p.bind, offset=80, precision=0))(
-            x, dy, jnp.zeros(100))
+            x, dy, jnp.zeros(100)
+        )

@@ -10,14 +10,19 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad import fusion_available
-from jax_wgrad import GPTConfig, ParallelConfig
+from jax_wgrad import (
+    GPTConfig,
+    GPTProgram,
+    ParallelConfig,
+    fusion_available,
+    init_params,
+    make_mesh,
+    param_specs,
+    pipeline_gradients,
+)
 from jax_wgrad.models.gpt import validate
-from jax_wgrad import GPTProgram, init_params, param_specs
-from jax_wgrad.testing import reference_loss
-from jax_wgrad import make_mesh
-from jax_wgrad import pipeline_gradients
 from jax_wgrad.parallel.pipeline import IDLE, ScheduleTable, one_f_one_b
+from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -56,9 +61,16 @@ def test_schedule_is_megatron_1f1b_with_p_minus_s_in_flight(p, m):
 # --------------------------------------------------------------------------- gradients
 
 
-LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-             group_query_attention=True, num_attention_heads=8, num_query_groups=2,
-             add_bias_linear=False, rotary_base=500000.0)
+LLAMA = dict(
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    group_query_attention=True,
+    num_attention_heads=8,
+    num_query_groups=2,
+    add_bias_linear=False,
+    rotary_base=500000.0,
+)
 """Every Llama option: RMSNorm, RoPE, SwiGLU, GQA 8:2, no bias (and untied below)."""
 
 
@@ -68,36 +80,72 @@ def _recompute_kw(recompute) -> dict:
     if recompute == "full":
         recompute = ("full", "uniform", 1)
     if isinstance(recompute, tuple):
-        return dict(recompute_granularity="full", recompute_method=recompute[1],
-                    recompute_num_layers=recompute[2])
+        return dict(
+            recompute_granularity="full",
+            recompute_method=recompute[1],
+            recompute_num_layers=recompute[2],
+        )
     return dict(recompute_granularity=recompute)
 
 
-def _check_gradients(dp, tp, pp, *, sp, fusion, tied=True, m=2, dtype="float32", table=None,
-                     schedule="1f1b", recompute=None, arch=None, ddp=None, **par_kw):
+def _check_gradients(
+    dp,
+    tp,
+    pp,
+    *,
+    sp,
+    fusion,
+    tied=True,
+    m=2,
+    dtype="float32",
+    table=None,
+    schedule="1f1b",
+    recompute=None,
+    arch=None,
+    ddp=None,
+    **par_kw,
+):
     if fusion and not fusion_available("cpu"):
         pytest.skip("the CPU wgrad_accumulate handler was not built")
-    cfg = GPTConfig(**{**dict(num_layers=max(4, pp), hidden_size=32, num_attention_heads=4,
-                              seq_length=8, vocab_size=64,
-                              untie_embeddings_and_output_weights=not tied,
-                              compute_dtype=dtype), **(arch or {})})
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         micro_batch_size=2, global_batch_size=2 * dp * m,
-                         sequence_parallel=sp, gradient_accumulation_fusion=fusion,
-                         pipeline_schedule=schedule, **_recompute_kw(recompute), **par_kw)
+    cfg = GPTConfig(
+        **{
+            **dict(
+                num_layers=max(4, pp),
+                hidden_size=32,
+                num_attention_heads=4,
+                seq_length=8,
+                vocab_size=64,
+                untie_embeddings_and_output_weights=not tied,
+                compute_dtype=dtype,
+            ),
+            **(arch or {}),
+        }
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        micro_batch_size=2,
+        global_batch_size=2 * dp * m,
+        sequence_parallel=sp,
+        gradient_accumulation_fusion=fusion,
+        pipeline_schedule=schedule,
+        **_recompute_kw(recompute),
+        **par_kw,
+    )
     validate(par, cfg)
-    mesh = make_mesh(par, jax.devices()[:par.world_size])
+    mesh = make_mesh(par, jax.devices()[: par.world_size])
     params = init_params(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, tokens, cfg)
 
     stages = GPTProgram(cfg, par)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), stages.param_specs(),
-                             is_leaf=lambda x: isinstance(x, P))
-    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t, ddp,
-                                                          table=table))(
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), stages.param_specs(), is_leaf=lambda x: isinstance(x, P)
+    )
+    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t, ddp, table=table))(
         jax.device_put(stages.from_canonical(params), shardings),
-        jax.device_put(tokens, NamedSharding(mesh, P("data"))))
+        jax.device_put(tokens, NamedSharding(mesh, P("data"))),
+    )
     grads = stages.to_canonical(grads)  # the interleaved layout's layer stacks -> [L, ...]
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     return loss, ref_loss, grads, ref_grads
@@ -110,16 +158,21 @@ def _assert_equal_grads(loss, ref_loss, grads, ref_grads, tol=1e-5):
         g, r = np.asarray(g), np.asarray(r)
         diff, scale = np.abs(g - r).max(), np.abs(r).max()
         assert scale > 0, jax.tree_util.keystr(path)
-        assert diff <= tol * scale, f"{jax.tree_util.keystr(path)}: {diff:.3g} > {tol} x {scale:.3g}"
+        assert diff <= tol * scale, (
+            f"{jax.tree_util.keystr(path)}: {diff:.3g} > {tol} x {scale:.3g}"
+        )
 
 
 @pytest.mark.parametrize("dp, tp, pp", MESHES, ids=lambda v: str(v))
-@pytest.mark.parametrize("sp, fusion", [
-    pytest.param(False, False, id="plain"),
-    pytest.param(True, True, id="sp-fused"),
-    pytest.param(True, False, id="sp", marks=pytest.mark.slow),
-    pytest.param(False, True, id="fused", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "sp, fusion",
+    [
+        pytest.param(False, False, id="plain"),
+        pytest.param(True, True, id="sp-fused"),
+        pytest.param(True, False, id="sp", marks=pytest.mark.slow),
+        pytest.param(False, True, id="fused", marks=pytest.mark.slow),
+    ],
+)
 def test_gradients_equal_single_device_jax_grad(dp, tp, pp, sp, fusion):
     if sp and tp == 1:
         if not fusion:
@@ -133,8 +186,14 @@ def _llama_grid():
     for dp, tp, pp in MESHES:
         for fusion in (False, True):
             slow = (dp, tp, pp) != (2, 2, 2) and not (fusion and (dp, tp, pp) == (4, 2, 1))
-            yield pytest.param(dp, tp, pp, fusion, id=f"{'fused' if fusion else 'plain'}-"
-                               f"{dp}-{tp}-{pp}", marks=[pytest.mark.slow] if slow else [])
+            yield pytest.param(
+                dp,
+                tp,
+                pp,
+                fusion,
+                id=f"{'fused' if fusion else 'plain'}-{dp}-{tp}-{pp}",
+                marks=[pytest.mark.slow] if slow else [],
+            )
 
 
 @pytest.mark.parametrize("dp, tp, pp, fusion", list(_llama_grid()))
@@ -142,41 +201,65 @@ def test_llama_options_equal_single_device_jax_grad(dp, tp, pp, fusion):
     """RMSNorm, RoPE, SwiGLU, GQA 8:2 (over tensor 2: one kv group per rank), no linear
     bias, untied output layer; sequence parallelism with tensor parallelism (RoPE sees
     the gathered sequence)."""
-    _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=tp > 1, fusion=fusion, tied=False,
-                                          arch=LLAMA))
+    _assert_equal_grads(
+        *_check_gradients(dp, tp, pp, sp=tp > 1, fusion=fusion, tied=False, arch=LLAMA)
+    )
 
 
 @pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "zb-h1"])
 def test_qwen_and_megatron_only_options_equal_jax_grad(schedule):
     """A qkv bias without other biases (Qwen2), qk-layernorm, kv_channels != H / heads,
     partial rotary, tied embeddings; fused, SP, both schedules."""
-    arch = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, kv_channels=8,
-                rotary_percent=0.5)
-    _assert_equal_grads(*_check_gradients(2, 2, 2, sp=True, fusion=True, arch=arch,
-                                          schedule=schedule))
+    arch = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, kv_channels=8, rotary_percent=0.5)
+    _assert_equal_grads(
+        *_check_gradients(2, 2, 2, sp=True, fusion=True, arch=arch, schedule=schedule)
+    )
 
 
-@pytest.mark.parametrize("schedule, recompute, mode", [
-    pytest.param("1f1b", "selective", "stash", marks=pytest.mark.slow),
-    ("zb-h1", "full", "recompute")])
+@pytest.mark.parametrize(
+    "schedule, recompute, mode",
+    [
+        pytest.param("1f1b", "selective", "stash", marks=pytest.mark.slow),
+        ("zb-h1", "full", "recompute"),
+    ],
+)
 def test_llama_options_with_deferral_and_recomputation(schedule, recompute, mode):
     """The Llama options through the deferred output-layer wgrad (both stash modes) and
     recomputation, both schedules, on (2,2,2)+SP with fusion."""
-    _assert_equal_grads(*_check_gradients(
-        2, 2, 2, sp=True, fusion=True, tied=False, arch=LLAMA, schedule=schedule,
-        recompute=recompute, defer_embedding_wgrad_compute=True, defer_mode=mode))
+    _assert_equal_grads(
+        *_check_gradients(
+            2,
+            2,
+            2,
+            sp=True,
+            fusion=True,
+            tied=False,
+            arch=LLAMA,
+            schedule=schedule,
+            recompute=recompute,
+            defer_embedding_wgrad_compute=True,
+            defer_mode=mode,
+        )
+    )
 
 
 def test_gqa_groups_must_divide_over_tensor():
     cfg = GPTConfig(**LLAMA, hidden_size=32, num_layers=2)
-    with pytest.raises(ValueError, match=re.escape(
-            "num_query_groups (2) must be a multiple of tensor_model_parallel_size (4)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "num_query_groups (2) must be a multiple of tensor_model_parallel_size (4)"
+        ),
+    ):
         validate(ParallelConfig(tensor_model_parallel_size=4), cfg)
-    with pytest.raises(ValueError, match=re.escape(
-            "num_query_groups (3) needs group_query_attention")):
+    with pytest.raises(
+        ValueError, match=re.escape("num_query_groups (3) needs group_query_attention")
+    ):
         GPTConfig(num_query_groups=3)
-    with pytest.raises(ValueError, match=re.escape(
-            "num_attention_heads (8) must be a multiple of num_query_groups (3)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("num_attention_heads (8) must be a multiple of num_query_groups (3)"),
+    ):
         GPTConfig(**dict(LLAMA, num_query_groups=3), hidden_size=32)
 
 
@@ -196,18 +279,28 @@ def test_unrolled_layer_loop_equals_the_scan(schedule):
     """``layer_scan_unroll`` = the stage's layers (straight-line code, constant block
     offsets) and the scan both equal ``jax.grad`` (not bitwise each other: XLA:CPU fuses
     the straight-line form differently, ulp-level differences)."""
-    cfg = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8,
-                    vocab_size=64)
-    par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                         micro_batch_size=2, global_batch_size=8, sequence_parallel=True,
-                         gradient_accumulation_fusion=True, pipeline_schedule=schedule)
+    cfg = GPTConfig(
+        num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        micro_batch_size=2,
+        global_batch_size=8,
+        sequence_parallel=True,
+        gradient_accumulation_fusion=True,
+        pipeline_schedule=schedule,
+    )
     mesh = make_mesh(par)
     params = init_params(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
-                             is_leaf=lambda x: isinstance(x, P))
-    args = (jax.device_put(params, shardings),
-            jax.device_put(tokens, NamedSharding(mesh, P("data"))))
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), param_specs(cfg), is_leaf=lambda x: isinstance(x, P)
+    )
+    args = (
+        jax.device_put(params, shardings),
+        jax.device_put(tokens, NamedSharding(mesh, P("data"))),
+    )
     out = {}
     for unroll in (1, 2):
         program = GPTProgram(dataclasses.replace(cfg, layer_scan_unroll=unroll), par)
@@ -218,8 +311,9 @@ def test_unrolled_layer_loop_equals_the_scan(schedule):
 
 
 def test_bf16_runs_close():
-    loss, ref_loss, grads, ref_grads = _check_gradients(2, 2, 2, sp=True, fusion=True,
-                                                        dtype="bfloat16")
+    loss, ref_loss, grads, ref_grads = _check_gradients(
+        2, 2, 2, sp=True, fusion=True, dtype="bfloat16"
+    )
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-2)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
@@ -227,19 +321,27 @@ def test_bf16_runs_close():
 def test_fused_pipeline_calls_the_fused_op():
     if not fusion_available("cpu"):
         pytest.skip("the CPU wgrad_accumulate handler was not built")
-    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
-                    vocab_size=64)
-    par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                         micro_batch_size=1, global_batch_size=4,
-                         gradient_accumulation_fusion=True)
+    cfg = GPTConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=4,
+        gradient_accumulation_fusion=True,
+    )
     mesh = make_mesh(par)
     stages = GPTProgram(cfg, par)
     params = jax.eval_shape(lambda: init_params(cfg, 0))
     tokens = jax.ShapeDtypeStruct((4, 9), jnp.int32)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
-                             is_leaf=lambda x: isinstance(x, P))
-    fn = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t),
-                 in_shardings=(shardings, NamedSharding(mesh, P("data"))))
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), param_specs(cfg), is_leaf=lambda x: isinstance(x, P)
+    )
+    fn = jax.jit(
+        lambda p, t: pipeline_gradients(stages, mesh, p, t),
+        in_shardings=(shardings, NamedSharding(mesh, P("data"))),
+    )
     hlo = fn.lower(params, tokens).compile().as_text()
     assert "jax_wgrad_wgrad_accumulate" in hlo
 
@@ -271,19 +373,28 @@ def test_gpipe_table_facts():
     assert table.makespan() == 18 and table.in_flight(0) == 3
 
 
-@pytest.mark.parametrize("dp, tp, pp, sp, fusion", [
-    (2, 2, 2, True, True), pytest.param(1, 2, 4, False, True, marks=pytest.mark.slow),
-    (2, 1, 4, False, False)], ids=str)
+@pytest.mark.parametrize(
+    "dp, tp, pp, sp, fusion",
+    [
+        (2, 2, 2, True, True),
+        pytest.param(1, 2, 4, False, True, marks=pytest.mark.slow),
+        (2, 1, 4, False, False),
+    ],
+    ids=str,
+)
 def test_gpipe_through_the_same_executor_equals_jax_grad(dp, tp, pp, sp, fusion):
     table = gpipe(pp, 3)
     _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=fusion, m=3, table=table))
 
 
-@pytest.mark.parametrize("bad, match", [
-    ("order", "stage 0 runs F of microbatches \\[1, 0\\]"),
-    ("early", "runs F before its input arrives"),
-    ("b_first", "runs B before F"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("order", "stage 0 runs F of microbatches \\[1, 0\\]"),
+        ("early", "runs F before its input arrives"),
+        ("b_first", "runs B before F"),
+    ],
+)
 def test_schedule_table_validation(bad, match):
     # A valid 2-stage, 2-microbatch table (F and B in one tick on the last stage).
     fwd = np.array([[0, IDLE], [1, 0], [IDLE, 1], [IDLE, IDLE]])
@@ -301,13 +412,23 @@ def test_schedule_table_validation(bad, match):
 
 # --------------------------------------------------------------------------- issue 9 grid
 
-GRID_MESHES = [(8, 1, 1, False), (2, 2, 2, True), (1, 2, 4, True), (2, 1, 4, False),
-               (1, 1, 8, False)]
+GRID_MESHES = [
+    (8, 1, 1, False),
+    (2, 2, 2, True),
+    (1, 2, 4, True),
+    (2, 1, 4, False),
+    (1, 1, 8, False),
+]
 # (mesh index, schedule, recompute, m, tied) run by default: every mesh, schedule and
 # recompute mode at least once, with M = 1, M < P and an untied output layer among them.
-DEFAULT_GRID = [(1, "zb-h1", None, 2, True), (2, "zb-h1", "selective", 3, False),
-                (3, "1f1b", "full", 1, True), (4, "zb-h1", None, 3, True),
-                (0, "zb-h1", "full", 2, True), (2, "1f1b", "selective", 5, True)]
+DEFAULT_GRID = [
+    (1, "zb-h1", None, 2, True),
+    (2, "zb-h1", "selective", 3, False),
+    (3, "1f1b", "full", 1, True),
+    (4, "zb-h1", None, 3, True),
+    (0, "zb-h1", "full", 2, True),
+    (2, "1f1b", "selective", 5, True),
+]
 
 
 def _grid_params():
@@ -317,21 +438,37 @@ def _grid_params():
             for recompute in (None, "full", "selective"):
                 for m, tied in ((1, True), (3, True), (2, False)):
                     default = (i, schedule, recompute, m, tied) in DEFAULT_GRID
-                    out.append(pytest.param(
-                        dp, tp, pp, sp, schedule, recompute, m, tied,
-                        id=f"{dp}{tp}{pp}{'-sp' if sp else ''}-{schedule}-{recompute}-m{m}"
-                           f"{'' if tied else '-untied'}",
-                        marks=() if default else pytest.mark.slow))
-    extra = [(*GRID_MESHES[i][:4], s, r, m, t) for i, s, r, m, t in DEFAULT_GRID
-             if (m, t) not in ((1, True), (3, True), (2, False))]
+                    out.append(
+                        pytest.param(
+                            dp,
+                            tp,
+                            pp,
+                            sp,
+                            schedule,
+                            recompute,
+                            m,
+                            tied,
+                            id=f"{dp}{tp}{pp}{'-sp' if sp else ''}-{schedule}-{recompute}-m{m}"
+                            f"{'' if tied else '-untied'}",
+                            marks=() if default else pytest.mark.slow,
+                        )
+                    )
+    extra = [
+        (*GRID_MESHES[i][:4], s, r, m, t)
+        for i, s, r, m, t in DEFAULT_GRID
+        if (m, t) not in ((1, True), (3, True), (2, False))
+    ]
     out += [pytest.param(*e, id=f"default-{e[4]}-{e[5]}-m{e[6]}") for e in extra]
     return out
 
 
 @pytest.mark.parametrize("dp, tp, pp, sp, schedule, recompute, m, tied", _grid_params())
 def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recompute, m, tied):
-    _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=True, m=m, tied=tied,
-                                          schedule=schedule, recompute=recompute))
+    _assert_equal_grads(
+        *_check_gradients(
+            dp, tp, pp, sp=sp, fusion=True, m=m, tied=tied, schedule=schedule, recompute=recompute
+        )
+    )
 
 
 # --------------------------------------------------------------------------- interleaved
@@ -353,27 +490,60 @@ def _interleaved_grid():
 def test_interleaved_equals_single_device_jax_grad(dp, tp, pp, v, times, schedule):
     from jax_wgrad import DDPConfig
 
-    out = _check_gradients(dp, tp, pp, sp=tp > 1, fusion=True, m=times * pp, schedule=schedule,
-                           arch=dict(num_layers=pp * v), virtual_pipeline_model_parallel_size=v,
-                           defer_embedding_wgrad_compute=True, world_size=dp * tp * pp,
-                           ddp=DDPConfig(overlap_grad_reduce=True))
+    out = _check_gradients(
+        dp,
+        tp,
+        pp,
+        sp=tp > 1,
+        fusion=True,
+        m=times * pp,
+        schedule=schedule,
+        arch=dict(num_layers=pp * v),
+        virtual_pipeline_model_parallel_size=v,
+        defer_embedding_wgrad_compute=True,
+        world_size=dp * tp * pp,
+        ddp=DDPConfig(overlap_grad_reduce=True),
+    )
     _assert_equal_grads(*out)
 
 
-@pytest.mark.parametrize("tied, recompute", [
-    (False, None), pytest.param(True, "full", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "tied, recompute", [(False, None), pytest.param(True, "full", marks=pytest.mark.slow)]
+)
 def test_interleaved_unfused_untied_and_recomputed(tied, recompute):
     # no fusion: every gradient through the sink's per-chunk (static-offset) adds
-    _assert_equal_grads(*_check_gradients(
-        2, 2, 2, sp=True, fusion=False, tied=tied, m=4, recompute=recompute,
-        arch=dict(num_layers=8), virtual_pipeline_model_parallel_size=2))
+    _assert_equal_grads(
+        *_check_gradients(
+            2,
+            2,
+            2,
+            sp=True,
+            fusion=False,
+            tied=tied,
+            m=4,
+            recompute=recompute,
+            arch=dict(num_layers=8),
+            virtual_pipeline_model_parallel_size=2,
+        )
+    )
 
 
 @pytest.mark.slow
 def test_interleaved_llama_options():
-    _assert_equal_grads(*_check_gradients(
-        1, 2, 4, sp=True, fusion=True, tied=False, m=4, schedule="zb-h1",
-        arch=dict(LLAMA, num_layers=8), virtual_pipeline_model_parallel_size=2))
+    _assert_equal_grads(
+        *_check_gradients(
+            1,
+            2,
+            4,
+            sp=True,
+            fusion=True,
+            tied=False,
+            m=4,
+            schedule="zb-h1",
+            arch=dict(LLAMA, num_layers=8),
+            virtual_pipeline_model_parallel_size=2,
+        )
+    )
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -382,14 +552,26 @@ def test_interleaved_llama_options():
 def _vocab_grid():
     """Vocabulary over the pipeline on (1,1,4), (2,2,2)+SP, (1,2,4), tied and untied:
     plain, fused with deferral (stash / recompute), zero bubble, interleaved."""
-    cases = [((1, 1, 4), True, "plain"), ((1, 1, 4), False, "fused-defer"),
-             ((2, 2, 2), True, "fused-defer"), ((2, 2, 2), False, "zb-h1"),
-             ((1, 2, 4), False, "plain"), ((1, 2, 4), True, "interleaved-zb-h1"),
-             ((1, 1, 4), True, "recompute-defer"), ((2, 2, 2), True, "interleaved"),
-             ((1, 2, 4), True, "fused-defer"), ((2, 2, 2), False, "plain")]
+    cases = [
+        ((1, 1, 4), True, "plain"),
+        ((1, 1, 4), False, "fused-defer"),
+        ((2, 2, 2), True, "fused-defer"),
+        ((2, 2, 2), False, "zb-h1"),
+        ((1, 2, 4), False, "plain"),
+        ((1, 2, 4), True, "interleaved-zb-h1"),
+        ((1, 1, 4), True, "recompute-defer"),
+        ((2, 2, 2), True, "interleaved"),
+        ((1, 2, 4), True, "fused-defer"),
+        ((2, 2, 2), False, "plain"),
+    ]
     for k, (mesh, tied, kind) in enumerate(cases):
-        yield pytest.param(*mesh, tied, kind, marks=() if k < 4 or k == 5 else pytest.mark.slow,
-                           id=f"{'-'.join(map(str, mesh))}-{'tied' if tied else 'untied'}-{kind}")
+        yield pytest.param(
+            *mesh,
+            tied,
+            kind,
+            marks=() if k < 4 or k == 5 else pytest.mark.slow,
+            id=f"{'-'.join(map(str, mesh))}-{'tied' if tied else 'untied'}-{kind}",
+        )
 
 
 @pytest.mark.parametrize("dp, tp, pp, tied, kind", list(_vocab_grid()))
@@ -397,27 +579,53 @@ def test_vocab_over_pipeline_equals_single_device_jax_grad(dp, tp, pp, tied, kin
     from jax_wgrad import DDPConfig
 
     v = 2 if kind.startswith("interleaved") else 1
-    kw = dict(fusion=kind != "plain", schedule="zb-h1" if kind.endswith("zb-h1") else "1f1b",
-              defer_embedding_wgrad_compute=kind.endswith("defer"),
-              defer_mode="recompute" if kind.startswith("recompute") else "stash",
-              virtual_pipeline_model_parallel_size=v if v > 1 else None)
-    _assert_equal_grads(*_check_gradients(
-        dp, tp, pp, sp=tp > 1, tied=tied, m=pp, arch=dict(num_layers=pp * v),
-        world_size=dp * tp * pp, vocab_parallel_over_pipeline=True,
-        ddp=DDPConfig(overlap_grad_reduce=True), **kw))
+    kw = dict(
+        fusion=kind != "plain",
+        schedule="zb-h1" if kind.endswith("zb-h1") else "1f1b",
+        defer_embedding_wgrad_compute=kind.endswith("defer"),
+        defer_mode="recompute" if kind.startswith("recompute") else "stash",
+        virtual_pipeline_model_parallel_size=v if v > 1 else None,
+    )
+    _assert_equal_grads(
+        *_check_gradients(
+            dp,
+            tp,
+            pp,
+            sp=tp > 1,
+            tied=tied,
+            m=pp,
+            arch=dict(num_layers=pp * v),
+            world_size=dp * tp * pp,
+            vocab_parallel_over_pipeline=True,
+            ddp=DDPConfig(overlap_grad_reduce=True),
+            **kw,
+        )
+    )
 
 
 def test_vocab_over_pipeline_shards_and_checks():
-    cfg = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8,
-                    vocab_size=64, untie_embeddings_and_output_weights=True)
-    par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
-                         vocab_parallel_over_pipeline=True)
+    cfg = GPTConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=8,
+        vocab_size=64,
+        untie_embeddings_and_output_weights=True,
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=4,
+        vocab_parallel_over_pipeline=True,
+    )
     specs = GPTProgram(cfg, par).param_specs()
     assert specs["embedding"]["word"]["embedding"] == P(("pipeline", "tensor"), None)
     assert specs["head"]["output"]["weight"] == P(("pipeline", "tensor"), None)
     assert specs["embedding"]["position"] == P(None, None)  # replicated: summed over pipeline
-    with pytest.raises(ValueError, match=r"vocab_size \(60\) must be divisible by "
-                                         r"tensor_model_parallel_size x pipeline"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab_size \(60\) must be divisible by "
+        r"tensor_model_parallel_size x pipeline",
+    ):
         validate(par, dataclasses.replace(cfg, vocab_size=60))
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
         ParallelConfig(vocab_parallel_over_pipeline=True, world_size=1)
@@ -426,21 +634,46 @@ def test_vocab_over_pipeline_shards_and_checks():
 @pytest.mark.slow
 def test_interleaved_with_a_microbatch_group_size_equals_jax_grad():
     # M = 3 is not a multiple of P = 2: allowed with Megatron's group size (G = 2)
-    _assert_equal_grads(*_check_gradients(
-        2, 2, 2, sp=True, fusion=True, m=3, arch=dict(num_layers=4),
-        virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=2))
+    _assert_equal_grads(
+        *_check_gradients(
+            2,
+            2,
+            2,
+            sp=True,
+            fusion=True,
+            m=3,
+            arch=dict(num_layers=4),
+            virtual_pipeline_model_parallel_size=2,
+            microbatch_group_size_per_vp_stage=2,
+        )
+    )
 
 
 # --------------------------------------------------------------------------- per-layer recompute
 
-@pytest.mark.parametrize("schedule, recompute", [
-    ("1f1b", ("full", "uniform", 2)),
-    pytest.param("zb-h1", ("full", "block", 1), marks=pytest.mark.slow),
-    pytest.param("1f1b", ("full", "block", 2), marks=pytest.mark.slow)])
+
+@pytest.mark.parametrize(
+    "schedule, recompute",
+    [
+        ("1f1b", ("full", "uniform", 2)),
+        pytest.param("zb-h1", ("full", "block", 1), marks=pytest.mark.slow),
+        pytest.param("1f1b", ("full", "block", 2), marks=pytest.mark.slow),
+    ],
+)
 def test_megatron_recompute_methods_equal_jax_grad(schedule, recompute):
     """Megatron's --recompute-method uniform / block with --recompute-num-layers, the
     checkpoints inside the layer scan: 3 layers per stage, so uniform 2 has a group of two
     and a single layer, block 1 one recomputed layer and two that save their activations."""
-    _assert_equal_grads(*_check_gradients(2, 2, 2, sp=True, fusion=True, tied=False,
-                                          schedule=schedule, recompute=recompute,
-                                          arch=dict(LLAMA, num_layers=6)))
+    _assert_equal_grads(
+        *_check_gradients(
+            2,
+            2,
+            2,
+            sp=True,
+            fusion=True,
+            tied=False,
+            schedule=schedule,
+            recompute=recompute,
+            arch=dict(LLAMA, num_layers=6),
+        )
+    )

@@ -11,11 +11,19 @@ import re
 import jax
 import numpy as np
 import pytest
-
-from jax_wgrad import (GPTConfig, ParallelConfig, TrainPlan, build_train_step,
-                       default_optimizer, fusion_available, init_train_state, make_mesh,
-                       shard_batch)
 from hlo_util import computations, copies_of, entry_name, reachable, while_bodies
+
+from jax_wgrad import (
+    GPTConfig,
+    ParallelConfig,
+    TrainPlan,
+    build_train_step,
+    default_optimizer,
+    fusion_available,
+    init_train_state,
+    make_mesh,
+    shard_batch,
+)
 
 pytestmark = [
     pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices"),
@@ -26,11 +34,15 @@ MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_lengt
 
 
 def _step(schedule, recompute, m=2, dp=2):
-    par = ParallelConfig(pipeline_model_parallel_size=4, micro_batch_size=2,
-                         global_batch_size=2 * dp * m, gradient_accumulation_fusion=True,
-                         pipeline_schedule=schedule, recompute_granularity=recompute,
-                         **(dict(recompute_method="uniform", recompute_num_layers=1)
-                            if recompute == "full" else {}))
+    par = ParallelConfig(
+        pipeline_model_parallel_size=4,
+        micro_batch_size=2,
+        global_batch_size=2 * dp * m,
+        gradient_accumulation_fusion=True,
+        pipeline_schedule=schedule,
+        recompute_granularity=recompute,
+        **(dict(recompute_method="uniform", recompute_num_layers=1) if recompute == "full" else {}),
+    )
     mesh = make_mesh(par)
     plan = TrainPlan.create(MODEL, par, mesh, default_optimizer(1e-3))
     state = init_train_state(plan, 0)
@@ -44,10 +56,16 @@ def _by_task(hlo: str) -> collections.Counter:
         if " dot(" not in line and "custom_call_target" not in line:
             continue
         op = (re.search(r'op_name="([^"]*)"', line) or re.search("()", "")).group(1)
-        task = ("F" if "/forward/" in op else "B" if "/backward/" in op
-                else "W" if "/weight_gradients/" in op else "-")
-        kind = "dot" if " dot(" in line else re.search(r'custom_call_target="(\w+)"',
-                                                      line).group(1)
+        task = (
+            "F"
+            if "/forward/" in op
+            else "B"
+            if "/backward/" in op
+            else "W"
+            if "/weight_gradients/" in op
+            else "-"
+        )
+        kind = "dot" if " dot(" in line else re.search(r'custom_call_target="(\w+)"', line).group(1)
         count[task, WGRAD if kind in WGRAD_TARGETS else kind] += 1
     return count
 
@@ -85,11 +103,14 @@ def test_zb_h1_weight_gradients_only_in_w_tasks(recompute):
 def test_no_copy_of_a_carried_buffer_inside_the_loop(schedule, recompute):
     hlo = _step(schedule, recompute).as_text()
     comps = computations(hlo)
-    loops = [(line, body) for line, body in while_bodies(comps, entry_name(hlo))
-             if line.count("[") > 20]  # the schedule's scan: the big carried tuple
-    (line, body), = loops
-    carried = {(m.group(1), tuple(int(d) for d in m.group(2).split(",") if d))
-               for m in re.finditer(r"(f32|bf16|s32)\[([\d,]*)\]", line.split(" while(")[0])}
+    loops = [
+        (line, body) for line, body in while_bodies(comps, entry_name(hlo)) if line.count("[") > 20
+    ]  # the schedule's scan: the big carried tuple
+    ((line, body),) = loops
+    carried = {
+        (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d))
+        for m in re.finditer(r"(f32|bf16|s32)\[([\d,]*)\]", line.split(" while(")[0])
+    }
     inside = "\n".join(l for c in reachable(comps, body) for l in comps[c])
     big = [(d, s) for d, s in carried if np.prod(s or (1,)) >= 256]
     assert big, line

@@ -36,8 +36,9 @@ from jax_wgrad.grads.spec import LAYERS, STAGE
 from jax_wgrad.grads.sync import place_shards
 from jax_wgrad.ops.position import INT32_MAX, advance, clamped_start_int32
 
-needs_cpu_handler = pytest.mark.skipif(not ops.fusion_available("cpu"),
-                                       reason="needs the CPU handler")
+needs_cpu_handler = pytest.mark.skipif(
+    not ops.fusion_available("cpu"), reason="needs the CPU handler"
+)
 F32, BF16 = jnp.float32, jnp.bfloat16
 SDS = jax.ShapeDtypeStruct
 
@@ -79,15 +80,28 @@ def test_advance_combines_positions_or_says_why_not():
         advance(jnp.int32(5), i, 100)  # an int32 offset is BlockOffset(0, o, 1)
 
 
-@pytest.mark.parametrize("base,stride,max_offset", [
-    (0, 1, 156), (7, 2**31, 1000), (2**32 + 7, 2**31, 40), (5, -3, 100), (-10, 4, 77),
-    (2**40, -2**30, INT32_MAX), (3, 0, 100), (100, 2**31, 99), (0, 117440512, 2**31 - 2),
-])
+@pytest.mark.parametrize(
+    "base,stride,max_offset",
+    [
+        (0, 1, 156),
+        (7, 2**31, 1000),
+        (2**32 + 7, 2**31, 40),
+        (5, -3, 100),
+        (-10, 4, 77),
+        (2**40, -(2**30), INT32_MAX),
+        (3, 0, 100),
+        (100, 2**31, 99),
+        (0, 117440512, 2**31 - 2),
+    ],
+)
 def test_reference_clamp_is_the_exact_clamp(base, stride, max_offset):
-    index = np.array([-2**31, -2**31 + 1, -5, -2, -1, 0, 1, 2, 3, 18, 19, 31, 2**20,
-                      2**31 - 2, 2**31 - 1], np.int32)
-    got = jax.jit(jax.vmap(lambda i: clamped_start_int32(ops.BlockOffset(base, i, stride),
-                                                         max_offset)))(jnp.asarray(index))
+    index = np.array(
+        [-(2**31), -(2**31) + 1, -5, -2, -1, 0, 1, 2, 3, 18, 19, 31, 2**20, 2**31 - 2, 2**31 - 1],
+        np.int32,
+    )
+    got = jax.jit(
+        jax.vmap(lambda i: clamped_start_int32(ops.BlockOffset(base, i, stride), max_offset))
+    )(jnp.asarray(index))
     want = [min(max(base + int(i) * stride, 0), max_offset) for i in index]
     assert np.asarray(got).tolist() == want
 
@@ -124,14 +138,14 @@ def test_ragged_wgrad_at_a_64bit_position_equals_the_static_offset():
     x, dy = _ints(4, (9, 4), F32), _ints(5, (9, 3), F32)
     sizes = jnp.array([3, 0, 5], jnp.int32)
     bucket = _ints(6, (N,), F32)
-    pos = lambda i: ops.BlockOffset(2**33 + 17, i, -2**31)  # 17 at i = 4
+    pos = lambda i: ops.BlockOffset(2**33 + 17, i, -(2**31))  # 17 at i = 4
     fused = jax.jit(lambda b, i: ops.ragged_wgrad_accumulate(x, dy, sizes, b, offset=pos(i)))
-    plain = jax.jit(lambda b, i: ops.ragged_wgrad_accumulate_ref(x, dy, sizes, b,
-                                                                 offset=pos(i)))
+    plain = jax.jit(lambda b, i: ops.ragged_wgrad_accumulate_ref(x, dy, sizes, b, offset=pos(i)))
     for index, at in ((4, 17), (5, 0), (0, N - 36)):
         got = fused(bucket, jnp.int32(index))
         np.testing.assert_array_equal(
-            got, ops.ragged_wgrad_accumulate(x, dy, sizes, bucket, offset=at))
+            got, ops.ragged_wgrad_accumulate(x, dy, sizes, bucket, offset=at)
+        )
         np.testing.assert_array_equal(plain(bucket, jnp.int32(index)), got)
 
 
@@ -161,9 +175,11 @@ def _check_blocks(bucket: jax.Array, blocks: dict[int, np.ndarray]) -> None:
     assert host.shape == (BIG,)
     nonzero = 0
     for at, want in blocks.items():
-        np.testing.assert_array_equal(host[at:at + want.size].astype(np.float64), want.ravel())
-        assert not host[max(at - 64, 0):at].any() and \
-            not host[at + want.size:at + want.size + 64].any(), at
+        np.testing.assert_array_equal(host[at : at + want.size].astype(np.float64), want.ravel())
+        assert (
+            not host[max(at - 64, 0) : at].any()
+            and not host[at + want.size : at + want.size + 64].any()
+        ), at
         nonzero += int(np.count_nonzero(want))
     # +0.0 is the only zero here (a sum starting from +0 never rounds to -0.0).
     assert np.count_nonzero(host.view(np.uint16)) == nonzero
@@ -174,8 +190,9 @@ def _check_blocks(bucket: jax.Array, blocks: dict[int, np.ndarray]) -> None:
 def test_fused_add_at_a_static_offset_past_2_31():
     x, dy = _ints(7, (4, 48), BF16), _ints(8, (4, 40), BF16)
     at = 2**31 + 1000  # not 16-byte aligned either
-    bucket = jax.jit(lambda b: ops.wgrad_accumulate(x, dy, b, offset=at),
-                     donate_argnums=0)(_zeros_big())
+    bucket = jax.jit(lambda b: ops.wgrad_accumulate(x, dy, b, offset=at), donate_argnums=0)(
+        _zeros_big()
+    )
     _check_blocks(bucket, {at: np.einsum("to,ti->oi", np.float64(dy), np.float64(x))})
 
 
@@ -191,6 +208,7 @@ def test_scan_over_stacked_layers_at_positions_past_2_31():
         def step(bk, xs):
             i, x, dy = xs
             return ops.wgrad_accumulate(x, dy, bk, offset=ops.BlockOffset(base, i, stride)), None
+
         return lax.scan(step, bucket, (jnp.arange(layers, dtype=jnp.int32), xs, dys))[0]
 
     bucket = jax.jit(run, donate_argnums=0)(_zeros_big())
@@ -204,14 +222,16 @@ def test_scan_over_stacked_layers_at_positions_past_2_31():
 def test_ragged_wgrad_past_2_31():
     x, dy = _ints(11, (10, 16), BF16), _ints(12, (10, 8), BF16)
     sizes = jnp.array([4, 0, 6], jnp.int32)
-    groups = np.stack([np.float64(dy[r]).T @ np.float64(x[r])
-                       for r in (slice(0, 4), slice(4, 4), slice(4, 10))])
+    groups = np.stack(
+        [np.float64(dy[r]).T @ np.float64(x[r]) for r in (slice(0, 4), slice(4, 4), slice(4, 10))]
+    )
     static, stride = 2**31 + 300, 2**30 + 1024
 
     def run(bucket, i):
         bucket = ops.ragged_wgrad_accumulate(x, dy, sizes, bucket, offset=static)
-        return ops.ragged_wgrad_accumulate(x, dy, sizes, bucket,
-                                           offset=ops.BlockOffset(2048, i, stride))
+        return ops.ragged_wgrad_accumulate(
+            x, dy, sizes, bucket, offset=ops.BlockOffset(2048, i, stride)
+        )
 
     bucket = jax.jit(run, donate_argnums=0)(_zeros_big(), jnp.int32(2))
     _check_blocks(bucket, {static: groups, 2048 + 2 * stride: groups})
@@ -230,8 +250,11 @@ def _eqns(jaxpr):
 
 
 def _fused_positions(jaxpr) -> list[tuple[str, int, int]]:
-    return [(e.primitive.name, e.params["base"], e.params["stride"]) for e in _eqns(jaxpr)
-            if e.primitive.name in ("wgrad_accumulate_at", "ragged_wgrad_accumulate")]
+    return [
+        (e.primitive.name, e.params["base"], e.params["stride"])
+        for e in _eqns(jaxpr)
+        if e.primitive.name in ("wgrad_accumulate_at", "ragged_wgrad_accumulate")
+    ]
 
 
 def _int32_products(jaxpr, factors: set[int]) -> list:
@@ -252,10 +275,13 @@ LLAMA_LAYERS = {"fc1": (2 * F, H), "fc2": (H, F), "proj": (H, H), "qkv": (QKV, H
 
 
 def _llama_stage_buffer() -> tuple[GradBuffer, dict]:
-    params = {"layers": {k: SDS((LAYERS_8B, *s), F32) for k, s in LLAMA_LAYERS.items()},
-              "embedding": SDS((128256, H), F32)}
-    return GradBuffer.create(params, dp_size=8, bucket_size=None,
-                             use_distributed_optimizer=True), params
+    params = {
+        "layers": {k: SDS((LAYERS_8B, *s), F32) for k, s in LLAMA_LAYERS.items()},
+        "embedding": SDS((128256, H), F32),
+    }
+    return GradBuffer.create(
+        params, dp_size=8, bucket_size=None, use_distributed_optimizer=True
+    ), params
 
 
 def _llama_layer(p, mg, h):
@@ -278,11 +304,13 @@ def test_llama3_8b_layer_scan_writes_every_block_where_the_plan_puts_it():
             slots = {k: wb.slot(*buf.offset_of(f"['layers']['{k}']")) for k in LLAMA_LAYERS}
             y, _ = scan_layers(_llama_layer, x, layers, slots)
             return y, wb.buckets
+
         _, vjp_fn = jax.vjp(stage, layers, buckets, x)
         return vjp_fn((dy, buckets))[1]
 
-    jaxpr = jax.make_jaxpr(backward)(params["layers"], (SDS((numel,), F32),),
-                                     SDS((8, H), BF16), SDS((8, H), BF16)).jaxpr
+    jaxpr = jax.make_jaxpr(backward)(
+        params["layers"], (SDS((numel,), F32),), SDS((8, H), BF16), SDS((8, H), BF16)
+    ).jaxpr
     scans = [e.params["length"] for e in _eqns(jaxpr) if e.primitive.name == "scan"]
     assert scans and set(scans) == {LAYERS_8B}
     got = sorted(_fused_positions(jaxpr))
@@ -305,8 +333,15 @@ def test_sink_chunk_offsets_of_a_stacked_weight_past_2_31():
     # Two model chunks of 16 layers of fc1 (interleaved): chunk v's first block at
     # offset + v * 16 * 117440512, exact; a traced chunk index binds base and stride.
     offset = 3 * 2**30
-    entry = SinkEntry(name="fc1", chunk=STAGE, role=LAYERS, bucket=0, offset=offset,
-                      shape=(LAYERS_8B, 2 * F, H), policy="stash_w")
+    entry = SinkEntry(
+        name="fc1",
+        chunk=STAGE,
+        role=LAYERS,
+        bucket=0,
+        offset=offset,
+        shape=(LAYERS_8B, 2 * F, H),
+        policy="stash_w",
+    )
     chunk = 16 * 2 * F * H
     assert entry.offset_in(Window(1, 2)) == offset + chunk
     traced = jax.make_jaxpr(lambda v: entry.offset_in(Window(v, 2)).index)(jnp.int32(1))
@@ -316,11 +351,11 @@ def test_sink_chunk_offsets_of_a_stacked_weight_past_2_31():
     numel = offset + 2 * chunk
 
     def w_task(bucket, v, x, dy):  # the W task's grouped call on the chunk's 16 layers
-        return ops.grouped_wgrad_accumulate(x, dy, bucket,
-                                            offset=entry.offset_in(Window(v, 2)))
+        return ops.grouped_wgrad_accumulate(x, dy, bucket, offset=entry.offset_in(Window(v, 2)))
 
-    jaxpr = jax.make_jaxpr(w_task)(SDS((numel,), F32), SDS((), jnp.int32),
-                                   SDS((16, 8, H), BF16), SDS((16, 8, 2 * F), BF16)).jaxpr
+    jaxpr = jax.make_jaxpr(w_task)(
+        SDS((numel,), F32), SDS((), jnp.int32), SDS((16, 8, H), BF16), SDS((16, 8, 2 * F), BF16)
+    ).jaxpr
     assert _fused_positions(jaxpr) == [("wgrad_accumulate_at", offset, chunk)]
 
 
@@ -333,11 +368,14 @@ def test_ragged_expert_wgrad_at_production_sizes_binds_64bit_positions():
     def layers(bucket, x, dy, sizes):
         def step(bk, i):
             return ops.ragged_wgrad_accumulate(
-                x, dy, sizes, bk, offset=ops.BlockOffset(base, i, per_layer)), None
+                x, dy, sizes, bk, offset=ops.BlockOffset(base, i, per_layer)
+            ), None
+
         return lax.scan(step, bucket, jnp.arange(LAYERS_8B, dtype=jnp.int32))[0]
 
-    jaxpr = jax.make_jaxpr(layers)(SDS((numel,), BF16), SDS((64, H), BF16),
-                                   SDS((64, 2 * F), BF16), SDS((e,), jnp.int32)).jaxpr
+    jaxpr = jax.make_jaxpr(layers)(
+        SDS((numel,), BF16), SDS((64, H), BF16), SDS((64, 2 * F), BF16), SDS((e,), jnp.int32)
+    ).jaxpr
     assert _fused_positions(jaxpr) == [("ragged_wgrad_accumulate", base, per_layer)]
     assert _int32_products(jaxpr, {per_layer}) == []
 
@@ -361,14 +399,20 @@ def _mesh8() -> Mesh:
 def _big_buffer() -> tuple[GradBuffer, dict[str, bool]]:
     """One bucket of ~3.1e9 elements (Llama-3-8B at TP2 without overlap-grad-reduce) with
     runs of flagged weights that cross the 8 ranks' shard bounds."""
-    params = {"layers": {k: SDS((LAYERS_8B, *s), F32) for k, s in
-                         {"fc1": (F, H), "fc2": (H, F // 2), "norm": (H,),
-                          "qkv": (QKV // 2, H)}.items()},
-              "final_norm": SDS((H,), F32)}
-    buf = GradBuffer.create(params, dp_size=8, bucket_size=None,
-                            use_distributed_optimizer=True)
-    flags = {"layers": {"fc1": True, "fc2": True, "norm": False, "qkv": True},
-             "final_norm": False}
+    params = {
+        "layers": {
+            k: SDS((LAYERS_8B, *s), F32)
+            for k, s in {
+                "fc1": (F, H),
+                "fc2": (H, F // 2),
+                "norm": (H,),
+                "qkv": (QKV // 2, H),
+            }.items()
+        },
+        "final_norm": SDS((H,), F32),
+    }
+    buf = GradBuffer.create(params, dp_size=8, bucket_size=None, use_distributed_optimizer=True)
+    flags = {"layers": {"fc1": True, "fc2": True, "norm": False, "qkv": True}, "final_norm": False}
     return buf, flags
 
 
@@ -386,8 +430,9 @@ def test_masks_and_shards_of_a_bucket_past_2_31_trace_exactly():
         (back,) = place_shards((bucket,), (own * 2,), axis_name="data")
         return mask, own, back
 
-    fn = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=(P("data"), P("data"), P()),
-                       check_vma=False)
+    fn = jax.shard_map(
+        f, mesh=mesh, in_specs=P(), out_specs=(P("data"), P("data"), P()), check_vma=False
+    )
     (mask,), own, back = jax.eval_shape(fn, SDS((numel,), F32))
     assert mask.shape == own.shape == (numel,) and back.shape == (numel,)
     jaxpr = jax.make_jaxpr(fn)(SDS((numel,), F32)).jaxpr
@@ -396,8 +441,9 @@ def test_masks_and_shards_of_a_bucket_past_2_31_trace_exactly():
     # Python-int interval arithmetic on the plan's slots.
     (leaves,) = buf.bucket_leaves
     values = buf.flag_values(flags)
-    runs = [(buf.slots[k].offset, buf.slots[k].offset + buf.slots[k].size)
-            for k in leaves if values[k]]
+    runs = [
+        (buf.slots[k].offset, buf.slots[k].offset + buf.slots[k].size) for k in leaves if values[k]
+    ]
     starts, ends = _rank_run_tables(_union(runs), 8, shard)
     assert starts.dtype == np.int32 and int(ends.max()) <= shard
     crossing = 0
@@ -414,10 +460,13 @@ def test_masks_and_shards_of_a_bucket_past_2_31_trace_exactly():
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 def test_small_masks_and_shards_match_numpy_across_rank_bounds():
-    params = {"a": SDS((37,), F32), "b": SDS((5, 9), F32), "c": SDS((3,), F32),
-              "d": SDS((4, 11), F32)}
-    buf = GradBuffer.create(params, dp_size=8, bucket_size=None,
-                            use_distributed_optimizer=True)
+    params = {
+        "a": SDS((37,), F32),
+        "b": SDS((5, 9), F32),
+        "c": SDS((3,), F32),
+        "d": SDS((4, 11), F32),
+    }
+    buf = GradBuffer.create(params, dp_size=8, bucket_size=None, use_distributed_optimizer=True)
     flags = {"a": True, "b": False, "c": True, "d": True}
     (numel,) = buf.bucket_numels
     data = np.arange(numel, dtype=np.float32)
@@ -427,32 +476,43 @@ def test_small_masks_and_shards_match_numpy_across_rank_bounds():
         (back,) = place_shards((jnp.zeros_like(bucket),), (own,), axis_name="data")
         return local_mask(buf, flags, axis_name="data")[0], own, back[None]
 
-    mask, own, back = jax.jit(jax.shard_map(f, mesh=_mesh8(), in_specs=P(),
-                                            out_specs=(P("data"), P("data"), P("data"))))(data)
+    mask, own, back = jax.jit(
+        jax.shard_map(f, mesh=_mesh8(), in_specs=P(), out_specs=(P("data"), P("data"), P("data")))
+    )(data)
     np.testing.assert_array_equal(mask, flat_mask(buf, flags)[0].astype(bool))
     np.testing.assert_array_equal(own, data)
     shard = numel // 8
     for r in range(8):  # rank r's copy holds its own shard only
         want = np.zeros(numel, np.float32)
-        want[r * shard:(r + 1) * shard] = data[r * shard:(r + 1) * shard]
+        want[r * shard : (r + 1) * shard] = data[r * shard : (r + 1) * shard]
         np.testing.assert_array_equal(back[r], want)
 
 
 # ------------------------------------------------------------- CUDA lowering (no GPU)
 @pytest.mark.cuda_handler
-@pytest.mark.parametrize("base,acc_dtype,staged", [
-    (2**32, F32, 0), (2**32 + 1, F32, 3 * 20), (2**32 + 8, BF16, 0), (2**32 + 4, BF16, 3 * 40),
-], ids=["aligned-f32", "unaligned-f32", "aligned-bf16", "unaligned-bf16"])
+@pytest.mark.parametrize(
+    "base,acc_dtype,staged",
+    [
+        (2**32, F32, 0),
+        (2**32 + 1, F32, 3 * 20),
+        (2**32 + 8, BF16, 0),
+        (2**32 + 4, BF16, 3 * 40),
+    ],
+    ids=["aligned-f32", "unaligned-f32", "aligned-bf16", "unaligned-bf16"],
+)
 def test_cuda_lowering_passes_int64_base_and_stride_and_sizes_staging(base, acc_dtype, staged):
     # 3 grouped blocks of 80 bytes (fp32: 5 x 4, bf16: 5 x 8 elements), stride 40 elements,
     # a 240-element bucket: every block is 16-byte aligned when base is a multiple of 16
     # bytes (4 fp32 or 8 bf16 elements); otherwise one 80-byte staging slot per block.
     d_in = 4 if acc_dtype == F32 else 8
     x, dy = jnp.ones((3, 8, d_in), BF16), jnp.ones((3, 8, 5), BF16)
-    fn = lambda b, i: ops.grouped_wgrad_accumulate(x, dy, b,
-                                                   offset=ops.BlockOffset(base, i, 40))
-    text = jax.jit(fn).trace(jnp.zeros(240, acc_dtype), jnp.int32(2)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    fn = lambda b, i: ops.grouped_wgrad_accumulate(x, dy, b, offset=ops.BlockOffset(base, i, 40))
+    text = (
+        jax.jit(fn)
+        .trace(jnp.zeros(240, acc_dtype), jnp.int32(2))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     (call,) = [line for line in text.splitlines() if "@jax_wgrad_wgrad_accumulate_at" in line]
     assert f"base = {base} : i64" in call and "stride = 40 : i64" in call, call
     dtype = "f32" if acc_dtype == F32 else "bf16"

@@ -11,8 +11,17 @@ import pytest
 from jax_wgrad import linear, ops
 from jax_wgrad.functional import WgradBuckets
 
-SETTINGS = [None, "bfloat16", "tensorfloat32", "float32", "default", "high", "highest",
-            jax.lax.Precision.HIGH, ("float32", "bfloat16")]
+SETTINGS = [
+    None,
+    "bfloat16",
+    "tensorfloat32",
+    "float32",
+    "default",
+    "high",
+    "highest",
+    jax.lax.Precision.HIGH,
+    ("float32", "bfloat16"),
+]
 XLA_NAMES = {"DEFAULT": 0, "HIGH": 1, "HIGHEST": 2}
 
 
@@ -60,8 +69,9 @@ def test_cuda_lowering_precision_equals_jnp_dot(precision):
     # The fused op must compute at the precision XLA gives jnp.dot with the same argument:
     # on a GPU, TF32 for DEFAULT/HIGH and full fp32 for HIGHEST.
     x, dy, acc = jnp.ones((8, 4)), jnp.ones((8, 3)), jnp.zeros((3, 4))
-    ours = _cuda_text(lambda x, dy, a: ops.wgrad_accumulate(x, dy, a, precision=precision),
-                      x, dy, acc)
+    ours = _cuda_text(
+        lambda x, dy, a: ops.wgrad_accumulate(x, dy, a, precision=precision), x, dy, acc
+    )
     xla = _cuda_text(lambda x, dy, a: a + jnp.dot(dy.T, x, precision=precision), x, dy, acc)
     assert _custom_call_precisions(ours) == _dot_precisions(xla)
 
@@ -94,8 +104,14 @@ def test_cuda_lowering_has_workspace_result():
 
 
 @pytest.mark.parametrize("precision", [None, "float32", "tensorfloat32"])
-@pytest.mark.parametrize("fused", ["plain", pytest.param("accumulator", marks=pytest.mark.cuda_handler),
-                                   pytest.param("bucket", marks=pytest.mark.cuda_handler)])
+@pytest.mark.parametrize(
+    "fused",
+    [
+        "plain",
+        pytest.param("accumulator", marks=pytest.mark.cuda_handler),
+        pytest.param("bucket", marks=pytest.mark.cuda_handler),
+    ],
+)
 def test_linear_gemms_all_use_the_precision(precision, fused):
     # Forward, data gradient and (fused) weight gradient: one precision for all three.
     x, w, b = jnp.ones((8, 4)), jnp.ones((3, 4)), jnp.ones(3)

@@ -52,27 +52,34 @@ class MLPStackConfig:
         if parallel.tensor_model_parallel_size != 1 or parallel.expert_model_parallel_size != 1:
             raise ValueError("MLPStackConfig: no tensor or expert parallelism")
         if self.num_layers % parallel.pipeline_model_parallel_size:
-            raise ValueError(f"num_layers ({self.num_layers}) must be divisible by "
-                             f"pipeline_model_parallel_size "
-                             f"({parallel.pipeline_model_parallel_size})")
+            raise ValueError(
+                f"num_layers ({self.num_layers}) must be divisible by "
+                f"pipeline_model_parallel_size "
+                f"({parallel.pipeline_model_parallel_size})"
+            )
 
     def program(self, parallel: ParallelConfig, platform: str | None = None) -> MLPStack:
         return MLPStack(self, parallel)
 
     def shape_differences(self, saved: dict) -> list:
-        return [(k, saved[k], v) for k, v in dataclasses.asdict(self).items()
-                if saved.get(k, v) != v]
+        return [
+            (k, saved[k], v) for k, v in dataclasses.asdict(self).items() if saved.get(k, v) != v
+        ]
 
 
 def init_params(cfg: MLPStackConfig, seed: int) -> dict:
     keys = iter(jax.random.split(jax.random.key(seed), 5))
     normal = lambda shape, std: std * jax.random.normal(next(keys), shape, jnp.float32)
     n = cfg.num_layers
-    return {"inp": {"weight": normal((cfg.hidden, cfg.d_in), 0.5)},
-            "blocks": {"w1": normal((n, cfg.ffn, cfg.hidden), 0.3),
-                       "w2": normal((n, cfg.hidden, cfg.ffn), 0.3),
-                       "b": normal((n, cfg.hidden), 0.1)},
-            "out": {"weight": normal((cfg.d_out, cfg.hidden), 0.5)}}
+    return {
+        "inp": {"weight": normal((cfg.hidden, cfg.d_in), 0.5)},
+        "blocks": {
+            "w1": normal((n, cfg.ffn, cfg.hidden), 0.3),
+            "w2": normal((n, cfg.hidden, cfg.ffn), 0.3),
+            "b": normal((n, cfg.hidden), 0.1),
+        },
+        "out": {"weight": normal((cfg.d_out, cfg.hidden), 0.5)},
+    }
 
 
 def block(p, x, mg=None):
@@ -83,7 +90,7 @@ def block(p, x, mg=None):
 
 def reference_loss(params, batch, cfg: MLPStackConfig):
     """Single device: the mean token loss."""
-    x, target = batch[..., :cfg.d_in], batch[..., cfg.d_in:]
+    x, target = batch[..., : cfg.d_in], batch[..., cfg.d_in :]
     h = x @ params["inp"]["weight"].T
     for i in range(cfg.num_layers):
         h = block(jax.tree.map(lambda a: a[i], params["blocks"]), h)
@@ -103,15 +110,20 @@ class MLPStack:
     @property
     def setup(self) -> StageSetup:
         cfg = self.model
-        return StageSetup.create(self.parallel, seq_length=cfg.seq_length,
-                                 hidden_size=cfg.hidden, dtype="float32",
-                                 sample_shape=(cfg.seq_length, cfg.d_in + cfg.d_out),
-                                 sample_dtype="float32")
+        return StageSetup.create(
+            self.parallel,
+            seq_length=cfg.seq_length,
+            hidden_size=cfg.hidden,
+            dtype="float32",
+            sample_shape=(cfg.seq_length, cfg.d_in + cfg.d_out),
+            sample_dtype="float32",
+        )
 
     def pre(self, params, main_grads, batch):
         mg = None if main_grads is None else main_grads.shared["inp"]["weight"]
-        return linear(batch[..., :self.model.d_in], params.shared["inp"]["weight"],
-                      main_grad=mg), ()
+        return linear(
+            batch[..., : self.model.d_in], params.shared["inp"]["weight"], main_grad=mg
+        ), ()
 
     def body(self, params, main_grads, x, layers=None):
         assert layers is None, "the stack's layers are not stacked: no interleaving"
@@ -122,7 +134,7 @@ class MLPStack:
     def post(self, params, main_grads, y, batch):
         mg = None if main_grads is None else main_grads.shared["out"]["weight"]
         pred = linear(y, params.shared["out"]["weight"], main_grad=mg)
-        target = batch[..., self.model.d_in:]
+        target = batch[..., self.model.d_in :]
         return jnp.sum(0.5 * (pred - target) ** 2), ()
 
     def metrics(self, aux_sum):
@@ -146,15 +158,16 @@ class MLPStack:
     def device_tree(self, params) -> Chunks:
         blocks = params["blocks"]
         n = jax.tree.leaves(blocks)[0].shape[0]
-        stage = [collections.OrderedDict((k, _index(blocks[k], i)) for k in ("w1", "w2", "b"))
-                 for i in range(n)]
+        stage = [
+            collections.OrderedDict((k, _index(blocks[k], i)) for k in ("w1", "w2", "b"))
+            for i in range(n)
+        ]
         shared = collections.OrderedDict(inp=params["inp"], out=params["out"])
         return Chunks(stage=stage, experts=[], shared=shared)
 
     def canonical_tree(self, tree):
         blocks = {k: jnp.stack([layer[k] for layer in tree.stage]) for k in ("w1", "w2", "b")}
-        return {"inp": dict(tree.shared["inp"]), "blocks": blocks,
-                "out": dict(tree.shared["out"])}
+        return {"inp": dict(tree.shared["inp"]), "blocks": blocks, "out": dict(tree.shared["out"])}
 
     def grad_specs(self) -> Chunks:
         n = self.model.num_layers // self.parallel.pipeline_model_parallel_size
@@ -163,7 +176,8 @@ class MLPStack:
         layer = collections.OrderedDict(w1=fused, w2=fused, b=bias)
         shared = collections.OrderedDict(
             inp={"weight": GradSpec(chunk=SHARED, roles={INPUT}, fused_in=INPUT)},
-            out={"weight": GradSpec(chunk=SHARED, roles={OUTPUT}, fused_in=OUTPUT)})
+            out={"weight": GradSpec(chunk=SHARED, roles={OUTPUT}, fused_in=OUTPUT)},
+        )
         return Chunks(stage=[layer] * n, experts=[], shared=shared)
 
 
@@ -177,8 +191,9 @@ CFG = MLPStackConfig()
 
 
 def _batch(par: ParallelConfig, seed: int = 1) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed),
-                             (par.global_batch_size, CFG.seq_length, CFG.d_in + CFG.d_out))
+    return jax.random.normal(
+        jax.random.key(seed), (par.global_batch_size, CFG.seq_length, CFG.d_in + CFG.d_out)
+    )
 
 
 def test_the_program_is_a_stage_program():
@@ -186,51 +201,71 @@ def test_the_program_is_a_stage_program():
 
 
 @needs_fusion
-@pytest.mark.parametrize("schedule, defer", [("1f1b", 0), ("zb-h1", 0), ("1f1b", 2),
-                                             ("zb-h1", 3)],
-                         ids=["1f1b", "zb-h1", "1f1b-defer2", "zb-h1-defer3"])
+@pytest.mark.parametrize(
+    "schedule, defer",
+    [("1f1b", 0), ("zb-h1", 0), ("1f1b", 2), ("zb-h1", 3)],
+    ids=["1f1b", "zb-h1", "1f1b-defer2", "zb-h1-defer3"],
+)
 def test_executor_runs_a_model_that_is_not_the_gpt(schedule, defer):
     """Fused buckets in all three roles, deferral (partial: L < M) and the cooldown sync
     on (dp, pp) = (2, 4), M = 4 microbatches per data rank: gradients equal ``jax.grad``."""
-    par = ParallelConfig(pipeline_model_parallel_size=4, micro_batch_size=1,
-                         global_batch_size=8, gradient_accumulation_fusion=True,
-                         pipeline_schedule=schedule, defer_embedding_wgrad_compute=defer > 0,
-                         wgrad_deferral_limit=defer)
+    par = ParallelConfig(
+        pipeline_model_parallel_size=4,
+        micro_batch_size=1,
+        global_batch_size=8,
+        gradient_accumulation_fusion=True,
+        pipeline_schedule=schedule,
+        defer_embedding_wgrad_compute=defer > 0,
+        wgrad_deferral_limit=defer,
+    )
     program = MLPStack(CFG, par)
     CFG.validate(par)
     mesh = make_mesh(par)
     params = init_params(CFG, 0)
     batch = _batch(par)
     ref_loss, ref = jax.value_and_grad(reference_loss)(params, batch, CFG)
-    shard = lambda t: jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
-                                   t, program.param_specs())
+    shard = lambda t: jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), t, program.param_specs()
+    )
     ddp = DDPConfig(overlap_grad_reduce=True, bucket_size=40)  # several buckets per chunk
     grads, loss = jax.jit(lambda p, b: pipeline_gradients(program, mesh, p, b, ddp))(
-        shard(params), jax.device_put(batch, NamedSharding(mesh, P("data"))))
+        shard(params), jax.device_put(batch, NamedSharding(mesh, P("data")))
+    )
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
-                            jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref)):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @needs_fusion
 def test_carry_is_named_and_sized_by_tracing():
     """The zero-bubble carry's W stash and deferral stash are keyed by the weights' names;
     their shapes come from tracing the programs (stacked or not, no formula)."""
-    from jax_wgrad.parallel.pipeline.gradients import (carry_shapes, grad_layout, grad_sink,
-                                                       schedule_of)
+    from jax_wgrad.parallel.pipeline.gradients import (
+        carry_shapes,
+        grad_layout,
+        grad_sink,
+        schedule_of,
+    )
 
-    par = ParallelConfig(pipeline_model_parallel_size=4, micro_batch_size=1,
-                         global_batch_size=8, gradient_accumulation_fusion=True,
-                         pipeline_schedule="zb-h1", defer_embedding_wgrad_compute=True)
+    par = ParallelConfig(
+        pipeline_model_parallel_size=4,
+        micro_batch_size=1,
+        global_batch_size=8,
+        gradient_accumulation_fusion=True,
+        pipeline_schedule="zb-h1",
+        defer_embedding_wgrad_compute=True,
+    )
     program = MLPStack(CFG, par)
     ddp = DDPConfig()
     layout, table = grad_layout(program, ddp), schedule_of(program)
-    carry = carry_shapes(program, grad_sink(program, layout, table), ddp, table,
-                         make_mesh(par))
-    assert sorted(carry.wstash) == [".shared['out']['weight']", ".stage[0]['w1']",
-                                    ".stage[0]['w2']"]
+    carry = carry_shapes(program, grad_sink(program, layout, table), ddp, table, make_mesh(par))
+    assert sorted(carry.wstash) == [
+        ".shared['out']['weight']",
+        ".stage[0]['w1']",
+        ".stage[0]['w2']",
+    ]
     pair = carry.wstash[".stage[0]['w1']"]
     assert pair.x.shape == (table.weight_slots, 1, CFG.seq_length, CFG.hidden)
     assert pair.dy.shape == (table.weight_slots, 1, CFG.seq_length, CFG.ffn)
@@ -243,13 +278,22 @@ def test_carry_is_named_and_sized_by_tracing():
 def test_train_plan_trains_a_model_that_is_not_the_gpt():
     """``TrainPlan`` + the train step (distributed optimizer, zero bubble, deferral; no
     clipping): one SGD step equals ``params - lr * jax.grad``."""
-    par = ParallelConfig(pipeline_model_parallel_size=2, micro_batch_size=1,
-                         global_batch_size=8, gradient_accumulation_fusion=True,
-                         pipeline_schedule="zb-h1", defer_embedding_wgrad_compute=True)
+    par = ParallelConfig(
+        pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=8,
+        gradient_accumulation_fusion=True,
+        pipeline_schedule="zb-h1",
+        defer_embedding_wgrad_compute=True,
+    )
     mesh = make_mesh(par)
-    plan = TrainPlan.create(CFG, par, mesh, optax.sgd(0.5),
-                            ddp=DDPConfig(use_distributed_optimizer=True,
-                                          overlap_grad_reduce=True, clip_grad=0.0))
+    plan = TrainPlan.create(
+        CFG,
+        par,
+        mesh,
+        optax.sgd(0.5),
+        ddp=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, clip_grad=0.0),
+    )
     state = init_train_state(plan, seed=0)
     batch = np.asarray(_batch(par))
     step = build_train_step(plan, state)
@@ -258,7 +302,9 @@ def test_train_plan_trains_a_model_that_is_not_the_gpt():
     loss, ref = jax.value_and_grad(reference_loss)(params, batch, CFG)
     np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
     want = jax.tree.map(lambda p, g: p - 0.5 * g, params, ref)
-    for (path, got), w in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
-                              jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+    for (path, got), w in zip(
+        jax.tree_util.tree_flatten_with_path(state.params)[0], jax.tree.leaves(want)
+    ):
+        np.testing.assert_allclose(
+            np.asarray(got), np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )

@@ -94,8 +94,9 @@ MATMUL_DTYPES = [(F32, "default"), (F32, "highest"), (BF16, None), (F16, None)]
 @pytest.mark.parametrize("k,n", [(70, 130), (64, 128)], ids=["ragged_tiles", "aligned"])
 @pytest.mark.parametrize("case", list(SIZES))
 @pytest.mark.parametrize("transpose_rhs", [True, False], ids=["w_NK", "w_KN"])
-@pytest.mark.parametrize("dtype,precision", MATMUL_DTYPES,
-                         ids=["f32", "f32_highest", "bf16", "f16"])
+@pytest.mark.parametrize(
+    "dtype,precision", MATMUL_DTYPES, ids=["f32", "f32_highest", "bf16", "f16"]
+)
 def test_matmul_matches_float64_and_reference(dtype, precision, transpose_rhs, case, k, n):
     rows, sizes = SIZES[case]
     g = len(sizes)
@@ -127,8 +128,7 @@ def test_matmul_rows_past_groups_and_other_experts_do_not_leak():
     w = np.random.default_rng(4).standard_normal((3, n, k)).astype(np.float32)
     w[0, 0, 0] = np.inf  # expert 0 only: its rows' column 0 becomes +-inf or nan
     w[1] = np.nan  # the empty group's weight: never read
-    args = jax.device_put((jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32)),
-                          _gpu())
+    args = jax.device_put((jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32)), _gpu())
     got = _f64(jax.jit(functools.partial(ops.ragged_matmul, precision="highest"))(*args))
     np.testing.assert_array_equal(got[110:], 0)
     x64, w64 = _f64(x[40:110]), _f64(w[2])  # group 2's rows share row tiles with group 0's
@@ -148,8 +148,14 @@ def _wgrad_exact(x, dy, acc_blocks, sizes):
     return exact, magnitude
 
 
-WGRAD_DTYPES = [(F32, F32, "default"), (F32, F32, "highest"), (BF16, F32, None),
-                (F16, F32, None), (BF16, BF16, None), (F16, F16, None)]
+WGRAD_DTYPES = [
+    (F32, F32, "default"),
+    (F32, F32, "highest"),
+    (BF16, F32, None),
+    (F16, F32, None),
+    (BF16, BF16, None),
+    (F16, F16, None),
+]
 WGRAD_IDS = ["f32", "f32_highest", "bf16_f32", "f16_f32", "bf16_bf16", "f16_f16"]
 
 
@@ -178,29 +184,37 @@ def test_wgrad_matches_float64_and_reference(in_dtype, acc_dtype, precision, cas
         got, ref = _f64(got), _f64(jax.jit(ref_op)(*args))
     else:  # a flat bucket, the blocks at a traced, unaligned offset (clamped)
         pad, tail = 5, 11
-        bucket = jnp.concatenate([_rand(8, (pad,), acc_dtype), blocks.reshape(-1),
-                                  _rand(9, (tail,), acc_dtype)])
+        bucket = jnp.concatenate(
+            [_rand(8, (pad,), acc_dtype), blocks.reshape(-1), _rand(9, (tail,), acc_dtype)]
+        )
         args = jax.device_put((x, dy, group_sizes, bucket), _gpu())
-        op = jax.jit(lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(
-            x, dy, s, b, offset=o, precision=precision))
-        ref_op = jax.jit(lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate_ref(
-            x, dy, s, b, offset=o, precision=precision))
+        op = jax.jit(
+            lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(
+                x, dy, s, b, offset=o, precision=precision
+            )
+        )
+        ref_op = jax.jit(
+            lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate_ref(
+                x, dy, s, b, offset=o, precision=precision
+            )
+        )
         flat = _f64(op(*args, jnp.int32(pad)))
         before = _f64(bucket)
         np.testing.assert_array_equal(flat[:pad], before[:pad])
-        np.testing.assert_array_equal(flat[pad + blocks.size:], before[pad + blocks.size:])
-        got = flat[pad:pad + blocks.size].reshape(blocks.shape)
-        ref = _f64(ref_op(*args, jnp.int32(pad)))[pad:pad + blocks.size].reshape(blocks.shape)
+        np.testing.assert_array_equal(flat[pad + blocks.size :], before[pad + blocks.size :])
+        got = flat[pad : pad + blocks.size].reshape(blocks.shape)
+        ref = _f64(ref_op(*args, jnp.int32(pad)))[pad : pad + blocks.size].reshape(blocks.shape)
         # Offsets out of range are clamped (as lax.dynamic_update_slice): -2 -> 0,
         # a huge one -> N - G * out * in = pad + tail. Into zeros: the sums alone, there.
         zeros = jax.device_put(jnp.zeros_like(bucket), _gpu())
         sums = exact - _f64(blocks)
         for offset, at in ((-2, 0), (1 << 30, pad + tail)):
             moved = _f64(op(*args[:3], zeros, jnp.int32(offset)))
-            np.testing.assert_array_equal(np.delete(moved, np.s_[at:at + blocks.size]), 0)
-            moved = moved[at:at + blocks.size].reshape(blocks.shape)
-            assert np.all(np.abs(moved - sums) <=
-                          accumulation + U[jnp.dtype(acc_dtype)] * np.abs(sums)), offset
+            np.testing.assert_array_equal(np.delete(moved, np.s_[at : at + blocks.size]), 0)
+            moved = moved[at : at + blocks.size].reshape(blocks.shape)
+            assert np.all(
+                np.abs(moved - sums) <= accumulation + U[jnp.dtype(acc_dtype)] * np.abs(sums)
+            ), offset
 
     assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) - bound)
     np.testing.assert_array_equal(got[empty], _f64(blocks)[empty])  # untouched
@@ -214,10 +228,11 @@ def test_wgrad_does_not_read_rows_past_the_groups():
     dy = np.random.default_rng(11).standard_normal((rows, 7)).astype(np.float32)
     x[71:], dy[71:] = np.nan, np.nan
     blocks = np.zeros((3, 7, 9), np.float32)
-    args = jax.device_put((jnp.asarray(x), jnp.asarray(dy), jnp.asarray(sizes, jnp.int32),
-                           jnp.asarray(blocks)), _gpu())
-    got = _f64(jax.jit(functools.partial(ops.ragged_wgrad_accumulate,
-                                         precision="highest"))(*args))
+    args = jax.device_put(
+        (jnp.asarray(x), jnp.asarray(dy), jnp.asarray(sizes, jnp.int32), jnp.asarray(blocks)),
+        _gpu(),
+    )
+    got = _f64(jax.jit(functools.partial(ops.ragged_wgrad_accumulate, precision="highest"))(*args))
     exact, magnitude = _wgrad_exact(x[:71], dy[:71], blocks, sizes)
     assert np.all(np.abs(got - exact) <= _accumulation(F32, "highest", 41) * magnitude)
 
@@ -238,15 +253,14 @@ def test_wgrad_in_place_in_a_donated_scan_over_layers():
         xl, dyl, off = layer
         return ops.ragged_wgrad_accumulate(xl, dyl, group_sizes, b, offset=off), None
 
-    run = jax.jit(lambda b, x, dy, o: jax.lax.scan(step, b, (x, dy, o))[0],
-                  donate_argnums=0)
+    run = jax.jit(lambda b, x, dy, o: jax.lax.scan(step, b, (x, dy, o))[0], donate_argnums=0)
     got = _f64(run(*jax.device_put((bucket, x, dy, offsets), _gpu())))
     for i in range(layers):
         exact, magnitude = _wgrad_exact(x[i], dy[i], np.zeros((4, d_out, d_in)), sizes)
-        blk = got[3 + i * block:3 + (i + 1) * block].reshape(exact.shape)
+        blk = got[3 + i * block : 3 + (i + 1) * block].reshape(exact.shape)
         assert np.all(np.abs(blk - exact) <= _accumulation(BF16, None, 50) * magnitude)
     np.testing.assert_array_equal(got[:3], 0)
-    np.testing.assert_array_equal(got[3 + layers * block:], 0)
+    np.testing.assert_array_equal(got[3 + layers * block :], 0)
 
 
 # ------------------------------------------------------- declaration and lowering, no GPU
@@ -259,13 +273,18 @@ def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
         # Kernels of their own (no cuBLAS handle to create): no initialize stage.
         assert not isinstance(module.registrations()[name], dict)
     x, w, sizes = jnp.ones((10, 4)), jnp.ones((3, 5, 4)), jnp.array([3, 0, 4], jnp.int32)
-    text = jax.jit(ops.ragged_matmul).trace(x, w, sizes).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(ops.ragged_matmul).trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
+    )
     calls = [l for l in text.splitlines() if f"@{registry.RAGGED_MATMUL_TARGET}(" in l]
     assert len(calls) == 1 and "transpose_rhs = 1" in calls[0], text
     dy, bucket = jnp.ones((10, 5)), jnp.zeros(100)
-    text = jax.jit(lambda b, o: ops.ragged_wgrad_accumulate(x, dy, sizes, b, offset=o)).trace(
-        bucket, jnp.int32(3)).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(lambda b, o: ops.ragged_wgrad_accumulate(x, dy, sizes, b, offset=o))
+        .trace(bucket, jnp.int32(3))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     calls = [l for l in text.splitlines() if f"@{registry.RAGGED_WGRAD_TARGET}(" in l]
     assert len(calls) == 1, text
     assert "output_tuple_indices = [], operand_index = 3" in calls[0], calls[0]

@@ -8,22 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
+
 from jax_wgrad import ops
 from jax_wgrad.ops import ragged, registry
 
-pytestmark = pytest.mark.skipif(not ops.fusion_available("cpu"),
-                                reason="needs the CPU handler")
+pytestmark = pytest.mark.skipif(not ops.fusion_available("cpu"), reason="needs the CPU handler")
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 R = 37
 SIZES = {  # G = 4 unless said; R = 37 rows
     "even": [10, 9, 9, 9],
-    "skewed": [0, 37, 0, 0],      # one group has every row, the others none
-    "short": [5, 0, 12, 3],       # 17 rows past the groups
-    "long": [20, 0, 30, 15],      # sums past R: the third group is cut, the last is empty
-    "one_group": [25],            # G = 1
+    "skewed": [0, 37, 0, 0],  # one group has every row, the others none
+    "short": [5, 0, 12, 3],  # 17 rows past the groups
+    "long": [20, 0, 30, 15],  # sums past R: the third group is cut, the last is empty
+    "one_group": [25],  # G = 1
 }
 TOL = {F32: 1e-5, BF16: 2.0**-8, F16: 2.0**-11}  # one rounding of the f32 result
 
@@ -63,6 +62,7 @@ def _close(got, want, dtype):
 
 
 # ---- ragged_matmul ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("transpose_rhs", [True, False], ids=["w_NK", "w_KN"])
@@ -110,8 +110,10 @@ def test_matmul_vmap():
 
 # ---- ragged_wgrad_accumulate -----------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,acc_dtype", [(F32, F32), (BF16, F32), (F16, F32),
-                                             (BF16, BF16), (F16, F16)])
+
+@pytest.mark.parametrize(
+    "dtype,acc_dtype", [(F32, F32), (BF16, F32), (F16, F32), (BF16, BF16), (F16, F16)]
+)
 def test_wgrad_matches_float64(dtype, acc_dtype):
     d_in, d_out = 24, 20
     fused = jax.jit(ops.ragged_wgrad_accumulate)
@@ -151,7 +153,7 @@ def test_wgrad_flat_bucket_static_offset():
     bucket = jnp.arange(4 * 48 + 11, dtype=F32)
     got = ops.ragged_wgrad_accumulate(x, dy, sizes, bucket, offset=7)
     want = _f64(bucket)
-    want[7:7 + 192] += _wgrad_f64(x, dy, sizes).ravel()
+    want[7 : 7 + 192] += _wgrad_f64(x, dy, sizes).ravel()
     _close(got, want, F32)
     ref = jax.jit(functools.partial(ops.ragged_wgrad_accumulate_ref, offset=7))
     _close(ref(x, dy, sizes, bucket), want, F32)
@@ -168,17 +170,18 @@ def test_wgrad_traced_offset_in_scan_over_layers():
         def layer(b, args):
             i, xi, dyi, si = args
             return ops.ragged_wgrad_accumulate(xi, dyi, si, b, offset=5 + i * block), None
-        return jax.lax.scan(layer, bucket, (jnp.arange(layers, dtype=jnp.int32), x, dy,
-                                            sizes))[0]
+
+        return jax.lax.scan(layer, bucket, (jnp.arange(layers, dtype=jnp.int32), x, dy, sizes))[0]
 
     got = jax.jit(run, donate_argnums=0)(bucket, x, dy, sizes)
     want = np.zeros(5 + layers * block)
     for i in range(layers):
-        want[5 + i * block:5 + (i + 1) * block] = _wgrad_f64(x[i], dy[i], sizes[i]).ravel()
+        want[5 + i * block : 5 + (i + 1) * block] = _wgrad_f64(x[i], dy[i], sizes[i]).ravel()
     _close(got, want, F32)
     # A traced offset past the end is clamped to N - G * out * in.
-    late = ops.ragged_wgrad_accumulate(x[0], dy[0], sizes[0], jnp.zeros(block + 3),
-                                       offset=jnp.int32(1000))
+    late = ops.ragged_wgrad_accumulate(
+        x[0], dy[0], sizes[0], jnp.zeros(block + 3), offset=jnp.int32(1000)
+    )
     np.testing.assert_array_equal(_f64(late)[:3], 0)
 
 
@@ -215,12 +218,14 @@ def test_no_routed_rows_no_work(dtype):
     x, dy, w, acc = _data(11, [(R, 8), (R, 6), (4, 6, 8), (4, 6, 8)], dtype)
     acc = acc.at[1, 2, 3].set(jnp.nan)
     zeros = jnp.zeros(4, jnp.int32)
-    y, out = jax.jit(lambda *a: (ops.ragged_matmul(a[0], a[2], a[3]),
-                                 ops.ragged_wgrad_accumulate(a[0], a[1], a[3], a[4])))(
-        x, dy, w, zeros, acc)
+    y, out = jax.jit(
+        lambda *a: (
+            ops.ragged_matmul(a[0], a[2], a[3]),
+            ops.ragged_wgrad_accumulate(a[0], a[1], a[3], a[4]),
+        )
+    )(x, dy, w, zeros, acc)
     assert np.all(_f64(y) == 0)
-    np.testing.assert_array_equal(np.asarray(out).view(np.uint8),
-                                  np.asarray(acc).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(acc).view(np.uint8))
 
 
 def test_named_custom_calls_in_hlo():
@@ -231,11 +236,15 @@ def test_named_custom_calls_in_hlo():
 
 # ---- errors ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("x,w,sizes,match", [
-    ((5, 4), (2, 3, 5), (2,), r"disagree on K.*x float32\[5, 4\], w float32\[2, 3, 5\]"),
-    ((5,), (2, 3, 4), (2,), r"x must be \[R, K\]"),
-    ((5, 4), (2, 3, 4), (3,), r"group_sizes must be an integer array \[G\] = \[2\]"),
-])
+
+@pytest.mark.parametrize(
+    "x,w,sizes,match",
+    [
+        ((5, 4), (2, 3, 5), (2,), r"disagree on K.*x float32\[5, 4\], w float32\[2, 3, 5\]"),
+        ((5,), (2, 3, 4), (2,), r"x must be \[R, K\]"),
+        ((5, 4), (2, 3, 4), (3,), r"group_sizes must be an integer array \[G\] = \[2\]"),
+    ],
+)
 def test_matmul_bad_shapes(x, w, sizes, match):
     with pytest.raises(ValueError, match=match):
         ops.ragged_matmul(jnp.zeros(x), jnp.zeros(w), jnp.zeros(sizes, jnp.int32))
@@ -261,7 +270,8 @@ def test_bad_dtypes_and_offsets():
 def test_handler_rejects_bad_operands_itself():
     with pytest.raises(Exception, match="group_sizes must be int32"):
         jax.jit(functools.partial(ops.ragged_matmul_p.bind, transpose_rhs=1, precision=0))(
-            jnp.zeros((5, 4)), jnp.zeros((2, 3, 4)), jnp.zeros(2, jnp.int16))
+            jnp.zeros((5, 4)), jnp.zeros((2, 3, 4)), jnp.zeros(2, jnp.int16)
+        )
 
 
 def test_unbuilt_target_is_a_compile_time_error():

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TEXT = README.read_text()
 SAMPLES = re.findall(r"```python\n(.*?)```", TEXT, re.S)
-COMMANDS = [textwrap.dedent(block) for block in
-            re.findall(r"^ *```bash\n(.*?)^ *```", TEXT, re.S | re.M)]
+COMMANDS = [
+    textwrap.dedent(block) for block in re.findall(r"^ *```bash\n(.*?)^ *```", TEXT, re.S | re.M)
+]
 
 SETUP = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install (-q )?-e '\.\[test\]' && ")
 """The README's setup prefix: already done for the interpreter running this test."""
@@ -77,7 +78,8 @@ def _params():
     for i, block in enumerate(COMMANDS):
         kind = _kind(block)
         marks = {"slow": [pytest.mark.slow], "gpu": [pytest.mark.gpu], "fast": []}.get(
-            kind, [pytest.mark.skip(reason=kind[len("skip: "):])])
+            kind, [pytest.mark.skip(reason=kind[len("skip: ") :])]
+        )
         first = block.strip().splitlines()[0]
         out.append(pytest.param(block, marks=marks, id=f"{i}-{first[:60]}"))
     return out
@@ -100,8 +102,9 @@ def test_readme_command_runs_as_printed(block, tmp_path):
     env.pop("XLA_FLAGS", None)  # the commands set their own device count
     for line in block.strip().splitlines():
         cmd = as_run_here(line)
-        run = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True,
-                             env=env, timeout=1800)
+        run = subprocess.run(
+            ["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1800
+        )
         assert run.returncode == 0, (line, run.stdout[-2000:], run.stderr[-3000:])
         assert "Traceback" not in run.stderr, (line, run.stderr[-3000:])
 

@@ -11,40 +11,61 @@ from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.parallel.pipeline.executor import _StageRun
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
 
-MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                  vocab_size=64, compute_dtype="bfloat16")
+MODEL = GPTConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=64,
+    compute_dtype="bfloat16",
+)
 LAYERS = 4  # one stage: all layers
 
 
 def _store(recompute, schedule="1f1b", method=None, num_layers=None):
-    par = ParallelConfig(micro_batch_size=2, global_batch_size=4, world_size=1,
-                         gradient_accumulation_fusion=True, recompute_granularity=recompute,
-                         recompute_method=method, recompute_num_layers=num_layers,
-                         pipeline_schedule=schedule)
+    par = ParallelConfig(
+        micro_batch_size=2,
+        global_batch_size=4,
+        world_size=1,
+        gradient_accumulation_fusion=True,
+        recompute_granularity=recompute,
+        recompute_method=method,
+        recompute_num_layers=num_layers,
+        pipeline_schedule=schedule,
+    )
     program = GPTProgram(MODEL, par, platform="cpu")
     layout, table = grad_layout(program, DDPConfig()), schedule_of(program)
     params = program.device_tree(program.init_params(0))
-    run = _StageRun(program, grad_sink(program, layout, table), DDPConfig(), table, params,
-                    jnp.zeros((4, 17), jnp.int32))
+    run = _StageRun(
+        program,
+        grad_sink(program, layout, table),
+        DDPConfig(),
+        table,
+        params,
+        jnp.zeros((4, 17), jnp.int32),
+    )
     weights = {tuple(x.shape) for x in jax.tree.leaves(params)}
     buckets = {(n,) for n in layout.buffer.bucket_numels}
     return run.store, weights, buckets
 
 
-FULL = [("uniform", 1), ("uniform", 2), ("uniform", 3), ("uniform", 4), ("block", 1),
-        ("block", 4)]
+FULL = [("uniform", 1), ("uniform", 2), ("uniform", 3), ("uniform", 4), ("block", 1), ("block", 4)]
 
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_residuals_are_activations_only(schedule):
     sizes = {}
-    for recompute, method, n in [(None, None, None), ("selective", None, None),
-                                 *[("full", m, k) for m, k in FULL]]:
+    for recompute, method, n in [
+        (None, None, None),
+        ("selective", None, None),
+        *[("full", m, k) for m, k in FULL],
+    ]:
         store, weights, buckets = _store(recompute, schedule, method, n)
         # besides activations, only the scan's int32 layer indices (scalars, [layers])
-        shapes = [tuple(s.shape) for s in store.shapes
-                  if not (s.dtype == jnp.int32 and s.ndim <= 1)]
+        shapes = [
+            tuple(s.shape) for s in store.shapes if not (s.dtype == jnp.int32 and s.ndim <= 1)
+        ]
         assert shapes and not set(shapes) & (weights | buckets), shapes
         assert sum(i is not None for i in store.live_index) > 0  # the weights, read live
         # every stored residual is an activation of the microbatch: [(layers,) mb 2, ...]
@@ -52,8 +73,11 @@ def test_residuals_are_activations_only(schedule):
         sizes[(recompute, method, n)] = store.stored_bytes
         # (zb-h1 with grouped recompute also stores its zero probes regrouped: see
         # functional/stacked.py)
-        if recompute == "full" and (method, n) in [("uniform", 4), ("block", 4)] \
-                and schedule == "1f1b":
+        if (
+            recompute == "full"
+            and (method, n) in [("uniform", 4), ("block", 4)]
+            and schedule == "1f1b"
+        ):
             # every layer recomputed: the input of the group (uniform 4) or of each layer
             act = (2, 16, 32)
             assert shapes == ([act] if method == "uniform" else [(LAYERS, *act)]), shapes

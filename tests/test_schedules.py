@@ -45,8 +45,10 @@ def test_walking_the_table_reproduces_makespan_and_in_flight(name, p, m):
 
 
 def test_zb_h1_beats_1f1b_at_unit_costs():
-    out = {n: sim.main(["--schedule", n, "--stages", "4", "--microbatches", "8", "--json"])
-           for n in ("1f1b", "zb-h1")}
+    out = {
+        n: sim.main(["--schedule", n, "--stages", "4", "--microbatches", "8", "--json"])
+        for n in ("1f1b", "zb-h1")
+    }
     assert out["1f1b"]["makespan"] == 40 and out["zb-h1"]["makespan"] == 30
     assert out["zb-h1"]["makespan"] <= 0.85 * out["1f1b"]["makespan"]
     assert out["zb-h1"]["bubble_fraction"] < out["1f1b"]["bubble_fraction"]
@@ -55,17 +57,35 @@ def test_zb_h1_beats_1f1b_at_unit_costs():
 
 def test_simulator_json_and_plot(tmp_path, capsys):
     png = tmp_path / "zb.png"
-    sim.main(["--schedule", "zb-h1", "--stages", "3", "--microbatches", "5", "--cost-w",
-              "0.5", "--json", "--plot", str(png)])
+    sim.main(
+        [
+            "--schedule",
+            "zb-h1",
+            "--stages",
+            "3",
+            "--microbatches",
+            "5",
+            "--cost-w",
+            "0.5",
+            "--json",
+            "--plot",
+            str(png),
+        ]
+    )
     row = json.loads(capsys.readouterr().out)
     assert {"makespan", "bubble_fraction", "max_in_flight", "num_ticks", "schedule"} <= set(row)
     assert row["costs"] == {"F": 1.0, "B": 1.0, "W": 0.5} and row["max_in_flight"] == [3, 2, 1]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv", [["--stages", "0", "--microbatches", "2"],
-                                  ["--stages", "2", "--microbatches", "2", "--cost-f", "0"],
-                                  ["--schedule", "gpipe", "--stages", "2", "--microbatches", "2"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--stages", "0", "--microbatches", "2"],
+        ["--stages", "2", "--microbatches", "2", "--cost-f", "0"],
+        ["--schedule", "gpipe", "--stages", "2", "--microbatches", "2"],
+    ],
+)
 def test_simulator_bad_arguments(argv):
     with pytest.raises(SystemExit) as err:
         sim.main(argv)
@@ -77,8 +97,12 @@ def test_zb_h1_splits_every_backward_and_keeps_1f1b_order():
     assert z.split_backward and not o.split_backward and (o.weight == IDLE).all()
     for s in range(4):
         # The same F/B order as 1F1B; every W after its B, in order.
-        fb = lambda t: [(k, int(c[i, s])) for i in range(t.num_ticks)
-                        for k, c in (("F", t.forward), ("B", t.backward)) if c[i, s] >= 0]
+        fb = lambda t: [
+            (k, int(c[i, s]))
+            for i in range(t.num_ticks)
+            for k, c in (("F", t.forward), ("B", t.backward))
+            if c[i, s] >= 0
+        ]
         assert fb(z) == fb(o)
         assert (z.ticks("W", s) >= z.ticks("B", s)).all()
         assert z.last_grad_tick(s) == z.ticks("W", s).max()

@@ -33,8 +33,7 @@ def _exact(x, dy, grouped: bool) -> tuple[np.ndarray, np.ndarray]:
     """``(dy^T x, sum |dy|^T |x|)`` in float64 from the (already rounded) inputs, flat."""
     x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
     spec = "eto,eti->eoi" if grouped else "to,ti->oi"
-    return (np.einsum(spec, dy64, x64).ravel(),
-            np.einsum(spec, np.abs(dy64), np.abs(x64)).ravel())
+    return (np.einsum(spec, dy64, x64).ravel(), np.einsum(spec, np.abs(dy64), np.abs(x64)).ravel())
 
 
 # ---------------------------------------------------------------- op level: numerics
@@ -52,26 +51,31 @@ def test_traced_equals_static_equals_float64_and_clamps(in_dtype, grouped):
         got = np.asarray(traced(bucket, jnp.int32(offset)), np.float64)
         at = min(max(offset, 0), N - block)
         # The block lands where lax.dynamic_update_slice puts it (no negative wrapping).
-        where = jax.lax.dynamic_update_slice(jnp.zeros(N, bool), jnp.ones(block, bool),
-                                             (jnp.int32(offset),),
-                                             allow_negative_indices=False)
+        where = jax.lax.dynamic_update_slice(
+            jnp.zeros(N, bool),
+            jnp.ones(block, bool),
+            (jnp.int32(offset),),
+            allow_negative_indices=False,
+        )
         assert np.flatnonzero(where).tolist() == list(range(at, at + block)), offset
         # Bitwise the static path at the clamped offset (the same GEMMs).
         np.testing.assert_array_equal(got, op(x, dy, bucket, offset=at))
         # ... which is right: float64 within the fp32-accumulation bound, the rest as it was.
         want = np.asarray(bucket, np.float64)
-        want[at:at + block] += dw
-        bound = (lead[-1] + 2) * 2.0**-24 * (np.abs(want[at:at + block]) + magnitude)
-        assert np.all(np.abs(got[at:at + block] - want[at:at + block]) <= bound), offset
-        np.testing.assert_array_equal(np.delete(got, np.s_[at:at + block]),
-                                      np.delete(np.asarray(bucket, np.float64),
-                                                np.s_[at:at + block]))
+        want[at : at + block] += dw
+        bound = (lead[-1] + 2) * 2.0**-24 * (np.abs(want[at : at + block]) + magnitude)
+        assert np.all(np.abs(got[at : at + block] - want[at : at + block]) <= bound), offset
+        np.testing.assert_array_equal(
+            np.delete(got, np.s_[at : at + block]),
+            np.delete(np.asarray(bucket, np.float64), np.s_[at : at + block]),
+        )
     # The plain-XLA reference takes the traced offset too, clamped the same way.
     ref_op = ops.grouped_wgrad_accumulate_ref if grouped else ops.wgrad_accumulate_ref
     ref = jax.jit(lambda b, o: ref_op(x, dy, b, offset=o))
     for offset in (7, -3, 10_000):
-        np.testing.assert_allclose(ref(bucket, jnp.int32(offset)),
-                                   traced(bucket, jnp.int32(offset)), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            ref(bucket, jnp.int32(offset)), traced(bucket, jnp.int32(offset)), rtol=1e-6, atol=1e-6
+        )
 
 
 def test_vmap_gives_each_batch_element_its_own_offset():
@@ -81,8 +85,9 @@ def test_vmap_gives_each_batch_element_its_own_offset():
     fn = lambda x, dy, b, o: ops.wgrad_accumulate(x, dy, b, offset=o)
     got = jax.vmap(fn)(x, dy, buckets, offsets)
     for i, at in enumerate((3, N - 30)):
-        np.testing.assert_array_equal(got[i], ops.wgrad_accumulate(x[i], dy[i], buckets[i],
-                                                                    offset=at))
+        np.testing.assert_array_equal(
+            got[i], ops.wgrad_accumulate(x[i], dy[i], buckets[i], offset=at)
+        )
 
 
 def test_bad_traced_offsets_and_buckets_are_trace_time_errors():
@@ -107,8 +112,8 @@ def test_handler_rejects_a_wrong_offset_operand_itself():
 
 
 # ------------------------------------------------- a scan over stacked layers, in place
-L, T, D = 3, 8, 16       # layers, tokens, features (square weights chain)
-BASE = 5                 # the stack's region: [BASE, BASE + L * D * D) of the bucket
+L, T, D = 3, 8, 16  # layers, tokens, features (square weights chain)
+BASE = 5  # the stack's region: [BASE, BASE + L * D * D) of the bucket
 NB = BASE + L * D * D + 11
 
 
@@ -130,6 +135,7 @@ def _stacked(ws, b, bucket, x):
 def _plain(ws, b, x):
     def layer(h, wb):
         return jnp.tanh(h @ wb[0].T + wb[1]), None
+
     return jax.lax.scan(layer, x, (ws, b))[0]
 
 
@@ -156,10 +162,10 @@ def test_scan_over_stacked_layers_equals_jax_grad(stacked_run):
     loss = lambda ws, b, x: jnp.sum(_plain(ws, b, x) * dy)
     rws, rb, rx = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(ws, b, x)
     want = np.asarray(bucket).copy()
-    want[BASE:BASE + L * D * D] += np.asarray(rws).ravel()
+    want[BASE : BASE + L * D * D] += np.asarray(rws).ravel()
     np.testing.assert_allclose(new_bucket, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(new_bucket[:BASE], bucket[:BASE])
-    np.testing.assert_array_equal(new_bucket[BASE + L * D * D:], bucket[BASE + L * D * D:])
+    np.testing.assert_array_equal(new_bucket[BASE + L * D * D :], bucket[BASE + L * D * D :])
     np.testing.assert_allclose(db, rb, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dx, rx, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(dws, 0)  # the weight gradient went into the bucket
@@ -169,8 +175,9 @@ def test_hlo_scan_backward_accumulates_in_place_inside_the_loop(stacked_run):
     text = stacked_run[0]
     comps = hlo.computations(text)
     bodies = [body for _, body in hlo.while_bodies(comps, hlo.entry_name(text))]
-    calls = {c: [l for l in comps[c] if f'custom_call_target="{registry.TARGET_AT}"' in l]
-             for c in comps}
+    calls = {
+        c: [l for l in comps[c] if f'custom_call_target="{registry.TARGET_AT}"' in l] for c in comps
+    }
     with_calls = [c for c, lines in calls.items() if lines]
     # The fused call runs once per layer inside the backward loop's body, not unrolled.
     assert len(with_calls) == 1 and len(calls[with_calls[0]]) == 1, with_calls
@@ -196,6 +203,7 @@ def test_grouped_expert_stack_in_a_scan_equals_jax_grad():
             h, bk = carry
             h, bk = grouped_linear(h, xs[0], bucket=bk, offset=xs[1])
             return (jnp.tanh(h), bk), None
+
         return jax.lax.scan(layer, (x, bucket), (ws, offsets))[0]
 
     def backward(ws, bucket, x):
@@ -205,13 +213,12 @@ def test_grouped_expert_stack_in_a_scan_equals_jax_grad():
     dws, new_bucket, dx = jax.jit(backward)(ws, bucket, x)
 
     def loss(ws, x):
-        h = jax.lax.scan(lambda h, w: (jnp.tanh(jnp.einsum("eci,eoi->eco", h, w)), None),
-                         x, ws)[0]
+        h = jax.lax.scan(lambda h, w: (jnp.tanh(jnp.einsum("eci,eoi->eco", h, w)), None), x, ws)[0]
         return jnp.sum(h * dy)
 
     rws, rx = jax.jit(jax.grad(loss, argnums=(0, 1)))(ws, x)
     want = np.asarray(bucket).copy()
-    want[BASE:BASE + rws.size] += np.asarray(rws).ravel()
+    want[BASE : BASE + rws.size] += np.asarray(rws).ravel()
     np.testing.assert_allclose(new_bucket, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dx, rx, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(dws, 0)
@@ -222,8 +229,12 @@ def test_grouped_expert_stack_in_a_scan_equals_jax_grad():
 def test_cuda_lowering_passes_the_offset_as_an_operand():
     x, dy = jnp.ones((3, 8, 4)), jnp.ones((3, 8, 5))
     fn = lambda b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o)
-    text = jax.jit(fn).trace(jnp.zeros(100), jnp.int32(2)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(fn)
+        .trace(jnp.zeros(100), jnp.int32(2))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     (call,) = [l for l in text.splitlines() if f"@{registry.TARGET_AT}" in l]
     assert "output_tuple_indices = [0], operand_index = 2" in call
     assert "tensor<i32>" in call  # the offset operand
@@ -245,11 +256,13 @@ def test_gpu_traced_equals_static(in_dtype, acc_dtype, precision):
     tol = dict(rtol=1e-5, atol=1e-4) if exact else dict(rtol=1e-2, atol=5e-2)
     for grouped in (False, True):
         lead = (3, 64) if grouped else (64,)
-        x, dy = (jax.device_put(_rand(s, lead + (f,), in_dtype), gpu)
-                 for s, f in ((16, 24), (17, 40)))
+        x, dy = (
+            jax.device_put(_rand(s, lead + (f,), in_dtype), gpu) for s, f in ((16, 24), (17, 40))
+        )
         bucket = jax.device_put(_rand(18, (4096,), acc_dtype), gpu)
-        op = functools.partial(ops.grouped_wgrad_accumulate if grouped else
-                               ops.wgrad_accumulate, precision=precision)
+        op = functools.partial(
+            ops.grouped_wgrad_accumulate if grouped else ops.wgrad_accumulate, precision=precision
+        )
         traced = jax.jit(lambda b, o: op(x, dy, b, offset=o))
         static = jax.jit(op, static_argnames="offset")
         block = (3 if grouped else 1) * 24 * 40
@@ -257,6 +270,7 @@ def test_gpu_traced_equals_static(in_dtype, acc_dtype, precision):
             at = min(offset, 4096 - block)
             got = np.asarray(traced(bucket, jnp.int32(offset)), np.float64)
             want = np.asarray(static(x, dy, bucket, offset=at), np.float64)
-            np.testing.assert_allclose(got[at:at + block], want[at:at + block], **tol)
-            np.testing.assert_array_equal(np.delete(got, np.s_[at:at + block]),
-                                          np.delete(want, np.s_[at:at + block]))
+            np.testing.assert_allclose(got[at : at + block], want[at : at + block], **tol)
+            np.testing.assert_array_equal(
+                np.delete(got, np.s_[at : at + block]), np.delete(want, np.s_[at : at + block])
+            )

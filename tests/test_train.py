@@ -4,21 +4,35 @@ import jax
 import numpy as np
 import pytest
 
-from jax_wgrad import (ByteDataset, GPTConfig, ParallelConfig, TrainPlan, build_train_step,
-                       default_optimizer, fusion_available, init_params, init_train_state,
-                       make_mesh, shard_batch)
+from jax_wgrad import (
+    ByteDataset,
+    GPTConfig,
+    ParallelConfig,
+    TrainPlan,
+    build_train_step,
+    default_optimizer,
+    fusion_available,
+    init_params,
+    init_train_state,
+    make_mesh,
+    shard_batch,
+)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
 MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
-DATA = ByteDataset(np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200,
-                                 np.uint8))
+DATA = ByteDataset(np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200, np.uint8))
 
 
 def _train(tp, pp, steps=3, sp=False, fusion=False):
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         micro_batch_size=2, global_batch_size=16, sequence_parallel=sp,
-                         gradient_accumulation_fusion=fusion)
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        micro_batch_size=2,
+        global_batch_size=16,
+        sequence_parallel=sp,
+        gradient_accumulation_fusion=fusion,
+    )
     mesh = make_mesh(par)
     opt = default_optimizer(1e-2)
     plan = TrainPlan.create(MODEL, par, mesh, opt)
@@ -39,7 +53,7 @@ def test_batches_depend_only_on_seed_and_step():
     assert not np.array_equal(a, DATA.batch(4, 8, 16, seed=1))
     # windows of the text: consecutive bytes
     text = DATA.data
-    assert any(np.array_equal(a[0], text[i:i + 17]) for i in range(len(text) - 16))
+    assert any(np.array_equal(a[0], text[i : i + 17]) for i in range(len(text) - 16))
 
 
 def test_init_params_independent_of_layout():
@@ -81,8 +95,9 @@ def test_step_donates_state():
     new_state, metrics = step(state, shard_batch(mesh, DATA.batch(0, 8, 16, seed=0)))
     assert set(metrics) == {"loss", "grad_norm", "skipped"}
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
-    assert jax.tree.map(lambda x: x.sharding, new_state.params) == \
-        jax.tree.map(lambda x: x.sharding, state.params)
+    assert jax.tree.map(lambda x: x.sharding, new_state.params) == jax.tree.map(
+        lambda x: x.sharding, state.params
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -91,11 +106,17 @@ def test_bf16_step_has_no_16bit_scatter(tp):
     # sum and is ~190x slower on a GPU for text-like ids, ../shared/gpu/FINDINGS.md #7).
     import re
 
-    model = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                      compute_dtype="bfloat16")
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
-                         micro_batch_size=2, global_batch_size=8, sequence_parallel=tp > 1,
-                         gradient_accumulation_fusion=fusion_available("cpu"))
+    model = GPTConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, compute_dtype="bfloat16"
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=2,
+        micro_batch_size=2,
+        global_batch_size=8,
+        sequence_parallel=tp > 1,
+        gradient_accumulation_fusion=fusion_available("cpu"),
+    )
     mesh = make_mesh(par)
     opt = default_optimizer(1e-3)
     plan = TrainPlan.create(model, par, mesh, opt)
@@ -103,8 +124,9 @@ def test_bf16_step_has_no_16bit_scatter(tp):
     step = build_train_step(plan, state)
     lowered = step.lower(state, shard_batch(mesh, DATA.batch(0, 8, 16, seed=0)))
     # As jax wrote it (XLA:CPU itself widens a bf16 scatter, XLA:GPU does not) ...
-    types = re.findall(r'"stablehlo.scatter".*?\}\) : \([^)]*\) -> tensor<[^>]*x(\w+)>',
-                       lowered.as_text(), re.S)
+    types = re.findall(
+        r'"stablehlo.scatter".*?\}\) : \([^)]*\) -> tensor<[^>]*x(\w+)>', lowered.as_text(), re.S
+    )
     assert types and set(types) == {"f32"}, types
     # ... and as compiled.
     hlo = lowered.compile().as_text()

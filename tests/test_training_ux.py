@@ -23,11 +23,32 @@ EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
-SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-         "--lr", "3e-3", "--seed", "3"]
-L222 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--sequence-parallel", "--use-distributed-optimizer"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "3",
+]
+L222 = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+]
 EVAL = ["--eval-interval", "2", "--eval-iters", "2"]
 
 
@@ -55,8 +76,9 @@ def _subprocess(args: list[str], **kw) -> subprocess.CompletedProcess:
     """The example as a user starts it: stdout is a pipe, not a terminal."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # the example sets its own device count
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=600, env=env, **kw)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=600, env=env, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +86,29 @@ def runs(example, tmp_path_factory):
     """The same 4 steps on (2, 2, 2) with and without evaluation (the first also saving
     every 2 steps and writing TensorBoard scalars)."""
     d = tmp_path_factory.mktemp("ux")
-    example.main(SMALL + L222 + EVAL + [
-        "--train-iters", "4", "--no-progress", "--metrics-file", str(d / "eval.jsonl"),
-        "--save", str(d / "ckpt"), "--save-interval", "2", "--tensorboard-dir", str(d / "tb")])
-    example.main(SMALL + L222 + ["--train-iters", "4", "--no-progress",
-                                 "--metrics-file", str(d / "plain.jsonl")])
+    example.main(
+        SMALL
+        + L222
+        + EVAL
+        + [
+            "--train-iters",
+            "4",
+            "--no-progress",
+            "--metrics-file",
+            str(d / "eval.jsonl"),
+            "--save",
+            str(d / "ckpt"),
+            "--save-interval",
+            "2",
+            "--tensorboard-dir",
+            str(d / "tb"),
+        ]
+    )
+    example.main(
+        SMALL
+        + L222
+        + ["--train-iters", "4", "--no-progress", "--metrics-file", str(d / "plain.jsonl")]
+    )
     return d
 
 
@@ -77,8 +117,14 @@ def test_evaluation_does_not_change_the_training_curve(runs):
 
 
 def test_eval_loss_equals_single_device_reference(runs):
-    from jax_wgrad import DDPConfig, ParallelConfig, TrainPlan, default_optimizer, make_mesh
-    from jax_wgrad import init_train_state
+    from jax_wgrad import (
+        DDPConfig,
+        ParallelConfig,
+        TrainPlan,
+        default_optimizer,
+        init_train_state,
+        make_mesh,
+    )
     from jax_wgrad.testing import reference_loss
     from jax_wgrad.training import Checkpointer
     from jax_wgrad.training.data import load_data
@@ -93,15 +139,21 @@ def test_eval_loss_equals_single_device_reference(runs):
         if meta_model is None:
             from jax_wgrad import GPTConfig
 
-            meta_model = GPTConfig(vocab_size=256, num_layers=4, hidden_size=32,
-                                   num_attention_heads=4, seq_length=32)
-            plan = TrainPlan.create(meta_model, par, make_mesh(par), default_optimizer(1e-3),
-                                    ddp=DDPConfig())
+            meta_model = GPTConfig(
+                vocab_size=256, num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32
+            )
+            plan = TrainPlan.create(
+                meta_model, par, make_mesh(par), default_optimizer(1e-3), ddp=DDPConfig()
+            )
             fresh = init_train_state(plan, 0)
         state, _ = ckpt.restore(plan, fresh, step=row["step"], load_optim=False)
         params = jax.device_get(state.params)
-        ref = np.mean([float(reference_loss(params, jnp.asarray(valid.batch(k, 16, 32, 3)),
-                                            meta_model)) for k in range(2)])
+        ref = np.mean(
+            [
+                float(reference_loss(params, jnp.asarray(valid.batch(k, 16, 32, 3)), meta_model))
+                for k in range(2)
+            ]
+        )
         assert abs(row["valid_loss"] - ref) <= 1e-5 * ref, (row, ref)
         assert row["valid_ppl"] == pytest.approx(np.exp(row["valid_loss"]), rel=1e-12)
 
@@ -111,7 +163,7 @@ def _tfrecords(path: Path):
     data, pos = path.read_bytes(), 0
     while pos < len(data):
         (n,) = struct.unpack_from("<Q", data, pos)
-        yield data[pos + 12:pos + 12 + n]
+        yield data[pos + 12 : pos + 12 + n]
         pos += 12 + n + 4
 
 
@@ -125,9 +177,13 @@ def test_tensorboard_scalars_are_the_metrics(runs):
             for v in ev.summary.value:
                 scalars.setdefault(v.tag, []).append((ev.step, v.simple_value))
     rows = _rows(runs / "eval.jsonl")
-    for tag, key in [("train/loss", "loss"), ("train/grad_norm", "grad_norm"),
-                     ("train/tokens_per_s", "tokens_per_s"), ("valid/loss", "valid_loss"),
-                     ("valid/ppl", "valid_ppl")]:
+    for tag, key in [
+        ("train/loss", "loss"),
+        ("train/grad_norm", "grad_norm"),
+        ("train/tokens_per_s", "tokens_per_s"),
+        ("valid/loss", "valid_loss"),
+        ("valid/ppl", "valid_ppl"),
+    ]:
         want = [(r["step"], np.float32(r[key])) for r in rows if key in r]
         assert scalars[tag] == want, tag
 
@@ -145,16 +201,19 @@ def test_plot_metrics_draws_several_runs(runs, tmp_path):
 def test_plot_metrics_bad_input(tmp_path, capsys):
     plot = _load("plot_metrics", ROOT / "examples" / "plot_metrics.py")
     (tmp_path / "bad.jsonl").write_text('{"step": 1, "loss": 1.0}\nnot json\n')
-    for files, msg in [([str(tmp_path / "missing.jsonl")], "no such metrics file"),
-                       ([str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not a JSON line")]:
+    for files, msg in [
+        ([str(tmp_path / "missing.jsonl")], "no such metrics file"),
+        ([str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not a JSON line"),
+    ]:
         with pytest.raises(SystemExit) as exc:
             plot.main(files + ["-o", str(tmp_path / "x.png")])
         assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_train_iters_zero_runs_no_step(example, tmp_path, capsys):
-    summary = example.main(SMALL + ["--train-iters", "0", "--no-progress",
-                                    "--metrics-file", str(tmp_path / "m.jsonl")])
+    summary = example.main(
+        SMALL + ["--train-iters", "0", "--no-progress", "--metrics-file", str(tmp_path / "m.jsonl")]
+    )
     assert summary["steps"] == 0 and summary["last_loss"] is None
     assert "done: no training step to run" in capsys.readouterr().out
     assert (tmp_path / "m.jsonl").read_text() == ""
@@ -172,15 +231,41 @@ def test_megatron_data_blend_trains_without_progress_bar_in_logs(tmp_path):
     blend with a vocabulary sized from the data; stdout is a pipe: no progress bar."""
     for name, package in [("a", json), ("b", importlib)]:
         files = sorted(Path(package.__file__).parent.glob("*.py"))
-        run = _subprocess([str(ROOT / "tools" / "preprocess_data.py"), "--input",
-                           *map(str, files), "--output-prefix", str(tmp_path / name),
-                           "--append-eod"])
+        run = _subprocess(
+            [
+                str(ROOT / "tools" / "preprocess_data.py"),
+                "--input",
+                *map(str, files),
+                "--output-prefix",
+                str(tmp_path / name),
+                "--append-eod",
+            ]
+        )
         assert run.returncode == 0, run.stderr
     metrics = tmp_path / "m.jsonl"
-    run = _subprocess([str(EXAMPLE), *SMALL, "--train-iters", "3", "--log-interval", "1",
-                       "--data-path", "0.3", str(tmp_path / "a"), "0.7", str(tmp_path / "b"),
-                       "--split", "80,20,0", "--eval-interval", "3", "--eval-iters", "1",
-                       "--metrics-file", str(metrics)])
+    run = _subprocess(
+        [
+            str(EXAMPLE),
+            *SMALL,
+            "--train-iters",
+            "3",
+            "--log-interval",
+            "1",
+            "--data-path",
+            "0.3",
+            str(tmp_path / "a"),
+            "0.7",
+            str(tmp_path / "b"),
+            "--split",
+            "80,20,0",
+            "--eval-interval",
+            "3",
+            "--eval-iters",
+            "1",
+            "--metrics-file",
+            str(metrics),
+        ]
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     from jax_wgrad.training.data import load_data, padded_vocab_size
 
@@ -196,8 +281,18 @@ def test_blend_with_an_empty_validation_part_is_named(tmp_path, capsys, example)
     write_indexed_dataset(tmp_path / "many", [np.arange(40) % 7] * 100, np.uint16)
     write_indexed_dataset(tmp_path / "one", [np.arange(400) % 7], np.uint16)
     with pytest.raises(SystemExit):
-        example.main(SMALL + ["--data-path", "1", str(tmp_path / "many"), "1",
-                              str(tmp_path / "one"), "--eval-interval", "2"])
+        example.main(
+            SMALL
+            + [
+                "--data-path",
+                "1",
+                str(tmp_path / "many"),
+                "1",
+                str(tmp_path / "one"),
+                "--eval-interval",
+                "2",
+            ]
+        )
     err = capsys.readouterr().err
     assert f"leaves 0 tokens ({tmp_path / 'one'}[valid] empty)" in err, err
 
@@ -214,12 +309,30 @@ def _launch_two_processes(tmp_path: Path, tag: str, extra: list[str]) -> list[Pa
     env.pop("XLA_FLAGS", None)
     for pid in range(2):
         files.append(tmp_path / f"{tag}-p{pid}.jsonl")
-        cmd = [sys.executable, str(EXAMPLE), *SMALL, *L222, "--no-progress", "--distributed",
-               "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
-               "--process-id", str(pid), "--num-cpu-devices", "4",
-               "--metrics-file", str(files[-1]), *extra]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env))
+        cmd = [
+            sys.executable,
+            str(EXAMPLE),
+            *SMALL,
+            *L222,
+            "--no-progress",
+            "--distributed",
+            "--coordinator-address",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(pid),
+            "--num-cpu-devices",
+            "4",
+            "--metrics-file",
+            str(files[-1]),
+            *extra,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
+        )
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
@@ -239,14 +352,23 @@ def test_two_processes_equal_one_process(example, tmp_path):
     # ulp; without clipping the norm never enters the update, so losses are bitwise.
     fused = EVAL + ["--gradient-accumulation-fusion", "--clip-grad", "0"]
     single = tmp_path / "single.jsonl"
-    example.main(SMALL + L222 + fused + ["--train-iters", "6", "--no-progress",
-                                         "--metrics-file", str(single)])
+    example.main(
+        SMALL
+        + L222
+        + fused
+        + ["--train-iters", "6", "--no-progress", "--metrics-file", str(single)]
+    )
     ckpt = str(tmp_path / "ckpt")
-    first = _launch_two_processes(tmp_path, "first", fused + ["--train-iters", "4", "--save", ckpt])[0]
-    second = _launch_two_processes(tmp_path, "second", fused + ["--train-iters", "6", "--load", ckpt])[0]
+    first = _launch_two_processes(
+        tmp_path, "first", fused + ["--train-iters", "4", "--save", ckpt]
+    )[0]
+    second = _launch_two_processes(
+        tmp_path, "second", fused + ["--train-iters", "6", "--load", ckpt]
+    )[0]
     got, want = _rows(first) + _rows(second), _rows(single)
-    assert [(r["step"], r.get("loss"), r.get("valid_loss")) for r in got] == \
-        [(r["step"], r.get("loss"), r.get("valid_loss")) for r in want]  # bitwise
+    assert [(r["step"], r.get("loss"), r.get("valid_loss")) for r in got] == [
+        (r["step"], r.get("loss"), r.get("valid_loss")) for r in want
+    ]  # bitwise
     # The global grad norm's cross-process all-reduce runs in gloo, which sums the squares
     # in its own order: equal up to float32 rounding (2 ulp seen at step 5 of 6).
     for a, b in zip(got, want):
@@ -266,15 +388,21 @@ def _one_error_line(example, capsys, argv: list[str], code: int = 2) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--lr", "nan"], "argument --lr: must be a finite number, got 'nan'"),
-    (["--min-lr", "inf"], "argument --min-lr: must be a finite number, got 'inf'"),
-    (["--weight-decay=-inf"], "argument --weight-decay: must be a finite number"),
-    (["--clip-grad", "NaN"], "argument --clip-grad: must be a finite number"),
-    (["--moe-aux-loss-coeff", "nan"], "argument --moe-aux-loss-coeff: must be a finite number"),
-    (["--num-cpu-devices", "0"], "argument --num-cpu-devices: must be >= 1, got 0"),
-    (["--tensor-model-parallel-size", "0"], "argument --tensor-model-parallel-size: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "nan"], "argument --lr: must be a finite number, got 'nan'"),
+        (["--min-lr", "inf"], "argument --min-lr: must be a finite number, got 'inf'"),
+        (["--weight-decay=-inf"], "argument --weight-decay: must be a finite number"),
+        (["--clip-grad", "NaN"], "argument --clip-grad: must be a finite number"),
+        (["--moe-aux-loss-coeff", "nan"], "argument --moe-aux-loss-coeff: must be a finite number"),
+        (["--num-cpu-devices", "0"], "argument --num-cpu-devices: must be >= 1, got 0"),
+        (
+            ["--tensor-model-parallel-size", "0"],
+            "argument --tensor-model-parallel-size: must be >= 1",
+        ),
+    ],
+)
 def test_bad_numbers_are_refused_naming_the_flag(example, capsys, argv, message):
     assert f"error: {message}" in _one_error_line(example, capsys, argv)
 
@@ -285,29 +413,40 @@ def test_every_float_flag_is_finite_and_every_flag_has_help(example):
     assert [a.option_strings for a in actions if not (a.help or "").strip()] == []
     assert [a.option_strings for a in actions if a.type is float] == []  # finite_float instead
     text = parser.format_help()
-    for flag, default in [("--train-iters", "40"), ("--lr", "0.002"), ("--seed", "1234"),
-                          ("--moe-aux-loss-coeff", "0.0"), ("--split", "98,2,0")]:
-        block = text[text.index(flag + " "):]
-        assert f"(default: {default})" in block[:block.index("\n  --")].replace("\n", " ")
-    groups = {g.title: [a.option_strings[0] for a in g._group_actions]
-              for g in parser._action_groups}
+    for flag, default in [
+        ("--train-iters", "40"),
+        ("--lr", "0.002"),
+        ("--seed", "1234"),
+        ("--moe-aux-loss-coeff", "0.0"),
+        ("--split", "98,2,0"),
+    ]:
+        block = text[text.index(flag + " ") :]
+        assert f"(default: {default})" in block[: block.index("\n  --")].replace("\n", " ")
+    groups = {
+        g.title: [a.option_strings[0] for a in g._group_actions] for g in parser._action_groups
+    }
     assert {"--fp32", "--bf16"} <= set(groups["precision"])
     assert {"--num-cpu-devices", "--distributed", "--process-id"} <= set(groups["launch"])
     assert not {"--num-cpu-devices", "--distributed"} & set(groups["parallelism"])
 
 
 def test_config_errors_name_the_flags(example, capsys):
-    line = _one_error_line(example, capsys, SMALL + ["--num-layers", "3",
-                                                     "--pipeline-model-parallel-size", "2"])
-    assert line.endswith("error: --num-layers (3) must be divisible by "
-                         "--pipeline-model-parallel-size (2)"), line
+    line = _one_error_line(
+        example, capsys, SMALL + ["--num-layers", "3", "--pipeline-model-parallel-size", "2"]
+    )
+    assert line.endswith(
+        "error: --num-layers (3) must be divisible by --pipeline-model-parallel-size (2)"
+    ), line
 
 
 def test_flag_names_leave_words_alone(example):
     parser = example.make_parser()
-    assert example.flag_names(parser, "cannot load: hidden_size (4) and ffn_hidden_size, "
-                                      "num_moe_experts, world_size") == \
-        "cannot load: --hidden-size (4) and --ffn-hidden-size, --num-experts, world_size"
+    assert (
+        example.flag_names(
+            parser, "cannot load: hidden_size (4) and ffn_hidden_size, num_moe_experts, world_size"
+        )
+        == "cannot load: --hidden-size (4) and --ffn-hidden-size, --num-experts, world_size"
+    )
 
 
 class _FakeOOM:
@@ -324,12 +463,14 @@ class _FakeOOM:
         if self.at == "compile":
             raise jax.errors.JaxRuntimeError(
                 "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123456789 bytes.\n"
-                "BufferAssignment OOM Debugging.\n" + "details\n" * 50)
+                "BufferAssignment OOM Debugging.\n" + "details\n" * 50
+            )
         return self
 
     def __call__(self, state, batch):
-        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating "
-                                         "2147483648 bytes.")
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory allocating 2147483648 bytes."
+        )
 
 
 @pytest.mark.parametrize("at, where", [("compile", "compilation"), ("step", "first step")])
@@ -338,11 +479,13 @@ def test_out_of_memory_is_one_line(example, capsys, monkeypatch, at, where):
 
     monkeypatch.setattr(loop, "build_train_step", lambda plan, state: _FakeOOM(plan, state, at))
     line = _one_error_line(example, capsys, SMALL + ["--train-iters", "2"], code=1)
-    assert f"error: out of memory in the {where}: 4 layers, hidden 32, seq 32, micro batch 2" \
-        in line, line
+    assert (
+        f"error: out of memory in the {where}: 4 layers, hidden 32, seq 32, micro batch 2" in line
+    ), line
     assert "M parameters, train state " in line and " MiB per device" in line, line
-    assert ("XLA tried to allocate 117.7 MiB" if at == "compile"
-            else "XLA tried to allocate 2048.0 MiB") in line, line
+    assert (
+        "XLA tried to allocate 117.7 MiB" if at == "compile" else "XLA tried to allocate 2048.0 MiB"
+    ) in line, line
     assert line.endswith("(run with --compile-only to see the per-device memory report)")
 
 
@@ -357,9 +500,24 @@ def test_log_lines_are_written_above_the_progress_bar(example, monkeypatch):
     screen = _Terminal()
     monkeypatch.setattr(sys, "stdout", screen)
     monkeypatch.setattr(sys, "stderr", screen)
-    example.main(["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
-                  "--micro-batch-size", "2", "--global-batch-size", "16",
-                  "--train-iters", "3", "--log-interval", "1"])
+    example.main(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--train-iters",
+            "3",
+            "--log-interval",
+            "1",
+        ]
+    )
     text = screen.getvalue()
     assert "it/s" in text or "s/it" in text  # the bar was drawn
     starts = [m.start() for m in re.finditer(r"iteration +\d+/3", text)]
@@ -367,14 +525,26 @@ def test_log_lines_are_written_above_the_progress_bar(example, monkeypatch):
     assert all(text[s - 1] in "\r\n" for s in starts), text
 
 
-def test_interrupted_run_resumes_with_each_step_once_in_the_metrics(example, tmp_path, capsys,
-                                                                    monkeypatch):
+def test_interrupted_run_resumes_with_each_step_once_in_the_metrics(
+    example, tmp_path, capsys, monkeypatch
+):
     """Ctrl-C after step 5 (checkpoints at 2 and 4): the run waits for its saves, says where
     to resume, exits 130 without a traceback; the resumed run replaces step 5's record."""
     from jax_wgrad.training.metrics import MetricsWriter
 
-    tiny = ["--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "16", "--no-progress"]
+    tiny = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--no-progress",
+    ]
     ckpt, metrics = str(tmp_path / "ckpt"), tmp_path / "m.jsonl"
     write = MetricsWriter.write
 
@@ -385,15 +555,28 @@ def test_interrupted_run_resumes_with_each_step_once_in_the_metrics(example, tmp
 
     monkeypatch.setattr(MetricsWriter, "write", write_then_interrupt)
     with pytest.raises(SystemExit) as exc:
-        example.main(tiny + ["--train-iters", "6", "--save", ckpt, "--save-interval", "2",
-                             "--metrics-file", str(metrics)])
+        example.main(
+            tiny
+            + [
+                "--train-iters",
+                "6",
+                "--save",
+                ckpt,
+                "--save-interval",
+                "2",
+                "--metrics-file",
+                str(metrics),
+            ]
+        )
     out, err = capsys.readouterr()
     assert exc.value.code == 130 and "Traceback" not in err
     assert f"interrupted after step 4; the newest checkpoint is step 4 in {ckpt}" in out
     assert [r["step"] for r in _rows(metrics)] == [1, 2, 3, 4, 5]
     monkeypatch.setattr(MetricsWriter, "write", write)
-    example.main(tiny + ["--train-iters", "6", "--load", ckpt, "--save", ckpt,
-                         "--metrics-file", str(metrics)])
+    example.main(
+        tiny
+        + ["--train-iters", "6", "--load", ckpt, "--save", ckpt, "--metrics-file", str(metrics)]
+    )
     assert [r["step"] for r in _rows(metrics)] == [1, 2, 3, 4, 5, 6]
 
 
@@ -402,13 +585,19 @@ def test_line_filter_drops_only_gloo_chatter(tmp_path):
 
     with open(tmp_path / "out", "wb") as f:
         with LineFilter(fd=f.fileno()) as quiet:
-            os.write(f.fileno(), b"keep 1\n[Gloo] Rank 0 is connected to 7 peer ranks. Expected "
-                                 b"number of connected peer ranks is : 7\nkeep [Gloo] 2\n")
+            os.write(
+                f.fileno(),
+                b"keep 1\n[Gloo] Rank 0 is connected to 7 peer ranks. Expected "
+                b"number of connected peer ranks is : 7\nkeep [Gloo] 2\n",
+            )
             os.write(f.fileno(), b"[Gloo] Rank 12 is connected to 1 peer ranks. x\npartial")
             # two threads' messages interleaved, as gloo writes them without a lock
-            os.write(f.fileno(), b"\n[Gloo] Rank [Gloo] Rank 01 is connected to  is connected "
-                                 b"to 11 peer ranks.  peer ranks. Expected number of connected "
-                                 b"peer ranks is : 1\nExpected number of connected peer ranks "
-                                 b"is : 1\nlast")
+            os.write(
+                f.fileno(),
+                b"\n[Gloo] Rank [Gloo] Rank 01 is connected to  is connected "
+                b"to 11 peer ranks.  peer ranks. Expected number of connected "
+                b"peer ranks is : 1\nExpected number of connected peer ranks "
+                b"is : 1\nlast",
+            )
     assert (tmp_path / "out").read_bytes() == b"keep 1\nkeep [Gloo] 2\npartial\nlast"
     assert quiet.dropped == 4

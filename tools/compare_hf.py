@@ -63,32 +63,47 @@ def compare(directory: Path, torch_python: str | None) -> dict:
     jparams = jax.tree.map(jnp.asarray, params)
     ids = jnp.asarray(tokens[:, :-1])
     fp32 = np.asarray(reference_logits(jparams, ids, cfg))
-    bf16 = np.asarray(reference_logits(jparams, ids, dataclasses.replace(
-        cfg, compute_dtype="bfloat16")))
-    hf_ce = float(-np.mean(np.take_along_axis(_log_softmax(ref["logits_fp32"]),
-                                              tokens[:, 1:, None], -1)))
-    out = {"dir": str(directory), "family": json.loads(
-        (directory / "config.json").read_text())["model_type"],
+    bf16 = np.asarray(
+        reference_logits(jparams, ids, dataclasses.replace(cfg, compute_dtype="bfloat16"))
+    )
+    hf_ce = float(
+        -np.mean(np.take_along_axis(_log_softmax(ref["logits_fp32"]), tokens[:, 1:, None], -1))
+    )
+    out = {
+        "dir": str(directory),
+        "family": json.loads((directory / "config.json").read_text())["model_type"],
         "shape": f"H{cfg.hidden_size} heads {cfg.num_attention_heads}:"
-                 f"{cfg.num_query_groups or cfg.num_attention_heads} d "
-                 f"{cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads} "
-                 f"V{cfg.vocab_size} F{cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size}",
+        f"{cfg.num_query_groups or cfg.num_attention_heads} d "
+        f"{cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads} "
+        f"V{cfg.vocab_size} F{cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size}",
         "fp32_max_rel": _rel(fp32, ref["logits_fp32"]),
         "bf16_kl_max": _kl(ref["logits_fp32"], bf16),
-        "hf_bf16_kl_max": _kl(ref["logits_fp32"], ref["logits_bf16"]), "hf_ce": hf_ce}
+        "hf_bf16_kl_max": _kl(ref["logits_fp32"], ref["logits_bf16"]),
+        "hf_ce": hf_ce,
+    }
     for dp, tp, pp, sp in ((2, 2, 2, True), (1, 2, 4, cfg.num_moe_experts is not None)):
         ce = _pipeline_loss(cfg, params, jnp.asarray(tokens), dp, tp, pp, sp)
         out[f"ce_rel_{dp}{tp}{pp}"] = abs(ce - hf_ce) / hf_ce
     if torch_python:
         with tempfile.TemporaryDirectory() as tmp:
             export_hf(cfg, params, Path(tmp) / "hf", max_shard_bytes=200_000)
-            subprocess.run([torch_python, str(ROOT / "tools/make_hf_fixtures.py"), "--logits-of",
-                            str(Path(tmp) / "hf"), str(directory / "reference.npz"),
-                            str(Path(tmp) / "out.npz")], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    torch_python,
+                    str(ROOT / "tools/make_hf_fixtures.py"),
+                    "--logits-of",
+                    str(Path(tmp) / "hf"),
+                    str(directory / "reference.npz"),
+                    str(Path(tmp) / "out.npz"),
+                ],
+                check=True,
+                capture_output=True,
+            )
             back = np.load(Path(tmp) / "out.npz")
             out["exported_fp32_max_rel_vs_ours"] = _rel(back["logits_fp32"], fp32)
-            out["exported_equals_original_hf"] = bool(np.array_equal(back["logits_fp32"],
-                                                                     ref["logits_fp32"]))
+            out["exported_equals_original_hf"] = bool(
+                np.array_equal(back["logits_fp32"], ref["logits_fp32"])
+            )
     return out
 
 
@@ -100,9 +115,11 @@ def missing_inputs(directory: Path) -> str | None:
     if not (directory / "config.json").is_file():
         return "no config.json (not a Hugging Face model directory)"
     if not (directory / "reference.npz").is_file():
-        return ("no reference.npz: the comparison needs the reference logits of "
-                "tools/make_hf_fixtures.py (an exported directory has none; write them with "
-                "make_hf_fixtures.py --logits-of DIR REFERENCE OUT in the torch environment)")
+        return (
+            "no reference.npz: the comparison needs the reference logits of "
+            "tools/make_hf_fixtures.py (an exported directory has none; write them with "
+            "make_hf_fixtures.py --logits-of DIR REFERENCE OUT in the torch environment)"
+        )
     return None
 
 

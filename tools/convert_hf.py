@@ -26,8 +26,13 @@ from pathlib import Path
 
 REQUIRED = ("rotary_base", "rotary_percent", "layernorm_epsilon", "moe_router_topk")
 """Fields a converted checkpoint requires of the run beyond the shape fields."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 def import_to_checkpoint(hf_dir: str, out: str, seq_length: int | None) -> dict:
@@ -37,22 +42,28 @@ def import_to_checkpoint(hf_dir: str, out: str, seq_length: int | None) -> dict:
     t0 = time.perf_counter()
     overrides = {} if seq_length is None else {"seq_length": seq_length}
     cfg, params = import_hf(hf_dir, **overrides)
-    save_params_checkpoint(out, cfg, params, source=f"converted from Hugging Face {hf_dir}",
-                           required_fields=REQUIRED)
-    return {"checkpoint": out, "seconds": round(time.perf_counter() - t0, 2),
-            "flags": " ".join(megatron_flags(cfg))}
+    save_params_checkpoint(
+        out, cfg, params, source=f"converted from Hugging Face {hf_dir}", required_fields=REQUIRED
+    )
+    return {
+        "checkpoint": out,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "flags": " ".join(megatron_flags(cfg)),
+    }
 
 
-def export_from_checkpoint(load: str, hf_dir: str, template: str | None, dtype: str,
-                           max_shard_bytes: int) -> dict:
+def export_from_checkpoint(
+    load: str, hf_dir: str, template: str | None, dtype: str, max_shard_bytes: int
+) -> dict:
     import jax
     import orbax.checkpoint as ocp
 
     from jax_wgrad import GPTConfig
     from jax_wgrad.interop import canonical_arrays, export_hf
 
-    manager = ocp.CheckpointManager(str(Path(load).absolute()),
-                                    options=ocp.CheckpointManagerOptions(create=False))
+    manager = ocp.CheckpointManager(
+        str(Path(load).absolute()), options=ocp.CheckpointManagerOptions(create=False)
+    )
     step = manager.latest_step()
     if step is None:
         raise ValueError(f"--load {load}: no checkpoint in this directory")
@@ -61,20 +72,26 @@ def export_from_checkpoint(load: str, hf_dir: str, template: str | None, dtype: 
         raise ValueError(f"--load {load}: a {meta['model_type']} checkpoint, not a GPT")
     cfg = GPTConfig(**meta["model"])
     one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])  # whatever the saved mesh
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
-                          canonical_arrays(cfg))
-    params = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(target)))["params"]
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), canonical_arrays(cfg)
+    )
+    params = manager.restore(
+        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))
+    )["params"]
     manager.close()
     extra = {}
     if template:
         hf = json.loads((Path(template) / "config.json").read_text())
         # The model's context (max_position_embeddings) is the template's, not the
         # training sequence length, which may be shorter.
-        extra = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id",
-                                    "max_position_embeddings") if k in hf}
-    files = export_hf(cfg, params, hf_dir, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                      extra_config=extra)
+        extra = {
+            k: hf[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+            if k in hf
+        }
+    files = export_hf(
+        cfg, params, hf_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, extra_config=extra
+    )
     for name in TOKENIZER_FILES if template else ():
         if (Path(template) / name).is_file() and not (Path(hf_dir) / name).exists():
             shutil.copy(Path(template) / name, Path(hf_dir) / name)
@@ -83,27 +100,42 @@ def export_from_checkpoint(load: str, hf_dir: str, template: str | None, dtype: 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hf-dir", required=True, help="the Hugging Face model directory (read, "
-                   "or written with --export)")
+    p.add_argument(
+        "--hf-dir",
+        required=True,
+        help="the Hugging Face model directory (read, or written with --export)",
+    )
     p.add_argument("--out", help="the checkpoint directory to write (import)")
-    p.add_argument("--seq-length", type=int, default=None,
-                   help="import: training sequence length (absent: max_position_embeddings)")
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="import: training sequence length (absent: max_position_embeddings)",
+    )
     p.add_argument("--export", action="store_true", help="checkpoint -> HF directory")
     p.add_argument("--load", help="export: the checkpoint directory (newest step)")
-    p.add_argument("--hf-template", default=None,
-                   help="export: copy tokenizer files, token ids and max_position_embeddings "
-                        "from this HF directory (absent: max_position_embeddings is the "
-                        "training --seq-length)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="export: the safetensors dtype")
+    p.add_argument(
+        "--hf-template",
+        default=None,
+        help="export: copy tokenizer files, token ids and max_position_embeddings "
+        "from this HF directory (absent: max_position_embeddings is the "
+        "training --seq-length)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="export: the safetensors dtype",
+    )
     p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30)
     args = p.parse_args(argv)
     try:
         if args.export:
             if not args.load:
                 p.error("--export needs --load CKPT")
-            out = export_from_checkpoint(args.load, args.hf_dir, args.hf_template, args.dtype,
-                                         args.max_shard_bytes)
+            out = export_from_checkpoint(
+                args.load, args.hf_dir, args.hf_template, args.dtype, args.max_shard_bytes
+            )
         else:
             if not args.out:
                 p.error("import needs --out CKPT (or pass --export)")

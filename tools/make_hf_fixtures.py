@@ -23,26 +23,38 @@ from pathlib import Path
 
 import numpy as np
 
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
-              hidden_act="silu")
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+)
 
 FAMILIES = {
     # untied, GQA 4:2
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128,
-                                                      rope_theta=10000.0)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128, rope_theta=10000.0)),
     # head_dim 32 != hidden / heads (kv_channels), a sliding window longer than the sequence
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=96, head_dim=32,
-                                                            sliding_window=4096,
-                                                            rope_theta=1e6)),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(intermediate_size=96, head_dim=32, sliding_window=4096, rope_theta=1e6),
+    ),
     # q/k/v biases, tied embeddings (as Qwen2.5-0.5B)
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=128,
-                                                      tie_word_embeddings=True,
-                                                      rope_theta=1e6)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(intermediate_size=128, tie_word_embeddings=True, rope_theta=1e6),
+    ),
     # 4 experts, top-2
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=64,
-                                                            num_local_experts=4,
-                                                            num_experts_per_tok=2)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
 SHARD = {"llama": "200KB"}
 """Families saved as several shards with an index (the others: one file)."""
@@ -75,11 +87,19 @@ def random_shapes(family: str, seed: int) -> dict:
     heads = int(rng.choice([4, 8]))
     kv = int(rng.choice([k for k in (2, 4, heads) if heads % k == 0]))
     d = int(rng.choice([8, 16, 32]))
-    shapes = dict(COMMON, vocab_size=int(rng.choice([128, 160, 256])), hidden_size=heads * d,
-                  num_attention_heads=heads, num_key_value_heads=kv,
-                  rms_norm_eps=float(rng.choice([1e-5, 1e-6])))
-    extra = dict(FAMILIES[family][2], intermediate_size=16 * int(rng.integers(2, 9)),
-                 rope_theta=float(rng.choice([1e4, 5e5, 1e6])))
+    shapes = dict(
+        COMMON,
+        vocab_size=int(rng.choice([128, 160, 256])),
+        hidden_size=heads * d,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        rms_norm_eps=float(rng.choice([1e-5, 1e-6])),
+    )
+    extra = dict(
+        FAMILIES[family][2],
+        intermediate_size=16 * int(rng.integers(2, 9)),
+        rope_theta=float(rng.choice([1e4, 5e5, 1e6])),
+    )
     if family == "mistral":
         extra["head_dim"] = int(rng.choice([d, 2 * d]))
     return {**shapes, **extra}
@@ -95,19 +115,28 @@ def build(family: str, out: Path, seed: int, fresh: bool = False) -> dict:
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     randomize(model, seed)
-    tokens = torch.randint(0, config.vocab_size, (4, 17), generator=torch.Generator()
-                           .manual_seed(seed + 1))
+    tokens = torch.randint(
+        0, config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(seed + 1)
+    )
     fp32, bf16 = logits(model, tokens[:, :-1])
     d = out / family
     d.mkdir(parents=True, exist_ok=True)
     for f in d.iterdir():
         f.unlink()
     model.save_pretrained(d, max_shard_size=SHARD.get(family, "10MB"))
-    np.savez_compressed(d / "reference.npz", tokens=tokens.numpy().astype(np.int32),
-                        logits_fp32=fp32, logits_bf16=bf16)
-    return {"family": family, "files": sorted(f.name for f in d.iterdir()),
-            "bytes": sum(f.stat().st_size for f in d.iterdir()),
-            "torch": torch.__version__, "transformers": transformers.__version__}
+    np.savez_compressed(
+        d / "reference.npz",
+        tokens=tokens.numpy().astype(np.int32),
+        logits_fp32=fp32,
+        logits_bf16=bf16,
+    )
+    return {
+        "family": family,
+        "files": sorted(f.name for f in d.iterdir()),
+        "bytes": sum(f.stat().st_size for f in d.iterdir()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def logits(model, ids):
@@ -126,8 +155,7 @@ def logits_of(directory: str, tokens_npz: str, to: str) -> None:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     tokens = torch.tensor(np.load(tokens_npz)["tokens"]).long()
     fp32, bf16 = logits(model, tokens[:, :-1])
     np.savez(to, logits_fp32=fp32, logits_bf16=bf16)
@@ -137,11 +165,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(Path(__file__).parent.parent / "tests/fixtures/hf"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fresh", action="store_true",
-                   help="random shapes drawn from --seed (for tools/compare_hf.py), not the "
-                        "fixtures' shapes")
-    p.add_argument("--logits-of", nargs=3, metavar=("HF_DIR", "TOKENS_NPZ", "OUT_NPZ"),
-                   help="only write transformers' logits of HF_DIR on TOKENS_NPZ's tokens")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="random shapes drawn from --seed (for tools/compare_hf.py), not the fixtures' shapes",
+    )
+    p.add_argument(
+        "--logits-of",
+        nargs=3,
+        metavar=("HF_DIR", "TOKENS_NPZ", "OUT_NPZ"),
+        help="only write transformers' logits of HF_DIR on TOKENS_NPZ's tokens",
+    )
     args = p.parse_args(argv)
     if args.logits_of:
         logits_of(*args.logits_of)

@@ -45,8 +45,14 @@ def make_encoder(tokenizer_json: str | None):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_json)
-    eod = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>")
-                if tok.token_to_id(t) is not None), None)
+    eod = next(
+        (
+            tok.token_to_id(t)
+            for t in ("<|endoftext|>", "</s>", "<eos>")
+            if tok.token_to_id(t) is not None
+        ),
+        None,
+    )
     return (lambda text: tok.encode(text).ids), tok.get_vocab_size(), eod
 
 
@@ -65,8 +71,10 @@ def hf_encoder(hf_dir: str):
     config = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
     model_vocab = config.get("vocab_size")
     if model_vocab is not None and vocab > model_vocab:
-        raise ValueError(f"--tokenizer-hf-dir {hf_dir}: the tokenizer has {vocab} tokens, the "
-                         f"model's vocab_size is {model_vocab}")
+        raise ValueError(
+            f"--tokenizer-hf-dir {hf_dir}: the tokenizer has {vocab} tokens, the "
+            f"model's vocab_size is {model_vocab}"
+        )
     eos = config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     return encode, model_vocab or vocab, eos if isinstance(eos, int) else eod
@@ -78,11 +86,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-key", default="text")
     tok = p.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer-json", default=None,
-                     help="a tokenizers tokenizer.json (default: UTF-8 bytes)")
-    tok.add_argument("--tokenizer-hf-dir", default=None,
-                     help="a Hugging Face model directory: its tokenizer.json, checked "
-                          "against its config.json's vocab_size; eod = its eos_token_id")
+    tok.add_argument(
+        "--tokenizer-json", default=None, help="a tokenizers tokenizer.json (default: UTF-8 bytes)"
+    )
+    tok.add_argument(
+        "--tokenizer-hf-dir",
+        default=None,
+        help="a Hugging Face model directory: its tokenizer.json, checked "
+        "against its config.json's vocab_size; eod = its eos_token_id",
+    )
     p.add_argument("--append-eod", action="store_true")
     p.add_argument("--eod-id", type=int, default=None)
     args = p.parse_args(argv)
@@ -90,8 +102,11 @@ def main(argv: list[str] | None = None) -> dict:
     if missing:
         p.error(f"no such input file: {', '.join(missing)}")
     try:
-        encode, vocab, eod = (hf_encoder(args.tokenizer_hf_dir) if args.tokenizer_hf_dir
-                              else make_encoder(args.tokenizer_json))
+        encode, vocab, eod = (
+            hf_encoder(args.tokenizer_hf_dir)
+            if args.tokenizer_hf_dir
+            else make_encoder(args.tokenizer_json)
+        )
     except ValueError as exc:
         p.error(str(exc))
     eod = args.eod_id if args.eod_id is not None else eod
@@ -105,12 +120,17 @@ def main(argv: list[str] | None = None) -> dict:
             yield ids + [eod] if args.append_eod else ids
 
     try:
-        n_docs, n_tokens = write_indexed_dataset(args.output_prefix, encoded(),
-                                                 optimal_dtype(vocab))
+        n_docs, n_tokens = write_indexed_dataset(
+            args.output_prefix, encoded(), optimal_dtype(vocab)
+        )
     except (ValueError, json.JSONDecodeError) as exc:
         p.error(str(exc))
-    out = {"documents": n_docs, "tokens": n_tokens, "vocab_size": vocab,
-           "prefix": args.output_prefix}
+    out = {
+        "documents": n_docs,
+        "tokens": n_tokens,
+        "vocab_size": vocab,
+        "prefix": args.output_prefix,
+    }
     print(json.dumps(out))
     return out
 

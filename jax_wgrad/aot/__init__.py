@@ -21,6 +21,17 @@ from jax_wgrad.aot.compile import abstract_train_state, compile_for_target, comp
 from jax_wgrad.aot.report import AotReport, Collectives
 from jax_wgrad.aot.targets import TARGETS, GpuTarget, cuda_plugin, gpu_target, target_devices
 
-__all__ = ["AotReport", "Collectives", "GpuTarget", "TARGETS", "abstract_train_state",
-           "compile_for_target", "compile_plan", "cuda_plugin", "gpu_target", "hlo",
-           "target_devices", "thunks"]
+__all__ = [
+    "AotReport",
+    "Collectives",
+    "GpuTarget",
+    "TARGETS",
+    "abstract_train_state",
+    "compile_for_target",
+    "compile_plan",
+    "cuda_plugin",
+    "gpu_target",
+    "hlo",
+    "target_devices",
+    "thunks",
+]

@@ -41,8 +41,9 @@ T = TypeVar("T")
 
 
 def _with_shardings(tree, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        tree, shardings)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+    )
 
 
 def abstract_train_state(plan) -> Any:
@@ -53,15 +54,19 @@ def abstract_train_state(plan) -> Any:
     from jax_wgrad.training.step import TrainState, _stack
 
     program, opt, mesh = plan.program, plan.optimizer, plan.mesh
-    params = _with_shardings(jax.eval_shape(lambda: program.init_params(0)),
-                             plan.param_shardings)
-    init = jax.shard_map(lambda p: _stack(opt.init(program.device_tree(p))), mesh=mesh,
-                         in_specs=(program.param_specs(),), out_specs=P(AXES),
-                         check_vma=False)
+    params = _with_shardings(jax.eval_shape(lambda: program.init_params(0)), plan.param_shardings)
+    init = jax.shard_map(
+        lambda p: _stack(opt.init(program.device_tree(p))),
+        mesh=mesh,
+        in_specs=(program.param_specs(),),
+        out_specs=P(AXES),
+        check_vma=False,
+    )
     per_device = NamedSharding(mesh, P(AXES))
     opt_state = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=per_device),
-        jax.eval_shape(init, params))
+        jax.eval_shape(init, params),
+    )
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     return TrainState(step, params, opt_state)
 
@@ -97,8 +102,11 @@ def _xla_options(extra: dict[str, Any] | None) -> dict[str, Any]:
     from jax_wgrad.training.gpu import GPU_XLA_FLAGS
 
     env = os.environ.get("XLA_FLAGS", "")
-    opts = {k.lstrip("-"): (v == "true" if v in ("true", "false") else v)
-            for k, v in GPU_XLA_FLAGS.items() if k not in env}
+    opts = {
+        k.lstrip("-"): (v == "true" if v in ("true", "false") else v)
+        for k, v in GPU_XLA_FLAGS.items()
+        if k not in env
+    }
     opts.update(extra or {})
     return opts
 
@@ -119,9 +127,13 @@ def _compile_dumped(lowered, opts: dict[str, Any]):
     and a dump into a temporary directory (removed) for XLA:GPU's thunk sequence."""
     with tempfile.TemporaryDirectory(prefix="jax_wgrad_aot_") as dump:
         compiled = lowered.compile({**opts, "xla_dump_to": dump, "xla_dump_hlo_as_text": True})
-        return (compiled, read_largest_dump(dump, "*thunk_sequence_after_thunk_passes.txt",
-                                            "*thunk_sequence.txt"),
-                read_largest_dump(dump, "*thunk_metadata.txt"))
+        return (
+            compiled,
+            read_largest_dump(
+                dump, "*thunk_sequence_after_thunk_passes.txt", "*thunk_sequence.txt"
+            ),
+            read_largest_dump(dump, "*thunk_metadata.txt"),
+        )
 
 
 def _loop_facts(text: str, comps, sizes) -> tuple[tuple[str, str] | None, list[str], list[str]]:
@@ -136,14 +148,23 @@ def _loop_facts(text: str, comps, sizes) -> tuple[tuple[str, str] | None, list[s
             for b in hlo.branches(ins.line):
                 cooldown |= hlo.reachable(comps, b)
     every_tick = hlo.reachable(comps, loop[1]) - cooldown
-    name = lambda i: f"{i.opcode} {i.name} {i.shape}"  # noqa: E731
-    return (loop, [name(i) for i in hlo.sized_ops(comps, every_tick, sizes)],
-            [name(i) for i in hlo.sized_ops(comps, cooldown, sizes)])
+    name = lambda i: f"{i.opcode} {i.name} {i.shape}"
+    return (
+        loop,
+        [name(i) for i in hlo.sized_ops(comps, every_tick, sizes)],
+        [name(i) for i in hlo.sized_ops(comps, cooldown, sizes)],
+    )
 
 
-def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int | None = None,
-                 hosts: int = 1, xla_options: dict[str, Any] | None = None,
-                 fusion: str | None = None) -> AotReport:
+def compile_plan(
+    plan,
+    target: GpuTarget | str = "h100",
+    *,
+    gpus_per_host: int | None = None,
+    hosts: int = 1,
+    xla_options: dict[str, Any] | None = None,
+    fusion: str | None = None,
+) -> AotReport:
     """Compiles ``plan``'s train step (the plan's mesh must be of compile-only devices of
     ``target``, :func:`~jax_wgrad.aot.target_devices`) and reports on it.
 
@@ -164,8 +185,10 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
     t0 = time.perf_counter()
     state = abstract_train_state(plan)
     tokens = jax.ShapeDtypeStruct(
-        (par.global_batch_size, plan.model.seq_length + 1), jnp.int32,
-        sharding=NamedSharding(plan.mesh, P(DATA_PARALLEL)))
+        (par.global_batch_size, plan.model.seq_length + 1),
+        jnp.int32,
+        sharding=NamedSharding(plan.mesh, P(DATA_PARALLEL)),
+    )
     step = build_train_step(plan, state)
     lowered = step.trace(state, tokens).lower()
     t1 = time.perf_counter()
@@ -176,10 +199,13 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
     mem = compiled.memory_analysis()
 
     buf = plan.layout.buffer
-    bucket_bytes = sum(int(n) * np.dtype(d).itemsize
-                       for n, d in zip(buf.bucket_numels, buf.bucket_dtypes))
-    sizes = sorted({int(n) for n in buf.bucket_numels if n >= 1 << 16}
-                   | {int(max(buf.bucket_numels))}, reverse=True)
+    bucket_bytes = sum(
+        int(n) * np.dtype(d).itemsize for n, d in zip(buf.bucket_numels, buf.bucket_dtypes)
+    )
+    sizes = sorted(
+        {int(n) for n in buf.bucket_numels if n >= 1 << 16} | {int(max(buf.bucket_numels))},
+        reverse=True,
+    )
     comps = hlo.computations(text)
     loop, loop_ops, cooldown_ops = _loop_facts(text, comps, sizes)
     wgrad = [c for t in registry.WGRAD_TARGETS for c in hlo.custom_calls(text, t)]
@@ -188,74 +214,119 @@ def compile_plan(plan, target: GpuTarget | str = "h100", *, gpus_per_host: int |
     launches = None
     if loop is not None and thunk_text and meta_text:
         op_names = {i.name: i.op_name for i in hlo.instructions(text.splitlines())}
-        launches = thunks.loop_launches(thunks.parse_thunks(thunk_text),
-                                        thunks.thunk_names(meta_text), loop[0], op_names,
-                                        trips=hlo.trip_counts(text))
+        launches = thunks.loop_launches(
+            thunks.parse_thunks(thunk_text),
+            thunks.thunk_names(meta_text),
+            loop[0],
+            op_names,
+            trips=hlo.trip_counts(text),
+        )
     traffic = None if loop is None else hlo.loop_traffic(text, loop[1])
     params_per_device, expert_params, itemsize = _param_facts(state.params)
 
     # jax's GPU allocator is capped at this share whether it preallocates or not.
     frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
     return AotReport(
-        target=target.description, gpus_per_host=gpus_per_host, hosts=hosts,
+        target=target.description,
+        gpus_per_host=gpus_per_host,
+        hosts=hosts,
         mesh_shape=mesh_shape(plan.mesh),
-        num_params=sum(int(np.prod(a.shape, dtype=np.int64))
-                       for a in jax.tree.leaves(state.params)),
-        device_memory=target.memory_bytes, mem_fraction=frac,
-        param_bytes=_device_bytes(state.params), optimizer_bytes=_device_bytes(state.opt_state),
-        bucket_bytes=bucket_bytes, argument_bytes=mem.argument_size_in_bytes,
-        output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
+        num_params=sum(
+            int(np.prod(a.shape, dtype=np.int64)) for a in jax.tree.leaves(state.params)
+        ),
+        device_memory=target.memory_bytes,
+        mem_fraction=frac,
+        param_bytes=_device_bytes(state.params),
+        optimizer_bytes=_device_bytes(state.opt_state),
+        bucket_bytes=bucket_bytes,
+        argument_bytes=mem.argument_size_in_bytes,
+        output_bytes=mem.output_size_in_bytes,
+        alias_bytes=mem.alias_size_in_bytes,
         temp_bytes=mem.temp_size_in_bytes,
         generated_code_bytes=mem.generated_code_size_in_bytes,
-        trace_lower_s=t1 - t0, compile_s=t2 - t1,
-        fusion=fusion or (FUSION_SKIPPED if par.gradient_accumulation_fusion
-                          else "gradient accumulation fusion off"),
-        wgrad_calls=len(wgrad), wgrad_aliased=sum(map(hlo.aliased, wgrad)),
-        bucket_add_calls=len(badd), bucket_add_aliased=sum(map(hlo.aliased, badd)),
-        loop=None if loop is None else loop[0], bucket_sizes=tuple(sizes),
-        loop_bucket_ops=tuple(loop_ops), cooldown_bucket_ops=tuple(cooldown_ops),
+        trace_lower_s=t1 - t0,
+        compile_s=t2 - t1,
+        fusion=fusion
+        or (
+            FUSION_SKIPPED
+            if par.gradient_accumulation_fusion
+            else "gradient accumulation fusion off"
+        ),
+        wgrad_calls=len(wgrad),
+        wgrad_aliased=sum(map(hlo.aliased, wgrad)),
+        bucket_add_calls=len(badd),
+        bucket_add_aliased=sum(map(hlo.aliased, badd)),
+        loop=None if loop is None else loop[0],
+        bucket_sizes=tuple(sizes),
+        loop_bucket_ops=tuple(loop_ops),
+        cooldown_bucket_ops=tuple(cooldown_ops),
         scatters_16bit=tuple(f"{i.name} {i.shape}" for i in hlo.scatters_16bit(text)),
         collectives=collectives(comps),
         launches=launches,
-        launches_per_microbatch=None if launches is None else _per_microbatch(
-            launches.overhead, launches.tasks, plan.table, float),
+        launches_per_microbatch=None
+        if launches is None
+        else _per_microbatch(launches.overhead, launches.tasks, plan.table, float),
         num_microbatches=par.num_microbatches,
         num_ticks=plan.table.num_ticks,
-        xla_flags=tuple(f"--{k}={v}".replace("=True", "=true").replace("=False", "=false")
-                        for k, v in opts.items()),
-        params_per_device=params_per_device, expert_params_per_device=expert_params,
-        param_itemsize=itemsize, distributed_optimizer=plan.ddp.use_distributed_optimizer,
+        xla_flags=tuple(
+            f"--{k}={v}".replace("=True", "=true").replace("=False", "=false")
+            for k, v in opts.items()
+        ),
+        params_per_device=params_per_device,
+        expert_params_per_device=expert_params,
+        param_itemsize=itemsize,
+        distributed_optimizer=plan.ddp.use_distributed_optimizer,
         data_parallel_size=par.data_parallel_size,
         expert_data_parallel_size=par.expert_data_parallel_size,
-        memory_bandwidth=target.memory_bandwidth, traffic=traffic,
-        traffic_per_microbatch=None if traffic is None else _per_microbatch(
-            traffic.overhead, traffic.tasks, plan.table, lambda t: t.total))
+        memory_bandwidth=target.memory_bandwidth,
+        traffic=traffic,
+        traffic_per_microbatch=None
+        if traffic is None
+        else _per_microbatch(traffic.overhead, traffic.tasks, plan.table, lambda t: t.total),
+    )
 
 
-def _per_microbatch(overhead: T, tasks: Mapping[str, tuple[T, T]], table,
-                    size: Callable[[T], float]) -> T:
+def _per_microbatch(
+    overhead: T, tasks: Mapping[str, tuple[T, T]], table, size: Callable[[T], float]
+) -> T:
     """The busiest stage's cost of the schedule's ticks, per microbatch: each tick costs
     ``overhead`` plus each task's ``(idle, busy)`` cost as the schedule ``table`` says
     (a tick count of launches, or a :class:`~jax_wgrad.aot.hlo.Traffic`); the stage with
     the largest ``size`` of its sum is the busiest."""
-    rows = {"forward": np.asarray(table.forward), "backward": np.asarray(table.backward),
-            "weight_gradients": np.asarray(table.weight)}
+    rows = {
+        "forward": np.asarray(table.forward),
+        "backward": np.asarray(table.backward),
+        "weight_gradients": np.asarray(table.weight),
+    }
     stages = []
     for s in range(table.num_stages):
         n = overhead * table.num_ticks
         for t in range(table.num_ticks):
             for key, (idle, busy) in tasks.items():
                 key = key.rstrip("'")
-                on = (rows[key][t, s] >= 0 if key in rows else
-                      t == table.last_grad_tick(s) if key == "grad_sync_in_cooldown" else True)
+                on = (
+                    rows[key][t, s] >= 0
+                    if key in rows
+                    else t == table.last_grad_tick(s)
+                    if key == "grad_sync_in_cooldown"
+                    else True
+                )
                 n = n + (busy if on else idle)
         stages.append(n)
     return max(stages, key=size) * (1 / table.num_microbatches)
 
 
-def compile_for_target(model, parallel, ddp=None, *, target: GpuTarget | str = "h100",
-                       gpus_per_host: int = 1, hosts: int = 1, tx=None,
-                       xla_options: dict[str, Any] | None = None) -> AotReport:
+def compile_for_target(
+    model,
+    parallel,
+    ddp=None,
+    *,
+    target: GpuTarget | str = "h100",
+    gpus_per_host: int = 1,
+    hosts: int = 1,
+    tx=None,
+    xla_options: dict[str, Any] | None = None,
+) -> AotReport:
     """Compiles the train step of ``model`` laid out as ``parallel`` for ``hosts`` hosts
     of ``gpus_per_host`` GPUs ``target`` each, without a GPU, and reports on it.
 
@@ -278,8 +349,14 @@ def compile_for_target(model, parallel, ddp=None, *, target: GpuTarget | str = "
     target = gpu_target(target) if isinstance(target, str) else target
     devices = target_devices(target, gpus_per_host, hosts)
     parallel = dataclasses.replace(parallel, world_size=len(devices))
-    plan = TrainPlan.create(model, parallel, make_mesh(parallel, devices),
-                            tx if tx is not None else default_optimizer(1e-4),
-                            ddp=ddp or DDPConfig(), check_fusion=False)
-    return compile_plan(plan, target, gpus_per_host=gpus_per_host, hosts=hosts,
-                        xla_options=xla_options)
+    plan = TrainPlan.create(
+        model,
+        parallel,
+        make_mesh(parallel, devices),
+        tx if tx is not None else default_optimizer(1e-4),
+        ddp=ddp or DDPConfig(),
+        check_fusion=False,
+    )
+    return compile_plan(
+        plan, target, gpus_per_host=gpus_per_host, hosts=hosts, xla_options=xla_options
+    )

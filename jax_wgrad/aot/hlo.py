@@ -22,11 +22,33 @@ import re
 from collections.abc import Iterable, Sequence
 
 __all__ = [
-    "computations", "reachable", "while_bodies", "entry_name", "Instruction", "instructions",
-    "custom_calls", "aliased", "wraps_aliased_custom_call", "sized_ops", "scatters_16bit",
-    "AsyncCollective", "async_collectives", "sync_collectives", "branches", "known_trip_count",
-    "trip_counts", "schedule_loop", "TASK_SCOPES", "task_of", "shape_bytes", "gemm_class",
-    "TRAFFIC_KINDS", "Traffic", "kernel_traffic", "computation_traffic", "TickTraffic",
+    "computations",
+    "reachable",
+    "while_bodies",
+    "entry_name",
+    "Instruction",
+    "instructions",
+    "custom_calls",
+    "aliased",
+    "wraps_aliased_custom_call",
+    "sized_ops",
+    "scatters_16bit",
+    "AsyncCollective",
+    "async_collectives",
+    "sync_collectives",
+    "branches",
+    "known_trip_count",
+    "trip_counts",
+    "schedule_loop",
+    "TASK_SCOPES",
+    "task_of",
+    "shape_bytes",
+    "gemm_class",
+    "TRAFFIC_KINDS",
+    "Traffic",
+    "kernel_traffic",
+    "computation_traffic",
+    "TickTraffic",
     "loop_traffic",
 ]
 
@@ -50,7 +72,8 @@ def computations(hlo: str) -> dict[str, list[str]]:
 
 
 _CALLEES = re.compile(
-    r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
+    r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
+)
 
 
 def reachable(comps: dict[str, list[str]], root: str) -> set[str]:
@@ -99,13 +122,16 @@ class Instruction:
 
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(dtype, shape)`` of each array in the result type."""
-        return [(d, tuple(int(x) for x in s.split(",") if x))
-                for d, s in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", self.shape)]
+        return [
+            (d, tuple(int(x) for x in s.split(",") if x))
+            for d, s in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", self.shape)
+        ]
 
 
 _INSTRUCTION = re.compile(
     r"^(?:ROOT )?%?([\w.\-]+) = ((?:\((?:[^()]|\([^()]*\))*\))|[\w\[\],{}:()*]+?) "
-    r"([a-z][\w\-]*)\(")
+    r"([a-z][\w\-]*)\("
+)
 
 
 def instructions(lines: Iterable[str]) -> list[Instruction]:
@@ -120,8 +146,7 @@ def instructions(lines: Iterable[str]) -> list[Instruction]:
 
 def custom_calls(hlo: str, target: str) -> list[str]:
     """Lines of the custom calls to ``target``."""
-    return [line.strip() for line in hlo.splitlines()
-            if f'custom_call_target="{target}"' in line]
+    return [line.strip() for line in hlo.splitlines() if f'custom_call_target="{target}"' in line]
 
 
 def aliased(line: str) -> bool:
@@ -129,9 +154,20 @@ def aliased(line: str) -> bool:
     return "output_to_operand_aliasing=" in line
 
 
-_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
-                "conditional", "while", "call", "after-all", "opt-barrier",
-                "partition-id", "replica-id"}
+_NOT_KERNELS = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "conditional",
+    "while",
+    "call",
+    "after-all",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+}
 
 
 def wraps_aliased_custom_call(line: str, comps: dict[str, list[str]]) -> bool:
@@ -144,12 +180,17 @@ def wraps_aliased_custom_call(line: str, comps: dict[str, list[str]]) -> bool:
         return False
     body = comps.get(callee.group(1), [])
     root = [l for l in body if l.startswith("ROOT ")]
-    return (callee.group(1).startswith("dynamic-slice-fusion") and len(root) == 1
-            and " custom-call(" in root[0] and aliased(root[0]))
+    return (
+        callee.group(1).startswith("dynamic-slice-fusion")
+        and len(root) == 1
+        and " custom-call(" in root[0]
+        and aliased(root[0])
+    )
 
 
-def sized_ops(comps: dict[str, list[str]], names: Iterable[str], sizes: Iterable[int],
-              dtype: str = "f32") -> list[Instruction]:
+def sized_ops(
+    comps: dict[str, list[str]], names: Iterable[str], sizes: Iterable[int], dtype: str = "f32"
+) -> list[Instruction]:
     """Instructions of computations ``names`` that produce a 1-D ``dtype`` array of one of
     ``sizes`` elements and run as a kernel or copy of their own: copies, fusions,
     non-aliased custom calls, ... (control flow, tuples, bitcasts, custom calls whose
@@ -162,8 +203,11 @@ def sized_ops(comps: dict[str, list[str]], names: Iterable[str], sizes: Iterable
         if c.startswith(("fused_", "wrapped_")) or "fused_computation" in c:
             continue
         for ins in instructions(comps.get(c, ())):
-            if (ins.opcode in _NOT_KERNELS or ins.opcode.endswith("-done")
-                    or _collective(ins.opcode)):
+            if (
+                ins.opcode in _NOT_KERNELS
+                or ins.opcode.endswith("-done")
+                or _collective(ins.opcode)
+            ):
                 continue
             if ins.opcode == "custom-call" and aliased(ins.line):
                 continue
@@ -176,19 +220,46 @@ def sized_ops(comps: dict[str, list[str]], names: Iterable[str], sizes: Iterable
 
 def scatters_16bit(hlo: str) -> list[Instruction]:
     """``scatter`` instructions (fused or not) whose result is bf16 or f16."""
-    return [ins for ins in instructions(hlo.splitlines())
-            if ins.opcode == "scatter" and any(d in ("bf16", "f16") for d, _ in ins.arrays())]
+    return [
+        ins
+        for ins in instructions(hlo.splitlines())
+        if ins.opcode == "scatter" and any(d in ("bf16", "f16") for d, _ in ins.arrays())
+    ]
 
 
 def _collective(opcode: str) -> bool:
-    return opcode in _COLLECTIVES or opcode.removesuffix("-start") in _COLLECTIVES \
+    return (
+        opcode in _COLLECTIVES
+        or opcode.removesuffix("-start") in _COLLECTIVES
         or opcode == "async-start"
+    )
 
 
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-                "all-to-all", "ragged-all-to-all", "collective-broadcast")
-_COMPUTE = {"fusion", "fusion-start", "custom-call", "dot", "convolution", "conditional",
-            "while", "call", "sort", "scatter", "gather", "reduce", "copy", "copy-start"}
+_COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-broadcast",
+)
+_COMPUTE = {
+    "fusion",
+    "fusion-start",
+    "custom-call",
+    "dot",
+    "convolution",
+    "conditional",
+    "while",
+    "call",
+    "sort",
+    "scatter",
+    "gather",
+    "reduce",
+    "copy",
+    "copy-start",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,45 +323,56 @@ def gemm_class(ins: Instruction, comps: dict[str, list[str]]) -> bool:
     callees = _CALLEES.findall(ins.line)
     if ins.opcode == "conditional":
         callees += branches(ins.line)
-    if ins.opcode not in ("fusion", "fusion-start", "while", "conditional", "call") \
-            or not callees:
+    if ins.opcode not in ("fusion", "fusion-start", "while", "conditional", "call") or not callees:
         return False
-    return any(i.opcode in _GEMM_OPCODES
-               for c in callees for r in reachable(comps, c)
-               for i in instructions(comps.get(r, ())))
+    return any(
+        i.opcode in _GEMM_OPCODES
+        for c in callees
+        for r in reachable(comps, c)
+        for i in instructions(comps.get(r, ()))
+    )
 
 
-def async_collectives(comps: dict[str, list[str]],
-                      names: Iterable[str] | None = None) -> list[AsyncCollective]:
+def async_collectives(
+    comps: dict[str, list[str]], names: Iterable[str] | None = None
+) -> list[AsyncCollective]:
     """Every asynchronous collective (``*-start``/``*-done`` pair, or an ``async-start``
     wrapping one) in computations ``names`` (default: all), with the compute scheduled
     between its start and its done (:attr:`AsyncCollective.overlapped`: GEMM-class
     compute among it)."""
     out = []
-    for c in (comps if names is None else names):
+    for c in comps if names is None else names:
         body = instructions(comps.get(c, ()))
         for i, ins in enumerate(body):
             kind = _async_kind(ins, comps)
             if kind is None:
                 continue
             between = []
-            for later in body[i + 1:]:
+            for later in body[i + 1 :]:
                 if later.opcode.endswith("-done") and re.search(
-                        rf"%{re.escape(ins.name)}\b", later.line):
+                    rf"%{re.escape(ins.name)}\b", later.line
+                ):
                     break
                 if later.opcode in _COMPUTE:
                     between.append(later)
-            out.append(AsyncCollective(
-                kind, ins, c, tuple(b.name for b in between),
-                tuple(b.name for b in between if gemm_class(b, comps))))
+            out.append(
+                AsyncCollective(
+                    kind,
+                    ins,
+                    c,
+                    tuple(b.name for b in between),
+                    tuple(b.name for b in between if gemm_class(b, comps)),
+                )
+            )
     return out
 
 
-def sync_collectives(comps: dict[str, list[str]],
-                     names: Iterable[str] | None = None) -> list[Instruction]:
+def sync_collectives(
+    comps: dict[str, list[str]], names: Iterable[str] | None = None
+) -> list[Instruction]:
     """Collectives that XLA left synchronous (no start/done pair) in ``names``."""
     out = []
-    for c in (comps if names is None else names):
+    for c in comps if names is None else names:
         if c.startswith(("fused_", "wrapped_")):
             continue
         out += [ins for ins in instructions(comps.get(c, ())) if ins.opcode in _COLLECTIVES]
@@ -315,8 +397,11 @@ def trip_counts(hlo: str) -> dict[str, int | None]:
     """``{while instruction name: its known trip count, or None}`` for every ``while`` of
     a compiled module (XLA's optimized HLO puts ``known_trip_count`` in the backend config
     of loops it can count, e.g. every ``lax.scan``)."""
-    return {ins.name: known_trip_count(ins.line) for ins in instructions(hlo.splitlines())
-            if ins.opcode == "while"}
+    return {
+        ins.name: known_trip_count(ins.line)
+        for ins in instructions(hlo.splitlines())
+        if ins.opcode == "while"
+    }
 
 
 def schedule_loop(hlo: str, carried_sizes: Sequence[int]) -> tuple[str, str] | None:
@@ -335,23 +420,24 @@ def schedule_loop(hlo: str, carried_sizes: Sequence[int]) -> tuple[str, str] | N
             head = line.split(" while(")[0]
             carried = [n for n in carried_sizes if f"f32[{n}]" in head]
             if carried:
-                found.append((max(carried),
-                              re.match(r"(?:ROOT )?%?([\w.\-]+) =", line).group(1), body, c))
+                found.append(
+                    (max(carried), re.match(r"(?:ROOT )?%?([\w.\-]+) =", line).group(1), body, c)
+                )
     if not found:
         return None
     largest = max(f[0] for f in found)
     found = [f for f in found if f[0] == largest]
     inside = {f[1]: reachable(comps, f[2]) for f in found}
-    outer = [f for f in found
-             if not any(f[3] in inside[g[1]] for g in found if g[1] != f[1])] or found
+    outer = [
+        f for f in found if not any(f[3] in inside[g[1]] for g in found if g[1] != f[1])
+    ] or found
     best = max(outer, key=lambda f: len(inside[f[1]]))
     return best[1], best[2]
 
 
 # ------------------------------------------------------- tasks of the schedule loop
 
-TASK_SCOPES: tuple[str, ...] = ("forward", "backward", "weight_gradients",
-                                "grad_sync_in_cooldown")
+TASK_SCOPES: tuple[str, ...] = ("forward", "backward", "weight_gradients", "grad_sync_in_cooldown")
 """``op_name`` scopes (``jax.named_scope`` in the pipeline executor) of the conditionals
 that run one task of a schedule tick."""
 
@@ -366,9 +452,24 @@ def task_of(op_name: str, scopes: Sequence[str] = TASK_SCOPES) -> str:
 
 # ----------------------------------------------------------- non-GEMM memory traffic
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16, "token": 0}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
+}
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 
 
@@ -410,14 +511,15 @@ def _operands(ins: Instruction) -> list[tuple[str, int | None]]:
     """``(name, tuple index or None)`` of each operand (``%x`` or ``%x#1``, XLA's short
     form of element 1 of a tuple-shaped ``x``)."""
     head = ins.line.find(f" {ins.opcode}(")
-    text, depth = ins.line[head + len(ins.opcode) + 2:], 1
+    text, depth = ins.line[head + len(ins.opcode) + 2 :], 1
     for i, ch in enumerate(text):
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0:
             text = text[:i]
             break
-    return [(n, None if k == "" else int(k))
-            for n, k in re.findall(r"%([\w.\-]+)(?:#(\d+))?", text)]
+    return [
+        (n, None if k == "" else int(k)) for n, k in re.findall(r"%([\w.\-]+)(?:#(\d+))?", text)
+    ]
 
 
 TRAFFIC_KINDS: tuple[str, ...] = ("fusion", "copy", "memset", "dynamic_update_slice")
@@ -453,20 +555,41 @@ class Traffic:
         return {k: getattr(self, k) for k in TRAFFIC_KINDS}
 
 
-_NO_TRAFFIC = _NOT_KERNELS | {"partition-id", "replica-id", "add-dependency", "domain",
-                              "copy-done", "send-done", "recv-done", "send", "recv"}
+_NO_TRAFFIC = _NOT_KERNELS | {
+    "partition-id",
+    "replica-id",
+    "add-dependency",
+    "domain",
+    "copy-done",
+    "send-done",
+    "recv-done",
+    "send",
+    "recv",
+}
 _SLICING = {"dynamic-slice", "slice", "gather"}
-_DATA_MOVEMENT = {"parameter", "constant", "bitcast", "copy", "transpose", "slice",
-                  "dynamic-slice", "reshape", "concatenate", "pad", "tuple",
-                  "get-tuple-element", "broadcast", "reverse"}
+_DATA_MOVEMENT = {
+    "parameter",
+    "constant",
+    "bitcast",
+    "copy",
+    "transpose",
+    "slice",
+    "dynamic-slice",
+    "reshape",
+    "concatenate",
+    "pad",
+    "tuple",
+    "get-tuple-element",
+    "broadcast",
+    "reverse",
+}
 
 
 class _Shapes:
     """Result shapes of every instruction of a module, by name (names are module-unique)."""
 
     def __init__(self, comps: dict[str, list[str]]):
-        self.by_name = {i.name: i.shape for lines in comps.values()
-                        for i in instructions(lines)}
+        self.by_name = {i.name: i.shape for lines in comps.values() for i in instructions(lines)}
 
     def operand(self, name: str, index: int | None) -> str:
         shape = self.by_name.get(name, "")
@@ -499,16 +622,20 @@ def _fusion_traffic(fused: list[Instruction]) -> tuple[str, float]:
         return ins
 
     root = next((i for i in fused if i.line.startswith("ROOT ")), fused[-1])
-    outputs = ([source(n) for n, _ in _operands(root)] if root.opcode == "tuple"
-               else [source(root.name)])
+    outputs = (
+        [source(n) for n, _ in _operands(root)] if root.opcode == "tuple" else [source(root.name)]
+    )
     written, dus = 0.0, False
     for out in outputs:
         if out is None:
             continue
         ops = _operands(out)
         buffer = source(ops[0][0]) if ops else None
-        if (out.opcode == "dynamic-update-slice" and buffer is not None
-                and buffer.opcode == "parameter"):  # in place: the update is written
+        if (
+            out.opcode == "dynamic-update-slice"
+            and buffer is not None
+            and buffer.opcode == "parameter"
+        ):  # in place: the update is written
             dus = True
             update = by_name.get(ops[1][0]) if len(ops) > 1 else None
             written += shape_bytes(update.shape) if update is not None else 0
@@ -532,8 +659,11 @@ def _fusion_traffic(fused: list[Instruction]) -> tuple[str, float]:
         kind = "dynamic_update_slice"
     elif not arrays:
         kind = "fusion"
-    elif read == 0 and all(i.opcode in ("constant", "broadcast", "tuple", "bitcast")
-                           for i in arrays if i.opcode != "parameter"):
+    elif read == 0 and all(
+        i.opcode in ("constant", "broadcast", "tuple", "bitcast")
+        for i in arrays
+        if i.opcode != "parameter"
+    ):
         kind = "memset"
     elif all(i.opcode in _DATA_MOVEMENT for i in arrays):
         kind = "copy"
@@ -542,8 +672,9 @@ def _fusion_traffic(fused: list[Instruction]) -> tuple[str, float]:
     return kind, read + written
 
 
-def kernel_traffic(ins: Instruction, comps: dict[str, list[str]],
-                   shapes: _Shapes | None = None) -> tuple[str, float] | None:
+def kernel_traffic(
+    ins: Instruction, comps: dict[str, list[str]], shapes: _Shapes | None = None
+) -> tuple[str, float] | None:
     """``(kind, bytes read + written)`` of the kernel ``ins`` launches, or ``None`` when it
     launches no non-GEMM kernel: GEMM-class work (:func:`gemm_class`: GEMMs, custom
     calls, Triton GEMM fusions, cuDNN calls), collectives and their start/done, control
@@ -571,8 +702,14 @@ def kernel_traffic(ins: Instruction, comps: dict[str, list[str]],
     a gather counts its result's bytes, a scatter its operands'.
     """
     op = ins.opcode
-    if (op in _NO_TRAFFIC or op in ("while", "conditional", "call") or _collective(op)
-            or op.endswith("-done") or op == "async-start" or gemm_class(ins, comps)):
+    if (
+        op in _NO_TRAFFIC
+        or op in ("while", "conditional", "call")
+        or _collective(op)
+        or op.endswith("-done")
+        or op == "async-start"
+        or gemm_class(ins, comps)
+    ):
         return None
     if op in ("fusion", "fusion-start"):  # an async fusion (another stream) as a fusion
         callee = re.search(r"calls=%([\w.\-]+)", ins.line)
@@ -585,16 +722,20 @@ def kernel_traffic(ins: Instruction, comps: dict[str, list[str]],
     if op in ("copy", "copy-start", "slice", "dynamic-slice"):
         return "copy", 2.0 * out
     if op == "dynamic-update-slice":
-        return "dynamic_update_slice", 2.0 * shape_bytes(operands[1] if len(operands) > 1
-                                                         else "")
+        return "dynamic_update_slice", 2.0 * shape_bytes(operands[1] if len(operands) > 1 else "")
     if op == "broadcast":
         return "memset", out + sum(map(shape_bytes, operands))
     return "fusion", out + sum(map(shape_bytes, operands))
 
 
-def computation_traffic(comps: dict[str, list[str]], name: str, *, busy: bool = True,
-                        trips: dict[str, int | None] | None = None,
-                        shapes: _Shapes | None = None) -> tuple[Traffic, int]:
+def computation_traffic(
+    comps: dict[str, list[str]],
+    name: str,
+    *,
+    busy: bool = True,
+    trips: dict[str, int | None] | None = None,
+    shapes: _Shapes | None = None,
+) -> tuple[Traffic, int]:
     """``(traffic, loops of unknown trip count)`` of running computation ``name`` once:
     the sum of :func:`_instruction_traffic` over its instructions."""
     shapes = shapes or _Shapes(comps)
@@ -605,15 +746,20 @@ def computation_traffic(comps: dict[str, list[str]], name: str, *, busy: bool = 
     return total, unknown
 
 
-def _instruction_traffic(ins: Instruction, comps: dict[str, list[str]], *, busy: bool,
-                         trips: dict[str, int | None], shapes: _Shapes) -> tuple[Traffic, int]:
+def _instruction_traffic(
+    ins: Instruction,
+    comps: dict[str, list[str]],
+    *,
+    busy: bool,
+    trips: dict[str, int | None],
+    shapes: _Shapes,
+) -> tuple[Traffic, int]:
     """``(traffic, loops of unknown trip count)`` of running ``ins`` once: its
     :func:`kernel_traffic`; a ``while``'s body times its known trip count (``trips``:
     :func:`trip_counts`; an unknown one counts once, condition included); a conditional's
     heavier branch (``busy``) or its lighter one; a ``call``'s or a non-collective
     ``async-start``'s callee once."""
-    run = functools.partial(computation_traffic, comps, busy=busy, trips=trips,
-                            shapes=shapes)
+    run = functools.partial(computation_traffic, comps, busy=busy, trips=trips, shapes=shapes)
     if ins.opcode == "while":
         body, n = re.search(r"body=%([\w.\-]+)", ins.line).group(1), trips.get(ins.name)
         n = n if n is not None else known_trip_count(ins.line)
@@ -665,9 +811,13 @@ def loop_traffic(hlo: str, body: str, scopes: Sequence[str] = TASK_SCOPES) -> Ti
             key = task_of(ins.op_name, scopes)
             while key in tasks:
                 key += "'"
-            options = sorted((computation_traffic(comps, b, trips=trips, shapes=shapes)
-                              for b in branches(ins.line)), key=lambda o: o[0].total) \
-                or [(Traffic(), 0)]
+            options = sorted(
+                (
+                    computation_traffic(comps, b, trips=trips, shapes=shapes)
+                    for b in branches(ins.line)
+                ),
+                key=lambda o: o[0].total,
+            ) or [(Traffic(), 0)]
             tasks[key] = (options[0][0], options[-1][0])
             unknown += options[-1][1]
         else:

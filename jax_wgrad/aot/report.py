@@ -7,9 +7,16 @@ from typing import Any
 
 from jax_wgrad.aot import hlo, thunks
 
-__all__ = ["AotReport", "Collectives", "COLLECTIVE_GROUPS", "DEFAULT_MEM_FRACTION",
-           "FUSION_SKIPPED", "collectives", "measured_bytes_per_parameter",
-           "megatron_figures"]
+__all__ = [
+    "AotReport",
+    "Collectives",
+    "COLLECTIVE_GROUPS",
+    "DEFAULT_MEM_FRACTION",
+    "FUSION_SKIPPED",
+    "collectives",
+    "measured_bytes_per_parameter",
+    "megatron_figures",
+]
 
 DEFAULT_MEM_FRACTION = 0.75
 """The share of GPU memory jax's allocator takes by default (``XLA_PYTHON_CLIENT_MEM_FRACTION``)."""
@@ -46,20 +53,25 @@ class Collectives:
         elif self.overlapped:
             verdict = "partly overlapped with compute"
         elif self.memory_bound_only:
-            verdict = ("not overlapped with compute: only memory-bound kernels run while "
-                       "they are in flight")
+            verdict = (
+                "not overlapped with compute: only memory-bound kernels run while "
+                "they are in flight"
+            )
         else:
             verdict = "none overlapped"
-        return (f"{self.group}: {self.total} ({self.asynchronous} async; "
-                f"{self.overlapped} with GEMMs or custom calls between start and done, "
-                f"{self.memory_bound_only} with only memory-bound kernels): {verdict}")
+        return (
+            f"{self.group}: {self.total} ({self.asynchronous} async; "
+            f"{self.overlapped} with GEMMs or custom calls between start and done, "
+            f"{self.memory_bound_only} with only memory-bound kernels): {verdict}"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def measured_bytes_per_parameter(params_bytes: int, grad_bytes: int, optimizer_bytes: int,
-                                 params_per_device: int) -> dict[str, float]:
+def measured_bytes_per_parameter(
+    params_bytes: int, grad_bytes: int, optimizer_bytes: int, params_per_device: int
+) -> dict[str, float]:
     """Bytes per parameter by category on one device: ``{"params", "grads", "optimizer",
     "total"}``, each category's bytes (parameters, the flat gradient buckets, the
     optimizer state) over the parameters the device holds.
@@ -73,10 +85,13 @@ def measured_bytes_per_parameter(params_bytes: int, grad_bytes: int, optimizer_b
     return out
 
 
-def megatron_figures(param_itemsize: int, distributed_optimizer: bool,
-                                 data_parallel_size: int, expert_fraction: float = 0.0,
-                                 expert_data_parallel_size: int | None = None
-                                 ) -> tuple[dict[str, float], str]:
+def megatron_figures(
+    param_itemsize: int,
+    distributed_optimizer: bool,
+    data_parallel_size: int,
+    expert_fraction: float = 0.0,
+    expert_data_parallel_size: int | None = None,
+) -> tuple[dict[str, float], str]:
     """Megatron-LM's memory per parameter (its distributed-optimizer docs): ``({"params",
     "grads", "optimizer", "total"}, the formula as text)``. (A stand-in, with
     :func:`measured_bytes_per_parameter`, for the library's
@@ -97,8 +112,9 @@ def megatron_figures(param_itemsize: int, distributed_optimizer: bool,
         div = (1 - expert_fraction) / data_parallel_size + expert_fraction / edp
         formula += f"/DP (DP {data_parallel_size}"
         if expert_fraction and edp != data_parallel_size:
-            formula += (f"; expert parameters, {expert_fraction:.0%} here, over the "
-                        f"expert-DP size {edp}")
+            formula += (
+                f"; expert parameters, {expert_fraction:.0%} here, over the expert-DP size {edp}"
+            )
         formula += ")"
     out = {"params": float(param_itemsize), "grads": 4.0, "optimizer": opt * div}
     out["total"] = sum(out.values())
@@ -180,8 +196,13 @@ class AotReport:
     @property
     def peak_bytes(self) -> int:
         """Arguments + outputs not aliased with them + temporaries + code."""
-        return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-                + self.generated_code_bytes)
+        return (
+            self.argument_bytes
+            + self.output_bytes
+            - self.alias_bytes
+            + self.temp_bytes
+            + self.generated_code_bytes
+        )
 
     @property
     def usable_bytes(self) -> int:
@@ -193,15 +214,19 @@ class AotReport:
 
     def bytes_per_parameter(self) -> dict[str, float]:
         """Measured bytes per parameter by category (:func:`measured_bytes_per_parameter`)."""
-        return measured_bytes_per_parameter(self.param_bytes, self.bucket_bytes,
-                                            self.optimizer_bytes, self.params_per_device)
+        return measured_bytes_per_parameter(
+            self.param_bytes, self.bucket_bytes, self.optimizer_bytes, self.params_per_device
+        )
 
     def megatron_figures(self) -> tuple[dict[str, float], str]:
         """Megatron-LM's figures for this layout (:func:`megatron_figures`)."""
         return megatron_figures(
-            self.param_itemsize, self.distributed_optimizer, self.data_parallel_size,
+            self.param_itemsize,
+            self.distributed_optimizer,
+            self.data_parallel_size,
             self.expert_params_per_device / max(self.params_per_device, 1),
-            self.expert_data_parallel_size)
+            self.expert_data_parallel_size,
+        )
 
     def figures(self) -> dict[str, Any]:
         """The report's figures as plain JSON values (``--report-json``): bytes are
@@ -212,77 +237,103 @@ class AotReport:
         lc, tpm = self.launches, self.traffic_per_microbatch
         megatron, formula = self.megatron_figures()
         return {
-            "target": self.target, "gpus_per_host": self.gpus_per_host, "hosts": self.hosts,
-            "mesh_shape": list(self.mesh_shape), "num_params": self.num_params,
+            "target": self.target,
+            "gpus_per_host": self.gpus_per_host,
+            "hosts": self.hosts,
+            "mesh_shape": list(self.mesh_shape),
+            "num_params": self.num_params,
             "params_per_device": self.params_per_device,
-            "peak_bytes": self.peak_bytes, "budget_bytes": self.usable_bytes,
-            "device_memory_bytes": self.device_memory, "mem_fraction": self.mem_fraction,
+            "peak_bytes": self.peak_bytes,
+            "budget_bytes": self.usable_bytes,
+            "device_memory_bytes": self.device_memory,
+            "mem_fraction": self.mem_fraction,
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth,
-            "fits": self.fits, "params_bytes": self.param_bytes,
-            "optimizer_bytes": self.optimizer_bytes, "grad_bytes": self.bucket_bytes,
-            "temp_bytes": self.temp_bytes, "argument_bytes": self.argument_bytes,
-            "output_bytes": self.output_bytes, "alias_bytes": self.alias_bytes,
+            "fits": self.fits,
+            "params_bytes": self.param_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "grad_bytes": self.bucket_bytes,
+            "temp_bytes": self.temp_bytes,
+            "argument_bytes": self.argument_bytes,
+            "output_bytes": self.output_bytes,
+            "alias_bytes": self.alias_bytes,
             "generated_code_bytes": self.generated_code_bytes,
             "bytes_per_param": self.bytes_per_parameter(),
-            "megatron_bytes_per_param": megatron, "megatron_formula": formula,
+            "megatron_bytes_per_param": megatron,
+            "megatron_formula": formula,
             "launches_per_microbatch": self.launches_per_microbatch,
             "launches_per_tick": None if lc is None else lc.tick(*_every_tick(lc.tasks)),
             "non_gemm_bytes_per_microbatch": None if tpm is None else tpm.total,
             "non_gemm_bytes_per_microbatch_by_kind": None if tpm is None else tpm.as_dict(),
             "fused_calls": self.wgrad_calls + self.bucket_add_calls,
             "fused_aliased": self.wgrad_aliased + self.bucket_add_aliased,
-            "wgrad_calls": self.wgrad_calls, "wgrad_aliased": self.wgrad_aliased,
+            "wgrad_calls": self.wgrad_calls,
+            "wgrad_aliased": self.wgrad_aliased,
             "bucket_add_calls": self.bucket_add_calls,
             "bucket_add_aliased": self.bucket_add_aliased,
-            "schedule_loop": self.loop, "loop_bucket_ops": list(self.loop_bucket_ops),
+            "schedule_loop": self.loop,
+            "loop_bucket_ops": list(self.loop_bucket_ops),
             "cooldown_bucket_ops": list(self.cooldown_bucket_ops),
             "scatters_16bit": list(self.scatters_16bit),
             "collectives": [c.as_dict() for c in self.collectives],
-            "num_microbatches": self.num_microbatches, "num_ticks": self.num_ticks,
-            "compile_s": self.compile_s, "trace_lower_s": self.trace_lower_s,
-            "fusion": self.fusion, "xla_flags": list(self.xla_flags),
+            "num_microbatches": self.num_microbatches,
+            "num_ticks": self.num_ticks,
+            "compile_s": self.compile_s,
+            "trace_lower_s": self.trace_lower_s,
+            "fusion": self.fusion,
+            "xla_flags": list(self.xla_flags),
         }
 
     def verdict(self) -> str:
         need, have = _size(self.peak_bytes), _size(self.usable_bytes)
-        frac = (f"{self.mem_fraction:.0%} of {_size(self.device_memory)}, "
-                "XLA_PYTHON_CLIENT_MEM_FRACTION")
+        frac = (
+            f"{self.mem_fraction:.0%} of {_size(self.device_memory)}, "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION"
+        )
         if self.fits:
             return f"fits ({need} of the {have} jax may use: {frac})"
-        return (f"DOES NOT FIT: needs {need} per device, the {self.target} gives jax "
-                f"{have} ({frac})")
+        return f"DOES NOT FIT: needs {need} per device, the {self.target} gives jax {have} ({frac})"
 
     def _bytes_per_parameter_line(self) -> str:
         got = self.bytes_per_parameter()
         megatron, formula = self.megatron_figures()
         kind = {2: "16-bit", 4: "fp32"}.get(self.param_itemsize, f"{self.param_itemsize}-byte")
         opt = "distributed optimizer" if self.distributed_optimizer else "optimizer not sharded"
-        return (f"bytes per parameter (the {self.params_per_device / 1e6:.1f} M parameters one "
-                f"device holds): params {got['params']:.2f} | grads {got['grads']:.2f} | "
-                f"optimizer {got['optimizer']:.2f} | total {got['total']:.2f}; Megatron-LM "
-                f"({kind} params, fp32 grads, {opt}): {formula} = params {megatron['params']:.0f}"
-                f" | grads {megatron['grads']:.0f} | optimizer {megatron['optimizer']:.2f} | "
-                f"total {megatron['total']:.2f}")
+        return (
+            f"bytes per parameter (the {self.params_per_device / 1e6:.1f} M parameters one "
+            f"device holds): params {got['params']:.2f} | grads {got['grads']:.2f} | "
+            f"optimizer {got['optimizer']:.2f} | total {got['total']:.2f}; Megatron-LM "
+            f"({kind} params, fp32 grads, {opt}): {formula} = params {megatron['params']:.0f}"
+            f" | grads {megatron['grads']:.0f} | optimizer {megatron['optimizer']:.2f} | "
+            f"total {megatron['total']:.2f}"
+        )
 
     def _traffic_line(self) -> str:
         tt, tpm = self.traffic, self.traffic_per_microbatch
         if tt is None or tpm is None:
             return "non-GEMM memory traffic per microbatch: unknown (no schedule loop)"
-        gb = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"  # noqa: E731
+        gb = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
         kinds = ", ".join(f"{_TRAFFIC_LABELS[k]} {gb(v)}" for k, v in tpm.as_dict().items())
-        time = (f", {tpm.total / self.memory_bandwidth * 1e3:.2f} ms at "
-                f"{self.memory_bandwidth / 1e12:.2f} TB/s" if self.memory_bandwidth else "")
+        time = (
+            f", {tpm.total / self.memory_bandwidth * 1e3:.2f} ms at "
+            f"{self.memory_bandwidth / 1e12:.2f} TB/s"
+            if self.memory_bandwidth
+            else ""
+        )
         every = _every_tick(tt.tasks)
-        per_tick = ", ".join(f"{k} {gb(b.total)}" for k, (_, b) in tt.tasks.items()
-                             if k in every)
+        per_tick = ", ".join(f"{k} {gb(b.total)}" for k, (_, b) in tt.tasks.items() if k in every)
         sync = [b.total for k, (_, b) in tt.tasks.items() if k not in every]
-        return (f"non-GEMM memory traffic per microbatch (the busiest stage's kernels in the "
-                f"schedule loop other than GEMMs and custom calls, bytes read + written): "
-                f"{gb(tpm.total)}{time} ({kinds}); a busy tick: loop {gb(tt.overhead.total)}, "
-                f"{per_tick}" + (f", the cooldown sync once per step +{gb(sum(sync))}"
-                                 if sync else "")
-                + (f" ({tt.unknown_trip_loops} loops of unknown trip count counted once)"
-                   if tt.unknown_trip_loops else ""))
+        return (
+            f"non-GEMM memory traffic per microbatch (the busiest stage's kernels in the "
+            f"schedule loop other than GEMMs and custom calls, bytes read + written): "
+            f"{gb(tpm.total)}{time} ({kinds}); a busy tick: loop {gb(tt.overhead.total)}, "
+            f"{per_tick}"
+            + (f", the cooldown sync once per step +{gb(sum(sync))}" if sync else "")
+            + (
+                f" ({tt.unknown_trip_loops} loops of unknown trip count counted once)"
+                if tt.unknown_trip_loops
+                else ""
+            )
+        )
 
     def format(self) -> str:
         """The report as printed by ``examples/pretrain_gpt.py --compile-only``."""
@@ -311,8 +362,11 @@ class AotReport:
             f"  schedule loop: {self.loop or 'not found'} ({self.num_ticks} ticks, "
             f"{self.num_microbatches} microbatches); bucket-sized kernels or copies every "
             f"tick: {_listed(self.loop_bucket_ops)}"
-            + ("" if not self.cooldown_bucket_ops else
-               f"; in the cooldown sync (once per step): {_listed(self.cooldown_bucket_ops)}"),
+            + (
+                ""
+                if not self.cooldown_bucket_ops
+                else f"; in the cooldown sync (once per step): {_listed(self.cooldown_bucket_ops)}"
+            ),
             f"  16-bit scatters: {_listed(self.scatters_16bit)}",
         ]
         lc = self.launches
@@ -324,12 +378,14 @@ class AotReport:
             sync = [b for k, (_, b) in lc.tasks.items() if k not in busy]
             nested = ""
             if lc.nested_loops:
-                nested = (f", of which {lc.nested_launches} in {lc.nested_loops} nested "
-                          + ("loop" if lc.nested_loops == 1 else "loops"))
+                nested = f", of which {lc.nested_launches} in {lc.nested_loops} nested " + (
+                    "loop" if lc.nested_loops == 1 else "loops"
+                )
             if lc.unknown_trip_loops:
                 n = lc.unknown_trip_loops
-                nested += (f" ({'a loop' if n == 1 else f'{n} loops'} of unknown trip count "
-                           "counted once)")
+                nested += (
+                    f" ({'a loop' if n == 1 else f'{n} loops'} of unknown trip count counted once)"
+                )
             lines.append(
                 f"  launches per tick (a tick running every task): {lc.tick(*busy)} "
                 f"(loop {lc.overhead}, {parts}{nested})"
@@ -337,18 +393,29 @@ class AotReport:
                 + f"; {lc.command_buffers} command buffers holding "
                 f"{lc.kernels_in_command_buffers} kernels, {lc.custom_calls_outside} custom "
                 f"calls outside command buffers, {lc.conditionals} conditionals on the host"
-                + (f" ({', '.join(lc.tasks_in_command_buffers)} captured as a whole in a "
-                   "command buffer)" if lc.tasks_in_command_buffers else ""))
-            lines.append(f"  launches per microbatch (the busiest stage's ticks / "
-                         f"microbatches): {self.launches_per_microbatch:.1f}")
+                + (
+                    f" ({', '.join(lc.tasks_in_command_buffers)} captured as a whole in a "
+                    "command buffer)"
+                    if lc.tasks_in_command_buffers
+                    else ""
+                )
+            )
+            lines.append(
+                f"  launches per microbatch (the busiest stage's ticks / "
+                f"microbatches): {self.launches_per_microbatch:.1f}"
+            )
         lines.append(f"  {self._traffic_line()}")
         lines.append("  collectives:")
         lines += [f"    {c.format()}" for c in self.collectives]
         return "\n".join(lines)
 
 
-_TRAFFIC_LABELS = {"fusion": "fusions", "copy": "copies", "memset": "memsets",
-                   "dynamic_update_slice": "dynamic-update-slices"}
+_TRAFFIC_LABELS = {
+    "fusion": "fusions",
+    "copy": "copies",
+    "memset": "memsets",
+    "dynamic_update_slice": "dynamic-update-slices",
+}
 
 
 def _every_tick(tasks) -> list[str]:
@@ -380,6 +447,13 @@ def collectives(comps) -> tuple[Collectives, ...]:
     for name in [*COLLECTIVE_GROUPS.values(), "other"]:
         a = [c for c in asyncs if group(c.op_name) == name]
         s = [i for i in syncs if group(i.op_name) == name]
-        out.append(Collectives(name, len(a) + len(s), len(a), sum(c.overlapped for c in a),
-                               sum(c.memory_bound_only for c in a)))
+        out.append(
+            Collectives(
+                name,
+                len(a) + len(s),
+                len(a),
+                sum(c.overlapped for c in a),
+                sum(c.memory_bound_only for c in a),
+            )
+        )
     return tuple(out)

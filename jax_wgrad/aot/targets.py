@@ -72,9 +72,15 @@ def gpu_target(name: str) -> GpuTarget:
     if name == "h100":
         return GpuTarget("h100", _h100())
     if name == "h200":
-        return GpuTarget("h200", _with(_h100(), device_memory_size=(143771 - 565) * _MiB,
-                                       memory_bandwidth=4_800_000_000_000,
-                                       device_description_str="NVIDIA H200"))
+        return GpuTarget(
+            "h200",
+            _with(
+                _h100(),
+                device_memory_size=(143771 - 565) * _MiB,
+                memory_bandwidth=4_800_000_000_000,
+                device_description_str="NVIDIA H200",
+            ),
+        )
     raise ValueError(f"unknown GPU target {name!r}; known: {', '.join(TARGETS)}")
 
 
@@ -87,8 +93,9 @@ def cuda_plugin() -> str | None:
         import jax_plugins
     except ImportError:
         return None
-    names = sorted(m.name for m in pkgutil.iter_modules(jax_plugins.__path__)
-                   if m.name.startswith("xla_cuda"))
+    names = sorted(
+        m.name for m in pkgutil.iter_modules(jax_plugins.__path__) if m.name.startswith("xla_cuda")
+    )
     return f"jax_plugins.{names[-1]}" if names else None
 
 
@@ -114,9 +121,10 @@ def target_devices(target: GpuTarget | str, gpus_per_host: int = 1, hosts: int =
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=target.config,
-                                            topology=f"1x{hosts}x{gpus_per_host}")
-    except Exception as exc:  # noqa: BLE001 -- any failure is the reason
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=target.config, topology=f"1x{hosts}x{gpus_per_host}"
+        )
+    except Exception as exc:
         what = f"{hosts} x {gpus_per_host} {target.description}"
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         plugin = cuda_plugin()
@@ -124,14 +132,19 @@ def target_devices(target: GpuTarget | str, gpus_per_host: int = 1, hosts: int =
             raise RuntimeError(
                 "compiling for a GPU needs jax's CUDA plugin (e.g. pip install "
                 f"'jax[cuda13]'), and none is installed here; jax could not describe {what}: "
-                f"{reason}") from exc
+                f"{reason}"
+            ) from exc
         platforms = jax.config.jax_platforms
         hint = ""
         if not platforms or any(p.strip() in ("cuda", "gpu") for p in platforms.split(",")):
-            hint = ("; without a usable GPU the plugin does not start when jax's platforms "
-                    f"include CUDA (JAX_PLATFORMS is {platforms or 'unset'}): set "
-                    "JAX_PLATFORMS=cpu before jax is imported (examples/pretrain_gpt.py "
-                    "--compile-only does it itself)")
-        raise RuntimeError(f"jax's CUDA plugin ({plugin}) is installed but could not "
-                           f"describe {what}: {reason}{hint}") from exc
+            hint = (
+                "; without a usable GPU the plugin does not start when jax's platforms "
+                f"include CUDA (JAX_PLATFORMS is {platforms or 'unset'}): set "
+                "JAX_PLATFORMS=cpu before jax is imported (examples/pretrain_gpt.py "
+                "--compile-only does it itself)"
+            )
+        raise RuntimeError(
+            f"jax's CUDA plugin ({plugin}) is installed but could not "
+            f"describe {what}: {reason}{hint}"
+        ) from exc
     return list(topo.devices)

@@ -18,8 +18,15 @@ from collections.abc import Mapping, Sequence
 
 from jax_wgrad.aot import hlo
 
-__all__ = ["Thunk", "parse_thunks", "thunk_names", "find_thunk", "launches", "LaunchCount",
-           "loop_launches"]
+__all__ = [
+    "Thunk",
+    "parse_thunks",
+    "thunk_names",
+    "find_thunk",
+    "launches",
+    "LaunchCount",
+    "loop_launches",
+]
 
 
 @dataclasses.dataclass
@@ -106,8 +113,9 @@ _NO_LAUNCH = {"kAsyncDone", "kWaitForStreams", "kPartitionId", "kReplicaId"}
 _CONTAINERS = {"kAsyncStart", "kSequential", "kDynamicSliceFusion"}
 
 
-def launches(thunks: Sequence[Thunk], *, busy: bool = True,
-             trips: Mapping[int, int] | None = None) -> int:
+def launches(
+    thunks: Sequence[Thunk], *, busy: bool = True, trips: Mapping[int, int] | None = None
+) -> int:
     """Device launches of a thunk sequence run once.
 
     A command buffer (a CUDA graph) counts as ONE launch however many kernels it holds;
@@ -180,15 +188,18 @@ class LaunchCount:
 
     def tick(self, *busy_tasks: str) -> int:
         """Launches of a tick running ``busy_tasks`` (the others idle)."""
-        return self.overhead + sum(b if k in busy_tasks else i
-                                   for k, (i, b) in self.tasks.items())
+        return self.overhead + sum(b if k in busy_tasks else i for k, (i, b) in self.tasks.items())
 
 
-def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
-                  op_names: dict[str, str],
-                  scopes: Sequence[str] = hlo.TASK_SCOPES,
-                  once: Sequence[str] = ("grad_sync_in_cooldown",),
-                  trips: Mapping[str, int | None] | None = None) -> LaunchCount | None:
+def loop_launches(
+    thunks: Sequence[Thunk],
+    names: dict[int, str],
+    loop: str,
+    op_names: dict[str, str],
+    scopes: Sequence[str] = hlo.TASK_SCOPES,
+    once: Sequence[str] = ("grad_sync_in_cooldown",),
+    trips: Mapping[str, int | None] | None = None,
+) -> LaunchCount | None:
     """Launch counts of one iteration of the while loop named ``loop`` (an HLO
     instruction name; ``names`` maps thunk ids to instruction names, ``op_names``
     instruction names to their ``op_name``), or ``None`` when its thunk is not found.
@@ -204,8 +215,7 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
     t = find_thunk(thunks, ids[0]) if ids else None
     if t is None or t.kind != "kWhile":
         return None
-    trips_by_id = {i: trips[n] for i, n in names.items()
-                   if trips and trips.get(n) is not None}
+    trips_by_id = {i: trips[n] for i, n in names.items() if trips and trips.get(n) is not None}
     count = functools.partial(launches, trips=trips_by_id)
     overhead, tasks, conds, once_ids, in_graphs = 0, {}, 0, set(), []
     seqs = list(t.nested.values())
@@ -224,8 +234,7 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
                 if key.rstrip("'") in once:
                     once_ids.add(x.id)
                 tasks[key] = (count([x], busy=False), count([x], busy=True))
-            elif x.kind == "kCommandBuffer" and any(
-                    y.kind == "kConditional" for y in x.walk()):
+            elif x.kind == "kCommandBuffer" and any(y.kind == "kConditional" for y in x.walk()):
                 # A conditional captured in a command buffer (a CUDA graph's conditional
                 # node): the graph is one launch, busy or idle.
                 key = task_key(next(y for y in x.walk() if y.kind == "kConditional"))
@@ -234,26 +243,43 @@ def loop_launches(thunks: Sequence[Thunk], names: dict[int, str], loop: str,
             else:
                 overhead += count([x])
     # (thunk, times it runs in a tick, inside a nested loop?)
-    busy = [w for seq in seqs for top in seq
-            for w in _busy_walk(top, once_ids, trips_by_id)]
+    busy = [w for seq in seqs for top in seq for w in _busy_walk(top, once_ids, trips_by_id)]
     loops = [x for x, _, inside in busy if x.kind == "kWhile" and not inside]
     return LaunchCount(
-        overhead=overhead, tasks=tasks,
+        overhead=overhead,
+        tasks=tasks,
         command_buffers=sum(k for x, k, _ in busy if x.kind == "kCommandBuffer"),
         kernels_in_command_buffers=sum(
-            k * len([y for s in x.nested.values() for top in s for y in top.walk()
-                     if y.kind not in _CONTAINERS
-                     and y.kind not in ("kCommandBuffer", "kConditional", "kWhile")])
-            for x, k, _ in busy if x.kind == "kCommandBuffer"),
+            k
+            * len(
+                [
+                    y
+                    for s in x.nested.values()
+                    for top in s
+                    for y in top.walk()
+                    if y.kind not in _CONTAINERS
+                    and y.kind not in ("kCommandBuffer", "kConditional", "kWhile")
+                ]
+            )
+            for x, k, _ in busy
+            if x.kind == "kCommandBuffer"
+        ),
         custom_calls_outside=sum(k for x, k, _ in busy if x.kind == "kCustomCall"),
-        conditionals=conds, tasks_in_command_buffers=tuple(in_graphs),
-        nested_loops=len(loops), nested_launches=sum(count([x]) for x in loops),
-        unknown_trip_loops=sum(x.kind == "kWhile" and x.id not in trips_by_id
-                               for x, _, _ in busy))
+        conditionals=conds,
+        tasks_in_command_buffers=tuple(in_graphs),
+        nested_loops=len(loops),
+        nested_launches=sum(count([x]) for x in loops),
+        unknown_trip_loops=sum(x.kind == "kWhile" and x.id not in trips_by_id for x, _, _ in busy),
+    )
 
 
-def _busy_walk(t: Thunk, idle=frozenset(), trips: Mapping[int, int] | None = None,
-               times: int = 1, inside: bool = False):
+def _busy_walk(
+    t: Thunk,
+    idle=frozenset(),
+    trips: Mapping[int, int] | None = None,
+    times: int = 1,
+    inside: bool = False,
+):
     """``(thunk, times it runs, whether inside a nested while)`` for ``t`` and what it
     runs, taking every conditional's busier branch (the lighter one for the ids in
     ``idle``) and a while's body times its trip count (``trips``, as in

@@ -19,7 +19,6 @@ from jax_wgrad.functional.cross_entropy import (
     vocab_shard_index,
 )
 from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
-from jax_wgrad.functional.moe import MoEConfig, MoEStats, moe_mlp
 from jax_wgrad.functional.linear import (
     BucketSlot,
     SplitSlot,
@@ -28,6 +27,7 @@ from jax_wgrad.functional.linear import (
     linear,
     linear_into_bucket,
 )
+from jax_wgrad.functional.moe import MoEConfig, MoEStats, moe_mlp
 from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.functional.stacked import scan_layers
 

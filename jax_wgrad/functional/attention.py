@@ -10,8 +10,9 @@ import jax.numpy as jnp
 __all__ = ["causal_attention", "rotary_embedding"]
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                     implementation: str = "xla") -> jax.Array:
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla"
+) -> jax.Array:
     """``q``: ``[b, s, heads, head_dim]``, ``k, v``: ``[b, s, groups, head_dim]`` ->
     ``[b, s, heads * head_dim]``.
 
@@ -24,8 +25,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     b, s, h, d = q.shape
     g = k.shape[2]
     if h % g or k.shape != v.shape or k.shape[:2] + k.shape[3:] != (b, s, d):
-        raise ValueError(f"causal_attention: q {q.shape} needs k, v [b, s, groups, d] with "
-                         f"heads divisible by groups; got k {k.shape}, v {v.shape}")
+        raise ValueError(
+            f"causal_attention: q {q.shape} needs k, v [b, s, groups, d] with "
+            f"heads divisible by groups; got k {k.shape}, v {v.shape}"
+        )
     if implementation == "cudnn":
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         return out.reshape(b, s, h * d)
@@ -47,12 +50,14 @@ def rotary_embedding(x: jax.Array, *, base: float, percent: float = 1.0) -> jax.
     s, d = x.shape[1], x.shape[-1]
     rot = int(d * percent)
     if rot % 2 or not 0 < rot <= d:
-        raise ValueError(f"rotary_embedding: rotary dims {rot} (head_dim {d} x rotary_percent "
-                         f"{percent}) must be even and positive")
+        raise ValueError(
+            f"rotary_embedding: rotary dims {rot} (head_dim {d} x rotary_percent "
+            f"{percent}) must be even and positive"
+        )
     inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
-    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None]       # [s, rot/2]
+    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None]  # [s, rot/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None].astype(x.dtype)
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None].astype(x.dtype)
     xr, rest = x[..., :rot], x[..., rot:]
-    half = jnp.concatenate([-xr[..., rot // 2:], xr[..., :rot // 2]], -1)
+    half = jnp.concatenate([-xr[..., rot // 2 :], xr[..., : rot // 2]], -1)
     return jnp.concatenate([xr * cos + half * sin, rest], -1)

@@ -17,12 +17,18 @@ import jax.numpy as jnp
 
 from jax_wgrad.parallel.mesh import TENSOR
 
-__all__ = ["vocab_shard_index", "logits_grad", "vocab_parallel_cross_entropy",
-           "vocab_parallel_logsumexp", "recompute_dy"]
+__all__ = [
+    "vocab_shard_index",
+    "logits_grad",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_logsumexp",
+    "recompute_dy",
+]
 
 
-def vocab_shard_index(ids: jax.Array, local_vocab: int, axis_name: str | None
-                      ) -> tuple[jax.Array, jax.Array]:
+def vocab_shard_index(
+    ids: jax.Array, local_vocab: int, axis_name: str | None
+) -> tuple[jax.Array, jax.Array]:
     """Global token ids -> (index into this rank's vocabulary shard, in-shard mask).
 
     The shard of tensor rank ``r`` is ``[r * local_vocab, (r + 1) * local_vocab)``; ids
@@ -113,8 +119,16 @@ def _vp_ce_bwd(axis_name, res, g):
 _vocab_parallel_ce.defvjp(_vp_ce_fwd, _vp_ce_bwd)
 
 
-def recompute_dy(x: jax.Array, w: jax.Array, lse: jax.Array, labels: jax.Array, *,
-                 tp: int, scale: float = 1.0, axis_name: str = TENSOR) -> jax.Array:
+def recompute_dy(
+    x: jax.Array,
+    w: jax.Array,
+    lse: jax.Array,
+    labels: jax.Array,
+    *,
+    tp: int,
+    scale: float = 1.0,
+    axis_name: str = TENSOR,
+) -> jax.Array:
     """``dy = scale * (softmax - onehot)`` over this rank's vocabulary shard for the
     tokens of ``x`` ``[..., H]`` (``lse``, ``labels``: ``[...]``): the vocab-parallel
     cross entropy's gradient, rebuilt from the stashed logsumexp."""

@@ -44,20 +44,22 @@ __all__ = ["grouped_linear", "ragged_linear"]
 # ------------------------------------------------- the two layouts' GEMMs (static `kind`)
 def _forward(kind, x, w, sizes, precision):
     if kind == "ragged":
-        return checkpoint_name(ops.ragged_matmul(x, w.astype(x.dtype), sizes,
-                                                 transpose_rhs=True, precision=precision),
-                               SAVED)  # a custom call: dots_saveable cannot see it
-    return jnp.einsum("eci,eoi->eco", x, w.astype(x.dtype),
-                      precision=jax.lax.Precision(precision))
+        return checkpoint_name(
+            ops.ragged_matmul(x, w.astype(x.dtype), sizes, transpose_rhs=True, precision=precision),
+            SAVED,
+        )  # a custom call: dots_saveable cannot see it
+    return jnp.einsum("eci,eoi->eco", x, w.astype(x.dtype), precision=jax.lax.Precision(precision))
 
 
 def _dgrad(kind, dy, w, sizes, precision, dtype):
     if kind == "ragged":
-        dx = ops.ragged_matmul(dy, w.astype(dy.dtype), sizes, transpose_rhs=False,
-                               precision=precision)
+        dx = ops.ragged_matmul(
+            dy, w.astype(dy.dtype), sizes, transpose_rhs=False, precision=precision
+        )
     else:
-        dx = jnp.einsum("eco,eoi->eci", dy, w.astype(dy.dtype),
-                        precision=jax.lax.Precision(precision))
+        dx = jnp.einsum(
+            "eco,eoi->eci", dy, w.astype(dy.dtype), precision=jax.lax.Precision(precision)
+        )
     return dx.astype(dtype)
 
 
@@ -65,18 +67,23 @@ def _wgrad_into(kind, x, dy, sizes, acc, offset, precision):
     """``acc`` with every expert's ``dy_e^T x_e`` added to its block (``offset``: of expert
     0's block in a flat ``acc``; ``None``: ``acc`` is ``[E, out, in]``)."""
     if kind == "ragged":
-        return ops.ragged_wgrad_accumulate(x, dy, sizes, acc, offset=offset,
-                                           precision=precision)
+        return ops.ragged_wgrad_accumulate(x, dy, sizes, acc, offset=offset, precision=precision)
     return ops.grouped_wgrad_accumulate(x, dy, acc, offset=offset, precision=precision)
 
 
 def _wgrad(kind, x, dy, sizes, w, precision):
     """The ordinary gradient of ``w``."""
     if kind == "ragged":
-        return _wgrad_into(kind, x, dy, sizes, jnp.zeros(w.shape, jnp.float32), None,
-                           precision).astype(w.dtype)
-    return jnp.einsum("eco,eci->eoi", dy, x, preferred_element_type=jnp.float32,
-                      precision=jax.lax.Precision(precision)).astype(w.dtype)
+        return _wgrad_into(
+            kind, x, dy, sizes, jnp.zeros(w.shape, jnp.float32), None, precision
+        ).astype(w.dtype)
+    return jnp.einsum(
+        "eco,eci->eoi",
+        dy,
+        x,
+        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision(precision),
+    ).astype(w.dtype)
 
 
 def _ordered(x, dy, dx, wgrad, overlap):
@@ -147,8 +154,7 @@ def _plain_fwd(x, w, sizes, kind, precision, overlap):
 def _plain_bwd(kind, precision, overlap, res, dy):
     x, w, sizes = res
     dx = _dgrad(kind, dy, w, sizes, precision, x.dtype)
-    dx, dw = _ordered(x, dy, dx, lambda x, dy: _wgrad(kind, x, dy, sizes, w, precision),
-                      overlap)
+    dx, dw = _ordered(x, dy, dx, lambda x, dy: _wgrad(kind, x, dy, sizes, w, precision), overlap)
     return dx, dw, None
 
 
@@ -159,20 +165,32 @@ def _expert_linear(kind, x, w, sizes, bucket, offset, main_grad, precision, over
     if main_grad is not None:
         if bucket is not None:
             raise ValueError("expert linear: give bucket or main_grad, not both")
-        return main_grad.owner.thread(main_grad.bucket, lambda bk: _expert_linear(
-            kind, x, w, sizes, bk, main_grad.offset, None, precision, overlap_wgrad))
+        return main_grad.owner.thread(
+            main_grad.bucket,
+            lambda bk: _expert_linear(
+                kind, x, w, sizes, bk, main_grad.offset, None, precision, overlap_wgrad
+            ),
+        )
     level = ops.matmul_precision(precision)
     if bucket is None:
         return _plain(x, w, sizes, kind, level, overlap_wgrad)
-    if check_bucket_block(f"{kind} expert linear", bucket, offset, w.size,
-                          f"{list(w.shape)} blocks"):
+    if check_bucket_block(
+        f"{kind} expert linear", bucket, offset, w.size, f"{list(w.shape)} blocks"
+    ):
         return _threaded_at(x, w, sizes, bucket, offset, kind, level, overlap_wgrad)
     return _threaded(x, w, sizes, bucket, offset, kind, level, overlap_wgrad)
 
 
-def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = None,
-                   offset: ops.Offset = 0, main_grad: BucketSlot | None = None,
-                   precision: ops.PrecisionLike = None, overlap_wgrad: bool = False):
+def grouped_linear(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    bucket: jax.Array | None = None,
+    offset: ops.Offset = 0,
+    main_grad: BucketSlot | None = None,
+    precision: ops.PrecisionLike = None,
+    overlap_wgrad: bool = False,
+):
     """Per-expert ``y[e] = x[e] @ w[e]^T`` over capacity buffers.
 
     Args:
@@ -193,16 +211,24 @@ def grouped_linear(x: jax.Array, w: jax.Array, *, bucket: jax.Array | None = Non
       ``y [E, C, out]``, and the bucket token when ``bucket`` is given.
     """
     if x.ndim != 3 or w.ndim != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
-        raise ValueError(f"grouped_linear: x must be [E, C, in] and w [E, out, in]; got x "
-                         f"{list(x.shape)}, w {list(w.shape)}")
-    return _expert_linear("dense", x, w, None, bucket, offset, main_grad, precision,
-                          overlap_wgrad)
+        raise ValueError(
+            f"grouped_linear: x must be [E, C, in] and w [E, out, in]; got x "
+            f"{list(x.shape)}, w {list(w.shape)}"
+        )
+    return _expert_linear("dense", x, w, None, bucket, offset, main_grad, precision, overlap_wgrad)
 
 
-def ragged_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                  bucket: jax.Array | None = None, offset: ops.Offset = 0,
-                  main_grad: BucketSlot | None = None, precision: ops.PrecisionLike = None,
-                  overlap_wgrad: bool = False):
+def ragged_linear(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    bucket: jax.Array | None = None,
+    offset: ops.Offset = 0,
+    main_grad: BucketSlot | None = None,
+    precision: ops.PrecisionLike = None,
+    overlap_wgrad: bool = False,
+):
     """Per-expert ``y[rows of e] = x[rows of e] @ w[e]^T`` over tokens sorted by expert.
 
     Args:
@@ -216,10 +242,20 @@ def ragged_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     Returns:
       ``y [R, out]``, and the bucket token when ``bucket`` is given.
     """
-    if (x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]
-            or group_sizes.shape != (w.shape[0],)):
-        raise ValueError(f"ragged_linear: x must be [R, in], w [E, out, in] and group_sizes "
-                         f"[E]; got x {list(x.shape)}, w {list(w.shape)}, group_sizes "
-                         f"{list(group_sizes.shape)}")
-    return _expert_linear("ragged", x, w, group_sizes.astype(jnp.int32), bucket, offset,
-                          main_grad, precision, overlap_wgrad)
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or group_sizes.shape != (w.shape[0],):
+        raise ValueError(
+            f"ragged_linear: x must be [R, in], w [E, out, in] and group_sizes "
+            f"[E]; got x {list(x.shape)}, w {list(w.shape)}, group_sizes "
+            f"{list(group_sizes.shape)}"
+        )
+    return _expert_linear(
+        "ragged",
+        x,
+        w,
+        group_sizes.astype(jnp.int32),
+        bucket,
+        offset,
+        main_grad,
+        precision,
+        overlap_wgrad,
+    )

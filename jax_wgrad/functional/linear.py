@@ -66,8 +66,7 @@ import jax.numpy as jnp
 
 from jax_wgrad import ops
 
-__all__ = ["linear", "linear_into_bucket", "WgradBuckets", "BucketSlot", "WgradSplit",
-           "SplitSlot"]
+__all__ = ["linear", "linear_into_bucket", "WgradBuckets", "BucketSlot", "WgradSplit", "SplitSlot"]
 
 
 def _check(x: jax.Array, w: jax.Array, b: jax.Array | None) -> None:
@@ -127,8 +126,7 @@ def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision):
     """``(dx, None, db, bucket)``: ``ct_bucket`` is the bucket with every downstream block
     already added; this weight's block is added to it, in place."""
     dx, db = _dgrad_bgrad(x, w, b, dy, precision)
-    return dx, None, db, ops.wgrad_accumulate(x, dy, ct_bucket, offset=offset,
-                                              precision=precision)
+    return dx, None, db, ops.wgrad_accumulate(x, dy, ct_bucket, offset=offset, precision=precision)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -167,21 +165,27 @@ def _threaded_linear_at_bwd(precision, res, cts):
 _threaded_linear_at.defvjp(_threaded_linear_at_fwd, _threaded_linear_at_bwd)
 
 
-def check_bucket_block(who: str, bucket: jax.Array, offset: ops.Offset, size: int,
-                       what: str) -> bool:
+def check_bucket_block(
+    who: str, bucket: jax.Array, offset: ops.Offset, size: int, what: str
+) -> bool:
     """Checks that a flat float32 ``bucket`` holds ``size`` elements at ``offset``; returns
     whether ``offset`` is traced (a :class:`~jax_wgrad.ops.BlockOffset` or an int32 scalar
     array: only ``N >= size`` is checked, the position is clamped into ``[0, N - size]`` by
     the fused op)."""
     traced = ops.is_traced_offset(offset)
     fits = bucket.ndim == 1 and (
-        bucket.shape[0] >= size if traced else
-        isinstance(offset, int) and not isinstance(offset, bool)
-        and 0 <= offset <= bucket.shape[0] - size)
+        bucket.shape[0] >= size
+        if traced
+        else isinstance(offset, int)
+        and not isinstance(offset, bool)
+        and 0 <= offset <= bucket.shape[0] - size
+    )
     if not fits:
         shown = "a traced offset" if traced else f"offset {offset!r}"
-        raise ValueError(f"{who}: the {what} at {shown} does not fit in a flat bucket of "
-                         f"shape {tuple(bucket.shape)}")
+        raise ValueError(
+            f"{who}: the {what} at {shown} does not fit in a flat bucket of "
+            f"shape {tuple(bucket.shape)}"
+        )
     if bucket.dtype != jnp.float32:
         raise ValueError(f"{who}: bucket must be float32, got {bucket.dtype}")
     return traced
@@ -219,8 +223,13 @@ def linear_into_bucket(
     """
     _check(x, w, b)
     level = ops.matmul_precision(precision)
-    if check_bucket_block("linear_into_bucket", bucket, offset, w.shape[0] * w.shape[1],
-                          f"[out, in] = {list(w.shape)} block"):
+    if check_bucket_block(
+        "linear_into_bucket",
+        bucket,
+        offset,
+        w.shape[0] * w.shape[1],
+        f"[out, in] = {list(w.shape)} block",
+    ):
         return _threaded_linear_at(x, w, b, bucket, offset, level)
     return _threaded_linear(x, w, b, bucket, offset, level)
 
@@ -249,8 +258,9 @@ class WgradBuckets:
         / int32 scalar array (traced, e.g. inside a ``scan`` over stacked layers; see
         :func:`linear_into_bucket`)."""
         if not 0 <= bucket < len(self._buckets):
-            raise ValueError(f"WgradBuckets.slot: bucket {bucket} out of range "
-                             f"(have {len(self._buckets)})")
+            raise ValueError(
+                f"WgradBuckets.slot: bucket {bucket} out of range (have {len(self._buckets)})"
+            )
         return BucketSlot(self, bucket, offset)
 
     def thread(self, bucket: int, fn):
@@ -259,10 +269,10 @@ class WgradBuckets:
         out, self._buckets[bucket] = fn(self._buckets[bucket])
         return out
 
-    def _linear(self, x, w, b, bucket: int, offset: ops.Offset, precision
-                ) -> jax.Array:
-        return self.thread(bucket, lambda bk: linear_into_bucket(
-            x, w, b, bk, offset=offset, precision=precision))
+    def _linear(self, x, w, b, bucket: int, offset: ops.Offset, precision) -> jax.Array:
+        return self.thread(
+            bucket, lambda bk: linear_into_bucket(x, w, b, bk, offset=offset, precision=precision)
+        )
 
 
 class WgradSplit:
@@ -287,8 +297,9 @@ class WgradSplit:
     def slot(self, index: int) -> SplitSlot:
         """The split main grad of fused linear number ``index``."""
         if not 0 <= index < len(self._probes):
-            raise ValueError(f"WgradSplit.slot: linear {index} out of range "
-                             f"(have {len(self._probes)} probes)")
+            raise ValueError(
+                f"WgradSplit.slot: linear {index} out of range (have {len(self._probes)} probes)"
+            )
         return SplitSlot(self, index)
 
     def _linear(self, x, w, b, index: int, precision: int) -> jax.Array:
@@ -296,8 +307,10 @@ class WgradSplit:
         y = _forward(x, jax.lax.stop_gradient(w), b, precision)
         if probe is not None:  # None: only record (to learn the shapes)
             if probe.shape != y.shape:
-                raise ValueError(f"WgradSplit: probe {index} has shape {probe.shape}, the "
-                                 f"linear's output {y.shape}")
+                raise ValueError(
+                    f"WgradSplit: probe {index} has shape {probe.shape}, the "
+                    f"linear's output {y.shape}"
+                )
             y = y + probe.astype(y.dtype)
         self.inputs[index], self.outputs[index] = x, y
         return y

@@ -50,8 +50,16 @@ from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
 from jax_wgrad.functional.linear import BucketSlot, WgradBuckets
 from jax_wgrad.functional.moe_dispatch import CapacityDispatch, DroplessDispatch, dispatch_slots
 
-__all__ = ["MoEConfig", "MoEStats", "route", "dispatch_slots", "grouped_linear",
-           "moe_mlp", "load_balancing_loss", "attach_aux_loss"]
+__all__ = [
+    "MoEConfig",
+    "MoEStats",
+    "route",
+    "dispatch_slots",
+    "grouped_linear",
+    "moe_mlp",
+    "load_balancing_loss",
+    "attach_aux_loss",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +107,20 @@ class MoEConfig:
         check_positive("num_moe_experts", self.num_experts)
         check_positive("moe_ffn_hidden_size", self.ffn_hidden_size)
         if not isinstance(self.topk, int) or not 1 <= self.topk <= self.num_experts:
-            raise ValueError(f"moe_router_topk ({self.topk}) must be in [1, num_moe_experts "
-                             f"= {self.num_experts}]")
+            raise ValueError(
+                f"moe_router_topk ({self.topk}) must be in [1, num_moe_experts "
+                f"= {self.num_experts}]"
+            )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"moe_expert_capacity_factor ({self.capacity_factor}) must be "
-                             "> 0, or None for no token dropping")
+            raise ValueError(
+                f"moe_expert_capacity_factor ({self.capacity_factor}) must be "
+                "> 0, or None for no token dropping"
+            )
         if self.load_balancing_type not in ("aux_loss", "none"):
-            raise ValueError(f"moe_router_load_balancing_type {self.load_balancing_type!r} "
-                             "is not supported; choose 'aux_loss' or 'none'")
+            raise ValueError(
+                f"moe_router_load_balancing_type {self.load_balancing_type!r} "
+                "is not supported; choose 'aux_loss' or 'none'"
+            )
         coeff = self.aux_loss_coeff
         if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not coeff >= 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {coeff!r}")
@@ -116,8 +130,9 @@ class MoEConfig:
         """Slots per expert per source rank: ``ceil(T * k * factor / E)`` (Megatron's
         ``get_capacity``); dropless (no factor): none."""
         if self.capacity_factor is None:
-            raise ValueError("a dropless MoE (moe_expert_capacity_factor None) has no "
-                             "expert capacity")
+            raise ValueError(
+                "a dropless MoE (moe_expert_capacity_factor None) has no expert capacity"
+            )
         return max(1, math.ceil(tokens * self.topk * self.capacity_factor / self.num_experts))
 
 
@@ -134,15 +149,24 @@ class MoEStats(NamedTuple):
 
 def route(x: jax.Array, w_router: jax.Array, topk: int):
     """Router: ``(probs [T, E] fp32 softmax, experts [T, k] int32, gates [T, k] fp32)``."""
-    logits = jnp.matmul(x.astype(jnp.float32), w_router.astype(jnp.float32).T,
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = jnp.matmul(
+        x.astype(jnp.float32), w_router.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST
+    )
     top_logits, experts = jax.lax.top_k(logits, topk)
-    return jax.nn.softmax(logits, axis=-1), experts.astype(jnp.int32), \
-        jax.nn.softmax(top_logits, axis=-1)
+    return (
+        jax.nn.softmax(logits, axis=-1),
+        experts.astype(jnp.int32),
+        jax.nn.softmax(top_logits, axis=-1),
+    )
 
 
-def load_balancing_loss(probs: jax.Array, tokens_per_expert: jax.Array, topk: int,
-                        coeff: float, num_tokens: int | None = None) -> jax.Array:
+def load_balancing_loss(
+    probs: jax.Array,
+    tokens_per_expert: jax.Array,
+    topk: int,
+    coeff: float,
+    num_tokens: int | None = None,
+) -> jax.Array:
     """Megatron's ``switch_load_balancing_loss_func`` over ``num_tokens`` tokens (default
     this rank's ``T``; the whole sequence's under sequence parallelism)."""
     t, e = probs.shape
@@ -182,28 +206,38 @@ def _expert_shapes(params, cfg: MoEConfig, x: jax.Array, ep: int, etp: int) -> N
         raise ValueError(
             f"moe_mlp: num_moe_experts ({e}) must equal expert_model_parallel_size ({ep}) x "
             f"local experts ({e_local}), router [E, H] = {list(params['router'].shape)} for "
-            f"x {list(x.shape)}")
+            f"x {list(x.shape)}"
+        )
     f = cfg.ffn_hidden_size
     if f % etp != 0:
-        raise ValueError(f"moe_ffn_hidden_size ({f}) must be divisible by "
-                         f"expert_tensor_parallel_size ({etp})")
+        raise ValueError(
+            f"moe_ffn_hidden_size ({f}) must be divisible by expert_tensor_parallel_size ({etp})"
+        )
     fl = f // etp
     fc1 = (e_local, 2, fl, h) if cfg.swiglu else (e_local, fl, h)
     if params["fc1"].shape != fc1 or params["fc2"].shape != (e_local, h, fl):
-        width = "moe_ffn_hidden_size" + (f" / expert_tensor_parallel_size ({etp})"
-                                         if etp > 1 else "")
+        width = "moe_ffn_hidden_size" + (
+            f" / expert_tensor_parallel_size ({etp})" if etp > 1 else ""
+        )
         raise ValueError(
             f"moe_mlp: expert weights must be fc1 [E/EP, {'2, ' if cfg.swiglu else ''}{width}, "
             f"H] = {list(fc1)} and fc2 [E/EP, H, {width}] = {[e_local, h, fl]}; got fc1 "
-            f"{list(params['fc1'].shape)}, fc2 {list(params['fc2'].shape)}")
+            f"{list(params['fc1'].shape)}, fc2 {list(params['fc2'].shape)}"
+        )
 
 
-def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
-            expert_axis: str | None = None, sequence_axis: str | None = None,
-            expert_tensor_axis: str | None = None,
-            buckets: tuple[jax.Array, int, int] | None = None,
-            main_grads: tuple[BucketSlot, BucketSlot] | None = None,
-            precision: ops.PrecisionLike = None) -> tuple[Any, MoEStats]:
+def moe_mlp(
+    params: dict[str, jax.Array],
+    x: jax.Array,
+    cfg: MoEConfig,
+    *,
+    expert_axis: str | None = None,
+    sequence_axis: str | None = None,
+    expert_tensor_axis: str | None = None,
+    buckets: tuple[jax.Array, int, int] | None = None,
+    main_grads: tuple[BucketSlot, BucketSlot] | None = None,
+    precision: ops.PrecisionLike = None,
+) -> tuple[Any, MoEStats]:
     """The MoE MLP of this rank's tokens.
 
     Args:
@@ -232,10 +266,12 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
     _expert_shapes(params, cfg, x, ep, etp)
     t, h = x.shape
     probs, experts, gates = route(x, params["router"], k)
-    exchange = dict(expert_axis=expert_axis, ep=ep, tensor_axis=expert_tensor_axis,
-                    num_experts=e)
-    dispatcher = (DroplessDispatch(**exchange) if cfg.capacity_factor is None
-                  else CapacityDispatch(**exchange, capacity=cfg.capacity(t)))
+    exchange = dict(expert_axis=expert_axis, ep=ep, tensor_axis=expert_tensor_axis, num_experts=e)
+    dispatcher = (
+        DroplessDispatch(**exchange)
+        if cfg.capacity_factor is None
+        else CapacityDispatch(**exchange, capacity=cfg.capacity(t))
+    )
     rows, sizes, state = dispatcher.dispatch(x, experts)
     owner = None
     if buckets is not None:
@@ -257,11 +293,14 @@ def moe_mlp(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *,
     if sequence_axis is not None:
         counts = jax.lax.psum(tokens_per_expert, sequence_axis)
         total = t * jax.lax.axis_size(sequence_axis)
-    aux = (load_balancing_loss(probs, jax.lax.stop_gradient(counts), k, cfg.aux_loss_coeff,
-                               total)
-           if cfg.load_balancing_type == "aux_loss" else jnp.zeros((), jnp.float32))
+    aux = (
+        load_balancing_loss(probs, jax.lax.stop_gradient(counts), k, cfg.aux_loss_coeff, total)
+        if cfg.load_balancing_type == "aux_loss"
+        else jnp.zeros((), jnp.float32)
+    )
     kept = dispatcher.kept(state)
-    dropped = jnp.zeros((), jnp.float32) if kept is None else \
-        jnp.sum(~kept) / jnp.float32(kept.size)
+    dropped = (
+        jnp.zeros((), jnp.float32) if kept is None else jnp.sum(~kept) / jnp.float32(kept.size)
+    )
     stats = MoEStats(aux, tokens_per_expert, dropped)
     return ((y, owner.buckets[0]) if owner is not None else y), stats

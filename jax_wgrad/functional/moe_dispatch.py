@@ -31,11 +31,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_wgrad.functional.collectives import (gather_from_sequence_parallel_region,
-                                              reduce_scatter_to_sequence_parallel_region)
+from jax_wgrad.functional.collectives import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from jax_wgrad.functional.saved import SAVED
 
 __all__ = ["CapacityDispatch", "DroplessDispatch", "dispatch_slots", "group_by_expert"]
@@ -71,9 +72,9 @@ def group_by_expert(counts: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]
     """
     s, e_l = counts.shape
     sizes = jnp.sum(counts, axis=0)
-    ends = jnp.cumsum(counts, axis=1)                                       # [S, E_l]
+    ends = jnp.cumsum(counts, axis=1)  # [S, E_l]
     i = jnp.arange(rows, dtype=jnp.int32)
-    j = jax.vmap(lambda e: jnp.searchsorted(e, i, side="right"))(ends)      # [S, rows]
+    j = jax.vmap(lambda e: jnp.searchsorted(e, i, side="right"))(ends)  # [S, rows]
     jc = jnp.minimum(j, e_l - 1)
     start_in_source = jnp.take_along_axis(ends - counts, jc, axis=1)
     before = jnp.take_along_axis(_exclusive_cumsum(counts, axis=0), jc, axis=1)
@@ -125,12 +126,15 @@ class CapacityDispatch(_Exchange):
         k = experts.shape[1]
         slot, kept = dispatch_slots(experts, self.num_experts, self.capacity)
         target = jnp.where(kept, slot, self.capacity)  # dropped -> out of bounds: dropped
-        buf = jnp.zeros((self.num_experts, self.capacity, h), x.dtype).at[experts, target].set(
-            jnp.broadcast_to(x[:, None, :], (t, k, h)), mode="drop")
-        buf = self.expert_all_to_all(buf)                     # [EP(src) * E_l, C, H]
+        buf = (
+            jnp.zeros((self.num_experts, self.capacity, h), x.dtype)
+            .at[experts, target]
+            .set(jnp.broadcast_to(x[:, None, :], (t, k, h)), mode="drop")
+        )
+        buf = self.expert_all_to_all(buf)  # [EP(src) * E_l, C, H]
         e_l = self.num_experts // self.ep
         local = buf.reshape(self.ep, e_l, self.capacity, h).transpose(1, 0, 2, 3)
-        local = self.tensor_gather(local, 1)                  # [E_l, S, C, H]
+        local = self.tensor_gather(local, 1)  # [E_l, S, C, H]
         local = checkpoint_name(local.reshape(e_l, -1, h), SAVED)
         return local, None, (experts, target, kept)
 
@@ -138,10 +142,11 @@ class CapacityDispatch(_Exchange):
         experts, target, kept = state
         e_l, _, h = out.shape
         out = out.reshape(e_l, -1, self.ep, self.capacity, h)
-        out = self.tensor_reduce_scatter(out, 1)              # [E_l, 1, EP, C, H]
+        out = self.tensor_reduce_scatter(out, 1)  # [E_l, 1, EP, C, H]
         out = out.reshape(e_l, self.ep, self.capacity, h).transpose(1, 0, 2, 3)
         back = checkpoint_name(
-            self.expert_all_to_all(out.reshape(e_l * self.ep, self.capacity, h)), SAVED)
+            self.expert_all_to_all(out.reshape(e_l * self.ep, self.capacity, h)), SAVED
+        )
         picked = back.at[experts, target].get(mode="fill", fill_value=0)  # [T, k, H]
         weights = jnp.where(kept, gates, 0.0).astype(out.dtype)
         return jnp.einsum("tkh,tk->th", picked, weights)
@@ -162,10 +167,10 @@ class DroplessDispatch(_Exchange):
         ``S T k`` for ``S`` sources; rows past the groups are zeros."""
         t, h = x.shape
         tk = experts.size
-        flat = experts.T.reshape(-1)                          # choice c = kk * T + token
+        flat = experts.T.reshape(-1)  # choice c = kk * T + token
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted position -> c
         counts = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
-        rows = x[order % t]                                   # [T k, H] grouped by expert
+        rows = x[order % t]  # [T k, H] grouped by expert
         if self.expert_axis is None and self.tensor_axis is None:
             return rows, counts, (order, None, None, None)
         e_l = self.num_experts // self.ep
@@ -174,16 +179,18 @@ class DroplessDispatch(_Exchange):
         start = _exclusive_cumsum(sent)
         i = jnp.arange(tk, dtype=jnp.int32)
         send = _rows_at(rows, jnp.where(i[None] < sent[:, None], start[:, None] + i[None], tk))
-        recv = self.expert_all_to_all(send)                   # [EP(src), T k, H]
-        recv_counts = self.expert_all_to_all(per_rank)        # [EP(src), E_l]
+        recv = self.expert_all_to_all(send)  # [EP(src), T k, H]
+        recv_counts = self.expert_all_to_all(per_rank)  # [EP(src), E_l]
         recv = self.tensor_gather(recv, 0).reshape(-1, tk, h)  # [S, T k, H]
         if self.tensor_axis is not None:
-            recv_counts = jax.lax.all_gather(recv_counts, self.tensor_axis, axis=0,
-                                             tiled=True)
+            recv_counts = jax.lax.all_gather(recv_counts, self.tensor_axis, axis=0, tiled=True)
         dest, sizes = group_by_expert(recv_counts, tk)
         s = dest.shape[0]
-        source = jnp.full((s * tk + 1,), s * tk, jnp.int32).at[dest.reshape(-1)].set(
-            jnp.arange(s * tk, dtype=jnp.int32), mode="drop")[:-1]
+        source = (
+            jnp.full((s * tk + 1,), s * tk, jnp.int32)
+            .at[dest.reshape(-1)]
+            .set(jnp.arange(s * tk, dtype=jnp.int32), mode="drop")[:-1]
+        )
         local = checkpoint_name(_rows_at(recv.reshape(s * tk, h), source), SAVED)
         return local, sizes, (order, dest, start, sent)
 
@@ -195,13 +202,12 @@ class DroplessDispatch(_Exchange):
             sorted_out = out
         else:
             back = _rows_at(out, dest.reshape(-1)).reshape(dest.shape[0], t * k, h)
-            back = self.tensor_reduce_scatter(back, 0)        # [EP, T k, H]
+            back = self.tensor_reduce_scatter(back, 0)  # [EP, T k, H]
             back = checkpoint_name(self.expert_all_to_all(back), SAVED)  # [EP(dst), T k, H]
             p = jnp.arange(t * k, dtype=jnp.int32)
             rank = jnp.searchsorted(jnp.cumsum(sent), p, side="right")
             sorted_out = _rows_at(back.reshape(-1, h), rank * (t * k) + p - start[rank])
-        per_choice = jnp.zeros_like(sorted_out).at[order].set(sorted_out,
-                                                              unique_indices=True)
+        per_choice = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
         return jnp.einsum("kth,tk->th", per_choice.reshape(k, t, h), gates.astype(out.dtype))
 
     def kept(self, state) -> jax.Array | None:

@@ -37,8 +37,9 @@ from jax_wgrad.functional.saved import SAVED
 
 __all__ = ["LayerRecompute", "LayerGroup", "ATTENTION_FORWARD_PRIMITIVES", "policy"]
 
-ATTENTION_FORWARD_PRIMITIVES = frozenset({"dot_product_attention_fwd",
-                                          "dot_product_attention_fwd_wrapper"})
+ATTENTION_FORWARD_PRIMITIVES = frozenset(
+    {"dot_product_attention_fwd", "dot_product_attention_fwd_wrapper"}
+)
 """Names of jax's cuDNN fused-attention forward primitives
 (``jax._src.cudnn.fused_attention_stablehlo``; the wrapper is what
 :func:`jax.nn.dot_product_attention` binds): their outputs (the attention output and the
@@ -62,8 +63,9 @@ def policy(granularity: Literal["full", "selective"] | None):
     """The ``jax.checkpoint`` policy of one checkpointed layer (group) at ``granularity``
     (module docstring)."""
     if granularity not in _POLICIES:
-        raise ValueError(f"recompute granularity must be None, 'full' or 'selective'; got "
-                         f"{granularity!r}")
+        raise ValueError(
+            f"recompute granularity must be None, 'full' or 'selective'; got {granularity!r}"
+        )
     return _POLICIES[granularity]
 
 

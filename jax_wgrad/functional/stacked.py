@@ -55,10 +55,16 @@ def _layer_offset(slot: BucketSlot, layer: jax.Array, size: int) -> ops.BlockOff
     return advance(slot.offset, layer, size)
 
 
-def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]],
-                x: jax.Array, params: PyTree, main_grads: PyTree | None, *,
-                unroll: int = 1, rows: tuple[Any, int] | None = None,
-                recompute: LayerRecompute | None = None) -> tuple[jax.Array, PyTree]:
+def scan_layers(
+    layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]],
+    x: jax.Array,
+    params: PyTree,
+    main_grads: PyTree | None,
+    *,
+    unroll: int = 1,
+    rows: tuple[Any, int] | None = None,
+    recompute: LayerRecompute | None = None,
+) -> tuple[jax.Array, PyTree]:
     """``for i in range(n): x, aux_i = layer(params[i], main_grads[i], x)`` as a scan.
 
     Args:
@@ -85,17 +91,20 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
     leaves, treedef = jax.tree.flatten(params)
     n = leaves[0].shape[0]
     if any(a.shape[:1] != (n,) for a in leaves):
-        raise ValueError(f"scan_layers: every parameter must be stacked [n, ...] with one n; "
-                         f"got {[tuple(a.shape) for a in leaves]}")
-    start, count = (jnp.int32(0), n) if rows is None else (jnp.asarray(rows[0], jnp.int32),
-                                                            rows[1])
+        raise ValueError(
+            f"scan_layers: every parameter must be stacked [n, ...] with one n; "
+            f"got {[tuple(a.shape) for a in leaves]}"
+        )
+    start, count = (jnp.int32(0), n) if rows is None else (jnp.asarray(rows[0], jnp.int32), rows[1])
     if rows is not None and not 0 < count <= n:
         raise ValueError(f"scan_layers: rows {rows!r} outside the {n} stacked layers")
-    groups = ((LayerGroup(0, 1, count, None),) if recompute is None
-              else recompute.groups(count))
+    groups = (LayerGroup(0, 1, count, None),) if recompute is None else recompute.groups(count)
 
-    slots = ([None] * len(leaves) if main_grads is None else
-             treedef.flatten_up_to(jax.tree.map(lambda s: s, main_grads, is_leaf=_is_slot)))
+    slots = (
+        [None] * len(leaves)
+        if main_grads is None
+        else treedef.flatten_up_to(jax.tree.map(lambda s: s, main_grads, is_leaf=_is_slot))
+    )
     # Threaded buckets: one carry entry per (owner, bucket) a BucketSlot writes.
     owners: dict[int, WgradBuckets] = {}
     threaded: list[tuple[int, int]] = []
@@ -114,15 +123,14 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
         per_layer = list(slots)
         for k, s in enumerate(slots):
             if isinstance(s, BucketSlot):
-                per_layer[k] = inner.slot(threaded.index((id(s.owner), s.bucket)),
-                                          _layer_offset(s, start + index,
-                                                        math.prod(leaves[k].shape[1:])))
+                per_layer[k] = inner.slot(
+                    threaded.index((id(s.owner), s.bucket)),
+                    _layer_offset(s, start + index, math.prod(leaves[k].shape[1:])),
+                )
         for j, (k, _) in enumerate(split):
             per_layer[k] = ws.slot(j)
-        p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, start + index, 0, False),
-                         params)
-        h, aux = layer(p, None if main_grads is None else
-                       jax.tree.unflatten(treedef, per_layer), h)
+        p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, start + index, 0, False), params)
+        h, aux = layer(p, None if main_grads is None else jax.tree.unflatten(treedef, per_layer), h)
         return h, inner.buckets, (aux, ws.inputs, ws.outputs)
 
     def run_group(g: LayerGroup):
@@ -155,6 +163,7 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
                 return p
             part = lax.slice_in_dim(p, g.first, g.first + g.size * g.count, axis=0)
             return part if g.size == 1 else part.reshape(g.count, g.size, *p.shape[1:])
+
         return step, (jnp.arange(g.count, dtype=jnp.int32), [group_probes(p) for p in probes])
 
     carry = (x, tuple(owners[o]._buckets[b] for o, b in threaded))
@@ -168,8 +177,9 @@ def scan_layers(layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, Py
             carry, rec = lax.scan(step, carry, xs, unroll=min(unroll, g.count))
         records.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rec))
     (y, bks) = carry
-    aux, inputs, outputs = (records[0] if len(records) == 1 else
-                            jax.tree.map(lambda *r: jnp.concatenate(r), *records))
+    aux, inputs, outputs = (
+        records[0] if len(records) == 1 else jax.tree.map(lambda *r: jnp.concatenate(r), *records)
+    )
     for (o, b), bk in zip(threaded, bks):
         owners[o]._buckets[b] = bk
     for j, (_, s) in enumerate(split):

@@ -81,9 +81,17 @@ class GradBuffer:
         slots, no buckets."""
         if treedef.num_leaves:
             raise ValueError(f"GradBuffer.empty: the tree has {treedef.num_leaves} leaves")
-        return cls(treedef=treedef, slots=(), groups=(), bucket_numels=(), bucket_dtypes=(),
-                   bucket_param_dtypes=(), bucket_leaves=(), dp_size=dp_size,
-                   use_distributed_optimizer=bool(use_distributed_optimizer))
+        return cls(
+            treedef=treedef,
+            slots=(),
+            groups=(),
+            bucket_numels=(),
+            bucket_dtypes=(),
+            bucket_param_dtypes=(),
+            bucket_leaves=(),
+            dp_size=dp_size,
+            use_distributed_optimizer=bool(use_distributed_optimizer),
+        )
 
     @classmethod
     def create(
@@ -149,9 +157,14 @@ class GradBuffer:
             for j, (start, end, bid) in enumerate(plan.param_ranges):
                 k = idx[j]
                 slots[k] = ParamSlot(
-                    path=paths[k], index=k, shape=shapes_dtypes[k][0], param_dtype=pdt,
-                    bucket=first + bid, offset=start - plan.buckets[bid].offset,
-                    size=end - start)
+                    path=paths[k],
+                    index=k,
+                    shape=shapes_dtypes[k][0],
+                    param_dtype=pdt,
+                    bucket=first + bid,
+                    offset=start - plan.buckets[bid].offset,
+                    size=end - start,
+                )
         return cls(
             treedef=treedef,
             slots=tuple(slots),  # type: ignore[arg-type]
@@ -175,26 +188,38 @@ class GradBuffer:
         if not buffers:
             raise ValueError("GradBuffer.concatenate: no buffers")
         if len({b.use_distributed_optimizer for b in buffers}) != 1:
-            raise ValueError("GradBuffer.concatenate: parts must share "
-                             "use_distributed_optimizer")
+            raise ValueError("GradBuffer.concatenate: parts must share use_distributed_optimizer")
         n = sum(len(b.slots) for b in buffers)
         if treedef is None:
             treedef = jax.tree_util.treedef_tuple([b.treedef for b in buffers])
         if treedef.num_leaves != n:
             raise ValueError(f"GradBuffer.concatenate: {treedef.num_leaves} leaves, parts {n}")
-        paths = [jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, range(n)))[0]]
+        paths = [
+            jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(treedef, range(n)))[
+                0
+            ]
+        ]
         slots, groups, numels, dtypes, pdtypes, leaves_of = [], [], [], [], [], []
         leaf0 = bucket0 = 0
         for b in buffers:
             for s in b.slots:
-                slots.append(dataclasses.replace(
-                    s, path=paths[s.index + leaf0], index=s.index + leaf0,
-                    bucket=s.bucket + bucket0))
+                slots.append(
+                    dataclasses.replace(
+                        s,
+                        path=paths[s.index + leaf0],
+                        index=s.index + leaf0,
+                        bucket=s.bucket + bucket0,
+                    )
+                )
             for g in b.groups:
-                groups.append(dataclasses.replace(
-                    g, leaf_indices=tuple(i + leaf0 for i in g.leaf_indices),
-                    first_bucket=g.first_bucket + bucket0))
+                groups.append(
+                    dataclasses.replace(
+                        g,
+                        leaf_indices=tuple(i + leaf0 for i in g.leaf_indices),
+                        first_bucket=g.first_bucket + bucket0,
+                    )
+                )
             numels += b.bucket_numels
             dtypes += b.bucket_dtypes
             pdtypes += b.bucket_param_dtypes
@@ -203,11 +228,16 @@ class GradBuffer:
             bucket0 += b.num_buckets
         return cls(
             treedef=treedef,
-            slots=tuple(slots), groups=tuple(groups), bucket_numels=tuple(numels),
-            bucket_dtypes=tuple(dtypes), bucket_param_dtypes=tuple(pdtypes),
-            bucket_leaves=tuple(leaves_of), dp_size=buffers[0].dp_size,
+            slots=tuple(slots),
+            groups=tuple(groups),
+            bucket_numels=tuple(numels),
+            bucket_dtypes=tuple(dtypes),
+            bucket_param_dtypes=tuple(pdtypes),
+            bucket_leaves=tuple(leaves_of),
+            dp_size=buffers[0].dp_size,
             use_distributed_optimizer=buffers[0].use_distributed_optimizer,
-            bucket_dp_sizes=sum((b.bucket_dp_sizes for b in buffers), ()))
+            bucket_dp_sizes=sum((b.bucket_dp_sizes for b in buffers), ()),
+        )
 
     # ----------------------------------------------------------------------------- layout
 
@@ -252,12 +282,16 @@ class GradBuffer:
     def summary(self) -> str:
         """A total line, then one line per dtype group (or chunk) and bucket."""
         pad = self.numel - self.param_numel
-        lines = [f"{self.num_buckets} bucket(s), {len(self.slots)} params: "
-                 f"{self.param_numel} param elements, {self.numel} buffer elements, padding "
-                 f"{pad} ({100.0 * pad / max(self.numel, 1):.2f}%)"]
+        lines = [
+            f"{self.num_buckets} bucket(s), {len(self.slots)} params: "
+            f"{self.param_numel} param elements, {self.numel} buffer elements, padding "
+            f"{pad} ({100.0 * pad / max(self.numel, 1):.2f}%)"
+        ]
         for g in self.groups:
-            lines.append(f"group {g.param_dtype}->{g.grad_dtype}, buckets from "
-                         f"{g.first_bucket}: " + g.plan.summary())
+            lines.append(
+                f"group {g.param_dtype}->{g.grad_dtype}, buckets from "
+                f"{g.first_bucket}: " + g.plan.summary()
+            )
         return "\n".join(lines)
 
     # ----------------------------------------------------------------------------- values
@@ -276,24 +310,30 @@ class GradBuffer:
             out = tuple(lax.pcast(b, tuple(varying_axes), to="varying") for b in out)
         return out
 
-    def _check_buckets(self, buckets: Sequence[jax.Array], what: str,
-                       numels: Sequence[int] | None = None) -> None:
+    def _check_buckets(
+        self, buckets: Sequence[jax.Array], what: str, numels: Sequence[int] | None = None
+    ) -> None:
         numels = self.bucket_numels if numels is None else numels
         got = [tuple(b.shape) for b in buckets]
         want = [(n,) for n in numels]
         if got != want:
-            raise ValueError(f"GradBuffer.{what}: expected {len(want)} bucket(s) of shapes "
-                             f"{want}, got {got}")
+            raise ValueError(
+                f"GradBuffer.{what}: expected {len(want)} bucket(s) of shapes {want}, got {got}"
+            )
 
     def _check_tree(self, tree: PyTree, what: str) -> list[jax.Array]:
         leaves, treedef = jax.tree.flatten(tree)
         if treedef != self.treedef:
-            raise ValueError(f"GradBuffer.{what}: tree structure {treedef} differs from the "
-                             f"buffer's {self.treedef}")
+            raise ValueError(
+                f"GradBuffer.{what}: tree structure {treedef} differs from the "
+                f"buffer's {self.treedef}"
+            )
         for s, leaf in zip(self.slots, leaves):
             if tuple(leaf.shape) != s.shape:
-                raise ValueError(f"GradBuffer.{what}: leaf {s.path} has shape "
-                                 f"{tuple(leaf.shape)}, expected {s.shape}")
+                raise ValueError(
+                    f"GradBuffer.{what}: leaf {s.path} has shape "
+                    f"{tuple(leaf.shape)}, expected {s.shape}"
+                )
         return leaves
 
     def to_tree(self, buckets: Sequence[jax.Array], *, dtype: Any = None) -> PyTree:
@@ -338,8 +378,13 @@ class GradBuffer:
             out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         return tuple(out)
 
-    def add_tree(self, buckets: Sequence[jax.Array], tree: PyTree, *,
-                 where: PyTree | Sequence[bool] | None = None) -> Buckets:
+    def add_tree(
+        self,
+        buckets: Sequence[jax.Array],
+        tree: PyTree,
+        *,
+        where: PyTree | Sequence[bool] | None = None,
+    ) -> Buckets:
         """Adds ordinary gradients into their slices: ``bucket[slot] += leaf``; one
         :func:`jax_wgrad.ops.bucket_add` per bucket touched (an in-place custom call
         aliasing the bucket): each leaf reads and writes only its own block, so on a
@@ -366,8 +411,9 @@ class GradBuffer:
             out[i] = ops.bucket_add(out[i], grads, offsets)
         return tuple(out)
 
-    def wgrad_accumulate(self, buckets: Sequence[jax.Array], path: str | Sequence[Any],
-                         x: jax.Array, dy: jax.Array) -> Buckets:
+    def wgrad_accumulate(
+        self, buckets: Sequence[jax.Array], path: str | Sequence[Any], x: jax.Array, dy: jax.Array
+    ) -> Buckets:
         """Fused ``bucket[slot] += (dy^T @ x).ravel()`` for a ``[out, in]`` weight, in place.
 
         Args:
@@ -380,8 +426,10 @@ class GradBuffer:
         s = self.slot(path)
         want = (dy.shape[-1], x.shape[-1])
         if s.shape != want:
-            raise ValueError(f"GradBuffer.wgrad_accumulate: parameter {s.path} has shape "
-                             f"{s.shape}, but dy^T @ x is {want}")
+            raise ValueError(
+                f"GradBuffer.wgrad_accumulate: parameter {s.path} has shape "
+                f"{s.shape}, but dy^T @ x is {want}"
+            )
         self._check_buckets(buckets, "wgrad_accumulate")
         out = list(buckets)
         out[s.bucket] = ops.wgrad_accumulate(x, dy, out[s.bucket], offset=s.offset)
@@ -390,7 +438,10 @@ class GradBuffer:
     def flag_values(self, flags: PyTree | Sequence[bool]) -> tuple[bool, ...]:
         """Per-leaf flags in flatten order, from a tree of bools shaped like the parameters
         or a sequence of bools in flatten order."""
-        if isinstance(flags, (list, tuple)) and len(flags) == len(self.slots) and all(
-                isinstance(f, (bool, np.bool_)) for f in flags):
+        if (
+            isinstance(flags, (list, tuple))
+            and len(flags) == len(self.slots)
+            and all(isinstance(f, (bool, np.bool_)) for f in flags)
+        ):
             return tuple(bool(f) for f in flags)
         return flag_tree("mask flags", flags, self.treedef, len(self.slots))

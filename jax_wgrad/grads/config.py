@@ -38,17 +38,25 @@ class DDPConfig:
     ``--clip-grad``, default 1.0)."""
 
     def __post_init__(self) -> None:
-        for name in ("use_distributed_optimizer", "overlap_grad_reduce",
-                     "average_in_collective", "pad_buckets_for_high_nccl_busbw"):
+        for name in (
+            "use_distributed_optimizer",
+            "overlap_grad_reduce",
+            "average_in_collective",
+            "pad_buckets_for_high_nccl_busbw",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.bucket_size is not None:
             check_positive("bucket_size", self.bucket_size)
         clip = self.clip_grad
-        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (
-                0.0 <= clip < float("inf")):
-            raise ValueError(f"clip_grad must be a finite number >= 0 (0 disables "
-                             f"clipping), got {clip!r}")
+        if (
+            isinstance(clip, bool)
+            or not isinstance(clip, (int, float))
+            or not (0.0 <= clip < float("inf"))
+        ):
+            raise ValueError(
+                f"clip_grad must be a finite number >= 0 (0 disables clipping), got {clip!r}"
+            )
 
     def effective_bucket_size(self, data_parallel_size: int) -> int | None:
         """Megatron's rule (``DistributedDataParallel.__init__``): without

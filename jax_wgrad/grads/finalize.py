@@ -57,10 +57,13 @@ def sync_chunk(buckets: Buckets, ddp: DDPConfig, chunk: str) -> Buckets:
     if chunk == EXPERTS:
         dp, edp = axis_size(DATA_PARALLEL), axis_size(axis)
         factor = edp / dp if ddp.average_in_collective else 1.0 / dp
-    return sync_buckets(buckets, axis_name=axis,
-                        use_distributed_optimizer=ddp.use_distributed_optimizer,
-                        gradient_scaling_factor=factor,
-                        average_in_collective=ddp.average_in_collective)
+    return sync_buckets(
+        buckets,
+        axis_name=axis,
+        use_distributed_optimizer=ddp.use_distributed_optimizer,
+        gradient_scaling_factor=factor,
+        average_in_collective=ddp.average_in_collective,
+    )
 
 
 def sync_stage_buckets(buckets: Buckets, ddp: DDPConfig, chunk: str = STAGE) -> Buckets:
@@ -103,21 +106,25 @@ def finalize_grads(
     dist = ddp.use_distributed_optimizer
     state = layout.state(buckets)
     with jax.named_scope("data_parallel_sync"):
+
         def sync(name, bks):
             if name != SHARED and stage_synced:
                 return shard_buckets(bks, axis_name=SYNC_AXES[name]) if dist else bks
             return sync_chunk(bks, ddp, name)
+
         state = state.map(sync)
     synced = layout.concatenated(state)
     if sequence_parallel:
         with jax.named_scope("sequence_parallel_grads_all_reduce"):
             rep = layout.tensor_replicated_flags
-            masks = local_mask(layout.buffer, rep, axis_name=None,
-                               bucket_axes=layout.bucket_axes if dist else None)
+            masks = local_mask(
+                layout.buffer, rep, axis_name=None, bucket_axes=layout.bucket_axes if dist else None
+            )
             has = flat_mask(layout.buffer, rep)
             synced = tuple(
                 jnp.where(m, lax.psum(jnp.where(m, g, 0.0), TENSOR), g) if h.any() else g
-                for g, m, h in zip(synced, masks, has))
+                for g, m, h in zip(synced, masks, has)
+            )
     if pipeline_parallel:
         with jax.named_scope("embedding_grads_all_reduce"):
             synced = _sum_over_pipeline(layout, synced, dist)
@@ -143,8 +150,12 @@ def _sum_over_pipeline(layout: GradLayout, synced: Buckets, dist: bool) -> Bucke
             out.append(lax.psum(g, PIPELINE))
         else:
             if masks is None:
-                masks = local_mask(layout.buffer, flags, axis_name=None,
-                                   bucket_axes=layout.bucket_axes if dist else None)
+                masks = local_mask(
+                    layout.buffer,
+                    flags,
+                    axis_name=None,
+                    bucket_axes=layout.bucket_axes if dist else None,
+                )
             m = masks[i]
             out.append(jnp.where(m, lax.psum(jnp.where(m, g, 0.0), PIPELINE), g))
     return tuple(out)

@@ -31,8 +31,11 @@ from jax_wgrad.parallel.mesh import DATA_PARALLEL, EXPERT_DATA_PARALLEL
 
 __all__ = ["GradLayout", "SYNC_AXES"]
 
-SYNC_AXES: dict[str, AxisName] = {STAGE: DATA_PARALLEL, EXPERTS: EXPERT_DATA_PARALLEL,
-                                  SHARED: DATA_PARALLEL}
+SYNC_AXES: dict[str, AxisName] = {
+    STAGE: DATA_PARALLEL,
+    EXPERTS: EXPERT_DATA_PARALLEL,
+    SHARED: DATA_PARALLEL,
+}
 """The mesh axes each chunk's buckets are synced (and sharded) over."""
 
 Buckets = tuple[jax.Array, ...]
@@ -61,8 +64,16 @@ class GradLayout:
     fusion: bool
 
     @classmethod
-    def create(cls, shapes: DeviceTree, specs: DeviceTree, *, dp_size: int, ddp: DDPConfig,
-               fusion: bool, expert_dp_size: int | None = None) -> GradLayout:
+    def create(
+        cls,
+        shapes: DeviceTree,
+        specs: DeviceTree,
+        *,
+        dp_size: int,
+        ddp: DDPConfig,
+        fusion: bool,
+        expert_dp_size: int | None = None,
+    ) -> GradLayout:
         """Lays out the buckets of a device tree.
 
         Args:
@@ -75,9 +86,11 @@ class GradLayout:
             (default ``dp_size``).
         """
         if not isinstance(shapes, Chunks) or not isinstance(specs, Chunks):
-            raise ValueError(f"GradLayout.create: shapes and specs must be DeviceTrees (one "
-                             f"tree per chunk {CHUNKS}), got {type(shapes).__name__} and "
-                             f"{type(specs).__name__}")
+            raise ValueError(
+                f"GradLayout.create: shapes and specs must be DeviceTrees (one "
+                f"tree per chunk {CHUNKS}), got {type(shapes).__name__} and "
+                f"{type(specs).__name__}"
+            )
         parts, flat_specs = {}, []
         for name, shape_tree in shapes.items():
             spec_tree = specs[name]
@@ -85,26 +98,35 @@ class GradLayout:
             chunk_specs = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
             wrong = [s.chunk for s in chunk_specs if s.chunk != name]
             if wrong:
-                raise ValueError(f"GradLayout.create: the {name!r} subtree holds specs of "
-                                 f"chunks {sorted(set(wrong))}")
+                raise ValueError(
+                    f"GradLayout.create: the {name!r} subtree holds specs of "
+                    f"chunks {sorted(set(wrong))}"
+                )
             if not chunk_specs:
                 parts[name] = GradBuffer.empty(
-                    jax.tree.structure(shape_tree), dp_size=dp,
-                    use_distributed_optimizer=ddp.use_distributed_optimizer)
+                    jax.tree.structure(shape_tree),
+                    dp_size=dp,
+                    use_distributed_optimizer=ddp.use_distributed_optimizer,
+                )
                 continue
             tied = jax.tree.map(lambda s: s.tied_embedding, spec_tree, is_leaf=_is_spec)
             parts[name] = GradBuffer.create(
-                shape_tree, shared_embedding=tied, dp_size=dp,
+                shape_tree,
+                shared_embedding=tied,
+                dp_size=dp,
                 bucket_size=ddp.effective_bucket_size(dp),
                 use_distributed_optimizer=ddp.use_distributed_optimizer,
-                pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw)
+                pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw,
+            )
             flat_specs += chunk_specs
         parts = Chunks(**parts)
-        buffer = GradBuffer.concatenate([p for _, p in parts.items()],
-                                        treedef=jax.tree.structure(shapes))
+        buffer = GradBuffer.concatenate(
+            [p for _, p in parts.items()], treedef=jax.tree.structure(shapes)
+        )
         if len(flat_specs) != len(buffer.slots):
-            raise ValueError(f"GradLayout.create: {len(flat_specs)} specs for "
-                             f"{len(buffer.slots)} parameters")
+            raise ValueError(
+                f"GradLayout.create: {len(flat_specs)} specs for {len(buffer.slots)} parameters"
+            )
         return cls(parts=parts, buffer=buffer, specs=tuple(flat_specs), fusion=fusion)
 
     # ---------------------------------------------------------------------------- chunks
@@ -137,7 +159,7 @@ class GradLayout:
         """The concatenated buckets of :attr:`buffer` -> the same buckets by chunk."""
         out, first = {}, 0
         for name, part in self.parts.items():
-            out[name] = tuple(buckets[first:first + part.num_buckets])
+            out[name] = tuple(buckets[first : first + part.num_buckets])
             first += part.num_buckets
         if first != len(buckets):
             raise ValueError(f"GradLayout.state: {len(buckets)} buckets, the layout has {first}")
@@ -153,7 +175,7 @@ class GradLayout:
         first = 0
         for n, part in self.parts.items():
             if n == name:
-                return self.specs[first:first + len(part.slots)]
+                return self.specs[first : first + len(part.slots)]
             first += len(part.slots)
         raise KeyError(f"GradLayout: no chunk {name!r}; the chunks are {CHUNKS}")
 
@@ -167,11 +189,13 @@ class GradLayout:
     def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
         """Adds ``role``'s ordinary gradients (a :class:`DeviceTree` shaped like the
         parameters) to their blocks, in place: the leaves :meth:`added_by` names."""
+
         def add(name, bks):
             where = self.added_by(name, role)
             if not any(where):
                 return bks
             return self.parts[name].add_tree(bks, grads[name], where=where)
+
         return state.map(add)
 
     # ---------------------------------------------------------------------------- flags

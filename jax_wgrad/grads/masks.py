@@ -26,8 +26,9 @@ PyTree = Any
 Buckets = tuple[jax.Array, ...]
 
 
-def flat_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
-              dtype: Any = np.float32) -> tuple[np.ndarray, ...]:
+def flat_mask(
+    buffer: GradBuffer, flags: PyTree | Sequence[bool], *, dtype: Any = np.float32
+) -> tuple[np.ndarray, ...]:
     """Per-element version of a per-parameter flag: one numpy array per bucket.
 
     Args:
@@ -41,13 +42,17 @@ def flat_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
     out = [np.zeros((n,), dtype) for n in buffer.bucket_numels]
     for s, v in zip(buffer.slots, values):
         if v:
-            out[s.bucket][s.offset:s.offset + s.size] = 1
+            out[s.bucket][s.offset : s.offset + s.size] = 1
     return tuple(out)
 
 
-def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
-               axis_name: AxisName | None,
-               bucket_axes: Sequence[AxisName] | None = None) -> Buckets:
+def local_mask(
+    buffer: GradBuffer,
+    flags: PyTree | Sequence[bool],
+    *,
+    axis_name: AxisName | None,
+    bucket_axes: Sequence[AxisName] | None = None,
+) -> Buckets:
     """Per-element bool mask of this rank's shard of each bucket (or whole buckets).
 
     The traced counterpart of :func:`flat_mask` for use inside ``shard_map``: built from
@@ -81,8 +86,10 @@ def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
         else:
             dp, rank = axis_size(axis_name), axis_index(axis_name)
         if n % dp:
-            raise ValueError(f"local_mask: bucket {i} ({n} elements) is not "
-                             f"divisible by the {dp} ranks of {axis_name!r}")
+            raise ValueError(
+                f"local_mask: bucket {i} ({n} elements) is not "
+                f"divisible by the {dp} ranks of {axis_name!r}"
+            )
         size = n // dp
         runs: list[list[int]] = []  # merged [start, end) of flagged slots, in order
         for k in buffer.bucket_leaves[i]:
@@ -104,7 +111,8 @@ def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
                 f"local_mask: bucket {i} is partly flagged and its "
                 + ("whole bucket" if axis_name is None else f"shard over {axis_name!r}")
                 + f" has {size} elements; element indices are int32, so at most "
-                f"{INT32_MAX} are supported (more data-parallel ranks or smaller buckets)")
+                f"{INT32_MAX} are supported (more data-parallel ranks or smaller buckets)"
+            )
         starts, ends = _rank_run_tables(runs, dp, size)
         idx = lax.iota(jnp.int32, size)
         starts, ends = jnp.asarray(starts)[rank], jnp.asarray(ends)[rank]
@@ -113,8 +121,9 @@ def local_mask(buffer: GradBuffer, flags: PyTree | Sequence[bool], *,
     return tuple(out)
 
 
-def _rank_run_tables(runs: Sequence[Sequence[int]], dp: int, size: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def _rank_run_tables(
+    runs: Sequence[Sequence[int]], dp: int, size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Per rank, the ``[start, end)`` runs cut at its shard ``[r * size, (r + 1) * size)``
     and made relative to it: int32 ``[dp, R]`` starts and ends (every value <= ``size``),
     rows padded with the empty run ``[size, size)`` (no element index reaches it)."""

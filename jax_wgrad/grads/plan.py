@@ -239,8 +239,9 @@ def plan_buckets(
             )
     use_distributed_optimizer = bool(use_distributed_optimizer)
     pad_buckets_for_high_nccl_busbw = bool(pad_buckets_for_high_nccl_busbw)
-    walk = _BucketWalk(bucket_end_divisor(dp_size, pad_buckets_for_high_nccl_busbw),
-                       use_distributed_optimizer)
+    walk = _BucketWalk(
+        bucket_end_divisor(dp_size, pad_buckets_for_high_nccl_busbw), use_distributed_optimizer
+    )
     param_ranges, buckets = walk.run(numels, shared, bucket_size)
     plan = BucketPlan(
         param_ranges=param_ranges,
@@ -279,10 +280,15 @@ class _BucketWalk:
         """Megatron's ``_update_bucket_metadata``: ``numel_unpadded`` runs to ``last_end``,
         the bucket end is padded, and the next bucket starts there (returned)."""
         end = _pad(last_end, self.end_divisor) if self.distributed else last_end
-        self.buckets.append(Bucket(
-            bucket_id=len(self.buckets), offset=self.bucket_start,
-            numel_unpadded=last_end - self.bucket_start, numel=end - self.bucket_start,
-            param_indices=tuple(self.bucket_params)))
+        self.buckets.append(
+            Bucket(
+                bucket_id=len(self.buckets),
+                offset=self.bucket_start,
+                numel_unpadded=last_end - self.bucket_start,
+                numel=end - self.bucket_start,
+                param_indices=tuple(self.bucket_params),
+            )
+        )
         self.bucket_start, self.bucket_params = end, []
         return end
 

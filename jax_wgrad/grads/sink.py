@@ -104,8 +104,14 @@ class GradSink:
     _leaf_entries: tuple[SinkEntry | None, ...]
 
     @classmethod
-    def create(cls, layout: GradLayout, *, split_backward: bool,
-               num_deferred_microbatches: int, split_output: bool = True) -> GradSink:
+    def create(
+        cls,
+        layout: GradLayout,
+        *,
+        split_backward: bool,
+        num_deferred_microbatches: int,
+        split_output: bool = True,
+    ) -> GradSink:
         """The policy of every fused weight of ``layout`` (module docstring);
         ``split_output=False`` keeps the ``OUTPUT`` role's weights out of the ``W`` tasks
         (a program whose ``post`` runs on every stage: each accumulates its share at once).
@@ -115,8 +121,10 @@ class GradSink:
             or deferral with a number of weights fused in ``OUTPUT`` other than one.
         """
         if (split_backward or num_deferred_microbatches) and not layout.fusion:
-            raise ValueError("GradSink: a split backward and deferred output-layer wgrad "
-                             "need gradient accumulation fusion")
+            raise ValueError(
+                "GradSink: a split backward and deferred output-layer wgrad "
+                "need gradient accumulation fusion"
+            )
         entries: list[SinkEntry | None] = []
         for slot, spec in zip(layout.buffer.slots, layout.specs):
             if not layout.fusion or spec.fused_in is None:
@@ -125,18 +133,29 @@ class GradSink:
             policy: Policy = "accumulate"
             if spec.fused_in == OUTPUT and num_deferred_microbatches:
                 policy = "defer"
-            elif split_backward and ((spec.fused_in == OUTPUT and split_output)
-                                     or (spec.fused_in == LAYERS and spec.chunk == STAGE)):
+            elif split_backward and (
+                (spec.fused_in == OUTPUT and split_output)
+                or (spec.fused_in == LAYERS and spec.chunk == STAGE)
+            ):
                 policy = "stash_w"
-            entries.append(SinkEntry(
-                name=slot.path, chunk=spec.chunk, role=spec.fused_in,
-                bucket=slot.bucket - _first_bucket(layout, spec.chunk), offset=slot.offset,
-                shape=tuple(slot.shape), policy=policy))
+            entries.append(
+                SinkEntry(
+                    name=slot.path,
+                    chunk=spec.chunk,
+                    role=spec.fused_in,
+                    bucket=slot.bucket - _first_bucket(layout, spec.chunk),
+                    offset=slot.offset,
+                    shape=tuple(slot.shape),
+                    policy=policy,
+                )
+            )
         fused = tuple(e for e in entries if e is not None)
         deferred = [e for e in fused if e.policy == "defer"]
         if num_deferred_microbatches and len(deferred) != 1:
-            raise ValueError(f"GradSink: deferral defers the one weight fused in the "
-                             f"{OUTPUT!r} role; the layout has {len(deferred)}")
+            raise ValueError(
+                f"GradSink: deferral defers the one weight fused in the "
+                f"{OUTPUT!r} role; the layout has {len(deferred)}"
+            )
         return cls(layout, fused, num_deferred_microbatches, tuple(entries))
 
     # ------------------------------------------------------------------------ lookups
@@ -157,8 +176,12 @@ class GradSink:
 
     # ------------------------------------------------------------------------ gradients
 
-    def open(self, role: str, state: GradState | None,
-             probes: Mapping[str, jax.Array | None] | None = None) -> Tape:
+    def open(
+        self,
+        role: str,
+        state: GradState | None,
+        probes: Mapping[str, jax.Array | None] | None = None,
+    ) -> Tape:
         """A :class:`Tape` for one differentiated call of ``role`` (create it INSIDE the
         function being differentiated, from that function's ``state`` and ``probes``)."""
         return Tape(self, role, state, probes)
@@ -167,8 +190,14 @@ class GradSink:
         """``role``'s ordinary gradients into their blocks (:meth:`GradLayout.add`)."""
         return self.layout.add(state, role, grads)
 
-    def accumulate(self, state: GradState, entry: SinkEntry, x: jax.Array,
-                   dy: jax.Array, window: Window | None = None) -> GradState:
+    def accumulate(
+        self,
+        state: GradState,
+        entry: SinkEntry,
+        x: jax.Array,
+        dy: jax.Array,
+        window: Window | None = None,
+    ) -> GradState:
         """``dy^T x`` into ``entry``'s block, in place (the ``W`` task, the deferral
         drain's non-deferred microbatches). A weight stacked over ``n`` layers
         (``[n, out, in]``, or ``[n, ..., in]`` whose middle dims flatten to ``out``;
@@ -182,11 +211,16 @@ class GradSink:
         elif len(entry.shape) >= 3:  # [n, ..., in]: n row-major [out, in] blocks
             n = x.shape[0]
             bks[entry.bucket] = ops.grouped_wgrad_accumulate(
-                x.reshape(n, -1, x.shape[-1]), dy.reshape(n, -1, dy.shape[-1]),
-                bks[entry.bucket], offset=offset)
+                x.reshape(n, -1, x.shape[-1]),
+                dy.reshape(n, -1, dy.shape[-1]),
+                bks[entry.bucket],
+                offset=offset,
+            )
         else:
-            raise ValueError(f"GradSink.accumulate: {entry.name} has shape {entry.shape}; "
-                             "a W pair is for an [out, in] weight or stacked [n, ..., in] ones")
+            raise ValueError(
+                f"GradSink.accumulate: {entry.name} has shape {entry.shape}; "
+                "a W pair is for an [out, in] weight or stacked [n, ..., in] ones"
+            )
         return state.replace(**{entry.chunk: tuple(bks)})
 
 
@@ -210,16 +244,20 @@ class Tape:
     a forward-only call). :meth:`close` returns the threaded buckets and the records.
     """
 
-    def __init__(self, sink: GradSink, role: str, state: GradState | None,
-                 probes: Mapping[str, jax.Array | None] | None):
+    def __init__(
+        self,
+        sink: GradSink,
+        role: str,
+        state: GradState | None,
+        probes: Mapping[str, jax.Array | None] | None,
+    ):
         self._state = state
         self._probed = sink.probed(role)
         if state is None:
             self.main_grads = None
             return
         self._wb = state.map(lambda _, bks: WgradBuckets(bks))
-        self._ws = WgradSplit([None if probes is None else probes[e.name]
-                               for e in self._probed])
+        self._ws = WgradSplit([None if probes is None else probes[e.name] for e in self._probed])
         index = {e.name: i for i, e in enumerate(self._probed)}
 
         def slot(entry: SinkEntry | None):
@@ -229,8 +267,9 @@ class Tape:
                 return self._ws.slot(index[entry.name])
             return self._wb[entry.chunk].slot(entry.bucket, entry.offset)
 
-        self.main_grads = jax.tree.unflatten(sink.layout.buffer.treedef,
-                                             [slot(e) for e in sink._leaf_entries])
+        self.main_grads = jax.tree.unflatten(
+            sink.layout.buffer.treedef, [slot(e) for e in sink._leaf_entries]
+        )
 
     def close(self) -> tuple[GradState | None, dict[str, jax.Array], dict[str, jax.Array]]:
         """``(buckets after the call's fused linears, inputs, outputs)``: the records are

@@ -62,7 +62,8 @@ def leaf_shape_dtype(path: str, leaf) -> tuple[tuple[int, ...], np.dtype]:
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
         raise ValueError(
             f"GradBuffer: leaf {path} must be an array or jax.ShapeDtypeStruct, got "
-            f"{type(leaf).__name__}")
+            f"{type(leaf).__name__}"
+        )
     shape = tuple(int(d) for d in leaf.shape)
     dtype = np.dtype(leaf.dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -79,5 +80,6 @@ def flag_tree(name: str, tree: PyTree, treedef, n: int) -> tuple[bool, ...]:
     leaves, got = jax.tree.flatten(tree)
     if got != treedef:
         raise ValueError(
-            f"GradBuffer: {name} must have the parameter tree's structure {treedef}, got {got}")
+            f"GradBuffer: {name} must have the parameter tree's structure {treedef}, got {got}"
+        )
     return tuple(bool(v) for v in leaves)

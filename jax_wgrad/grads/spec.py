@@ -22,8 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["GradSpec", "STAGE", "EXPERTS", "SHARED", "INPUT", "LAYERS", "OUTPUT", "CHUNKS",
-           "ROLES", "STACKED"]
+__all__ = [
+    "GradSpec",
+    "STAGE",
+    "EXPERTS",
+    "SHARED",
+    "INPUT",
+    "LAYERS",
+    "OUTPUT",
+    "CHUNKS",
+    "ROLES",
+    "STACKED",
+]
 
 STAGE = "stage"
 """Chunk of a pipeline stage's own (dense) parameters."""
@@ -79,11 +89,13 @@ class GradSpec:
         object.__setattr__(self, "roles", frozenset(self.roles))
         unknown = sorted(self.roles - set(ROLES))
         if not self.roles or unknown:
-            raise ValueError(f"GradSpec: roles must be a non-empty subset of {ROLES}, got "
-                             f"{sorted(self.roles)}")
+            raise ValueError(
+                f"GradSpec: roles must be a non-empty subset of {ROLES}, got {sorted(self.roles)}"
+            )
         if self.fused_in is not None and self.fused_in not in self.roles:
-            raise ValueError(f"GradSpec: fused_in {self.fused_in!r} is not one of its roles "
-                             f"{sorted(self.roles)}")
+            raise ValueError(
+                f"GradSpec: fused_in {self.fused_in!r} is not one of its roles {sorted(self.roles)}"
+            )
 
     @property
     def pipeline_shared(self) -> bool:

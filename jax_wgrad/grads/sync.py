@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["AxisName", "axis_size", "axis_index", "sync_buckets", "shard_buckets",
-           "place_shards"]
+__all__ = ["AxisName", "axis_size", "axis_index", "sync_buckets", "shard_buckets", "place_shards"]
 
 AxisName = str | tuple[str, ...]
 Buckets = tuple[jax.Array, ...]
@@ -79,15 +78,17 @@ def sync_buckets(
     for i, b in enumerate(buckets):
         if b.ndim != 1:
             raise ValueError(f"sync_buckets: bucket {i} must be flat, got shape {b.shape}")
-        if not (isinstance(gradient_scaling_factor, (int, float))
-                and gradient_scaling_factor == 1.0):
+        if not (
+            isinstance(gradient_scaling_factor, (int, float)) and gradient_scaling_factor == 1.0
+        ):
             b = b * jnp.asarray(gradient_scaling_factor, b.dtype)
         if use_distributed_optimizer:
             if b.shape[0] % dp:
                 raise ValueError(
                     f"sync_buckets: bucket {i} has {b.shape[0]} elements, not divisible by the "
                     f"{dp} ranks of {axis_name!r}; plan the buffer with "
-                    f"use_distributed_optimizer=True and dp_size={dp}")
+                    f"use_distributed_optimizer=True and dp_size={dp}"
+                )
             r = lax.psum_scatter(b, axis_name, scatter_dimension=0, tiled=True)
         else:
             r = lax.psum(b, axis_name)
@@ -97,17 +98,19 @@ def sync_buckets(
     return tuple(out)
 
 
-def _check_sharded(who: str, i: int, b: jax.Array | np.ndarray, dp: int,
-                   axis_name: AxisName) -> int:
+def _check_sharded(
+    who: str, i: int, b: jax.Array | np.ndarray, dp: int, axis_name: AxisName
+) -> int:
     """Elements per rank of flat bucket ``i`` (divisible by ``dp``)."""
     if b.ndim != 1 or b.shape[0] % dp:
-        raise ValueError(f"{who}: bucket {i} of shape {b.shape} is not a flat "
-                         f"array divisible by the {dp} ranks of {axis_name!r}")
+        raise ValueError(
+            f"{who}: bucket {i} of shape {b.shape} is not a flat "
+            f"array divisible by the {dp} ranks of {axis_name!r}"
+        )
     return b.shape[0] // dp
 
 
-def shard_buckets(buckets: Sequence[jax.Array | np.ndarray], *, axis_name: AxisName
-                  ) -> Buckets:
+def shard_buckets(buckets: Sequence[jax.Array | np.ndarray], *, axis_name: AxisName) -> Buckets:
     """This rank's contiguous ``numel / dp`` slice of each (replicated) bucket.
 
     The slice a tiled reduce-scatter leaves on the rank (``buckets.shard_range``): row
@@ -122,13 +125,15 @@ def shard_buckets(buckets: Sequence[jax.Array | np.ndarray], *, axis_name: AxisN
     out = []
     for i, b in enumerate(buckets):
         size = _check_sharded("shard_buckets", i, b, dp, axis_name)
-        out.append(lax.dynamic_index_in_dim(jnp.asarray(b).reshape(dp, size), rank, 0,
-                                            keepdims=False))
+        out.append(
+            lax.dynamic_index_in_dim(jnp.asarray(b).reshape(dp, size), rank, 0, keepdims=False)
+        )
     return tuple(out)
 
 
-def place_shards(buckets: Sequence[jax.Array], shards: Sequence[jax.Array], *,
-                 axis_name: AxisName) -> Buckets:
+def place_shards(
+    buckets: Sequence[jax.Array], shards: Sequence[jax.Array], *, axis_name: AxisName
+) -> Buckets:
     """Each bucket with this rank's shard range overwritten by its shard (the inverse of
     :func:`shard_buckets`; where Megatron's reduce-scatter leaves the shard in the grad
     buffer). Row ``rank`` of the ``[dp, numel / dp]`` view, exact at any bucket size. Call
@@ -145,8 +150,10 @@ def place_shards(buckets: Sequence[jax.Array], shards: Sequence[jax.Array], *,
     for i, (b, s) in enumerate(zip(buckets, shards, strict=True)):
         size = _check_sharded("place_shards", i, b, dp, axis_name)
         if s.shape != (size,):
-            raise ValueError(f"place_shards: shard {i} has shape {s.shape}, bucket {i} "
-                             f"{b.shape} needs ({size},) per rank of {axis_name!r}")
+            raise ValueError(
+                f"place_shards: shard {i} has shape {s.shape}, bucket {i} "
+                f"{b.shape} needs ({size},) per rank of {axis_name!r}"
+            )
         rows = lax.dynamic_update_index_in_dim(b.reshape(dp, size), s, rank, 0)
         out.append(rows.reshape(-1))
     return tuple(out)

@@ -19,7 +19,18 @@ from jax_wgrad.interop.hf_config import (
     megatron_to_hf_aux_loss_coeff,
 )
 
-__all__ = ["FAMILIES", "UnsupportedHFConfig", "canonical_arrays", "config_from_hf",
-           "export_hf", "hf_config_from", "hf_tensors", "hf_to_megatron_aux_loss_coeff",
-           "import_hf", "megatron_flags", "megatron_to_hf_aux_loss_coeff", "read_hf_config",
-           "read_hf_tensors"]
+__all__ = [
+    "FAMILIES",
+    "UnsupportedHFConfig",
+    "canonical_arrays",
+    "config_from_hf",
+    "export_hf",
+    "hf_config_from",
+    "hf_tensors",
+    "hf_to_megatron_aux_loss_coeff",
+    "import_hf",
+    "megatron_flags",
+    "megatron_to_hf_aux_loss_coeff",
+    "read_hf_config",
+    "read_hf_tensors",
+]

@@ -40,8 +40,18 @@ from jax_wgrad.interop.hf_config import config_from_hf, head_dim, hf_config_from
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.params import init_params
 
-__all__ = ["HFTensor", "canonical_arrays", "export_hf", "hf_tensors", "import_hf",
-           "check_shards", "read_hf_config", "read_hf_tensors", "read_json", "shard_files"]
+__all__ = [
+    "HFTensor",
+    "canonical_arrays",
+    "export_hf",
+    "hf_tensors",
+    "import_hf",
+    "check_shards",
+    "read_hf_config",
+    "read_hf_tensors",
+    "read_json",
+    "shard_files",
+]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -70,6 +80,7 @@ def _get(tree: dict, leaf: str):
 def _region(leaf: str, *index) -> Callable[[dict], np.ndarray]:
     def view(params):
         return _get(params, leaf)[index] if index else _get(params, leaf)
+
     return view
 
 
@@ -81,6 +92,7 @@ def _qkv_region(leaf: str, j: int, part: str, ng: int, hpg: int, d: int):
     def view(params):
         a = _get(params, leaf)[j]
         return a.reshape(ng, hpg + 2, d, *a.shape[1:])[:, sl]
+
     return view
 
 
@@ -93,13 +105,31 @@ def _attention(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
             if kind == "bias" and not (cfg.add_bias_linear or cfg.add_qkv_bias):
                 continue
             leaf = f"{key}.qkv.{kind}"
-            out.append(HFTensor(f"{p}self_attn.{part}_proj.{kind}", shape, leaf,
-                                _qkv_region(leaf, j, part, ng, nh // ng, d)))
-    out.append(HFTensor(f"{p}self_attn.o_proj.weight", (h, nh * d), f"{key}.proj.weight",
-                        _region(f"{key}.proj.weight", j)))
+            out.append(
+                HFTensor(
+                    f"{p}self_attn.{part}_proj.{kind}",
+                    shape,
+                    leaf,
+                    _qkv_region(leaf, j, part, ng, nh // ng, d),
+                )
+            )
+    out.append(
+        HFTensor(
+            f"{p}self_attn.o_proj.weight",
+            (h, nh * d),
+            f"{key}.proj.weight",
+            _region(f"{key}.proj.weight", j),
+        )
+    )
     if cfg.add_bias_linear:
-        out.append(HFTensor(f"{p}self_attn.o_proj.bias", (h,), f"{key}.proj.bias",
-                            _region(f"{key}.proj.bias", j)))
+        out.append(
+            HFTensor(
+                f"{p}self_attn.o_proj.bias",
+                (h,),
+                f"{key}.proj.bias",
+                _region(f"{key}.proj.bias", j),
+            )
+        )
     return out
 
 
@@ -111,23 +141,24 @@ def _mlp(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
             continue
         mat = lambda *s: s if kind == "weight" else s[:1]
         fc1, fc2 = f"{key}.fc1.{kind}", f"{key}.fc2.{kind}"
-        out += [HFTensor(f"{p}mlp.gate_proj.{kind}", mat(f, h), fc1, _region(fc1, j, 0)),
-                HFTensor(f"{p}mlp.up_proj.{kind}", mat(f, h), fc1, _region(fc1, j, 1)),
-                HFTensor(f"{p}mlp.down_proj.{kind}", mat(h, f), fc2, _region(fc2, j))]
+        out += [
+            HFTensor(f"{p}mlp.gate_proj.{kind}", mat(f, h), fc1, _region(fc1, j, 0)),
+            HFTensor(f"{p}mlp.up_proj.{kind}", mat(f, h), fc1, _region(fc1, j, 1)),
+            HFTensor(f"{p}mlp.down_proj.{kind}", mat(h, f), fc2, _region(fc2, j)),
+        ]
     return out
 
 
 def _experts(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
     h, f, e_num = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
     fc1, fc2, q = f"{key}.experts.fc1", f"{key}.experts.fc2", f"{p}block_sparse_moe."
-    out = [HFTensor(f"{q}gate.weight", (e_num, h), f"{key}.router",
-                    _region(f"{key}.router", j))]
+    out = [HFTensor(f"{q}gate.weight", (e_num, h), f"{key}.router", _region(f"{key}.router", j))]
     for e in range(e_num):
-        out += [HFTensor(f"{q}experts.{e}.w1.weight", (f, h), fc1,
-                         _region(fc1, j, e, 0)),
-                HFTensor(f"{q}experts.{e}.w3.weight", (f, h), fc1,
-                         _region(fc1, j, e, 1)),
-                HFTensor(f"{q}experts.{e}.w2.weight", (h, f), fc2, _region(fc2, j, e))]
+        out += [
+            HFTensor(f"{q}experts.{e}.w1.weight", (f, h), fc1, _region(fc1, j, e, 0)),
+            HFTensor(f"{q}experts.{e}.w3.weight", (f, h), fc1, _region(fc1, j, e, 1)),
+            HFTensor(f"{q}experts.{e}.w2.weight", (h, f), fc2, _region(fc2, j, e)),
+        ]
     return out
 
 
@@ -135,35 +166,61 @@ def _experts_v5(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
     """transformers 5's fused in-memory names (read only; files use :func:`_experts`')."""
     h, f, e_num = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
     fc1, fc2 = f"{key}.experts.fc1", f"{key}.experts.fc2"
-    return [HFTensor(f"{p}mlp.gate.weight", (e_num, h), f"{key}.router",
-                     _region(f"{key}.router", j)),
-            HFTensor(f"{p}mlp.experts.gate_up_proj", (e_num, 2 * f, h), fc1, _region(fc1, j)),
-            HFTensor(f"{p}mlp.experts.down_proj", (e_num, h, f), fc2, _region(fc2, j))]
+    return [
+        HFTensor(f"{p}mlp.gate.weight", (e_num, h), f"{key}.router", _region(f"{key}.router", j)),
+        HFTensor(f"{p}mlp.experts.gate_up_proj", (e_num, 2 * f, h), fc1, _region(fc1, j)),
+        HFTensor(f"{p}mlp.experts.down_proj", (e_num, h, f), fc2, _region(fc2, j)),
+    ]
 
 
 def hf_tensors(cfg: GPTConfig, *, aliases: bool = False) -> list[HFTensor]:
     """Every tensor of ``cfg``'s Hugging Face checkpoint, in the order written (with
     ``aliases``: also the other spellings an import accepts)."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    out = [HFTensor("model.embed_tokens.weight", (v, h), "embedding.word.embedding",
-                    _region("embedding.word.embedding"))]
+    out = [
+        HFTensor(
+            "model.embed_tokens.weight",
+            (v, h),
+            "embedding.word.embedding",
+            _region("embedding.word.embedding"),
+        )
+    ]
     seen = {"layers": 0, "moe_layers": 0}
     for i, moe in enumerate(cfg.moe_layer_pattern):
         key = "moe_layers" if moe else "layers"
         j, p = seen[key], f"model.layers.{i}."
         seen[key] += 1
-        out += [HFTensor(f"{p}input_layernorm.weight", (h,), f"{key}.ln1.scale",
-                         _region(f"{key}.ln1.scale", j))]
+        out += [
+            HFTensor(
+                f"{p}input_layernorm.weight",
+                (h,),
+                f"{key}.ln1.scale",
+                _region(f"{key}.ln1.scale", j),
+            )
+        ]
         out += _attention(cfg, p, key, j)
-        out += [HFTensor(f"{p}post_attention_layernorm.weight", (h,), f"{key}.ln2.scale",
-                         _region(f"{key}.ln2.scale", j))]
-        out += (_experts(cfg, p, key, j) + (_experts_v5(cfg, p, key, j) if aliases else [])
-                if moe else _mlp(cfg, p, key, j))
-    out.append(HFTensor("model.norm.weight", (h,), "head.final_norm.scale",
-                        _region("head.final_norm.scale")))
+        out += [
+            HFTensor(
+                f"{p}post_attention_layernorm.weight",
+                (h,),
+                f"{key}.ln2.scale",
+                _region(f"{key}.ln2.scale", j),
+            )
+        ]
+        out += (
+            _experts(cfg, p, key, j) + (_experts_v5(cfg, p, key, j) if aliases else [])
+            if moe
+            else _mlp(cfg, p, key, j)
+        )
+    out.append(
+        HFTensor(
+            "model.norm.weight", (h,), "head.final_norm.scale", _region("head.final_norm.scale")
+        )
+    )
     if cfg.untie_embeddings_and_output_weights:
-        out.append(HFTensor("lm_head.weight", (v, h), "head.output.weight",
-                            _region("head.output.weight")))
+        out.append(
+            HFTensor("lm_head.weight", (v, h), "head.output.weight", _region("head.output.weight"))
+        )
     return out
 
 
@@ -220,15 +277,22 @@ def shard_files(directory: str | os.PathLike) -> list[Path]:
         files = [d / f for f in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ValueError(f"{d / INDEX}: names shard(s) that are not there: "
-                             + ", ".join(missing))
+            raise ValueError(
+                f"{d / INDEX}: names shard(s) that are not there: " + ", ".join(missing)
+            )
         return files
     if (d / SINGLE).is_file():
         return [d / SINGLE]
     others = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
-    raise ValueError(f"{d}: neither {SINGLE} nor {INDEX}" + (
-        f" (found {', '.join(others)}: only safetensors weights are read; convert them "
-        "with transformers' save_pretrained(..., safe_serialization=True))" if others else ""))
+    raise ValueError(
+        f"{d}: neither {SINGLE} nor {INDEX}"
+        + (
+            f" (found {', '.join(others)}: only safetensors weights are read; convert them "
+            "with transformers' save_pretrained(..., safe_serialization=True))"
+            if others
+            else ""
+        )
+    )
 
 
 def check_shards(directory: str | os.PathLike) -> list[Path]:
@@ -279,8 +343,10 @@ def read_hf_tensors(directory: str | os.PathLike, cfg: GPTConfig, params: dict) 
     short = [k for k in sizes if written[k] != sizes[k]]
     if short:
         missing = [t.name for t in hf_tensors(cfg) if t.leaf in short][:8]
-        raise ValueError(f"{directory}: parameters {short} are not (fully) given by the "
-                         f"checkpoint; missing tensors include {missing}")
+        raise ValueError(
+            f"{directory}: parameters {short} are not (fully) given by the "
+            f"checkpoint; missing tensors include {missing}"
+        )
     return params
 
 
@@ -303,12 +369,16 @@ def _read_shard_tensors(path: Path, table: dict, params: dict, written: dict, cf
                 continue
             entry = table.get(name)
             if entry is None:
-                raise ValueError(f"{path}: tensor {name!r} has no place in this model "
-                                 "(a different architecture or an option not mapped)")
+                raise ValueError(
+                    f"{path}: tensor {name!r} has no place in this model "
+                    "(a different architecture or an option not mapped)"
+                )
             tensor = f.get_tensor(name)
             if tuple(tensor.shape) != entry.shape:
-                raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the config makes it {entry.shape}")
+                raise ValueError(
+                    f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the config makes it {entry.shape}"
+                )
             view = entry.view(params)
             view[...] = tensor.reshape(view.shape)
             written[entry.leaf] += tensor.size
@@ -318,9 +388,16 @@ def _read_shard_tensors(path: Path, table: dict, params: dict, written: dict, cf
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-def export_hf(cfg: GPTConfig, params: dict, directory: str | os.PathLike, *,
-              max_shard_bytes: int = 5 * 2**30, dtype: str = "float32",
-              family: str | None = None, extra_config: dict | None = None) -> list[Path]:
+def export_hf(
+    cfg: GPTConfig,
+    params: dict,
+    directory: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: str = "float32",
+    family: str | None = None,
+    extra_config: dict | None = None,
+) -> list[Path]:
     """Writes ``cfg`` and canonical ``params`` (numpy or jax arrays) as an HF model
     directory ``transformers`` loads: ``config.json`` (:func:`hf_config_from`, updated by
     ``extra_config``, e.g. token ids), safetensors shards of at most ``max_shard_bytes``
@@ -343,24 +420,32 @@ def export_hf(cfg: GPTConfig, params: dict, directory: str | os.PathLike, *,
         size += n
     out_dir = Path(directory)
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = ([SINGLE] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
     files = []
     for name, shard in zip(names, shards):
-        data = {t.name: np.ascontiguousarray(t.view(params)).reshape(t.shape).astype(np_dtype)
-                for t in shard}
+        data = {
+            t.name: np.ascontiguousarray(t.view(params)).reshape(t.shape).astype(np_dtype)
+            for t in shard
+        }
         save_file(data, str(out_dir / name), metadata={"format": "pt"})
         os.chmod(out_dir / name, 0o644)  # safetensors creates its files private
         files.append(out_dir / name)
         del data
     if len(shards) > 1:
         total = sum(int(np.prod(t.shape)) * np.dtype(np_dtype).itemsize for t in tensors)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {t.name: n for n, s in zip(names, shards) for t in s}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {t.name: n for n, s in zip(names, shards) for t in s},
+        }
         files.append(_write_json(out_dir / INDEX, index))
     files.append(_write_json(out_dir / "config.json", hf))
-    tokens = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-              if hf.get(k) is not None}
+    tokens = {
+        k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None
+    }
     if tokens:
         files.append(_write_json(out_dir / "generation_config.json", tokens))
     return files

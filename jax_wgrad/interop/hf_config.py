@@ -14,11 +14,23 @@ from typing import Any
 
 from jax_wgrad.models.gpt.config import FLAG_NAMES, NEGATED_FLAGS, RUN_OPTIONS, GPTConfig
 
-__all__ = ["FAMILIES", "UnsupportedHFConfig", "config_from_hf", "hf_config_from", "head_dim",
-           "hf_to_megatron_aux_loss_coeff", "megatron_flags", "megatron_to_hf_aux_loss_coeff"]
+__all__ = [
+    "FAMILIES",
+    "UnsupportedHFConfig",
+    "config_from_hf",
+    "hf_config_from",
+    "head_dim",
+    "hf_to_megatron_aux_loss_coeff",
+    "megatron_flags",
+    "megatron_to_hf_aux_loss_coeff",
+]
 
-FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-            "Qwen2ForCausalLM": "qwen2", "MixtralForCausalLM": "mixtral"}
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+}
 """The ``architectures`` entries read and written, and their ``model_type``."""
 
 _ROPE_DEFAULTS = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
@@ -50,11 +62,17 @@ def _rope_theta(hf: dict, family: str) -> float:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "default":
-        _refuse("rope_scaling", scaling, "scaled RoPE (llama3, yarn, linear, dynamic, ...) is "
-                "not implemented; only plain RoPE")
+        _refuse(
+            "rope_scaling",
+            scaling,
+            "scaled RoPE (llama3, yarn, linear, dynamic, ...) is not implemented; only plain RoPE",
+        )
     if params.get("rope_type", "default") != "default":
-        _refuse("rope_parameters.rope_type", params["rope_type"], "scaled RoPE is not "
-                "implemented; only 'default'")
+        _refuse(
+            "rope_parameters.rope_type",
+            params["rope_type"],
+            "scaled RoPE is not implemented; only 'default'",
+        )
     for where in (hf, params):
         factor = where.get("partial_rotary_factor", 1.0)
         if factor != 1.0:
@@ -69,8 +87,10 @@ def _sliding_window_active(hf: dict, family: str, num_layers: int) -> bool:
         types = hf.get("layer_types")
         if types is not None:
             return "sliding_attention" in types
-        return bool(hf.get("use_sliding_window")) and \
-            hf.get("max_window_layers", num_layers) < num_layers
+        return (
+            bool(hf.get("use_sliding_window"))
+            and hf.get("max_window_layers", num_layers) < num_layers
+        )
     return False
 
 
@@ -80,20 +100,26 @@ def _check(hf: dict, family: str, seq_length: int) -> None:
         _refuse("hidden_act", act, "SwiGLU here is SiLU-gated (Megatron's --swiglu)")
     window = hf.get("sliding_window")
     if _sliding_window_active(hf, family, hf["num_hidden_layers"]) and window < seq_length:
-        _refuse("sliding_window", window, f"sliding-window attention is not implemented; it "
-                f"is inactive only for sequences of at most {window} tokens (pass "
-                f"seq_length <= {window}; now {seq_length})")
+        _refuse(
+            "sliding_window",
+            window,
+            f"sliding-window attention is not implemented; it "
+            f"is inactive only for sequences of at most {window} tokens (pass "
+            f"seq_length <= {window}; now {seq_length})",
+        )
     if family == "llama" and hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        _refuse("attention_bias/mlp_bias", (hf.get("attention_bias"), hf.get("mlp_bias")),
-                "Megatron's --disable-bias-linear switches every linear's bias together "
-                "(--add-qkv-bias adds q/k/v biases only, not o_proj's)")
+        _refuse(
+            "attention_bias/mlp_bias",
+            (hf.get("attention_bias"), hf.get("mlp_bias")),
+            "Megatron's --disable-bias-linear switches every linear's bias together "
+            "(--add-qkv-bias adds q/k/v biases only, not o_proj's)",
+        )
     for name in ("attention_dropout", "router_jitter_noise"):
         if hf.get(name, 0.0):
             _refuse(name, hf[name], "not implemented (must be 0)")
 
 
-def hf_to_megatron_aux_loss_coeff(router_aux_loss_coef: float, topk: int,
-                                  moe_layers: int) -> float:
+def hf_to_megatron_aux_loss_coeff(router_aux_loss_coef: float, topk: int, moe_layers: int) -> float:
     """Megatron's ``moe_aux_loss_coeff`` giving the load-balancing loss of Mixtral's
     ``router_aux_loss_coef`` (exactly when every MoE layer routes alike; the two losses
     are normalised differently, so the coefficients differ):
@@ -113,8 +139,7 @@ def hf_to_megatron_aux_loss_coeff(router_aux_loss_coef: float, topk: int,
     return float(router_aux_loss_coef) * topk / moe_layers
 
 
-def megatron_to_hf_aux_loss_coeff(moe_aux_loss_coeff: float, topk: int,
-                                  moe_layers: int) -> float:
+def megatron_to_hf_aux_loss_coeff(moe_aux_loss_coeff: float, topk: int, moe_layers: int) -> float:
     """The inverse of :func:`hf_to_megatron_aux_loss_coeff`."""
     return float(moe_aux_loss_coeff) * moe_layers / topk
 
@@ -125,8 +150,9 @@ def config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
     try:
         return _config_from_hf(hf_config, **overrides)
     except KeyError as exc:
-        raise ValueError(f"config.json has no {exc.args[0]!r} (a required field of this "
-                         "model family)") from None
+        raise ValueError(
+            f"config.json has no {exc.args[0]!r} (a required field of this model family)"
+        ) from None
 
 
 def _config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
@@ -146,46 +172,72 @@ def _config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
     nkv = hf.get("num_key_value_heads") or nh
     d = hf.get("head_dim") or hidden // nh
     fields: dict[str, Any] = dict(
-        vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], hidden_size=hidden,
-        num_attention_heads=nh, seq_length=hf.get("max_position_embeddings", 2048),
-        ffn_hidden_size=hf["intermediate_size"], normalization="RMSNorm",
-        position_embedding_type="rope", rotary_base=_rope_theta(hf, family), swiglu=True,
-        group_query_attention=nkv != nh, num_query_groups=nkv if nkv != nh else None,
+        vocab_size=hf["vocab_size"],
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hidden,
+        num_attention_heads=nh,
+        seq_length=hf.get("max_position_embeddings", 2048),
+        ffn_hidden_size=hf["intermediate_size"],
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(hf, family),
+        swiglu=True,
+        group_query_attention=nkv != nh,
+        num_query_groups=nkv if nkv != nh else None,
         kv_channels=d if d * nh != hidden else None,
         add_bias_linear=bool(hf.get("attention_bias", False)) if family == "llama" else False,
-        add_qkv_bias=family == "qwen2", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        add_qkv_bias=family == "qwen2",
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         init_method_std=float(hf.get("initializer_range", 0.02)),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+    )
     if family == "mixtral":
-        fields.update(num_moe_experts=hf["num_local_experts"],
-                      moe_router_topk=hf["num_experts_per_tok"],
-                      moe_ffn_hidden_size=hf["intermediate_size"], moe_layer_freq=1,
-                      moe_aux_loss_coeff=hf_to_megatron_aux_loss_coeff(
-                          hf.get("router_aux_loss_coef", 0.0), hf["num_experts_per_tok"],
-                          hf["num_hidden_layers"])
-                      if hf.get("output_router_logits") else 0.0)
+        fields.update(
+            num_moe_experts=hf["num_local_experts"],
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["intermediate_size"],
+            moe_layer_freq=1,
+            moe_aux_loss_coeff=hf_to_megatron_aux_loss_coeff(
+                hf.get("router_aux_loss_coef", 0.0),
+                hf["num_experts_per_tok"],
+                hf["num_hidden_layers"],
+            )
+            if hf.get("output_router_logits")
+            else 0.0,
+        )
     fields.update(overrides)
     _check(hf, family, fields["seq_length"])
     return GPTConfig(**fields)
 
 
 def _export_refusals(cfg: GPTConfig) -> list[tuple[str, Any, str]]:
-    checks = [("normalization", "RMSNorm"), ("position_embedding_type", "rope"),
-              ("swiglu", True), ("rotary_percent", 1.0), ("qk_layernorm", False)]
-    out = [(f, getattr(cfg, f, None), f"the Llama family needs {want!r}")
-           for f, want in checks if getattr(cfg, f, None) != want]
+    checks = [
+        ("normalization", "RMSNorm"),
+        ("position_embedding_type", "rope"),
+        ("swiglu", True),
+        ("rotary_percent", 1.0),
+        ("qk_layernorm", False),
+    ]
+    out = [
+        (f, getattr(cfg, f, None), f"the Llama family needs {want!r}")
+        for f, want in checks
+        if getattr(cfg, f, None) != want
+    ]
     if cfg.num_moe_experts is not None:
         if cfg.moe_layer_freq != 1:
-            out.append(("moe_layer_freq", cfg.moe_layer_freq, "Mixtral has experts in every "
-                        "layer"))
+            out.append(("moe_layer_freq", cfg.moe_layer_freq, "Mixtral has experts in every layer"))
         if cfg.add_bias_linear or cfg.add_qkv_bias:
-            out.append(("add_bias_linear/add_qkv_bias", (cfg.add_bias_linear, cfg.add_qkv_bias),
-                        "Mixtral has no linear biases"))
+            out.append(
+                (
+                    "add_bias_linear/add_qkv_bias",
+                    (cfg.add_bias_linear, cfg.add_qkv_bias),
+                    "Mixtral has no linear biases",
+                )
+            )
     return out
 
 
-def hf_config_from(cfg: GPTConfig, *, family: str | None = None,
-                   dtype: str = "float32") -> dict:
+def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "float32") -> dict:
     """A ``config.json`` (dict) ``transformers`` loads as the same model: Mixtral with
     experts, Qwen2 with q/k/v biases only, else Llama (``family="mistral"`` also for a
     dense model without biases).
@@ -195,39 +247,59 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None,
     """
     bad = _export_refusals(cfg)
     if bad:
-        raise ValueError("cannot export to Hugging Face: " + "; ".join(
-            f"{f}={v!r} ({why})" for f, v, why in bad))
-    auto = ("mixtral" if cfg.num_moe_experts is not None else
-            "qwen2" if cfg.add_qkv_bias and not cfg.add_bias_linear else "llama")
+        raise ValueError(
+            "cannot export to Hugging Face: " + "; ".join(f"{f}={v!r} ({why})" for f, v, why in bad)
+        )
+    auto = (
+        "mixtral"
+        if cfg.num_moe_experts is not None
+        else "qwen2"
+        if cfg.add_qkv_bias and not cfg.add_bias_linear
+        else "llama"
+    )
     family = family or auto
-    if family != auto and not (family == "mistral" and auto == "llama"
-                               and not cfg.add_bias_linear):
+    if family != auto and not (family == "mistral" and auto == "llama" and not cfg.add_bias_linear):
         raise ValueError(f"cannot export as {family!r}: this model's options make it {auto!r}")
     nkv = cfg.num_query_groups or cfg.num_attention_heads
-    out = {"architectures": [next(a for a, f in FAMILIES.items() if f == family)],
-           "model_type": family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-           "intermediate_size": cfg.moe_ffn_hidden_size if family == "mixtral"
-           else cfg.ffn_hidden_size,
-           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-           "num_key_value_heads": nkv, "head_dim": head_dim(cfg), "hidden_act": "silu",
-           "max_position_embeddings": cfg.seq_length, "initializer_range": cfg.init_method_std,
-           "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base,
-           "rope_scaling": None, "tie_word_embeddings":
-               not cfg.untie_embeddings_and_output_weights,
-           "attention_dropout": 0.0, "use_cache": True, "torch_dtype": dtype}
+    out = {
+        "architectures": [next(a for a, f in FAMILIES.items() if f == family)],
+        "model_type": family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.moe_ffn_hidden_size
+        if family == "mixtral"
+        else cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": nkv,
+        "head_dim": head_dim(cfg),
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_length,
+        "initializer_range": cfg.init_method_std,
+        "rms_norm_eps": cfg.layernorm_epsilon,
+        "rope_theta": cfg.rotary_base,
+        "rope_scaling": None,
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
     if family == "llama":
         out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
     if family in ("mistral", "mixtral"):
         out["sliding_window"] = None
     if family == "qwen2":
-        out.update(use_sliding_window=False, sliding_window=None,
-                   max_window_layers=cfg.num_layers)
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
     if family == "mixtral":
-        out.update(num_local_experts=cfg.num_moe_experts,
-                   num_experts_per_tok=cfg.moe_router_topk, router_jitter_noise=0.0,
-                   router_aux_loss_coef=megatron_to_hf_aux_loss_coeff(
-                       cfg.moe_aux_loss_coeff, cfg.moe_router_topk, sum(cfg.moe_layer_pattern)),
-                   output_router_logits=cfg.moe_aux_loss_coeff > 0)
+        out.update(
+            num_local_experts=cfg.num_moe_experts,
+            num_experts_per_tok=cfg.moe_router_topk,
+            router_jitter_noise=0.0,
+            router_aux_loss_coef=megatron_to_hf_aux_loss_coeff(
+                cfg.moe_aux_loss_coeff, cfg.moe_router_topk, sum(cfg.moe_layer_pattern)
+            ),
+            output_router_logits=cfg.moe_aux_loss_coeff > 0,
+        )
     return out
 
 
@@ -235,12 +307,23 @@ def megatron_flags(cfg: GPTConfig) -> list[str]:
     """The ``examples/pretrain_gpt.py`` model flags (Megatron's names) of ``cfg``: the run
     that loads a converted checkpoint (``--load``) passes these."""
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    always = {"vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-              "ffn_hidden_size", "layernorm_epsilon", "init_method_std"}
+    always = {
+        "vocab_size",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "ffn_hidden_size",
+        "layernorm_epsilon",
+        "init_method_std",
+    }
     out = []
     for name, value in dataclasses.asdict(cfg).items():
-        if name in RUN_OPTIONS or value is None or (value == defaults.get(name)
-                                                     and name not in always):
+        if (
+            name in RUN_OPTIONS
+            or value is None
+            or (value == defaults.get(name) and name not in always)
+        ):
             continue
         flag = "--" + FLAG_NAMES.get(name, name).replace("_", "-")
         if isinstance(value, bool):

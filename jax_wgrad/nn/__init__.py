@@ -12,5 +12,13 @@ from jax_wgrad.nn.tensor_parallel import (
     init_std_for_output_layers,
 )
 
-__all__ = ["ColumnParallelLinear", "LayerNorm", "Linear", "MainGrad", "RowParallelLinear",
-           "VocabParallelEmbedding", "init_std_for_output_layers", "param_facts"]
+__all__ = [
+    "ColumnParallelLinear",
+    "LayerNorm",
+    "Linear",
+    "MainGrad",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "init_std_for_output_layers",
+    "param_facts",
+]

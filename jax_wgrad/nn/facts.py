@@ -22,8 +22,17 @@ __all__ = ["param_facts", "FACT_KEYS"]
 FACT_KEYS = ("tensor_axis", "weight_decay", "fused_wgrad", "expert_axis")
 
 
-def param_facts(tensor_axis: int | None, *, weight_decay: bool = False,
-                fused_wgrad: bool = False, expert_axis: int | None = None) -> dict:
+def param_facts(
+    tensor_axis: int | None,
+    *,
+    weight_decay: bool = False,
+    fused_wgrad: bool = False,
+    expert_axis: int | None = None,
+) -> dict:
     """The metadata keyword arguments for ``nnx.Param(value, **param_facts(...))``."""
-    return {"tensor_axis": tensor_axis, "weight_decay": weight_decay,
-            "fused_wgrad": fused_wgrad, "expert_axis": expert_axis}
+    return {
+        "tensor_axis": tensor_axis,
+        "weight_decay": weight_decay,
+        "fused_wgrad": fused_wgrad,
+        "expert_axis": expert_axis,
+    }

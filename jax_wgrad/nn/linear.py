@@ -58,7 +58,8 @@ class Linear(nnx.Module):
         if in_features < 1 or out_features < 1:
             raise ValueError(
                 f"Linear: in_features ({in_features}) and out_features ({out_features}) "
-                "must be >= 1")
+                "must be >= 1"
+            )
         if gradient_accumulation_fusion:
             require_fusion(who="Linear")
         self.in_features = in_features
@@ -67,11 +68,15 @@ class Linear(nnx.Module):
         # lecun_normal expects [fan_in, fan_out]; store the transpose as [out, in].
         w = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
         self.weight = nnx.Param(w.T, **param_facts(None, weight_decay=True, fused_wgrad=True))
-        self.bias = (nnx.Param(jnp.zeros((out_features,), param_dtype), **param_facts(None))
-                     if use_bias else None)
+        self.bias = (
+            nnx.Param(jnp.zeros((out_features,), param_dtype), **param_facts(None))
+            if use_bias
+            else None
+        )
         self.main_grad = (
             MainGrad(jnp.zeros((out_features, in_features), jnp.float32))
-            if gradient_accumulation_fusion else None
+            if gradient_accumulation_fusion
+            else None
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:

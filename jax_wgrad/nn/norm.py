@@ -53,8 +53,7 @@ class RMSNorm(nnx.Module):
         """``x``: ``[..., hidden]`` -> ``[..., hidden]``."""
         with jax.named_scope("rms_norm"):
             xf = x.astype(jnp.float32)
-            y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-                                   + self.epsilon)
+            y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.epsilon)
             return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 

@@ -102,8 +102,10 @@ class ColumnParallelLinear(nnx.Module):
         self.weight = (
             None
             if skip_weight_param_allocation
-            else nnx.Param(_normal(rngs, (*lead, local_out, in_features), init_std),
-                           **param_facts(axis, weight_decay=True, fused_wgrad=True))
+            else nnx.Param(
+                _normal(rngs, (*lead, local_out, in_features), init_std),
+                **param_facts(axis, weight_decay=True, fused_wgrad=True),
+            )
         )
         self.bias = (
             nnx.Param(jnp.zeros((*lead, local_out), jnp.float32), **param_facts(axis))
@@ -139,8 +141,13 @@ class ColumnParallelLinear(nnx.Module):
             bias = None if self.bias is None else self.bias[...].reshape(-1)
             if isinstance(main_grad, jax.Array):  # an accumulator shaped like the weight
                 main_grad = main_grad.reshape(-1, main_grad.shape[-1])
-            y = linear(x, weight.reshape(-1, weight.shape[-1]), bias, main_grad=main_grad,
-                       precision=self.precision)
+            y = linear(
+                x,
+                weight.reshape(-1, weight.shape[-1]),
+                bias,
+                main_grad=main_grad,
+                precision=self.precision,
+            )
             if self.gather_output and self.tp_size > 1:
                 y = gather_last_dim(y, self.axis_name)
             return y
@@ -232,15 +239,18 @@ class VocabParallelEmbedding(nnx.Module):
             raise ValueError(
                 f"VocabParallelEmbedding: vocab size ({num_embeddings}) must be divisible "
                 f"by tensor_model_parallel_size ({tp_size})"
-                + (f" x pipeline_model_parallel_size ({pipeline_size})"
-                   if pipeline_size > 1 else ""))
+                + (
+                    f" x pipeline_model_parallel_size ({pipeline_size})"
+                    if pipeline_size > 1
+                    else ""
+                )
+            )
         self.tp_size = tp_size
         self.pipeline_size = pipeline_size
         self.axis_name = axis_name
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.embedding = nnx.Param(
-            _normal(rngs, (num_embeddings // (tp_size * pipeline_size), embedding_dim),
-                    init_std),
+            _normal(rngs, (num_embeddings // (tp_size * pipeline_size), embedding_dim), init_std),
             **param_facts(0, weight_decay=True),
         )
 
@@ -294,8 +304,11 @@ def _take_rows_fwd(table, ids):
 
 def _take_rows_bwd(res, dy):
     ids, like, rows = res
-    grad = jnp.zeros((rows, dy.shape[-1]), jnp.float32).at[ids].add(
-        dy.astype(jnp.float32), mode="drop")
+    grad = (
+        jnp.zeros((rows, dy.shape[-1]), jnp.float32)
+        .at[ids]
+        .add(dy.astype(jnp.float32), mode="drop")
+    )
     return grad.astype(like.dtype), None
 
 

@@ -37,19 +37,24 @@ def _bucket_add_xla(bucket, *grads, offsets):
     """
     for g, o in zip(grads, offsets):
         if o > INT32_MAX:
-            raise ValueError(f"bucket_add: the plain-XLA path addresses offsets up to "
-                             f"{INT32_MAX} (int32 slice starts), got offset {o} for a "
-                             f"{g.dtype}{list(g.shape)} gradient in a bucket of "
-                             f"{bucket.shape[0]} elements; use a platform with the "
-                             "jax_wgrad handler")
+            raise ValueError(
+                f"bucket_add: the plain-XLA path addresses offsets up to "
+                f"{INT32_MAX} (int32 slice starts), got offset {o} for a "
+                f"{g.dtype}{list(g.shape)} gradient in a bucket of "
+                f"{bucket.shape[0]} elements; use a platform with the "
+                "jax_wgrad handler"
+            )
         flat = jnp.ravel(g).astype(jnp.float32)
         cur = jax.lax.dynamic_slice(bucket, (o,), (flat.shape[0],)).astype(jnp.float32)
         bucket = jax.lax.dynamic_update_slice(bucket, (cur + flat).astype(bucket.dtype), (o,))
     return bucket
 
 
-bucket_add_p.def_impl(functools.partial(jax.jit, static_argnames="offsets")(
-    lambda bucket, *grads, offsets: bucket_add_p.bind(bucket, *grads, offsets=offsets)))
+bucket_add_p.def_impl(
+    functools.partial(jax.jit, static_argnames="offsets")(
+        lambda bucket, *grads, offsets: bucket_add_p.bind(bucket, *grads, offsets=offsets)
+    )
+)
 bucket_add_p.def_abstract_eval(lambda bucket, *grads, offsets: bucket)
 
 
@@ -57,8 +62,7 @@ def _bucket_add_lowering(platform: str):
     if not registry.handler_loaded(platform):
         return mlir.lower_fun(_bucket_add_xla, multiple_results=False)
     rule = jax.ffi.ffi_lowering(registry.BUCKET_ADD_TARGET, operand_output_aliases={0: 0})
-    return lambda ctx, *args, offsets: rule(ctx, *args,
-                                            offsets=np.asarray(offsets, np.int64))
+    return lambda ctx, *args, offsets: rule(ctx, *args, offsets=np.asarray(offsets, np.int64))
 
 
 for _platform in registry.PLATFORMS:
@@ -69,8 +73,10 @@ mlir.register_lowering(bucket_add_p, mlir.lower_fun(_bucket_add_xla, multiple_re
 
 def _validate_bucket_add(bucket, grads, offsets) -> None:
     if bucket.ndim != 1 or bucket.dtype not in FLOAT_DTYPES:
-        raise ValueError("bucket_add: the bucket must be a flat float32, bfloat16 or float16 "
-                         f"array, got {bucket.dtype}{list(bucket.shape)}")
+        raise ValueError(
+            "bucket_add: the bucket must be a flat float32, bfloat16 or float16 "
+            f"array, got {bucket.dtype}{list(bucket.shape)}"
+        )
     if len(grads) != len(offsets):
         raise ValueError(f"bucket_add: {len(offsets)} offsets for {len(grads)} gradients")
     spans = []
@@ -78,10 +84,15 @@ def _validate_bucket_add(bucket, grads, offsets) -> None:
         where = f"bucket_add: gradient {k} ({g.dtype}{list(g.shape)} at offset {o!r})"
         if g.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{where} must be float32, bfloat16 or float16")
-        if not isinstance(o, (int, np.integer)) or isinstance(o, bool) or not (
-                0 <= o <= bucket.shape[0] - g.size):
-            raise ValueError(f"{where} must be a static int with the block inside the "
-                             f"bucket of {bucket.shape[0]} elements")
+        if (
+            not isinstance(o, (int, np.integer))
+            or isinstance(o, bool)
+            or not (0 <= o <= bucket.shape[0] - g.size)
+        ):
+            raise ValueError(
+                f"{where} must be a static int with the block inside the "
+                f"bucket of {bucket.shape[0]} elements"
+            )
         if g.size:
             spans.append((int(o), int(o) + g.size))
     spans.sort()
@@ -116,8 +127,7 @@ def bucket_add(bucket: jax.Array, grads, offsets) -> jax.Array:
     keep = [(g, o) for g, o in zip(grads, offsets) if g.size]
     if not keep:
         return bucket
-    return bucket_add_p.bind(bucket, *(g for g, _ in keep),
-                             offsets=tuple(o for _, o in keep))
+    return bucket_add_p.bind(bucket, *(g for g, _ in keep), offsets=tuple(o for _, o in keep))
 
 
 def bucket_add_ref(bucket: jax.Array, grads, offsets) -> jax.Array:

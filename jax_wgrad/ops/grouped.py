@@ -24,21 +24,31 @@ __all__ = ["grouped_wgrad_accumulate", "grouped_wgrad_accumulate_ref"]
 
 
 def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset) -> None:
-    shapes = f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, " \
-             f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
+    shapes = (
+        f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, "
+        f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
+    )
     if x.ndim != 3 or dy.ndim != 3 or x.shape[:2] != dy.shape[:2]:
         raise ValueError(
             "grouped_wgrad_accumulate: x and dy must be [E, T, in] and [E, T, out] with the "
-            f"same E and T; got {shapes}")
+            f"same E and T; got {shapes}"
+        )
     e, _, d_in = x.shape
     d_out = dy.shape[2]
     if offset is None and main_grad.shape != (e, d_out, d_in):
         raise ValueError(
             f"grouped_wgrad_accumulate: main_grad must have shape [E, out, in] = "
-            f"[{e}, {d_out}, {d_in}]; got {shapes}")
+            f"[{e}, {d_out}, {d_in}]; got {shapes}"
+        )
     if offset is not None:
-        check_block("grouped_wgrad_accumulate", main_grad, offset, e * d_out * d_in,
-                    "[E, out, in] blocks", shapes)
+        check_block(
+            "grouped_wgrad_accumulate",
+            main_grad,
+            offset,
+            e * d_out * d_in,
+            "[E, out, in] blocks",
+            shapes,
+        )
     check_dtypes("grouped_wgrad_accumulate", x, dy, main_grad, shapes)
 
 
@@ -88,6 +98,11 @@ def grouped_wgrad_accumulate_ref(
 ) -> jax.Array:
     """Plain-XLA reference of :func:`grouped_wgrad_accumulate` (same rounding)."""
     _validate(x, dy, main_grad, offset)
-    upd = jnp.einsum("eto,eti->eoi", dy, x, preferred_element_type=jnp.float32,
-                     precision=jax.lax.Precision(matmul_precision(precision)))
+    upd = jnp.einsum(
+        "eto,eti->eoi",
+        dy,
+        x,
+        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision(matmul_precision(precision)),
+    )
     return add_to_block(main_grad, upd, offset)

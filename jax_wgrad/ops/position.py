@@ -27,8 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["INT32_MAX", "BlockOffset", "Offset", "advance", "as_block_offset",
-           "clamped_start_int32", "provably_aligned"]
+__all__ = [
+    "INT32_MAX",
+    "BlockOffset",
+    "Offset",
+    "advance",
+    "as_block_offset",
+    "clamped_start_int32",
+    "provably_aligned",
+]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 INT32_MIN = int(np.iinfo(np.int32).min)
@@ -46,15 +53,24 @@ def _int32_index(who: str, index: Any) -> Any:
     an array must already be an int32 scalar (a tracer, a jax or numpy array)."""
     if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
         if not INT32_MIN <= int(index) <= INT32_MAX:
-            raise ValueError(f"{who}: index {int(index)} is outside the int32 range; "
-                             "put the large part of the position into base or stride")
+            raise ValueError(
+                f"{who}: index {int(index)} is outside the int32 range; "
+                "put the large part of the position into base or stride"
+            )
         return np.int32(index)
-    if not isinstance(index, (jax.Array, np.ndarray, np.generic)) or jnp.shape(index) != () \
-            or jnp.result_type(index) != jnp.int32:
-        shown = (f"{jnp.result_type(index)}{list(jnp.shape(index))}"
-                 if hasattr(index, "dtype") else repr(index))
-        raise ValueError(f"{who}: index must be an int32 scalar (traced or not) or a Python "
-                         f"int, got {shown}")
+    if (
+        not isinstance(index, (jax.Array, np.ndarray, np.generic))
+        or jnp.shape(index) != ()
+        or jnp.result_type(index) != jnp.int32
+    ):
+        shown = (
+            f"{jnp.result_type(index)}{list(jnp.shape(index))}"
+            if hasattr(index, "dtype")
+            else repr(index)
+        )
+        raise ValueError(
+            f"{who}: index must be an int32 scalar (traced or not) or a Python int, got {shown}"
+        )
     return index
 
 
@@ -93,7 +109,8 @@ class BlockOffset:
             raise ValueError(
                 f"BlockOffset: base + index * stride must be exact in int64 for every int32 "
                 f"index (|base| + 2**31 * |stride| <= 2**63 - 1); got base={base}, "
-                f"stride={stride}")
+                f"stride={stride}"
+            )
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "stride", stride)
         object.__setattr__(self, "index", _int32_index(who, self.index))
@@ -136,7 +153,8 @@ def as_block_offset(offset: Any) -> BlockOffset | None:
         raise ValueError(
             f"offset must be a Python int (static), a BlockOffset(base, index, stride) or "
             f"an int32 scalar array (traced); got {jnp.result_type(offset)}"
-            f"{list(jnp.shape(offset))}")
+            f"{list(jnp.shape(offset))}"
+        )
     return BlockOffset(0, offset, 1)
 
 
@@ -164,11 +182,14 @@ def advance(offset: Offset, index: jax.Array | int, stride: int) -> BlockOffset:
         raise ValueError(
             f"advance: cannot add index * {stride} to the traced position {given.base} + "
             f"index * {given.stride}: its stride must be 0 or a multiple of {stride} (pass "
-            "a Python int offset, or a BlockOffset with such a stride)")
+            "a Python int offset, or a BlockOffset with such a stride)"
+        )
     factor = given.stride // stride
     if factor > INT32_MAX:
-        raise ValueError(f"advance: the stride {given.stride} is {factor} times {stride}, "
-                         "outside the int32 range of the combined index")
+        raise ValueError(
+            f"advance: the stride {given.stride} is {factor} times {stride}, "
+            "outside the int32 range of the combined index"
+        )
     return BlockOffset(given.base, given.index * jnp.int32(factor) + index, stride)
 
 
@@ -185,8 +206,9 @@ def clamped_start_int32(offset: BlockOffset, max_offset: int) -> jax.Array:
         slice must be an int32 without x64).
     """
     if not 0 <= max_offset <= INT32_MAX:
-        raise ValueError(f"clamped_start_int32: max_offset {max_offset} is outside "
-                         f"[0, {INT32_MAX}]")
+        raise ValueError(
+            f"clamped_start_int32: max_offset {max_offset} is outside [0, {INT32_MAX}]"
+        )
     b, s = offset.base, offset.stride
     i = jnp.asarray(offset.index, jnp.int32)
     if s == 0:
@@ -194,7 +216,7 @@ def clamped_start_int32(offset: BlockOffset, max_offset: int) -> jax.Array:
     # [first, last]: the indices whose position is inside [0, max_offset] (maybe empty).
     if s > 0:
         first, last = -(b // s), (max_offset - b) // s
-        below, above = 0, max_offset            # i < first / i > last
+        below, above = 0, max_offset  # i < first / i > last
     else:
         first, last = -((max_offset - b) // -s), b // -s
         below, above = max_offset, 0
@@ -214,12 +236,14 @@ def clamped_start_int32(offset: BlockOffset, max_offset: int) -> jax.Array:
     else:  # |s| <= max_offset here, and (clip(i) - lo) * |s| <= max_offset
         step = jnp.clip(i, jnp.int32(lo), jnp.int32(hi)) - jnp.int32(lo)
         inside = jnp.int32(b + lo * s) + step * jnp.int32(s)
-    return jnp.where(is_below, jnp.int32(below),
-                     jnp.where(is_above, jnp.int32(above), inside)).astype(jnp.int32)
+    return jnp.where(
+        is_below, jnp.int32(below), jnp.where(is_above, jnp.int32(above), inside)
+    ).astype(jnp.int32)
 
 
-def provably_aligned(offset: BlockOffset, *, block: int, elements: int, itemsize: int,
-                     alignment: int = 16) -> bool:
+def provably_aligned(
+    offset: BlockOffset, *, block: int, elements: int, itemsize: int, alignment: int = 16
+) -> bool:
     """Whether every block the fused op can address from ``offset`` starts ``alignment``
     bytes after an aligned buffer start, whatever the index: ``base``, ``stride``, the
     block (``block`` elements: the next group's start) and the accumulator's length

@@ -39,8 +39,15 @@ from jax_wgrad.ops.position import Offset, as_block_offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, check_block, check_dtypes
 
-__all__ = ["ragged_matmul", "ragged_matmul_p", "ragged_matmul_ref", "ragged_wgrad_accumulate",
-           "ragged_wgrad_accumulate_p", "ragged_wgrad_accumulate_ref", "group_ids"]
+__all__ = [
+    "ragged_matmul",
+    "ragged_matmul_p",
+    "ragged_matmul_ref",
+    "ragged_wgrad_accumulate",
+    "ragged_wgrad_accumulate_p",
+    "ragged_wgrad_accumulate_ref",
+    "group_ids",
+]
 
 ragged_matmul_p = Primitive("ragged_matmul")
 """``ragged_matmul(x, w, group_sizes, *, transpose_rhs, precision) -> y``."""
@@ -52,15 +59,19 @@ operand, int64 parameters; read only for a flat ``main_grad``)."""
 
 # ---- plain XLA: the references ----------------------------------------------------------
 
+
 def group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
     """Group of each of ``rows`` rows (int32 ``[rows]``), ``G`` past the last group, with
     the bounds clamped as the handlers clamp them (module docstring)."""
+
     def step(start, size):
         end = jnp.minimum(start + jnp.clip(size, 0, rows), rows)
         return end, end
+
     _, ends = jax.lax.scan(step, jnp.int32(0), group_sizes.astype(jnp.int32))
-    return jnp.sum(ends[None, :] <= jnp.arange(rows, dtype=jnp.int32)[:, None], axis=1,
-                   dtype=jnp.int32)
+    return jnp.sum(
+        ends[None, :] <= jnp.arange(rows, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32
+    )
 
 
 def _matmul_xla(x, w, group_sizes, *, transpose_rhs, precision):
@@ -68,8 +79,13 @@ def _matmul_xla(x, w, group_sizes, *, transpose_rhs, precision):
     spec = "rk,nk->rn" if transpose_rhs else "rk,kn->rn"
 
     def add_group(g, y):  # one f32 product per group; each row keeps only its own
-        yg = jnp.einsum(spec, x, w[g], preferred_element_type=jnp.float32,
-                        precision=jax.lax.Precision(precision))
+        yg = jnp.einsum(
+            spec,
+            x,
+            w[g],
+            preferred_element_type=jnp.float32,
+            precision=jax.lax.Precision(precision),
+        )
         return jnp.where((gid == g)[:, None], yg, y)
 
     n = w.shape[1] if transpose_rhs else w.shape[2]
@@ -81,59 +97,77 @@ def _group_products(x, dy, group_sizes, precision):
     """``[G, out, in]`` f32: ``dy[rows of g]^T @ x[rows of g]`` per group (masked)."""
     gid = group_ids(group_sizes, x.shape[0])
     return jax.lax.map(
-        lambda g: jnp.dot(jnp.where((gid == g)[:, None], dy, 0).T, x,
-                          preferred_element_type=jnp.float32,
-                          precision=jax.lax.Precision(precision)),
-        jnp.arange(group_sizes.shape[0], dtype=jnp.int32))
+        lambda g: jnp.dot(
+            jnp.where((gid == g)[:, None], dy, 0).T,
+            x,
+            preferred_element_type=jnp.float32,
+            precision=jax.lax.Precision(precision),
+        ),
+        jnp.arange(group_sizes.shape[0], dtype=jnp.int32),
+    )
 
 
 # ---- primitives ------------------------------------------------------------------------
+
 
 def _matmul_abstract(x, w, group_sizes, *, transpose_rhs, precision):
     return x.update(shape=(x.shape[0], w.shape[1] if transpose_rhs else w.shape[2]))
 
 
 ragged_matmul_p.def_abstract_eval(_matmul_abstract)
-ragged_matmul_p.def_impl(functools.partial(jax.jit, static_argnames=(
-    "transpose_rhs", "precision"))(
-    lambda *args, **params: ragged_matmul_p.bind(*args, **params)))
+ragged_matmul_p.def_impl(
+    functools.partial(jax.jit, static_argnames=("transpose_rhs", "precision"))(
+        lambda *args, **params: ragged_matmul_p.bind(*args, **params)
+    )
+)
 # The result is typed like the accumulator it updates (as ops.wgrad does).
-ragged_wgrad_accumulate_p.def_abstract_eval(lambda x, dy, sizes, main_grad, index, **_:
-                                            main_grad)
-ragged_wgrad_accumulate_p.def_impl(functools.partial(
-    jax.jit, static_argnames=("base", "stride", "precision"))(
-    lambda *args, **params: ragged_wgrad_accumulate_p.bind(*args, **params)))
+ragged_wgrad_accumulate_p.def_abstract_eval(lambda x, dy, sizes, main_grad, index, **_: main_grad)
+ragged_wgrad_accumulate_p.def_impl(
+    functools.partial(jax.jit, static_argnames=("base", "stride", "precision"))(
+        lambda *args, **params: ragged_wgrad_accumulate_p.bind(*args, **params)
+    )
+)
 
 
 def _map_batch_rule(primitive: Primitive, per_example: tuple[int, ...] = ()):
     """vmap as a loop over the batch (``lax.map``); operands numbered in ``per_example``
     get one copy per batch element when unbatched (a per-example accumulator)."""
+
     def rule(args, dims, **params):
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         mapped = [d is not None or i in per_example for i, d in enumerate(dims)]
-        moved = [jnp.moveaxis(a, d, 0) if d is not None
-                 else jnp.broadcast_to(a, (size,) + a.shape) if m else a
-                 for a, d, m in zip(args, dims, mapped)]
+        moved = [
+            jnp.moveaxis(a, d, 0)
+            if d is not None
+            else jnp.broadcast_to(a, (size,) + a.shape)
+            if m
+            else a
+            for a, d, m in zip(args, dims, mapped)
+        ]
 
         def one(xs):
             it = iter(xs)
-            return primitive.bind(*(next(it) if m else a for a, m in zip(moved, mapped)),
-                                  **params)
+            return primitive.bind(*(next(it) if m else a for a, m in zip(moved, mapped)), **params)
+
         return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m]), 0
+
     return rule
 
 
 batching.primitive_batchers[ragged_matmul_p] = _map_batch_rule(ragged_matmul_p)
 batching.primitive_batchers[ragged_wgrad_accumulate_p] = _map_batch_rule(
-    ragged_wgrad_accumulate_p, per_example=(3,))
+    ragged_wgrad_accumulate_p, per_example=(3,)
+)
 
 
 def _missing(platform: str, target: str) -> str | None:
     """Why ``target`` cannot be lowered for ``platform``, or ``None``."""
     reason = registry.load_error(platform)
     if reason is None and target not in registry.handler_metadata(platform):
-        reason = (f"its {platform} handler module was built without {target}; rebuild "
-                  "jax_wgrad (pip install .)")
+        reason = (
+            f"its {platform} handler module was built without {target}; rebuild "
+            "jax_wgrad (pip install .)"
+        )
     return reason
 
 
@@ -144,27 +178,39 @@ _INT64_PARAMS = frozenset({"base", "stride"})
 def _lowering(platform: str, target: str, who: str, aliases: dict[int, int]):
     reason = _missing(platform, target)
     if reason is not None:
+
         def unavailable(ctx, *args, **params):  # raised at compile time
-            raise RuntimeError(f"{who}: the jax_wgrad handler for platform '{platform}' is "
-                               f"not available ({reason})")
+            raise RuntimeError(
+                f"{who}: the jax_wgrad handler for platform '{platform}' is "
+                f"not available ({reason})"
+            )
+
         return unavailable
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
     return lambda ctx, *args, **params: rule(
-        ctx, *args, **{k: (np.int64 if k in _INT64_PARAMS else np.int32)(v)
-                       for k, v in params.items()})
+        ctx,
+        *args,
+        **{k: (np.int64 if k in _INT64_PARAMS else np.int32)(v) for k, v in params.items()},
+    )
 
 
 for _platform in registry.PLATFORMS:
-    mlir.register_lowering(ragged_matmul_p, _lowering(
-        _platform, registry.RAGGED_MATMUL_TARGET, "ragged_matmul", {}), platform=_platform)
-    mlir.register_lowering(ragged_wgrad_accumulate_p, _lowering(
-        _platform, registry.RAGGED_WGRAD_TARGET, "ragged_wgrad_accumulate", {3: 0}),
-        platform=_platform)
+    mlir.register_lowering(
+        ragged_matmul_p,
+        _lowering(_platform, registry.RAGGED_MATMUL_TARGET, "ragged_matmul", {}),
+        platform=_platform,
+    )
+    mlir.register_lowering(
+        ragged_wgrad_accumulate_p,
+        _lowering(_platform, registry.RAGGED_WGRAD_TARGET, "ragged_wgrad_accumulate", {3: 0}),
+        platform=_platform,
+    )
 # Any other platform (TPU, ROCm, ...): no lowering rule, so jax refuses to compile (as
 # for ops.wgrad_accumulate); the plain-XLA references are there to call instead.
 
 
 # ---- validation ------------------------------------------------------------------------
+
 
 def _shapes(**arrays) -> str:
     return ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in arrays.items())
@@ -173,8 +219,11 @@ def _shapes(**arrays) -> str:
 def _check_sizes(who: str, group_sizes, groups: int | None, shapes: str) -> jax.Array:
     """group_sizes as int32 [G]; ``groups``: the G it must have (None: any)."""
     group_sizes = jnp.asarray(group_sizes)
-    if group_sizes.ndim != 1 or groups not in (None, group_sizes.shape[0]) or \
-            not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    if (
+        group_sizes.ndim != 1
+        or groups not in (None, group_sizes.shape[0])
+        or not jnp.issubdtype(group_sizes.dtype, jnp.integer)
+    ):
         want = "[G]" if groups is None else f"[G] = [{groups}]"
         raise ValueError(f"{who}: group_sizes must be an integer array {want}; got {shapes}")
     return group_sizes.astype(jnp.int32)
@@ -182,16 +231,19 @@ def _check_sizes(who: str, group_sizes, groups: int | None, shapes: str) -> jax.
 
 def _check_matmul(x, w, group_sizes, transpose_rhs) -> jax.Array:
     shapes = _shapes(x=x, w=w, group_sizes=jnp.asarray(group_sizes))
-    layout = "[G, N, K] (transpose_rhs=True)" if transpose_rhs else \
-        "[G, K, N] (transpose_rhs=False)"
+    layout = (
+        "[G, N, K] (transpose_rhs=True)" if transpose_rhs else "[G, K, N] (transpose_rhs=False)"
+    )
     if x.ndim != 2 or w.ndim != 3:
         raise ValueError(f"ragged_matmul: x must be [R, K] and w {layout}; got {shapes}")
     k = w.shape[2] if transpose_rhs else w.shape[1]
     if x.shape[1] != k:
         raise ValueError(f"ragged_matmul: x [R, K] and w {layout} disagree on K; got {shapes}")
     if x.dtype not in FLOAT_DTYPES or w.dtype != x.dtype:
-        raise ValueError("ragged_matmul: x and w must share one dtype: float32, bfloat16 or "
-                         f"float16; got {shapes}")
+        raise ValueError(
+            "ragged_matmul: x and w must share one dtype: float32, bfloat16 or "
+            f"float16; got {shapes}"
+        )
     return _check_sizes("ragged_matmul", group_sizes, w.shape[0], shapes)
 
 
@@ -204,16 +256,18 @@ def _check_wgrad(x, dy, group_sizes, main_grad, offset) -> jax.Array:
     groups = group_sizes.shape[0]
     d_out, d_in = dy.shape[1], x.shape[1]
     if offset is None and main_grad.shape != (groups, d_out, d_in):
-        raise ValueError(f"{who}: main_grad must have shape [G, out, in] = "
-                         f"[{groups}, {d_out}, {d_in}]; got {shapes}")
+        raise ValueError(
+            f"{who}: main_grad must have shape [G, out, in] = "
+            f"[{groups}, {d_out}, {d_in}]; got {shapes}"
+        )
     if offset is not None:
-        check_block(who, main_grad, offset, groups * d_out * d_in,
-                    "[G, out, in] blocks", shapes)
+        check_block(who, main_grad, offset, groups * d_out * d_in, "[G, out, in] blocks", shapes)
     check_dtypes(who, x, dy, main_grad, shapes)
     return group_sizes
 
 
 # ---- public functions ------------------------------------------------------------------
+
 
 def ragged_matmul(
     x: jax.Array,
@@ -245,17 +299,20 @@ def ragged_matmul(
     n = w.shape[1] if transpose_rhs else w.shape[2]
     if 0 in (x.shape[0], x.shape[1], n, w.shape[0]):
         return jnp.zeros((x.shape[0], n), x.dtype)
-    return ragged_matmul_p.bind(x, w, group_sizes, transpose_rhs=int(bool(transpose_rhs)),
-                                precision=level)
+    return ragged_matmul_p.bind(
+        x, w, group_sizes, transpose_rhs=int(bool(transpose_rhs)), precision=level
+    )
 
 
-def ragged_matmul_ref(x, w, group_sizes, *, transpose_rhs: bool = True,
-                      precision: PrecisionLike = None) -> jax.Array:
+def ragged_matmul_ref(
+    x, w, group_sizes, *, transpose_rhs: bool = True, precision: PrecisionLike = None
+) -> jax.Array:
     """Plain-XLA reference of :func:`ragged_matmul` (same clamping and rounding; ``G``
     dense products, masked)."""
     group_sizes = _check_matmul(x, w, group_sizes, transpose_rhs)
-    return _matmul_xla(x, w, group_sizes, transpose_rhs=bool(transpose_rhs),
-                       precision=matmul_precision(precision))
+    return _matmul_xla(
+        x, w, group_sizes, transpose_rhs=bool(transpose_rhs), precision=matmul_precision(precision)
+    )
 
 
 def _position_operands(offset: Offset | None) -> tuple[jax.Array, dict[str, int]]:
@@ -264,8 +321,10 @@ def _position_operands(offset: Offset | None) -> tuple[jax.Array, dict[str, int]
     position = as_block_offset(offset)
     if position is None:
         return jnp.asarray(np.int32(0)), {"base": offset or 0, "stride": 0}
-    return (jnp.asarray(position.index, jnp.int32),
-            {"base": position.base, "stride": position.stride})
+    return (
+        jnp.asarray(position.index, jnp.int32),
+        {"base": position.base, "stride": position.stride},
+    )
 
 
 def ragged_wgrad_accumulate(
@@ -305,14 +364,16 @@ def ragged_wgrad_accumulate(
     if 0 in (x.shape[0], x.shape[1], dy.shape[1], group_sizes.shape[0]):
         return main_grad
     index, position = _position_operands(offset)
-    return ragged_wgrad_accumulate_p.bind(x, dy, group_sizes, main_grad, index, **position,
-                                          precision=level)
+    return ragged_wgrad_accumulate_p.bind(
+        x, dy, group_sizes, main_grad, index, **position, precision=level
+    )
 
 
-def ragged_wgrad_accumulate_ref(x, dy, group_sizes, main_grad, *,
-                                offset: Offset | None = None,
-                                precision: PrecisionLike = None) -> jax.Array:
+def ragged_wgrad_accumulate_ref(
+    x, dy, group_sizes, main_grad, *, offset: Offset | None = None, precision: PrecisionLike = None
+) -> jax.Array:
     """Plain-XLA reference of :func:`ragged_wgrad_accumulate` (same clamping, rounding)."""
     group_sizes = _check_wgrad(x, dy, group_sizes, main_grad, offset)
-    return add_to_block(main_grad, _group_products(x, dy, group_sizes,
-                                                   matmul_precision(precision)), offset)
+    return add_to_block(
+        main_grad, _group_products(x, dy, group_sizes, matmul_precision(precision)), offset
+    )

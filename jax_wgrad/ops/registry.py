@@ -40,10 +40,23 @@ from typing import Any
 
 import jax
 
-__all__ = ["TARGET", "TARGET_AT", "BUCKET_ADD_TARGET", "RAGGED_MATMUL_TARGET",
-           "RAGGED_WGRAD_TARGET", "WGRAD_TARGETS", "PLATFORMS", "OLDEST_SUPPORTED_FFI_API",
-           "load_error", "handler_loaded", "handler_metadata", "runtime_ffi_api",
-           "fusion_status", "fusion_available", "require_fusion"]
+__all__ = [
+    "TARGET",
+    "TARGET_AT",
+    "BUCKET_ADD_TARGET",
+    "RAGGED_MATMUL_TARGET",
+    "RAGGED_WGRAD_TARGET",
+    "WGRAD_TARGETS",
+    "PLATFORMS",
+    "OLDEST_SUPPORTED_FFI_API",
+    "load_error",
+    "handler_loaded",
+    "handler_metadata",
+    "runtime_ffi_api",
+    "fusion_status",
+    "fusion_available",
+    "require_fusion",
+]
 
 TARGET = "jax_wgrad_wgrad_accumulate"
 """FFI target of the fused weight-gradient GEMM (one name for CPU and CUDA)."""
@@ -107,19 +120,20 @@ def _register_module(platform: str, module_name: str, xla_name: str) -> str | No
         for name, meta in metadata.items():
             version = tuple(meta["api_version"])
             if runtime is not None and version > runtime:
-                return (f"{module_name} was built against XLA FFI API "
-                        f"{version[0]}.{version[1]}, newer than this jaxlib's "
-                        f"{runtime[0]}.{runtime[1]} (jax {jax.__version__}), which would "
-                        f"reject {name} and fail to initialize its {platform} backend; it "
-                        "was not registered. Rebuild jax_wgrad in pip's isolated build "
-                        "environment (it uses the headers of jax 0.10.2, the oldest "
-                        "supported: FFI API "
-                        f"{OLDEST_SUPPORTED_FFI_API[0]}.{OLDEST_SUPPORTED_FFI_API[1]}).")
+                return (
+                    f"{module_name} was built against XLA FFI API "
+                    f"{version[0]}.{version[1]}, newer than this jaxlib's "
+                    f"{runtime[0]}.{runtime[1]} (jax {jax.__version__}), which would "
+                    f"reject {name} and fail to initialize its {platform} backend; it "
+                    "was not registered. Rebuild jax_wgrad in pip's isolated build "
+                    "environment (it uses the headers of jax 0.10.2, the oldest "
+                    "supported: FFI API "
+                    f"{OLDEST_SUPPORTED_FFI_API[0]}.{OLDEST_SUPPORTED_FFI_API[1]})."
+                )
         for name, handler in module.registrations().items():
             jax.ffi.register_ffi_target(name, handler, platform=xla_name)
-    except Exception as exc:  # noqa: BLE001 -- any failure is the platform's reason
-        return (f"registering the handlers of {module_name} failed: "
-                f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        return f"registering the handlers of {module_name} failed: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -165,8 +179,14 @@ class _Outcome:
 
 
 # Status codes of a failure that another attempt may not repeat.
-_TRANSIENT = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED",
-              "CANCELLED", "Out of memory")
+_TRANSIENT = (
+    "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "ABORTED",
+    "CANCELLED",
+    "Out of memory",
+)
 
 
 def _probe_cases():
@@ -184,56 +204,106 @@ def _probe_cases():
     want = acc + dy.T @ x
     cases = []
     for precision in ("default", "highest"):  # TF32 on GPUs unless highest
-        cases.append((f"float32 {precision}", lambda x, dy, a, p=precision:
-                      ops.wgrad_accumulate(x, dy, a, precision=p), (x, dy, acc), want))
+        cases.append(
+            (
+                f"float32 {precision}",
+                lambda x, dy, a, p=precision: ops.wgrad_accumulate(x, dy, a, precision=p),
+                (x, dy, acc),
+                want,
+            )
+        )
     for dt in (jnp.bfloat16, jnp.float16):
         name = jnp.dtype(dt).name
-        cases.append((f"{name} into float32", ops.wgrad_accumulate,
-                      (x.astype(dt), dy.astype(dt), acc), want))
-        cases.append((f"{name} into {name}", ops.wgrad_accumulate,
-                      (x.astype(dt), dy.astype(dt), acc.astype(dt)), want))
+        cases.append(
+            (f"{name} into float32", ops.wgrad_accumulate, (x.astype(dt), dy.astype(dt), acc), want)
+        )
+        cases.append(
+            (
+                f"{name} into {name}",
+                ops.wgrad_accumulate,
+                (x.astype(dt), dy.astype(dt), acc.astype(dt)),
+                want,
+            )
+        )
     flat = rng.integers(-8, 9, size=40).astype(np.float32)
     block = flat.copy()
     block[7:19] += (dy.T @ x).ravel()
-    cases.append(("offset block of a flat bucket",
-                  lambda x, dy, b: ops.wgrad_accumulate(x, dy, b, offset=7),
-                  (x, dy, flat), block))
+    cases.append(
+        (
+            "offset block of a flat bucket",
+            lambda x, dy, b: ops.wgrad_accumulate(x, dy, b, offset=7),
+            (x, dy, flat),
+            block,
+        )
+    )
     gx = rng.integers(-3, 4, size=(2, 5, 4)).astype(np.float32)
     gdy = rng.integers(-3, 4, size=(2, 5, 3)).astype(np.float32)
     grouped = flat.copy()
     grouped[4:28] += np.einsum("eto,eti->eoi", gdy, gx).ravel()
-    cases.append(("grouped experts into a bucket",
-                  lambda x, dy, b: ops.grouped_wgrad_accumulate(x, dy, b, offset=4),
-                  (gx, gdy, flat), grouped))
+    cases.append(
+        (
+            "grouped experts into a bucket",
+            lambda x, dy, b: ops.grouped_wgrad_accumulate(x, dy, b, offset=4),
+            (gx, gdy, flat),
+            grouped,
+        )
+    )
     # Traced offsets (operands of the program): 7 as above; 30 for the grouped blocks is
     # clamped to 40 - 24 = 16, as lax.dynamic_update_slice clamps.
-    cases.append(("traced offset block of a flat bucket",
-                  lambda x, dy, b, o: ops.wgrad_accumulate(x, dy, b, offset=o),
-                  (x, dy, flat, np.int32(7)), block))
+    cases.append(
+        (
+            "traced offset block of a flat bucket",
+            lambda x, dy, b, o: ops.wgrad_accumulate(x, dy, b, offset=o),
+            (x, dy, flat, np.int32(7)),
+            block,
+        )
+    )
     clamped = flat.copy()
     clamped[16:40] += np.einsum("eto,eti->eoi", gdy, gx).ravel()
-    cases.append(("grouped experts at a traced, clamped offset",
-                  lambda x, dy, b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o),
-                  (gx, gdy, flat, np.int32(30)), clamped))
+    cases.append(
+        (
+            "grouped experts at a traced, clamped offset",
+            lambda x, dy, b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o),
+            (gx, gdy, flat, np.int32(30)),
+            clamped,
+        )
+    )
     # Positions base + index * stride combined in 64 bits: (2**32 + 7) - 2 * 2**31 = 7 (in
     # 32 bits every term wraps), and for the grouped blocks 4 + 3 * 4 = 16 with aligned
     # base and stride (the CUDA handler's unstaged form for an fp32 accumulator).
-    cases.append(("block at a 64-bit position base + index * stride",
-                  lambda x, dy, b, i: ops.wgrad_accumulate(
-                      x, dy, b, offset=ops.BlockOffset(2**32 + 7, i, 2**31)),
-                  (x, dy, flat, np.int32(-2)), block))
-    cases.append(("grouped experts at an aligned position base + index * stride",
-                  lambda x, dy, b, i: ops.grouped_wgrad_accumulate(
-                      x, dy, b, offset=ops.BlockOffset(4, i, 4)),
-                  (gx, gdy, flat, np.int32(3)), clamped))
+    cases.append(
+        (
+            "block at a 64-bit position base + index * stride",
+            lambda x, dy, b, i: ops.wgrad_accumulate(
+                x, dy, b, offset=ops.BlockOffset(2**32 + 7, i, 2**31)
+            ),
+            (x, dy, flat, np.int32(-2)),
+            block,
+        )
+    )
+    cases.append(
+        (
+            "grouped experts at an aligned position base + index * stride",
+            lambda x, dy, b, i: ops.grouped_wgrad_accumulate(
+                x, dy, b, offset=ops.BlockOffset(4, i, 4)
+            ),
+            (gx, gdy, flat, np.int32(3)),
+            clamped,
+        )
+    )
     g1 = np.arange(1, 4, dtype=np.float32)
     g2 = (np.arange(6, dtype=np.float32) - 2).reshape(2, 3)
     added = flat.copy()
     added[2:5] += g1
     added[30:36] += g2.ravel()
-    cases.append(("bucket_add of several blocks",
-                  lambda b, g1, g2: ops.bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
-                  (flat, g1, g2), added))
+    cases.append(
+        (
+            "bucket_add of several blocks",
+            lambda b, g1, g2: ops.bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
+            (flat, g1, g2),
+            added,
+        )
+    )
     return cases + _ragged_probe_cases(rng, flat)
 
 
@@ -265,35 +335,70 @@ def _ragged_probe_cases(rng, flat):
         y = np.zeros((7, 3), np.float32)
         for g, rows in enumerate(_ragged_rows(sizes, 7)):
             y[rows] = x[rows] @ w[g].T
-        cases.append((f"ragged_matmul {jnp.dtype(dt).name} transpose_rhs={int(transpose)}",
-                      lambda x, w, s, t=transpose, d=dt: ops.ragged_matmul(
-                          x.astype(d), w.astype(d), s, transpose_rhs=t),
-                      (x, wt, sizes), y))
+        cases.append(
+            (
+                f"ragged_matmul {jnp.dtype(dt).name} transpose_rhs={int(transpose)}",
+                lambda x, w, s, t=transpose, d=dt: ops.ragged_matmul(
+                    x.astype(d), w.astype(d), s, transpose_rhs=t
+                ),
+                (x, wt, sizes),
+                y,
+            )
+        )
     acc = rng.integers(-8, 9, size=(3, 3, 4)).astype(np.float32)
     upd = {}
     for name, sizes in (("short", short), ("long", long)):
         upd[name] = np.stack([dy[r].T @ x[r] for r in _ragged_rows(sizes, 7)])
-    cases.append(("ragged_wgrad_accumulate float32", ops.ragged_wgrad_accumulate,
-                  (x, dy, short, acc), acc + upd["short"]))
-    cases.append(("ragged_wgrad_accumulate bfloat16 into bfloat16",
-                  lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
-                      x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s,
-                      a.astype(jnp.bfloat16)), (x, dy, long, acc), acc + upd["long"]))
+    cases.append(
+        (
+            "ragged_wgrad_accumulate float32",
+            ops.ragged_wgrad_accumulate,
+            (x, dy, short, acc),
+            acc + upd["short"],
+        )
+    )
+    cases.append(
+        (
+            "ragged_wgrad_accumulate bfloat16 into bfloat16",
+            lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
+                x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s, a.astype(jnp.bfloat16)
+            ),
+            (x, dy, long, acc),
+            acc + upd["long"],
+        )
+    )
     bucket = np.concatenate([flat, flat[:1]])  # 41 elements: 36 fit from 5 on
     at5, at4 = bucket.copy(), flat.copy()
     at5[5:41] += upd["short"].ravel()
     at4[4:40] += upd["long"].ravel()  # offset 30 clamped to 40 - 36
-    cases.append(("ragged_wgrad_accumulate float16 into a bucket",
-                  lambda x, dy, s, b: ops.ragged_wgrad_accumulate(
-                      x.astype(jnp.float16), dy.astype(jnp.float16), s, b, offset=5),
-                  (x, dy, short, bucket), at5))
-    cases.append(("ragged_wgrad_accumulate at a traced, clamped offset",
-                  lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(x, dy, s, b, offset=o),
-                  (x, dy, long, flat, np.int32(30)), at4))
-    cases.append(("ragged_wgrad_accumulate at a 64-bit position base + index * stride",
-                  lambda x, dy, s, b, i: ops.ragged_wgrad_accumulate(
-                      x, dy, s, b, offset=ops.BlockOffset(2**33 + 5, i, 2**31)),
-                  (x, dy, short, bucket, np.int32(-4)), at5))
+    cases.append(
+        (
+            "ragged_wgrad_accumulate float16 into a bucket",
+            lambda x, dy, s, b: ops.ragged_wgrad_accumulate(
+                x.astype(jnp.float16), dy.astype(jnp.float16), s, b, offset=5
+            ),
+            (x, dy, short, bucket),
+            at5,
+        )
+    )
+    cases.append(
+        (
+            "ragged_wgrad_accumulate at a traced, clamped offset",
+            lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(x, dy, s, b, offset=o),
+            (x, dy, long, flat, np.int32(30)),
+            at4,
+        )
+    )
+    cases.append(
+        (
+            "ragged_wgrad_accumulate at a 64-bit position base + index * stride",
+            lambda x, dy, s, b, i: ops.ragged_wgrad_accumulate(
+                x, dy, s, b, offset=ops.BlockOffset(2**33 + 5, i, 2**31)
+            ),
+            (x, dy, short, bucket, np.int32(-4)),
+            at5,
+        )
+    )
     return cases
 
 
@@ -304,22 +409,28 @@ def _probe(platform: str) -> _Outcome:
     try:
         device = jax.local_devices(backend=platform)[0]
     except RuntimeError as exc:
-        return _Outcome(f"the handler is built, but jax sees no {platform} device of this "
-                        f"process ({exc})", final=False)
+        return _Outcome(
+            f"the handler is built, but jax sees no {platform} device of this process ({exc})",
+            final=False,
+        )
     cases = _probe_cases()
     try:
         args = jax.device_put([c[2] for c in cases], device)
         got = jax.jit(lambda args: [c[1](*a) for c, a in zip(cases, args)])(args)
         got = [np.asarray(g, np.float64) for g in got]
-    except Exception as exc:  # noqa: BLE001 -- any failure is the reason
+    except Exception as exc:
         message = str(exc).splitlines()[0][:300] if str(exc) else ""
-        return _Outcome(f"a test call of the {platform} handler on {device} failed: "
-                        f"{type(exc).__name__}: {message}",
-                        final=not any(code in str(exc) for code in _TRANSIENT))
+        return _Outcome(
+            f"a test call of the {platform} handler on {device} failed: "
+            f"{type(exc).__name__}: {message}",
+            final=not any(code in str(exc) for code in _TRANSIENT),
+        )
     for (name, _, _, want), value in zip(cases, got):
         if not np.array_equal(value, want):
-            return _Outcome(f"the {platform} handler ran on {device} but returned wrong "
-                            f"values ({name})", final=True)
+            return _Outcome(
+                f"the {platform} handler ran on {device} but returned wrong values ({name})",
+                final=True,
+            )
     return _Outcome(None, final=True)
 
 
@@ -331,9 +442,12 @@ def _probe_outside_traces(platform: str) -> _Outcome:
     def run() -> None:
         try:
             box.append(_probe(platform))
-        except Exception as exc:  # noqa: BLE001 -- never leave the caller without an answer
-            box.append(_Outcome(f"the {platform} handler check failed: "
-                                f"{type(exc).__name__}: {exc}", final=False))
+        except Exception as exc:
+            box.append(
+                _Outcome(
+                    f"the {platform} handler check failed: {type(exc).__name__}: {exc}", final=False
+                )
+            )
 
     thread = threading.Thread(target=run, name=f"jax_wgrad-fusion-probe-{platform}")
     thread.start()
@@ -384,8 +498,11 @@ def require_fusion(platform: str | None = None, *, who: str = "wgrad_accumulate"
     platform = normalize_platform(platform)
     if fusion_available(platform):
         return
-    reason = _status(platform) if platform in _MODULES else \
-        f"jax_wgrad has no handler for platform '{platform}'"
+    reason = (
+        _status(platform)
+        if platform in _MODULES
+        else f"jax_wgrad has no handler for platform '{platform}'"
+    )
     raise RuntimeError(
         f"{who} was called with gradient_accumulation_fusion set to True but the "
         f"jax_wgrad fused weight-gradient handler for platform '{platform}' is not "

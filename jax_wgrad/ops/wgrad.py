@@ -50,8 +50,15 @@ from jax_wgrad.ops.position import (
 )
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 
-__all__ = ["WORKSPACE_BYTES", "wgrad_accumulate", "wgrad_accumulate_p", "wgrad_accumulate_at_p",
-           "wgrad_accumulate_ref", "FLOAT_DTYPES", "is_traced_offset"]
+__all__ = [
+    "WORKSPACE_BYTES",
+    "wgrad_accumulate",
+    "wgrad_accumulate_p",
+    "wgrad_accumulate_at_p",
+    "wgrad_accumulate_ref",
+    "FLOAT_DTYPES",
+    "is_traced_offset",
+]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Input (and accumulator) dtypes the handlers take."""
@@ -88,8 +95,7 @@ def _batch_rule(args, dims, *, offset, precision):
     """
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [
-        jnp.broadcast_to(a, (size,) + a.shape) if d is None
-        else jnp.moveaxis(a, d, 0)
+        jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]
     return wgrad_accumulate_p.bind(*moved, offset=offset, precision=precision), 0
@@ -100,8 +106,9 @@ batching.primitive_batchers[wgrad_accumulate_p] = _batch_rule
 
 @functools.partial(jax.jit, static_argnames=("base", "stride", "precision"))
 def _eager_at(x, dy, main_grad, index, *, base, stride, precision):
-    return wgrad_accumulate_at_p.bind(x, dy, main_grad, index, base=base, stride=stride,
-                                      precision=precision)
+    return wgrad_accumulate_at_p.bind(
+        x, dy, main_grad, index, base=base, stride=stride, precision=precision
+    )
 
 
 wgrad_accumulate_at_p.def_impl(_eager_at)
@@ -114,8 +121,7 @@ def _batch_rule_at(args, dims, **params):
     ``base`` and ``stride``)."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [
-        jnp.broadcast_to(a, (size,) + a.shape) if d is None
-        else jnp.moveaxis(a, d, 0)
+        jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]
     return wgrad_accumulate_at_p.bind(*moved, **params), 0
@@ -127,6 +133,7 @@ batching.primitive_batchers[wgrad_accumulate_at_p] = _batch_rule_at
 def _unavailable(platform: str):
     def unavailable(ctx, *args, **params):  # raised at compile time
         registry.require_fusion(platform)
+
     return unavailable
 
 
@@ -139,12 +146,14 @@ def _wgrad_lowering(platform: str):
     rule = jax.ffi.ffi_lowering(registry.TARGET, operand_output_aliases={2: 0})
     if platform == "cpu":
         return lambda ctx, *args, offset, precision: rule(
-            ctx, *args, offset=offset, precision=np.int32(precision))
+            ctx, *args, offset=offset, precision=np.int32(precision)
+        )
 
     def with_workspace(ctx, *args, offset, precision):
         # The CUDA handler's second result is its cuBLAS workspace (module docstring).
         ctx = ctx.replace(avals_out=[*ctx.avals_out, _WORKSPACE])
         return rule(ctx, *args, offset=offset, precision=np.int32(precision))[:1]
+
     return with_workspace
 
 
@@ -153,9 +162,14 @@ def _wgrad_lowering(platform: str):
 _ALIGN = 16
 
 
-def cuda_at_scratch(x_shape: tuple[int, ...], dy_shape: tuple[int, ...],
-                    acc: jax.core.ShapedArray, *, base: int, stride: int
-                    ) -> tuple[jax.core.ShapedArray, jax.core.ShapedArray]:
+def cuda_at_scratch(
+    x_shape: tuple[int, ...],
+    dy_shape: tuple[int, ...],
+    acc: jax.core.ShapedArray,
+    *,
+    base: int,
+    stride: int,
+) -> tuple[jax.core.ShapedArray, jax.core.ShapedArray]:
     """Extra results of the CUDA ``jax_wgrad_wgrad_accumulate_at`` handler, besides its
     cuBLAS workspace (``ffi/wgrad_accumulate_cuda.cu`` says how each is used):
 
@@ -177,11 +191,18 @@ def cuda_at_scratch(x_shape: tuple[int, ...], dy_shape: tuple[int, ...],
     item = jnp.dtype(acc.dtype).itemsize
     block = dy_shape[-1] * x_shape[-1]
     step = -(-block * item // _ALIGN) * _ALIGN // item
-    if provably_aligned(BlockOffset(base, 0, stride), block=block, elements=acc.shape[-1],
-                        itemsize=item, alignment=_ALIGN):
+    if provably_aligned(
+        BlockOffset(base, 0, stride),
+        block=block,
+        elements=acc.shape[-1],
+        itemsize=item,
+        alignment=_ALIGN,
+    ):
         step = 0
-    return (jax.core.ShapedArray((4 * problems * 8,), jnp.uint8),
-            jax.core.ShapedArray((problems * step,), acc.dtype))
+    return (
+        jax.core.ShapedArray((4 * problems * 8,), jnp.uint8),
+        jax.core.ShapedArray((problems * step,), acc.dtype),
+    )
 
 
 def _wgrad_at_lowering(platform: str):
@@ -190,26 +211,29 @@ def _wgrad_at_lowering(platform: str):
     rule = jax.ffi.ffi_lowering(registry.TARGET_AT, operand_output_aliases={2: 0})
 
     def attrs(base: int, stride: int, precision: int) -> dict[str, np.generic]:
-        return {"base": np.int64(base), "stride": np.int64(stride),
-                "precision": np.int32(precision)}
+        return {
+            "base": np.int64(base),
+            "stride": np.int64(stride),
+            "precision": np.int32(precision),
+        }
 
     if platform == "cpu":
         return lambda ctx, *args, base, stride, precision: rule(
-            ctx, *args, **attrs(base, stride, precision))
+            ctx, *args, **attrs(base, stride, precision)
+        )
 
     def with_scratch(ctx, *args, base, stride, precision):
         x, dy, acc = ctx.avals_in[:3]
-        extra = [_WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc, base=base,
-                                              stride=stride)]
+        extra = [_WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc, base=base, stride=stride)]
         ctx = ctx.replace(avals_out=[*ctx.avals_out, *extra])
         return rule(ctx, *args, **attrs(base, stride, precision))[:1]
+
     return with_scratch
 
 
 for _platform in registry.PLATFORMS:
     mlir.register_lowering(wgrad_accumulate_p, _wgrad_lowering(_platform), platform=_platform)
-    mlir.register_lowering(wgrad_accumulate_at_p, _wgrad_at_lowering(_platform),
-                           platform=_platform)
+    mlir.register_lowering(wgrad_accumulate_at_p, _wgrad_at_lowering(_platform), platform=_platform)
 
 
 def is_traced_offset(offset) -> bool:
@@ -220,27 +244,31 @@ def is_traced_offset(offset) -> bool:
 
 
 def _validate(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset) -> None:
-    shapes = f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, " \
-             f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
+    shapes = (
+        f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, "
+        f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
+    )
     if x.ndim < 2 or dy.ndim != x.ndim:
         raise ValueError(
             f"wgrad_accumulate: x and dy must have the same rank >= 2 ([..., T, features]); "
-            f"got {shapes}")
+            f"got {shapes}"
+        )
     if x.shape[:-1] != dy.shape[:-1]:
         raise ValueError(
-            f"wgrad_accumulate: x and dy must have the same leading (token) dims; got {shapes}")
+            f"wgrad_accumulate: x and dy must have the same leading (token) dims; got {shapes}"
+        )
     block = dy.shape[-1] * x.shape[-1]
     if offset is None and main_grad.shape != (dy.shape[-1], x.shape[-1]):
         raise ValueError(
             "wgrad_accumulate: main_grad must have shape [out, in] = "
-            f"[{dy.shape[-1]}, {x.shape[-1]}]; got {shapes}")
+            f"[{dy.shape[-1]}, {x.shape[-1]}]; got {shapes}"
+        )
     if offset is not None:
         check_block("wgrad_accumulate", main_grad, offset, block, "[out, in] block", shapes)
     check_dtypes("wgrad_accumulate", x, dy, main_grad, shapes)
 
 
-def check_block(who: str, main_grad: jax.Array, offset, block: int, what: str,
-                shapes: str) -> None:
+def check_block(who: str, main_grad: jax.Array, offset, block: int, what: str, shapes: str) -> None:
     """A flat ``main_grad [N]`` holds ``block`` elements from ``offset`` on: checked fully
     for a static int offset; for a traced position only ``N >= block`` (it is clamped)."""
     if is_traced_offset(offset):
@@ -248,31 +276,35 @@ def check_block(who: str, main_grad: jax.Array, offset, block: int, what: str,
             raise ValueError(
                 f"{who}: with a traced offset, main_grad must be a flat buffer [N] with N >= "
                 f"{block} (the {what}; the offset is clamped into [0, N - {block}]); got "
-                f"{shapes}")
+                f"{shapes}"
+            )
         return
-    if main_grad.ndim != 1 or not isinstance(offset, int) or isinstance(offset, bool) \
-            or not 0 <= offset <= main_grad.shape[0] - block:
+    if (
+        main_grad.ndim != 1
+        or not isinstance(offset, int)
+        or isinstance(offset, bool)
+        or not 0 <= offset <= main_grad.shape[0] - block
+    ):
         raise ValueError(
             f"{who}: with offset={offset!r}, main_grad must be a flat buffer [N] "
-            f"holding the {what} at [offset, offset + {block}) within N; got {shapes}")
+            f"holding the {what} at [offset, offset + {block}) within N; got {shapes}"
+        )
 
 
-def check_dtypes(who: str, x: jax.Array, dy: jax.Array, main_grad: jax.Array,
-                 shapes: str) -> None:
+def check_dtypes(who: str, x: jax.Array, dy: jax.Array, main_grad: jax.Array, shapes: str) -> None:
     """The dtypes the handlers take: x and dy f32/bf16/f16 alike; main_grad f32 or theirs."""
     if x.dtype not in FLOAT_DTYPES or dy.dtype != x.dtype:
-        raise ValueError(f"{who}: x and dy must both be float32, bfloat16 or float16; "
-                         f"got {shapes}")
+        raise ValueError(f"{who}: x and dy must both be float32, bfloat16 or float16; got {shapes}")
     if main_grad.dtype != jnp.float32 and not (
         x.dtype != jnp.float32 and main_grad.dtype == x.dtype
     ):
         raise ValueError(
             f"{who}: main_grad must be float32, or the 16-bit dtype of x and dy "
-            f"(accumulated in fp32, rounded once); got {shapes}")
+            f"(accumulated in fp32, rounded once); got {shapes}"
+        )
 
 
-def add_to_block(main_grad: jax.Array, update: jax.Array, offset: Offset | None
-                 ) -> jax.Array:
+def add_to_block(main_grad: jax.Array, update: jax.Array, offset: Offset | None) -> jax.Array:
     """Reference accumulation: ``main_grad + update`` in fp32, rounded once to its dtype;
     with ``offset``, into the flat elements ``[offset, offset + update.size)`` only. A
     traced position is clamped into ``[0, N - update.size]`` on its exact value, as the
@@ -289,29 +321,37 @@ def add_to_block(main_grad: jax.Array, update: jax.Array, offset: Offset | None
         raise ValueError(
             f"the plain-XLA reference addresses flat buffers of at most {INT32_MAX} "
             f"elements (int32 slice indices); got main_grad {main_grad.dtype}"
-            f"{list(main_grad.shape)} -- use the fused op for larger buckets")
+            f"{list(main_grad.shape)} -- use the fused op for larger buckets"
+        )
     position = as_block_offset(offset)
     if position is not None:
         start = clamped_start_int32(position, main_grad.shape[0] - update.size)
         old = jax.lax.dynamic_slice(main_grad, (start,), (update.size,))
         new = (old.astype(jnp.float32) + update.reshape(-1)).astype(main_grad.dtype)
         return jax.lax.dynamic_update_slice(main_grad, new, (start,))
-    block = main_grad[offset:offset + update.size].astype(jnp.float32) + update.reshape(-1)
-    return main_grad.at[offset:offset + update.size].set(block.astype(main_grad.dtype))
+    block = main_grad[offset : offset + update.size].astype(jnp.float32) + update.reshape(-1)
+    return main_grad.at[offset : offset + update.size].set(block.astype(main_grad.dtype))
 
 
-def bind(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: Offset | None,
-         precision: int) -> jax.Array:
+def bind(
+    x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset: Offset | None, precision: int
+) -> jax.Array:
     """Binds the static-offset primitive for an int (or no) offset, the traced-offset one
     for a :class:`BlockOffset` or an int32 scalar array."""
     position = as_block_offset(offset)
     if position is not None:
-        return wgrad_accumulate_at_p.bind(x, dy, main_grad,
-                                          jnp.asarray(position.index, jnp.int32),
-                                          base=position.base, stride=position.stride,
-                                          precision=precision)
-    return wgrad_accumulate_p.bind(x, dy, main_grad, offset=0 if offset is None else offset,
-                                   precision=precision)
+        return wgrad_accumulate_at_p.bind(
+            x,
+            dy,
+            main_grad,
+            jnp.asarray(position.index, jnp.int32),
+            base=position.base,
+            stride=position.stride,
+            precision=precision,
+        )
+    return wgrad_accumulate_p.bind(
+        x, dy, main_grad, offset=0 if offset is None else offset, precision=precision
+    )
 
 
 def wgrad_accumulate(
@@ -369,6 +409,10 @@ def wgrad_accumulate_ref(
     _validate(x, dy, main_grad, offset)
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
-    upd = jnp.dot(dy2.T, x2, preferred_element_type=jnp.float32,
-                  precision=jax.lax.Precision(matmul_precision(precision)))
+    upd = jnp.dot(
+        dy2.T,
+        x2,
+        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision(matmul_precision(precision)),
+    )
     return add_to_block(main_grad, upd, offset)

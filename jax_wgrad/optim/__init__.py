@@ -16,6 +16,15 @@ from jax_wgrad.optim.transforms import (
     global_grad_norm,
 )
 
-__all__ = ["BytesPerParameter", "DistributedOptimizer", "OptimizerState", "StepInfo", "adamw",
-           "add_decayed_weights", "bytes_per_parameter", "clip_by_total_norm",
-           "global_grad_norm", "megatron_bytes_per_parameter"]
+__all__ = [
+    "BytesPerParameter",
+    "DistributedOptimizer",
+    "OptimizerState",
+    "StepInfo",
+    "adamw",
+    "add_decayed_weights",
+    "bytes_per_parameter",
+    "clip_by_total_norm",
+    "global_grad_norm",
+    "megatron_bytes_per_parameter",
+]

@@ -112,14 +112,15 @@ def _names(axis: AxisName) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
-def _normalize_flags(buffer: GradBuffer, name: str, tree: PyTree | None
-                     ) -> tuple[bool, ...] | None:
+def _normalize_flags(buffer: GradBuffer, name: str, tree: PyTree | None) -> tuple[bool, ...] | None:
     if tree is None:
         return None
     leaves, treedef = jax.tree.flatten(tree)
     if treedef != buffer.treedef:
-        raise ValueError(f"DistributedOptimizer: {name} must be a tree of bools shaped like "
-                         f"the parameters {buffer.treedef}, got {treedef}")
+        raise ValueError(
+            f"DistributedOptimizer: {name} must be a tree of bools shaped like "
+            f"the parameters {buffer.treedef}, got {treedef}"
+        )
     return tuple(bool(v) for v in leaves)
 
 
@@ -192,25 +193,33 @@ class DistributedOptimizer:
         model_axes = tuple(model_axes)
         data_names = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
         if set(data_names) & set(model_axes):
-            raise ValueError(f"DistributedOptimizer: model_axes {model_axes} must not contain "
-                             f"the data axis {data_axis!r}")
+            raise ValueError(
+                f"DistributedOptimizer: model_axes {model_axes} must not contain "
+                f"the data axis {data_axis!r}"
+            )
         if clip_grad is not None and (not np.isfinite(clip_grad) or clip_grad < 0):
             raise ValueError(f"DistributedOptimizer: clip_grad must be >= 0, got {clip_grad}")
         dup = []
         for axis, tree in (duplicated or {}).items():
             if axis not in model_axes:
-                raise ValueError(f"DistributedOptimizer: duplicated axis {axis!r} is not one "
-                                 f"of model_axes {model_axes}")
+                raise ValueError(
+                    f"DistributedOptimizer: duplicated axis {axis!r} is not one "
+                    f"of model_axes {model_axes}"
+                )
             dup.append((axis, _normalize_flags(buffer, f"duplicated[{axis!r}]", tree)))
         if bucket_axes is not None:
             bucket_axes = tuple(bucket_axes)
             if len(bucket_axes) != buffer.num_buckets:
-                raise ValueError(f"DistributedOptimizer: {len(bucket_axes)} bucket_axes for "
-                                 f"{buffer.num_buckets} buckets")
+                raise ValueError(
+                    f"DistributedOptimizer: {len(bucket_axes)} bucket_axes for "
+                    f"{buffer.num_buckets} buckets"
+                )
             wrong = [a for a in bucket_axes if not set(_names(a)) <= set(data_names)]
             if wrong:
-                raise ValueError(f"DistributedOptimizer: bucket axes {wrong} are not within "
-                                 f"the data axis {data_axis!r}")
+                raise ValueError(
+                    f"DistributedOptimizer: bucket axes {wrong} are not within "
+                    f"the data axis {data_axis!r}"
+                )
         if not isinstance(tx, optax.GradientTransformationExtraArgs):
             tx = optax.with_extra_args_support(tx)
         return cls(
@@ -252,12 +261,16 @@ class DistributedOptimizer:
     def _check_axis(self) -> None:
         dp = axis_size(self.data_axis)
         if dp != self.buffer.dp_size:
-            raise ValueError(f"DistributedOptimizer: axis {self.data_axis!r} has {dp} devices "
-                             f"but the buffer was planned for dp_size={self.buffer.dp_size}")
+            raise ValueError(
+                f"DistributedOptimizer: axis {self.data_axis!r} has {dp} devices "
+                f"but the buffer was planned for dp_size={self.buffer.dp_size}"
+            )
         for i, (a, n) in enumerate(zip(self._axes(), self.buffer.bucket_dp_sizes)):
             if axis_size(a) != n:
-                raise ValueError(f"DistributedOptimizer: bucket {i} is sharded over {a!r} "
-                                 f"({axis_size(a)} devices) but was planned for {n}")
+                raise ValueError(
+                    f"DistributedOptimizer: bucket {i} is sharded over {a!r} "
+                    f"({axis_size(a)} devices) but was planned for {n}"
+                )
 
     # -- main parameters
 
@@ -290,8 +303,9 @@ class DistributedOptimizer:
         if self.distributed:
             return tuple(m if k else None for m, k in zip(main, self.keeps_master))
         leaves = self.buffer.treedef.flatten_up_to(main)
-        return jax.tree.unflatten(self.buffer.treedef, [
-            m if k else None for m, k in zip(leaves, self.keeps_master)])
+        return jax.tree.unflatten(
+            self.buffer.treedef, [m if k else None for m, k in zip(leaves, self.keeps_master)]
+        )
 
     def _main(self, params: PyTree, master: PyTree | None) -> PyTree:
         """The fp32 main parameters of this device: ``master`` where the state keeps a
@@ -305,19 +319,22 @@ class DistributedOptimizer:
         leaves = self.buffer._check_tree(params, "main parameters")
         for slot, leaf in zip(self.buffer.slots, leaves):
             if np.dtype(leaf.dtype) != np.dtype(slot.param_dtype):
-                raise ValueError(f"DistributedOptimizer: parameter {slot.path} is "
-                                 f"{np.dtype(leaf.dtype)}, but the buckets were planned for "
-                                 f"{np.dtype(slot.param_dtype)} (cast the parameters to the "
-                                 "plan's dtypes, GPTConfig.params_dtype)")
+                raise ValueError(
+                    f"DistributedOptimizer: parameter {slot.path} is "
+                    f"{np.dtype(leaf.dtype)}, but the buckets were planned for "
+                    f"{np.dtype(slot.param_dtype)} (cast the parameters to the "
+                    "plan's dtypes, GPTConfig.params_dtype)"
+                )
         if self.distributed:
             own = self._shard(self.buffer.from_tree(params, dtype=jnp.float32))
             if master is None:
                 return own
             return tuple(m if k else o for m, o, k in zip(master, own, self.keeps_master))
-        kept = ([None] * len(leaves) if master is None
-                else self.buffer.treedef.flatten_up_to(master))
-        return jax.tree.unflatten(self.buffer.treedef, [
-            m if m is not None else p.astype(jnp.float32) for m, p in zip(kept, leaves)])
+        kept = [None] * len(leaves) if master is None else self.buffer.treedef.flatten_up_to(master)
+        return jax.tree.unflatten(
+            self.buffer.treedef,
+            [m if m is not None else p.astype(jnp.float32) for m, p in zip(kept, leaves)],
+        )
 
     # -- init
 
@@ -340,8 +357,9 @@ class DistributedOptimizer:
         if self.distributed:
             main = tuple(jax.ShapeDtypeStruct((n,), F32) for n in self.buffer.shard_numels)
         else:
-            main = jax.tree.unflatten(self.buffer.treedef, [
-                jax.ShapeDtypeStruct(s.shape, F32) for s in self.buffer.slots])
+            main = jax.tree.unflatten(
+                self.buffer.treedef, [jax.ShapeDtypeStruct(s.shape, F32) for s in self.buffer.slots]
+            )
         return OptimizerState(self._master_of(main), jax.eval_shape(self.tx.init, main))
 
     # -- layout-independent form (checkpoints)
@@ -372,13 +390,18 @@ class DistributedOptimizer:
             return OptimizerState(self._main(params, state.master), state.inner)
         gather = lambda shard, axis: lax.all_gather(shard, axis, axis=0, tiled=True)
         own = self.buffer.from_tree(params, dtype=jnp.float32)
-        main = self.buffer.to_tree(tuple(
-            gather(m, a) if k else o
-            for m, o, k, a in zip(state.master, own, self.keeps_master, self._axes())))
+        main = self.buffer.to_tree(
+            tuple(
+                gather(m, a) if k else o
+                for m, o, k, a in zip(state.master, own, self.keeps_master, self._axes())
+            )
+        )
         inner = optax.tree_map_params(
-            self.tx, lambda shards: self.buffer.to_tree(tuple(map(gather, shards,
-                                                                  self._axes()))),
-            state.inner, is_leaf=self.is_main_params)
+            self.tx,
+            lambda shards: self.buffer.to_tree(tuple(map(gather, shards, self._axes()))),
+            state.inner,
+            is_leaf=self.is_main_params,
+        )
         return OptimizerState(main, inner)
 
     def state_from_tree(self, state: OptimizerState) -> OptimizerState:
@@ -401,15 +424,17 @@ class DistributedOptimizer:
     # -- masks
 
     def _leaf_mask_tree(self, flags: tuple[bool, ...]) -> PyTree:
-        return jax.tree.unflatten(self.buffer.treedef,
-                                  [jnp.float32(1.0 if f else 0.0) for f in flags])
+        return jax.tree.unflatten(
+            self.buffer.treedef, [jnp.float32(1.0 if f else 0.0) for f in flags]
+        )
 
     def _decay_mask(self) -> PyTree | None:
         if self.weight_decay_flags is None:
             return None
         if self.distributed:
-            return local_mask(self.buffer, self.weight_decay_flags, axis_name=None,
-                              bucket_axes=self._axes())
+            return local_mask(
+                self.buffer, self.weight_decay_flags, axis_name=None, bucket_axes=self._axes()
+            )
         return self._leaf_mask_tree(self.weight_decay_flags)
 
     def _norm_weights(self) -> PyTree | None:
@@ -421,9 +446,15 @@ class DistributedOptimizer:
                 dup = local_mask(self.buffer, flags, axis_name=None, bucket_axes=self._axes())
                 w = tuple(jnp.where(d & not_first, 0.0, 1.0).astype(jnp.float32) for d in dup)
             else:
-                w = jax.tree.unflatten(self.buffer.treedef, [
-                    jnp.where(not_first, 0.0, 1.0).astype(jnp.float32) if f
-                    else jnp.float32(1.0) for f in flags])
+                w = jax.tree.unflatten(
+                    self.buffer.treedef,
+                    [
+                        jnp.where(not_first, 0.0, 1.0).astype(jnp.float32)
+                        if f
+                        else jnp.float32(1.0)
+                        for f in flags
+                    ],
+                )
             weights = w if weights is None else jax.tree.map(jnp.multiply, weights, w)
         return weights
 
@@ -438,8 +469,9 @@ class DistributedOptimizer:
             axes = tuple(a for a, _ in self._spread_axes()) + axes
         return global_grad_norm(grads, axis_names=axes, weights=self._norm_weights())
 
-    def step(self, params: PyTree, synced: Sequence[jax.Array], state: OptimizerState
-             ) -> tuple[PyTree, OptimizerState, StepInfo]:
+    def step(
+        self, params: PyTree, synced: Sequence[jax.Array], state: OptimizerState
+    ) -> tuple[PyTree, OptimizerState, StepInfo]:
         """One optimizer step from the output of :func:`sync_buckets`.
 
         Args:
@@ -463,18 +495,22 @@ class DistributedOptimizer:
             grads, coeff = clip_by_total_norm(grads, self.clip_grad, norm)
 
         main = self._main(params, state.master)
-        updates, inner = self.tx.update(grads, state.inner, main,
-                                        weight_decay_mask=self._decay_mask())
+        updates, inner = self.tx.update(
+            grads, state.inner, main, weight_decay_mask=self._decay_mask()
+        )
         main = optax.apply_updates(main, updates)
 
         if self.distributed:  # in the parameters' dtype: bf16 parameters gather bf16
-            gathered = tuple(_all_gather_params(m.astype(dt), a) for m, dt, a in
-                             zip(main, self.buffer.bucket_param_dtypes, self._axes()))
+            gathered = tuple(
+                _all_gather_params(m.astype(dt), a)
+                for m, dt, a in zip(main, self.buffer.bucket_param_dtypes, self._axes())
+            )
             new_params = self.buffer.to_tree(gathered)
         else:
             new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), main, params)
 
         keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
-        new_state = OptimizerState(keep(state.master, self._master_of(main)),
-                                   keep(state.inner, inner))
+        new_state = OptimizerState(
+            keep(state.master, self._master_of(main)), keep(state.inner, inner)
+        )
         return keep(params, new_params), new_state, StepInfo(norm, coeff, skipped)

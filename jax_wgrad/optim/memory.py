@@ -40,7 +40,9 @@ def _bytes(tree: Any) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-def megatron_bytes_per_parameter(param_dtype: Any, grad_dtype: Any, dp: int) -> tuple[int, int, int]:
+def megatron_bytes_per_parameter(
+    param_dtype: Any, grad_dtype: Any, dp: int
+) -> tuple[int, int, int]:
     """Megatron's ``(params, grads, optimizer numerator)`` bytes per parameter for Adam:
     the optimizer holds ``numerator / dp`` bytes per parameter (``dp = 1`` without the
     distributed optimizer).
@@ -104,11 +106,13 @@ class BytesPerParameter:
         optimizer 6.00 (fp32 main params 2.00, optax 4.00) = 12.00; Megatron
         (distributed optimizer): 2 + 4 + 12/2 = 12.00``."""
         mode = "distributed optimizer" if self.distributed else "no distributed optimizer"
-        return (f"bytes per parameter on a device ({self.num_params:,} parameters): params "
-                f"{self.params:.2f} + grads {self.grads:.2f} + optimizer {self.optimizer:.2f} "
-                f"(fp32 main params {self.master:.2f}, optax {self.moments:.2f}) = "
-                f"{self.total:.2f}; Megatron ({mode}, Adam): {self.formula} = "
-                f"{self.megatron:.2f}")
+        return (
+            f"bytes per parameter on a device ({self.num_params:,} parameters): params "
+            f"{self.params:.2f} + grads {self.grads:.2f} + optimizer {self.optimizer:.2f} "
+            f"(fp32 main params {self.master:.2f}, optax {self.moments:.2f}) = "
+            f"{self.total:.2f}; Megatron ({mode}, Adam): {self.formula} = "
+            f"{self.megatron:.2f}"
+        )
 
 
 def bytes_per_parameter(optimizer: DistributedOptimizer) -> BytesPerParameter:
@@ -140,13 +144,15 @@ def bytes_per_parameter(optimizer: DistributedOptimizer) -> BytesPerParameter:
     if len(terms) == 1:
         formula = text(*next(iter(terms)))
     else:
-        formula = " | ".join(f"{text(*t)} ({100 * k / n:.0f}%)"
-                             for t, k in sorted(terms.items(), key=lambda tk: -tk[1]))
+        formula = " | ".join(
+            f"{text(*t)} ({100 * k / n:.0f}%)"
+            for t, k in sorted(terms.items(), key=lambda tk: -tk[1])
+        )
     return BytesPerParameter(
         num_params=n,
         params=sum(s.size * np.dtype(s.param_dtype).itemsize for s in buf.slots) / n,
-        grads=sum(k * np.dtype(d).itemsize for k, d in zip(buf.bucket_numels,
-                                                           buf.bucket_dtypes)) / n,
+        grads=sum(k * np.dtype(d).itemsize for k, d in zip(buf.bucket_numels, buf.bucket_dtypes))
+        / n,
         master=_bytes(state.master) / n,
         moments=_bytes(state.inner) / n,
         megatron=megatron,

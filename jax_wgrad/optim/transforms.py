@@ -44,7 +44,10 @@ def add_decayed_weights(weight_decay: float) -> optax.GradientTransformationExtr
         else:
             decayed = jax.tree.map(
                 lambda g, p, m: g + weight_decay * jnp.asarray(m, p.dtype) * p,
-                updates, params, weight_decay_mask)
+                updates,
+                params,
+                weight_decay_mask,
+            )
         return decayed, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -96,8 +99,9 @@ def global_grad_norm(
     else:
         ws = jax.tree.leaves(weights)
         if len(ws) != len(leaves):
-            raise ValueError(f"global_grad_norm: {len(ws)} weight leaves for {len(leaves)} "
-                             "gradient leaves")
+            raise ValueError(
+                f"global_grad_norm: {len(ws)} weight leaves for {len(leaves)} gradient leaves"
+            )
     total = jnp.zeros((), jnp.float32)
     for g, w in zip(leaves, ws):
         sq = jnp.square(g.astype(jnp.float32))
@@ -109,8 +113,9 @@ def global_grad_norm(
     return jnp.sqrt(total)
 
 
-def clip_by_total_norm(grads: PyTree, max_norm: float, total_norm: jax.Array
-                       ) -> tuple[PyTree, jax.Array]:
+def clip_by_total_norm(
+    grads: PyTree, max_norm: float, total_norm: jax.Array
+) -> tuple[PyTree, jax.Array]:
     """Megatron's ``clip_grad_by_total_norm_fp32``: scale by ``max_norm / (norm + 1e-6)``.
 
     The coefficient is clamped to 1 (multiplying by 1.0 leaves gradients bit-identical), so

@@ -20,5 +20,17 @@ from jax_wgrad.parallel.mesh import (
     use_virtual_cpu_devices,
 )
 
-__all__ = ["AXES", "DATA", "DATA_PARALLEL", "EXPERT", "EXPERT_DATA_PARALLEL", "PIPELINE", "TENSOR", "ParallelConfig", "initialize_distributed",
-           "local_shape", "make_mesh", "use_virtual_cpu_devices"]
+__all__ = [
+    "AXES",
+    "DATA",
+    "DATA_PARALLEL",
+    "EXPERT",
+    "EXPERT_DATA_PARALLEL",
+    "PIPELINE",
+    "TENSOR",
+    "ParallelConfig",
+    "initialize_distributed",
+    "local_shape",
+    "make_mesh",
+    "use_virtual_cpu_devices",
+]

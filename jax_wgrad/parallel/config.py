@@ -115,7 +115,8 @@ class ParallelConfig:
             raise ValueError(
                 f"data parallel size ({dp}) is not divisible by expert_model_parallel_size "
                 f"({self.expert_model_parallel_size}): expert parallelism is carved out of "
-                "data parallelism")
+                "data parallelism"
+            )
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * dp)
         check_positive("global_batch_size", self.global_batch_size)
@@ -127,18 +128,25 @@ class ParallelConfig:
         self._validate_deferral()
         self._validate_expert_tensor_parallel()
         if self.pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {sorted(SCHEDULES)}, got "
-                             f"{self.pipeline_schedule!r}")
+            raise ValueError(
+                f"pipeline_schedule must be one of {sorted(SCHEDULES)}, got "
+                f"{self.pipeline_schedule!r}"
+            )
         if self.pipeline_schedule == "zb-h1" and not self.gradient_accumulation_fusion:
-            raise ValueError("Cannot use the zb-h1 pipeline schedule without gradient "
-                             "accumulation fusion (its weight-gradient tasks are the fused "
-                             "wgrad GEMMs)")
+            raise ValueError(
+                "Cannot use the zb-h1 pipeline schedule without gradient "
+                "accumulation fusion (its weight-gradient tasks are the fused "
+                "wgrad GEMMs)"
+            )
         self._validate_interleaving()
         if self.vocab_parallel_over_pipeline and self.pipeline_model_parallel_size == 1:
-            raise ValueError("vocab_parallel_over_pipeline needs pipeline parallelism "
-                             "(pipeline_model_parallel_size > 1)")
-        check_recompute(self.recompute_granularity, self.recompute_method,
-                        self.recompute_num_layers)
+            raise ValueError(
+                "vocab_parallel_over_pipeline needs pipeline parallelism "
+                "(pipeline_model_parallel_size > 1)"
+            )
+        check_recompute(
+            self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # Megatron does the same (model_parallel_config.py).
             warnings.warn(
@@ -154,20 +162,23 @@ class ParallelConfig:
             return
         check_positive("expert_tensor_parallel_size", etp)
         if etp not in (1, tp):
-            raise ValueError(f"expert_tensor_parallel_size ({etp}) must be 1 or "
-                             f"tensor_model_parallel_size ({tp}): the expert-tensor group is "
-                             "the tensor axis of the (data, expert, tensor, pipeline) mesh")
+            raise ValueError(
+                f"expert_tensor_parallel_size ({etp}) must be 1 or "
+                f"tensor_model_parallel_size ({tp}): the expert-tensor group is "
+                "the tensor axis of the (data, expert, tensor, pipeline) mesh"
+            )
 
     def _validate_deferral(self) -> None:
         if not isinstance(self.defer_embedding_wgrad_compute, bool):
-            raise ValueError("defer_embedding_wgrad_compute must be a bool, got "
-                             f"{self.defer_embedding_wgrad_compute!r}")
+            raise ValueError(
+                "defer_embedding_wgrad_compute must be a bool, got "
+                f"{self.defer_embedding_wgrad_compute!r}"
+            )
         limit = self.wgrad_deferral_limit
         if not isinstance(limit, int) or isinstance(limit, bool):
             raise ValueError(f"wgrad_deferral_limit must be an integer >= 0, got {limit!r}")
         if self.defer_mode not in ("stash", "recompute"):
-            raise ValueError(
-                f"defer_mode must be 'stash' or 'recompute', got {self.defer_mode!r}")
+            raise ValueError(f"defer_mode must be 'stash' or 'recompute', got {self.defer_mode!r}")
         if limit < 0:  # Megatron's wording (model_parallel_config.py); refused with or
             # without deferral (a negative limit is never meant)
             raise ValueError(f"Wgrad deferral limit must be >= 0 (got {limit})")
@@ -177,31 +188,38 @@ class ParallelConfig:
         if self.pipeline_model_parallel_size == 1:
             raise ValueError("Cannot defer embedding wgrad when pipeline parallel not used")
         if not self.gradient_accumulation_fusion:
-            raise ValueError(
-                "Cannot defer embedding wgrad without gradient accumulation fusion")
+            raise ValueError("Cannot defer embedding wgrad without gradient accumulation fusion")
 
     def _validate_interleaving(self) -> None:
         v, g = self.virtual_pipeline_model_parallel_size, self.microbatch_group_size_per_vp_stage
         if v is None:
             if g is not None:
-                raise ValueError("microbatch_group_size_per_vp_stage is only used with the "
-                                 "interleaved schedule (virtual_pipeline_model_parallel_size)")
+                raise ValueError(
+                    "microbatch_group_size_per_vp_stage is only used with the "
+                    "interleaved schedule (virtual_pipeline_model_parallel_size)"
+                )
             return
         check_positive("virtual_pipeline_model_parallel_size", v)
         p, m = self.pipeline_model_parallel_size, self.num_microbatches
         if v > 1 and p == 1:  # Megatron's rule (arguments.py), naming the fields
-            raise ValueError(f"virtual_pipeline_model_parallel_size ({v}) asks for the "
-                             "interleaved schedule, which needs pipeline_model_parallel_size "
-                             f"> 1, got {p}")
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size ({v}) asks for the "
+                "interleaved schedule, which needs pipeline_model_parallel_size "
+                f"> 1, got {p}"
+            )
         if g is not None:
             check_positive("microbatch_group_size_per_vp_stage", g)
             if g < p:
-                raise ValueError(f"microbatch_group_size_per_vp_stage ({g}) must be at least "
-                                 f"pipeline-model-parallel-size ({p})")
+                raise ValueError(
+                    f"microbatch_group_size_per_vp_stage ({g}) must be at least "
+                    f"pipeline-model-parallel-size ({p})"
+                )
         elif v > 1 and m % p != 0:  # Megatron's wording (schedules.py)
-            raise ValueError(f"number of microbatches ({m}) is not divisible by "
-                             f"pipeline-model-parallel-size ({p}) when using interleaved "
-                             "schedule")
+            raise ValueError(
+                f"number of microbatches ({m}) is not divisible by "
+                f"pipeline-model-parallel-size ({p}) when using interleaved "
+                "schedule"
+            )
 
     @property
     def num_model_chunks(self) -> int:
@@ -237,8 +255,9 @@ class ParallelConfig:
     def local_seq_length(self, seq_length: int) -> int:
         """Tokens of a ``seq_length`` sequence that each tensor rank holds between the
         blocks: ``S / tp`` under sequence parallelism, else ``S``."""
-        return seq_length // self.tensor_model_parallel_size if self.sequence_parallel \
-            else seq_length
+        return (
+            seq_length // self.tensor_model_parallel_size if self.sequence_parallel else seq_length
+        )
 
     @property
     def mesh_shape(self) -> tuple[int, int, int, int]:

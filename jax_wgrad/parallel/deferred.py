@@ -49,8 +49,9 @@ def stash_bytes(stash: Stash) -> int:
     return sum(jnp.dtype(s.dtype).itemsize * math.prod(s.shape) for s in stash)
 
 
-def stash_items(par: ParallelConfig, x: jax.Array, dy: jax.Array,
-                extras: Callable[[], tuple[jax.Array, ...]]) -> Stash:
+def stash_items(
+    par: ParallelConfig, x: jax.Array, dy: jax.Array, extras: Callable[[], tuple[jax.Array, ...]]
+) -> Stash:
     """What the stash keeps of one microbatch: the output layer's input ``x``
     ``[mb, S, H]`` (this rank's sequence chunk under sequence parallelism: the drain's ring
     brings the others) and ``dy`` (``stash`` mode) or the model's ``extras()`` to rebuild
@@ -63,8 +64,10 @@ def stash_items(par: ParallelConfig, x: jax.Array, dy: jax.Array,
 
 def stash_put(stash: Stash, index, items: Stash) -> Stash:
     """Writes one microbatch's items at ``index`` (in place in the scan carry)."""
-    return tuple(lax.dynamic_update_index_in_dim(s, v.astype(s.dtype), index, 0)
-                 for s, v in zip(stash, items))
+    return tuple(
+        lax.dynamic_update_index_in_dim(s, v.astype(s.dtype), index, 0)
+        for s, v in zip(stash, items)
+    )
 
 
 def is_deferred(par: ParallelConfig, microbatch):
@@ -85,9 +88,16 @@ def ring_shift(a: jax.Array, tp: int, axis_name: str = TENSOR) -> jax.Array:
     return chain + wrap
 
 
-def drain(par: ParallelConfig, stash: Stash, bucket: jax.Array, offset: int,
-          recompute: Callable[[jax.Array, tuple], jax.Array] | None = None, *,
-          active=None, axis_name: str = TENSOR) -> jax.Array:
+def drain(
+    par: ParallelConfig,
+    stash: Stash,
+    bucket: jax.Array,
+    offset: int,
+    recompute: Callable[[jax.Array, tuple], jax.Array] | None = None,
+    *,
+    active=None,
+    axis_name: str = TENSOR,
+) -> jax.Array:
     """Accumulates every stashed microbatch's ``dy^T x`` into the output layer's block
     ``[offset, offset + V/tp * H)`` of the flat ``bucket`` with the fused op.
 
@@ -108,13 +118,15 @@ def drain(par: ParallelConfig, stash: Stash, bucket: jax.Array, offset: int,
         active = jnp.bool_(True)
     tp, sp = par.tensor_model_parallel_size, par.sequence_parallel
     if (par.defer_mode == "recompute") != (recompute is not None):
-        raise ValueError(f"deferred.drain: defer_mode {par.defer_mode!r} "
-                         + ("needs" if recompute is None else "takes no") + " recompute")
+        raise ValueError(
+            f"deferred.drain: defer_mode {par.defer_mode!r} "
+            + ("needs" if recompute is None else "takes no")
+            + " recompute"
+        )
 
     def dy_of(item, x, start, length):
         if recompute is not None:
-            extras = tuple(lax.dynamic_slice_in_dim(a, start, length, axis=1)
-                           for a in item[1:])
+            extras = tuple(lax.dynamic_slice_in_dim(a, start, length, axis=1) for a in item[1:])
             return recompute(x, extras)
         return lax.dynamic_slice_in_dim(item[1], start, length, axis=1)
 
@@ -122,8 +134,9 @@ def drain(par: ParallelConfig, stash: Stash, bucket: jax.Array, offset: int,
         x = item[0]
         if not sp:
             with jax.named_scope("deferred_wgrad"):
-                return ops.wgrad_accumulate(x, dy_of(item, x, 0, x.shape[1]), bk,
-                                            offset=offset), None
+                return ops.wgrad_accumulate(
+                    x, dy_of(item, x, 0, x.shape[1]), bk, offset=offset
+                ), None
         chunk = x.shape[1]
         rank = lax.axis_index(axis_name)
         cur = x
@@ -136,8 +149,11 @@ def drain(par: ParallelConfig, stash: Stash, bucket: jax.Array, offset: int,
                 bk = lax.cond(
                     active,
                     lambda bk, cur=cur, src=src: ops.wgrad_accumulate(
-                        cur, dy_of(item, cur, src * chunk, chunk), bk, offset=offset),
-                    lambda bk: bk, bk)
+                        cur, dy_of(item, cur, src * chunk, chunk), bk, offset=offset
+                    ),
+                    lambda bk: bk,
+                    bk,
+                )
                 cur = nxt
         return bk, None
 

@@ -27,9 +27,21 @@ from jax.sharding import AxisType, Mesh
 
 from jax_wgrad.parallel.config import ParallelConfig
 
-__all__ = ["AXES", "DATA", "EXPERT", "TENSOR", "PIPELINE", "DATA_PARALLEL",
-           "EXPERT_DATA_PARALLEL", "make_mesh", "initialize_distributed",
-           "use_virtual_cpu_devices", "local_shape", "axis_sizes", "mesh_shape"]
+__all__ = [
+    "AXES",
+    "DATA",
+    "EXPERT",
+    "TENSOR",
+    "PIPELINE",
+    "DATA_PARALLEL",
+    "EXPERT_DATA_PARALLEL",
+    "make_mesh",
+    "initialize_distributed",
+    "use_virtual_cpu_devices",
+    "local_shape",
+    "axis_sizes",
+    "mesh_shape",
+]
 
 DATA = "data"
 """Expert-data-parallel axis (``dp / EP`` replicas of every parameter, experts included);
@@ -70,8 +82,10 @@ def use_virtual_cpu_devices(count: int) -> None:
     except RuntimeError as exc:
         have = jax.device_count("cpu")
         if have != count:
-            raise ValueError(f"use_virtual_cpu_devices({count}): jax already runs with {have} "
-                             "CPU devices; call it before the first jax computation") from exc
+            raise ValueError(
+                f"use_virtual_cpu_devices({count}): jax already runs with {have} "
+                "CPU devices; call it before the first jax computation"
+            ) from exc
 
 
 def axis_sizes(config: ParallelConfig) -> dict[str, int]:
@@ -105,8 +119,7 @@ def initialize_distributed(**kwargs) -> bool:
     ...). Returns whether it initialised. Call it before anything touches devices.
     """
     env_hint = any(
-        k in os.environ
-        for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+        k in os.environ for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
     )
     if not kwargs and not env_hint:
         return False

@@ -15,8 +15,9 @@ from jax_wgrad.functional.moe import MoEConfig
 __all__ = ["reference_moe_mlp"]
 
 
-def reference_moe_mlp(params: dict[str, jax.Array], x: jax.Array,
-                      cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+def reference_moe_mlp(
+    params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig
+) -> tuple[jax.Array, jax.Array]:
     """``(y [T, H], aux_loss)`` of tokens ``x [T, H]`` with ALL experts' weights
     (``router [E, H]``, ``fc1 [E, F, H]`` (``[E, 2, F, H]`` with SwiGLU), ``fc2 [E, H, F]``),
     in fp32 ``jnp``."""
@@ -27,7 +28,7 @@ def reference_moe_mlp(params: dict[str, jax.Array], x: jax.Array,
     fc1 = params["fc1"].reshape(cfg.num_experts, -1, x.shape[-1])  # SwiGLU: gate, up rows
     hidden = cfg.activation(jnp.einsum("th,efh->tef", x, fc1, precision=hp))
     every = jnp.einsum("tef,ehf->teh", hidden, params["fc2"], precision=hp)  # [T, E, H]
-    chosen = jnp.take_along_axis(every, experts[:, :, None], axis=1)       # [T, k, H]
+    chosen = jnp.take_along_axis(every, experts[:, :, None], axis=1)  # [T, k, H]
     y = jnp.sum(chosen * gates[:, :, None], axis=1)
     if cfg.load_balancing_type == "none":
         return y, jnp.zeros((), jnp.float32)

@@ -49,7 +49,7 @@ def _rope(x, cfg: GPTConfig):
     emb = jnp.concatenate([ang, ang], -1)
     cos, sin = (f(emb)[None, :, None].astype(x.dtype) for f in (jnp.cos, jnp.sin))
     xr = x[..., :rot]
-    half = jnp.concatenate([-xr[..., rot // 2:], xr[..., :rot // 2]], -1)
+    half = jnp.concatenate([-xr[..., rot // 2 :], xr[..., : rot // 2]], -1)
     return jnp.concatenate([xr * cos + half * sin, x[..., rot:]], -1)
 
 
@@ -58,7 +58,7 @@ def _attention(x, p, cfg: GPTConfig):
     g, d = cfg.query_groups, cfg.head_dim
     m = cfg.num_attention_heads // g
     qkv = _dense(_norm(x, p["ln1"], cfg), p["qkv"]).reshape(b, s, g, m + 2, d)
-    q, k, v = qkv[:, :, :, :m], qkv[:, :, :, m], qkv[:, :, :, m + 1]   # q [b, s, g, m, d]
+    q, k, v = qkv[:, :, :, :m], qkv[:, :, :, m], qkv[:, :, :, m + 1]  # q [b, s, g, m, d]
     if cfg.qk_layernorm:
         q, k = _norm(q, p["q_norm"], cfg), _norm(k, p["k_norm"], cfg)
     if cfg.position_embedding_type == "rope":
@@ -74,8 +74,9 @@ def _mlp(h, p, cfg: GPTConfig):
     if not cfg.swiglu:
         return _dense(jax.nn.gelu(_dense(h, p["fc1"]), approximate=False), p["fc2"])
     w, bias = p["fc1"]["weight"], p["fc1"].get("bias")
-    gate, up = (_dense(h, {"weight": w[i], **({} if bias is None else {"bias": bias[i]})})
-                for i in (0, 1))
+    gate, up = (
+        _dense(h, {"weight": w[i], **({} if bias is None else {"bias": bias[i]})}) for i in (0, 1)
+    )
     return _dense(jax.nn.silu(gate) * up, p["fc2"])
 
 
@@ -122,8 +123,13 @@ def reference_logits(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig) -> 
     return _forward(params, ids, cfg, ids.shape[0], jnp.dtype(cfg.compute_dtype))[0]
 
 
-def reference_loss(params: dict[str, Any], tokens: jax.Array, cfg: GPTConfig, *,
-                   micro_batch_size: int | None = None) -> jax.Array:
+def reference_loss(
+    params: dict[str, Any],
+    tokens: jax.Array,
+    cfg: GPTConfig,
+    *,
+    micro_batch_size: int | None = None,
+) -> jax.Array:
     """Mean next-token cross entropy of a plain single-device fp32 model.
 
     ``tokens``: int ``[B, S + 1]``; inputs are ``tokens[:, :-1]``, labels

@@ -15,7 +15,21 @@ from jax_wgrad.training.step import (
     shard_batch,
 )
 
-__all__ = ["BlendedDataset", "ByteDataset", "Checkpointer", "TokenDataset", "TrainPlan",
-           "TrainState", "VOCAB_SIZE", "accumulate_gradients", "build_eval_step",
-           "build_train_step", "default_optimizer", "init_optimizer_state", "init_train_state",
-           "load_data", "mesh_shape", "shard_batch"]
+__all__ = [
+    "BlendedDataset",
+    "ByteDataset",
+    "Checkpointer",
+    "TokenDataset",
+    "TrainPlan",
+    "TrainState",
+    "VOCAB_SIZE",
+    "accumulate_gradients",
+    "build_eval_step",
+    "build_train_step",
+    "default_optimizer",
+    "init_optimizer_state",
+    "init_train_state",
+    "load_data",
+    "mesh_shape",
+    "shard_batch",
+]

@@ -10,7 +10,8 @@ added to an fp32 carry.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,8 @@ def accumulate_gradients(
     if num_micro < 1 or any(leaf.shape[:1] != (num_micro,) for leaf in leaves):
         raise ValueError(
             "accumulate_gradients: every microbatch leaf needs the same leading axis M >= 1; "
-            f"got shapes {[leaf.shape for leaf in leaves]}")
+            f"got shapes {[leaf.shape for leaf in leaves]}"
+        )
     graphdef, params, main_grads, rest = nnx.split(model, nnx.Param, MainGrad, ...)
     scale = 1.0 / num_micro
 

@@ -51,8 +51,15 @@ from jax_wgrad.parallel.mesh import AXES
 from jax_wgrad.training.plan import TrainPlan
 from jax_wgrad.training.step import TrainState, init_optimizer_state
 
-__all__ = ["Checkpointer", "CheckpointError", "canonical_state",
-           "state_from_canonical", "model_differences", "save_params_checkpoint"]
+__all__ = [
+    "Checkpointer",
+    "CheckpointError",
+    "canonical_state",
+    "state_from_canonical",
+    "model_differences",
+    "save_params_checkpoint",
+]
+
 
 class CheckpointError(ValueError):
     """A checkpoint step that cannot be read: ``step`` and the damage, in one line."""
@@ -67,9 +74,13 @@ def _opt_specs(plan: TrainPlan, per_device_state, specs=None) -> OptimizerState:
     (default: the layout's; ``specs``: others, e.g. the canonical ones) for every
     parameter-shaped part, replicated for the rest (counts)."""
     specs = plan.program.param_specs() if specs is None else specs
-    inner = optax.tree_map_params(plan.optimizer.tx, lambda _: specs, per_device_state.inner,
-                                  transform_non_params=lambda _: P(),
-                                  is_leaf=plan.optimizer.is_main_params)
+    inner = optax.tree_map_params(
+        plan.optimizer.tx,
+        lambda _: specs,
+        per_device_state.inner,
+        transform_non_params=lambda _: P(),
+        is_leaf=plan.optimizer.is_main_params,
+    )
     return OptimizerState(specs, inner)
 
 
@@ -84,16 +95,24 @@ def canonical_state(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
     canon = lambda tree: program.canonical_tree(tree)
 
     def body(params, opt_state):
-        tree_state = opt.state_to_tree(jax.tree.map(lambda x: x[0], opt_state),
-                                       program.device_tree(params))
+        tree_state = opt.state_to_tree(
+            jax.tree.map(lambda x: x[0], opt_state), program.device_tree(params)
+        )
         return opt.map_param_parts(canon, tree_state)
 
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(program.param_specs(), P(AXES)),
-                       out_specs=out_opt, check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=plan.mesh,
+        in_specs=(program.param_specs(), P(AXES)),
+        out_specs=out_opt,
+        check_vma=False,
+    )
     opt_tree = jax.jit(fn)(state.params, state.opt_state)
     # The layout's trees -> canonical ones (a reshape of interleaved layer stacks).
-    return {"params": program.to_canonical(state.params),
-            "opt": opt.map_param_parts(program.to_canonical, opt_tree)}
+    return {
+        "params": program.to_canonical(state.params),
+        "opt": opt.map_param_parts(program.to_canonical, opt_tree),
+    }
 
 
 def state_from_canonical(plan: TrainPlan, template: TrainState, opt, step: int) -> TrainState:
@@ -111,13 +130,14 @@ def state_from_canonical(plan: TrainPlan, template: TrainState, opt, step: int) 
         state = optimizer.map_param_parts(program.device_tree, opt_state)
         return jax.tree.map(lambda x: x[None], optimizer.state_from_tree(state))
 
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(in_opt,), out_specs=P(AXES),
-                       check_vma=False)
-    shardings = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), in_opt,
-                             is_leaf=lambda x: isinstance(x, P))
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(in_opt,), out_specs=P(AXES), check_vma=False)
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(plan.mesh, s), in_opt, is_leaf=lambda x: isinstance(x, P)
+    )
     opt_state = jax.jit(fn)(jax.device_put(opt, shardings))
-    return TrainState(_step_array(plan, step), jax.device_put(params, plan.param_shardings),
-                      opt_state)
+    return TrainState(
+        _step_array(plan, step), jax.device_put(params, plan.param_shardings), opt_state
+    )
 
 
 def _step_array(plan: TrainPlan, step: int) -> jax.Array:
@@ -139,10 +159,10 @@ class Checkpointer:
         self.manager = self._manager()
 
     def _manager(self) -> ocp.CheckpointManager:
-        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True,
-                                               create=self._create)
-        return ocp.CheckpointManager(self.directory, options=options,
-                                     item_names=("params", "opt", "meta"))
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, create=self._create)
+        return ocp.CheckpointManager(
+            self.directory, options=options, item_names=("params", "opt", "meta")
+        )
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, newest first."""
@@ -152,23 +172,38 @@ class Checkpointer:
         """The newest complete checkpoint's step, or ``None``."""
         return self.manager.latest_step()
 
-    def save(self, plan: TrainPlan, state: TrainState, *, step: int, data_step: int,
-             seed: int) -> None:
+    def save(
+        self, plan: TrainPlan, state: TrainState, *, step: int, data_step: int, seed: int
+    ) -> None:
         """Starts an asynchronous save of ``state`` at ``step`` (returns when the arrays
         are copied; :meth:`wait` for completion)."""
         canon = canonical_state(plan, state)
-        meta = {"step": step, "data_step": data_step, "seed": seed,
-                "model_type": type(plan.model).__name__,
-                "model": dataclasses.asdict(plan.model),
-                "parallel": dataclasses.asdict(plan.parallel),
-                "ddp": dataclasses.asdict(plan.ddp)}
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(canon["params"]),
-            opt=ocp.args.StandardSave(canon["opt"]),
-            meta=ocp.args.JsonSave(json.loads(json.dumps(meta, default=str)))))
+        meta = {
+            "step": step,
+            "data_step": data_step,
+            "seed": seed,
+            "model_type": type(plan.model).__name__,
+            "model": dataclasses.asdict(plan.model),
+            "parallel": dataclasses.asdict(plan.parallel),
+            "ddp": dataclasses.asdict(plan.ddp),
+        }
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(canon["params"]),
+                opt=ocp.args.StandardSave(canon["opt"]),
+                meta=ocp.args.JsonSave(json.loads(json.dumps(meta, default=str))),
+            ),
+        )
 
-    def restore(self, plan: TrainPlan, state: TrainState, *, step: int | None = None,
-                load_optim: bool = True) -> tuple[TrainState, dict[str, Any]]:
+    def restore(
+        self,
+        plan: TrainPlan,
+        state: TrainState,
+        *,
+        step: int | None = None,
+        load_optim: bool = True,
+    ) -> tuple[TrainState, dict[str, Any]]:
         """Loads ``step`` (default: the latest) into ``plan``'s layout.
 
         Args:
@@ -183,8 +218,12 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise ValueError(f"no checkpoint in {self.directory}")
-        meta = self._read(step, lambda: self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"])
+        meta = self._read(
+            step,
+            lambda: self.manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"],
+        )
         if not isinstance(meta, dict) or "step" not in meta or "model" not in meta:
             raise CheckpointError(self.directory, step, "its meta item holds no step and model")
         _check_model(meta, plan, self.directory, step)
@@ -195,19 +234,29 @@ class Checkpointer:
         items = {"params": ocp.args.StandardRestore(abstract["params"])}
         if load_optim:
             items["opt"] = ocp.args.StandardRestore(abstract["opt"])
-        restored = self._read(step, lambda: self.manager.restore(
-            step, args=ocp.args.Composite(**items)))
+        restored = self._read(
+            step, lambda: self.manager.restore(step, args=ocp.args.Composite(**items))
+        )
         if load_optim:  # the parameters: the fp32 main parameters in opt, cast
             new = state_from_canonical(plan, state, restored["opt"], int(meta["step"]))
         else:  # the optimizer starts afresh from the loaded parameters
-            params = jax.device_put(plan.program.from_canonical(restored["params"]),
-                                    plan.param_shardings)
-            new = TrainState(_step_array(plan, int(meta["step"])), params,
-                             init_optimizer_state(plan, params))
+            params = jax.device_put(
+                plan.program.from_canonical(restored["params"]), plan.param_shardings
+            )
+            new = TrainState(
+                _step_array(plan, int(meta["step"])), params, init_optimizer_state(plan, params)
+            )
         return new, meta
 
-    def restore_latest(self, plan: TrainPlan, state: TrainState, *, load_optim: bool = True,
-                       fallback: bool = False, log=print) -> tuple[TrainState, dict[str, Any]]:
+    def restore_latest(
+        self,
+        plan: TrainPlan,
+        state: TrainState,
+        *,
+        load_optim: bool = True,
+        fallback: bool = False,
+        log=print,
+    ) -> tuple[TrainState, dict[str, Any]]:
         """Loads the newest step; a damaged one is a :class:`CheckpointError`, or, with
         ``fallback``, is reported through ``log`` and the next older step is tried.
 
@@ -223,21 +272,29 @@ class Checkpointer:
                 return self.restore(plan, state, step=step, load_optim=load_optim)
             except CheckpointError as exc:
                 if not fallback:
-                    raise CheckpointError(exc.directory, exc.step, exc.damage + (
-                        f" (--load-fallback-to-intact would try step {steps[k + 1]})"
-                        if k + 1 < len(steps) else "")) from None
+                    raise CheckpointError(
+                        exc.directory,
+                        exc.step,
+                        exc.damage
+                        + (
+                            f" (--load-fallback-to-intact would try step {steps[k + 1]})"
+                            if k + 1 < len(steps)
+                            else ""
+                        ),
+                    ) from None
                 log(f"{exc}; trying the previous step" if k + 1 < len(steps) else str(exc))
                 self.manager.close()  # a failed restore may leave orbax's manager unusable
                 self.manager = self._manager()
-        raise CheckpointError(self.directory, steps[-1],
-                              f"no intact step among {sorted(steps)}") from None
+        raise CheckpointError(
+            self.directory, steps[-1], f"no intact step among {sorted(steps)}"
+        ) from None
 
     def _read(self, step: int, read):
         """``read()``, with any failure of the files (orbax, tensorstore, the OS) turned into
         a one-line :class:`CheckpointError` naming the step."""
         try:
             return read()
-        except Exception as exc:  # noqa: BLE001 -- orbax/tensorstore raise many types
+        except Exception as exc:
             _quiet_failed_restore()
             gc.collect()  # the failed reads' coroutines report now, quietly
             raise CheckpointError(self.directory, step, _damage(exc)) from exc
@@ -254,16 +311,23 @@ class Checkpointer:
 def canonical_abstract(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
     """Shapes, dtypes and target shardings of :func:`canonical_state` on ``plan``."""
     shapes = jax.eval_shape(lambda s: canonical_state(plan, s), state)
-    opt_specs = _opt_specs(plan, _unstacked_abstract(plan, state),
-                           plan.program.canonical_specs())
+    opt_specs = _opt_specs(plan, _unstacked_abstract(plan, state), plan.program.canonical_specs())
     shard = lambda spec: NamedSharding(plan.mesh, spec)
     with_sharding = lambda tree, specs: jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard(s)), tree,
-        specs, is_leaf=lambda x: isinstance(x, P))
-    return {"params": with_sharding(shapes["params"], plan.program.canonical_specs()),
-            "opt": jax.tree.map(lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                                  sharding=shard(s)),
-                                opt_specs, shapes["opt"], is_leaf=lambda x: isinstance(x, P))}
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard(s)),
+        tree,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return {
+        "params": with_sharding(shapes["params"], plan.program.canonical_specs()),
+        "opt": jax.tree.map(
+            lambda s, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard(s)),
+            opt_specs,
+            shapes["opt"],
+            is_leaf=lambda x: isinstance(x, P),
+        ),
+    }
 
 
 def model_differences(meta: dict, model) -> list[tuple[str, Any, Any]]:
@@ -277,27 +341,50 @@ def model_differences(meta: dict, model) -> list[tuple[str, Any, Any]]:
     out = model.shape_differences(meta.get("model", {}))
     named = {k for k, _, _ in out}
     now = json.loads(json.dumps(dataclasses.asdict(model), default=str))
-    return out + [(k, meta["model"].get(k), now.get(k)) for k in meta.get("required_fields", ())
-                  if k not in named and meta["model"].get(k) != now.get(k)]
+    return out + [
+        (k, meta["model"].get(k), now.get(k))
+        for k in meta.get("required_fields", ())
+        if k not in named and meta["model"].get(k) != now.get(k)
+    ]
 
 
-def save_params_checkpoint(directory: str | os.PathLike, model, params, *, source: str,
-                           required_fields: tuple[str, ...] = (), seed: int = 0) -> None:
+def save_params_checkpoint(
+    directory: str | os.PathLike,
+    model,
+    params,
+    *,
+    source: str,
+    required_fields: tuple[str, ...] = (),
+    seed: int = 0,
+) -> None:
     """Writes canonical ``params`` (numpy or jax arrays) of ``model`` as a PARAMETERS-ONLY
     checkpoint (step 0, no optimizer state) in ``directory``: a run loading it (``--load``)
     starts at step 0 from these parameters with a fresh optimizer (any layout), after the
     model checks of a full checkpoint plus ``required_fields`` (fields that must equal the
     run's although they fix no shape). ``source``: where the parameters came from (logged).
     """
-    meta = {"step": 0, "data_step": 0, "seed": seed, "params_only": True, "source": source,
-            "model_type": type(model).__name__, "model": dataclasses.asdict(model),
-            "required_fields": list(required_fields)}
-    manager = ocp.CheckpointManager(os.path.abspath(os.fspath(directory)),
-                                    options=ocp.CheckpointManagerOptions(create=True),
-                                    item_names=("params", "meta"))
-    manager.save(0, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        meta=ocp.args.JsonSave(json.loads(json.dumps(meta, default=str)))))
+    meta = {
+        "step": 0,
+        "data_step": 0,
+        "seed": seed,
+        "params_only": True,
+        "source": source,
+        "model_type": type(model).__name__,
+        "model": dataclasses.asdict(model),
+        "required_fields": list(required_fields),
+    }
+    manager = ocp.CheckpointManager(
+        os.path.abspath(os.fspath(directory)),
+        options=ocp.CheckpointManagerOptions(create=True),
+        item_names=("params", "meta"),
+    )
+    manager.save(
+        0,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            meta=ocp.args.JsonSave(json.loads(json.dumps(meta, default=str))),
+        ),
+    )
     manager.wait_until_finished()
     manager.close()
 
@@ -305,9 +392,11 @@ def save_params_checkpoint(directory: str | os.PathLike, model, params, *, sourc
 def _check_model(meta: dict, plan: TrainPlan, directory: str, step: int) -> None:
     diff = model_differences(meta, plan.model)
     if diff:
-        raise ValueError(f"checkpoint {directory} (step {step}) was saved for a different "
-                         "model: " + "; ".join(f"{k}={a!r} in the checkpoint, {b!r} in this run"
-                                               for k, a, b in diff))
+        raise ValueError(
+            f"checkpoint {directory} (step {step}) was saved for a different "
+            "model: "
+            + "; ".join(f"{k}={a!r} in the checkpoint, {b!r} in this run" for k, a, b in diff)
+        )
 
 
 def _damage(exc: BaseException) -> str:
@@ -363,8 +452,13 @@ def _quiet_failed_restore() -> None:
 
     unraisablehook._quiet_failed_restore = True
     sys.excepthook, sys.unraisablehook, threading.excepthook = (
-        excepthook, unraisablehook, thread_excepthook)
+        excepthook,
+        unraisablehook,
+        thread_excepthook,
+    )
     logging.getLogger("asyncio").addFilter(
-        lambda record: "exception was never retrieved" not in record.getMessage())
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
-                            category=RuntimeWarning)
+        lambda record: "exception was never retrieved" not in record.getMessage()
+    )
+    warnings.filterwarnings(
+        "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+    )

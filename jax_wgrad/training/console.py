@@ -45,8 +45,9 @@ class LineFilter:
         read, write = os.pipe()
         os.dup2(write, fd)
         os.close(write)
-        self._thread = threading.Thread(target=self._copy, args=(read,), daemon=True,
-                                         name="jax_wgrad-line-filter")
+        self._thread = threading.Thread(
+            target=self._copy, args=(read,), daemon=True, name="jax_wgrad-line-filter"
+        )
         self._thread.start()
 
     def _copy(self, read: int) -> None:
@@ -55,8 +56,7 @@ class LineFilter:
             while chunk := pipe.read(65536):
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
-                self._write(b"".join(line + b"\n" for line in lines
-                                     if not self._drop(line)))
+                self._write(b"".join(line + b"\n" for line in lines if not self._drop(line)))
         if pending and not self._drop(pending):
             self._write(pending)
 
@@ -68,7 +68,7 @@ class LineFilter:
 
     def _write(self, data: bytes) -> None:
         while data:
-            data = data[os.write(self._original, data):]
+            data = data[os.write(self._original, data) :]
 
     def close(self) -> None:
         """Restores ``fd`` and waits until everything written before is passed on."""

@@ -25,8 +25,15 @@ import numpy as np
 
 from jax_wgrad.training.indexed import IndexedDataset
 
-__all__ = ["VOCAB_SIZE", "TokenDataset", "ByteDataset", "BlendedDataset", "parse_split",
-           "load_data", "padded_vocab_size"]
+__all__ = [
+    "VOCAB_SIZE",
+    "TokenDataset",
+    "ByteDataset",
+    "BlendedDataset",
+    "parse_split",
+    "load_data",
+    "padded_vocab_size",
+]
 
 VOCAB_SIZE = 256
 """Vocabulary of byte-level text."""
@@ -60,8 +67,10 @@ class TokenDataset:
     def split(self, fractions: Sequence[float]) -> list[TokenDataset]:
         """Contiguous train / validation / test parts by token count."""
         bounds = _split_bounds(len(self), fractions)
-        return [type(self)._part(self, self.tokens[a:b], f"{self.name}[{part}]")
-                for (a, b), part in zip(bounds, ("train", "valid", "test"))]
+        return [
+            type(self)._part(self, self.tokens[a:b], f"{self.name}[{part}]")
+            for (a, b), part in zip(bounds, ("train", "valid", "test"))
+        ]
 
     def _part(self, tokens: np.ndarray, name: str) -> TokenDataset:
         return TokenDataset(tokens, name, self.vocab_size)
@@ -74,8 +83,10 @@ class TokenDataset:
 
     def _windows(self, rng, n: int, seq_length: int) -> np.ndarray:
         if len(self) < seq_length + 2:
-            raise ValueError(f"dataset {self.name!r} has {len(self)} tokens; need more than "
-                             f"seq_length + 1 ({seq_length + 1})")
+            raise ValueError(
+                f"dataset {self.name!r} has {len(self)} tokens; need more than "
+                f"seq_length + 1 ({seq_length + 1})"
+            )
         starts = rng.integers(0, len(self) - seq_length - 1, size=n)
         idx = starts[:, None] + np.arange(seq_length + 1)[None, :]
         return self.tokens[idx].astype(np.int32)
@@ -91,8 +102,11 @@ class ByteDataset(TokenDataset):
         super().__init__(data, name, VOCAB_SIZE)
 
     def _part(self, tokens, name):
-        return ByteDataset(tokens, name) if tokens.size >= 2 else TokenDataset(
-            tokens, name, VOCAB_SIZE)
+        return (
+            ByteDataset(tokens, name)
+            if tokens.size >= 2
+            else TokenDataset(tokens, name, VOCAB_SIZE)
+        )
 
     @classmethod
     def from_path(cls, path: str | os.PathLike, *, max_bytes: int | None = None) -> ByteDataset:
@@ -103,14 +117,18 @@ class ByteDataset(TokenDataset):
         elif path.is_file():
             files = [path]
         else:
-            raise ValueError(f"--data-path {str(path)!r} is neither a file, a directory nor "
-                             "a Megatron PREFIX with PREFIX.bin and PREFIX.idx")
+            raise ValueError(
+                f"--data-path {str(path)!r} is neither a file, a directory nor "
+                "a Megatron PREFIX with PREFIX.bin and PREFIX.idx"
+            )
         data = _read(files, max_bytes)
         if data.size < 2:
-            what = (f"a directory with {len(files)} file(s)" if path.is_dir() else "a file")
-            raise ValueError(f"--data-path {str(path)!r}: {what} holding {data.size} byte(s) "
-                             "of text; at least 2 are needed (more than --seq-length + 1 to "
-                             "make a sample)")
+            what = f"a directory with {len(files)} file(s)" if path.is_dir() else "a file"
+            raise ValueError(
+                f"--data-path {str(path)!r}: {what} holding {data.size} byte(s) "
+                "of text; at least 2 are needed (more than --seq-length + 1 to "
+                "make a sample)"
+            )
         return cls(data, name=str(path))
 
     @classmethod
@@ -135,8 +153,9 @@ class BlendedDataset:
             raise ValueError(f"BlendedDataset: {len(datasets)} datasets for {len(weights)} weights")
         w = np.asarray(weights, np.float64)
         if (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"BlendedDataset: weights must be >= 0 with a positive sum, got "
-                             f"{list(weights)}")
+            raise ValueError(
+                f"BlendedDataset: weights must be >= 0 with a positive sum, got {list(weights)}"
+            )
         self.datasets, self.weights = list(datasets), w / w.sum()
         self.name = " + ".join(f"{wi:.3g} x {d.name}" for wi, d in zip(self.weights, datasets))
 
@@ -167,8 +186,9 @@ def parse_split(text: str) -> tuple[float, float, float]:
         raise ValueError(f"--split {text!r} must be comma-separated numbers, e.g. 98,2,0") from None
     values = (values + [0.0, 0.0, 0.0])[:3]
     if len(parts) > 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise ValueError(f"--split {text!r} must be up to three numbers >= 0 with a positive "
-                         "sum, e.g. 98,2,0")
+        raise ValueError(
+            f"--split {text!r} must be up to three numbers >= 0 with a positive sum, e.g. 98,2,0"
+        )
     total = sum(values)
     return tuple(v / total for v in values)  # type: ignore[return-value]
 
@@ -185,9 +205,12 @@ def _split_bounds(n: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
 
 def _indexed_parts(prefix: str, fractions) -> list[TokenDataset]:
     ds = IndexedDataset(prefix)
-    return [TokenDataset(ds.document_tokens(a, b), f"{prefix}[{part}]")
-            for (a, b), part in zip(_split_bounds(ds.num_documents, fractions),
-                                    ("train", "valid", "test"))]
+    return [
+        TokenDataset(ds.document_tokens(a, b), f"{prefix}[{part}]")
+        for (a, b), part in zip(
+            _split_bounds(ds.num_documents, fractions), ("train", "valid", "test")
+        )
+    ]
 
 
 def load_data(data_path: Sequence[str] | None, split: str = "98,2,0"):
@@ -208,8 +231,10 @@ def load_data(data_path: Sequence[str] | None, split: str = "98,2,0"):
         try:
             weights = [float(w) for w in items[0::2]]
         except ValueError:
-            raise ValueError(f"--data-path {' '.join(items)!r}: several entries must be "
-                             "weight/prefix pairs, e.g. 0.3 A 0.7 B") from None
+            raise ValueError(
+                f"--data-path {' '.join(items)!r}: several entries must be "
+                "weight/prefix pairs, e.g. 0.3 A 0.7 B"
+            ) from None
         paths = items[1::2]
         if len(weights) != len(paths):
             raise ValueError(f"--data-path {' '.join(items)!r}: a weight without a prefix")
@@ -217,8 +242,10 @@ def load_data(data_path: Sequence[str] | None, split: str = "98,2,0"):
     for path in paths:
         stem, suffix = os.path.splitext(path)
         if suffix in (".bin", ".idx") and os.path.isfile(stem + ".idx"):
-            raise ValueError(f"--data-path {path!r} names a file of the Megatron dataset "
-                             f"{stem!r}: pass the prefix, --data-path {stem}")
+            raise ValueError(
+                f"--data-path {path!r} names a file of the Megatron dataset "
+                f"{stem!r}: pass the prefix, --data-path {stem}"
+            )
         if os.path.isfile(path + ".idx") or os.path.isfile(path + ".bin"):
             parts.append(_indexed_parts(path, fractions))
         elif len(paths) == 1:
@@ -227,9 +254,12 @@ def load_data(data_path: Sequence[str] | None, split: str = "98,2,0"):
             raise ValueError(f"--data-path prefix {path!r}: {path}.bin / {path}.idx not found")
     if len(parts) == 1:
         return parts[0]
-    return [BlendedDataset([p[k] for p in parts], weights) if all(len(p[k]) for p in parts)
-            else _empty(", ".join(p[k].name for p in parts if not len(p[k])) + " empty")
-            for k in range(3)]
+    return [
+        BlendedDataset([p[k] for p in parts], weights)
+        if all(len(p[k]) for p in parts)
+        else _empty(", ".join(p[k].name for p in parts if not len(p[k])) + " empty")
+        for k in range(3)
+    ]
 
 
 def _empty(name: str) -> TokenDataset:

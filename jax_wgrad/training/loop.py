@@ -40,8 +40,15 @@ from jax_wgrad.training.metrics import MetricsWriter
 from jax_wgrad.training.plan import TrainPlan
 from jax_wgrad.training.step import TrainState, build_eval_step, build_train_step, shard_batch
 
-__all__ = ["LoopOptions", "OutOfMemoryError", "check_paths", "evaluate", "is_out_of_memory",
-           "out_of_memory_message", "run"]
+__all__ = [
+    "LoopOptions",
+    "OutOfMemoryError",
+    "check_paths",
+    "evaluate",
+    "is_out_of_memory",
+    "out_of_memory_message",
+    "run",
+]
 
 COMPILE_ONLY_HINT = "run with --compile-only to see the per-device memory report"
 """Where an out-of-memory message points."""
@@ -93,9 +100,10 @@ def evaluate(plan: TrainPlan, eval_step, params, valid, opts: LoopOptions) -> fl
     """Mean token loss of ``opts.eval_iters`` held-out global batches (the same batches at
     every evaluation: ``valid.batch(k, ...)`` for ``k < eval_iters``)."""
     gb, seq = plan.parallel.global_batch_size, plan.model.seq_length
-    losses = [float(eval_step(params, shard_batch(plan.mesh, valid.batch(k, gb, seq,
-                                                                          opts.seed))))
-              for k in range(opts.eval_iters)]
+    losses = [
+        float(eval_step(params, shard_batch(plan.mesh, valid.batch(k, gb, seq, opts.seed))))
+        for k in range(opts.eval_iters)
+    ]
     return float(np.mean(losses))
 
 
@@ -112,9 +120,11 @@ def check_paths(opts: LoopOptions) -> None:
     """
     if opts.load and not _same_dir(opts.load, opts.save):
         if not os.path.exists(opts.load):
-            raise ValueError(f"--load {opts.load}: no such directory (to start from scratch "
-                             "when it holds no checkpoint yet, pass the same directory to "
-                             "--save as well)")
+            raise ValueError(
+                f"--load {opts.load}: no such directory (to start from scratch "
+                "when it holds no checkpoint yet, pass the same directory to "
+                "--save as well)"
+            )
         if not os.path.isdir(opts.load):
             raise ValueError(f"--load {opts.load}: not a directory")
     if opts.save:
@@ -125,19 +135,21 @@ def check_paths(opts: LoopOptions) -> None:
                 f.write(b"jax_wgrad")
             os.remove(probe)
         except OSError as exc:
-            raise ValueError(f"--save {opts.save}: cannot write there "
-                             f"({exc.strerror or exc})") from None
+            raise ValueError(
+                f"--save {opts.save}: cannot write there ({exc.strerror or exc})"
+            ) from None
 
 
 def _check_free_space(plan: TrainPlan, state: TrainState, opts: LoopOptions) -> None:
     """A checkpoint must fit in ``opts.save``'s file system (orbax compresses, so the
     uncompressed size is an upper bound; one step is written at a time)."""
-    need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
-        canonical_abstract(plan, state)))
+    need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(canonical_abstract(plan, state)))
     free = shutil.disk_usage(opts.save).free
     if free < need:
-        raise ValueError(f"--save {opts.save}: {free / 2**20:.1f} MiB free, a checkpoint of "
-                         f"this model takes up to {need / 2**20:.1f} MiB")
+        raise ValueError(
+            f"--save {opts.save}: {free / 2**20:.1f} MiB free, a checkpoint of "
+            f"this model takes up to {need / 2**20:.1f} MiB"
+        )
 
 
 def _resume(plan: TrainPlan, state: TrainState, opts: LoopOptions, log) -> tuple[TrainState, int]:
@@ -146,22 +158,27 @@ def _resume(plan: TrainPlan, state: TrainState, opts: LoopOptions, log) -> tuple
     ckpt = Checkpointer(opts.load, create=False) if os.path.isdir(opts.load) else None
     if ckpt is None or not ckpt.all_steps():
         if _same_dir(opts.load, opts.save):
-            log(f"no checkpoint in {opts.load} yet: starting from scratch (--load is the "
-                "--save directory)")
+            log(
+                f"no checkpoint in {opts.load} yet: starting from scratch (--load is the "
+                "--save directory)"
+            )
             return state, 0
         raise ValueError(f"--load {opts.load}: no checkpoint in this directory")
     try:
-        state, meta = ckpt.restore_latest(plan, state, load_optim=opts.load_optim,
-                                          fallback=opts.load_fallback, log=log)
+        state, meta = ckpt.restore_latest(
+            plan, state, load_optim=opts.load_optim, fallback=opts.load_fallback, log=log
+        )
     finally:
         ckpt.close()
     if meta.get("params_only"):
         source = meta.get("source", "a parameters-only checkpoint")
         log(f"starting from the parameters in {opts.load} ({source}): step 0, fresh optimizer")
         return state, 0
-    log(f"resumed from {opts.load} at step {meta['step']} (saved on mesh (data, expert, "
+    log(
+        f"resumed from {opts.load} at step {meta['step']} (saved on mesh (data, expert, "
         f"tensor, pipeline) = {_mesh(meta)}; optimizer "
-        f"{'loaded' if opts.load_optim else 'fresh'})")
+        f"{'loaded' if opts.load_optim else 'fresh'})"
+    )
     return state, int(meta["data_step"])
 
 
@@ -170,13 +187,23 @@ def _mesh(meta) -> tuple[int, int, int, int]:
 
     par = meta["parallel"]
     return ParallelConfig(  # checkpoints from before EP: 1
-        world_size=par["world_size"], tensor_model_parallel_size=par["tensor_model_parallel_size"],
+        world_size=par["world_size"],
+        tensor_model_parallel_size=par["tensor_model_parallel_size"],
         pipeline_model_parallel_size=par["pipeline_model_parallel_size"],
-        expert_model_parallel_size=par.get("expert_model_parallel_size", 1)).mesh_shape
+        expert_model_parallel_size=par.get("expert_model_parallel_size", 1),
+    ).mesh_shape
 
 
-def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOptions, *,
-        metrics: MetricsWriter | None = None, log: Callable[[str], None] = print) -> dict:
+def run(
+    plan: TrainPlan,
+    state: TrainState,
+    train_data,
+    valid_data,
+    opts: LoopOptions,
+    *,
+    metrics: MetricsWriter | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Trains from ``state`` (or the checkpoint in ``opts.load``) to ``opts.train_iters``
     steps; returns a summary (losses, step times, compile time, validation losses).
 
@@ -208,8 +235,9 @@ def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOp
     summary["compile_time_s"] = compile_s
     is_main = jax.process_index() == 0
     show_bar = opts.progress and is_main and sys.stdout.isatty()
-    bar = tqdm(range(start, opts.train_iters), desc="train", dynamic_ncols=True,
-               disable=not show_bar)
+    bar = tqdm(
+        range(start, opts.train_iters), desc="train", dynamic_ncols=True, disable=not show_bar
+    )
     step_log = _above_the_bar(log) if show_bar else log
     profile = (start + min(1, opts.train_iters - start - 1), opts.profile_steps)
     done = start
@@ -217,15 +245,18 @@ def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOp
         for i in bar:
             if i == start:
                 with _first_step_memory(plan, state, "first step"):
-                    state = _one_step(compiled, state, batch, i, profile, opts, summary,
-                                      metrics, bar, step_log)
+                    state = _one_step(
+                        compiled, state, batch, i, profile, opts, summary, metrics, bar, step_log
+                    )
             else:
-                state = _one_step(compiled, state, batch, i, profile, opts, summary, metrics,
-                                  bar, step_log)
+                state = _one_step(
+                    compiled, state, batch, i, profile, opts, summary, metrics, bar, step_log
+                )
             done = i + 1
             if eval_step and (done % opts.eval_interval == 0 or done == opts.train_iters):
-                _evaluate_and_log(plan, eval_step, state, valid_data, opts, done, summary,
-                                  metrics, step_log)
+                _evaluate_and_log(
+                    plan, eval_step, state, valid_data, opts, done, summary, metrics, step_log
+                )
             if ckpt and opts.save_interval and done % opts.save_interval == 0:
                 ckpt.save(plan, state, step=done, data_step=done, seed=opts.seed)
     except KeyboardInterrupt:
@@ -234,9 +265,15 @@ def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOp
             ckpt.close()  # let the saves under way finish: they are the resume point
         metrics.close()
         latest = ckpt.latest_step() if ckpt else None
-        log(f"interrupted after step {done}" + (
-            f"; the newest checkpoint is step {latest} in {opts.save} (resume with --load "
-            f"{opts.save})" if latest is not None else "; no checkpoint was written"))
+        log(
+            f"interrupted after step {done}"
+            + (
+                f"; the newest checkpoint is step {latest} in {opts.save} (resume with --load "
+                f"{opts.save})"
+                if latest is not None
+                else "; no checkpoint was written"
+            )
+        )
         raise
     if ckpt:
         end = max(start, opts.train_iters)
@@ -247,8 +284,10 @@ def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOp
     metrics.close()
     steps = len(summary["losses"])
     if steps and summary["skipped_steps"] == steps:
-        log(f"warning: all {steps} steps were skipped (non-finite gradients): the parameters "
-            "did not change")
+        log(
+            f"warning: all {steps} steps were skipped (non-finite gradients): the parameters "
+            "did not change"
+        )
     summary["state"] = state
     return summary
 
@@ -256,16 +295,19 @@ def run(plan: TrainPlan, state: TrainState, train_data, valid_data, opts: LoopOp
 def _above_the_bar(log: Callable[[str], None]) -> Callable[[str], None]:
     """``log`` that clears the progress bar, writes the line, then redraws the bar (so a
     log line never lands on the bar's line)."""
+
     def write(msg: str) -> None:
         with tqdm.external_write_mode(file=sys.stdout):
             log(msg)
+
     return write
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is XLA's out-of-memory error (``RESOURCE_EXHAUSTED``)."""
     return isinstance(exc, RuntimeError) and bool(
-        re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory", str(exc)))
+        re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory", str(exc))
+    )
 
 
 @contextlib.contextmanager
@@ -280,20 +322,27 @@ def _first_step_memory(plan: TrainPlan, state: TrainState, where: str):
         raise OutOfMemoryError(out_of_memory_message(plan, state, where, exc)) from None
 
 
-def out_of_memory_message(plan: TrainPlan, state: TrainState | None, where: str,
-                          exc: BaseException) -> str:
+def out_of_memory_message(
+    plan: TrainPlan, state: TrainState | None, where: str, exc: BaseException
+) -> str:
     """One line: the model, the train state's bytes per device, what XLA tried to
     allocate, and where to look next."""
     model, par = plan.model, plan.parallel
-    parts = [f"out of memory in the {where}: {model.num_layers} layers, hidden "
-             f"{model.hidden_size}, seq {model.seq_length}, micro batch "
-             f"{par.micro_batch_size}, mesh (data, expert, tensor, pipeline) = {par.mesh_shape}"]
+    parts = [
+        f"out of memory in the {where}: {model.num_layers} layers, hidden "
+        f"{model.hidden_size}, seq {model.seq_length}, micro batch "
+        f"{par.micro_batch_size}, mesh (data, expert, tensor, pipeline) = {par.mesh_shape}"
+    ]
     if state is not None:
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-        per_device = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                         for x in jax.tree.leaves(state))  # shapes only: state may be donated
-        parts.append(f"{n_params / 1e6:.2f} M parameters, train state {per_device / 2**20:.1f} "
-                     f"MiB per device")
+        per_device = sum(
+            int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+            for x in jax.tree.leaves(state)
+        )  # shapes only: state may be donated
+        parts.append(
+            f"{n_params / 1e6:.2f} M parameters, train state {per_device / 2**20:.1f} "
+            f"MiB per device"
+        )
     text = str(exc)
     tried = re.search(r"allocat\w*\s+(\d+)\s*bytes", text)
     if tried:
@@ -317,22 +366,39 @@ def _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, l
     dt = time.perf_counter() - t0
     if opts.profile_dir and i + 1 == min(profile[0] + profile[1], opts.train_iters):
         jax.profiler.stop_trace()
-        log(f"profile of steps {profile[0] + 1}..{i + 1} (as the log counts them) written "
-            f"to {opts.profile_dir}")
+        log(
+            f"profile of steps {profile[0] + 1}..{i + 1} (as the log counts them) written "
+            f"to {opts.profile_dir}"
+        )
     summary["losses"].append(loss)
     summary["times"].append(dt)
     summary["skipped_steps"] += skipped
     moe = {k: np.asarray(v).tolist() for k, v in m.items() if k.startswith("moe_")}
-    metrics.write({"step": i + 1, "loss": loss, "grad_norm": grad_norm, "skipped": skipped,
-                   "step_time_s": dt, "tokens_per_s": gb_tokens / dt, **moe})
+    metrics.write(
+        {
+            "step": i + 1,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "step_time_s": dt,
+            "tokens_per_s": gb_tokens / dt,
+            **moe,
+        }
+    )
     bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{dt:.3f}")
     if (i + 1) % opts.log_interval == 0 or i == summary["start_step"] or i + 1 == opts.train_iters:
-        log(f"iteration {i + 1:5d}/{opts.train_iters} | loss {loss:.4f} | grad norm "
+        log(
+            f"iteration {i + 1:5d}/{opts.train_iters} | loss {loss:.4f} | grad norm "
             f"{grad_norm:.3f} | skipped {summary['skipped_steps']} | step {dt * 1e3:.1f} ms | "
-            f"{gb_tokens / dt:,.0f} tokens/s" + (
+            f"{gb_tokens / dt:,.0f} tokens/s"
+            + (
                 f" | MoE aux loss {moe['moe_aux_loss']:.4f} | max expert load "
                 f"{moe['moe_max_load']:.2f} x mean | dropped "
-                f"{100 * moe['moe_dropped_fraction']:.1f}%" if moe else ""))
+                f"{100 * moe['moe_dropped_fraction']:.1f}%"
+                if moe
+                else ""
+            )
+        )
     return state
 
 
@@ -341,5 +407,7 @@ def _evaluate_and_log(plan, eval_step, state, valid, opts, step, summary, metric
     ppl = math.exp(min(loss, 700.0))
     summary["valid"].append((step, loss))
     metrics.write({"step": step, "valid_loss": loss, "valid_ppl": ppl})
-    log(f"validation at step {step:5d} | loss {loss:.4f} | perplexity {ppl:.3f} "
-        f"({opts.eval_iters} batches)")
+    log(
+        f"validation at step {step:5d} | loss {loss:.4f} | perplexity {ppl:.3f} "
+        f"({opts.eval_iters} batches)"
+    )

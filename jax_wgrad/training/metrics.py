@@ -55,8 +55,9 @@ class MetricsWriter:
         if self.tensorboard_dir:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=self.tensorboard_dir,
-                                     purge_step=step + 1 if step > 0 else None)
+            self._tb = SummaryWriter(
+                logdir=self.tensorboard_dir, purge_step=step + 1 if step > 0 else None
+            )
 
     def write(self, record: dict) -> None:
         """One record; numeric fields other than ``step`` become TensorBoard scalars

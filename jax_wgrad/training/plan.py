@@ -67,9 +67,16 @@ class TrainPlan:
     table: ScheduleTable
 
     @classmethod
-    def create(cls, model: ModelConfig, parallel: ParallelConfig, mesh: Mesh,
-               tx: optax.GradientTransformation, *, ddp: DDPConfig | None = None,
-               check_fusion: bool = True) -> TrainPlan:
+    def create(
+        cls,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        mesh: Mesh,
+        tx: optax.GradientTransformation,
+        *,
+        ddp: DDPConfig | None = None,
+        check_fusion: bool = True,
+    ) -> TrainPlan:
         """Validates the configs against each other and the mesh, and builds the plan.
 
         Args:
@@ -89,31 +96,52 @@ class TrainPlan:
         ddp = ddp or DDPConfig()
         model.validate(parallel)
         if parallel.mesh_shape != mesh_shape(mesh):
-            raise ValueError(f"TrainPlan: mesh (data, expert, tensor, pipeline) = "
-                             f"{mesh_shape(mesh)} "
-                             f"does not match the parallel config's {parallel.mesh_shape}")
+            raise ValueError(
+                f"TrainPlan: mesh (data, expert, tensor, pipeline) = "
+                f"{mesh_shape(mesh)} "
+                f"does not match the parallel config's {parallel.mesh_shape}"
+            )
         platform = mesh.devices.flat[0].platform
         if parallel.gradient_accumulation_fusion and check_fusion:
             require_fusion(platform, who="gradient_accumulation_fusion")
         elif parallel.gradient_accumulation_fusion and load_error(platform) is not None:
-            raise RuntimeError(f"gradient_accumulation_fusion: the fused path cannot be "
-                               f"lowered for platform '{platform}': {load_error(platform)}")
+            raise RuntimeError(
+                f"gradient_accumulation_fusion: the fused path cannot be "
+                f"lowered for platform '{platform}': {load_error(platform)}"
+            )
         program = model.program(parallel, platform)
         layout = grad_layout(program, ddp)
         optimizer = DistributedOptimizer.create(
-            layout.buffer, tx, data_axis=DATA_PARALLEL, bucket_axes=layout.bucket_axes,
+            layout.buffer,
+            tx,
+            data_axis=DATA_PARALLEL,
+            bucket_axes=layout.bucket_axes,
             model_axes=(TENSOR, PIPELINE),
-            clip_grad=ddp.clip_grad or None, weight_decay_mask=layout.weight_decay_flags(),
-            duplicated={TENSOR: layout.tensor_replicated(), PIPELINE: layout.shared_flags()})
+            clip_grad=ddp.clip_grad or None,
+            weight_decay_mask=layout.weight_decay_flags(),
+            duplicated={TENSOR: layout.tensor_replicated(), PIPELINE: layout.shared_flags()},
+        )
         table = schedule_of(program)
-        return cls(model, parallel, ddp, mesh, program, layout,
-                   grad_sink(program, layout, table), optimizer, table)
+        return cls(
+            model,
+            parallel,
+            ddp,
+            mesh,
+            program,
+            layout,
+            grad_sink(program, layout, table),
+            optimizer,
+            table,
+        )
 
     @property
     def param_shardings(self) -> dict[str, Any]:
         """``NamedSharding`` of every canonical parameter on the mesh."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.program.param_specs(),
-                            is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s),
+            self.program.param_specs(),
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def bytes_per_parameter(self) -> BytesPerParameter:
         """One device's training state per parameter by category (params, gradient
@@ -127,9 +155,11 @@ class TrainPlan:
         (:meth:`bytes_per_parameter`)."""
         buf, lay = self.layout.buffer, self.layout
         padding = (buf.numel - buf.param_numel) / buf.numel
-        return (f"gradient buffer of pipeline stage 0: {buf.num_buckets} bucket(s) "
-                f"({lay.stage.num_buckets} stage + "
-                + (f"{lay.experts.num_buckets} expert + " if lay.experts.num_buckets else "")
-                + f"{lay.shared.num_buckets} embedding/head), "
-                f"{buf.param_numel:,} gradient elements, {buf.numel:,} buffer elements, "
-                f"padding {100 * padding:.2f}%\n" + self.bytes_per_parameter().summary())
+        return (
+            f"gradient buffer of pipeline stage 0: {buf.num_buckets} bucket(s) "
+            f"({lay.stage.num_buckets} stage + "
+            + (f"{lay.experts.num_buckets} expert + " if lay.experts.num_buckets else "")
+            + f"{lay.shared.num_buckets} embedding/head), "
+            f"{buf.param_numel:,} gradient elements, {buf.numel:,} buffer elements, "
+            f"padding {100 * padding:.2f}%\n" + self.bytes_per_parameter().summary()
+        )

@@ -38,8 +38,15 @@ from jax_wgrad.parallel.pipeline.evaluate import eval_loss
 from jax_wgrad.parallel.pipeline.gradients import reduce_gradients
 from jax_wgrad.training.plan import TrainPlan
 
-__all__ = ["TrainState", "default_optimizer", "init_optimizer_state", "init_train_state",
-           "shard_batch", "build_train_step", "build_eval_step"]
+__all__ = [
+    "TrainState",
+    "default_optimizer",
+    "init_optimizer_state",
+    "init_train_state",
+    "shard_batch",
+    "build_train_step",
+    "build_eval_step",
+]
 
 
 class TrainState(NamedTuple):
@@ -78,8 +85,13 @@ def init_optimizer_state(plan: TrainPlan, params) -> Any:
     optax state of its shard (and the fp32 copy of it if the parameters are bf16), stacked
     on a leading device axis."""
     program, opt = plan.program, plan.optimizer
-    init = jax.shard_map(lambda p: _stack(opt.init(program.device_tree(p))), mesh=plan.mesh,
-                         in_specs=(program.param_specs(),), out_specs=P(AXES), check_vma=False)
+    init = jax.shard_map(
+        lambda p: _stack(opt.init(program.device_tree(p))),
+        mesh=plan.mesh,
+        in_specs=(program.param_specs(),),
+        out_specs=P(AXES),
+        check_vma=False,
+    )
     return jax.jit(init)(params)
 
 
@@ -124,22 +136,23 @@ def build_train_step(
     def body(params, opt_state, tokens, step):
         hook = None if debug_grad_hook is None else (lambda b: debug_grad_hook(b, step))
         tree = program.device_tree(params)
-        synced, loss, extra = reduce_gradients(program, plan.sink, plan.ddp, plan.table, tree,
-                                               tokens, grad_hook=hook)
+        synced, loss, extra = reduce_gradients(
+            program, plan.sink, plan.ddp, plan.table, tree, tokens, grad_hook=hook
+        )
         new_tree, new_opt_state, info = opt.step(tree, synced, _unstack(opt_state))
         metrics = {"loss": loss, "grad_norm": info.grad_norm, "skipped": info.skipped, **extra}
         return program.canonical_tree(new_tree), _stack(new_opt_state), metrics
 
     per_device = jax.shard_map(
-        body, mesh=plan.mesh,
+        body,
+        mesh=plan.mesh,
         in_specs=(specs, P(AXES), P(DATA_PARALLEL), P()),
         out_specs=(specs, P(AXES), P()),
         check_vma=False,
     )
 
     def step(state: TrainState, tokens: jax.Array):
-        params, opt_state, metrics = per_device(state.params, state.opt_state, tokens,
-                                                state.step)
+        params, opt_state, metrics = per_device(state.params, state.opt_state, tokens, state.step)
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, None))
@@ -149,7 +162,11 @@ def build_eval_step(plan: TrainPlan) -> Callable[[dict[str, Any], jax.Array], ja
     """A jitted ``eval_step(params, tokens) -> mean token loss`` of one global batch: the
     forward-only pipeline (:mod:`jax_wgrad.parallel.pipeline.evaluate`), no gradients."""
     program = plan.program
-    fn = jax.shard_map(lambda p, t: eval_loss(program, program.device_tree(p), t),
-                       mesh=plan.mesh, in_specs=(program.param_specs(), P(DATA_PARALLEL)),
-                       out_specs=P(), check_vma=False)
+    fn = jax.shard_map(
+        lambda p, t: eval_loss(program, program.device_tree(p), t),
+        mesh=plan.mesh,
+        in_specs=(program.param_specs(), P(DATA_PARALLEL)),
+        out_specs=P(),
+        check_vma=False,
+    )
     return jax.jit(fn)

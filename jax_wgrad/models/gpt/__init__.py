@@ -7,15 +7,29 @@ from jax_wgrad.models.gpt.params import (
     canonical_tree,
     device_tree,
     forward_order,
-    module_orders,
-    registration_order,
     grad_specs,
     init_params,
+    module_orders,
     param_specs,
     period_pattern,
+    registration_order,
 )
 from jax_wgrad.models.gpt.program import GPTProgram
 
-__all__ = ["GPTConfig", "GPTEmbedding", "GPTHead", "GPTProgram", "TransformerLayer",
-           "canonical_tree", "device_tree", "forward_order", "grad_specs", "init_params", "module_orders",
-           "param_specs", "period_pattern", "registration_order", "validate"]
+__all__ = [
+    "GPTConfig",
+    "GPTEmbedding",
+    "GPTHead",
+    "GPTProgram",
+    "TransformerLayer",
+    "canonical_tree",
+    "device_tree",
+    "forward_order",
+    "grad_specs",
+    "init_params",
+    "module_orders",
+    "param_specs",
+    "period_pattern",
+    "registration_order",
+    "validate",
+]

@@ -25,8 +25,9 @@ _DENSE_TOO = "dense_too"
 def _forwarded(name: str):
     """A GPT field forwarded to :class:`MoEConfig`'s field ``name``, with that field's
     default (the option's one default)."""
-    return dataclasses.field(default=MoEConfig.__dataclass_fields__[name].default,
-                             metadata={_MOE: name})
+    return dataclasses.field(
+        default=MoEConfig.__dataclass_fields__[name].default, metadata={_MOE: name}
+    )
 
 
 def _gpt_moe_option(default):
@@ -34,15 +35,16 @@ def _gpt_moe_option(default):
     return dataclasses.field(default=default, metadata={_MOE: None})
 
 
-FLAG_NAMES: dict[str, str] = {"num_moe_experts": "num_experts",
-                              "layernorm_epsilon": "norm_epsilon",
-                              "add_bias_linear": "disable_bias_linear"}
+FLAG_NAMES: dict[str, str] = {
+    "num_moe_experts": "num_experts",
+    "layernorm_epsilon": "norm_epsilon",
+    "add_bias_linear": "disable_bias_linear",
+}
 """GPTConfig fields whose Megatron flag (``examples/pretrain_gpt.py``, argparse dest) has
 another name; every other field's flag is its name."""
 NEGATED_FLAGS = frozenset({"add_bias_linear"})
 """Fields whose flag sets the opposite value (``--disable-bias-linear``)."""
-RUN_OPTIONS = frozenset({"compute_dtype", "params_dtype", "attention_backend",
-                         "layer_scan_unroll"})
+RUN_OPTIONS = frozenset({"compute_dtype", "params_dtype", "attention_backend", "layer_scan_unroll"})
 """Fields that say how a run computes, not which model it is (no preset or converted
 checkpoint sets them)."""
 
@@ -74,8 +76,10 @@ class GPTConfig:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     """The share of each head's dims that RoPE rotates (the first ones)."""
-    swiglu: bool = dataclasses.field(default=MoEConfig.__dataclass_fields__["swiglu"].default,
-                                     metadata={_MOE: "swiglu", _DENSE_TOO: True})
+    swiglu: bool = dataclasses.field(
+        default=MoEConfig.__dataclass_fields__["swiglu"].default,
+        metadata={_MOE: "swiglu", _DENSE_TOO: True},
+    )
     """``silu(gate) * up`` MLPs (dense and expert) instead of GELU."""
     group_query_attention: bool = False
     num_query_groups: int | None = None
@@ -114,15 +118,14 @@ class GPTConfig:
     # -- Mixture of Experts (Megatron's names and defaults, except the dispatcher). The
     # options the MoE layer reads are forwarded to :class:`MoEConfig` (field metadata
     # ``"moe_config"``: its field's name), whose field defaults and checks are the only ones.
-    num_moe_experts: int | None = dataclasses.field(default=None,
-                                                    metadata={_MOE: "num_experts"})
+    num_moe_experts: int | None = dataclasses.field(default=None, metadata={_MOE: "num_experts"})
     """Experts per MoE layer (``--num-experts``); ``None``: a dense model."""
     moe_router_topk: int = _forwarded("topk")
-    moe_ffn_hidden_size: int | None = dataclasses.field(default=None,
-                                                        metadata={_MOE: "ffn_hidden_size"})
+    moe_ffn_hidden_size: int | None = dataclasses.field(
+        default=None, metadata={_MOE: "ffn_hidden_size"}
+    )
     """Each expert's MLP width; ``None`` means ``ffn_hidden_size``."""
-    moe_router_load_balancing_type: Literal["aux_loss", "none"] = _forwarded(
-        "load_balancing_type")
+    moe_router_load_balancing_type: Literal["aux_loss", "none"] = _forwarded("load_balancing_type")
     moe_aux_loss_coeff: float = _forwarded("aux_loss_coeff")
     moe_token_dispatcher_type: Literal["alltoall"] = _gpt_moe_option("alltoall")
     """Only ``alltoall`` exists here (Megatron's default is ``allgather``)."""
@@ -152,8 +155,14 @@ class GPTConfig:
     dispatch-backward all-to-all (:func:`jax_wgrad.functional.moe_mlp`); bitwise equal."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
-                     "seq_length", "layer_scan_unroll"):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "layer_scan_unroll",
+        ):
             check_positive(name, getattr(self, name))
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
@@ -165,102 +174,146 @@ class GPTConfig:
             )
         if self.params_dtype not in ("float32", "bfloat16"):
             raise ValueError(
-                f"params_dtype must be 'float32' or 'bfloat16', got {self.params_dtype!r}")
+                f"params_dtype must be 'float32' or 'bfloat16', got {self.params_dtype!r}"
+            )
         if self.params_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
-            raise ValueError("params_dtype 'bfloat16' needs compute_dtype 'bfloat16' (Megatron's "
-                             "--bf16 sets both), got compute_dtype "
-                             f"{self.compute_dtype!r}")
+            raise ValueError(
+                "params_dtype 'bfloat16' needs compute_dtype 'bfloat16' (Megatron's "
+                "--bf16 sets both), got compute_dtype "
+                f"{self.compute_dtype!r}"
+            )
         if self.attention_backend not in ("auto", "xla", "cudnn"):
-            raise ValueError("attention_backend must be 'auto', 'xla' or 'cudnn', got "
-                             f"{self.attention_backend!r}")
+            raise ValueError(
+                "attention_backend must be 'auto', 'xla' or 'cudnn', got "
+                f"{self.attention_backend!r}"
+            )
         if self.attention_backend == "cudnn" and self.compute_dtype != "bfloat16":
-            raise ValueError("attention_backend 'cudnn' needs compute_dtype 'bfloat16' "
-                             f"(cuDNN flash attention takes 16-bit inputs), got "
-                             f"{self.compute_dtype!r}")
+            raise ValueError(
+                "attention_backend 'cudnn' needs compute_dtype 'bfloat16' "
+                f"(cuDNN flash attention takes 16-bit inputs), got "
+                f"{self.compute_dtype!r}"
+            )
         self._validate_moe()
 
     def _validate_architecture(self) -> None:
         """Megatron's checks of the architecture options (``arguments.py``)."""
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
-                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
-                                 f"num_attention_heads ({self.num_attention_heads})")
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by "
+                    f"num_attention_heads ({self.num_attention_heads})"
+                )
         else:
             check_positive("kv_channels", self.kv_channels)
         if self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got "
-                             f"{self.normalization!r}")
+            raise ValueError(
+                f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
+            )
         if self.position_embedding_type not in ("learned_absolute", "rope"):
-            raise ValueError("position_embedding_type must be 'learned_absolute' or 'rope', "
-                             f"got {self.position_embedding_type!r}")
+            raise ValueError(
+                "position_embedding_type must be 'learned_absolute' or 'rope', "
+                f"got {self.position_embedding_type!r}"
+            )
         for name in ("layernorm_epsilon", "init_method_std"):  # NaN or wrong otherwise
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not self.rotary_base > 0 or not 0 < self.rotary_percent <= 1:
-            raise ValueError(f"rotary_base ({self.rotary_base}) must be > 0 and rotary_percent "
-                             f"({self.rotary_percent}) in (0, 1]")
+            raise ValueError(
+                f"rotary_base ({self.rotary_base}) must be > 0 and rotary_percent "
+                f"({self.rotary_percent}) in (0, 1]"
+            )
         if self.position_embedding_type == "rope" and int(self.head_dim * self.rotary_percent) % 2:
-            raise ValueError(f"rotary_percent ({self.rotary_percent}) x kv_channels "
-                             f"({self.head_dim}) must be an even number of rotary dims")
+            raise ValueError(
+                f"rotary_percent ({self.rotary_percent}) x kv_channels "
+                f"({self.head_dim}) must be an even number of rotary dims"
+            )
         if self.num_query_groups is not None:
             check_positive("num_query_groups", self.num_query_groups)
         if self.num_query_groups is not None and not self.group_query_attention:
-            raise ValueError(f"num_query_groups ({self.num_query_groups}) needs "
-                             "group_query_attention (--group-query-attention)")
+            raise ValueError(
+                f"num_query_groups ({self.num_query_groups}) needs "
+                "group_query_attention (--group-query-attention)"
+            )
         if self.num_attention_heads % self.query_groups != 0:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
-                             f"multiple of num_query_groups ({self.query_groups})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_query_groups ({self.query_groups})"
+            )
 
     @property
     def query_groups(self) -> int:
         """Key/value heads: ``num_query_groups`` with GQA, else one per query head."""
-        return self.num_query_groups if self.group_query_attention and \
-            self.num_query_groups is not None else self.num_attention_heads
+        return (
+            self.num_query_groups
+            if self.group_query_attention and self.num_query_groups is not None
+            else self.num_attention_heads
+        )
 
     def _validate_moe(self) -> None:
         """The GPT's own MoE options; the layer's options are checked once, by
         :class:`MoEConfig` (built here by :meth:`moe_config`)."""
         if self.num_moe_experts is None:
-            given = [f.name for f in dataclasses.fields(self)
-                     if _MOE in f.metadata and not f.metadata.get(_DENSE_TOO)
-                     and getattr(self, f.name) != f.default]
+            given = [
+                f.name
+                for f in dataclasses.fields(self)
+                if _MOE in f.metadata
+                and not f.metadata.get(_DENSE_TOO)
+                and getattr(self, f.name) != f.default
+            ]
             if given:
-                raise ValueError(f"MoE options {given} need num_moe_experts (a dense model "
-                                 "has no experts)")
+                raise ValueError(
+                    f"MoE options {given} need num_moe_experts (a dense model has no experts)"
+                )
             return
         if self.moe_ffn_hidden_size is None:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
         self.moe_config()  # checks num_experts, F, top-k, capacity factor, loss type, coeff
         check_positive("moe_layer_freq", self.moe_layer_freq)
         if self.moe_shared_expert_intermediate_size is not None:
-            check_positive("moe_shared_expert_intermediate_size",
-                           self.moe_shared_expert_intermediate_size)
+            check_positive(
+                "moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size
+            )
         elif self.moe_shared_expert_overlap:
-            raise ValueError("moe_shared_expert_overlap needs shared experts "
-                             "(moe_shared_expert_intermediate_size)")
+            raise ValueError(
+                "moe_shared_expert_overlap needs shared experts "
+                "(moe_shared_expert_intermediate_size)"
+            )
         if self.moe_token_dispatcher_type != "alltoall":
-            raise ValueError(f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is "
-                             "not supported; only 'alltoall' is implemented")
+            raise ValueError(
+                f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} is "
+                "not supported; only 'alltoall' is implemented"
+            )
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             # Megatron's check (transformer_config.py).
-            raise ValueError("moe_expert_capacity_factor must be set to use "
-                             "moe_pad_expert_input_to_capacity")
-        if self.moe_expert_capacity_factor is not None and \
-                not self.moe_pad_expert_input_to_capacity:
-            raise ValueError("moe_expert_capacity_factor needs "
-                             "moe_pad_expert_input_to_capacity here: XLA's static shapes "
-                             "always pad each expert's input to its capacity")
+            raise ValueError(
+                "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"
+            )
+        if (
+            self.moe_expert_capacity_factor is not None
+            and not self.moe_pad_expert_input_to_capacity
+        ):
+            raise ValueError(
+                "moe_expert_capacity_factor needs "
+                "moe_pad_expert_input_to_capacity here: XLA's static shapes "
+                "always pad each expert's input to its capacity"
+            )
         if self.overlap_dispatch_backward_with_experts_wgrad and not self.moe_grouped_gemm:
-            raise ValueError("overlap_dispatch_backward_with_experts_wgrad requires "
-                             "moe_grouped_gemm")
+            raise ValueError(
+                "overlap_dispatch_backward_with_experts_wgrad requires moe_grouped_gemm"
+            )
 
     def moe_config(self) -> MoEConfig | None:
         """The MoE layers' :class:`~jax_wgrad.functional.MoEConfig` (``None``: dense): every
         field with ``"moe_config"`` metadata, passed under its MoEConfig name."""
         if self.num_moe_experts is None:
             return None
-        return MoEConfig(**{f.metadata[_MOE]: getattr(self, f.name)
-                            for f in dataclasses.fields(self) if f.metadata.get(_MOE)})
+        return MoEConfig(
+            **{
+                f.metadata[_MOE]: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.metadata.get(_MOE)
+            }
+        )
 
     @property
     def moe_layer_pattern(self) -> tuple[bool, ...]:
@@ -278,12 +331,27 @@ class GPTConfig:
     # -- what a plan and a checkpoint ask of a model config (training.plan.ModelConfig)
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-        "ffn_hidden_size", "untie_embeddings_and_output_weights", "num_moe_experts",
-        "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-        "normalization", "position_embedding_type",
-        "swiglu", "group_query_attention", "num_query_groups", "add_bias_linear",
-        "add_qkv_bias", "qk_layernorm", "kv_channels")
+        "vocab_size",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "ffn_hidden_size",
+        "untie_embeddings_and_output_weights",
+        "num_moe_experts",
+        "moe_ffn_hidden_size",
+        "moe_layer_freq",
+        "moe_shared_expert_intermediate_size",
+        "normalization",
+        "position_embedding_type",
+        "swiglu",
+        "group_query_attention",
+        "num_query_groups",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "qk_layernorm",
+        "kv_channels",
+    )
     """The fields that fix the parameters' shapes: a checkpoint must agree on them."""
 
     def validate(self, parallel: ParallelConfig) -> None:
@@ -293,6 +361,7 @@ class GPTConfig:
     def program(self, parallel: ParallelConfig, platform: str | None = None):
         """The GPT's stage programs (:class:`~jax_wgrad.models.gpt.GPTProgram`)."""
         from jax_wgrad.models.gpt.program import GPTProgram  # the program imports this module
+
         return GPTProgram(self, parallel, platform=platform)
 
     def shape_differences(self, saved: dict) -> list[tuple[str, Any, Any]]:
@@ -306,16 +375,24 @@ class GPTConfig:
         then = {k: saved.get(k, defaults[k]) for k in self.SHAPE_FIELDS}
         dense = then["num_moe_experts"] is None or now["num_moe_experts"] is None
         rope = then["position_embedding_type"] == now["position_embedding_type"] == "rope"
-        return [(k, then[k], now[k]) for k in self.SHAPE_FIELDS if then[k] != now[k]
-                and not (dense and k.startswith("moe_"))  # a dense model has no MoE shapes
-                and not (rope and k == "seq_length")]  # no learned positions: any length
+        return [
+            (k, then[k], now[k])
+            for k in self.SHAPE_FIELDS
+            if then[k] != now[k]
+            and not (dense and k.startswith("moe_"))  # a dense model has no MoE shapes
+            and not (rope and k == "seq_length")
+        ]  # no learned positions: any length
 
     def attention_implementation(self, platform: str) -> Literal["xla", "cudnn"]:
         """``attention_backend`` resolved for a jax platform (``"cpu"``, ``"gpu"``, ...)."""
         if self.attention_backend != "auto":
             return self.attention_backend  # type: ignore[return-value]
-        cudnn_ok = (platform in ("gpu", "cuda") and self.compute_dtype == "bfloat16"
-                    and self.head_dim % 8 == 0 and self.head_dim <= 128)
+        cudnn_ok = (
+            platform in ("gpu", "cuda")
+            and self.compute_dtype == "bfloat16"
+            and self.head_dim % 8 == 0
+            and self.head_dim <= 128
+        )
         return "cudnn" if cudnn_ok else "xla"
 
 
@@ -330,22 +407,28 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
                 f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp})"
             )
     if model.query_groups % tp != 0:  # Megatron's rule: whole query groups per rank
-        raise ValueError(f"num_query_groups ({model.query_groups}) must be a multiple of "
-                         f"tensor_model_parallel_size ({tp})")
+        raise ValueError(
+            f"num_query_groups ({model.query_groups}) must be a multiple of "
+            f"tensor_model_parallel_size ({tp})"
+        )
     if model.num_layers % pp != 0:
         raise ValueError(
             f"num_layers ({model.num_layers}) must be divisible by "
             f"pipeline_model_parallel_size ({pp})"
         )
     if parallel.vocab_parallel_over_pipeline and model.vocab_size % (tp * pp) != 0:
-        raise ValueError(f"vocab_size ({model.vocab_size}) must be divisible by "
-                         f"tensor_model_parallel_size x pipeline_model_parallel_size "
-                         f"({tp} x {pp}) with vocab_parallel_over_pipeline")
+        raise ValueError(
+            f"vocab_size ({model.vocab_size}) must be divisible by "
+            f"tensor_model_parallel_size x pipeline_model_parallel_size "
+            f"({tp} x {pp}) with vocab_parallel_over_pipeline"
+        )
     v = parallel.num_model_chunks
     if (model.num_layers // pp) % v != 0:  # Megatron's wording (arguments.py)
-        raise ValueError(f"number of layers per pipeline stage ({model.num_layers // pp}) "
-                         "must be divisible by virtual_pipeline_model_parallel_size "
-                         f"({v})")
+        raise ValueError(
+            f"number of layers per pipeline stage ({model.num_layers // pp}) "
+            "must be divisible by virtual_pipeline_model_parallel_size "
+            f"({v})"
+        )
     if parallel.sequence_parallel and model.seq_length % tp != 0:
         raise ValueError(
             f"seq_length ({model.seq_length}) must be divisible by "
@@ -358,31 +441,45 @@ def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:
     ep = parallel.expert_model_parallel_size
     if model.num_moe_experts is None:
         if ep > 1:  # Megatron's wording (arguments.py)
-            raise ValueError(f"expert_model_parallel_size ({ep}) needs num_experts (experts "
-                             "to split); a dense model takes expert_model_parallel_size 1")
+            raise ValueError(
+                f"expert_model_parallel_size ({ep}) needs num_experts (experts "
+                "to split); a dense model takes expert_model_parallel_size 1"
+            )
         return
     if model.num_moe_experts % ep != 0:
-        raise ValueError(f"Number of experts ({model.num_moe_experts}) should be a multiple of "
-                         f"expert model parallel_size ({ep}).")
+        raise ValueError(
+            f"Number of experts ({model.num_moe_experts}) should be a multiple of "
+            f"expert model parallel_size ({ep})."
+        )
     tp, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
     if tp > 1 and not parallel.sequence_parallel:
-        raise ValueError("When using MoE and tensor parallelism, sequence parallelism must "
-                         "be used.")
+        raise ValueError(
+            "When using MoE and tensor parallelism, sequence parallelism must be used."
+        )
     if model.moe_ffn_hidden_size % etp != 0:
-        raise ValueError(f"moe_ffn_hidden_size ({model.moe_ffn_hidden_size}) must be "
-                         f"divisible by expert_tensor_parallel_size ({etp})")
+        raise ValueError(
+            f"moe_ffn_hidden_size ({model.moe_ffn_hidden_size}) must be "
+            f"divisible by expert_tensor_parallel_size ({etp})"
+        )
     shared = model.moe_shared_expert_intermediate_size
     if shared is not None and shared % tp != 0:
-        raise ValueError(f"moe_shared_expert_intermediate_size ({shared}) must be divisible "
-                         f"by tensor_model_parallel_size ({tp})")
-    per_stage = model.num_layers // (parallel.pipeline_model_parallel_size
-                                     * parallel.num_model_chunks)
+        raise ValueError(
+            f"moe_shared_expert_intermediate_size ({shared}) must be divisible "
+            f"by tensor_model_parallel_size ({tp})"
+        )
+    per_stage = model.num_layers // (
+        parallel.pipeline_model_parallel_size * parallel.num_model_chunks
+    )
     if per_stage % model.moe_layer_freq != 0:
         where = "virtual pipeline stage" if parallel.num_model_chunks > 1 else "pipeline stage"
-        raise ValueError(f"layers per {where} ({per_stage}) must be divisible by "
-                         f"moe_layer_freq ({model.moe_layer_freq}) so that every stage has "
-                         "the same pattern of MoE and dense layers")
+        raise ValueError(
+            f"layers per {where} ({per_stage}) must be divisible by "
+            f"moe_layer_freq ({model.moe_layer_freq}) so that every stage has "
+            "the same pattern of MoE and dense layers"
+        )
     if model.moe_grouped_gemm and not parallel.gradient_accumulation_fusion:
-        raise ValueError("moe_grouped_gemm needs gradient_accumulation_fusion: it selects the "
-                         "grouped fused wgrad into the gradient bucket (without fusion the "
-                         "expert weight gradients are XLA's batched einsum either way)")
+        raise ValueError(
+            "moe_grouped_gemm needs gradient_accumulation_fusion: it selects the "
+            "grouped fused wgrad into the gradient bucket (without fusion the "
+            "expert weight gradients are XLA's batched einsum either way)"
+        )

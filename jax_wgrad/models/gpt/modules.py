@@ -53,14 +53,21 @@ class MoEExperts(nnx.Module):
         e, h = cfg.num_moe_experts // ep_size, cfg.hidden_size
         f = cfg.moe_ffn_hidden_size // etp_size
         split = etp_size > 1
-        facts = lambda f_axis: param_facts(f_axis if split else None, weight_decay=True,
-                                           fused_wgrad=cfg.moe_grouped_gemm, expert_axis=0)
+        facts = lambda f_axis: param_facts(
+            f_axis if split else None,
+            weight_decay=True,
+            fused_wgrad=cfg.moe_grouped_gemm,
+            expert_axis=0,
+        )
         out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
         fc1 = (e, 2, f, h) if cfg.swiglu else (e, f, h)
-        self.fc1 = nnx.Param(cfg.init_method_std * jax.random.normal(
-            rngs.params(), fc1, jnp.float32), **facts(len(fc1) - 2))
-        self.fc2 = nnx.Param(out_std * jax.random.normal(rngs.params(), (e, h, f), jnp.float32),
-                             **facts(2))
+        self.fc1 = nnx.Param(
+            cfg.init_method_std * jax.random.normal(rngs.params(), fc1, jnp.float32),
+            **facts(len(fc1) - 2),
+        )
+        self.fc2 = nnx.Param(
+            out_std * jax.random.normal(rngs.params(), (e, h, f), jnp.float32), **facts(2)
+        )
 
 
 class SharedExpertMLP(nnx.Module):
@@ -72,13 +79,20 @@ class SharedExpertMLP(nnx.Module):
         h, f = cfg.hidden_size, cfg.moe_shared_expert_intermediate_size
         out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
         self.swiglu = cfg.swiglu
-        self.fc1 = ColumnParallelLinear(h, f, use_bias=cfg.add_bias_linear, gated=cfg.swiglu,
-                                        init_std=cfg.init_method_std, rngs=rngs, **common)
-        self.fc2 = RowParallelLinear(f, h, use_bias=cfg.add_bias_linear, init_std=out_std,
-                                     rngs=rngs, **common)
+        self.fc1 = ColumnParallelLinear(
+            h,
+            f,
+            use_bias=cfg.add_bias_linear,
+            gated=cfg.swiglu,
+            init_std=cfg.init_method_std,
+            rngs=rngs,
+            **common,
+        )
+        self.fc2 = RowParallelLinear(
+            f, h, use_bias=cfg.add_bias_linear, init_std=out_std, rngs=rngs, **common
+        )
 
-    def __call__(self, x: jax.Array, *, main_grads: Mapping[str, Any] | None = None
-                 ) -> jax.Array:
+    def __call__(self, x: jax.Array, *, main_grads: Mapping[str, Any] | None = None) -> jax.Array:
         """``[b, s(/tp), H]`` -> same shape; ``main_grads`` as for :class:`TransformerLayer`."""
         return _mlp(self, x, main_grads or {})
 
@@ -128,30 +142,46 @@ class TransformerLayer(nnx.Module):
         self.groups, self.per_group = groups // tp_size, heads // groups
         self.head_dim = d
         self.attention = attention
-        self.rope = (cfg.rotary_base, cfg.rotary_percent) \
-            if cfg.position_embedding_type == "rope" else None
+        self.rope = (
+            (cfg.rotary_base, cfg.rotary_percent) if cfg.position_embedding_type == "rope" else None
+        )
         self.swiglu = cfg.swiglu
         self.ln1 = norm(h)
         # Megatron's GQA layout: per query group its query heads, then its key and value head.
-        self.qkv = ColumnParallelLinear(h, groups * (self.per_group + 2) * d,
-                                        use_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
-                                        init_std=cfg.init_method_std, rngs=rngs, **common)
+        self.qkv = ColumnParallelLinear(
+            h,
+            groups * (self.per_group + 2) * d,
+            use_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+            init_std=cfg.init_method_std,
+            rngs=rngs,
+            **common,
+        )
         if cfg.qk_layernorm:
             self.q_norm, self.k_norm = norm(d), norm(d)
-        self.proj = RowParallelLinear(heads * d, h, use_bias=cfg.add_bias_linear,
-                                      init_std=out_std, rngs=rngs, **common)
+        self.proj = RowParallelLinear(
+            heads * d, h, use_bias=cfg.add_bias_linear, init_std=out_std, rngs=rngs, **common
+        )
         self.ln2 = norm(h)
         self.moe = cfg.moe_config() if moe else None
         if self.moe is None:
-            self.fc1 = ColumnParallelLinear(h, f, use_bias=cfg.add_bias_linear,
-                                            gated=cfg.swiglu, init_std=cfg.init_method_std,
-                                            rngs=rngs, **common)
-            self.fc2 = RowParallelLinear(f, h, use_bias=cfg.add_bias_linear, init_std=out_std,
-                                         rngs=rngs, **common)
+            self.fc1 = ColumnParallelLinear(
+                h,
+                f,
+                use_bias=cfg.add_bias_linear,
+                gated=cfg.swiglu,
+                init_std=cfg.init_method_std,
+                rngs=rngs,
+                **common,
+            )
+            self.fc2 = RowParallelLinear(
+                f, h, use_bias=cfg.add_bias_linear, init_std=out_std, rngs=rngs, **common
+            )
             return
-        self.router = nnx.Param(cfg.init_method_std * jax.random.normal(
-            rngs.params(), (cfg.num_moe_experts, h), jnp.float32),
-            **param_facts(None, weight_decay=True))
+        self.router = nnx.Param(
+            cfg.init_method_std
+            * jax.random.normal(rngs.params(), (cfg.num_moe_experts, h), jnp.float32),
+            **param_facts(None, weight_decay=True),
+        )
         self.experts = MoEExperts(cfg, ep_size=ep_size, etp_size=etp_size, rngs=rngs)
         if cfg.moe_shared_expert_intermediate_size is not None:
             self.shared_expert = SharedExpertMLP(cfg, common=common, rngs=rngs)
@@ -160,7 +190,10 @@ class TransformerLayer(nnx.Module):
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
     def __call__(
-        self, x: jax.Array, *, main_grads: Mapping[str, Any] | None = None,
+        self,
+        x: jax.Array,
+        *,
+        main_grads: Mapping[str, Any] | None = None,
         moe_stats: list | None = None,
     ) -> jax.Array:
         """``x``: ``[b, s(/tp), H]`` -> same shape.
@@ -175,8 +208,7 @@ class TransformerLayer(nnx.Module):
         mg = main_grads or {}
         weight = lambda name: (mg.get(name) or {}).get("weight")
         with jax.named_scope("attention"):
-            x = x + self.proj(self._attention(self.ln1(x), weight("qkv")),
-                              main_grad=weight("proj"))
+            x = x + self.proj(self._attention(self.ln1(x), weight("qkv")), main_grad=weight("proj"))
         if self.moe is not None:
             experts = mg.get("experts") or {}
             slots = (experts.get("fc1"), experts.get("fc2"))
@@ -214,13 +246,20 @@ class TransformerLayer(nnx.Module):
         weighted by the microbatch's token count (:func:`attach_aux_loss`)."""
         b, s, hid = h.shape
         with jax.named_scope("moe"):
-            params = {"router": self.router[...], "fc1": self.experts.fc1[...],
-                      "fc2": self.experts.fc2[...]}
-            y, stats = moe_mlp(params, h.reshape(b * s, hid), self.moe,
-                               expert_axis=EXPERT if self.ep_size > 1 else None,
-                               expert_tensor_axis=TENSOR if self.etp_size > 1 else None,
-                               sequence_axis=TENSOR if self.sequence_parallel else None,
-                               main_grads=main_grads)
+            params = {
+                "router": self.router[...],
+                "fc1": self.experts.fc1[...],
+                "fc2": self.experts.fc2[...],
+            }
+            y, stats = moe_mlp(
+                params,
+                h.reshape(b * s, hid),
+                self.moe,
+                expert_axis=EXPERT if self.ep_size > 1 else None,
+                expert_tensor_axis=TENSOR if self.etp_size > 1 else None,
+                sequence_axis=TENSOR if self.sequence_parallel else None,
+                main_grads=main_grads,
+            )
             if moe_stats is not None:
                 moe_stats.append(stats)
             tokens = b * s * (self.tp_size if self.sequence_parallel else 1)
@@ -301,8 +340,9 @@ class GPTHead(nnx.Module):
         self.tp_size = tp_size
         self.axis_name = axis_name
         self.vocab_pipeline_size = vocab_pipeline_size
-        self.final_norm = make_norm(cfg.normalization, cfg.hidden_size,
-                                    epsilon=cfg.layernorm_epsilon)
+        self.final_norm = make_norm(
+            cfg.normalization, cfg.hidden_size, epsilon=cfg.layernorm_epsilon
+        )
         self.output = ColumnParallelLinear(
             cfg.hidden_size,
             cfg.vocab_size // vocab_pipeline_size,
@@ -336,10 +376,10 @@ class GPTHead(nnx.Module):
         with jax.named_scope("output_layer"):
             logits = self.output(self.final_norm(x), weight, main_grad=main_grad)
         with jax.named_scope("cross_entropy"):
-            losses = vocab_parallel_cross_entropy(logits, labels, tp_size=shards,
-                                                  axis_name=axes)
+            losses = vocab_parallel_cross_entropy(logits, labels, tp_size=shards, axis_name=axes)
         if not with_lse:
             return jnp.sum(losses)
-        lse = vocab_parallel_logsumexp(jax.lax.stop_gradient(logits), shards,
-                                       axes)  # kept, never differentiated
+        lse = vocab_parallel_logsumexp(
+            jax.lax.stop_gradient(logits), shards, axes
+        )  # kept, never differentiated
         return jnp.sum(losses), lse

@@ -85,20 +85,22 @@ def registration_order(make: Callable[[], nnx.Module]) -> Order:
 def _order(node: Any) -> Order | None:
     if isinstance(node, nnx.Variable):
         return None
-    return {k: _order(v) for k, v in vars(node).items()
-            if isinstance(v, (nnx.Module, nnx.Variable))}
+    return {
+        k: _order(v) for k, v in vars(node).items() if isinstance(v, (nnx.Module, nnx.Variable))
+    }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module_orders(cfg: GPTConfig) -> dict[str, Order]:
     """Registration order of the GPT's modules: ``embedding``, ``layer``, ``moe_layer``
     (an MoE model) and ``head``."""
     rngs = lambda: nnx.Rngs(0)
-    out = {"embedding": registration_order(lambda: GPTEmbedding(cfg, rngs=rngs())),
-           "layer": registration_order(lambda: TransformerLayer(cfg, rngs=rngs()))}
+    out = {
+        "embedding": registration_order(lambda: GPTEmbedding(cfg, rngs=rngs())),
+        "layer": registration_order(lambda: TransformerLayer(cfg, rngs=rngs())),
+    }
     if cfg.num_moe_experts is not None:
-        out["moe_layer"] = registration_order(
-            lambda: TransformerLayer(cfg, moe=True, rngs=rngs()))
+        out["moe_layer"] = registration_order(lambda: TransformerLayer(cfg, moe=True, rngs=rngs()))
     out["head"] = registration_order(lambda: GPTHead(cfg, rngs=rngs()))
     return out
 
@@ -113,11 +115,14 @@ def forward_order(tree: Mapping[str, Any], order: Order) -> collections.OrderedD
     """
     unknown = [k for k in tree if k not in order]
     if unknown:
-        raise ValueError(f"forward_order: parameters {unknown} are not in the module's "
-                         f"structure {list(order)}")
+        raise ValueError(
+            f"forward_order: parameters {unknown} are not in the module's structure {list(order)}"
+        )
     return collections.OrderedDict(
         (k, forward_order(tree[k], order[k]) if isinstance(tree[k], Mapping) else tree[k])
-        for k in order if k in tree)
+        for k in order
+        if k in tree
+    )
 
 
 def from_forward_order(tree: Mapping[str, Any]) -> Params:
@@ -141,7 +146,7 @@ def period_pattern(cfg: GPTConfig) -> tuple[bool, ...]:
     model's period is one dense layer; an MoE model's is ``moe_layer_freq`` layers, the
     first one MoE (Megatron's pattern). Every stage holds whole periods
     (``GPTConfig``'s checks)."""
-    return cfg.moe_layer_pattern[:cfg.moe_layer_freq if cfg.num_moe_experts else 1]
+    return cfg.moe_layer_pattern[: cfg.moe_layer_freq if cfg.num_moe_experts else 1]
 
 
 def _position(a, count: int, k: int):
@@ -164,8 +169,10 @@ def _interleave(arrays: list) -> Any:
 
 def _shared(embedding: Any, head: Any, orders: dict[str, Order]) -> collections.OrderedDict:
     """The shared tree: the embedding (first in forward order), then the head."""
-    return collections.OrderedDict(embedding=forward_order(embedding, orders["embedding"]),
-                                   head=forward_order(head, orders["head"]))
+    return collections.OrderedDict(
+        embedding=forward_order(embedding, orders["embedding"]),
+        head=forward_order(head, orders["head"]),
+    )
 
 
 def device_tree(params: Params, cfg: GPTConfig) -> DeviceTree:
@@ -189,8 +196,9 @@ def device_tree(params: Params, cfg: GPTConfig) -> DeviceTree:
         else:
             order = orders["layer"]
         stage.append(forward_order(p, order))
-    return Chunks(stage=stage, experts=experts,
-                  shared=_shared(params["embedding"], params["head"], orders))
+    return Chunks(
+        stage=stage, experts=experts, shared=_shared(params["embedding"], params["head"], orders)
+    )
 
 
 def canonical_tree(tree: DeviceTree, cfg: GPTConfig) -> Params:
@@ -247,14 +255,24 @@ def init_params(cfg: GPTConfig, seed: int) -> Params:
     return jax.tree.map(lambda a: a.astype(dtype), out)
 
 
-def abstract_modules(cfg: GPTConfig, tp: int = 1, sp: bool = False, attention: str = "xla",
-                     ep: int = 1, vocab_pp: int = 1, etp: int = 1):
+def abstract_modules(
+    cfg: GPTConfig,
+    tp: int = 1,
+    sp: bool = False,
+    attention: str = "xla",
+    ep: int = 1,
+    vocab_pp: int = 1,
+    etp: int = 1,
+):
     """``(embedding, dense layer, MoE layer or None, head)`` modules of the layout, shapes
     only (no arrays); ``vocab_pp``: the pipeline stages the vocabulary is split over;
     ``etp``: the expert-tensor-parallel size."""
     kw = dict(tp_size=tp, sequence_parallel=sp)
-    layer = lambda moe: nnx.eval_shape(lambda: TransformerLayer(
-        cfg, **kw, attention=attention, moe=moe, ep_size=ep, etp_size=etp, rngs=nnx.Rngs(0)))
+    layer = lambda moe: nnx.eval_shape(
+        lambda: TransformerLayer(
+            cfg, **kw, attention=attention, moe=moe, ep_size=ep, etp_size=etp, rngs=nnx.Rngs(0)
+        )
+    )
     ends = dict(kw, vocab_pipeline_size=vocab_pp)
     return (
         nnx.eval_shape(lambda: GPTEmbedding(cfg, **ends, rngs=nnx.Rngs(0))),
@@ -300,10 +318,13 @@ def param_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1)
 def _grad_spec(v: nnx.Variable, chunk: str, roles: set[str], fused_in: str | None) -> GradSpec:
     """A parameter's spec from its metadata (:mod:`jax_wgrad.nn.facts`) and its place."""
     facts = v.get_metadata()
-    return GradSpec(chunk=chunk, roles=frozenset(roles),
-                    fused_in=fused_in if facts.get("fused_wgrad") else None,
-                    tensor_replicated=facts.get("tensor_axis") is None,
-                    weight_decay=bool(facts.get("weight_decay")))
+    return GradSpec(
+        chunk=chunk,
+        roles=frozenset(roles),
+        fused_in=fused_in if facts.get("fused_wgrad") else None,
+        tensor_replicated=facts.get("tensor_axis") is None,
+        weight_decay=bool(facts.get("weight_decay")),
+    )
 
 
 def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) -> DeviceTree:
@@ -313,8 +334,9 @@ def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) 
     embedding and head in the shared chunk, the embedding produced by :data:`INPUT`, the
     head by :data:`OUTPUT`; a tied word embedding by both, fused in :data:`OUTPUT` (it is
     the output layer's weight)."""
-    emb, layer, moe_layer, head = (None if m is None else nnx.split(m)[1]
-                                   for m in abstract_modules(cfg, etp=etp))
+    emb, layer, moe_layer, head = (
+        None if m is None else nnx.split(m)[1] for m in abstract_modules(cfg, etp=etp)
+    )
     orders = module_orders(cfg)
     tied = not cfg.untie_embeddings_and_output_weights
     layer_spec = _walk(layer, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS))
@@ -324,21 +346,30 @@ def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) 
             layer_specs.append(forward_order(layer_spec, orders["layer"]))
             continue
         spec = {k: v for k, v in moe_layer.items() if k != "experts"}
-        layer_specs.append(forward_order(
-            _walk(spec, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS)), orders["moe_layer"]))
-        expert_specs.append(forward_order(
-            _walk(moe_layer["experts"], lambda v: _grad_spec(v, EXPERTS, {LAYERS}, LAYERS)),
-            orders["moe_layer"]["experts"]))
+        layer_specs.append(
+            forward_order(
+                _walk(spec, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS)), orders["moe_layer"]
+            )
+        )
+        expert_specs.append(
+            forward_order(
+                _walk(moe_layer["experts"], lambda v: _grad_spec(v, EXPERTS, {LAYERS}, LAYERS)),
+                orders["moe_layer"]["experts"],
+            )
+        )
     word = _grad_spec(emb["word"]["embedding"], SHARED, {INPUT}, None)
     word = dataclasses.replace(word, pipeline_sharded=vocab_over_pipeline)
     if tied:  # the output layer's weight IS the word embedding: also OUTPUT's, fused there
-        word = dataclasses.replace(word, roles=frozenset({INPUT, OUTPUT}), fused_in=OUTPUT,
-                                   tied_embedding=True)
+        word = dataclasses.replace(
+            word, roles=frozenset({INPUT, OUTPUT}), fused_in=OUTPUT, tied_embedding=True
+        )
     emb_spec = _walk(emb, lambda v: _grad_spec(v, SHARED, {INPUT}, None))
     emb_spec["word"]["embedding"] = word
     head_spec = _walk(head, lambda v: _grad_spec(v, SHARED, {OUTPUT}, OUTPUT))
     if "weight" in head_spec.get("output", {}):  # untied
         head_spec["output"]["weight"] = dataclasses.replace(
-            head_spec["output"]["weight"], pipeline_sharded=vocab_over_pipeline)
-    return Chunks(stage=layer_specs, experts=expert_specs,
-                  shared=_shared(emb_spec, head_spec, orders))
+            head_spec["output"]["weight"], pipeline_sharded=vocab_over_pipeline
+        )
+    return Chunks(
+        stage=layer_specs, experts=expert_specs, shared=_shared(emb_spec, head_spec, orders)
+    )

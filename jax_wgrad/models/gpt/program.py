@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+import jax_wgrad.parallel.pipeline.virtual as virtual
 from jax_wgrad.functional.cross_entropy import recompute_dy
 from jax_wgrad.functional.moe import MoEStats
 from jax_wgrad.functional.recompute import LayerRecompute
@@ -27,10 +28,9 @@ from jax_wgrad.models.gpt.params import (
     param_specs,
     period_pattern,
 )
-from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.nn.tensor_parallel import vocab_axes
+from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import AXES, TENSOR
-import jax_wgrad.parallel.pipeline.virtual as virtual
 from jax_wgrad.parallel.pipeline.setup import StageSetup
 
 __all__ = ["GPTProgram"]
@@ -62,17 +62,30 @@ class GPTProgram:
         if self.platform is None:
             object.__setattr__(self, "platform", jax.default_backend())
         emb, layer, moe_layer, head = abstract_modules(
-            self.model, self.parallel.tensor_model_parallel_size, self.parallel.sequence_parallel,
+            self.model,
+            self.parallel.tensor_model_parallel_size,
+            self.parallel.sequence_parallel,
             self.model.attention_implementation(self.platform),
-            self.parallel.expert_model_parallel_size, self._vocab_pp, self._etp)
+            self.parallel.expert_model_parallel_size,
+            self._vocab_pp,
+            self._etp,
+        )
         object.__setattr__(self, "_emb_def", nnx.split(emb)[0])
         object.__setattr__(self, "_layer_def", nnx.split(layer)[0])
-        object.__setattr__(self, "_moe_layer_def",
-                           None if moe_layer is None else nnx.split(moe_layer)[0])
+        object.__setattr__(
+            self, "_moe_layer_def", None if moe_layer is None else nnx.split(moe_layer)[0]
+        )
         object.__setattr__(self, "_head_def", nnx.split(head)[0])
-        object.__setattr__(self, "setup", StageSetup.create(
-            self.parallel, seq_length=self.model.seq_length,
-            hidden_size=self.model.hidden_size, dtype=self.model.compute_dtype))
+        object.__setattr__(
+            self,
+            "setup",
+            StageSetup.create(
+                self.parallel,
+                seq_length=self.model.seq_length,
+                hidden_size=self.model.hidden_size,
+                dtype=self.model.compute_dtype,
+            ),
+        )
 
     @property
     def tied(self) -> bool:
@@ -86,11 +99,14 @@ class GPTProgram:
         par, k = self.parallel, len(self.period)
         n = par.recompute_num_layers
         if n is not None and n % k:
-            raise ValueError(f"recompute_num_layers ({n}) must be a multiple of the "
-                             f"{k} layers of the repeating MoE layer pattern "
-                             f"(moe_layer_freq): the layer scan recomputes whole periods")
-        return LayerRecompute(par.recompute_granularity, par.recompute_method,
-                              None if n is None else n // k)
+            raise ValueError(
+                f"recompute_num_layers ({n}) must be a multiple of the "
+                f"{k} layers of the repeating MoE layer pattern "
+                f"(moe_layer_freq): the layer scan recomputes whole periods"
+            )
+        return LayerRecompute(
+            par.recompute_granularity, par.recompute_method, None if n is None else n // k
+        )
 
     @property
     def period(self) -> tuple[bool, ...]:
@@ -152,8 +168,9 @@ class GPTProgram:
 
     def canonical_tree(self, tree: DeviceTree) -> Params:
         """Inverse of :meth:`device_tree`."""
-        return virtual.local_chunks(canonical_tree(tree, self.model), self.canonical_specs(),
-                                    self._chunks)
+        return virtual.local_chunks(
+            canonical_tree(tree, self.model), self.canonical_specs(), self._chunks
+        )
 
     def grad_specs(self) -> DeviceTree:
         """:class:`~jax_wgrad.grads.GradSpec` of every leaf of the device tree."""
@@ -166,8 +183,13 @@ class GPTProgram:
         emb = nnx.merge(self._emb_def, from_forward_order(params.shared["embedding"]))
         return emb(batch[:, :-1]), ()
 
-    def body(self, params: DeviceTree, main_grads: DeviceTree | None, x: jax.Array,
-             layers: Window | None = None):
+    def body(
+        self,
+        params: DeviceTree,
+        main_grads: DeviceTree | None,
+        x: jax.Array,
+        layers: Window | None = None,
+    ):
         """This stage's ``L / P`` layers in order (with ``layers``: model chunk
         ``layers.index``'s ``L / (P V)`` of them), as one ``lax.scan`` over its periods of
         layers (:func:`~jax_wgrad.functional.scan_layers`; compile time flat in the
@@ -175,16 +197,25 @@ class GPTProgram:
         model). ``main_grads``: slots of the stacked weights (the linears' weights; an MoE
         layer's two expert weights), each layer's block found at its traced offset."""
         stacked = {"stage": params.stage, "experts": params.experts}
-        grads = None if main_grads is None else {"stage": main_grads.stage,
-                                                 "experts": main_grads.experts}
+        grads = (
+            None
+            if main_grads is None
+            else {"stage": main_grads.stage, "experts": main_grads.experts}
+        )
         rows = None
         if layers is not None and layers.count > 1:
             per_chunk = jax.tree.leaves(params.stage)[0].shape[0] // layers.count
             rows = (layers.index * per_chunk, per_chunk)
         with jax.named_scope("transformer_layers"):
-            y, stats = scan_layers(self._period, x, stacked, grads,
-                                   unroll=self.model.layer_scan_unroll, rows=rows,
-                                   recompute=self._recompute)
+            y, stats = scan_layers(
+                self._period,
+                x,
+                stacked,
+                grads,
+                unroll=self.model.layer_scan_unroll,
+                rows=rows,
+                recompute=self._recompute,
+            )
         if not self.moe:
             return y, ()
         return y, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
@@ -203,15 +234,18 @@ class GPTProgram:
                 if mg is not None:
                     mg["experts"] = next(expert_grads)
             x = nnx.merge(self._moe_layer_def if moe else self._layer_def, lp)(
-                x, main_grads=mg, moe_stats=stats)
+                x, main_grads=mg, moe_stats=stats
+            )
         if not self.moe:
             return x, ()
         total = self._stats_zeros()
         for st in stats:
             routed = jnp.sum(st.tokens_per_expert)
-            total = MoEStats(total.aux_loss + st.aux_loss,
-                             total.tokens_per_expert + st.tokens_per_expert,
-                             total.dropped_fraction + st.dropped_fraction * routed)
+            total = MoEStats(
+                total.aux_loss + st.aux_loss,
+                total.tokens_per_expert + st.tokens_per_expert,
+                total.dropped_fraction + st.dropped_fraction * routed,
+            )
         return x, total
 
     def _stats_zeros(self) -> MoEStats:
@@ -219,19 +253,30 @@ class GPTProgram:
         e = self.model.num_moe_experts
         return MoEStats(jnp.float32(0.0), jnp.zeros((e,), jnp.float32), jnp.float32(0.0))
 
-    def post(self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array,
-             batch: jax.Array):
+    def post(
+        self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array, batch: jax.Array
+    ):
         """Sum of the per-token losses of ``y`` ``[mb, s(/tp), H]`` against
         ``batch[:, 1:]``; the output layer's weight gets its slot (the word embedding's
         when tied)."""
         head = nnx.merge(self._head_def, from_forward_order(params.shared["head"]))
         mg = None
         if main_grads is not None:
-            mg = (main_grads.shared["embedding"]["word"]["embedding"] if self.tied
-                  else main_grads.shared["head"]["output"]["weight"])
-        with_lse = self.parallel.defer_mode == "recompute" and self.parallel.num_deferred_microbatches
-        out = head(y, batch[:, 1:], weight=self._output_weight(params), main_grad=mg,
-                   with_lse=bool(with_lse))
+            mg = (
+                main_grads.shared["embedding"]["word"]["embedding"]
+                if self.tied
+                else main_grads.shared["head"]["output"]["weight"]
+            )
+        with_lse = (
+            self.parallel.defer_mode == "recompute" and self.parallel.num_deferred_microbatches
+        )
+        out = head(
+            y,
+            batch[:, 1:],
+            weight=self._output_weight(params),
+            main_grad=mg,
+            with_lse=bool(with_lse),
+        )
         return out if with_lse else (out, ())
 
     def _output_weight(self, params: DeviceTree) -> jax.Array | None:
@@ -250,10 +295,12 @@ class GPTProgram:
         aux, tokens, dropped = (lax.psum(s, AXES) for s in aux_sum)
         routed = jnp.sum(tokens)
         par = self.parallel
-        return {"moe_aux_loss": aux / (par.data_parallel_size * par.num_microbatches),
-                "moe_tokens_per_expert": tokens,
-                "moe_max_load": jnp.max(tokens) / jnp.maximum(jnp.mean(tokens), 1.0),
-                "moe_dropped_fraction": dropped / jnp.maximum(routed, 1.0)}
+        return {
+            "moe_aux_loss": aux / (par.data_parallel_size * par.num_microbatches),
+            "moe_tokens_per_expert": tokens,
+            "moe_max_load": jnp.max(tokens) / jnp.maximum(jnp.mean(tokens), 1.0),
+            "moe_dropped_fraction": dropped / jnp.maximum(routed, 1.0),
+        }
 
     # -- deferred output-layer wgrad, recompute mode (Megatron's stash has no such mode)
 
@@ -267,5 +314,11 @@ class GPTProgram:
         extras (sliced to the same tokens): the cross entropy's gradient."""
         lse, labels = extras
         tp = self.parallel.tensor_model_parallel_size
-        return recompute_dy(x, weight, lse, labels, tp=tp * self._vocab_pp,
-                            axis_name=vocab_axes(TENSOR, tp, self._vocab_pp))
+        return recompute_dy(
+            x,
+            weight,
+            lse,
+            labels,
+            tp=tp * self._vocab_pp,
+            axis_name=vocab_axes(TENSOR, tp, self._vocab_pp),
+        )

@@ -45,26 +45,32 @@ class EndsMixin:
         """``(pre, post, pre backward)`` microbatch of this tick (-1: none): the first
         stage's ``F`` on chunk 0, the last stage's ``F`` on chunk ``V - 1``, the first
         stage's ``B`` on chunk 0 (``fwd``, ``bwd``: the rows' microbatches and chunks)."""
-        at = lambda row, stage, chunk: jnp.where((row[0][stage] >= 0) & (row[1][stage] == chunk),
-                                                  row[0][stage], -1)
+        at = lambda row, stage, chunk: jnp.where(
+            (row[0][stage] >= 0) & (row[1][stage] == chunk), row[0][stage], -1
+        )
         return at(fwd, 0, 0), at(fwd, self.pp - 1, self.v - 1), at(bwd, 0, 0)
 
     def spread_pre(self, m):
         """``pre`` of microbatch ``m`` on every stage (the first stage's input)."""
-        return lax.cond(m >= 0, lambda: self._pre_fn(self.params, None, self._batch(m))[0],
-                        lambda: self.act)
+        return lax.cond(
+            m >= 0, lambda: self._pre_fn(self.params, None, self._batch(m))[0], lambda: self.act
+        )
 
     def spread_post(self, c: PipelineCarry, m, y) -> PipelineCarry:
         """``post`` and its backward of microbatch ``m`` on every stage."""
-        return lax.cond(m >= 0, lambda c: self._post(c, y=y, batch=self._batch(m), f=m),
-                        lambda c: c, c)
+        return lax.cond(
+            m >= 0, lambda c: self._post(c, y=y, batch=self._batch(m), f=m), lambda c: c, c
+        )
 
     def spread_pre_backward(self, c: PipelineCarry, m, dx) -> PipelineCarry:
         """``pre``'s backward of microbatch ``m`` on every stage, seeded with the first
         stage's input gradient."""
         dx = jnp.where(self.is_first, dx, jnp.zeros((), dx.dtype))
-        return c.replace(grads=lax.cond(
-            m >= 0, lambda g: self._pre_backward(g, dx, self._batch(m)), lambda g: g, c.grads))
+        return c.replace(
+            grads=lax.cond(
+                m >= 0, lambda g: self._pre_backward(g, dx, self._batch(m)), lambda g: g, c.grads
+            )
+        )
 
     # ------------------------------------------------------------------ the ends
 
@@ -73,8 +79,13 @@ class EndsMixin:
         ends every stage: its loss counted and its gradient kept on the last stage)."""
         threaded = self._threaded(c)
         (loss, _), vjp, (inputs, _, aux) = jax.vjp(
-            functools.partial(self._post_fn, batch=batch), self.params, threaded,
-            self.post_probes, y, has_aux=True)
+            functools.partial(self._post_fn, batch=batch),
+            self.params,
+            threaded,
+            self.post_probes,
+            y,
+            has_aux=True,
+        )
         # Seeded with 1: gradients of the token-loss SUM (token scaling in finalize_grads).
         dparams, grads, dys, dh = vjp((jnp.float32(1.0), threaded))
         grads = c.grads if grads is None else grads
@@ -82,10 +93,11 @@ class EndsMixin:
         if self.spread:
             loss = jnp.where(self.is_last, loss, 0.0)
             slot = jnp.where(self.is_last, slot, self.v * self.depth[1])  # the spare slot
-        c = c.replace(grads=self.sink.add(grads, OUTPUT, dparams),
-                      loss_sum=c.loss_sum + loss,
-                      g_inbox=lax.dynamic_update_index_in_dim(
-                          c.g_inbox, dh.astype(c.g_inbox.dtype), slot, 0))
+        c = c.replace(
+            grads=self.sink.add(grads, OUTPUT, dparams),
+            loss_sum=c.loss_sum + loss,
+            g_inbox=lax.dynamic_update_index_in_dim(c.g_inbox, dh.astype(c.g_inbox.dtype), slot, 0),
+        )
         for e in self.sink.probed(OUTPUT):
             c = self._output_pair(c, e, inputs[e.name], dys[e.name], aux, batch, f)
         return c
@@ -93,6 +105,7 @@ class EndsMixin:
     def _output_pair(self, c: PipelineCarry, e: SinkEntry, x, dy, aux, batch, f):
         """The output layer's ``(x, dy)`` of microbatch ``f``: deferred to the drain,
         kept for its ``W`` task, or accumulated now (Megatron's deferral predicate)."""
+
         def now(c):
             if self.split and not self.spread:
                 pair = c.wstash[e.name]
@@ -114,8 +127,7 @@ class EndsMixin:
         return lax.cond(deferred.is_deferred(self.par, f), later, now, c)
 
     def _defer_items(self, x, dy, aux, batch) -> tuple[jax.Array, ...]:
-        return deferred.stash_items(self.par, x, dy,
-                                    lambda: self.program.defer_extras(aux, batch))
+        return deferred.stash_items(self.par, x, dy, lambda: self.program.defer_extras(aux, batch))
 
     def _pre_backward(self, grads: GradState, dx, batch) -> GradState:
         threaded = grads if self.fused else None
@@ -136,7 +148,12 @@ class EndsMixin:
             recompute = lambda x, extras: self.program.recompute_output_grad(x, extras, weight)
         with jax.named_scope("deferred_wgrad_drain"):
             bks = list(carry.grads[e.chunk])
-            bks[e.bucket] = deferred.drain(self.par, carry.deferred[e.name], bks[e.bucket],
-                                           e.offset, recompute,
-                                           active=self.is_last | self.spread)
+            bks[e.bucket] = deferred.drain(
+                self.par,
+                carry.deferred[e.name],
+                bks[e.bucket],
+                e.offset,
+                recompute,
+                active=self.is_last | self.spread,
+            )
             return carry.grads.replace(**{e.chunk: tuple(bks)})

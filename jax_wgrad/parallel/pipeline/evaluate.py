@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_wgrad.parallel.mesh import PIPELINE
-from jax_wgrad.parallel.pipeline.schedules import IDLE
 from jax_wgrad.grads.chunks import DeviceTree, Window
+from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline.program import StageProgram
+from jax_wgrad.parallel.pipeline.schedules import IDLE
 
 __all__ = ["forward_table", "eval_loss"]
 
@@ -63,14 +63,18 @@ def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> ja
             embed = (lambda: x_pre) if spread else (lambda: pre(f))
             if nv == 1:
                 return embed()
-            return lax.cond(v == 0, embed,
-                            lambda: lax.dynamic_index_in_dim(ring, clip(f), 0, keepdims=False))
+            return lax.cond(
+                v == 0, embed, lambda: lax.dynamic_index_in_dim(ring, clip(f), 0, keepdims=False)
+            )
 
         def forward(x_recv):
             x = lax.cond(stage == 0, first_input, lambda: x_recv)
             y, _ = program.body(params, None, x, layers=Window(v, nv) if nv > 1 else None)
-            loss = zero() if spread else lax.cond((stage == pp - 1) & (v == nv - 1),
-                                                  lambda: post(y, f), zero)
+            loss = (
+                zero()
+                if spread
+                else lax.cond((stage == pp - 1) & (v == nv - 1), lambda: post(y, f), zero)
+            )
             return y, loss
 
         y, loss = lax.cond(f >= 0, forward, lambda x: (act, jnp.float32(0.0)), x_recv)
@@ -82,9 +86,12 @@ def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> ja
         if nv > 1:  # the ring edge: the last stage's chunk v -> the first stage's v + 1
             sent = row[pp - 1]
             y_ring = lax.ppermute(y, PIPELINE, [(pp - 1, 0)])
-            ring = lax.cond((stage == 0) & (sent >= 0) & (v < nv - 1),
-                            lambda r: lax.dynamic_update_index_in_dim(r, y_ring, clip(sent), 0),
-                            lambda r: r, ring)
+            ring = lax.cond(
+                (stage == 0) & (sent >= 0) & (v < nv - 1),
+                lambda r: lax.dynamic_update_index_in_dim(r, y_ring, clip(sent), 0),
+                lambda r: r,
+                ring,
+            )
         return (x_recv, ring, loss_sum + loss), None
 
     table = forward_table(pp, m)

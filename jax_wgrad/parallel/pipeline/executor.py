@@ -75,9 +75,14 @@ def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
     return ddp.overlap_grad_reduce and num_stages > 1
 
 
-def stage_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
-                    table: ScheduleTable, params: DeviceTree, batch: jax.Array
-                    ) -> tuple[tuple[jax.Array, ...], jax.Array, Any]:
+def stage_gradients(
+    program: StageProgram,
+    sink: GradSink,
+    ddp: DDPConfig,
+    table: ScheduleTable,
+    params: DeviceTree,
+    batch: jax.Array,
+) -> tuple[tuple[jax.Array, ...], jax.Array, Any]:
     """Per-device body of the schedule (call inside ``shard_map`` over the mesh).
 
     Args:
@@ -101,8 +106,14 @@ def stage_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
     return sink.layout.concatenated(grads), carry.loss_sum, carry.aux_sum
 
 
-def initial_carry(program: StageProgram, sink: GradSink, ddp: DDPConfig, table: ScheduleTable,
-                  params: DeviceTree, batch: jax.Array) -> PipelineCarry:
+def initial_carry(
+    program: StageProgram,
+    sink: GradSink,
+    ddp: DDPConfig,
+    table: ScheduleTable,
+    params: DeviceTree,
+    batch: jax.Array,
+) -> PipelineCarry:
     """The carry :func:`stage_gradients` starts from (inside ``shard_map``)."""
     return _StageRun(program, sink, ddp, table, params, batch).init_carry()
 
@@ -111,20 +122,31 @@ class _StageRun(EndsMixin):
     """One device's run of a schedule: static context plus the tick's named steps (the
     pipeline's ends: :class:`~.ends.EndsMixin`)."""
 
-    def __init__(self, program: StageProgram, sink: GradSink, ddp: DDPConfig,
-                 table: ScheduleTable, params: DeviceTree, batch: jax.Array):
+    def __init__(
+        self,
+        program: StageProgram,
+        sink: GradSink,
+        ddp: DDPConfig,
+        table: ScheduleTable,
+        params: DeviceTree,
+        batch: jax.Array,
+    ):
         setup, par = program.setup, program.parallel
         self.program, self.sink, self.ddp, self.table, self.par = program, sink, ddp, table, par
         self.pp, self.m = setup.num_stages, setup.num_microbatches
         shape = (self.pp, self.m, par.num_model_chunks)
         if (table.num_stages, table.num_microbatches, table.num_chunks) != shape:
-            raise ValueError(f"stage_gradients: schedule {table.name!r} is for "
-                             f"{table.num_stages} stages x {table.num_microbatches} "
-                             f"microbatches x {table.num_chunks} model chunks, the program "
-                             f"has {' x '.join(map(str, shape))}")
+            raise ValueError(
+                f"stage_gradients: schedule {table.name!r} is for "
+                f"{table.num_stages} stages x {table.num_microbatches} "
+                f"microbatches x {table.num_chunks} model chunks, the program "
+                f"has {' x '.join(map(str, shape))}"
+            )
         if table.split_backward and not sink.layout.fusion:
-            raise ValueError(f"stage_gradients: schedule {table.name!r} splits the backward, "
-                             "which needs gradient accumulation fusion")
+            raise ValueError(
+                f"stage_gradients: schedule {table.name!r} splits the backward, "
+                "which needs gradient accumulation fusion"
+            )
         self.micro = setup.microbatches(batch, "stage_gradients")
         self.act = setup.zero_activation()
         self.params = params
@@ -142,18 +164,17 @@ class _StageRun(EndsMixin):
         zeros = sink.layout.zeros() if self.fused else None
         # Probed linears' inputs/outputs and aux: shapes learned by tracing, once.
         chunk0 = (params, zeros)
-        self.body_trace = jax.eval_shape(self._body_fn, (*chunk0, None, jnp.int32(0)),
-                                         self.act)[1]
-        self.post_trace = jax.eval_shape(self._post_fn, params, zeros, None, self.act,
-                                         self.micro[0])[1]
+        self.body_trace = jax.eval_shape(self._body_fn, (*chunk0, None, jnp.int32(0)), self.act)[1]
+        self.post_trace = jax.eval_shape(
+            self._post_fn, params, zeros, None, self.act, self.micro[0]
+        )[1]
         self.body_probes = zeros_of(self.body_trace[1])
         self.post_probes = zeros_of(self.post_trace[1])
-        self.store = ResidualStore.create(self._body_fn,
-                                          (*chunk0, self.body_probes, jnp.int32(0)), self.act,
-                                          has_aux=True)
+        self.store = ResidualStore.create(
+            self._body_fn, (*chunk0, self.body_probes, jnp.int32(0)), self.act, has_aux=True
+        )
         self.defer = sink.deferred
-        self.out_slots = (table.live_count(self.pp - 1, "F", "W", self.v - 1)
-                          if self.split else 0)
+        self.out_slots = table.live_count(self.pp - 1, "F", "W", self.v - 1) if self.split else 0
 
     # ------------------------------------------------------------------------ programs
 
@@ -193,31 +214,56 @@ class _StageRun(EndsMixin):
         if self.split:
             k = self.table.weight_slots
             for name in body_in:
-                wstash[name] = WPair(*(jnp.zeros((k, *s.shape), s.dtype)
-                                       for s in (body_in[name], body_out[name])))
+                wstash[name] = WPair(
+                    *(jnp.zeros((k, *s.shape), s.dtype) for s in (body_in[name], body_out[name]))
+                )
             for e in self.sink.probed(OUTPUT):
-                wstash[e.name] = WPair(*(jnp.zeros((self.out_slots, *s.shape), s.dtype)
-                                         for s in (post_in[e.name], post_out[e.name])))
+                wstash[e.name] = WPair(
+                    *(
+                        jnp.zeros((self.out_slots, *s.shape), s.dtype)
+                        for s in (post_in[e.name], post_out[e.name])
+                    )
+                )
         stash = {}
         if self.defer is not None:
-            shapes = jax.eval_shape(self._defer_items, post_in[self.defer.name],
-                                    post_out[self.defer.name], post_aux, self.micro[0])
+            shapes = jax.eval_shape(
+                self._defer_items,
+                post_in[self.defer.name],
+                post_out[self.defer.name],
+                post_aux,
+                self.micro[0],
+            )
             md = self.sink.num_deferred
             stash[self.defer.name] = tuple(jnp.zeros((md, *s.shape), s.dtype) for s in shapes)
         return PipelineCarry(
             grads=self.sink.layout.zeros(),
             residuals=self.store.buffers(self.table.num_slots),
-            x_inbox=inbox(self.depth[0]), g_inbox=inbox(self.depth[1]),
-            loss_sum=jnp.float32(0.0), aux_sum=zeros_of(body_aux),
-            wstash=wstash, deferred=stash)
+            x_inbox=inbox(self.depth[0]),
+            g_inbox=inbox(self.depth[1]),
+            loss_sum=jnp.float32(0.0),
+            aux_sum=zeros_of(body_aux),
+            wstash=wstash,
+            deferred=stash,
+        )
 
     def tick_inputs(self):
         """The scan's xs: per tick, its index and the table rows (``int32 [P]`` each):
         the microbatch and the model chunk of each task."""
         t = self.table
-        return (jnp.arange(t.num_ticks),
-                *(jnp.asarray(a) for a in (t.forward, t.backward, t.weight, t.forward_chunk,
-                                           t.backward_chunk, t.weight_chunk)))
+        return (
+            jnp.arange(t.num_ticks),
+            *(
+                jnp.asarray(a)
+                for a in (
+                    t.forward,
+                    t.backward,
+                    t.weight,
+                    t.forward_chunk,
+                    t.backward_chunk,
+                    t.weight_chunk,
+                )
+            ),
+        )
 
     def tick(self, c: PipelineCarry, xs) -> tuple[PipelineCarry, None]:
         t, fwd_row, bwd_row, w_row, fc_row, bc_row, wc_row = xs
@@ -227,8 +273,7 @@ class _StageRun(EndsMixin):
         ends = self.end_rows(fwd, bwd) if self.spread else None
         x_pre = self.spread_pre(ends[0]) if self.spread else self.act
         with jax.named_scope("forward"):
-            c, y = lax.cond(f >= 0, self.forward, lambda c, f, v, x: (c, self.act), c, f, fc,
-                            x_pre)
+            c, y = lax.cond(f >= 0, self.forward, lambda c, f, v, x: (c, self.act), c, f, fc, x_pre)
         if self.spread:
             c = self.spread_post(c, ends[1], y)
         with jax.named_scope("backward"):
@@ -250,19 +295,32 @@ class _StageRun(EndsMixin):
         """Sends and receives of the tick (:func:`~.transfer.exchange`)."""
         if self.pp == 1:
             return c
-        x_inbox, g_inbox = exchange((c.x_inbox, c.g_inbox), y, dx, fwd, bwd, stage=self.stage,
-                                    num_stages=self.pp, num_chunks=self.v, depth=self.depth)
+        x_inbox, g_inbox = exchange(
+            (c.x_inbox, c.g_inbox),
+            y,
+            dx,
+            fwd,
+            bwd,
+            stage=self.stage,
+            num_stages=self.pp,
+            num_chunks=self.v,
+            depth=self.depth,
+        )
         return c.replace(x_inbox=x_inbox, g_inbox=g_inbox)
 
     def cooldown(self, grads: GradState, t) -> GradState:
         """This stage's last gradient task is done: sync its buckets now (in the loop)."""
         with jax.named_scope("grad_sync_in_cooldown"):
-            def sync(own):
-                return (sync_stage_buckets(own[0], self.ddp, STAGE),
-                        sync_stage_buckets(own[1], self.ddp, EXPERTS))
 
-            stage, experts = lax.cond(t == self.last_tick[self.stage], sync, lambda own: own,
-                                      (grads.stage, grads.experts))
+            def sync(own):
+                return (
+                    sync_stage_buckets(own[0], self.ddp, STAGE),
+                    sync_stage_buckets(own[1], self.ddp, EXPERTS),
+                )
+
+            stage, experts = lax.cond(
+                t == self.last_tick[self.stage], sync, lambda own: own, (grads.stage, grads.experts)
+            )
             return grads.replace(stage=stage, experts=experts)
 
     # ------------------------------------------------------------------------ tasks
@@ -278,22 +336,30 @@ class _StageRun(EndsMixin):
     def forward(self, c: PipelineCarry, f, v, x_pre):
         batch = self._batch(f)
         received = lax.dynamic_index_in_dim(c.x_inbox, self._inbox(0, v, f), 0, keepdims=False)
-        pre = (lambda: x_pre) if self.spread else (
-            lambda: self._pre_fn(self.params, None, batch)[0])
+        pre = (
+            (lambda: x_pre) if self.spread else (lambda: self._pre_fn(self.params, None, batch)[0])
+        )
         x_in = lax.cond(self.is_first & (v == 0), pre, lambda: received)
         (y, _), (inputs, _, aux), residuals = self.store.forward(
-            c.residuals, self.res_slot[self.stage, v, f], self._live(c, v), x_in)
+            c.residuals, self.res_slot[self.stage, v, f], self._live(c, v), x_in
+        )
         wstash = dict(c.wstash)
         for name, x in inputs.items():
             wstash[name] = wstash[name]._replace(
-                x=put(wstash[name].x, x, self.w_slot[self.stage, v, f]))
-        c = c.replace(residuals=residuals, wstash=wstash,
-                      aux_sum=jax.tree.map(jnp.add, c.aux_sum, aux))
+                x=put(wstash[name].x, x, self.w_slot[self.stage, v, f])
+            )
+        c = c.replace(
+            residuals=residuals, wstash=wstash, aux_sum=jax.tree.map(jnp.add, c.aux_sum, aux)
+        )
         # The last virtual stage: loss and the head's backward now; its gradient for the
         # layers' output waits in the gradient inbox for this stage's B.
         if not self.spread:
-            c = lax.cond(self.is_last & (v == self.v - 1),
-                         functools.partial(self._post, y=y, batch=batch, f=f), lambda c: c, c)
+            c = lax.cond(
+                self.is_last & (v == self.v - 1),
+                functools.partial(self._post, y=y, batch=batch, f=f),
+                lambda c: c,
+                c,
+            )
         return c, y
 
     def backward(self, c: PipelineCarry, b, v):
@@ -305,11 +371,15 @@ class _StageRun(EndsMixin):
         wstash = dict(c.wstash)
         for name, d in dys.items():
             wstash[name] = wstash[name]._replace(
-                dy=put(wstash[name].dy, d, self.w_slot[self.stage, v, b]))
+                dy=put(wstash[name].dy, d, self.w_slot[self.stage, v, b])
+            )
         if not self.spread:
-            grads = lax.cond(self.is_first & (v == 0),
-                             lambda g: self._pre_backward(g, dx, self._batch(b)),
-                             lambda g: g, grads)
+            grads = lax.cond(
+                self.is_first & (v == 0),
+                lambda g: self._pre_backward(g, dx, self._batch(b)),
+                lambda g: g,
+                grads,
+            )
         return c.replace(grads=grads, wstash=wstash), dx
 
     def _threaded(self, c: PipelineCarry) -> GradState | None:
@@ -325,8 +395,9 @@ class _StageRun(EndsMixin):
 
         def output(grads):
             for e in self.sink.probed(OUTPUT):
-                acc = functools.partial(self._accumulate_pair, e=e, pair=c.wstash[e.name],
-                                        slot=w % self.out_slots)
+                acc = functools.partial(
+                    self._accumulate_pair, e=e, pair=c.wstash[e.name], slot=w % self.out_slots
+                )
                 if e.policy == "defer":  # a deferred microbatch is drained later
                     grads = lax.cond(deferred.is_deferred(self.par, w), lambda g: g, acc, grads)
                 else:
@@ -342,4 +413,3 @@ class _StageRun(EndsMixin):
         return self.sink.accumulate(grads, e, x, dy, window)
 
     # ------------------------------------------------------------------------ after
-

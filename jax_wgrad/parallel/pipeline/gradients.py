@@ -17,11 +17,17 @@ from jax_wgrad.grads.sink import GradSink
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, axis_sizes, local_shape
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry
 from jax_wgrad.parallel.pipeline.executor import cooldown_sync, initial_carry, stage_gradients
-from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
 from jax_wgrad.parallel.pipeline.program import StageProgram
+from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
 
-__all__ = ["grad_layout", "grad_sink", "schedule_of", "reduce_gradients", "carry_shapes",
-           "pipeline_gradients"]
+__all__ = [
+    "grad_layout",
+    "grad_sink",
+    "schedule_of",
+    "reduce_gradients",
+    "carry_shapes",
+    "pipeline_gradients",
+]
 
 
 def grad_layout(program: StageProgram, ddp: DDPConfig) -> GradLayout:
@@ -30,34 +36,56 @@ def grad_layout(program: StageProgram, ddp: DDPConfig) -> GradLayout:
     par = program.parallel
     sizes = axis_sizes(par)
     full = jax.eval_shape(program.init_params)
-    local = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(local_shape(a.shape, s, sizes), a.dtype),
-                         full, program.param_specs(), is_leaf=lambda x: isinstance(x, P))
-    return GradLayout.create(program.device_tree(local), program.grad_specs(),
-                             dp_size=par.data_parallel_size, ddp=ddp,
-                             fusion=par.gradient_accumulation_fusion,
-                             expert_dp_size=par.expert_data_parallel_size)
+    local = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(local_shape(a.shape, s, sizes), a.dtype),
+        full,
+        program.param_specs(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return GradLayout.create(
+        program.device_tree(local),
+        program.grad_specs(),
+        dp_size=par.data_parallel_size,
+        ddp=ddp,
+        fusion=par.gradient_accumulation_fusion,
+        expert_dp_size=par.expert_data_parallel_size,
+    )
 
 
 def grad_sink(program: StageProgram, layout: GradLayout, table: ScheduleTable) -> GradSink:
     """Where each weight gradient of ``program`` goes under ``table`` (split backward or
     not) and its deferral options."""
-    return GradSink.create(layout, split_backward=table.split_backward,
-                           num_deferred_microbatches=program.parallel.num_deferred_microbatches,
-                           split_output=not program.ends_over_pipeline)
+    return GradSink.create(
+        layout,
+        split_backward=table.split_backward,
+        num_deferred_microbatches=program.parallel.num_deferred_microbatches,
+        split_output=not program.ends_over_pipeline,
+    )
 
 
 def schedule_of(program: StageProgram) -> ScheduleTable:
     """The table of ``program.parallel.pipeline_schedule`` for its stages, microbatches and
     model chunks (interleaved when ``num_model_chunks > 1``)."""
     par = program.parallel
-    return get_schedule(par.pipeline_schedule, par.pipeline_model_parallel_size,
-                        par.num_microbatches, par.num_model_chunks,
-                        par.microbatch_group_size_per_vp_stage)
+    return get_schedule(
+        par.pipeline_schedule,
+        par.pipeline_model_parallel_size,
+        par.num_microbatches,
+        par.num_model_chunks,
+        par.microbatch_group_size_per_vp_stage,
+    )
 
 
-def reduce_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
-                     table: ScheduleTable, params: DeviceTree, batch: jax.Array, *,
-                     grad_hook=None):
+def reduce_gradients(
+    program: StageProgram,
+    sink: GradSink,
+    ddp: DDPConfig,
+    table: ScheduleTable,
+    params: DeviceTree,
+    batch: jax.Array,
+    *,
+    grad_hook=None,
+):
     """Schedule + finalization (inside ``shard_map``): ``(synced grads, mean loss,
     metrics)``.
 
@@ -73,30 +101,47 @@ def reduce_gradients(program: StageProgram, sink: GradSink, ddp: DDPConfig,
         buckets = tuple(grad_hook(buckets))
     setup = program.setup
     synced = finalize_grads(
-        sink.layout, ddp, buckets,
+        sink.layout,
+        ddp,
+        buckets,
         stage_synced=cooldown_sync(ddp, par.pipeline_model_parallel_size),
-        num_tokens=jnp.float32(setup.num_tokens), sequence_parallel=par.sequence_parallel,
-        pipeline_parallel=par.pipeline_model_parallel_size > 1)
+        num_tokens=jnp.float32(setup.num_tokens),
+        sequence_parallel=par.sequence_parallel,
+        pipeline_parallel=par.pipeline_model_parallel_size > 1,
+    )
     return synced, setup.mean_loss(loss_sum), program.metrics(aux)
 
 
-def carry_shapes(program: StageProgram, sink: GradSink, ddp: DDPConfig, table: ScheduleTable,
-                 mesh) -> PipelineCarry:
+def carry_shapes(
+    program: StageProgram, sink: GradSink, ddp: DDPConfig, table: ScheduleTable, mesh
+) -> PipelineCarry:
     """The per-device :class:`PipelineCarry` of ``jax.ShapeDtypeStruct`` leaves (what the
     schedule carries: buckets, residual slots, inboxes, W and deferral stashes), traced
     on ``mesh`` without running anything."""
+
     def per_device(params, batch):
         return initial_carry(program, sink, ddp, table, program.device_tree(params), batch)
 
     batch = program.setup.global_batch(program.parallel.data_parallel_size)
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(program.param_specs(),
-                                                        P(DATA_PARALLEL)),
-                       out_specs=P(), check_vma=False)
+    fn = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(program.param_specs(), P(DATA_PARALLEL)),
+        out_specs=P(),
+        check_vma=False,
+    )
     return jax.eval_shape(fn, jax.eval_shape(program.init_params), batch)
 
 
-def pipeline_gradients(program: StageProgram, mesh: Mesh, params, batch: jax.Array,
-                       ddp: DDPConfig | None = None, *, table: ScheduleTable | None = None):
+def pipeline_gradients(
+    program: StageProgram,
+    mesh: Mesh,
+    params,
+    batch: jax.Array,
+    ddp: DDPConfig | None = None,
+    *,
+    table: ScheduleTable | None = None,
+):
     """Gradients and mean loss of one global batch; traceable under ``jax.jit``.
 
     Args:
@@ -120,7 +165,7 @@ def pipeline_gradients(program: StageProgram, mesh: Mesh, params, batch: jax.Arr
         synced, loss, _ = reduce_gradients(program, sink, ddp, table, program.device_tree(p), t)
         return program.canonical_tree(layout.buffer.to_tree(synced)), loss
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA_PARALLEL)),
-                       out_specs=(specs, P()),
-                       check_vma=False)
+    fn = jax.shard_map(
+        body, mesh=mesh, in_specs=(specs, P(DATA_PARALLEL)), out_specs=(specs, P()), check_vma=False
+    )
     return fn(params, batch)

@@ -28,12 +28,12 @@ import numpy as np
 
 from jax_wgrad.parallel.pipeline.schedules import IDLE, ScheduleTable, source_of
 
-__all__ = ["interleaved_order", "interleaved_schedule", "virtual_microbatches",
-           "warmup_count"]
+__all__ = ["interleaved_order", "interleaved_schedule", "virtual_microbatches", "warmup_count"]
 
 
-def virtual_microbatches(num_microbatches: int, num_chunks: int,
-                         group_size: int) -> list[tuple[int, int]]:
+def virtual_microbatches(
+    num_microbatches: int, num_chunks: int, group_size: int
+) -> list[tuple[int, int]]:
     """Megatron's schedule table: ``(microbatch, chunk)`` of each forward, in order
     (the last group may be shorter)."""
     out = []
@@ -43,16 +43,19 @@ def virtual_microbatches(num_microbatches: int, num_chunks: int,
     return out
 
 
-def warmup_count(stage: int, num_stages: int, num_microbatches: int, num_chunks: int,
-                 group_size: int) -> int:
+def warmup_count(
+    stage: int, num_stages: int, num_microbatches: int, num_chunks: int, group_size: int
+) -> int:
     """Megatron's warm-up forwards on ``stage``: ``(P - s - 1) * 2 + (V - 1) * G``, at most
     ``M V``; the stage then holds at most one more microbatch-chunk."""
-    return min((num_stages - stage - 1) * 2 + (num_chunks - 1) * group_size,
-               num_microbatches * num_chunks)
+    return min(
+        (num_stages - stage - 1) * 2 + (num_chunks - 1) * group_size, num_microbatches * num_chunks
+    )
 
 
-def interleaved_order(stage: int, num_stages: int, num_microbatches: int, num_chunks: int,
-                      group_size: int) -> list[tuple[str, int, int]]:
+def interleaved_order(
+    stage: int, num_stages: int, num_microbatches: int, num_chunks: int, group_size: int
+) -> list[tuple[str, int, int]]:
     """Stage ``stage``'s ``("F" | "B", microbatch, chunk)`` tasks in Megatron's order."""
     table = virtual_microbatches(num_microbatches, num_chunks, group_size)
     total = len(table)
@@ -62,12 +65,17 @@ def interleaved_order(stage: int, num_stages: int, num_microbatches: int, num_ch
     order = fwd[:warmup]
     for k in range(total - warmup):
         order += [fwd[warmup + k], bwd[k]]
-    return order + bwd[total - warmup:]
+    return order + bwd[total - warmup :]
 
 
-def interleaved_schedule(num_stages: int, num_microbatches: int, num_chunks: int, *,
-                         group_size: int | None = None,
-                         split_backward: bool = False) -> ScheduleTable:
+def interleaved_schedule(
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int,
+    *,
+    group_size: int | None = None,
+    split_backward: bool = False,
+) -> ScheduleTable:
     """The interleaved table (module docstring).
 
     Raises:
@@ -76,20 +84,26 @@ def interleaved_schedule(num_stages: int, num_microbatches: int, num_chunks: int
     """
     p, m, v = num_stages, num_microbatches, num_chunks
     if v < 2:
-        raise ValueError(f"an interleaved schedule needs at least 2 model chunks per stage, "
-                         f"got {v}")
+        raise ValueError(
+            f"an interleaved schedule needs at least 2 model chunks per stage, got {v}"
+        )
     if p < 2:
-        raise ValueError("the interleaved schedule needs pipeline-model-parallel-size > 1, "
-                         f"got {p}")
+        raise ValueError(
+            f"the interleaved schedule needs pipeline-model-parallel-size > 1, got {p}"
+        )
     if group_size is None:
         if m % p != 0:
-            raise ValueError(f"number of microbatches ({m}) is not divisible by "
-                             f"pipeline-model-parallel-size ({p}) when using interleaved "
-                             "schedule")
+            raise ValueError(
+                f"number of microbatches ({m}) is not divisible by "
+                f"pipeline-model-parallel-size ({p}) when using interleaved "
+                "schedule"
+            )
         group_size = p
     if group_size < p:
-        raise ValueError(f"microbatch_group_size_per_vp_stage ({group_size}) must be at "
-                         f"least pipeline-model-parallel-size ({p})")
+        raise ValueError(
+            f"microbatch_group_size_per_vp_stage ({group_size}) must be at "
+            f"least pipeline-model-parallel-size ({p})"
+        )
     orders = [interleaved_order(s, p, m, v, group_size) for s in range(p)]
     bound = [warmup_count(s, p, m, v, group_size) + 1 for s in range(p)]
     rows = _run_orders(orders, p, m, v, split_backward, bound)
@@ -101,10 +115,17 @@ def interleaved_schedule(num_stages: int, num_microbatches: int, num_chunks: int
                 kind, mb, chunk = task
                 tables[kind][t, s], chunks[kind][t, s] = mb, chunk
     name = "interleaved-zb-h1" if split_backward else "interleaved-1f1b"
-    return ScheduleTable(name, tables["F"], tables["B"], tables["W"],
-                         split_backward=split_backward, num_chunks=v,
-                         forward_chunk=chunks["F"], backward_chunk=chunks["B"],
-                         weight_chunk=chunks["W"])
+    return ScheduleTable(
+        name,
+        tables["F"],
+        tables["B"],
+        tables["W"],
+        split_backward=split_backward,
+        num_chunks=v,
+        forward_chunk=chunks["F"],
+        backward_chunk=chunks["B"],
+        weight_chunk=chunks["W"],
+    )
 
 
 def _run_orders(orders, p: int, m: int, v: int, split_backward: bool, bound: list[int]):
@@ -131,8 +152,10 @@ def _run_orders(orders, p: int, m: int, v: int, split_backward: bool, bound: lis
             else:
                 row.append(None)
         if all(r is None for r in row):
-            raise RuntimeError(f"interleaved schedule: no stage can run anything at tick {t} "
-                               f"(next tasks {[o[n] if n < len(o) else None for o, n in zip(orders, nxt)]})")
+            raise RuntimeError(
+                f"interleaved schedule: no stage can run anything at tick {t} "
+                f"(next tasks {[o[n] if n < len(o) else None for o, n in zip(orders, nxt)]})"
+            )
         for s, task in enumerate(row):
             if task is None or task[0] == "W":
                 continue

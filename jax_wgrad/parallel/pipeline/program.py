@@ -56,12 +56,18 @@ class StageProgram(Protocol):
 
     # -- the stage programs
 
-    def pre(self, params: DeviceTree, main_grads: DeviceTree | None,
-            batch: jax.Array) -> tuple[jax.Array, PyTree]:
+    def pre(
+        self, params: DeviceTree, main_grads: DeviceTree | None, batch: jax.Array
+    ) -> tuple[jax.Array, PyTree]:
         """First stage: one microbatch ``[mb, ...]`` -> ``([mb, s(/tp), H], aux)``."""
 
-    def body(self, params: DeviceTree, main_grads: DeviceTree | None, x: jax.Array,
-             layers: Window | None = None) -> tuple[jax.Array, PyTree]:
+    def body(
+        self,
+        params: DeviceTree,
+        main_grads: DeviceTree | None,
+        x: jax.Array,
+        layers: Window | None = None,
+    ) -> tuple[jax.Array, PyTree]:
         """Every stage: ``[mb, s(/tp), H]`` -> ``(same shape, aux)``; with ``layers``
         (interleaved schedules, ``V > 1``) only model chunk ``layers.index``'s layers: rows
         ``[index n / V, (index + 1) n / V)`` of the stacked chunks' leaves
@@ -69,8 +75,9 @@ class StageProgram(Protocol):
         ``main_grads`` slots are the full stacks' blocks, their split probes ``[n / V, ...]``).
         A program that does not stack its layers runs only ``layers=None``."""
 
-    def post(self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array,
-             batch: jax.Array) -> tuple[jax.Array, PyTree]:
+    def post(
+        self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array, batch: jax.Array
+    ) -> tuple[jax.Array, PyTree]:
         """Last stage: ``(fp32 scalar sum of the microbatch's token losses, aux)``."""
 
     def metrics(self, aux_sum: PyTree) -> dict[str, jax.Array]:

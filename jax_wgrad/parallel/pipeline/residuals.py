@@ -58,8 +58,13 @@ class ResidualStore:
             return [x for x, k in zip(leaves, found["live"]) if k is None]
 
         shapes = jax.eval_shape(probe, live, *args)
-        return cls(fn, has_aux, found["treedef"], tuple(found["live"]),
-                   tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes))
+        return cls(
+            fn,
+            has_aux,
+            found["treedef"],
+            tuple(found["live"]),
+            tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes),
+        )
 
     @property
     def stored_bytes(self) -> int:
@@ -75,13 +80,14 @@ class ResidualStore:
         out = jax.vjp(self.fn, live, *args, has_aux=self.has_aux)
         leaves = jax.tree.leaves(out[1])
         stored = [x for x, k in zip(leaves, self.live_index) if k is None]
-        if (_live_index(leaves, live) != list(self.live_index)
-                or [(x.shape, x.dtype) for x in stored] != [(x.shape, x.dtype)
-                                                           for x in self.shapes]):
-            raise ValueError("ResidualStore.forward: the stage function's residuals differ "
-                             "from those the store was created for")
-        new = tuple(lax.dynamic_update_index_in_dim(b, x, slot, 0)
-                    for b, x in zip(buffers, stored))
+        if _live_index(leaves, live) != list(self.live_index) or [
+            (x.shape, x.dtype) for x in stored
+        ] != [(x.shape, x.dtype) for x in self.shapes]:
+            raise ValueError(
+                "ResidualStore.forward: the stage function's residuals differ "
+                "from those the store was created for"
+            )
+        new = tuple(lax.dynamic_update_index_in_dim(b, x, slot, 0) for b, x in zip(buffers, stored))
         return (out[0], out[2], new) if self.has_aux else (out[0], new)
 
     def pullback(self, buffers: Sequence[jax.Array], slot, live) -> Callable:

@@ -35,8 +35,16 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["IDLE", "ScheduleTable", "list_schedule", "source_of", "one_f_one_b", "zb_h1",
-           "SCHEDULES", "get_schedule"]
+__all__ = [
+    "IDLE",
+    "ScheduleTable",
+    "list_schedule",
+    "source_of",
+    "one_f_one_b",
+    "zb_h1",
+    "SCHEDULES",
+    "get_schedule",
+]
 
 IDLE = -1
 """Table entry of a stage that has no such task in a tick."""
@@ -77,8 +85,14 @@ class ScheduleTable:
         for field in ("forward_chunk", "backward_chunk", "weight_chunk"):
             if getattr(self, field) is None:
                 object.__setattr__(self, field, np.zeros_like(np.asarray(self.forward)))
-        for field in ("forward", "backward", "weight", "forward_chunk", "backward_chunk",
-                      "weight_chunk"):
+        for field in (
+            "forward",
+            "backward",
+            "weight",
+            "forward_chunk",
+            "backward_chunk",
+            "weight_chunk",
+        ):
             value = np.asarray(getattr(self, field), np.int32)
             value.setflags(write=False)
             object.__setattr__(self, field, value)
@@ -127,8 +141,9 @@ class ScheduleTable:
         """Tick of ``stage``'s last ``B`` or ``W`` (over its chunks): after it the stage's
         gradients are complete and its buckets can be synced (the cooldown sync)."""
         tasks = ("B", "W") if self.split_backward else ("B",)
-        return max(int(self.ticks(task, stage, v).max()) for task in tasks
-                   for v in range(self.num_chunks))
+        return max(
+            int(self.ticks(task, stage, v).max()) for task in tasks for v in range(self.num_chunks)
+        )
 
     def _live(self, stage: int, start: Task, end: Task, chunk: int) -> np.ndarray:
         """``[num_ticks]``: microbatches of ``(stage, chunk)`` between ``start`` and
@@ -157,8 +172,11 @@ class ScheduleTable:
         Megatron's bound, whatever order the chunks interleave in)."""
         out = np.zeros((self.num_stages, self.num_chunks, self.num_microbatches), np.int32)
         for s in range(self.num_stages):
-            spans = sorted((int(self.ticks(start, s, v)[m]), int(self.ticks(end, s, v)[m]), v, m)
-                           for v in range(self.num_chunks) for m in range(self.num_microbatches))
+            spans = sorted(
+                (int(self.ticks(start, s, v)[m]), int(self.ticks(end, s, v)[m]), v, m)
+                for v in range(self.num_chunks)
+                for m in range(self.num_microbatches)
+            )
             busy: dict[int, int] = {}  # slot -> last tick it is held
             for a, b, v, m in spans:
                 slot = next(k for k in range(len(busy) + 1) if busy.get(k, -1) < a)
@@ -203,16 +221,20 @@ class ScheduleTable:
         """``[num_ticks, num_stages]`` work per stage and tick. A ``B`` that also computes
         weight gradients (not ``split_backward``) costs ``cost_b + cost_w``."""
         b = cost_b if self.split_backward else cost_b + cost_w
-        return ((self.forward != IDLE) * cost_f + (self.backward != IDLE) * b
-                + (self.weight != IDLE) * cost_w)
+        return (
+            (self.forward != IDLE) * cost_f
+            + (self.backward != IDLE) * b
+            + (self.weight != IDLE) * cost_w
+        )
 
     def makespan(self, cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0) -> float:
         """Duration under lock-step ticks: each tick lasts as long as the busiest stage's
         work in it."""
         return float(self.work(cost_f, cost_b, cost_w).max(axis=1).sum())
 
-    def bubble_fraction(self, cost_f: float = 1.0, cost_b: float = 1.0,
-                        cost_w: float = 1.0) -> float:
+    def bubble_fraction(
+        self, cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0
+    ) -> float:
         """Share of stage-time spent idle: ``1 - busy / (P * makespan)``."""
         busy = self.work(cost_f, cost_b, cost_w).sum()
         return float(1.0 - busy / (self.num_stages * self.makespan(cost_f, cost_b, cost_w)))
@@ -221,50 +243,70 @@ class ScheduleTable:
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first rule (module docstring) it breaks."""
-        arrays = (self.forward, self.backward, self.weight, self.forward_chunk,
-                  self.backward_chunk, self.weight_chunk)
+        arrays = (
+            self.forward,
+            self.backward,
+            self.weight,
+            self.forward_chunk,
+            self.backward_chunk,
+            self.weight_chunk,
+        )
         shapes = {a.shape for a in arrays}
         if self.forward.ndim != 2 or len(shapes) != 1:
-            raise ValueError(f"schedule {self.name!r}: the task and chunk tables must be "
-                             f"[ticks, stages] of one shape, got {sorted(shapes)}")
+            raise ValueError(
+                f"schedule {self.name!r}: the task and chunk tables must be "
+                f"[ticks, stages] of one shape, got {sorted(shapes)}"
+            )
         if not self.split_backward and (self.weight != IDLE).any():
             raise ValueError(f"schedule {self.name!r}: W tasks need split_backward=True")
         v = self.num_chunks
         if any(((c < 0) | (c >= v)).any() for c in arrays[3:]):
-            raise ValueError(f"schedule {self.name!r}: chunk entries must be in "
-                             f"[0, {v}) (num_chunks={v})")
+            raise ValueError(
+                f"schedule {self.name!r}: chunk entries must be in [0, {v}) (num_chunks={v})"
+            )
         for s in range(self.num_stages):
             for chunk in range(v):
                 self._validate_stage(s, chunk)
 
     def _validate_stage(self, s: int, chunk: int) -> None:
-        m, where = self.num_microbatches, f"stage {s}" + (
-            f" chunk {chunk}" if self.num_chunks > 1 else "")
+        m, where = (
+            self.num_microbatches,
+            f"stage {s}" + (f" chunk {chunk}" if self.num_chunks > 1 else ""),
+        )
         tasks = ("F", "B", "W") if self.split_backward else ("F", "B")
         for task in tasks:
             col, chunks = self._table(task)[:, s], self.chunks(task)[:, s]
             order = col[(col != IDLE) & (chunks == chunk)].tolist()
             if order != list(range(m)):
-                raise ValueError(f"schedule {self.name!r}: {where} runs {task} of "
-                                 f"microbatches {order}, expected 0..{m - 1} in order")
+                raise ValueError(
+                    f"schedule {self.name!r}: {where} runs {task} of "
+                    f"microbatches {order}, expected 0..{m - 1} in order"
+                )
         f, b = self.ticks("F", s, chunk), self.ticks("B", s, chunk)
         if (b < f).any():
-            raise ValueError(f"schedule {self.name!r}: {where} runs B before F of "
-                             f"microbatch {int(np.argmax(b < f))}")
+            raise ValueError(
+                f"schedule {self.name!r}: {where} runs B before F of "
+                f"microbatch {int(np.argmax(b < f))}"
+            )
         if self.split_backward and (self.ticks("W", s, chunk) < b).any():
             raise ValueError(f"schedule {self.name!r}: {where} runs W before B")
         src = self.source("F", s, chunk)
         if src is not None and (f <= self.ticks("F", *src)).any():
-            raise ValueError(f"schedule {self.name!r}: {where} runs F before its input "
-                             "arrives from the previous stage")
+            raise ValueError(
+                f"schedule {self.name!r}: {where} runs F before its input "
+                "arrives from the previous stage"
+            )
         src = self.source("B", s, chunk)
         if src is not None and (b <= self.ticks("B", *src)).any():
-            raise ValueError(f"schedule {self.name!r}: {where} runs B before its "
-                             "gradient arrives from the next stage")
+            raise ValueError(
+                f"schedule {self.name!r}: {where} runs B before its "
+                "gradient arrives from the next stage"
+            )
 
 
-def source_of(task: Task, stage: int, chunk: int, num_stages: int,
-              num_chunks: int) -> tuple[int, int] | None:
+def source_of(
+    task: Task, stage: int, chunk: int, num_stages: int, num_chunks: int
+) -> tuple[int, int] | None:
     """The one rule of who feeds whom: virtual stage ``v P + s`` follows ``v P + s - 1``
     (the ring edge takes the last stage's chunk ``v`` to the first stage's chunk
     ``v + 1``); ``(stage, chunk)`` whose ``task`` sends this one's input, or ``None`` at
@@ -275,8 +317,9 @@ def source_of(task: Task, stage: int, chunk: int, num_stages: int,
     return virtual % num_stages, virtual // num_stages
 
 
-def list_schedule(name: str, num_stages: int, num_microbatches: int, *,
-                  split_backward: bool) -> ScheduleTable:
+def list_schedule(
+    name: str, num_stages: int, num_microbatches: int, *, split_backward: bool
+) -> ScheduleTable:
     """Builds a table tick by tick; each stage runs ONE task per tick, chosen in this order:
     its next ``B`` if the gradient for it has arrived (on the last stage: its ``F`` ran),
     else its next ``F`` if the input has arrived and fewer than ``P - s`` microbatches are
@@ -292,11 +335,11 @@ def list_schedule(name: str, num_stages: int, num_microbatches: int, *,
         row: list[tuple[str, int] | None] = []
         for s in range(p):
             b, f = count["B"][s], count["F"][s]
-            if b < m and 0 <= done["F"][s, b] < t and (
-                    s == p - 1 or 0 <= done["B"][s + 1, b] < t):
+            if b < m and 0 <= done["F"][s, b] < t and (s == p - 1 or 0 <= done["B"][s + 1, b] < t):
                 row.append(("B", b))
-            elif f < m and f - count[release][s] < p - s and (
-                    s == 0 or 0 <= done["F"][s - 1, f] < t):
+            elif (
+                f < m and f - count[release][s] < p - s and (s == 0 or 0 <= done["F"][s - 1, f] < t)
+            ):
                 row.append(("F", f))
             elif split_backward and count["W"][s] < count["B"][s]:
                 row.append(("W", count["W"][s]))
@@ -313,8 +356,7 @@ def list_schedule(name: str, num_stages: int, num_microbatches: int, *,
         for s, task in enumerate(row):
             if task is not None:
                 tables[task[0]][tick, s] = task[1]
-    return ScheduleTable(name, tables["F"], tables["B"], tables["W"],
-                         split_backward=split_backward)
+    return ScheduleTable(name, tables["F"], tables["B"], tables["W"], split_backward=split_backward)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> ScheduleTable:
@@ -334,8 +376,13 @@ SCHEDULES = {"1f1b": one_f_one_b, "zb-h1": zb_h1}
 """Schedules by name (``ParallelConfig.pipeline_schedule``'s values)."""
 
 
-def get_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1,
-                 group_size: int | None = None) -> ScheduleTable:
+def get_schedule(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    group_size: int | None = None,
+) -> ScheduleTable:
     """The table of schedule ``name``; with ``num_chunks > 1`` its interleaved form
     (:mod:`~jax_wgrad.parallel.pipeline.interleaved`: ``1f1b`` -> Megatron's interleaved
     1F1B, ``zb-h1`` -> the same order with ``B`` and ``W`` split)."""
@@ -346,8 +393,13 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: 
     from jax_wgrad.parallel.pipeline.interleaved import interleaved_schedule
 
     _check(num_stages, num_microbatches)
-    return interleaved_schedule(num_stages, num_microbatches, num_chunks,
-                                group_size=group_size, split_backward=name == "zb-h1")
+    return interleaved_schedule(
+        num_stages,
+        num_microbatches,
+        num_chunks,
+        group_size=group_size,
+        split_backward=name == "zb-h1",
+    )
 
 
 def _check(num_stages: int, num_microbatches: int) -> tuple[int, int]:

@@ -48,17 +48,28 @@ class StageSetup:
     sample_dtype: jnp.dtype
 
     @classmethod
-    def create(cls, parallel: ParallelConfig, *, seq_length: int, hidden_size: int,
-               dtype, sample_shape: tuple[int, ...] | None = None,
-               sample_dtype="int32") -> StageSetup:
+    def create(
+        cls,
+        parallel: ParallelConfig,
+        *,
+        seq_length: int,
+        hidden_size: int,
+        dtype,
+        sample_shape: tuple[int, ...] | None = None,
+        sample_dtype="int32",
+    ) -> StageSetup:
         """``sample_shape`` defaults to ``(seq_length + 1,)``: a row of tokens."""
-        return cls(num_stages=parallel.pipeline_model_parallel_size,
-                   num_microbatches=parallel.num_microbatches,
-                   micro_batch_size=parallel.micro_batch_size, seq_length=seq_length,
-                   local_seq_length=parallel.local_seq_length(seq_length),
-                   hidden_size=hidden_size, dtype=jnp.dtype(dtype),
-                   sample_shape=(seq_length + 1,) if sample_shape is None
-                   else tuple(sample_shape), sample_dtype=jnp.dtype(sample_dtype))
+        return cls(
+            num_stages=parallel.pipeline_model_parallel_size,
+            num_microbatches=parallel.num_microbatches,
+            micro_batch_size=parallel.micro_batch_size,
+            seq_length=seq_length,
+            local_seq_length=parallel.local_seq_length(seq_length),
+            hidden_size=hidden_size,
+            dtype=jnp.dtype(dtype),
+            sample_shape=(seq_length + 1,) if sample_shape is None else tuple(sample_shape),
+            sample_dtype=jnp.dtype(sample_dtype),
+        )
 
     # ---------------------------------------------------------------------- the batch
 
@@ -76,8 +87,10 @@ class StageSetup:
         """``batch [M * mb, ...]`` -> ``[M, mb, ...]``; ``who`` names the caller in the
         ``ValueError`` of a wrong shape."""
         if batch.shape != self.batch_shape:
-            raise ValueError(f"{who}: expected a local batch of shape "
-                             f"{list(self.batch_shape)}, got {list(batch.shape)}")
+            raise ValueError(
+                f"{who}: expected a local batch of shape "
+                f"{list(self.batch_shape)}, got {list(batch.shape)}"
+            )
         return batch.reshape(self.num_microbatches, self.micro_batch_size, *self.sample_shape)
 
     @property
@@ -89,8 +102,9 @@ class StageSetup:
     def mean_loss(self, loss_sum: jax.Array) -> jax.Array:
         """The global mean token loss from every device's token-loss sum (inside
         ``shard_map``; the losses live on the last stage, the tokens on every rank)."""
-        return (lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE))
-                / lax.psum(jnp.float32(self.num_tokens), DATA_PARALLEL))
+        return lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE)) / lax.psum(
+            jnp.float32(self.num_tokens), DATA_PARALLEL
+        )
 
     # ---------------------------------------------------------------------- activations
 

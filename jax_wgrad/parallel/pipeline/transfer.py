@@ -26,9 +26,18 @@ def inbox_index(depth: int, chunk, microbatch):
     return chunk * depth + microbatch % depth
 
 
-def exchange(inboxes: tuple[jax.Array, jax.Array], y: jax.Array, dx: jax.Array, fwd, bwd, *,
-             stage, num_stages: int, num_chunks: int, depth: tuple[int, int]
-             ) -> tuple[jax.Array, jax.Array]:
+def exchange(
+    inboxes: tuple[jax.Array, jax.Array],
+    y: jax.Array,
+    dx: jax.Array,
+    fwd,
+    bwd,
+    *,
+    stage,
+    num_stages: int,
+    num_chunks: int,
+    depth: tuple[int, int],
+) -> tuple[jax.Array, jax.Array]:
     """Sends this tick's ``y`` (forward output) and ``dx`` (input gradient) and files what
     arrives (inside ``shard_map``).
 
@@ -55,5 +64,7 @@ def exchange(inboxes: tuple[jax.Array, jax.Array], y: jax.Array, dx: jax.Array, 
     x_slot = jnp.where((m_x >= 0) & (v_x < nv), inbox_index(depth[0], v_x, m_x), nv * depth[0])
     g_slot = jnp.where((m_g >= 0) & (v_g >= 0), inbox_index(depth[1], v_g, m_g), nv * depth[1])
     x_inbox, g_inbox = inboxes
-    return (lax.dynamic_update_index_in_dim(x_inbox, x_recv, x_slot, 0),
-            lax.dynamic_update_index_in_dim(g_inbox, g_recv, g_slot, 0))
+    return (
+        lax.dynamic_update_index_in_dim(x_inbox, x_recv, x_slot, 0),
+        lax.dynamic_update_index_in_dim(g_inbox, g_recv, g_slot, 0),
+    )

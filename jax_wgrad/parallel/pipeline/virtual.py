@@ -39,16 +39,18 @@ def _reshape(a, *shape: int):
 
 
 def _map(fn, tree: PyTree, specs: PyTree) -> PyTree:
-    return jax.tree.map(lambda a, s: fn(a) if _stacked(s) else a, tree, specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda a, s: fn(a) if _stacked(s) else a, tree, specs, is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def layout_specs(specs: PyTree, num_chunks: int) -> PyTree:
     """The layout's ``PartitionSpec``\\ s from the canonical ones (module docstring)."""
     if num_chunks == 1:
         return specs
-    return jax.tree.map(lambda s: P(None, *s) if _stacked(s) else s, specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda s: P(None, *s) if _stacked(s) else s, specs, is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def from_canonical(params: PyTree, specs: PyTree, num_chunks: int) -> PyTree:
@@ -58,8 +60,9 @@ def from_canonical(params: PyTree, specs: PyTree, num_chunks: int) -> PyTree:
 
     def split(a):
         if a.shape[0] % num_chunks:
-            raise ValueError(f"a stack of {a.shape[0]} layers does not split into "
-                             f"{num_chunks} model chunks")
+            raise ValueError(
+                f"a stack of {a.shape[0]} layers does not split into {num_chunks} model chunks"
+            )
         return _reshape(a, num_chunks, a.shape[0] // num_chunks, *a.shape[1:])
 
     return _map(split, params, specs)
@@ -80,5 +83,10 @@ def local_stack(params: PyTree, specs: PyTree, num_chunks: int) -> PyTree:
 
 def local_chunks(params: PyTree, specs: PyTree, num_chunks: int) -> PyTree:
     """Inverse of :func:`local_stack`."""
-    return _map(lambda a: _reshape(a, num_chunks, a.shape[0] // num_chunks, *a.shape[1:]),
-                params, specs) if num_chunks > 1 else params
+    return (
+        _map(
+            lambda a: _reshape(a, num_chunks, a.shape[0] // num_chunks, *a.shape[1:]), params, specs
+        )
+        if num_chunks > 1
+        else params
+    )
