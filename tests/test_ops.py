@@ -301,7 +301,8 @@ def test_fusion_status_is_shown_by_a_call(monkeypatch):
 
 
 def test_cuda_registered_under_the_plugin_platform_name():
-    # XLA's CUDA plugin flushes pending registrations keyed "CUDA" only (FINDINGS #1).
+    # XLA's CUDA plugin flushes pending registrations keyed "CUDA" only
+    # (docs/design/h100_findings.md, section 3).
     assert registry._MODULES["cuda"][1] == "CUDA"
 
 

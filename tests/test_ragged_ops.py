@@ -11,7 +11,7 @@ import pytest
 from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
 
 from jax_wgrad import ops
-from jax_wgrad.ops import ragged, registry
+from jax_wgrad.ops import registry
 
 pytestmark = pytest.mark.skipif(not ops.fusion_available("cpu"), reason="needs the CPU handler")
 
@@ -274,7 +274,15 @@ def test_handler_rejects_bad_operands_itself():
         )
 
 
-def test_unbuilt_target_is_a_compile_time_error():
-    rule = ragged._lowering("cpu", "jax_wgrad_no_such_target", "ragged_matmul", {})
-    with pytest.raises(RuntimeError, match="built without jax_wgrad_no_such_target"):
-        rule(None)
+def test_unbuilt_target_is_a_compile_time_error(monkeypatch):
+    # A handler module built without the target: compiling says so, naming the platform.
+    metadata = registry.handler_metadata("cpu")
+    del metadata[registry.RAGGED_MATMUL_TARGET]
+    monkeypatch.setitem(registry._METADATA, "cpu", metadata)
+    x, w, sizes = jnp.zeros((5, 7)), jnp.zeros((2, 3, 7)), jnp.asarray([2, 3], jnp.int32)
+    with pytest.raises(
+        RuntimeError,
+        match="ragged_matmul: the jax_wgrad handler for platform 'cpu' is not available "
+        r"\(its cpu handler module was built without jax_wgrad_ragged_matmul",
+    ):
+        jax.jit(lambda x, w, s: ops.ragged_matmul(x, w, s)).lower(x, w, sizes)

@@ -4,34 +4,30 @@
 ``jax_wgrad_bucket_add`` with the bucket (operand 0) aliased to the result: every gradient
 reads and writes only its own block, so on a donated argument or a scan carry no bucket is
 copied, on CPU and GPU alike (a ``dynamic_update_slice`` at a constant offset copies the
-whole bucket per block on XLA:GPU).
+whole bucket per block on XLA:GPU). Where the handler is unavailable it lowers to
+:func:`bucket_add_ref`'s plain XLA instead (:class:`~jax_wgrad.ops.primitive.FfiPrimitive`'s
+``fallback``).
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
 from jax_wgrad.ops import registry
 from jax_wgrad.ops.position import INT32_MAX
-from jax_wgrad.ops.wgrad import FLOAT_DTYPES
+from jax_wgrad.ops.primitive import FfiPrimitive
+from jax_wgrad.ops.wgrad import FLOAT_DTYPES, added
 
 __all__ = ["bucket_add", "bucket_add_p", "bucket_add_ref"]
-
-bucket_add_p = Primitive("bucket_add")
-"""``bucket_add(bucket, *grads, offsets)``: each gradient added into its block, in place."""
 
 
 def _bucket_add_xla(bucket, *grads, offsets):
     """The same update in plain XLA: one dynamic-slice/add/dynamic-update-slice per block.
 
     In place on XLA:CPU, but XLA:GPU copies the whole bucket for each block when the
-    offsets are constants (../shared/gpu/FINDINGS.md #6-7); used only on platforms
+    offsets are constants (docs/design/h100_findings.md, section 1); used only on platforms
     without a built handler. XLA's slice starts are int32 without x64, so an offset past
     ``2**31 - 1`` raises ``ValueError`` here (the handler takes int64 offsets).
     """
@@ -50,25 +46,35 @@ def _bucket_add_xla(bucket, *grads, offsets):
     return bucket
 
 
-bucket_add_p.def_impl(
-    functools.partial(jax.jit, static_argnames="offsets")(
-        lambda bucket, *grads, offsets: bucket_add_p.bind(bucket, *grads, offsets=offsets)
-    )
+def _self_check(rng) -> list:
+    """Several blocks, a 16-bit gradient into a float32 bucket."""
+    from jax_wgrad import ops  # late: the public function, as a user calls it
+
+    flat = rng.integers(-8, 9, size=40).astype(np.float32)
+    g1 = np.arange(1, 4, dtype=np.float32)
+    g2 = (np.arange(6, dtype=np.float32) - 2).reshape(2, 3)
+    return [
+        (
+            "bucket_add of several blocks",
+            lambda b, g1, g2: ops.bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
+            (flat, g1, g2),
+            added(added(flat, 2, g1), 30, g2),
+        )
+    ]
+
+
+BUCKET_ADD = FfiPrimitive(
+    name="bucket_add",
+    target=registry.BUCKET_ADD_TARGET,
+    attributes={"offsets": np.int64},
+    aliases={0: 0},
+    vmap_method=None,
+    # Where the handler is unavailable, and on any other platform (TPU, ROCm, ...).
+    fallback=_bucket_add_xla,
+    self_check=_self_check,
 )
-bucket_add_p.def_abstract_eval(lambda bucket, *grads, offsets: bucket)
-
-
-def _bucket_add_lowering(platform: str):
-    if not registry.handler_loaded(platform):
-        return mlir.lower_fun(_bucket_add_xla, multiple_results=False)
-    rule = jax.ffi.ffi_lowering(registry.BUCKET_ADD_TARGET, operand_output_aliases={0: 0})
-    return lambda ctx, *args, offsets: rule(ctx, *args, offsets=np.asarray(offsets, np.int64))
-
-
-for _platform in registry.PLATFORMS:
-    mlir.register_lowering(bucket_add_p, _bucket_add_lowering(_platform), platform=_platform)
-# Any other platform (TPU, ROCm, ...): plain XLA.
-mlir.register_lowering(bucket_add_p, mlir.lower_fun(_bucket_add_xla, multiple_results=False))
+bucket_add_p = BUCKET_ADD.primitive
+"""``bucket_add(bucket, *grads, offsets)``: each gradient added into its block, in place."""
 
 
 def _validate_bucket_add(bucket, grads, offsets) -> None:

@@ -26,18 +26,15 @@ plain-XLA references are :func:`ragged_matmul_ref` and :func:`ragged_wgrad_accum
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
 
 from jax_wgrad.ops import registry
 from jax_wgrad.ops.position import Offset, as_block_offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
-from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, check_block, check_dtypes
+from jax_wgrad.ops.primitive import FfiPrimitive
+from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, added, check_block, check_dtypes
 
 __all__ = [
     "ragged_matmul",
@@ -48,14 +45,6 @@ __all__ = [
     "ragged_wgrad_accumulate_ref",
     "group_ids",
 ]
-
-ragged_matmul_p = Primitive("ragged_matmul")
-"""``ragged_matmul(x, w, group_sizes, *, transpose_rhs, precision) -> y``."""
-ragged_wgrad_accumulate_p = Primitive("ragged_wgrad_accumulate")
-"""``ragged_wgrad_accumulate(x, dy, group_sizes, main_grad, index, *, base, stride,
-precision) -> main_grad``: group 0's block at ``base + index * stride`` (an int32 scalar
-operand, int64 parameters; read only for a flat ``main_grad``)."""
-
 
 # ---- plain XLA: the references ----------------------------------------------------------
 
@@ -107,106 +96,124 @@ def _group_products(x, dy, group_sizes, precision):
     )
 
 
+# ---- the handlers' self-check (ops.fusion_status) ---------------------------------------
+
+
+def ragged_rows(sizes: np.ndarray, rows: int) -> list[slice]:
+    """Per group, its clamped rows ``slice(start, end)`` (numpy; module docstring)."""
+    ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), rows)
+    return [slice(s, e) for s, e in zip(np.concatenate([[0], ends[:-1]]), ends)]
+
+
+# A group of zero rows and rows past the groups; sizes summing past the rows (clamped).
+_SHORT, _LONG = np.array([2, 0, 3], np.int32), np.array([4, 0, 9], np.int32)
+
+
+def _matmul_self_check(rng) -> list:
+    """Both ``w`` layouts, 16-bit data, short and clamped sizes."""
+    from jax_wgrad import ops  # late: the public functions, as a user calls them
+
+    x = rng.integers(-3, 4, size=(7, 4)).astype(np.float32)
+    w = rng.integers(-3, 4, size=(3, 3, 4)).astype(np.float32)  # [G, N, K]
+    cases = []
+    for sizes, dt, transpose in ((_SHORT, jnp.float32, True), (_LONG, jnp.bfloat16, False)):
+        y = np.zeros((7, 3), np.float32)
+        for g, rows in enumerate(ragged_rows(sizes, 7)):
+            y[rows] = x[rows] @ w[g].T
+        cases.append(
+            (
+                f"ragged_matmul {jnp.dtype(dt).name} transpose_rhs={int(transpose)}",
+                lambda x, w, s, t=transpose, d=dt: ops.ragged_matmul(
+                    x.astype(d), w.astype(d), s, transpose_rhs=t
+                ),
+                (x, w if transpose else np.swapaxes(w, 1, 2), sizes),
+                y,
+            )
+        )
+    return cases
+
+
+def _wgrad_self_check(rng) -> list:
+    """16-bit data and accumulator, a flat bucket at a static offset, at a traced, clamped
+    offset and at a 64-bit position ``base + index * stride``."""
+    from jax_wgrad import ops
+
+    x = rng.integers(-3, 4, size=(7, 4)).astype(np.float32)
+    dy = rng.integers(-3, 4, size=(7, 3)).astype(np.float32)
+    acc = rng.integers(-8, 9, size=(3, 3, 4)).astype(np.float32)
+    flat = rng.integers(-8, 9, size=40).astype(np.float32)
+    bucket = np.concatenate([flat, flat[:1]])  # 41 elements: 36 fit from 5 on
+    short, long = (np.stack([dy[r].T @ x[r] for r in ragged_rows(s, 7)]) for s in (_SHORT, _LONG))
+    return [
+        (
+            "ragged_wgrad_accumulate float32",
+            ops.ragged_wgrad_accumulate,
+            (x, dy, _SHORT, acc),
+            acc + short,
+        ),
+        (
+            "ragged_wgrad_accumulate bfloat16 into bfloat16",
+            lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
+                x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s, a.astype(jnp.bfloat16)
+            ),
+            (x, dy, _LONG, acc),
+            acc + long,
+        ),
+        (
+            "ragged_wgrad_accumulate float16 into a bucket",
+            lambda x, dy, s, b: ops.ragged_wgrad_accumulate(
+                x.astype(jnp.float16), dy.astype(jnp.float16), s, b, offset=5
+            ),
+            (x, dy, _SHORT, bucket),
+            added(bucket, 5, short),
+        ),
+        (
+            "ragged_wgrad_accumulate at a traced, clamped offset",  # 30 clamped to 40 - 36
+            lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(x, dy, s, b, offset=o),
+            (x, dy, _LONG, flat, np.int32(30)),
+            added(flat, 4, long),
+        ),
+        (
+            "ragged_wgrad_accumulate at a 64-bit position base + index * stride",
+            lambda x, dy, s, b, i: ops.ragged_wgrad_accumulate(
+                x, dy, s, b, offset=ops.BlockOffset(2**33 + 5, i, 2**31)
+            ),
+            (x, dy, _SHORT, bucket, np.int32(-4)),
+            added(bucket, 5, short),
+        ),
+    ]
+
+
 # ---- primitives ------------------------------------------------------------------------
 
-
-def _matmul_abstract(x, w, group_sizes, *, transpose_rhs, precision):
-    return x.update(shape=(x.shape[0], w.shape[1] if transpose_rhs else w.shape[2]))
-
-
-ragged_matmul_p.def_abstract_eval(_matmul_abstract)
-ragged_matmul_p.def_impl(
-    functools.partial(jax.jit, static_argnames=("transpose_rhs", "precision"))(
-        lambda *args, **params: ragged_matmul_p.bind(*args, **params)
-    )
+# Other platforms (TPU, ROCm, ...) have no lowering, so jax refuses to compile (as for
+# ops.wgrad_accumulate); the plain-XLA references are there to call instead. vmap is a
+# loop over the batch (lax.map); an unbatched accumulator gets one copy per example.
+RAGGED_MATMUL = FfiPrimitive(
+    name="ragged_matmul",
+    target=registry.RAGGED_MATMUL_TARGET,
+    attributes={"transpose_rhs": np.int32, "precision": np.int32},
+    abstract=lambda x, w, group_sizes, *, transpose_rhs, precision: x.update(
+        shape=(x.shape[0], w.shape[1] if transpose_rhs else w.shape[2])
+    ),
+    vmap_method="sequential",
+    self_check=_matmul_self_check,
 )
-# The result is typed like the accumulator it updates (as ops.wgrad does).
-ragged_wgrad_accumulate_p.def_abstract_eval(lambda x, dy, sizes, main_grad, index, **_: main_grad)
-ragged_wgrad_accumulate_p.def_impl(
-    functools.partial(jax.jit, static_argnames=("base", "stride", "precision"))(
-        lambda *args, **params: ragged_wgrad_accumulate_p.bind(*args, **params)
-    )
+"""``ragged_matmul(x, w, group_sizes, *, transpose_rhs, precision) -> y``."""
+RAGGED_WGRAD_ACCUMULATE = FfiPrimitive(
+    name="ragged_wgrad_accumulate",
+    target=registry.RAGGED_WGRAD_TARGET,
+    attributes={"base": np.int64, "stride": np.int64, "precision": np.int32},
+    aliases={3: 0},
+    vmap_method="sequential",
+    per_example=(3,),
+    self_check=_wgrad_self_check,
 )
-
-
-def _map_batch_rule(primitive: Primitive, per_example: tuple[int, ...] = ()):
-    """vmap as a loop over the batch (``lax.map``); operands numbered in ``per_example``
-    get one copy per batch element when unbatched (a per-example accumulator)."""
-
-    def rule(args, dims, **params):
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        mapped = [d is not None or i in per_example for i, d in enumerate(dims)]
-        moved = [
-            jnp.moveaxis(a, d, 0)
-            if d is not None
-            else jnp.broadcast_to(a, (size,) + a.shape)
-            if m
-            else a
-            for a, d, m in zip(args, dims, mapped)
-        ]
-
-        def one(xs):
-            it = iter(xs)
-            return primitive.bind(*(next(it) if m else a for a, m in zip(moved, mapped)), **params)
-
-        return jax.lax.map(one, [a for a, m in zip(moved, mapped) if m]), 0
-
-    return rule
-
-
-batching.primitive_batchers[ragged_matmul_p] = _map_batch_rule(ragged_matmul_p)
-batching.primitive_batchers[ragged_wgrad_accumulate_p] = _map_batch_rule(
-    ragged_wgrad_accumulate_p, per_example=(3,)
-)
-
-
-def _missing(platform: str, target: str) -> str | None:
-    """Why ``target`` cannot be lowered for ``platform``, or ``None``."""
-    reason = registry.load_error(platform)
-    if reason is None and target not in registry.handler_metadata(platform):
-        reason = (
-            f"its {platform} handler module was built without {target}; rebuild "
-            "jax_wgrad (pip install .)"
-        )
-    return reason
-
-
-# The FFI attributes' types: the position's base and stride are int64, the rest int32.
-_INT64_PARAMS = frozenset({"base", "stride"})
-
-
-def _lowering(platform: str, target: str, who: str, aliases: dict[int, int]):
-    reason = _missing(platform, target)
-    if reason is not None:
-
-        def unavailable(ctx, *args, **params):  # raised at compile time
-            raise RuntimeError(
-                f"{who}: the jax_wgrad handler for platform '{platform}' is "
-                f"not available ({reason})"
-            )
-
-        return unavailable
-    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
-    return lambda ctx, *args, **params: rule(
-        ctx,
-        *args,
-        **{k: (np.int64 if k in _INT64_PARAMS else np.int32)(v) for k, v in params.items()},
-    )
-
-
-for _platform in registry.PLATFORMS:
-    mlir.register_lowering(
-        ragged_matmul_p,
-        _lowering(_platform, registry.RAGGED_MATMUL_TARGET, "ragged_matmul", {}),
-        platform=_platform,
-    )
-    mlir.register_lowering(
-        ragged_wgrad_accumulate_p,
-        _lowering(_platform, registry.RAGGED_WGRAD_TARGET, "ragged_wgrad_accumulate", {3: 0}),
-        platform=_platform,
-    )
-# Any other platform (TPU, ROCm, ...): no lowering rule, so jax refuses to compile (as
-# for ops.wgrad_accumulate); the plain-XLA references are there to call instead.
+"""``ragged_wgrad_accumulate(x, dy, group_sizes, main_grad, index, *, base, stride,
+precision) -> main_grad``: group 0's block at ``base + index * stride`` (an int32 scalar
+operand, int64 parameters; read only for a flat ``main_grad``)."""
+ragged_matmul_p = RAGGED_MATMUL.primitive
+ragged_wgrad_accumulate_p = RAGGED_WGRAD_ACCUMULATE.primitive
 
 
 # ---- validation ------------------------------------------------------------------------

@@ -17,13 +17,16 @@ version is compared with the running jaxlib's (:func:`runtime_ffi_api`), and a n
 initialised in a pending list keyed by the name as given, and the CUDA plugin flushes only
 the key ``"CUDA"`` (``jaxlib.xla_client`` maps ``"cpu"`` and ``"gpu"``, not ``"cuda"``). So
 the CUDA handlers are registered under ``"CUDA"`` -- the spelling of jax's FFI tutorial --
-which reaches the handler on jax 0.10, 0.11 and 0.12 alike (``../shared/gpu/FINDINGS.md`` #1).
+which reaches the handler on jax 0.10, 0.11 and 0.12 alike (measured:
+``docs/design/h100_findings.md``, section 3).
 
 **Status that is shown, not assumed.** Registering a handler proves nothing (a CUDA
-registration on a CPU-only jaxlib succeeds silently). :func:`fusion_status` therefore runs
-each loaded handler once, on the first query per platform, on a device of *this* process
-(multi-process runs: every process checks its own): one program calling every kernel
-variant the library uses (:func:`_probe`), each result checked against numpy. The probe
+registration on a CPU-only jaxlib succeeds silently). :func:`fusion_status` therefore
+checks that the loaded module holds every op's target, then runs each loaded handler
+once, on the first query per platform, on a device of *this* process (multi-process runs:
+every process checks its own): one program calling every kernel variant the library uses
+(:func:`_probe`: the ``self_check`` cases each :class:`~jax_wgrad.ops.primitive.FfiPrimitive`
+declares), each result checked against numpy. The probe
 runs in a thread of its own, outside any ``jit``/``eval_shape``/NNX trace of the caller.
 A success or a wrong answer is remembered; a failure that may pass (no device yet, out of
 memory, a trace) is not, and the next query tries again.
@@ -56,6 +59,7 @@ __all__ = [
     "fusion_status",
     "fusion_available",
     "require_fusion",
+    "fusion_error",
 ]
 
 TARGET = "jax_wgrad_wgrad_accumulate"
@@ -191,215 +195,15 @@ _TRANSIENT = (
 
 def _probe_cases():
     """Every kernel variant the library calls, on small integer data that every
-    precision (TF32 included) and dtype represents exactly: ``(name, fn, args, want)``."""
-    import jax.numpy as jnp
+    precision (TF32 included) and dtype represents exactly: ``(name, fn, args, want)``,
+    the ``self_check`` cases of every :class:`~jax_wgrad.ops.primitive.FfiPrimitive`."""
     import numpy as np
 
-    from jax_wgrad import ops  # late: the ops import this module
+    from jax_wgrad import ops  # noqa: F401  late: the ops import this module; declares them all
+    from jax_wgrad.ops.primitive import defined
 
     rng = np.random.default_rng(0)
-    x = rng.integers(-3, 4, size=(5, 4)).astype(np.float32)
-    dy = rng.integers(-3, 4, size=(5, 3)).astype(np.float32)
-    acc = rng.integers(-8, 9, size=(3, 4)).astype(np.float32)
-    want = acc + dy.T @ x
-    cases = []
-    for precision in ("default", "highest"):  # TF32 on GPUs unless highest
-        cases.append(
-            (
-                f"float32 {precision}",
-                lambda x, dy, a, p=precision: ops.wgrad_accumulate(x, dy, a, precision=p),
-                (x, dy, acc),
-                want,
-            )
-        )
-    for dt in (jnp.bfloat16, jnp.float16):
-        name = jnp.dtype(dt).name
-        cases.append(
-            (f"{name} into float32", ops.wgrad_accumulate, (x.astype(dt), dy.astype(dt), acc), want)
-        )
-        cases.append(
-            (
-                f"{name} into {name}",
-                ops.wgrad_accumulate,
-                (x.astype(dt), dy.astype(dt), acc.astype(dt)),
-                want,
-            )
-        )
-    flat = rng.integers(-8, 9, size=40).astype(np.float32)
-    block = flat.copy()
-    block[7:19] += (dy.T @ x).ravel()
-    cases.append(
-        (
-            "offset block of a flat bucket",
-            lambda x, dy, b: ops.wgrad_accumulate(x, dy, b, offset=7),
-            (x, dy, flat),
-            block,
-        )
-    )
-    gx = rng.integers(-3, 4, size=(2, 5, 4)).astype(np.float32)
-    gdy = rng.integers(-3, 4, size=(2, 5, 3)).astype(np.float32)
-    grouped = flat.copy()
-    grouped[4:28] += np.einsum("eto,eti->eoi", gdy, gx).ravel()
-    cases.append(
-        (
-            "grouped experts into a bucket",
-            lambda x, dy, b: ops.grouped_wgrad_accumulate(x, dy, b, offset=4),
-            (gx, gdy, flat),
-            grouped,
-        )
-    )
-    # Traced offsets (operands of the program): 7 as above; 30 for the grouped blocks is
-    # clamped to 40 - 24 = 16, as lax.dynamic_update_slice clamps.
-    cases.append(
-        (
-            "traced offset block of a flat bucket",
-            lambda x, dy, b, o: ops.wgrad_accumulate(x, dy, b, offset=o),
-            (x, dy, flat, np.int32(7)),
-            block,
-        )
-    )
-    clamped = flat.copy()
-    clamped[16:40] += np.einsum("eto,eti->eoi", gdy, gx).ravel()
-    cases.append(
-        (
-            "grouped experts at a traced, clamped offset",
-            lambda x, dy, b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o),
-            (gx, gdy, flat, np.int32(30)),
-            clamped,
-        )
-    )
-    # Positions base + index * stride combined in 64 bits: (2**32 + 7) - 2 * 2**31 = 7 (in
-    # 32 bits every term wraps), and for the grouped blocks 4 + 3 * 4 = 16 with aligned
-    # base and stride (the CUDA handler's unstaged form for an fp32 accumulator).
-    cases.append(
-        (
-            "block at a 64-bit position base + index * stride",
-            lambda x, dy, b, i: ops.wgrad_accumulate(
-                x, dy, b, offset=ops.BlockOffset(2**32 + 7, i, 2**31)
-            ),
-            (x, dy, flat, np.int32(-2)),
-            block,
-        )
-    )
-    cases.append(
-        (
-            "grouped experts at an aligned position base + index * stride",
-            lambda x, dy, b, i: ops.grouped_wgrad_accumulate(
-                x, dy, b, offset=ops.BlockOffset(4, i, 4)
-            ),
-            (gx, gdy, flat, np.int32(3)),
-            clamped,
-        )
-    )
-    g1 = np.arange(1, 4, dtype=np.float32)
-    g2 = (np.arange(6, dtype=np.float32) - 2).reshape(2, 3)
-    added = flat.copy()
-    added[2:5] += g1
-    added[30:36] += g2.ravel()
-    cases.append(
-        (
-            "bucket_add of several blocks",
-            lambda b, g1, g2: ops.bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
-            (flat, g1, g2),
-            added,
-        )
-    )
-    return cases + _ragged_probe_cases(rng, flat)
-
-
-def _ragged_rows(sizes, rows):
-    """Per group, the clamped row range ``slice(start, end)`` (ops.ragged's rule)."""
-    import numpy as np
-
-    ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), rows)
-    return [slice(s, e) for s, e in zip(np.concatenate([[0], ends[:-1]]), ends)]
-
-
-def _ragged_probe_cases(rng, flat):
-    """The ragged grouped GEMMs (:mod:`jax_wgrad.ops.ragged`): a group of zero rows, rows
-    past the groups, sizes summing past the rows (clamped), both ``w`` layouts, 16-bit
-    data, a 16-bit accumulator, a flat bucket at a static offset, at a traced, clamped
-    offset and at a 64-bit position ``base + index * stride``."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jax_wgrad import ops
-
-    x = rng.integers(-3, 4, size=(7, 4)).astype(np.float32)
-    dy = rng.integers(-3, 4, size=(7, 3)).astype(np.float32)
-    w = rng.integers(-3, 4, size=(3, 3, 4)).astype(np.float32)  # [G, N, K]
-    short, long = np.array([2, 0, 3], np.int32), np.array([4, 0, 9], np.int32)
-    cases = []
-    for sizes, dt, transpose in ((short, jnp.float32, True), (long, jnp.bfloat16, False)):
-        wt = w if transpose else np.swapaxes(w, 1, 2)
-        y = np.zeros((7, 3), np.float32)
-        for g, rows in enumerate(_ragged_rows(sizes, 7)):
-            y[rows] = x[rows] @ w[g].T
-        cases.append(
-            (
-                f"ragged_matmul {jnp.dtype(dt).name} transpose_rhs={int(transpose)}",
-                lambda x, w, s, t=transpose, d=dt: ops.ragged_matmul(
-                    x.astype(d), w.astype(d), s, transpose_rhs=t
-                ),
-                (x, wt, sizes),
-                y,
-            )
-        )
-    acc = rng.integers(-8, 9, size=(3, 3, 4)).astype(np.float32)
-    upd = {}
-    for name, sizes in (("short", short), ("long", long)):
-        upd[name] = np.stack([dy[r].T @ x[r] for r in _ragged_rows(sizes, 7)])
-    cases.append(
-        (
-            "ragged_wgrad_accumulate float32",
-            ops.ragged_wgrad_accumulate,
-            (x, dy, short, acc),
-            acc + upd["short"],
-        )
-    )
-    cases.append(
-        (
-            "ragged_wgrad_accumulate bfloat16 into bfloat16",
-            lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
-                x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s, a.astype(jnp.bfloat16)
-            ),
-            (x, dy, long, acc),
-            acc + upd["long"],
-        )
-    )
-    bucket = np.concatenate([flat, flat[:1]])  # 41 elements: 36 fit from 5 on
-    at5, at4 = bucket.copy(), flat.copy()
-    at5[5:41] += upd["short"].ravel()
-    at4[4:40] += upd["long"].ravel()  # offset 30 clamped to 40 - 36
-    cases.append(
-        (
-            "ragged_wgrad_accumulate float16 into a bucket",
-            lambda x, dy, s, b: ops.ragged_wgrad_accumulate(
-                x.astype(jnp.float16), dy.astype(jnp.float16), s, b, offset=5
-            ),
-            (x, dy, short, bucket),
-            at5,
-        )
-    )
-    cases.append(
-        (
-            "ragged_wgrad_accumulate at a traced, clamped offset",
-            lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(x, dy, s, b, offset=o),
-            (x, dy, long, flat, np.int32(30)),
-            at4,
-        )
-    )
-    cases.append(
-        (
-            "ragged_wgrad_accumulate at a 64-bit position base + index * stride",
-            lambda x, dy, s, b, i: ops.ragged_wgrad_accumulate(
-                x, dy, s, b, offset=ops.BlockOffset(2**33 + 5, i, 2**31)
-            ),
-            (x, dy, short, bucket, np.int32(-4)),
-            at5,
-        )
-    )
-    return cases
+    return [case for op in defined() if op.self_check for case in op.self_check(rng)]
 
 
 def _probe(platform: str) -> _Outcome:
@@ -455,6 +259,15 @@ def _probe_outside_traces(platform: str) -> _Outcome:
     return box[0]
 
 
+def _unbuilt(platform: str) -> str | None:
+    """Why some op cannot be lowered to ``platform``'s handlers (a target missing from
+    the built module), or ``None``."""
+    from jax_wgrad import ops  # noqa: F401  late: declares every op
+    from jax_wgrad.ops.primitive import defined
+
+    return next(filter(None, (op.unavailable(platform) for op in defined())), None)
+
+
 def _status(platform: str) -> str | None:
     loaded = load_error(platform)
     if loaded is not None:
@@ -462,7 +275,8 @@ def _status(platform: str) -> str | None:
     with _PROBE_LOCK:
         if platform in _VERIFIED:
             return _VERIFIED[platform]
-        outcome = _probe_outside_traces(platform)
+        unbuilt = _unbuilt(platform)
+        outcome = _Outcome(unbuilt, final=True) if unbuilt else _probe_outside_traces(platform)
         if outcome.final:
             _VERIFIED[platform] = outcome.reason
         return outcome.reason
@@ -503,7 +317,12 @@ def require_fusion(platform: str | None = None, *, who: str = "wgrad_accumulate"
         if platform in _MODULES
         else f"jax_wgrad has no handler for platform '{platform}'"
     )
-    raise RuntimeError(
+    raise RuntimeError(fusion_error(platform, reason, who=who))
+
+
+def fusion_error(platform: str, reason: str, *, who: str = "wgrad_accumulate") -> str:
+    """Megatron's wording of "fusion is unavailable on ``platform``, because ``reason``"."""
+    return (
         f"{who} was called with gradient_accumulation_fusion set to True but the "
         f"jax_wgrad fused weight-gradient handler for platform '{platform}' is not "
         f"available ({reason}). To use gradient_accumulation_fusion you must build "

@@ -7,8 +7,8 @@ Megatron's ``gradient_accumulation_fusion``. :func:`wgrad_accumulate` binds the
 Inside ``jit`` with the accumulator donated, or as a ``scan`` carry, XLA updates the
 buffer in place: one GEMM with beta = 1, no temporary ``dW``.
 
-A named primitive (rather than a bare ``jax.ffi.ffi_call``) makes the op show up as
-``wgrad_accumulate`` in compiled HLO and in profiler traces.
+Both primitives are :class:`~jax_wgrad.ops.primitive.FfiPrimitive` specs (named, so the op
+shows up as ``wgrad_accumulate`` in compiled HLO and in profiler traces).
 
 **Static or traced offset.** A block of a flat bucket is addressed by ``offset``
 (:mod:`jax_wgrad.ops.position`). A Python ``int`` is a static primitive parameter (the
@@ -31,13 +31,9 @@ it to ``N + position``).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
 
 from jax_wgrad.ops import registry
 from jax_wgrad.ops.position import (
@@ -49,6 +45,7 @@ from jax_wgrad.ops.position import (
     provably_aligned,
 )
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
+from jax_wgrad.ops.primitive import FfiPrimitive
 
 __all__ = [
     "WORKSPACE_BYTES",
@@ -68,94 +65,7 @@ WORKSPACE_BYTES = 32 << 20
 allocated by XLA with the program's temporaries (cuBLAS recommends 32 MiB on Hopper, 4 MiB
 before). 256 bytes of slack let the handler align it as cublasSetWorkspace requires."""
 
-wgrad_accumulate_p = Primitive("wgrad_accumulate")
-wgrad_accumulate_at_p = Primitive("wgrad_accumulate_at")
-"""``wgrad_accumulate_at(x, dy, main_grad, index, *, base, stride, precision)``: the block
-at ``base + index * stride`` (int64 parameters, an int32 ``index`` operand ``[*batch]``:
-one per vmapped batch element), clamped, instead of a static offset parameter."""
-
-
-@functools.partial(jax.jit, static_argnames=("offset", "precision"))
-def _eager(x, dy, main_grad, *, offset, precision):
-    return wgrad_accumulate_p.bind(x, dy, main_grad, offset=offset, precision=precision)
-
-
-wgrad_accumulate_p.def_impl(_eager)
-# The result is typed exactly like the accumulator it updates (shape, dtype, and under
-# shard_map its varying mesh axes), as jax.ffi.ffi_call types a result like the given aval.
-wgrad_accumulate_p.def_abstract_eval(lambda x, dy, main_grad, **_: main_grad)
-
-
-def _batch_rule(args, dims, *, offset, precision):
-    """vmap: broadcast every operand to a leading batch dim; the handlers loop over it.
-
-    This is ``vmap_method="broadcast_all"`` of ``jax.ffi.ffi_call``, chosen because the
-    result is a per-example accumulator: an unbatched ``main_grad`` becomes one copy per
-    batch element, each accumulating its own ``dy^T x``.
-    """
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [
-        jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
-        for a, d in zip(args, dims)
-    ]
-    return wgrad_accumulate_p.bind(*moved, offset=offset, precision=precision), 0
-
-
-batching.primitive_batchers[wgrad_accumulate_p] = _batch_rule
-
-
-@functools.partial(jax.jit, static_argnames=("base", "stride", "precision"))
-def _eager_at(x, dy, main_grad, index, *, base, stride, precision):
-    return wgrad_accumulate_at_p.bind(
-        x, dy, main_grad, index, base=base, stride=stride, precision=precision
-    )
-
-
-wgrad_accumulate_at_p.def_impl(_eager_at)
-wgrad_accumulate_at_p.def_abstract_eval(lambda x, dy, main_grad, index, **_: main_grad)
-
-
-def _batch_rule_at(args, dims, **params):
-    """vmap of the traced-offset form: ``broadcast_all`` like :func:`_batch_rule`; the
-    index gets the batch dim too (one block position per batch element, one shared
-    ``base`` and ``stride``)."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    moved = [
-        jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
-        for a, d in zip(args, dims)
-    ]
-    return wgrad_accumulate_at_p.bind(*moved, **params), 0
-
-
-batching.primitive_batchers[wgrad_accumulate_at_p] = _batch_rule_at
-
-
-def _unavailable(platform: str):
-    def unavailable(ctx, *args, **params):  # raised at compile time
-        registry.require_fusion(platform)
-
-    return unavailable
-
-
 _WORKSPACE = jax.core.ShapedArray((WORKSPACE_BYTES + 256,), jnp.uint8)
-
-
-def _wgrad_lowering(platform: str):
-    if not registry.handler_loaded(platform):
-        return _unavailable(platform)
-    rule = jax.ffi.ffi_lowering(registry.TARGET, operand_output_aliases={2: 0})
-    if platform == "cpu":
-        return lambda ctx, *args, offset, precision: rule(
-            ctx, *args, offset=offset, precision=np.int32(precision)
-        )
-
-    def with_workspace(ctx, *args, offset, precision):
-        # The CUDA handler's second result is its cuBLAS workspace (module docstring).
-        ctx = ctx.replace(avals_out=[*ctx.avals_out, _WORKSPACE])
-        return rule(ctx, *args, offset=offset, precision=np.int32(precision))[:1]
-
-    return with_workspace
-
 
 # The CUDA handler of the traced-offset form keeps the per-problem GEMM pointers in device
 # memory; a 16-byte unit keeps every array of it aligned.
@@ -205,35 +115,153 @@ def cuda_at_scratch(
     )
 
 
-def _wgrad_at_lowering(platform: str):
-    if not registry.handler_loaded(platform):
-        return _unavailable(platform)
-    rule = jax.ffi.ffi_lowering(registry.TARGET_AT, operand_output_aliases={2: 0})
+def _scratch(platform, *_, **__):
+    """The CUDA handler's second result is its cuBLAS workspace (module docstring)."""
+    return [_WORKSPACE] if platform == "cuda" else []
 
-    def attrs(base: int, stride: int, precision: int) -> dict[str, np.generic]:
-        return {
-            "base": np.int64(base),
-            "stride": np.int64(stride),
-            "precision": np.int32(precision),
-        }
 
-    if platform == "cpu":
-        return lambda ctx, *args, base, stride, precision: rule(
-            ctx, *args, **attrs(base, stride, precision)
+def _scratch_at(platform, x, dy, acc, index, *, base, stride, precision):
+    if platform != "cuda":
+        return []
+    return [_WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc, base=base, stride=stride)]
+
+
+def _fusion_error(platform: str, reason: str) -> str:
+    return registry.fusion_error(platform, reason, who="wgrad_accumulate")
+
+
+# ---- the handlers' self-check (ops.fusion_status) ---------------------------------------
+
+
+def _probe_data(rng):
+    """Small integers that every precision (TF32 included) and dtype represents exactly:
+    ``x [5, 4]``, ``dy [5, 3]``, experts' ``gx [2, 5, 4]``, ``gdy [2, 5, 3]``, a flat
+    bucket ``[40]``, and the updates ``dy^T x`` and ``[dy[e]^T x[e] for e]``."""
+    x, gx = (rng.integers(-3, 4, size=s).astype(np.float32) for s in ((5, 4), (2, 5, 4)))
+    dy, gdy = (rng.integers(-3, 4, size=s).astype(np.float32) for s in ((5, 3), (2, 5, 3)))
+    flat = rng.integers(-8, 9, size=40).astype(np.float32)
+    return x, dy, gx, gdy, flat, dy.T @ x, np.einsum("eto,eti->eoi", gdy, gx)
+
+
+def added(flat: np.ndarray, start: int, update: np.ndarray) -> np.ndarray:
+    """``flat`` with ``update`` added to its elements from ``start`` on (numpy)."""
+    out = flat.copy()
+    out[start : start + update.size] += update.ravel()
+    return out
+
+
+def _self_check(rng) -> list:
+    """Every dtype pair and precision, an offset block, grouped experts into a bucket."""
+    from jax_wgrad import ops  # late: the public functions, as a user calls them
+
+    x, dy, gx, gdy, flat, update, grouped = _probe_data(rng)
+    acc = rng.integers(-8, 9, size=(3, 4)).astype(np.float32)
+    cases = [
+        (
+            f"float32 {p}",  # TF32 on GPUs unless highest
+            lambda x, dy, a, p=p: ops.wgrad_accumulate(x, dy, a, precision=p),
+            (x, dy, acc),
+            acc + update,
         )
+        for p in ("default", "highest")
+    ]
+    for dt in (jnp.bfloat16, jnp.float16):
+        name, xd, dyd = jnp.dtype(dt).name, x.astype(dt), dy.astype(dt)
+        cases.append((f"{name} into float32", ops.wgrad_accumulate, (xd, dyd, acc), acc + update))
+        cases.append(
+            (f"{name} into {name}", ops.wgrad_accumulate, (xd, dyd, acc.astype(dt)), acc + update)
+        )
+    return [
+        *cases,
+        (
+            "offset block of a flat bucket",
+            lambda x, dy, b: ops.wgrad_accumulate(x, dy, b, offset=7),
+            (x, dy, flat),
+            added(flat, 7, update),
+        ),
+        (
+            "grouped experts into a bucket",
+            lambda x, dy, b: ops.grouped_wgrad_accumulate(x, dy, b, offset=4),
+            (gx, gdy, flat),
+            added(flat, 4, grouped),
+        ),
+    ]
 
-    def with_scratch(ctx, *args, base, stride, precision):
-        x, dy, acc = ctx.avals_in[:3]
-        extra = [_WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc, base=base, stride=stride)]
-        ctx = ctx.replace(avals_out=[*ctx.avals_out, *extra])
-        return rule(ctx, *args, **attrs(base, stride, precision))[:1]
 
-    return with_scratch
+def _self_check_at(rng) -> list:
+    """Traced offsets (operands of the program), clamped; 64-bit positions."""
+    from jax_wgrad import ops
+
+    x, dy, gx, gdy, flat, update, grouped = _probe_data(rng)
+    # 30 for the grouped blocks is clamped to 40 - 24 = 16, as lax.dynamic_update_slice
+    # clamps. Positions base + index * stride are combined in 64 bits: (2**32 + 7) - 2 *
+    # 2**31 = 7 (in 32 bits every term wraps), and 4 + 3 * 4 = 16 with aligned base and
+    # stride (the CUDA handler's unstaged form for an fp32 accumulator).
+    return [
+        (
+            "traced offset block of a flat bucket",
+            lambda x, dy, b, o: ops.wgrad_accumulate(x, dy, b, offset=o),
+            (x, dy, flat, np.int32(7)),
+            added(flat, 7, update),
+        ),
+        (
+            "grouped experts at a traced, clamped offset",
+            lambda x, dy, b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o),
+            (gx, gdy, flat, np.int32(30)),
+            added(flat, 16, grouped),
+        ),
+        (
+            "block at a 64-bit position base + index * stride",
+            lambda x, dy, b, i: ops.wgrad_accumulate(
+                x, dy, b, offset=ops.BlockOffset(2**32 + 7, i, 2**31)
+            ),
+            (x, dy, flat, np.int32(-2)),
+            added(flat, 7, update),
+        ),
+        (
+            "grouped experts at an aligned position base + index * stride",
+            lambda x, dy, b, i: ops.grouped_wgrad_accumulate(
+                x, dy, b, offset=ops.BlockOffset(4, i, 4)
+            ),
+            (gx, gdy, flat, np.int32(3)),
+            added(flat, 16, grouped),
+        ),
+    ]
 
 
-for _platform in registry.PLATFORMS:
-    mlir.register_lowering(wgrad_accumulate_p, _wgrad_lowering(_platform), platform=_platform)
-    mlir.register_lowering(wgrad_accumulate_at_p, _wgrad_at_lowering(_platform), platform=_platform)
+# ---- the primitives ----------------------------------------------------------------------
+
+WGRAD_ACCUMULATE = FfiPrimitive(
+    name="wgrad_accumulate",
+    target=registry.TARGET,
+    attributes={"offset": np.int64, "precision": np.int32},
+    aliases={2: 0},
+    # broadcast_all: the result is a per-example accumulator, so an unbatched main_grad
+    # becomes one copy per batch element, each accumulating its own dy^T x.
+    vmap_method="broadcast_all",
+    scratch=_scratch,
+    unavailable_message=_fusion_error,
+    self_check=_self_check,
+)
+"""``wgrad_accumulate(x, dy, main_grad, *, offset, precision)``: the block at the static
+``offset`` (0: all of ``main_grad``)."""
+WGRAD_ACCUMULATE_AT = FfiPrimitive(
+    name="wgrad_accumulate_at",
+    target=registry.TARGET_AT,
+    attributes={"base": np.int64, "stride": np.int64, "precision": np.int32},
+    aliases={2: 0},
+    # The index gets the batch dim too: one block position per batch element, one
+    # shared base and stride.
+    vmap_method="broadcast_all",
+    scratch=_scratch_at,
+    unavailable_message=_fusion_error,
+    self_check=_self_check_at,
+)
+"""``wgrad_accumulate_at(x, dy, main_grad, index, *, base, stride, precision)``: the block
+at ``base + index * stride`` (int64 parameters, an int32 ``index`` operand ``[*batch]``:
+one per vmapped batch element), clamped, instead of a static offset parameter."""
+wgrad_accumulate_p = WGRAD_ACCUMULATE.primitive
+wgrad_accumulate_at_p = WGRAD_ACCUMULATE_AT.primitive
 
 
 def is_traced_offset(offset) -> bool:
