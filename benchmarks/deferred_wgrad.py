@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Deferred output-layer wgrad (issue #4): stash bytes, compiled memory and CPU step time.
+"""Deferred output-layer wgrad: stash bytes, compiled memory and CPU step time.
 
 For the jitted train step of :func:`jax_wgrad.build_train_step` on a (2, 2, 2)
 mesh with sequence parallelism and gradient accumulation fusion, with deferral off,
@@ -7,7 +7,7 @@ mesh with sequence parallelism and gradient accumulation fusion, with deferral o
 per (vocabulary, mode)::
 
     stash_bytes      per-device stash, from the schedule's traced carry
-                     (jax_wgrad.parallel.pipeline.executor.carry_shapes)
+                     (jax_wgrad.parallel.pipeline.gradients.carry_shapes)
     temp_bytes       compile().memory_analysis().temp_size_in_bytes
     peak_bytes       memory_analysis().peak_memory_in_bytes where this jaxlib reports it
     step_ms          median CPU step time (8 virtual devices on this host's cores)
@@ -25,12 +25,9 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 import jax_wgrad
-
-jax_wgrad.use_virtual_cpu_devices(8)
-import numpy as np  # noqa: E402
-
 from jax_wgrad import (
     GPTConfig,
     ParallelConfig,
@@ -41,8 +38,11 @@ from jax_wgrad import (
     make_mesh,
     shard_batch,
 )
-from jax_wgrad.parallel.deferred import stash_bytes  # noqa: E402
-from jax_wgrad.parallel.pipeline.gradients import carry_shapes  # noqa: E402
+from jax_wgrad.parallel.deferred import stash_bytes
+from jax_wgrad.parallel.pipeline.gradients import carry_shapes
+
+# Before the first jax computation: jax reads it when it initialises its backends.
+jax_wgrad.use_virtual_cpu_devices(8)
 
 
 def run(vocab: int, mode: str | None, steps: int, args) -> dict:

@@ -1,8 +1,8 @@
 """Deviceless XLA:GPU compile (H100s; nothing is run) of the MoE layer's dispatch and expert
-GEMMs: what the dropless path (issue 22) lowers to, against the capacity path.
+GEMMs: what the dropless path lowers to, against the capacity path.
 
 Needs jax's CUDA plugin and jax_wgrad built with its CUDA handlers
-(../shared/gpu/DEVICELESS.md); run with ``JAX_PLATFORMS=cpu``. Three commands:
+(``docs/design/aot.md``); run with ``JAX_PLATFORMS=cpu``. Three commands:
 
 ``mlp``: ``functional.moe_mlp`` forward + backward with fused buckets (the expert weight
 gradients into one flat fp32 bucket, donated), inside ``shard_map`` over the expert axis
@@ -158,7 +158,7 @@ def gemms(text: str) -> list[dict]:
     frames = stack_functions(text)
     # fused computation -> the instruction (in a non-fused computation) that calls it
     caller = {}
-    for c, lines in comps.items():
+    for lines in comps.values():
         for ins in hlo.instructions(lines):
             m = re.search(r"calls=%([\w.\-]+)", ins.line)
             if m and ins.opcode == "fusion":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Expert GEMM FLOPs and CPU time of the MoE MLP step: dropless vs capacity buffers (#22).
+"""Expert GEMM FLOPs and CPU time of the MoE MLP step: dropless vs capacity buffers.
 
 For the jitted forward + backward of :func:`jax_wgrad.functional.moe_mlp` (expert weight
 gradients fused into a flat bucket, as ``tests/test_moe.py::_sharded_loss_and_grads``
@@ -10,7 +10,7 @@ for three variants of the layer:
                 (``jax_wgrad_ragged_matmul`` forward and dgrad,
                 ``jax_wgrad_ragged_wgrad_accumulate`` wgrad)
   capacity=E    ``capacity_factor=E``: every expert a buffer of all ``T k`` choices of a
-                rank (the dropless of before issue 22): batched ``dot`` forward and dgrad,
+                rank (padded, nothing dropped): batched ``dot`` forward and dgrad,
                 the grouped ``jax_wgrad_wgrad_accumulate`` wgrad
   capacity=1    ``capacity_factor=1.0``: buffers of ``ceil(T k / E)`` (drops tokens)
 
@@ -244,7 +244,7 @@ def dots(hlo: str) -> list[Dot]:
     features``, expressed as ``B = M = 1``)."""
     comps, runs = computations(hlo), call_counts(hlo)
     callers = {}
-    for c, lines in comps.items():
+    for lines in comps.values():
         for ins in instructions(lines):
             for callee in re.findall(r"\bcalls=%([\w.\-]+)", ins.line):
                 callers.setdefault(callee, ins.name)

@@ -22,12 +22,9 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 import jax_wgrad
-
-jax_wgrad.use_virtual_cpu_devices(8)
-import numpy as np  # noqa: E402
-
 from jax_wgrad import (
     ByteDataset,
     GPTConfig,
@@ -39,6 +36,9 @@ from jax_wgrad import (
     make_mesh,
     shard_batch,
 )
+
+# Before the first jax computation: jax reads it when it initialises its backends.
+jax_wgrad.use_virtual_cpu_devices(8)
 
 SCHEDULE = {
     "pipeline_schedule": "1f1b",
@@ -126,7 +126,7 @@ def step_time(model, layouts, global_batch, mbs, fusion, sp, iters):
         ).compile()
         runs[layout] = {"M": m, "mesh": mesh, "state": state, "fn": compiled, "times": []}
     for i in range(iters + 2):
-        for layout, r in runs.items():
+        for r in runs.values():
             batch = shard_batch(r["mesh"], data.batch(i, global_batch, model.seq_length, 0))
             t0 = time.perf_counter()
             r["state"], metrics = r["fn"](r["state"], batch)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Per-device memory of a 128K-vocabulary model on (data 1, tensor 1, pipeline 4), with and
-without the vocabulary over the pipeline (issue #21).
+without the vocabulary over the pipeline.
 
 Builds the train plan on 4 CPU devices, traces the train state (no arrays are made) and
 compiles the real train step; prints one JSON line per mode: per-device bytes of the
@@ -11,8 +11,8 @@ parameters, and the compiled step's ``memory_analysis()`` (arguments, outputs, t
     python benchmarks/vocab_memory.py                # CPU (4 virtual devices)
 
 The GPU figures come from the example's deviceless compile for 4 H100s
-(``--compile-only --target h100 --target-gpus 4``, see README "Compile for a GPU without
-one") with the same model flags.
+(``--compile-only --target h100 --target-gpus 4``, see ``docs/compile_only.md``) with the
+same model flags.
 """
 
 from __future__ import annotations

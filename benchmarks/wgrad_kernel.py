@@ -1,9 +1,9 @@
 """Benchmark of the fused weight-gradient accumulation against XLA's own paths.
 
 For each (dtype, T, out, in) case -- or (dtype, E, T, out, in) for expert weights
-[E, out, in], the grouped op, E experts in one call -- in one process, times (median of --iters runs after
---warmup runs, each call blocked on), all at the same matmul precision (--precision,
-default jax's: TF32 for float32 on a GPU, as XLA's own dot):
+[E, out, in], the grouped op, E experts in one call -- in one process, times (median of
+--iters runs after --warmup runs, each call blocked on), all at the same matmul precision
+(--precision, default jax's: TF32 for float32 on a GPU, as XLA's own dot):
   fused    jax_wgrad.wgrad_accumulate (FFI, accumulator donated: in place); grouped:
            jax_wgrad.ops.grouped_wgrad_accumulate
   xla      acc + jnp.dot(dy.T, x, preferred_element_type=f32) in one jit, acc donated

@@ -1,4 +1,4 @@
-"""Issue #5: bucketed gradients in the train step vs a single-device optax reference;
+"""Bucketed gradients in the train step vs a single-device optax reference;
 non-finite skip; HLO facts (buckets are the in-place accumulators; one collective per
 bucket, in the cooldown or after the schedule)."""
 
@@ -81,7 +81,7 @@ def _reference(params, clip, skip=()):
             continue
         coeff = clip / (norm + 1e-6) if clip else 1.0
         if clip and coeff < 1.0:
-            g = jax.tree.map(lambda x: x * coeff, g)
+            g = jax.tree.map(lambda x, coeff=coeff: x * coeff, g)
         upd, state = tx.update(g, state, params)
         params = optax.apply_updates(params, upd)
     return params, np.array(losses), np.array(norms)
@@ -259,7 +259,7 @@ def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
         )
     # Every other gradient goes into its block through the aliased bucket_add call, never
     # a dynamic-update-slice of a bucket at a constant offset (XLA:GPU copies the whole
-    # bucket for that, ../shared/gpu/FINDINGS.md #6). The only bucket-sized updates left
+    # bucket for that, docs/design/h100_findings.md, section 1). The only bucket-sized updates left
     # in the loop are the distributed optimizer's write-back of each stage bucket's
     # reduce-scattered shard in the cooldown, at the rank's (traced) offset: the rank's row
     # of the bucket viewed as [dp, numel / dp] (exact past 2^31 elements, grads/sync.py).

@@ -1,4 +1,4 @@
-"""Issue 22: the dropless MoE layer (tokens sorted by expert, ragged grouped GEMMs) and
+"""The dropless MoE layer (tokens sorted by expert, ragged grouped GEMMs) and
 expert tensor parallelism, against the dense single-device reference (every token
 through its top-k experts, nothing dropped), skewed routing included; the delayed expert
 wgrad's order on the ragged path (HLO); the example's MoE flags fail loudly. The expert
@@ -202,7 +202,8 @@ def test_group_by_expert_orders_the_sources_by_local_expert():
         ),
         (
             ["--moe-shared-expert-overlap"],
-            r"moe.shared.expert.overlap needs shared experts \((--)?moe.shared.expert.intermediate.size\)",
+            r"moe.shared.expert.overlap needs shared experts "
+            r"\((--)?moe.shared.expert.intermediate.size\)",
         ),
         (
             ["--moe-shared-expert-intermediate-size", "0"],
@@ -222,7 +223,7 @@ def test_group_by_expert_orders_the_sources_by_local_expert():
     ],
     ids=["etp", "overlap-without-shared", "shared-size", "ffn-etp"],
 )
-def test_example_moe_flags_fail_loudly(example, capsys, argv, message):
+def test_example_moe_flags_fail_loudly(pretrain, capsys, argv, message):
     import re
 
     small = [
@@ -245,7 +246,7 @@ def test_example_moe_flags_fail_loudly(example, capsys, argv, message):
         "1",
     ]
     with pytest.raises(SystemExit) as exc:
-        example.main(small + argv)
+        pretrain.main(small + argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err, err
     assert re.search(message, err), err

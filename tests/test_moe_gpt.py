@@ -1,4 +1,4 @@
-"""Issue 10 end to end: MoE layers in the GPT with expert parallelism carved out of data
+"""MoE layers in the GPT end to end with expert parallelism carved out of data
 parallelism, through the pipeline, the gradient buckets (the expert chunk synced over the
 expert-data-parallel ranks) and the distributed optimizer.
 
@@ -9,7 +9,7 @@ expert-data-parallel ranks) and the distributed optimizer.
   equal, on (dp, ep, tp, pp) meshes with EP=4, EP=2 with tp=2+SP, EP=2 with pp=2, top-1 and
   top-2, with and without the distributed optimizer; and PR 3766's matrix (layers x shared
   experts x dispatcher: dropless, capacity).
-* Issue 22: dropless experts, expert tensor parallelism and shared experts through the
+* Dropless experts, expert tensor parallelism and shared experts through the
   pipeline equal the reference.
 * The configuration's checks (Megatron's wording where it has them).
 """
@@ -200,7 +200,7 @@ def test_interleaved_moe_equals_single_device_reference(schedule, vocab):
     ],
 )
 def test_dropless_layouts_equal_single_device_reference(ep, tp, pp, etp, topk, arch):
-    """Issue 22 through the whole pipeline: dropless experts (ragged GEMMs), expert tensor
+    """Through the whole pipeline: dropless experts (ragged GEMMs), expert tensor
     parallelism on and off, shared experts; the capacity path with ETP where a capacity
     of ``E`` drops nothing."""
     _check_gradients(
@@ -442,7 +442,8 @@ def test_layout_checks(kw, par_kw, match):
         ),
         (
             dict(moe_shared_expert_overlap=True),
-            r"moe_shared_expert_overlap needs shared experts \(moe_shared_expert_intermediate_size\)",
+            r"moe_shared_expert_overlap needs shared experts "
+            r"\(moe_shared_expert_intermediate_size\)",
         ),
     ],
 )

@@ -95,15 +95,19 @@ def test_simulator_bad_arguments(argv):
 def test_zb_h1_splits_every_backward_and_keeps_1f1b_order():
     z, o = zb_h1(4, 8), one_f_one_b(4, 8)
     assert z.split_backward and not o.split_backward and (o.weight == IDLE).all()
-    for s in range(4):
-        # The same F/B order as 1F1B; every W after its B, in order.
-        fb = lambda t: [
+
+    def fb(t, s):
+        """Stage ``s``'s forwards and backwards in tick order: ``[("F" | "B", microbatch)]``."""
+        return [
             (k, int(c[i, s]))
             for i in range(t.num_ticks)
             for k, c in (("F", t.forward), ("B", t.backward))
             if c[i, s] >= 0
         ]
-        assert fb(z) == fb(o)
+
+    for s in range(4):
+        # The same F/B order as 1F1B; every W after its B, in order.
+        assert fb(z, s) == fb(o, s)
         assert (z.ticks("W", s) >= z.ticks("B", s)).all()
         assert z.last_grad_tick(s) == z.ticks("W", s).max()
 

@@ -5,9 +5,10 @@ Like Megatron-LM's ``tools/preprocess_data.py``: one document per line of a JSON
 file (its ``--json-key`` field, ``text`` by default) or per plain-text file; tokens are
 the UTF-8 bytes (vocabulary 256) or, with ``--tokenizer-json``, the ids of a Hugging Face
 ``tokenizers`` tokenizer (``--tokenizer-hf-dir DIR``: a model directory's ``tokenizer.json``,
-its vocabulary checked against the model's); ``--append-eod`` ends every document with ``--eod-id`` (default:
-0 for bytes, the tokenizer's ``<|endoftext|>``/``</s>`` token otherwise). The token dtype
-is Megatron's choice for the vocabulary (uint16 below 65500 ids, else int32)::
+its vocabulary checked against the model's); ``--append-eod`` ends every document with
+``--eod-id`` (default: 0 for bytes, the tokenizer's ``<|endoftext|>``/``</s>`` token
+otherwise). The token dtype is Megatron's choice for the vocabulary (uint16 below 65500
+ids, else int32)::
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus
     python examples/pretrain_gpt.py --data-path data/corpus --split 98,2,0

@@ -57,7 +57,10 @@ def _h100() -> str:
 def _with(config: str, **fields) -> str:
     for key, value in fields.items():
         text = f'"{value}"' if isinstance(value, str) else str(value)
-        config, n = re.subn(rf"({key}: )(\"[^\"]*\"|\d+)", lambda m: m.group(1) + text, config)
+        # A function replacement, not a template: ``text`` is inserted as is (no escapes).
+        config, n = re.subn(
+            rf"({key}: )(\"[^\"]*\"|\d+)", lambda m, text=text: m.group(1) + text, config
+        )
         assert n == 1, key
     return config
 

@@ -139,7 +139,7 @@ def _mlp(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
     for kind in ("weight", "bias"):
         if kind == "bias" and not cfg.add_bias_linear:
             continue
-        mat = lambda *s: s if kind == "weight" else s[:1]
+        mat = (lambda *s: s) if kind == "weight" else (lambda *s: s[:1])
         fc1, fc2 = f"{key}.fc1.{kind}", f"{key}.fc2.{kind}"
         out += [
             HFTensor(f"{p}mlp.gate_proj.{kind}", mat(f, h), fc1, _region(fc1, j, 0)),

@@ -26,6 +26,9 @@ from jax_wgrad.ops import PrecisionLike, require_fusion
 
 __all__ = ["Linear", "MainGrad"]
 
+# flax.nnx.Linear's default (a module-level initializer, not a call in the signature).
+default_kernel_init = nnx.initializers.lecun_normal()
+
 
 class MainGrad(nnx.Variable):
     """fp32 weight-gradient accumulator of a module (Megatron's ``weight.main_grad``)."""
@@ -51,7 +54,7 @@ class Linear(nnx.Module):
         use_bias: bool = True,
         gradient_accumulation_fusion: bool = False,
         param_dtype: jnp.dtype = jnp.float32,
-        kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+        kernel_init: nnx.Initializer = default_kernel_init,
         precision: PrecisionLike = None,
         rngs: nnx.Rngs,
     ):
