@@ -4,7 +4,7 @@
 //
 // Threads: OpenBLAS is used single-threaded (its own thread server, next to XLA's
 // intra-op pool on the same cores, made the fused train step up to 10x slower on a
-// loaded 2-core machine: notes/issue17_cpu_perf.md). Instead each GEMM's output block is
+// loaded 2-core machine: docs/design/cpu_performance.md). Instead each GEMM's output block is
 // split into tiles (row or column ranges, each its own sgemm) that run on the calling
 // thread and on XLA's intra-op pool, as XLA's own dots do; a GEMM too small to amortize a
 // task runs on the calling thread alone.

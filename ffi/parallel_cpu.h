@@ -3,7 +3,7 @@
 // XLA:CPU runs a custom call on one thread and parallelizes its own ops (dots, fusions)
 // on its intra-op pool. A handler that starts threads of its own -- OpenBLAS's thread
 // server, by default -- competes with that pool for the same cores: on a 2-core machine
-// the step with the fused GEMM ran up to 10x slower than XLA's dot (notes/issue17_cpu_perf.md).
+// the step with the fused GEMM ran up to 10x slower than XLA's dot (docs/design/cpu_performance.md).
 // So the handlers split their work into independent items and run them on the calling
 // thread and on the pool that XLA hands to FFI handlers (ffi::ThreadPool).
 #ifndef JAX_WGRAD_FFI_PARALLEL_CPU_H_

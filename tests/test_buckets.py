@@ -1,7 +1,7 @@
-"""Tests for jax_wgrad.buckets: Megatron's bucket layout of the flat gradient buffer.
+"""Tests for jax_wgrad.grads.plan: Megatron's bucket layout of the flat gradient buffer.
 
 The first group ports Megatron-LM's own unit tests of ``_ParamAndGradBuffer``
-(``tests/unit_tests/distributed/test_param_and_grad_buffer.py``: ``test_bucket_sizes`` and
+(its ``unit_tests/distributed/test_param_and_grad_buffer.py``: ``test_bucket_sizes`` and
 ``test_param_to_index_alignment_with_padding``) with their gold-value computation. The rest
 are hand-computed edge cases and a randomized check of layout invariants.
 """

@@ -1,6 +1,6 @@
-"""Issue 22's acceptance, read from the compiled step: the dropless MoE layer's expert GEMM
-FLOPs are the routed tokens' (within 1.25x), while capacity = E (the dropless of before)
-costs about E times that; counted by ``benchmarks/moe_flops.py`` on a tiny shape."""
+"""Read from the compiled step: the dropless MoE layer's expert GEMM FLOPs are the routed
+tokens' (within 1.25x), while a capacity of every routed choice (capacity factor E) costs
+about E times that; counted by ``benchmarks/moe_flops.py`` on a tiny shape."""
 
 from collections import Counter
 

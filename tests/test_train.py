@@ -103,7 +103,7 @@ def test_step_donates_state():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bf16_step_has_no_16bit_scatter(tp):
     # Embedding gradients are scatter-added in fp32 (a bf16 scatter-add rounds every partial
-    # sum and is ~190x slower on a GPU for text-like ids, ../shared/gpu/FINDINGS.md #7).
+    # sum and is ~190x slower on a GPU for text-like ids, docs/design/h100_findings.md, section 2).
     import re
 
     model = GPTConfig(

@@ -6,9 +6,9 @@ the Hugging Face model's, and the exported directory loaded back by ``transforme
 Runs in this library's environment; ``--torch-python`` is an interpreter with torch and
 transformers (it computes the exported model's logits)::
 
-    /work/venv-torch/bin/python tools/make_hf_fixtures.py --fresh --seed 7 --out /tmp/fresh
-    python tools/compare_hf.py /tmp/fresh/* tests/fixtures/hf/* \\
-        --torch-python /work/venv-torch/bin/python
+    TORCH_PY=/path/to/venv-torch/bin/python   # an environment with torch and transformers
+    $TORCH_PY tools/make_hf_fixtures.py --fresh --seed 7 --out runs/fresh
+    python tools/compare_hf.py runs/fresh/* tests/fixtures/hf/* --torch-python $TORCH_PY
 
 Per directory (one JSON line): fp32 max relative logit difference of the reference model,
 max per-token KL(HF fp32 || ours bf16) (and HF's own bf16 KL for scale), the pipeline's

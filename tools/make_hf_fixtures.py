@@ -6,7 +6,7 @@ download) and their reference logits, for ``tests/test_hf.py``.
 Needs ``torch`` and ``transformers`` (not dependencies of this library; e.g. a separate
 venv: ``pip install torch==2.13.0 transformers safetensors numpy``)::
 
-    /work/venv-torch/bin/python tools/make_hf_fixtures.py [--out tests/fixtures/hf]
+    /path/to/venv-torch/bin/python tools/make_hf_fixtures.py [--out tests/fixtures/hf]
 
 Per family: the HF directory (``config.json``, bf16 safetensors -- Llama's split into
 shards with an index -- and whatever ``save_pretrained`` adds) and ``reference.npz``:

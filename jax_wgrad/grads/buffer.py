@@ -390,7 +390,7 @@ class GradBuffer:
         aliasing the bucket): each leaf reads and writes only its own block, so on a
         donated argument or a scan carry no bucket is copied on CPU or GPU. (A plain
         ``dynamic_update_slice`` at a constant offset copies the whole bucket per leaf on
-        XLA:GPU, ../shared/gpu/FINDINGS.md.) The add is done in fp32 and stored in the
+        XLA:GPU, docs/design/h100_findings.md.) The add is done in fp32 and stored in the
         bucket dtype. Padding is left untouched.
 
         Args:

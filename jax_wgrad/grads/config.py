@@ -16,7 +16,7 @@ class DDPConfig:
 
     Megatron's ``DistributedDataParallelConfig`` fields (same names and meaning) plus
     ``clip_grad`` (from Megatron's ``OptimizerConfig``), because this library's
-    optimizer step (:class:`jax_wgrad.dist_optimizer.DistributedOptimizer`) owns clipping.
+    optimizer step (:class:`jax_wgrad.optim.DistributedOptimizer`) owns clipping.
     """
 
     use_distributed_optimizer: bool = False

@@ -26,7 +26,7 @@ the embedding/head).
    the global mean token loss).
 
 The norm / clipping / skip / update that follow are
-:class:`jax_wgrad.dist_optimizer.DistributedOptimizer`'s.
+:class:`jax_wgrad.optim.DistributedOptimizer`'s.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 :class:`GradLayout` is built from two trees of the same structure -- the per-device
 parameter shapes and their :class:`~jax_wgrad.grads.spec.GradSpec` -- given by a model,
 as :class:`~jax_wgrad.grads.chunks.DeviceTree` trees (a subtree per chunk, by name).
-Each chunk gets its own :class:`~jax_wgrad.grads.GradBuffer`, Megatron's exact bucket plan (a forced bucket boundary between chunks, as Megatron keeps one buffer per model
+Each chunk gets its own :class:`~jax_wgrad.grads.GradBuffer`, Megatron's exact bucket
+plan (a forced bucket boundary between chunks, as Megatron keeps one buffer per model
 chunk and separate expert-parallel buffers); the expert chunk is planned for the
-expert-data-parallel size and synced over :data:`~jax_wgrad.parallel.mesh.EXPERT_DATA_PARALLEL`
+expert-data-parallel size and synced over
+:data:`~jax_wgrad.parallel.mesh.EXPERT_DATA_PARALLEL`
 (:attr:`GradLayout.bucket_axes`), the others over
 :data:`~jax_wgrad.parallel.mesh.DATA_PARALLEL`;
 :attr:`GradLayout.buffer` is their concatenation, the optimizer's view. Under the

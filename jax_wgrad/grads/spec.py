@@ -46,7 +46,7 @@ CHUNKS: tuple[str, ...] = (STAGE, EXPERTS, SHARED)
 STACKED: tuple[str, ...] = (STAGE, EXPERTS)
 """Chunks whose every leaf is stacked over the stage's layers, ``[n, ...]``: with ``V``
 model chunks per stage (interleaved schedules) model chunk ``v`` is rows
-``[v n / V, (v + 1) n / V)`` of every leaf (a :class:`~jax_wgrad.grads.sink.Window`)."""
+``[v n / V, (v + 1) n / V)`` of every leaf (a :class:`~jax_wgrad.grads.chunks.Window`)."""
 
 INPUT = "input"
 LAYERS = "layers"

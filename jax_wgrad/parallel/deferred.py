@@ -81,7 +81,7 @@ def ring_shift(a: jax.Array, tp: int, axis_name: str = TENSOR) -> jax.Array:
     Written as two ACYCLIC permutes (the chain ``i -> i+1`` and the wrap ``tp-1 -> 0``)
     added together (a rank in no pair of a permute receives zeros): a ring over ``tensor``
     in a mesh with other axes is a permute with several cycles, which XLA:GPU has
-    returned zeros for (DESIGN.md, traps).
+    returned zeros for (``docs/design/pipeline_executor.md``).
     """
     chain = lax.ppermute(a, axis_name, [(i, i + 1) for i in range(tp - 1)])
     wrap = lax.ppermute(a, axis_name, [(tp - 1, 0)])

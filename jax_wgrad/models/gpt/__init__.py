@@ -1,4 +1,5 @@
-"""A tensor-parallel GPT (pre-LN decoder, causal attention, GELU MLP, learned positions):
+"""A tensor-parallel GPT (pre-LN decoder, causal attention; GPT-2 by default, with
+Megatron's Llama-family options: RMSNorm, RoPE, SwiGLU, grouped-query attention, MoE):
 its config, NNX modules, canonical parameters and stage programs."""
 
 from jax_wgrad.models.gpt.config import GPTConfig, validate

@@ -4,10 +4,11 @@ Activations go ``s -> s + 1``, gradients ``s + 1 -> s``: two acyclic ``ppermute`
 ``pipeline``. With ``V > 1`` model chunks per stage (interleaved schedules) the last
 stage's chunk ``v`` feeds the first stage's chunk ``v + 1`` (and the gradient goes back):
 the ring edge ``P - 1 -> 0`` is its own acyclic permute (one cyclic permute over a mesh
-axis with other axes is DESIGN.md's collective-permute trap). Every device runs every
-permute every tick (all stages take part in a collective); what a receiver gets is written
-at the inbox slot of the (chunk, microbatch) the sender's table row names, or at the spare
-last slot (never read) when the sender ran nothing or its output leaves the pipeline.
+axis with other axes returns zeros on XLA:GPU: docs/design/pipeline_executor.md). Every
+device runs every permute every tick (all stages take part in a collective); what a
+receiver gets is written at the inbox slot of the (chunk, microbatch) the sender's table
+row names, or at the spare last slot (never read) when the sender ran nothing or its
+output leaves the pipeline.
 """
 
 from __future__ import annotations
