@@ -26,7 +26,6 @@ if "JAX_PLATFORMS" not in os.environ and _cuda_gpu_usable():
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from script_util import load_script  # noqa: E402
 
 import jax_wgrad  # noqa: E402
 from jax_wgrad.ops import registry  # noqa: E402
@@ -58,6 +57,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def example():
-    """``examples/pretrain_gpt.py`` loaded as a module (its ``main(argv)`` runs the job)."""
-    return load_script("examples/pretrain_gpt.py")
+def pretrain():
+    """The pretraining job that ``examples/pretrain_gpt.py`` runs (:mod:`jax_wgrad.pretrain.job`):
+    ``pretrain.main(argv)`` runs it in this process and returns its summary."""
+    from jax_wgrad.pretrain import job
+
+    return job

@@ -95,15 +95,22 @@ def test_16bit_scatter_is_found():
     assert "scatter(" in text and hlo.scatters_16bit(text) == []
 
 
+# The HLO and thunk-sequence fixtures below are XLA's text, one instruction (or thunk) a
+# line; a line over the length limit is continued with a backslash-newline, which the
+# string does not contain.
 _SCHEDULED = """\
 HloModule m, is_scheduled=true
 
 ENTRY %main (p: f32[8]) -> f32[8] {
   %p = f32[8]{0} parameter(0)
-  %collective-permute-start = ((f32[8]{0}), f32[8]{0}) collective-permute-start(%p), channel_id=1, source_target_pairs={{0,1}}, metadata={op_name="jit(step)/while/body/send_recv/ppermute"}
+  %collective-permute-start = ((f32[8]{0}), f32[8]{0}) collective-permute-start(%p), \
+channel_id=1, source_target_pairs={{0,1}}, \
+metadata={op_name="jit(step)/while/body/send_recv/ppermute"}
   %fusion.1 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused_computation
-  %collective-permute-done = f32[8]{0} collective-permute-done(%collective-permute-start), metadata={op_name="jit(step)/while/body/send_recv/ppermute"}
-  %reduce-scatter-start = ((f32[8]{0}), f32[4]{0}) reduce-scatter-start(%fusion.1), metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/reduce_scatter"}
+  %collective-permute-done = f32[8]{0} collective-permute-done(%collective-permute-start), \
+metadata={op_name="jit(step)/while/body/send_recv/ppermute"}
+  %reduce-scatter-start = ((f32[8]{0}), f32[4]{0}) reduce-scatter-start(%fusion.1), \
+metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/reduce_scatter"}
   %reduce-scatter-done = f32[4]{0} reduce-scatter-done(%reduce-scatter-start)
   %all-reduce.2 = f32[8]{0} all-reduce(%collective-permute-done), to_apply=%add
   ROOT %copy.1 = f32[8]{0} copy(%all-reduce.2)
@@ -156,10 +163,14 @@ HloModule m, is_scheduled=true
 %sync_branch (param.1: (f32[64], f32[64])) -> (f32[32], f32[32]) {
   %param.1 = (f32[64]{0}, f32[64]{0}) parameter(0)
   %loop_multiply_fusion = f32[64]{0} fusion(%param.1#0), kind=kLoop, calls=%fused_multiply
-  %reduce-scatter-start = ((f32[64]{0}), f32[32]{0}) async-start(%loop_multiply_fusion), calls=%async_computation, metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond/branch_1_fun/reduce_scatter"}
+  %reduce-scatter-start = ((f32[64]{0}), f32[32]{0}) async-start(%loop_multiply_fusion), \
+calls=%async_computation, \
+metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond/branch_1_fun/reduce_scatter"}
   %loop_multiply_fusion.1 = f32[64]{0} fusion(%param.1#1), kind=kLoop, calls=%fused_multiply
   %reduce-scatter-done = f32[32]{0} async-done(%reduce-scatter-start)
-  %reduce-scatter-start.1 = ((f32[64]{0}), f32[32]{0}) async-start(%loop_multiply_fusion.1), calls=%async_computation.1, metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond/branch_1_fun/reduce_scatter"}
+  %reduce-scatter-start.1 = ((f32[64]{0}), f32[32]{0}) async-start(%loop_multiply_fusion.1), \
+calls=%async_computation.1, \
+metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond/branch_1_fun/reduce_scatter"}
   %reduce-scatter-done.1 = f32[32]{0} async-done(%reduce-scatter-start.1)
   ROOT %t = (f32[32]{0}, f32[32]{0}) tuple(%reduce-scatter-done, %reduce-scatter-done.1)
 }
@@ -167,11 +178,14 @@ HloModule m, is_scheduled=true
 ENTRY %main (a: bf16[8,8], g: (f32[64], f32[64])) -> bf16[8,8] {
   %a = bf16[8,8]{1,0} parameter(0)
   %g = (f32[64]{0}, f32[64]{0}) parameter(1)
-  %collective-permute-start = ((bf16[8,8]{1,0}), bf16[8,8]{1,0}) collective-permute-start(%a), source_target_pairs={{0,1}}, metadata={op_name="jit(step)/while/body/send_recv/ppermute"}
+  %collective-permute-start = ((bf16[8,8]{1,0}), bf16[8,8]{1,0}) collective-permute-start(%a), \
+source_target_pairs={{0,1}}, metadata={op_name="jit(step)/while/body/send_recv/ppermute"}
   %gemm_fusion = bf16[8,8]{1,0} fusion(%a, %a), kind=kCustom, calls=%gemm_computation
   %collective-permute-done = bf16[8,8]{1,0} collective-permute-done(%collective-permute-start)
   %p = pred[] constant(true)
-  %conditional = (f32[32]{0}, f32[32]{0}) conditional(%p, %g, %g), true_computation=%sync_branch, false_computation=%sync_branch, metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond"}
+  %conditional = (f32[32]{0}, f32[32]{0}) conditional(%p, %g, %g), \
+true_computation=%sync_branch, false_computation=%sync_branch, \
+metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond"}
   ROOT %r = bf16[8,8]{1,0} add(%gemm_fusion, %collective-permute-done)
 }
 """
@@ -228,7 +242,8 @@ HloModule m, is_scheduled=true
   %param_1 = bf16[2,64,64]{2,1,0} parameter(1)
   %param_2 = s32[] parameter(2)
   %zero = s32[] constant(0)
-  %ds = bf16[1,64,64]{2,1,0} dynamic-slice(%param_1, %param_2, %zero, %zero), dynamic_slice_sizes={1,64,64}
+  %ds = bf16[1,64,64]{2,1,0} dynamic-slice(%param_1, %param_2, %zero, %zero), \
+dynamic_slice_sizes={1,64,64}
   %cv = f32[1,64,64]{2,1,0} convert(%ds)
   %flat = f32[4096]{0} bitcast(%cv)
   %offset = s32[] multiply(%param_2, %param_2)
@@ -239,7 +254,8 @@ HloModule m, is_scheduled=true
   %p = (f32[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
   %loop_broadcast_fusion = f32[1024]{0} fusion(), kind=kLoop, calls=%fused_zero
   %loop_convert_fusion = bf16[64,64]{1,0} fusion(%p#0), kind=kLoop, calls=%fused_convert
-  %gemm_fusion = bf16[64,64]{1,0} fusion(%loop_convert_fusion, %p#1), kind=kCustom, calls=%gemm_computation
+  %gemm_fusion = bf16[64,64]{1,0} fusion(%loop_convert_fusion, %p#1), kind=kCustom, \
+calls=%gemm_computation
   %cc = bf16[64,64]{1,0} custom-call(%gemm_fusion), custom_call_target="__cudnn$fmhaSoftmax"
   ROOT %t = (f32[1024]{0}, bf16[64,64]{1,0}) tuple(%loop_broadcast_fusion, %cc)
 }
@@ -266,19 +282,26 @@ HloModule m, is_scheduled=true
 
 %bwd_busy (p: (s32[], f32[256])) -> (s32[], f32[256]) {
   %p = (s32[], f32[256]{0}) parameter(0)
-  ROOT %while.2 = (s32[], f32[256]{0}) while(%p), condition=%layer_cond, body=%layer_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %while.2 = (s32[], f32[256]{0}) while(%p), condition=%layer_cond, \
+body=%layer_body, backend_config={"known_trip_count":{"n":"3"}}
 }
 
 %bwd_idle (p: (s32[], f32[256])) -> (s32[], f32[256]) {
   ROOT %p = (s32[], f32[256]{0}) parameter(0)
 }
 
-%tick (param.1: (f32[16384], bf16[2,64,64], s32[], (f32[64,64], bf16[64,64]), (s32[], f32[256]))) -> f32[16384] {
-  %param.1 = (f32[16384]{0}, bf16[2,64,64]{2,1,0}, s32[], (f32[64,64]{1,0}, bf16[64,64]{1,0}), (s32[], f32[256]{0})) parameter(0)
+%tick (param.1: (f32[16384], bf16[2,64,64], s32[], (f32[64,64], bf16[64,64]), \
+(s32[], f32[256]))) -> f32[16384] {
+  %param.1 = (f32[16384]{0}, bf16[2,64,64]{2,1,0}, s32[], (f32[64,64]{1,0}, bf16[64,64]{1,0}), \
+(s32[], f32[256]{0})) parameter(0)
   %pred = pred[] constant(false)
-  %conditional.1 = (f32[1024]{0}, bf16[64,64]{1,0}) conditional(%pred, %param.1#3, %param.1#3), true_computation=%fwd_idle, false_computation=%fwd_busy, metadata={op_name="jit(step)/while/body/forward/cond"}
-  %conditional.2 = (s32[], f32[256]{0}) conditional(%param.1#2, %param.1#4, %param.1#4), branch_computations={%bwd_idle, %bwd_busy}, metadata={op_name="jit(step)/while/body/backward/cond"}
-  %loop_dynamic_update_slice_fusion = f32[16384]{0} fusion(%param.1#0, %param.1#1, %param.1#2), kind=kLoop, calls=%fused_dus
+  %conditional.1 = (f32[1024]{0}, bf16[64,64]{1,0}) conditional(%pred, %param.1#3, %param.1#3), \
+true_computation=%fwd_idle, false_computation=%fwd_busy, \
+metadata={op_name="jit(step)/while/body/forward/cond"}
+  %conditional.2 = (s32[], f32[256]{0}) conditional(%param.1#2, %param.1#4, %param.1#4), \
+branch_computations={%bwd_idle, %bwd_busy}, metadata={op_name="jit(step)/while/body/backward/cond"}
+  %loop_dynamic_update_slice_fusion = f32[16384]{0} fusion(%param.1#0, %param.1#1, %param.1#2), \
+kind=kLoop, calls=%fused_dus
   %cp = bf16[64,64]{1,0} collective-permute(%param.1#1), source_target_pairs={{0,1}}
   ROOT %r = f32[16384]{0} copy(%loop_dynamic_update_slice_fusion)
 }
@@ -403,11 +426,13 @@ def test_per_microbatch_cost_of_the_busiest_stage():
 
 _THUNKS = """\
 000: kCommandBuffer [source        | next=003 (1) ]
-    001: kCustomKernel [source        | sink         ] loop_broadcast_fusion grid: [128, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+    001: kCustomKernel [source        | sink         ] loop_broadcast_fusion \
+grid: [128, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
     002: kCopy         [source        | sink         ] kCopy
 003: kWhile         [prev=000 (1)  | next=000 (1) ]
 condition:
-    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    004: kCustomKernel [source | sink] loop_compare_fusion \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
   body:
     005: kAsyncStart   [source       | next=007 (4)] stream=computation_stream[1], async_id=5
         006: kDynamicSliceFusion [source | sink] params=1, results=1
@@ -416,14 +441,17 @@ condition:
     008: kConditional  [prev=007 (2) | next=009 (1)]
       false_branch:
         000: kCommandBuffer [source       | next=011 (1)]
-            009: kCustomKernel [source | sink] fusion_a grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            009: kCustomKernel [source | sink] fusion_a \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
             010: kCuDnn        [prev=009 (1)  | next=011 (1)] kCuDnn
         011: kCustomCall    [prev=000 (1) | next=012 (3)] kCustomCall
         012: kWhile         [prev=011 (1) | sink ]
         condition:
-            013: kCustomKernel [source | sink] loop_compare_fusion_2 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            013: kCustomKernel [source | sink] loop_compare_fusion_2 \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
           body:
-            014: kCustomKernel [source | sink] inner grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            014: kCustomKernel [source | sink] inner \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
       true_branch:
         No thunks.
     015: kConditional  [prev=008 (2) | sink]
@@ -502,29 +530,39 @@ def test_schedule_loop_is_the_outermost_loop_carrying_the_bucket():
 _NESTED_THUNKS = """\
 003: kWhile         [source | sink]
 condition:
-    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    004: kCustomKernel [source | sink] loop_compare_fusion \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
   body:
-    005: kCustomKernel [source | next=008 (1)] loop_dynamic_slice_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    005: kCustomKernel [source | next=008 (1)] loop_dynamic_slice_fusion \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
     008: kConditional  [prev=005 (1) | next=030 (1)]
       false_branch:
-        009: kCustomKernel [source | next=020 (1)] fusion_a grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+        009: kCustomKernel [source | next=020 (1)] fusion_a \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
         020: kWhile         [prev=009 (1) | next=026 (1)]
 condition:
-            021: kCustomKernel [source | sink] loop_compare_fusion_2 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            021: kCustomKernel [source | sink] loop_compare_fusion_2 \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
           body:
-            022: kCustomKernel [source | next=000 (1)] layer_a grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            022: kCustomKernel [source | next=000 (1)] layer_a \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
             000: kCommandBuffer [prev=022 (1) | next=025 (1)]
-                023: kCustomKernel [source | sink] layer_b grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
-                024: kCustomKernel [source | sink] layer_c grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+                023: kCustomKernel [source | sink] layer_b \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+                024: kCustomKernel [source | sink] layer_c \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
             025: kCustomCall    [prev=000 (1) | sink] kCustomCall
-        026: kCustomKernel [prev=020 (1) | sink] fusion_b grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+        026: kCustomKernel [prev=020 (1) | sink] fusion_b \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
       true_branch:
         No thunks.
     030: kWhile         [prev=008 (1) | sink]
 condition:
-        031: kCustomKernel [source | sink] loop_compare_fusion_3 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+        031: kCustomKernel [source | sink] loop_compare_fusion_3 \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
       body:
-        032: kCustomKernel [source | sink] other grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+        032: kCustomKernel [source | sink] other \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
 """
 _NESTED_META = "".join(
     f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{n}"\n'
@@ -814,7 +852,7 @@ def test_does_not_fit_verdict(plugin):
 
 
 @aot
-def test_example_compile_only_on_8_h100(plugin, example, capsys):
+def test_example_compile_only_on_8_h100(plugin, pretrain, capsys):
     argv = [
         "--compile-only",
         "--target",
@@ -841,7 +879,7 @@ def test_example_compile_only_on_8_h100(plugin, example, capsys):
         "--micro-batch-size",
         "2",
     ]
-    report = example.main(argv)["aot"]
+    report = pretrain.main(argv)["aot"]
     out = capsys.readouterr().out
     assert "8 NVIDIA H100 80GB HBM3" in out and "(2, 1, 2, 2)" in out
     assert "verdict: fits" in out
@@ -862,10 +900,10 @@ def test_example_compile_only_on_8_h100(plugin, example, capsys):
 
 
 @aot
-def test_example_exits_1_when_it_does_not_fit(plugin, example, monkeypatch, capsys):
+def test_example_exits_1_when_it_does_not_fit(plugin, pretrain, monkeypatch, capsys):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.00001")  # < 1 MiB of 79 GiB
     with pytest.raises(SystemExit) as exc:
-        example.main(
+        pretrain.main(
             [
                 "--compile-only",
                 "--num-layers",
@@ -940,12 +978,14 @@ def test_llama3_8b_on_8_h100_fits_in_place():
 _GRAPH_COND = """\
 003: kWhile         [source | sink]
 condition:
-    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    004: kCustomKernel [source | sink] loop_compare_fusion \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
   body:
     000: kCommandBuffer [source | sink]
         008: kConditional  [source | sink]
           false_branch:
-            009: kCustomKernel [source | sink] fusion_a grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            009: kCustomKernel [source | sink] fusion_a \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
             011: kCustomCall    [prev=009 (1) | sink] kCustomCall
           true_branch:
             No thunks.
@@ -968,11 +1008,11 @@ def test_conditional_captured_in_a_command_buffer_is_one_launch():
     ) == (1, 2, 0)
 
 
-def test_example_compile_only_without_plugin_is_a_clear_error(example, capsys):
+def test_example_compile_only_without_plugin_is_a_clear_error(pretrain, capsys):
     if _plugin_error() is None:
         pytest.skip("jax's CUDA plugin is here: the compile would run (see the aot tests)")
     with pytest.raises(SystemExit) as exc:
-        example.main(
+        pretrain.main(
             [
                 "--compile-only",
                 "--num-layers",
@@ -1001,13 +1041,15 @@ def test_dynamic_slice_fusion_around_an_aliased_call_is_no_bucket_kernel():
 %dynamic-slice-fusion (p0: f32[{N}], p1: s32[]) -> (f32[{N}], u8[64]) {{
   %p0 = f32[{N}]{{0}} parameter(0)
   %p1 = s32[] parameter(1)
-  ROOT %wgrad_accumulate_at.0 = (f32[{N}]{{0}}, u8[64]{{0}}) custom-call(%x, %dy, %p0, %p1), custom_call_target="jax_wgrad_wgrad_accumulate_at", output_to_operand_aliasing={{{{0}}: (2, {{}})}}
+  ROOT %wgrad_accumulate_at.0 = (f32[{N}]{{0}}, u8[64]{{0}}) custom-call(%x, %dy, %p0, %p1), \
+custom_call_target="jax_wgrad_wgrad_accumulate_at", output_to_operand_aliasing={{{{0}}: (2, {{}})}}
 }}
 
 ENTRY %main (b: f32[{N}], o: s32[]) -> (f32[{N}], u8[64]) {{
   %b = f32[{N}]{{0}} parameter(0)
   %o = s32[] parameter(1)
-  ROOT %dynamic_slice_fusion = (f32[{N}]{{0}}, u8[64]{{0}}) fusion(%b, %o), kind=kCustom, calls=%dynamic-slice-fusion
+  ROOT %dynamic_slice_fusion = (f32[{N}]{{0}}, u8[64]{{0}}) fusion(%b, %o), kind=kCustom, \
+calls=%dynamic-slice-fusion
 }}
 """
     comps = hlo.computations(text)

@@ -10,6 +10,8 @@ import sys
 import pytest
 from script_util import ROOT, load_script
 
+from jax_wgrad.training import cli
+
 # ------------------------------------------------------------ --report-json validation
 
 SMALL = [
@@ -26,17 +28,17 @@ SMALL = [
 ]
 
 
-def _usage_error(example, argv, capsys) -> str:
+def _usage_error(pretrain, argv, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
-        example.main(argv)
+        pretrain.main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     return err[-1]
 
 
-def test_report_json_needs_compile_only(example, capsys, tmp_path):
+def test_report_json_needs_compile_only(pretrain, capsys, tmp_path):
     path = tmp_path / "r.json"
-    line = _usage_error(example, [*SMALL, "--report-json", str(path)], capsys)
+    line = _usage_error(pretrain, [*SMALL, "--report-json", str(path)], capsys)
     assert line.endswith(
         f"error: --report-json {path}: needs --compile-only (the report "
         "is of a compile for --target GPUs)"
@@ -44,13 +46,15 @@ def test_report_json_needs_compile_only(example, capsys, tmp_path):
     assert not path.exists()
 
 
-def test_report_json_path_must_be_writable(example, capsys, tmp_path):
+def test_report_json_path_must_be_writable(pretrain, capsys, tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     path = a_file / "r.json"  # its "directory" is a file: cannot be created
-    line = _usage_error(example, ["--compile-only", *SMALL, "--report-json", str(path)], capsys)
+    line = _usage_error(pretrain, ["--compile-only", *SMALL, "--report-json", str(path)], capsys)
     assert line.endswith(f"error: --report-json {path}: {a_file} is not a directory")
-    line = _usage_error(example, ["--compile-only", *SMALL, "--report-json", str(tmp_path)], capsys)
+    line = _usage_error(
+        pretrain, ["--compile-only", *SMALL, "--report-json", str(tmp_path)], capsys
+    )
     assert line.endswith(f"error: --report-json {tmp_path}: is a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no probe left
 
@@ -61,7 +65,7 @@ sys.path.insert(0, "tests")
 if sys.argv[1] == "jax-first":
     import jax
 from script_util import load_script
-load_script("examples/pretrain_gpt.py").start_jax_on_cpu_to_compile_only(sys.argv[2:])
+load_script("jax_wgrad/pretrain/launch.py").start_jax_on_cpu_to_compile_only(sys.argv[2:])
 print(os.environ.get("JAX_PLATFORMS"))
 """
 
@@ -158,10 +162,9 @@ def test_layouts_are_the_promised_ones(scale, capsys):
         for flag in scale.COMMON_FLAGS:
             assert flag in argv
     # every layout's flags parse with the example's parser (names, choices, values)
-    example = load_script("examples/pretrain_gpt.py")
     for layout in scale.LAYOUTS:
-        parser = example.make_parser()
-        example.apply_preset(parser, layout.argv("h100"))
+        parser = cli.make_parser()
+        cli.apply_preset(parser, layout.argv("h100"))
         parser.parse_args(layout.argv("h100"))
     scale.main(["--list"])
     out = capsys.readouterr().out

@@ -36,7 +36,7 @@ TIERS = [
     ("jax_wgrad.optim",),
     ("jax_wgrad.parallel.pipeline", "jax_wgrad.parallel.deferred"),
     ("jax_wgrad.training", "jax_wgrad.interop"),
-    ("jax_wgrad.testing", "jax_wgrad.schedules", "jax_wgrad.aot"),
+    ("jax_wgrad.testing", "jax_wgrad.schedules", "jax_wgrad.aot", "jax_wgrad.pretrain"),
 ]
 
 
@@ -161,8 +161,26 @@ def test_public_api():
         assert getattr(jax_wgrad, info.name) is module, info.name
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def _has_doctest(path: Path) -> bool:
+    """A docstring of ``path`` (module, class or function) holds a ``>>>`` example."""
+    tree = ast.parse(path.read_text(), str(path))
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, defs))]
+    parser = doctest.DocTestParser()
+    return any(parser.get_examples(ast.get_docstring(n) or "") for n in nodes)
+
+
+DOCTEST_MODULES = [p for p in MODULES if _has_doctest(p)]
+
+
+def test_some_module_has_doctests():
+    assert DOCTEST_MODULES, "no module of the package has a doctest: test_doctests runs nothing"
+
+
+@pytest.mark.parametrize("path", DOCTEST_MODULES, ids=lambda p: str(p.relative_to(PKG)))
 def test_doctests(path):
     module = importlib.import_module(_module_name(path))
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    # Every example found in the source runs (doctest.testmod finds no nested function's).
+    assert result.attempted > 0, f"{path.name}: testmod found none of its examples"
     assert result.failed == 0

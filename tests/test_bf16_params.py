@@ -42,7 +42,7 @@ from jax_wgrad.models.gpt.config import RUN_OPTIONS
 from jax_wgrad.models.gpt.presets import preset
 from jax_wgrad.optim import DistributedOptimizer, adamw, bytes_per_parameter
 from jax_wgrad.testing.reference import reference_logits, reference_loss
-from jax_wgrad.training import Checkpointer, init_optimizer_state
+from jax_wgrad.training import Checkpointer, cli, init_optimizer_state
 from jax_wgrad.training.checkpoint import canonical_state
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -127,11 +127,11 @@ def test_bf16_init_is_the_fp32_init_rounded():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b.astype(BF16)), p16, p32)
 
 
-def test_example_bf16_flag_is_megatrons(example):
+def test_example_bf16_flag_is_megatrons():
     """``--bf16`` sets bf16 parameters and compute (Megatron's ``params_dtype``)."""
-    parser = example.make_parser()
+    parser = cli.make_parser()
     for flags, dtype in ((["--bf16"], "bfloat16"), (["--fp32"], "float32"), ([], "float32")):
-        model, _, _ = example.build_configs(parser.parse_args(flags), 256, parser)
+        model, _, _ = cli.build_configs(parser.parse_args(flags), 256, parser)
         assert (model.params_dtype, model.compute_dtype) == (dtype, dtype), flags
 
 
@@ -401,7 +401,7 @@ def test_bf16_checkpoint_resume_is_bitwise_and_loads_across_dtypes(bf16_run, tmp
 
 
 @pytest.mark.slow
-def test_load_hf_into_a_bf16_run(example, tmp_path, capsys):
+def test_load_hf_into_a_bf16_run(pretrain, tmp_path, capsys):
     """The example's ``--load-hf`` (fp32 values from safetensors) with ``--bf16``: the
     parameters are the directory's values rounded to bf16, the optimizer's fp32 main
     parameters those rounded values; the run trains from them."""
@@ -415,8 +415,8 @@ def test_load_hf_into_a_bf16_run(example, tmp_path, capsys):
     )
     assert {v.dtype for v in jax.tree.leaves(values)} == {np.dtype(np.float32)}
     plan = _plan(cfg, mb=2, gb=8)
-    state = example.start_from_hf(
-        example.make_parser(), str(fixture), plan, init_train_state(plan, seed=1)
+    state = pretrain.start_from_hf(
+        cli.make_parser(), str(fixture), plan, init_train_state(plan, seed=1)
     )
     jax.tree.map(
         lambda p, v: np.testing.assert_array_equal(p, v.astype(BF16)),
@@ -431,7 +431,7 @@ def test_load_hf_into_a_bf16_run(example, tmp_path, capsys):
     )
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(32, 127)) * 400)  # ASCII: ids < the fixture's vocab 128
-    out = example.main(
+    out = pretrain.main(
         [
             "--load-hf",
             str(fixture),

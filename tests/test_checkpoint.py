@@ -13,8 +13,6 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
 SMALL = [
@@ -51,17 +49,19 @@ def _losses(path):
 
 
 @pytest.fixture(scope="module")
-def straight_and_saved(example, tmp_path_factory):
+def straight_and_saved(pretrain, tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    example.main(SMALL + L222 + ["--train-iters", "6", "--metrics-file", str(d / "straight.jsonl")])
-    example.main(SMALL + L222 + ["--train-iters", "3", "--save", str(d / "ckpt")])
+    pretrain.main(
+        SMALL + L222 + ["--train-iters", "6", "--metrics-file", str(d / "straight.jsonl")]
+    )
+    pretrain.main(SMALL + L222 + ["--train-iters", "3", "--save", str(d / "ckpt")])
     return d, _losses(d / "straight.jsonl")
 
 
-def test_resume_is_bitwise_exact_on_the_same_layout(example, straight_and_saved):
+def test_resume_is_bitwise_exact_on_the_same_layout(pretrain, straight_and_saved):
     d, straight = straight_and_saved
     out = d / "resumed.jsonl"
-    example.main(
+    pretrain.main(
         SMALL + L222 + ["--train-iters", "6", "--load", str(d / "ckpt"), "--metrics-file", str(out)]
     )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -77,10 +77,10 @@ def test_resume_is_bitwise_exact_on_the_same_layout(example, straight_and_saved)
     ],
     ids=["tp2pp4", "dp8"],
 )
-def test_resume_onto_another_layout(example, straight_and_saved, layout):
+def test_resume_onto_another_layout(pretrain, straight_and_saved, layout):
     d, straight = straight_and_saved
     out = d / f"other-{len(layout)}.jsonl"
-    example.main(
+    pretrain.main(
         SMALL
         + layout
         + ["--train-iters", "6", "--load", str(d / "ckpt"), "--metrics-file", str(out)]
@@ -91,10 +91,10 @@ def test_resume_onto_another_layout(example, straight_and_saved, layout):
         assert abs(a - b) <= 1e-5 * abs(b), (got, straight)
 
 
-def test_no_load_optim_keeps_parameters_only(example, straight_and_saved):
+def test_no_load_optim_keeps_parameters_only(pretrain, straight_and_saved):
     d, straight = straight_and_saved
     out = d / "fresh-optim.jsonl"
-    example.main(
+    pretrain.main(
         SMALL
         + L222
         + [
@@ -112,11 +112,11 @@ def test_no_load_optim_keeps_parameters_only(example, straight_and_saved):
     assert got[1] != straight[4]  # but a fresh Adam state moves differently
 
 
-def test_other_model_is_a_clear_error(example, straight_and_saved, capsys):
+def test_other_model_is_a_clear_error(pretrain, straight_and_saved, capsys):
     d, _ = straight_and_saved
     other = [a if a != "32" else "64" for a in SMALL]  # hidden 64 (and seq 64)
     with pytest.raises(SystemExit) as exc:
-        example.main(other + ["--train-iters", "4", "--load", str(d / "ckpt")])
+        pretrain.main(other + ["--train-iters", "4", "--load", str(d / "ckpt")])
     assert exc.value.code == 2  # argparse's usage error
     err = capsys.readouterr().err
     assert (
@@ -128,9 +128,7 @@ def test_other_model_is_a_clear_error(example, straight_and_saved, capsys):
 _KILL_DURING_SAVE = r"""
 import os, signal, sys
 sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
-import importlib.util
-spec = importlib.util.spec_from_file_location("pretrain_gpt", sys.argv[0] if False else %r)
-ex = importlib.util.module_from_spec(spec); spec.loader.exec_module(ex)
+from jax_wgrad.pretrain import main
 from jax_wgrad.training import checkpoint
 save = checkpoint.Checkpointer.save
 def save_then_die(self, plan, state, *, step, **kw):
@@ -138,15 +136,15 @@ def save_then_die(self, plan, state, *, step, **kw):
     if step == 4:  # the async save of step 4 is under way: die now
         os.kill(os.getpid(), signal.SIGKILL)
 checkpoint.Checkpointer.save = save_then_die
-ex.main(sys.argv[1:])
+main(sys.argv[1:])
 """
 
 
-def test_killed_async_save_leaves_the_previous_checkpoint_loadable(example, tmp_path):
+def test_killed_async_save_leaves_the_previous_checkpoint_loadable(pretrain, tmp_path):
     """SIGKILL during the save of step 4; the resumed run (same metrics file) continues from
     the newest complete checkpoint and the metrics file holds every step exactly once."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    script = _KILL_DURING_SAVE % str(ROOT / "examples" / "pretrain_gpt.py")
+    script = _KILL_DURING_SAVE
     run = subprocess.run(
         [
             sys.executable,
@@ -175,7 +173,7 @@ def test_killed_async_save_leaves_the_previous_checkpoint_loadable(example, tmp_
     leftovers = [p.name for p in ckpt.iterdir() if not p.name.isdigit()]
     killed_steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert killed_steps == [1, 2, 3, 4]  # steps after the checkpoint are in the file
-    example.main(
+    pretrain.main(
         SMALL
         + ["--train-iters", str(latest + 1), "--load", str(ckpt), "--metrics-file", str(metrics)]
     )
@@ -185,31 +183,31 @@ def test_killed_async_save_leaves_the_previous_checkpoint_loadable(example, tmp_
     assert np.isfinite(_losses(metrics)).all()
 
 
-def _usage_error(example, capsys, argv) -> str:
+def _usage_error(pretrain, capsys, argv) -> str:
     """``argv`` ends the example with exit code 2 and one error line (no traceback)."""
     with pytest.raises(SystemExit) as exc:
-        example.main(argv)
+        pretrain.main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err, err
     (line,) = [ln for ln in err.splitlines() if ": error: " in ln]
     return line
 
 
-def test_load_of_a_missing_directory_is_an_error(example, tmp_path, capsys):
+def test_load_of_a_missing_directory_is_an_error(pretrain, tmp_path, capsys):
     typo = tmp_path / "ckpt-typo"
-    line = _usage_error(example, capsys, SMALL + ["--train-iters", "2", "--load", str(typo)])
+    line = _usage_error(pretrain, capsys, SMALL + ["--train-iters", "2", "--load", str(typo)])
     assert f"--load {typo}: no such directory" in line and "--save" in line
     assert not typo.exists()  # nothing created
     (tmp_path / "empty").mkdir()
     line = _usage_error(
-        example, capsys, SMALL + ["--train-iters", "2", "--load", str(tmp_path / "empty")]
+        pretrain, capsys, SMALL + ["--train-iters", "2", "--load", str(tmp_path / "empty")]
     )
     assert "no checkpoint in this directory" in line
 
 
-def test_load_equal_to_save_starts_from_scratch_and_says_so(example, tmp_path, capsys):
+def test_load_equal_to_save_starts_from_scratch_and_says_so(pretrain, tmp_path, capsys):
     d = str(tmp_path / "new")
-    example.main(
+    pretrain.main(
         [
             "--num-layers",
             "2",
@@ -262,22 +260,24 @@ def _data_chunk(step_dir: Path) -> Path:
     ids=["fake-step-folder", "deleted-meta", "deleted-data-chunk"],
 )
 def test_damaged_checkpoint_is_one_line(
-    example, straight_and_saved, tmp_path, capsys, damage, message
+    pretrain, straight_and_saved, tmp_path, capsys, damage, message
 ):
     d, _ = straight_and_saved
     ckpt = _damaged_copy(d / "ckpt", tmp_path / "ckpt", damage)
-    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt)])
+    line = _usage_error(
+        pretrain, capsys, SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt)]
+    )
     assert f"checkpoint {ckpt} {message}" in line, line
     assert len(line) < 400
 
 
 def test_fallback_to_the_newest_intact_step_when_told(
-    example, straight_and_saved, tmp_path, capsys
+    pretrain, straight_and_saved, tmp_path, capsys
 ):
     d, straight = straight_and_saved
     ckpt = _damaged_copy(d / "ckpt", tmp_path / "ckpt", lambda d: (d / "9").mkdir())
     out = tmp_path / "m.jsonl"
-    example.main(
+    pretrain.main(
         SMALL
         + L222
         + [
@@ -306,16 +306,18 @@ def _as_moe(ckpt: Path, experts: int) -> None:
 
 
 def test_moe_checkpoint_loaded_as_dense_names_the_fields(
-    example, straight_and_saved, tmp_path, capsys
+    pretrain, straight_and_saved, tmp_path, capsys
 ):
     d, _ = straight_and_saved
     ckpt = _damaged_copy(d / "ckpt", tmp_path / "moe", lambda c: _as_moe(c, 4))
-    line = _usage_error(example, capsys, SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt)])
+    line = _usage_error(
+        pretrain, capsys, SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt)]
+    )
     assert line.endswith(
         "was saved for a different model: --num-experts=4 in the checkpoint, None in this run"
     ), line
     line = _usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + L222 + ["--train-iters", "4", "--load", str(ckpt), "--num-experts", "8"],
     )
@@ -349,15 +351,15 @@ def test_model_differences_field_by_field():
 
 
 def test_save_target_that_cannot_be_written_fails_before_training(
-    example, tmp_path, capsys, monkeypatch
+    pretrain, tmp_path, capsys, monkeypatch
 ):
     (tmp_path / "a-file").write_text("")
-    line = _usage_error(example, capsys, SMALL + ["--save", str(tmp_path / "a-file" / "ckpt")])
+    line = _usage_error(pretrain, capsys, SMALL + ["--save", str(tmp_path / "a-file" / "ckpt")])
     assert f"--save {tmp_path / 'a-file' / 'ckpt'}: cannot write there" in line
     if os.geteuid() != 0:  # root writes into read-only directories
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
-        line = _usage_error(example, capsys, SMALL + ["--save", str(ro)])
+        line = _usage_error(pretrain, capsys, SMALL + ["--save", str(ro)])
         assert "cannot write there (Permission denied)" in line
     import collections
 
@@ -366,7 +368,7 @@ def test_save_target_that_cannot_be_written_fails_before_training(
     full = collections.namedtuple("usage", "total used free")(10 << 20, 10 << 20, 1024)
     monkeypatch.setattr(loop.shutil, "disk_usage", lambda path: full)
     line = _usage_error(
-        example, capsys, SMALL + ["--train-iters", "2", "--save", str(tmp_path / "full")]
+        pretrain, capsys, SMALL + ["--train-iters", "2", "--save", str(tmp_path / "full")]
     )
     assert (
         f"--save {tmp_path / 'full'}: 0.0 MiB free, a checkpoint of this model takes up to" in line

@@ -323,8 +323,16 @@ def test_train_plan_validates_once(monkeypatch):
     ):
         bad = ParallelConfig(pipeline_model_parallel_size=8)
         TrainPlan.create(GPTConfig(), bad, make_mesh(bad), optax.sgd(0.1))
-    example = (Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py").read_text()
-    assert "validate(" not in example
+    import inspect
+
+    from jax_wgrad.pretrain import job, launch
+    from jax_wgrad.training import cli
+
+    root = Path(__file__).resolve().parents[1]
+    for source in [(root / "examples" / "pretrain_gpt.py").read_text()] + [
+        inspect.getsource(m) for m in (job, launch, cli)
+    ]:
+        assert "validate(" not in source
 
 
 def test_resume_log_reads_the_saved_layouts_mesh_shape():

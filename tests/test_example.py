@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from jax_wgrad import fusion_available
+from jax_wgrad.training import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,9 +35,9 @@ SMALL = [
 ]
 
 
-def _curve(example, tmp_path, name, extra):
+def _curve(pretrain, tmp_path, name, extra):
     path = tmp_path / f"{name}.jsonl"
-    summary = example.main(SMALL + ["--train-iters", "6", "--metrics-file", str(path)] + extra)
+    summary = pretrain.main(SMALL + ["--train-iters", "6", "--metrics-file", str(path)] + extra)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert set(rows[0]) == {"step", "loss", "grad_norm", "skipped", "step_time_s", "tokens_per_s"}
@@ -44,8 +45,8 @@ def _curve(example, tmp_path, name, extra):
     return [r["loss"] for r in rows]
 
 
-def test_loss_curves_equal_across_layouts_and_loss_falls(example, tmp_path):
-    base = _curve(example, tmp_path, "dp8", [])
+def test_loss_curves_equal_across_layouts_and_loss_falls(pretrain, tmp_path):
+    base = _curve(pretrain, tmp_path, "dp8", [])
     assert base[-1] < base[0]
     for name, extra in [
         (
@@ -64,12 +65,12 @@ def test_loss_curves_equal_across_layouts_and_loss_falls(example, tmp_path):
             + (["--gradient-accumulation-fusion"] if fusion_available("cpu") else []),
         ),
     ]:
-        curve = _curve(example, tmp_path, name, extra)
+        curve = _curve(pretrain, tmp_path, name, extra)
         for a, b in zip(curve, base):
             assert abs(a - b) <= 1e-4 * abs(b), (name, curve, base)
 
 
-def test_loss_curve_unchanged_by_distributed_optimizer_and_bucket_size(example, tmp_path):
+def test_loss_curve_unchanged_by_distributed_optimizer_and_bucket_size(pretrain, tmp_path):
     layout = [
         "--tensor-model-parallel-size",
         "2",
@@ -79,7 +80,7 @@ def test_loss_curve_unchanged_by_distributed_optimizer_and_bucket_size(example, 
         "--clip-grad",
         "0.3",
     ]  # dp = 2; clipping active
-    base = _curve(example, tmp_path, "replicated", layout)
+    base = _curve(pretrain, tmp_path, "replicated", layout)
     for name, extra in [
         ("distopt", ["--use-distributed-optimizer"]),
         (
@@ -91,30 +92,32 @@ def test_loss_curve_unchanged_by_distributed_optimizer_and_bucket_size(example, 
             ["--overlap-grad-reduce", "--ddp-bucket-size", "1000", "--ddp-average-in-collective"],
         ),
     ]:
-        curve = _curve(example, tmp_path, name, layout + extra)
+        curve = _curve(pretrain, tmp_path, name, layout + extra)
         for a, b in zip(curve, base):
             assert abs(a - b) <= 1e-5 * abs(b), (name, curve, base)
 
 
-def test_profile_dir(example, tmp_path):
+def test_profile_dir(pretrain, tmp_path):
     prof = tmp_path / "prof"
-    example.main(SMALL + ["--train-iters", "3", "--profile-dir", str(prof), "--profile-steps", "1"])
+    pretrain.main(
+        SMALL + ["--train-iters", "3", "--profile-dir", str(prof), "--profile-steps", "1"]
+    )
     assert list(prof.rglob("*.xplane.pb"))
 
 
-def usage_error(example, capsys, argv: list[str], message: str) -> None:
+def usage_error(pretrain, capsys, argv: list[str], message: str) -> None:
     """``argv`` ends the example with an argparse-style error (exit code 2, usage and
     ``pretrain_gpt.py: error: <message>`` on stderr, no traceback)."""
     with pytest.raises(SystemExit) as exc:
-        example.main(argv)
+        pretrain.main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"error: {message}" in err, err
 
 
-def test_clear_error(example, capsys):
+def test_clear_error(pretrain, capsys):
     # The config's error names its fields; the example names the flags the user typed.
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--pipeline-model-parallel-size", "8"],
         "--num-layers (4) must be divisible by --pipeline-model-parallel-size (8)",
@@ -123,7 +126,7 @@ def test_clear_error(example, capsys):
 
 @pytest.mark.slow  # ~1 min alone (5 runs of 6 steps)
 @pytest.mark.skipif(not fusion_available("cpu"), reason="deferral needs the fused op")
-def test_loss_curve_unchanged_by_deferred_output_wgrad(example, tmp_path):
+def test_loss_curve_unchanged_by_deferred_output_wgrad(pretrain, tmp_path):
     layout = [
         "--tensor-model-parallel-size",
         "2",
@@ -132,27 +135,27 @@ def test_loss_curve_unchanged_by_deferred_output_wgrad(example, tmp_path):
         "--sequence-parallel",
         "--gradient-accumulation-fusion",
     ]
-    base = _curve(example, tmp_path, "no-defer", layout)
+    base = _curve(pretrain, tmp_path, "no-defer", layout)
     for name, extra in [
         ("defer-all", ["--defer-embedding-wgrad-compute"]),
         ("defer-1", ["--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "1"]),
         ("defer-3", ["--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "3"]),
         ("defer-recompute", ["--defer-embedding-wgrad-compute", "--defer-mode", "recompute"]),
     ]:
-        curve = _curve(example, tmp_path, name, layout + extra)
+        curve = _curve(pretrain, tmp_path, name, layout + extra)
         for a, b in zip(curve, base):
             assert abs(a - b) <= 1e-5 * abs(b), (name, curve, base)
 
 
-def test_deferral_errors(example, capsys):
+def test_deferral_errors(pretrain, capsys):
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion"],
         "Cannot defer embedding wgrad when pipeline parallel not used",
     )
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL
         + [
@@ -177,7 +180,7 @@ def _schedule_runs():
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="zb-h1 needs the fused op")
 @pytest.mark.parametrize("schedule, recompute", _schedule_runs())
-def test_loss_curve_unchanged_by_schedule_and_recompute(example, tmp_path, schedule, recompute):
+def test_loss_curve_unchanged_by_schedule_and_recompute(pretrain, tmp_path, schedule, recompute):
     layout = [
         "--tensor-model-parallel-size",
         "2",
@@ -186,7 +189,7 @@ def test_loss_curve_unchanged_by_schedule_and_recompute(example, tmp_path, sched
         "--sequence-parallel",
         "--gradient-accumulation-fusion",
     ]
-    base = _curve(example, tmp_path, "1f1b-none", layout)
+    base = _curve(pretrain, tmp_path, "1f1b-none", layout)
     extra = (
         ["--pipeline-schedule", schedule]
         + (["--recompute-granularity", recompute] if recompute else [])
@@ -196,27 +199,27 @@ def test_loss_curve_unchanged_by_schedule_and_recompute(example, tmp_path, sched
             else []
         )
     )
-    curve = _curve(example, tmp_path, f"{schedule}-{recompute}", layout + extra)
+    curve = _curve(pretrain, tmp_path, f"{schedule}-{recompute}", layout + extra)
     for a, b in zip(curve, base):
         assert abs(a - b) <= 1e-5 * abs(b), (schedule, recompute, curve, base)
 
 
-def test_recompute_errors(example, capsys):
+def test_recompute_errors(pretrain, capsys):
     """Megatron's rules and wording for the recompute flags."""
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--recompute-granularity", "full"],
         'Using --recompute-granularity: full so --recompute-method must be "block" or "uniform"',
     )
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--recompute-granularity", "full", "--recompute-method", "block"],
         "When using --recompute-granularity: full --recompute-num-layers must be between",
     )
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL
         + [
@@ -230,35 +233,35 @@ def test_recompute_errors(example, capsys):
         "--recompute-num-layers must be a positive integer, got 0",
     )
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
         "When using --recompute-granularity: selective --recompute-num-layers must be None",
     )
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--recompute-method", "uniform"],
         "--recompute-method (uniform) is only used with --recompute-granularity 'full'",
     )
 
 
-def test_schedule_errors(example, capsys):
+def test_schedule_errors(pretrain, capsys):
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
         "Cannot use the zb-h1 pipeline schedule without gradient accumulation fusion",
     )
 
 
-def test_model_preset_gives_the_flags_defaults_and_flags_override(example):
+def test_model_preset_gives_the_flags_defaults_and_flags_override():
     """``--model NAME``: the preset's config, with the flags given on the command line."""
     from jax_wgrad.models.gpt.presets import preset
 
-    parser = example.make_parser()
+    parser = cli.make_parser()
     argv = ["--model", "qwen2.5-tiny", "--num-layers", "2"]
-    example.apply_preset(parser, argv)
-    model, _, _ = example.build_configs(parser.parse_args(argv), 256, parser)
+    cli.apply_preset(parser, argv)
+    model, _, _ = cli.build_configs(parser.parse_args(argv), 256, parser)
     assert model == preset("qwen2.5-tiny", num_layers=2)
     assert model.add_qkv_bias and not model.add_bias_linear and model.layernorm_epsilon == 1e-6

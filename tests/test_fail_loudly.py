@@ -1,10 +1,12 @@
-"""Careless inputs to ``examples/pretrain_gpt.py`` and the tools (issue 29): each is refused
+"""Careless inputs to ``examples/pretrain_gpt.py`` and the tools: each is refused
 in one line naming the flag, the value and what is allowed, before anything is compiled;
 Ctrl-C at any moment exits 130; the Hugging Face mappings (sliding window, Mixtral's aux-loss
 coefficient, the exported context) and the log's preset line."""
 
 import jax
 import pytest
+
+from jax_wgrad.training import cli
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -27,11 +29,11 @@ SMALL = [
 ]
 
 
-def usage_error(example, capsys, argv: list[str], message: str) -> str:
+def usage_error(pretrain, capsys, argv: list[str], message: str) -> str:
     """``argv`` ends the example with an argparse-style error (exit code 2, usage and
     ``pretrain_gpt.py: error: <message>`` on stderr, one error line, no traceback)."""
     with pytest.raises(SystemExit) as exc:
-        example.main(argv)
+        pretrain.main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"error: {message}" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 2, err
@@ -66,8 +68,8 @@ def usage_error(example, capsys, argv: list[str], message: str) -> str:
         (["--wgrad-deferral-limit", "-1"], "Wgrad deferral limit must be >= 0 (got -1)"),
     ],
 )
-def test_numeric_range(example, capsys, argv, message):
-    usage_error(example, capsys, SMALL + argv, message)
+def test_numeric_range(pretrain, capsys, argv, message):
+    usage_error(pretrain, capsys, SMALL + argv, message)
 
 
 @pytest.mark.parametrize(
@@ -111,17 +113,17 @@ def test_numeric_range(example, capsys, argv, message):
         ),
     ],
 )
-def test_flag_needs_partner(example, capsys, monkeypatch, argv, message):
+def test_flag_needs_partner(pretrain, capsys, monkeypatch, argv, message):
     for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    usage_error(example, capsys, SMALL + argv, message)
+    usage_error(pretrain, capsys, SMALL + argv, message)
 
 
-def test_distributed_needs_a_coordinator(example, capsys, monkeypatch):
+def test_distributed_needs_a_coordinator(pretrain, capsys, monkeypatch):
     for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--distributed"],
         "--distributed needs --coordinator-address (or JAX_COORDINATOR_ADDRESS, or a "
@@ -129,21 +131,21 @@ def test_distributed_needs_a_coordinator(example, capsys, monkeypatch):
     )
 
 
-def test_no_abbreviations(example, capsys):
-    usage_error(example, capsys, SMALL + ["--hidden", "48"], "unrecognized arguments: --hidden")
+def test_no_abbreviations(pretrain, capsys):
+    usage_error(pretrain, capsys, SMALL + ["--hidden", "48"], "unrecognized arguments: --hidden")
 
 
 @pytest.mark.parametrize("flag", ["--metrics-file", "--tensorboard-dir", "--profile-dir"])
-def test_unwritable_output_path(example, capsys, tmp_path, flag):
+def test_unwritable_output_path(pretrain, capsys, tmp_path, flag):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     target = blocker / "sub" / "out"  # below a regular file: can never be created
-    usage_error(example, capsys, SMALL + [flag, str(target)], f"{flag} {target}: ")
+    usage_error(pretrain, capsys, SMALL + [flag, str(target)], f"{flag} {target}: ")
 
 
-def test_metrics_file_is_a_directory(example, capsys, tmp_path):
+def test_metrics_file_is_a_directory(pretrain, capsys, tmp_path):
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--metrics-file", str(tmp_path)],
         f"--metrics-file {tmp_path}: is a directory",
@@ -174,44 +176,44 @@ def _edit_config(directory, **changes):
     path.write_text(json.dumps(cfg))
 
 
-def test_hf_config_missing(example, capsys, tmp_path):
+def test_hf_config_missing(pretrain, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     (d / "config.json").unlink()
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--load-hf", str(d)],
         f"--load-hf {d}: {d / 'config.json'}: no such file",
     )
 
 
-def test_hf_config_not_json(example, capsys, tmp_path):
+def test_hf_config_not_json(pretrain, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     (d / "config.json").write_text("{not json")
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--load-hf", str(d)],
         f"--load-hf {d}: {d / 'config.json'}: not valid JSON",
     )
 
 
-def test_hf_config_missing_a_key(example, capsys, tmp_path):
+def test_hf_config_missing_a_key(pretrain, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     _edit_config(d, hidden_size=None)
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--load-hf", str(d)],
         f"--load-hf {d}: config.json has no 'hidden_size'",
     )
 
 
-def test_hf_only_pytorch_bin(example, capsys, tmp_path):
+def test_hf_only_pytorch_bin(pretrain, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     (d / "model.safetensors").rename(d / "pytorch_model.bin")
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--load-hf", str(d)],
         f"--load-hf {d}: {d}: neither model.safetensors nor "
@@ -219,23 +221,23 @@ def test_hf_only_pytorch_bin(example, capsys, tmp_path):
     )
 
 
-def test_hf_truncated_shard(example, capsys, tmp_path):
+def test_hf_truncated_shard(pretrain, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[: len(data) // 2])
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--load-hf", str(d)],
         f"--load-hf {d}: {d / 'model.safetensors'}: not a readable safetensors file",
     )
 
 
-def test_hf_missing_shard(example, capsys, tmp_path):
+def test_hf_missing_shard(pretrain, capsys, tmp_path):
     d = _copy("llama", tmp_path)
     (d / "model-00002-of-00002.safetensors").unlink()
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--load-hf", str(d)],
         f"--load-hf {d}: {d / 'model.safetensors.index.json'}: names shard(s) that "
@@ -243,25 +245,25 @@ def test_hf_missing_shard(example, capsys, tmp_path):
     )
 
 
-def test_hf_sliding_window_is_checked_against_seq_length(example, capsys, tmp_path):
+def test_hf_sliding_window_is_checked_against_seq_length(capsys, tmp_path):
     """A window of 32 is inactive for --seq-length 16 (accepted: the preset applies) and
     active for --seq-length 64 (refused, naming the field and the run's length)."""
     d = _copy("mistral", tmp_path)
     _edit_config(d, sliding_window=32)
-    parser = example.make_parser()
-    example.apply_preset(parser, ["--load-hf", str(d), "--seq-length", "16"])
+    parser = cli.make_parser()
+    cli.apply_preset(parser, ["--load-hf", str(d), "--seq-length", "16"])
     assert parser.get_default("hidden_size") == 64
     with pytest.raises(SystemExit):
-        example.apply_preset(example.make_parser(), ["--load-hf", str(d), "--seq-length", "64"])
+        cli.apply_preset(cli.make_parser(), ["--load-hf", str(d), "--seq-length", "64"])
     assert "sliding_window" in capsys.readouterr().err
 
 
-def test_hf_vocab_size_names_the_directory(example, capsys, tmp_path):
+def test_hf_vocab_size_names_the_directory(pretrain, capsys, tmp_path):
     d = _copy("mistral", tmp_path)
     text = tmp_path / "text.txt"
     text.write_bytes(bytes(range(256)) * 200)  # byte 255 > the fixture's vocabulary 128
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL
         + [
@@ -400,29 +402,29 @@ def test_ctrl_c_while_training_names_the_checkpoint_to_resume_from(tmp_path):
 # ------------------------------------------------------------------------ vague messages
 
 
-def test_empty_data_directory_is_named(example, capsys, tmp_path):
+def test_empty_data_directory_is_named(pretrain, capsys, tmp_path):
     empty = tmp_path / "texts"
     empty.mkdir()
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--data-path", str(empty)],
         f"--data-path '{empty}': a directory with 0 file(s) holding 0 byte(s) of text",
     )
 
 
-def test_expert_parallelism_without_experts_names_both_flags(example, capsys):
+def test_expert_parallelism_without_experts_names_both_flags(pretrain, capsys):
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--expert-model-parallel-size", "2"],
         "--expert-model-parallel-size (2) needs --num-experts",
     )
 
 
-def test_interleaving_without_pipeline_names_the_flags(example, capsys):
+def test_interleaving_without_pipeline_names_the_flags(pretrain, capsys):
     usage_error(
-        example,
+        pretrain,
         capsys,
         SMALL + ["--virtual-pipeline-model-parallel-size", "2"],
         "--virtual-pipeline-model-parallel-size (2) asks for the interleaved schedule, "
@@ -433,20 +435,20 @@ def test_interleaving_without_pipeline_names_the_flags(example, capsys):
 # ------------------------------------------------------------------------- log and tools
 
 
-def test_the_preset_and_its_overrides_are_named(example):
+def test_the_preset_and_its_overrides_are_named():
     argv = ["--model", "llama3-tiny", "--num-layers", "2", "--seq-length", "32", "--lr", "1e-3"]
-    parser = example.make_parser()
-    preset = example.apply_preset(parser, argv)
+    parser = cli.make_parser()
+    preset = cli.apply_preset(parser, argv)
     args = parser.parse_args(argv)
-    args.given_flags = example.given_flags(argv)
-    assert example.preset_line(parser, args, preset) == (
+    args.given_flags = cli.given_flags(argv)
+    assert cli.preset_line(parser, args, preset) == (
         "model preset: --model llama3-tiny; overridden by --num-layers, --seq-length"
     )
-    plain = example.make_parser()
-    assert example.preset_line(plain, plain.parse_args([]), example.apply_preset(plain, [])) is None
+    plain = cli.make_parser()
+    assert cli.preset_line(plain, plain.parse_args([]), cli.apply_preset(plain, [])) is None
 
 
-def test_a_resume_past_train_iters_says_why_nothing_runs(example):
+def test_a_resume_past_train_iters_says_why_nothing_runs(pretrain):
     lines = []
     # summarize reads the plan's buffer sizes only; the message comes from out, train_iters
     plan = type(
@@ -460,7 +462,7 @@ def test_a_resume_past_train_iters_says_why_nothing_runs(example):
             )()
         },
     )()
-    example.summarize(
+    pretrain.summarize(
         plan,
         {
             "losses": [],
@@ -522,7 +524,7 @@ _PLATFORMS = """
 import os, sys
 sys.path.insert(0, "tests")
 from script_util import load_script
-load_script("examples/pretrain_gpt.py").start_jax_on_cpu_without_gpu()
+load_script("jax_wgrad/pretrain/launch.py").start_jax_on_cpu_without_gpu()
 print(os.environ.get("JAX_PLATFORMS"))
 """
 

@@ -355,7 +355,7 @@ def test_pipeline_cross_entropy_equals_transformers(family, dp, tp, pp, sp):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
-def test_a_parameters_only_checkpoint_starts_a_run(example, tmp_path, capsys):
+def test_a_parameters_only_checkpoint_starts_a_run(pretrain, tmp_path, capsys):
     """What tools/convert_hf.py writes: --load starts at step 0 from those parameters with a
     fresh optimizer (here: the seed's own initial parameters, so the first loss equals a
     run from scratch bitwise); another model is refused with the field named."""
@@ -395,17 +395,17 @@ def test_a_parameters_only_checkpoint_starts_a_run(example, tmp_path, capsys):
         source="a test",
         required_fields=("layernorm_epsilon",),
     )
-    scratch = example.main(small)
-    loaded = example.main(small + ["--load", str(tmp_path / "ckpt")])
+    scratch = pretrain.main(small)
+    loaded = pretrain.main(small + ["--load", str(tmp_path / "ckpt")])
     assert loaded["first_loss"] == scratch["first_loss"]
     assert "starting from the parameters in" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        example.main(small[:3] + ["64"] + small[4:] + ["--load", str(tmp_path / "ckpt")])
+        pretrain.main(small[:3] + ["64"] + small[4:] + ["--load", str(tmp_path / "ckpt")])
     assert "--hidden-size=32 in the checkpoint, 64 in this run" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
-def test_the_example_starts_from_a_hf_directory(example, tmp_path, capsys):
+def test_the_example_starts_from_a_hf_directory(pretrain, tmp_path, capsys):
     """``--load-hf DIR``: the directory's config gives the model flags, its weights the
     initial parameters; the first loss is bitwise the one of the converted checkpoint
     (``tools/convert_hf.py`` then ``--load``); a flag giving another model is refused with
@@ -435,7 +435,7 @@ def test_the_example_starts_from_a_hf_directory(example, tmp_path, capsys):
         "2",
         "--sequence-parallel",
     ]
-    direct = example.main(run + ["--load-hf", str(FIXTURES / "llama")])
+    direct = pretrain.main(run + ["--load-hf", str(FIXTURES / "llama")])
     assert "starting from the Hugging Face model in" in capsys.readouterr().out
     cfg, params = import_hf(FIXTURES / "llama", seq_length=16)
     save_params_checkpoint(
@@ -443,10 +443,10 @@ def test_the_example_starts_from_a_hf_directory(example, tmp_path, capsys):
     )
     from jax_wgrad.interop import megatron_flags
 
-    converted = example.main(run + megatron_flags(cfg) + ["--load", str(tmp_path / "ckpt")])
+    converted = pretrain.main(run + megatron_flags(cfg) + ["--load", str(tmp_path / "ckpt")])
     assert direct["first_loss"] == converted["first_loss"]
     with pytest.raises(SystemExit):
-        example.main(run + ["--load-hf", str(FIXTURES / "llama"), "--hidden-size", "32"])
+        pretrain.main(run + ["--load-hf", str(FIXTURES / "llama"), "--hidden-size", "32"])
     assert "hidden_size=64 in the directory, 32 in this run" in capsys.readouterr().err
 
 

@@ -212,7 +212,7 @@ def _losses(path, key="loss"):
 
 
 @pytest.fixture(scope="module")
-def curves(example, tmp_path_factory):
+def curves(pretrain, tmp_path_factory):
     """The example on (2, 2, 2) + SP with the distributed optimizer and the cooldown sync
     (fused, with deferral, when the CPU handler is built): 6-step loss curves (and two
     validation losses) of 1F1B and of runs with Megatron's interleaving flags or the
@@ -225,12 +225,12 @@ def curves(example, tmp_path_factory):
     d = tmp_path_factory.mktemp("interleaved")
     out = {}
     for name, flags in RUNS.items():
-        out.update(_curve(example, d, fused, name, flags))
+        out.update(_curve(pretrain, d, fused, name, flags))
     return d, fused, out
 
 
-def _curve(example, d, fused, name, flags) -> dict:
-    example.main(
+def _curve(pretrain, d, fused, name, flags) -> dict:
+    pretrain.main(
         SMALL
         + fused
         + flags
@@ -260,13 +260,13 @@ def test_example_loss_curves_equal_1f1b(curves):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MORE_RUNS))
-def test_example_more_loss_curves_equal_1f1b(example, curves, name):
+def test_example_more_loss_curves_equal_1f1b(pretrain, curves, name):
     """Interleaved with split backwards, and interleaved with the vocabulary over the
     pipeline."""
     d, fused, out = curves
     if name == "interleaved-zb" and not fused:
         pytest.skip("zb-h1 needs the fused weight-gradient GEMMs (CPU handler not built)")
-    _assert_curves_equal_1f1b(_curve(example, d, fused, name, MORE_RUNS[name]), out)
+    _assert_curves_equal_1f1b(_curve(pretrain, d, fused, name, MORE_RUNS[name]), out)
 
 
 @pytest.mark.parametrize(
@@ -283,12 +283,14 @@ def test_example_more_loss_curves_equal_1f1b(example, curves, name):
     ],
     ids=["v1-to-v2", "v2-to-v1", "v2-to-tp1pp4", "v2-to-vocab-over-pipeline"],
 )
-def test_checkpoints_resume_across_virtual_stages(example, curves, saved, flags):
+def test_checkpoints_resume_across_virtual_stages(pretrain, curves, saved, flags):
     d, fused, out = curves
     if not (d / saved).exists():  # a 3-step checkpoint of that run
-        example.main(SMALL + fused + RUNS[saved] + ["--train-iters", "3", "--save", str(d / saved)])
+        pretrain.main(
+            SMALL + fused + RUNS[saved] + ["--train-iters", "3", "--save", str(d / saved)]
+        )
     resumed = d / f"resumed-{saved}-{len(flags)}.jsonl"
-    example.main(
+    pretrain.main(
         SMALL
         + fused
         + flags
@@ -384,11 +386,11 @@ def test_compiled_ring_edge_is_its_own_acyclic_permute():
     ],
     ids=["both-flags", "not-divisible", "microbatches", "vocab-without-pipeline"],
 )
-def test_example_flags_fail_loudly(example, capsys, argv, message):
+def test_example_flags_fail_loudly(pretrain, capsys, argv, message):
     import re
 
     with pytest.raises(SystemExit) as exc:
-        example.main(SMALL + argv + ["--train-iters", "1"])
+        pretrain.main(SMALL + argv + ["--train-iters", "1"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err, err
     assert re.search(message, err), err

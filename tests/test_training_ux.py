@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_wgrad.training import cli
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 
@@ -59,11 +61,6 @@ def _load(name: str, path: Path):
     return mod
 
 
-@pytest.fixture(scope="module")
-def example():
-    return _load("pretrain_gpt", EXAMPLE)
-
-
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -82,11 +79,11 @@ def _subprocess(args: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def runs(example, tmp_path_factory):
+def runs(pretrain, tmp_path_factory):
     """The same 4 steps on (2, 2, 2) with and without evaluation (the first also saving
     every 2 steps and writing TensorBoard scalars)."""
     d = tmp_path_factory.mktemp("ux")
-    example.main(
+    pretrain.main(
         SMALL
         + L222
         + EVAL
@@ -104,7 +101,7 @@ def runs(example, tmp_path_factory):
             str(d / "tb"),
         ]
     )
-    example.main(
+    pretrain.main(
         SMALL
         + L222
         + ["--train-iters", "4", "--no-progress", "--metrics-file", str(d / "plain.jsonl")]
@@ -210,8 +207,8 @@ def test_plot_metrics_bad_input(tmp_path, capsys):
         assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
-def test_train_iters_zero_runs_no_step(example, tmp_path, capsys):
-    summary = example.main(
+def test_train_iters_zero_runs_no_step(pretrain, tmp_path, capsys):
+    summary = pretrain.main(
         SMALL + ["--train-iters", "0", "--no-progress", "--metrics-file", str(tmp_path / "m.jsonl")]
     )
     assert summary["steps"] == 0 and summary["last_loss"] is None
@@ -275,13 +272,13 @@ def test_megatron_data_blend_trains_without_progress_bar_in_logs(tmp_path):
     assert "\r" not in run.stdout + run.stderr and "it/s" not in run.stdout + run.stderr
 
 
-def test_blend_with_an_empty_validation_part_is_named(tmp_path, capsys, example):
+def test_blend_with_an_empty_validation_part_is_named(tmp_path, capsys, pretrain):
     from jax_wgrad.training.indexed import write_indexed_dataset
 
     write_indexed_dataset(tmp_path / "many", [np.arange(40) % 7] * 100, np.uint16)
     write_indexed_dataset(tmp_path / "one", [np.arange(400) % 7], np.uint16)
     with pytest.raises(SystemExit):
-        example.main(
+        pretrain.main(
             SMALL
             + [
                 "--data-path",
@@ -342,7 +339,7 @@ def _launch_two_processes(tmp_path: Path, tag: str, extra: list[str]) -> list[Pa
     return files
 
 
-def test_two_processes_equal_one_process(example, tmp_path):
+def test_two_processes_equal_one_process(pretrain, tmp_path):
     """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) train
     with gradient accumulation fusion, evaluate, save and resume; the curve equals the
     8-device single-process run. (Every process checks the fused handlers on a device of
@@ -352,7 +349,7 @@ def test_two_processes_equal_one_process(example, tmp_path):
     # ulp; without clipping the norm never enters the update, so losses are bitwise.
     fused = EVAL + ["--gradient-accumulation-fusion", "--clip-grad", "0"]
     single = tmp_path / "single.jsonl"
-    example.main(
+    pretrain.main(
         SMALL
         + L222
         + fused
@@ -376,11 +373,11 @@ def test_two_processes_equal_one_process(example, tmp_path):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6, abs=0)
 
 
-def _one_error_line(example, capsys, argv: list[str], code: int = 2) -> str:
+def _one_error_line(pretrain, capsys, argv: list[str], code: int = 2) -> str:
     """``argv`` ends the example with exit ``code`` and exactly one error line on stderr
     (after argparse's one-line usage), no traceback."""
     with pytest.raises(SystemExit) as exc:
-        example.main(argv)
+        pretrain.main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == code and "Traceback" not in err, err
     lines = [ln for ln in err.splitlines() if not ln.startswith("usage: ")]
@@ -403,12 +400,42 @@ def _one_error_line(example, capsys, argv: list[str], code: int = 2) -> str:
         ),
     ],
 )
-def test_bad_numbers_are_refused_naming_the_flag(example, capsys, argv, message):
-    assert f"error: {message}" in _one_error_line(example, capsys, argv)
+def test_bad_numbers_are_refused_naming_the_flag(pretrain, capsys, argv, message):
+    assert f"error: {message}" in _one_error_line(pretrain, capsys, argv)
 
 
-def test_every_float_flag_is_finite_and_every_flag_has_help(example):
-    parser = example.make_parser()
+def test_one_flag_per_config_field_with_the_fields_doc_as_help():
+    """The CLI's table covers the configs: every field is set by one flag (the dtypes by
+    --fp32 / --bf16), except the ones a run does not choose; a field flag's help is its
+    field's docstring and its default the field's unless the table gives another."""
+    import dataclasses
+
+    from jax_wgrad import DDPConfig, GPTConfig, ParallelConfig
+    from jax_wgrad.training.loop import LoopOptions
+
+    unflagged = {GPTConfig: {"attention_backend"}, ParallelConfig: {"world_size"}}
+    for config in (GPTConfig, ParallelConfig, DDPConfig, LoopOptions):
+        flags = {}
+        for flag in cli.FLAGS:
+            for name in flag.field if flag.config is config else ():
+                flags.setdefault(name, []).append(flag.name)
+        fields = {f.name for f in dataclasses.fields(config)}
+        assert set(flags) == fields - unflagged.get(config, set()), config
+        assert {k: v for k, v in flags.items() if len(v) > 1} == (
+            {"compute_dtype": ["--fp32", "--bf16"], "params_dtype": ["--fp32", "--bf16"]}
+            if config is GPTConfig
+            else {}
+        )
+    actions = {a.dest: a for a in cli.make_parser()._actions}
+    tp = actions["tensor_model_parallel_size"]
+    assert tp.help == "Devices a layer's weights are split over (Megatron TP)." and tp.default == 1
+    assert actions["hidden_size"].default == 128 != GPTConfig().hidden_size  # the table's
+    assert "absent means 4 * --hidden-size" in actions["ffn_hidden_size"].help
+    assert actions["normalization"].choices == ("LayerNorm", "RMSNorm")
+
+
+def test_every_float_flag_is_finite_and_every_flag_has_help():
+    parser = cli.make_parser()
     actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     assert [a.option_strings for a in actions if not (a.help or "").strip()] == []
     assert [a.option_strings for a in actions if a.type is float] == []  # finite_float instead
@@ -430,19 +457,19 @@ def test_every_float_flag_is_finite_and_every_flag_has_help(example):
     assert not {"--num-cpu-devices", "--distributed"} & set(groups["parallelism"])
 
 
-def test_config_errors_name_the_flags(example, capsys):
+def test_config_errors_name_the_flags(pretrain, capsys):
     line = _one_error_line(
-        example, capsys, SMALL + ["--num-layers", "3", "--pipeline-model-parallel-size", "2"]
+        pretrain, capsys, SMALL + ["--num-layers", "3", "--pipeline-model-parallel-size", "2"]
     )
     assert line.endswith(
         "error: --num-layers (3) must be divisible by --pipeline-model-parallel-size (2)"
     ), line
 
 
-def test_flag_names_leave_words_alone(example):
-    parser = example.make_parser()
+def test_flag_names_leave_words_alone():
+    parser = cli.make_parser()
     assert (
-        example.flag_names(
+        cli.flag_names(
             parser, "cannot load: hidden_size (4) and ffn_hidden_size, num_moe_experts, world_size"
         )
         == "cannot load: --hidden-size (4) and --ffn-hidden-size, --num-experts, world_size"
@@ -474,11 +501,11 @@ class _FakeOOM:
 
 
 @pytest.mark.parametrize("at, where", [("compile", "compilation"), ("step", "first step")])
-def test_out_of_memory_is_one_line(example, capsys, monkeypatch, at, where):
+def test_out_of_memory_is_one_line(pretrain, capsys, monkeypatch, at, where):
     from jax_wgrad.training import loop
 
     monkeypatch.setattr(loop, "build_train_step", lambda plan, state: _FakeOOM(plan, state, at))
-    line = _one_error_line(example, capsys, SMALL + ["--train-iters", "2"], code=1)
+    line = _one_error_line(pretrain, capsys, SMALL + ["--train-iters", "2"], code=1)
     assert (
         f"error: out of memory in the {where}: 4 layers, hidden 32, seq 32, micro batch 2" in line
     ), line
@@ -494,13 +521,13 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_log_lines_are_written_above_the_progress_bar(example, monkeypatch):
+def test_log_lines_are_written_above_the_progress_bar(pretrain, monkeypatch):
     """On a terminal the bar (stderr) and the log (stdout) share a screen: every log line
     starts on a cleared line, never after the bar's text."""
     screen = _Terminal()
     monkeypatch.setattr(sys, "stdout", screen)
     monkeypatch.setattr(sys, "stderr", screen)
-    example.main(
+    pretrain.main(
         [
             "--num-layers",
             "2",
@@ -526,7 +553,7 @@ def test_log_lines_are_written_above_the_progress_bar(example, monkeypatch):
 
 
 def test_interrupted_run_resumes_with_each_step_once_in_the_metrics(
-    example, tmp_path, capsys, monkeypatch
+    pretrain, tmp_path, capsys, monkeypatch
 ):
     """Ctrl-C after step 5 (checkpoints at 2 and 4): the run waits for its saves, says where
     to resume, exits 130 without a traceback; the resumed run replaces step 5's record."""
@@ -555,7 +582,7 @@ def test_interrupted_run_resumes_with_each_step_once_in_the_metrics(
 
     monkeypatch.setattr(MetricsWriter, "write", write_then_interrupt)
     with pytest.raises(SystemExit) as exc:
-        example.main(
+        pretrain.main(
             tiny
             + [
                 "--train-iters",
@@ -573,7 +600,7 @@ def test_interrupted_run_resumes_with_each_step_once_in_the_metrics(
     assert f"interrupted after step 4; the newest checkpoint is step 4 in {ckpt}" in out
     assert [r["step"] for r in _rows(metrics)] == [1, 2, 3, 4, 5]
     monkeypatch.setattr(MetricsWriter, "write", write)
-    example.main(
+    pretrain.main(
         tiny
         + ["--train-iters", "6", "--load", ckpt, "--save", ckpt, "--metrics-file", str(metrics)]
     )

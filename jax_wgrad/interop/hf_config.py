@@ -9,10 +9,9 @@ imported model is never silently a different function.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from jax_wgrad.models.gpt.config import FLAG_NAMES, NEGATED_FLAGS, RUN_OPTIONS, GPTConfig
+from jax_wgrad.models.gpt.config import GPTConfig
 
 __all__ = [
     "FAMILIES",
@@ -305,31 +304,8 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
 
 def megatron_flags(cfg: GPTConfig) -> list[str]:
     """The ``examples/pretrain_gpt.py`` model flags (Megatron's names) of ``cfg``: the run
-    that loads a converted checkpoint (``--load``) passes these."""
-    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    always = {
-        "vocab_size",
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "seq_length",
-        "ffn_hidden_size",
-        "layernorm_epsilon",
-        "init_method_std",
-    }
-    out = []
-    for name, value in dataclasses.asdict(cfg).items():
-        if (
-            name in RUN_OPTIONS
-            or value is None
-            or (value == defaults.get(name) and name not in always)
-        ):
-            continue
-        flag = "--" + FLAG_NAMES.get(name, name).replace("_", "-")
-        if isinstance(value, bool):
-            if value == (name in NEGATED_FLAGS):  # the flag is off
-                continue
-            out.append(flag)
-        else:
-            out += [flag, str(value)]
-    return out
+    that loads a converted checkpoint (``--load``) passes these
+    (:func:`jax_wgrad.training.cli.model_flags`, from the CLI's one flag table)."""
+    from jax_wgrad.training.cli import model_flags
+
+    return model_flags(cfg)

@@ -48,7 +48,8 @@ class ParallelConfig:
     defer_embedding_wgrad_compute: bool = False
     """Megatron's option: on the last pipeline stage compute only the output layer's data
     gradient during the schedule, stash what its weight gradient needs, and do the
-    weight-gradient GEMMs after the schedule (issue #4, :mod:`jax_wgrad.deferred`)."""
+    weight-gradient GEMMs after the schedule (:mod:`jax_wgrad.parallel.deferred`; needs
+    pipeline parallelism and ``gradient_accumulation_fusion``)."""
     wgrad_deferral_limit: int = 0
     """Number of microbatches whose output-layer weight gradient is deferred (the first
     ``min(limit, M)``); 0 defers all of them (Megatron's default)."""

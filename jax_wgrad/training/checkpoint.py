@@ -27,6 +27,7 @@ naming the mismatch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -57,6 +58,7 @@ __all__ = [
     "canonical_state",
     "state_from_canonical",
     "model_differences",
+    "quiet_failed_restores",
     "save_params_checkpoint",
 ]
 
@@ -295,8 +297,11 @@ class Checkpointer:
         try:
             return read()
         except Exception as exc:
-            _quiet_failed_restore()
-            gc.collect()  # the failed reads' coroutines report now, quietly
+            if _QUIET_SCOPES:  # the reports that come later, until the scope ends
+                _QUIET_SCOPES[-1].arm()
+            with quiet_failed_restores() as now:
+                now.arm()
+                gc.collect()  # the failed reads' coroutines report now, quietly
             raise CheckpointError(self.directory, step, _damage(exc)) from exc
 
     def wait(self) -> None:
@@ -427,38 +432,82 @@ def _damage(exc: BaseException) -> str:
     return out if len(out) <= 300 else out[:297] + "..."
 
 
-def _quiet_failed_restore() -> None:
-    """After an orbax restore fails, its reads still under way fail too, each reporting
-    itself (asyncio's "exception was never retrieved", coroutines never awaited, tensorstore
-    calling back into the closed event loop: hundreds of lines). The
-    :class:`CheckpointError` already says what is wrong, once: keep those reports (and only
-    those) off the console from now on."""
-    if getattr(sys.unraisablehook, "_quiet_failed_restore", False):
-        return
-    closed = lambda v: isinstance(v, RuntimeError) and str(v) == "Event loop is closed"
-    previous = sys.excepthook, sys.unraisablehook, threading.excepthook
+@contextlib.contextmanager
+def quiet_failed_restores():
+    """A scope in which a failed restore keeps its leftovers off the console.
 
-    def excepthook(kind, value, tb):
-        if not closed(value):
-            previous[0](kind, value, tb)
+    After an orbax restore fails, its reads still under way fail too, each reporting itself
+    (asyncio's "exception was never retrieved", coroutines never awaited, tensorstore calling
+    back into the closed event loop: hundreds of lines). The :class:`CheckpointError`
+    already says what is wrong, once. Once a restore has failed inside the scope, those
+    reports (and only those) are dropped until the scope ends: ``sys.excepthook``,
+    ``sys.unraisablehook``, ``threading.excepthook``, the warning filters and the
+    ``asyncio`` logger's filters are then what they were before it. Outside any scope a
+    failed restore quiets only the reports it makes at once. :func:`jax_wgrad.pretrain.main`
+    runs its job in one."""
+    scope = _QuietScope()
+    _QUIET_SCOPES.append(scope)
+    try:
+        yield scope
+    finally:
+        _QUIET_SCOPES.remove(scope)
+        scope.close()
 
-    def unraisablehook(args):
-        if not (closed(args.exc_value) or inspect.iscoroutine(args.object)):
-            previous[1](args)
 
-    def thread_excepthook(args):
-        if not closed(args.exc_value):
-            previous[2](args)
+class _QuietScope:
+    """One :func:`quiet_failed_restores` scope: :meth:`arm` installs the filters,
+    :meth:`close` takes them off again."""
 
-    unraisablehook._quiet_failed_restore = True
-    sys.excepthook, sys.unraisablehook, threading.excepthook = (
-        excepthook,
-        unraisablehook,
-        thread_excepthook,
-    )
-    logging.getLogger("asyncio").addFilter(
-        lambda record: "exception was never retrieved" not in record.getMessage()
-    )
-    warnings.filterwarnings(
-        "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
-    )
+    def __init__(self) -> None:
+        self._undo: list = []
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._undo)
+
+    def arm(self) -> None:
+        if self.armed:
+            return
+        closed = lambda v: isinstance(v, RuntimeError) and str(v) == "Event loop is closed"
+        previous = sys.excepthook, sys.unraisablehook, threading.excepthook
+
+        def excepthook(kind, value, tb):
+            if not closed(value):
+                previous[0](kind, value, tb)
+
+        def unraisablehook(args):
+            if not (closed(args.exc_value) or inspect.iscoroutine(args.object)):
+                previous[1](args)
+
+        def thread_excepthook(args):
+            if not closed(args.exc_value):
+                previous[2](args)
+
+        sys.excepthook, sys.unraisablehook, threading.excepthook = (
+            excepthook,
+            unraisablehook,
+            thread_excepthook,
+        )
+        self._undo.append(lambda: _set_hooks(previous))
+        logger = logging.getLogger("asyncio")
+        never_retrieved = lambda record: "exception was never retrieved" not in record.getMessage()
+        logger.addFilter(never_retrieved)
+        self._undo.append(lambda: logger.removeFilter(never_retrieved))
+        filters = warnings.catch_warnings()  # restores the filters as they are now
+        filters.__enter__()
+        self._undo.append(lambda: filters.__exit__(None, None, None))
+        warnings.filterwarnings(
+            "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+        )
+
+    def close(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def _set_hooks(hooks) -> None:
+    sys.excepthook, sys.unraisablehook, threading.excepthook = hooks
+
+
+_QUIET_SCOPES: list[_QuietScope] = []
+"""The :func:`quiet_failed_restores` scopes now active, innermost last."""

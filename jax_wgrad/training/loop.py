@@ -63,23 +63,31 @@ class LoopOptions:
     """What :func:`run` does besides stepping (Megatron's flag names)."""
 
     train_iters: int
+    """Steps to train to (counted from step 0, also when resuming)."""
     seed: int = 1234
+    """Initial parameters and batches (the same for every layout)."""
     log_interval: int = 5
+    """Steps between log lines."""
     eval_interval: int | None = None
     """Evaluate every this many steps (and after the last); ``None``: never."""
     eval_iters: int = 10
+    """Validation batches per evaluation."""
     save: str | None = None
+    """Save checkpoints in this directory (checked writable before the first step)."""
     save_interval: int | None = None
-    """Save every this many steps; a final save happens at the end whenever ``save``."""
+    """Save every this many steps; a final save happens at the end whenever ``save`` is set."""
     load: str | None = None
     """Resume from the newest checkpoint here. A missing or empty directory is an error,
     unless it is also ``save`` (then the run starts from scratch and says so)."""
     load_optim: bool = True
+    """Load the optimizer state with the parameters (``False``: it starts afresh)."""
     load_fallback: bool = False
     """A damaged newest checkpoint: load the newest intact one (``True``) or stop with an
     error naming the step and the damage (``False``, the default)."""
     profile_dir: str | None = None
+    """Write a ``jax.profiler`` trace of a few steps after compilation here."""
     profile_steps: int = 3
+    """Steps the profile covers."""
     progress: bool = True
     """Show a progress bar (only when stdout is a terminal)."""
 

@@ -10,7 +10,7 @@ from jax_wgrad.functional.moe import MoEConfig
 from jax_wgrad.nn.norm import NORMALIZATIONS
 from jax_wgrad.parallel.config import ParallelConfig
 
-__all__ = ["FLAG_NAMES", "GPTConfig", "NEGATED_FLAGS", "RUN_OPTIONS", "validate"]
+__all__ = ["GPTConfig", "RUN_OPTIONS", "validate"]
 
 _MOE = "moe_config"
 """Field metadata key of the GPT's MoE options: the :class:`MoEConfig` field an option is
@@ -35,15 +35,6 @@ def _gpt_moe_option(default):
     return dataclasses.field(default=default, metadata={_MOE: None})
 
 
-FLAG_NAMES: dict[str, str] = {
-    "num_moe_experts": "num_experts",
-    "layernorm_epsilon": "norm_epsilon",
-    "add_bias_linear": "disable_bias_linear",
-}
-"""GPTConfig fields whose Megatron flag (``examples/pretrain_gpt.py``, argparse dest) has
-another name; every other field's flag is its name."""
-NEGATED_FLAGS = frozenset({"add_bias_linear"})
-"""Fields whose flag sets the opposite value (``--disable-bias-linear``)."""
 RUN_OPTIONS = frozenset({"compute_dtype", "params_dtype", "attention_backend", "layer_scan_unroll"})
 """Fields that say how a run computes, not which model it is (no preset or converted
 checkpoint sets them)."""
@@ -56,10 +47,13 @@ class GPTConfig:
     or Mixtral (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, untied)."""
 
     vocab_size: int = 256
-    """Vocabulary size; 256 for the byte-level data of :mod:`jax_wgrad.data`."""
+    """Vocabulary size; 256 for the byte-level data of :mod:`jax_wgrad.training.data`."""
     num_layers: int = 2
+    """Transformer layers."""
     hidden_size: int = 64
+    """Model width."""
     num_attention_heads: int = 4
+    """Attention (query) heads."""
     seq_length: int = 64
     """Tokens per sequence; also the number of learned positions."""
     ffn_hidden_size: int | None = None
@@ -67,13 +61,18 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of the word embedding table."""
     layernorm_epsilon: float = 1e-5
+    """The norms' epsilon (Megatron's ``--norm-epsilon``)."""
     init_method_std: float = 0.02
+    """Standard deviation of the weights' normal init."""
 
     # -- Architecture (Megatron's names): GPT-2 by default; Llama is RMSNorm + rope +
     # swiglu + group_query_attention + no bias + untied embeddings.
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """The norm layers' kind."""
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """Learned positions or rotary embeddings (RoPE)."""
     rotary_base: float = 10000.0
+    """RoPE's base (theta)."""
     rotary_percent: float = 1.0
     """The share of each head's dims that RoPE rotates (the first ones)."""
     swiglu: bool = dataclasses.field(
@@ -82,12 +81,14 @@ class GPTConfig:
     )
     """``silu(gate) * up`` MLPs (dense and expert) instead of GELU."""
     group_query_attention: bool = False
+    """Grouped-query attention (with ``num_query_groups``)."""
     num_query_groups: int | None = None
     """Key/value heads with ``group_query_attention`` (``None``: as many as query heads)."""
     add_bias_linear: bool = True
     """Biases in the linear layers (Megatron's ``--disable-bias-linear`` turns them off)."""
     add_qkv_bias: bool = False
-    """A bias in the qkv projection even without ``add_bias_linear`` (Qwen2)."""
+    """A bias in the qkv projection even without the other linear biases (``add_bias_linear``
+    False: Megatron's ``--disable-bias-linear``; Qwen2)."""
     qk_layernorm: bool = False
     """Normalize each query and key head (``normalization``, over ``kv_channels``)."""
     kv_channels: int | None = None
@@ -121,19 +122,22 @@ class GPTConfig:
     num_moe_experts: int | None = dataclasses.field(default=None, metadata={_MOE: "num_experts"})
     """Experts per MoE layer (``--num-experts``); ``None``: a dense model."""
     moe_router_topk: int = _forwarded("topk")
+    """Experts each token is routed to."""
     moe_ffn_hidden_size: int | None = dataclasses.field(
         default=None, metadata={_MOE: "ffn_hidden_size"}
     )
     """Each expert's MLP width; ``None`` means ``ffn_hidden_size``."""
     moe_router_load_balancing_type: Literal["aux_loss", "none"] = _forwarded("load_balancing_type")
+    """The router's load-balancing loss."""
     moe_aux_loss_coeff: float = _forwarded("aux_loss_coeff")
+    """Weight of the load-balancing loss."""
     moe_token_dispatcher_type: Literal["alltoall"] = _gpt_moe_option("alltoall")
     """Only ``alltoall`` exists here (Megatron's default is ``allgather``)."""
     moe_expert_capacity_factor: float | None = _forwarded("capacity_factor")
     """``None``: no token is dropped; else Megatron's capacity ``ceil(T k f / E)``."""
     moe_pad_expert_input_to_capacity: bool = _gpt_moe_option(False)
     """Pad each expert's input to its capacity. Needs a capacity factor; with one it is
-    required here, because XLA's static shapes always pad (see :meth:`__post_init__`)."""
+    required here, because XLA's static shapes always pad."""
     moe_grouped_gemm: bool = _gpt_moe_option(False)
     """Expert weight gradients by ONE grouped fused wgrad call per expert linear into the
     gradient bucket (with gradient accumulation fusion); off: ordinary gradients (XLA's
@@ -148,8 +152,8 @@ class GPTConfig:
     shared experts start after the routed experts' output (an ``optimization_barrier``),
     Megatron's order without the option. Same arithmetic either way."""
     moe_layer_freq: int = _gpt_moe_option(1)
-    """Every ``moe_layer_freq``-th layer (0, N, 2N, ...) is an MoE layer (Megatron's
-    ``[1 if i % N == 0 else 0 for i in range(num_layers)]``); the others are dense."""
+    """``N``: layers 0, N, 2N, ... are MoE layers, the others dense (Megatron's
+    ``[1 if i % N == 0 else 0 for i in range(L)]``)."""
     overlap_dispatch_backward_with_experts_wgrad: bool = _forwarded("overlap_wgrad")
     """Megatron PR 3766: the expert wgrad runs after the expert dgrad and independent of the
     dispatch-backward all-to-all (:func:`jax_wgrad.functional.moe_mlp`); bitwise equal."""

@@ -1,0 +1,340 @@
+"""The pretraining job: flags in, a trained (or compiled) model and its summary out."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+
+from jax_wgrad import aot
+from jax_wgrad.interop import import_hf
+from jax_wgrad.parallel import initialize_distributed, make_mesh, use_virtual_cpu_devices
+from jax_wgrad.pretrain.launch import interrupted, interrupts_redelivered
+from jax_wgrad.training import (
+    TrainPlan,
+    cli,
+    default_optimizer,
+    init_optimizer_state,
+    init_train_state,
+)
+from jax_wgrad.training.checkpoint import quiet_failed_restores
+from jax_wgrad.training.console import LineFilter
+from jax_wgrad.training.data import load_data as load_datasets
+from jax_wgrad.training.data import padded_vocab_size
+from jax_wgrad.training.gpu import apply_gpu_xla_flags
+from jax_wgrad.training.loop import (
+    OutOfMemoryError,
+    check_paths,
+    is_out_of_memory,
+    out_of_memory_message,
+    run,
+)
+from jax_wgrad.training.metrics import MetricsWriter
+
+__all__ = ["describe", "learning_rate", "load_data", "main", "start_from_hf", "summarize"]
+
+
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> dict:
+    """Runs the job of ``argv`` (default ``sys.argv[1:]``; ``--help`` lists the flags) and
+    returns its summary (:func:`summarize`; ``{"aot": report}`` with ``--compile-only``).
+
+    A bad flag ends it like argparse (``SystemExit(2)``, one line naming the flag); Ctrl-C
+    at any moment ends it with ``SystemExit(130)`` and one line saying what to resume from.
+    What it changes in the process while it runs -- ``sys.unraisablehook`` (a swallowed
+    Ctrl-C is re-sent), the hooks and warning filters that keep a failed restore's
+    leftovers quiet, file descriptor 1 routed through a filter of the CPU collectives'
+    chatter (``--distributed``) -- is back as it was when it returns or raises.
+    ``prog``: the program name in its messages (default: ``sys.argv[0]``'s file name).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = prog or os.path.basename(sys.argv[0])
+    try:
+        with interrupts_redelivered(), quiet_failed_restores():
+            return run_job(argv, prog)
+    except KeyboardInterrupt:
+        interrupted(prog, argv)
+
+
+def run_job(argv: list[str], prog: str | None = None) -> dict:
+    """:func:`main` without its Ctrl-C handling and process-wide scopes."""
+    parser = cli.make_parser(prog)
+    preset = cli.apply_preset(parser, argv)
+    args = parser.parse_args(argv)
+    args.given_flags = cli.given_flags(argv)  # the flags typed (not a preset's defaults)
+    args.preset_line = cli.preset_line(parser, args, preset)
+    cli.check_flags(parser, args, args.given_flags)
+    cli.check_output_paths(parser, args)
+    cli.check_report_json(parser, args)
+    try:
+        opts = cli.loop_options(args)
+        check_paths(opts)  # before anything is built: a typo in --load, a read-only --save
+    except ValueError as exc:
+        cli.usage_error(parser, exc)
+    with contextlib.ExitStack() as scope:
+        if args.distributed and not args.verbose_collectives:
+            scope.enter_context(LineFilter())  # fd 1 through a filter until the job ends
+        try:
+            return train(parser, args, opts)
+        except OutOfMemoryError as exc:
+            parser.exit(1, f"{parser.prog}: error: {exc}\n")
+
+
+def start_from_hf(parser, directory: str, plan, state):
+    """``state`` with the parameters of the Hugging Face model in ``directory`` (streamed
+    shard by shard) and an optimizer state for them; a run whose model differs from the
+    directory's is refused with the field named."""
+    try:
+        cfg, params = import_hf(directory, seq_length=plan.model.seq_length)
+    except ValueError as exc:
+        parser.error(f"--load-hf {directory}: {exc}")
+    diff = plan.model.shape_differences(dataclasses.asdict(cfg))
+    if diff:
+        parser.error(
+            f"--load-hf {directory}: the flags give another model: "
+            + "; ".join(f"{k}={a!r} in the directory, {b!r} in this run" for k, a, b in diff)
+        )
+    params = jax.tree.map(
+        lambda a, like: a.astype(like.dtype),  # the run's params dtype
+        plan.program.from_canonical(params),
+        state.params,
+    )
+    params = jax.device_put(params, plan.param_shardings)
+    return state._replace(params=params, opt_state=init_optimizer_state(plan, params))
+
+
+def compile_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """``--compile-only``: the train step compiled for ``--target`` GPUs, nothing run."""
+    try:  # the configs are checked against the target's GPU count
+        use_virtual_cpu_devices(args.target_gpus_per_host * args.target_hosts)
+    except ValueError:  # jax already started (in-process callers): checked below
+        pass
+    model, parallel, ddp = cli.build_configs(args, load_data(args, parser)[2], parser)
+    try:
+        report = aot.compile_for_target(
+            model,
+            parallel,
+            ddp,
+            target=args.target,
+            hosts=args.target_hosts,
+            gpus_per_host=args.target_gpus_per_host,
+            tx=default_optimizer(learning_rate(args), weight_decay=args.weight_decay),
+        )
+    except (RuntimeError, ValueError) as exc:  # no plugin or handler; a bad layout
+        cli.usage_error(parser, exc)
+    print(report.format(), flush=True)
+    if args.report_json is not None:
+        with open(args.report_json, "w") as f:
+            json.dump(report.figures(), f, indent=1)
+            f.write("\n")
+    if not report.fits:
+        raise SystemExit(1)
+    return {"aot": report}
+
+
+def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> dict:
+    """The run of :func:`main` once the flags are checked."""
+    if args.compile_only:  # compile for GPUs that are not here; nothing is run
+        return compile_only(parser, args)
+    gpu_flags = apply_gpu_xla_flags()  # before jax initialises its backends
+    use_virtual_cpu_devices(args.num_cpu_devices)
+    if args.distributed:
+        initialize_distributed(
+            **{
+                k: v
+                for k, v in dict(
+                    coordinator_address=args.coordinator_address,
+                    num_processes=args.num_processes,
+                    process_id=args.process_id,
+                ).items()
+                if v is not None
+            }
+        )
+    is_main = jax.process_index() == 0
+    log = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
+    train_data, valid, vocab = load_data(args, parser)
+    model, parallel, ddp = cli.build_configs(args, vocab, parser)
+    optimizer = default_optimizer(learning_rate(args), weight_decay=args.weight_decay)
+    try:  # the plan checks the model against the layout (the one place it is checked)
+        plan = TrainPlan.create(model, parallel, make_mesh(parallel), optimizer, ddp=ddp)
+    except ValueError as exc:
+        cli.usage_error(parser, exc)
+    try:
+        state = init_train_state(plan, args.seed)
+    except RuntimeError as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise OutOfMemoryError(out_of_memory_message(plan, None, "initialization", exc)) from None
+    if args.load_hf is not None:
+        state = start_from_hf(parser, args.load_hf, plan, state)
+        log(f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh optimizer)")
+    for line in ([args.preset_line] if args.preset_line else []) + describe(
+        plan, train_data, state
+    ):
+        log(line)
+    if gpu_flags:
+        log(f"XLA flags for the GPU: {' '.join(gpu_flags)}")
+    metrics = MetricsWriter(
+        args.metrics_file if is_main else None, args.tensorboard_dir if is_main else None
+    )
+    try:
+        out = run(plan, state, train_data, valid, opts, metrics=metrics, log=log)
+    except ValueError as exc:  # a checkpoint that is missing, damaged or of another model
+        cli.usage_error(parser, exc)
+    return summarize(plan, out, log, args.train_iters)
+
+
+def load_data(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """``(train, valid, vocab size)``; a bad ``--data-path``/``--split`` is an
+    argparse-style error."""
+    try:
+        train_data, valid, _ = load_datasets(args.data_path, args.split)
+        vocab = (
+            train_data.vocab_size
+            if getattr(train_data, "vocab_size", None)
+            else padded_vocab_size(train_data.max_token_id, args.make_vocab_size_divisible_by)
+        )
+    except ValueError as exc:
+        cli.usage_error(parser, exc)
+    if args.vocab_size is not None:
+        if args.vocab_size <= train_data.max_token_id:
+            source = (
+                f"--vocab-size {args.vocab_size}"
+                if "vocab_size" in getattr(args, "given_flags", {"vocab_size"})
+                else f"the vocabulary of --load-hf {args.load_hf} ({args.vocab_size})"
+                if args.load_hf
+                else f"the --model preset's vocabulary ({args.vocab_size})"
+            )
+            parser.error(
+                f"{source} must exceed the data's largest token id "
+                f"{train_data.max_token_id} ({train_data.name})"
+            )
+        vocab = args.vocab_size
+    if args.eval_interval and len(valid) <= args.seq_length + 1:
+        parser.error(
+            f"--eval-interval needs a validation split: --split {args.split!r} "
+            f"leaves {len(valid)} tokens ({valid.name})"
+        )
+    return train_data, valid, vocab
+
+
+def learning_rate(args: argparse.Namespace):
+    """Constant, linear warm-up then constant, or warm-up + cosine decay to --min-lr."""
+    if args.min_lr is not None:
+        return optax.warmup_cosine_decay_schedule(
+            0.0, args.lr, max(args.lr_warmup_iters, 1), max(args.train_iters, 1), args.min_lr
+        )
+    if args.lr_warmup_iters:
+        return optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, args.lr, args.lr_warmup_iters),
+                optax.constant_schedule(args.lr),
+            ],
+            [args.lr_warmup_iters],
+        )
+    return args.lr
+
+
+def describe(plan, data, state) -> list[str]:
+    """The run's log lines: devices and layout, data, buffers, model."""
+
+    par, model, ddp = plan.parallel, plan.model, plan.ddp
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    return [
+        f"devices: {jax.device_count()} x {jax.devices()[0].platform} in "
+        f"{jax.process_count()} process(es) | mesh (data, expert, tensor, pipeline) = "
+        f"{par.mesh_shape} | microbatches per step: {par.num_microbatches} | sequence "
+        f"parallel: {par.sequence_parallel} | gradient accumulation fusion: "
+        f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name}"
+        + (
+            f" ({plan.table.num_chunks} model chunks per stage)"
+            if plan.table.num_chunks > 1
+            else ""
+        )
+        + f" | recompute: {par.recompute_granularity}"
+        + (
+            f" ({par.recompute_method}, {par.recompute_num_layers} layers)"
+            if par.recompute_method
+            else ""
+        )
+        + (" | vocabulary over the pipeline" if par.vocab_parallel_over_pipeline else ""),
+        f"data: {data.name}, {len(data) / 1e6:.1f} M tokens for training",
+        f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
+        f"{ddp.overlap_grad_reduce} | bucket size "
+        f"{ddp.effective_bucket_size(par.data_parallel_size)} | average in collective "
+        f"{ddp.average_in_collective} | clip grad {ddp.clip_grad}",
+        plan.buffer_summary(),
+        f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
+        f"{model.hidden_size}, heads {model.num_attention_heads} (kv {model.query_groups}), "
+        f"seq {model.seq_length}, vocab {model.vocab_size}, {model.compute_dtype}, "
+        f"{model.normalization}, {model.position_embedding_type}, "
+        f"{'swiglu' if model.swiglu else 'gelu'}, "
+        f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'}"
+        + (
+            ""
+            if model.num_moe_experts is None
+            else f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}, "
+            f"ETP {par.expert_tensor_parallel_size}), top-{model.moe_router_topk}, "
+            f"{sum(model.moe_layer_pattern)} MoE layers, "
+            + (
+                "dropless"
+                if model.moe_expert_capacity_factor is None
+                else f"capacity factor {model.moe_expert_capacity_factor}"
+            )
+            + (
+                ""
+                if model.moe_shared_expert_intermediate_size is None
+                else f", shared experts {model.moe_shared_expert_intermediate_size}"
+                + (" (overlapped)" if model.moe_shared_expert_overlap else "")
+            )
+            + ", overlap dispatch backward with experts wgrad "
+            f"{model.overlap_dispatch_backward_with_experts_wgrad}"
+        ),
+    ]
+
+
+def summarize(plan, out: dict, log, train_iters: int | None = None) -> dict:
+    """The run's summary (returned by :func:`main`) and its last log line; a run with no
+    step to train (a resumed checkpoint already at ``--train-iters``) says why."""
+
+    buf, losses, times = plan.layout.buffer, out["losses"], out["times"]
+    steady = times[1:] or times
+    summary = {
+        "compile_time_s": out["compile_time_s"],
+        "steps": len(losses),
+        "mean_step_time_s": float(np.mean(steady)) if steady else 0.0,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "skipped_steps": out["skipped_steps"],
+        "valid": out["valid"],
+        "num_buckets": buf.num_buckets,
+        "buffer_numel": buf.numel,
+        "grad_numel": buf.param_numel,
+        "padding_fraction": (buf.numel - buf.param_numel) / buf.numel,
+    }
+    if losses:
+        log(
+            f"done: compile {summary['compile_time_s']:.2f} s | mean step "
+            f"{summary['mean_step_time_s'] * 1e3:.1f} ms | loss {losses[0]:.4f} -> "
+            f"{losses[-1]:.4f}"
+        )
+    else:
+        start = out.get("start_step", 0)
+        log(
+            "done: no training step to run"
+            + (
+                f": the run resumed at step {start} and --train-iters is {train_iters}; "
+                f"pass a --train-iters above {start} to train on"
+                if train_iters is not None and start >= train_iters and start > 0
+                else f": --train-iters is {train_iters}"
+                if train_iters is not None
+                else ""
+            )
+        )
+    return summary
