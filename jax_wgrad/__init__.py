@@ -19,7 +19,7 @@ Tiers, bottom up (each imports only the ones before it):
 """
 
 from jax_wgrad import functional, grads, models, nn, ops, optim, parallel, testing, training
-from jax_wgrad.functional import BucketSlot, WgradBuckets, linear, linear_into_bucket
+from jax_wgrad.functional import WgradRoutes, linear, linear_into_bucket
 from jax_wgrad.functional.cross_entropy import vocab_parallel_cross_entropy
 from jax_wgrad.grads import DDPConfig, GradBuffer, GradLayout, GradSpec, plan_buckets
 from jax_wgrad.models.gpt import GPTConfig, GPTProgram, init_params, param_specs
@@ -83,8 +83,7 @@ __all__ = [
     "fusion_status",
     "linear",
     "linear_into_bucket",
-    "BucketSlot",
-    "WgradBuckets",
+    "WgradRoutes",
     "Linear",
     "MainGrad",
     "ColumnParallelLinear",

@@ -1,4 +1,4 @@
-"""Issue #4: deferred output-layer weight gradients (stash / recompute), Megatron's
+"""Deferred output-layer weight gradients (stash / recompute), Megatron's
 validation, gradients equal to the non-deferred run and the single-device reference,
 and the compiled drain's tensor-ring structure."""
 
@@ -277,7 +277,7 @@ def test_drain_ring_overlaps_gemms_with_permutes():
             for b in branches.split(",")
             for x in comps[b.strip().lstrip("%")]
         )
-    for k, g in enumerate(gemms):
+    for g in gemms:
         ring = int(re.search(r"deferred_wgrad_ring(\d+)", defs[g]).group(1))
         n_perm = sum(1 for a in ancestors(g) if a in permutes)
         assert n_perm == 2 * ring, (g, ring, n_perm)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad.functional import vocab_parallel_cross_entropy
+from jax_wgrad.functional import WgradRoutes, vocab_parallel_cross_entropy
 from jax_wgrad.nn import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 
 TP = 4
@@ -80,11 +80,18 @@ def test_column_row_mlp(mesh, sp, fusion):
     def local(p, mg, x, dy):
         def f(p, mg, x):
             col, row = nnx.merge(col_def, p["col"]), nnx.merge(row_def, p["row"])
-            m = mg if fusion else {"col": None, "row": None}
-            return row(jax.nn.gelu(col(x, main_grad=m["col"])), main_grad=m["row"])
+            # Fused: each weight's gradient goes to its accumulator (a one-block bucket).
+            routes = WgradRoutes({k: a.reshape(-1) for k, a in mg.items()})
+            if fusion:
+                for k in ("col", "row"):
+                    routes.to_bucket(p[k]["weight"], k, 0, name=k)
+            with routes:
+                y = row(jax.nn.gelu(col(x)))
+            routes.check_used()
+            return y, {k: b.reshape(mg[k].shape) for k, b in routes.buckets.items()}
 
-        y, f_vjp = jax.vjp(f, p, mg, x)
-        g, new_mg, dx = f_vjp(dy)
+        (y, _), f_vjp = jax.vjp(f, p, mg, x)
+        g, new_mg, dx = f_vjp((dy, mg))
         if sp:  # tensor-replicated params saw only their sequence chunk
             g["row"]["bias"] = jax.lax.psum(g["row"]["bias"], "tensor")
         return y, g, new_mg, dx

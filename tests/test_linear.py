@@ -9,7 +9,7 @@ from jax.test_util import check_grads
 
 import jax_wgrad
 from jax_wgrad import Linear, MainGrad, accumulate_gradients, linear
-from jax_wgrad.functional import WgradBuckets, linear_into_bucket
+from jax_wgrad.functional import WgradRoutes, linear_into_bucket
 from jax_wgrad.ops import registry
 
 
@@ -170,10 +170,14 @@ def _needs_handler():
 
 def _two_layer_threaded(x, w1, b1, w2, bucket, offsets):
     """Two fused linears writing into ONE flat bucket, threaded: f(x, bucket) -> (y, bucket)."""
-    wb = WgradBuckets((bucket,))
-    h = jax.nn.gelu(linear(x, w1, b1, main_grad=wb.slot(0, offsets[0])))
-    y = linear(h, w2, main_grad=wb.slot(0, offsets[1]))
-    return y, wb.buckets[0]
+    routes = WgradRoutes((bucket,))
+    routes.to_bucket(w1, 0, offsets[0])
+    routes.to_bucket(w2, 0, offsets[1])
+    with routes:
+        h = jax.nn.gelu(linear(x, w1, b1))
+        y = linear(h, w2)
+    routes.check_used()
+    return y, routes.buckets[0]
 
 
 def test_threaded_linears_share_one_bucket_and_add_each_block_once():
@@ -260,4 +264,4 @@ def test_linear_into_bucket_bad_input():
     with pytest.raises(ValueError, match="float32"):
         linear_into_bucket(x, w, None, jnp.zeros(64, jnp.bfloat16), offset=0)
     with pytest.raises(ValueError, match="out of range"):
-        WgradBuckets((jnp.zeros(64),)).slot(1, 0)
+        WgradRoutes((jnp.zeros(64),)).to_bucket(w, 1, 0)

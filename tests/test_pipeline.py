@@ -1,6 +1,7 @@
 """1F1B pipeline: schedule properties and gradients equal to single-device jax.grad."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -304,7 +305,7 @@ def test_unrolled_layer_loop_equals_the_scan(schedule):
     out = {}
     for unroll in (1, 2):
         program = GPTProgram(dataclasses.replace(cfg, layer_scan_unroll=unroll), par)
-        out[unroll] = jax.jit(lambda p, t: pipeline_gradients(program, mesh, p, t))(*args)
+        out[unroll] = jax.jit(functools.partial(pipeline_gradients, program, mesh))(*args)
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, tokens, cfg)
     for grads, loss in out.values():
         _assert_equal_grads(loss, ref_loss, grads, ref_grads)
@@ -410,7 +411,7 @@ def test_schedule_table_validation(bad, match):
         ScheduleTable("bad", fwd, bwd)
 
 
-# --------------------------------------------------------------------------- issue 9 grid
+# ---------------------------------------------------- schedules x recompute grid
 
 GRID_MESHES = [
     (8, 1, 1, False),

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad import ops
-from jax_wgrad.functional import WgradBuckets, linear, scan_layers
+from jax_wgrad.functional import WgradRoutes, linear, scan_layers
 from jax_wgrad.grads import GradBuffer, flat_mask, local_mask, shard_buckets
 from jax_wgrad.grads.chunks import Window
 from jax_wgrad.grads.masks import _rank_run_tables
@@ -284,13 +284,12 @@ def _llama_stage_buffer() -> tuple[GradBuffer, dict]:
     ), params
 
 
-def _llama_layer(p, mg, h):
+def _llama_layer(p, h):
     """Shapes of a Llama layer's four fused linears (the arithmetic does not matter)."""
-    mg = mg or {k: None for k in LLAMA_LAYERS}
-    a = linear(h, p["qkv"], main_grad=mg["qkv"])[:, :H]
-    h = h + linear(a, p["proj"], main_grad=mg["proj"])
-    g = linear(h, p["fc1"], main_grad=mg["fc1"])[:, :F]
-    return h + linear(g, p["fc2"], main_grad=mg["fc2"]), None
+    a = linear(h, p["qkv"])[:, :H]
+    h = h + linear(a, p["proj"])
+    g = linear(h, p["fc1"])[:, :F]
+    return h + linear(g, p["fc2"]), None
 
 
 def test_llama3_8b_layer_scan_writes_every_block_where_the_plan_puts_it():
@@ -300,10 +299,12 @@ def test_llama3_8b_layer_scan_writes_every_block_where_the_plan_puts_it():
 
     def backward(layers, buckets, x, dy):
         def stage(layers, buckets, x):
-            wb = WgradBuckets(buckets)
-            slots = {k: wb.slot(*buf.offset_of(f"['layers']['{k}']")) for k in LLAMA_LAYERS}
-            y, _ = scan_layers(_llama_layer, x, layers, slots)
-            return y, wb.buckets
+            routes = WgradRoutes(buckets)
+            for k in LLAMA_LAYERS:
+                routes.to_bucket(layers[k], *buf.offset_of(f"['layers']['{k}']"))
+            with routes:
+                y, _ = scan_layers(_llama_layer, x, layers)
+            return y, routes.buckets
 
         _, vjp_fn = jax.vjp(stage, layers, buckets, x)
         return vjp_fn((dy, buckets))[1]

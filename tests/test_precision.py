@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_wgrad import linear, ops
-from jax_wgrad.functional import WgradBuckets
+from jax_wgrad.functional import WgradRoutes
 
 SETTINGS = [
     None,
@@ -121,8 +121,10 @@ def test_linear_gemms_all_use_the_precision(precision, fused):
             return jnp.sum(linear(x, w, b, precision=precision))
         if fused == "accumulator":
             return jnp.sum(linear(x, w, b, main_grad=acc, precision=precision))
-        wb = WgradBuckets((acc.reshape(-1),))
-        return jnp.sum(linear(x, w, b, main_grad=wb.slot(0, 0), precision=precision))
+        routes = WgradRoutes((acc.reshape(-1),))
+        routes.to_bucket(w, 0, 0)
+        with routes:
+            return jnp.sum(linear(x, w, b, precision=precision))
 
     text = _cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, w, jnp.zeros((3, 4)))
     level = ops.matmul_precision(precision)

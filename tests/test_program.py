@@ -32,6 +32,7 @@ from jax_wgrad.parallel.pipeline.gradients import pipeline_gradients
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.setup import StageSetup
 from jax_wgrad.training import build_train_step, init_train_state, shard_batch
+from jax_wgrad.training.plan import ModelConfig
 
 needs_fusion = pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
 
@@ -82,10 +83,9 @@ def init_params(cfg: MLPStackConfig, seed: int) -> dict:
     }
 
 
-def block(p, x, mg=None):
-    mg = mg or {}
-    h = jax.nn.gelu(linear(x, p["w1"], main_grad=mg.get("w1")))
-    return x + linear(h, p["w2"], p["b"], main_grad=mg.get("w2"))
+def block(p, x):
+    h = jax.nn.gelu(linear(x, p["w1"]))
+    return x + linear(h, p["w2"], p["b"])
 
 
 def reference_loss(params, batch, cfg: MLPStackConfig):
@@ -93,7 +93,7 @@ def reference_loss(params, batch, cfg: MLPStackConfig):
     x, target = batch[..., : cfg.d_in], batch[..., cfg.d_in :]
     h = x @ params["inp"]["weight"].T
     for i in range(cfg.num_layers):
-        h = block(jax.tree.map(lambda a: a[i], params["blocks"]), h)
+        h = block(jax.tree.map(lambda a, i=i: a[i], params["blocks"]), h)
     pred = h @ params["out"]["weight"].T
     return jnp.mean(0.5 * jnp.sum((pred - target) ** 2, axis=-1))
 
@@ -119,23 +119,26 @@ class MLPStack:
             sample_dtype="float32",
         )
 
-    def pre(self, params, main_grads, batch):
-        mg = None if main_grads is None else main_grads.shared["inp"]["weight"]
-        return linear(
-            batch[..., : self.model.d_in], params.shared["inp"]["weight"], main_grad=mg
-        ), ()
+    def pre(self, params, batch):
+        return linear(batch[..., : self.model.d_in], params.shared["inp"]["weight"]), ()
 
-    def body(self, params, main_grads, x, layers=None):
+    def body(self, params, x, layers=None):
         assert layers is None, "the stack's layers are not stacked: no interleaving"
-        for i, p in enumerate(params.stage):
-            x = block(p, x, None if main_grads is None else main_grads.stage[i])
+        for p in params.stage:
+            x = block(p, x)
         return x, ()
 
-    def post(self, params, main_grads, y, batch):
-        mg = None if main_grads is None else main_grads.shared["out"]["weight"]
-        pred = linear(y, params.shared["out"]["weight"], main_grad=mg)
+    def post(self, params, y, batch, *, output_grad_extras=False):
+        pred = linear(y, params.shared["out"]["weight"])
         target = batch[..., self.model.d_in :]
-        return jnp.sum(0.5 * (pred - target) ** 2), ()
+        return jnp.sum(0.5 * (pred - target) ** 2), ()  # the extras come from the batch
+
+    def defer_extras(self, post_aux, batch):
+        return (batch[..., self.model.d_in :],)  # the targets [mb, S, d_out]
+
+    def recompute_output_grad(self, x, extras, weight):
+        (target,) = extras  # d(0.5 |x W^T - target|^2) / d(x W^T)
+        return jnp.einsum("bsh,oh->bso", x, weight) - target
 
     def metrics(self, aux_sum):
         return {}
@@ -198,17 +201,26 @@ def _batch(par: ParallelConfig, seed: int = 1) -> jax.Array:
 
 def test_the_program_is_a_stage_program():
     assert isinstance(MLPStack(CFG, ParallelConfig()), StageProgram)
+    assert isinstance(CFG, ModelConfig)
 
 
 @needs_fusion
 @pytest.mark.parametrize(
-    "schedule, defer",
-    [("1f1b", 0), ("zb-h1", 0), ("1f1b", 2), ("zb-h1", 3)],
-    ids=["1f1b", "zb-h1", "1f1b-defer2", "zb-h1-defer3"],
+    "schedule, defer, mode",
+    [
+        ("1f1b", 0, "stash"),
+        ("zb-h1", 0, "stash"),
+        ("1f1b", 2, "stash"),
+        ("zb-h1", 3, "stash"),
+        ("zb-h1", 3, "recompute"),
+    ],
+    ids=["1f1b", "zb-h1", "1f1b-defer2", "zb-h1-defer3", "zb-h1-defer3-recompute"],
 )
-def test_executor_runs_a_model_that_is_not_the_gpt(schedule, defer):
-    """Fused buckets in all three roles, deferral (partial: L < M) and the cooldown sync
-    on (dp, pp) = (2, 4), M = 4 microbatches per data rank: gradients equal ``jax.grad``."""
+def test_executor_runs_a_model_that_is_not_the_gpt(schedule, defer, mode):
+    """Fused buckets in all three roles, deferral (partial: L < M; in recompute mode the
+    drain rebuilds ``dy`` through the program's ``defer_extras`` and
+    ``recompute_output_grad``) and the cooldown sync on (dp, pp) = (2, 4), M = 4
+    microbatches per data rank: gradients equal ``jax.grad``."""
     par = ParallelConfig(
         pipeline_model_parallel_size=4,
         micro_batch_size=1,
@@ -217,6 +229,7 @@ def test_executor_runs_a_model_that_is_not_the_gpt(schedule, defer):
         pipeline_schedule=schedule,
         defer_embedding_wgrad_compute=defer > 0,
         wgrad_deferral_limit=defer,
+        defer_mode=mode,
     )
     program = MLPStack(CFG, par)
     CFG.validate(par)
@@ -261,12 +274,12 @@ def test_carry_is_named_and_sized_by_tracing():
     ddp = DDPConfig()
     layout, table = grad_layout(program, ddp), schedule_of(program)
     carry = carry_shapes(program, grad_sink(program, layout, table), ddp, table, make_mesh(par))
-    assert sorted(carry.wstash) == [
+    assert sorted(carry.weight_pairs) == [
         ".shared['out']['weight']",
         ".stage[0]['w1']",
         ".stage[0]['w2']",
     ]
-    pair = carry.wstash[".stage[0]['w1']"]
+    pair = carry.weight_pairs[".stage[0]['w1']"]
     assert pair.x.shape == (table.weight_slots, 1, CFG.seq_length, CFG.hidden)
     assert pair.dy.shape == (table.weight_slots, 1, CFG.seq_length, CFG.ffn)
     x, dy = carry.deferred[".shared['out']['weight']"]

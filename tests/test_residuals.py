@@ -8,7 +8,7 @@ import pytest
 
 from jax_wgrad import GPTConfig, GPTProgram, ParallelConfig, fusion_available
 from jax_wgrad.grads.config import DDPConfig
-from jax_wgrad.parallel.pipeline.executor import _StageRun
+from jax_wgrad.parallel.pipeline.executor import ScheduleRun
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
 
 MODEL = GPTConfig(
@@ -36,7 +36,7 @@ def _store(recompute, schedule="1f1b", method=None, num_layers=None):
     program = GPTProgram(MODEL, par, platform="cpu")
     layout, table = grad_layout(program, DDPConfig()), schedule_of(program)
     params = program.device_tree(program.init_params(0))
-    run = _StageRun(
+    run = ScheduleRun(
         program,
         grad_sink(program, layout, table),
         DDPConfig(),

@@ -1,8 +1,9 @@
 """Tier 2: pure functions over arrays -- the custom_vjp linears that route weight
 gradients into fp32 main grads or flat buckets, Megatron's conjugate collectives, the
-vocab-parallel cross entropy, the attention core and the expert-parallel MoE MLP. No modules, no parameters."""
+vocab-parallel cross entropy, the attention core and the expert-parallel MoE MLP. No
+modules, no parameters."""
 
-from jax_wgrad.functional.attention import causal_attention
+from jax_wgrad.functional.attention import causal_attention, rotary_embedding
 from jax_wgrad.functional.collectives import (
     SEQ_DIM,
     copy_to_tensor_parallel_region,
@@ -20,12 +21,13 @@ from jax_wgrad.functional.cross_entropy import (
 )
 from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
 from jax_wgrad.functional.linear import (
-    BucketSlot,
-    SplitSlot,
-    WgradBuckets,
-    WgradSplit,
+    StackRoutes,
+    WgradRoutes,
+    active_routes,
     linear,
     linear_into_bucket,
+    reshape_weight,
+    through_bucket,
 )
 from jax_wgrad.functional.moe import MoEConfig, MoEStats, moe_mlp
 from jax_wgrad.functional.recompute import LayerRecompute
@@ -33,14 +35,13 @@ from jax_wgrad.functional.stacked import scan_layers
 
 __all__ = [
     "SEQ_DIM",
-    "BucketSlot",
     "LayerRecompute",
     "MoEConfig",
     "MoEStats",
-    "SplitSlot",
-    "WgradBuckets",
-    "WgradSplit",
+    "StackRoutes",
+    "WgradRoutes",
     "causal_attention",
+    "rotary_embedding",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_last_dim",
@@ -49,6 +50,9 @@ __all__ = [
     "linear",
     "linear_into_bucket",
     "scan_layers",
+    "active_routes",
+    "reshape_weight",
+    "through_bucket",
     "logits_grad",
     "moe_mlp",
     "reduce_from_tensor_parallel_region",

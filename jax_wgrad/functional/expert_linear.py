@@ -12,8 +12,8 @@ Two token layouts, one set of ``custom_vjp`` rules:
   :func:`jax_wgrad.ops.ragged_wgrad_accumulate`), whose work is the rows actually routed
   (``jax.lax.ragged_dot`` lowers densely: ``E`` times the work, on CPUs and on H100s).
 
-Weight gradients go either to ``w``'s ordinary cotangent, or -- ``bucket``/``main_grad``
-given -- with ONE fused call per expert linear into that expert weight's blocks of a flat
+Weight gradients go either to ``w``'s ordinary cotangent, or -- ``bucket`` given -- with
+ONE fused call per expert linear into that expert weight's blocks of a flat
 fp32 bucket, in place (``w`` then gets a zero gradient; the bucket travels as the
 "cotangent" of the threaded bucket, see :mod:`jax_wgrad.functional.linear`).
 
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_wgrad import ops
-from jax_wgrad.functional.linear import BucketSlot, check_bucket_block
+from jax_wgrad.functional.linear import check_bucket_block
 from jax_wgrad.functional.saved import SAVED
 
 __all__ = ["grouped_linear", "ragged_linear"]
@@ -161,16 +161,7 @@ def _plain_bwd(kind, precision, overlap, res, dy):
 _plain.defvjp(_plain_fwd, _plain_bwd)
 
 
-def _expert_linear(kind, x, w, sizes, bucket, offset, main_grad, precision, overlap_wgrad):
-    if main_grad is not None:
-        if bucket is not None:
-            raise ValueError("expert linear: give bucket or main_grad, not both")
-        return main_grad.owner.thread(
-            main_grad.bucket,
-            lambda bk: _expert_linear(
-                kind, x, w, sizes, bk, main_grad.offset, None, precision, overlap_wgrad
-            ),
-        )
+def _expert_linear(kind, x, w, sizes, bucket, offset, precision, overlap_wgrad):
     level = ops.matmul_precision(precision)
     if bucket is None:
         return _plain(x, w, sizes, kind, level, overlap_wgrad)
@@ -187,7 +178,6 @@ def grouped_linear(
     *,
     bucket: jax.Array | None = None,
     offset: ops.Offset = 0,
-    main_grad: BucketSlot | None = None,
     precision: ops.PrecisionLike = None,
     overlap_wgrad: bool = False,
 ):
@@ -203,9 +193,6 @@ def grouped_linear(
         :class:`~jax_wgrad.ops.BlockOffset` ``base + index * stride`` / an int32 scalar
         array (may be traced, e.g. per layer of a ``scan``; the exact value is clamped into
         ``[0, N - E * out * in]`` like ``lax.dynamic_update_slice``).
-      main_grad: instead of ``bucket``/``offset``, the weight's
-        :class:`~jax_wgrad.functional.BucketSlot` in buckets threaded by a
-        :class:`~jax_wgrad.functional.WgradBuckets` (returns ``y`` only).
       overlap_wgrad: the delayed-wgrad order (module docstring).
     Returns:
       ``y [E, C, out]``, and the bucket token when ``bucket`` is given.
@@ -215,7 +202,7 @@ def grouped_linear(
             f"grouped_linear: x must be [E, C, in] and w [E, out, in]; got x "
             f"{list(x.shape)}, w {list(w.shape)}"
         )
-    return _expert_linear("dense", x, w, None, bucket, offset, main_grad, precision, overlap_wgrad)
+    return _expert_linear("dense", x, w, None, bucket, offset, precision, overlap_wgrad)
 
 
 def ragged_linear(
@@ -225,7 +212,6 @@ def ragged_linear(
     *,
     bucket: jax.Array | None = None,
     offset: ops.Offset = 0,
-    main_grad: BucketSlot | None = None,
     precision: ops.PrecisionLike = None,
     overlap_wgrad: bool = False,
 ):
@@ -236,7 +222,7 @@ def ragged_linear(
         rows past the last group are padding (their outputs are zeros).
       w: ``[E, out, in]``.
       group_sizes: int32 ``[E]`` rows per expert (traced; bounds clamped into ``[0, R]``).
-      bucket, offset, main_grad, precision, overlap_wgrad: as for :func:`grouped_linear`
+      bucket, offset, precision, overlap_wgrad: as for :func:`grouped_linear`
         (the fused wgrad is ONE :func:`jax_wgrad.ops.ragged_wgrad_accumulate` call; an
         expert with no rows adds nothing).
     Returns:
@@ -255,7 +241,6 @@ def ragged_linear(
         group_sizes.astype(jnp.int32),
         bucket,
         offset,
-        main_grad,
         precision,
         overlap_wgrad,
     )

@@ -23,17 +23,10 @@ backward receives the bucket's incoming cotangent -- everything accumulated so f
 downstream -- and returns ``wgrad_accumulate(x, dy, ct, offset=offset)``: the same buffer
 with this weight's ``[out, in]`` block added once, in place. Chained through all fused
 linears of a function ``f(params, buckets, x) -> (y, buckets)``, ``vjp((dy, carried))``
-returns the carried buckets with every block added exactly once. :class:`WgradBuckets`
-does the chaining for layers that only know their own slot (``main_grad=slot``)::
-
-    def stage(params, buckets, x):
-        wb = WgradBuckets(buckets)
-        y = linear(x, params["w"], main_grad=wb.slot(bucket=0, offset=128))
-        y = linear(y, params["w2"], main_grad=wb.slot(bucket=0, offset=0))
-        return y, wb.buckets
-
-    y, vjp_fn = jax.vjp(stage, params, buckets, x)
-    dparams, buckets, dx = vjp_fn((dy, buckets))   # buckets += both blocks
+returns the carried buckets with every block added exactly once. A model's layers do
+not thread anything themselves: the caller that owns the buckets attaches each weight to
+its block with a :class:`WgradRoutes` context, and :func:`linear` looks its weight up
+there (see :class:`WgradRoutes`; the model calls plain ``linear(x, w, b)``).
 
 **Traced offsets: stacked layers in a scan.** ``offset`` may also be a traced position
 :class:`~jax_wgrad.ops.BlockOffset` ``(base, i, out * in)`` -- layer ``i`` of a
@@ -60,13 +53,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jax_wgrad import ops
+from jax_wgrad.ops.position import advance
 
-__all__ = ["linear", "linear_into_bucket", "WgradBuckets", "BucketSlot", "WgradSplit", "SplitSlot"]
+__all__ = [
+    "StackRoutes",
+    "WgradRoutes",
+    "active_routes",
+    "linear",
+    "linear_into_bucket",
+    "reshape_weight",
+    "through_bucket",
+]
 
 
 def _check(x: jax.Array, w: jax.Array, b: jax.Array | None) -> None:
@@ -234,105 +240,291 @@ def linear_into_bucket(
     return _threaded_linear(x, w, b, bucket, offset, level)
 
 
-class WgradBuckets:
-    """Threads a tuple of flat gradient buckets through the fused linears of one function.
+# ----------------------------------------------------------------------------- routes
+# Where each weight's gradient goes is attached to the weight by the caller that owns the
+# gradient buckets (the pipeline executor, a test), not passed through the model: a
+# WgradRoutes context, active while the model runs, maps weight ARRAYS (by identity, the
+# very array objects the caller hands to the model) to a destination, and every fused
+# linear of this module looks its weight up. This module alone touches the routes' state.
 
-    A small mutable holder, like an NNX variable: create it INSIDE the function being
-    differentiated from that function's bucket arguments, hand :meth:`slot`s to the
-    layers (``main_grad=slot``), and return :attr:`buckets` as outputs. Each fused
-    ``linear`` replaces its bucket by the token returned from :func:`linear_into_bucket`,
-    so the buckets flow through every fused linear in call order.
+
+@dataclasses.dataclass(frozen=True)
+class _ToBucket:
+    """The weight's ``[out, in]`` block at ``offset`` of threaded bucket ``key``."""
+
+    key: Hashable
+    offset: ops.Offset
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToSplit:
+    """Zero-bubble split backward: probe ``index`` (its gradient is the linear's ``dy``)."""
+
+    index: int
+    name: str
+
+
+_LOCAL = threading.local()  # per tracing thread: the active routes, innermost last
+
+
+def _active() -> list[WgradRoutes]:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
+
+
+def active_routes() -> WgradRoutes | None:
+    """The innermost active :class:`WgradRoutes` (``with routes:``) of this thread, or
+    ``None``."""
+    stack = _active()
+    return stack[-1] if stack else None
+
+
+class WgradRoutes:
+    """Where the weight gradients of one differentiated call go (a trace-time context).
+
+    Create it INSIDE the function being differentiated, from that function's bucket and
+    probe arguments; attach weights with :meth:`to_bucket` / :meth:`to_split` (the array
+    objects the model will hand to :func:`linear`, matched by identity); run the model
+    under ``with routes:``; return :attr:`buckets` (and :attr:`inputs` for a split
+    backward) from the function. A model's layers never see a bucket::
+
+        def stage(params, buckets, x):
+            routes = WgradRoutes(buckets)
+            routes.to_bucket(params["w1"], 0, offset=128)
+            routes.to_bucket(params["w2"], 0, offset=0)
+            with routes:
+                y = model(params, x)          # plain linear(x, w) calls
+            return y, routes.buckets
+
+        y, vjp_fn = jax.vjp(stage, params, buckets, x)
+        dparams, buckets, dx = vjp_fn((dy, buckets))   # buckets += both blocks
+
+    * **to a bucket** (Megatron's gradient accumulation fusion): the weight's linear
+      threads the bucket like a token (:func:`linear_into_bucket`): its backward adds
+      ``dy^T x`` to the weight's block in place; each use of the weight adds once;
+    * **to a split probe** (zero bubble, ``probes[index]``, a zero array shaped like the
+      linear's output; ``None``: only record, e.g. under ``jax.eval_shape``): the linear
+      computes ``x @ stop_gradient(w).T + b + probe`` and records its input in
+      :attr:`inputs` and its output in :attr:`outputs`; differentiating with respect to
+      the probe gives its ``dy`` while no weight-gradient GEMM runs (the ``W`` task later
+      runs ``wgrad_accumulate(x, dy, ...)``).
+
+    A weight attached but never used by a fused linear would lose its gradient:
+    :meth:`check_used` (called by the executor after each call) raises then.
     """
 
-    def __init__(self, buckets):
-        self._buckets = list(buckets)
-
-    @property
-    def buckets(self) -> tuple[jax.Array, ...]:
-        """The current bucket tokens (return these from the differentiated function)."""
-        return tuple(self._buckets)
-
-    def slot(self, bucket: int, offset: ops.Offset) -> BucketSlot:
-        """The main grad of one weight: elements ``[offset, offset + out * in)`` of
-        bucket ``bucket``; ``offset`` a Python int, or a :class:`~jax_wgrad.ops.BlockOffset`
-        / int32 scalar array (traced, e.g. inside a ``scan`` over stacked layers; see
-        :func:`linear_into_bucket`)."""
-        if not 0 <= bucket < len(self._buckets):
-            raise ValueError(
-                f"WgradBuckets.slot: bucket {bucket} out of range (have {len(self._buckets)})"
-            )
-        return BucketSlot(self, bucket, offset)
-
-    def thread(self, bucket: int, fn):
-        """``out, new = fn(buckets[bucket])``; keeps ``new`` as that bucket's token and
-        returns ``out`` (how a fused layer threads its bucket)."""
-        out, self._buckets[bucket] = fn(self._buckets[bucket])
-        return out
-
-    def _linear(self, x, w, b, bucket: int, offset: ops.Offset, precision) -> jax.Array:
-        return self.thread(
-            bucket, lambda bk: linear_into_bucket(x, w, b, bk, offset=offset, precision=precision)
+    def __init__(
+        self,
+        buckets: Mapping[Hashable, jax.Array] | Sequence[jax.Array] = (),
+        probes: Sequence[jax.Array | None] = (),
+    ):
+        self._keyed = isinstance(buckets, Mapping)
+        self._tokens: dict[Hashable, jax.Array] = (
+            dict(buckets) if self._keyed else dict(enumerate(buckets))
         )
-
-
-class WgradSplit:
-    """Splits each fused linear's backward for zero-bubble pipelining (B and W tasks).
-
-    Create it INSIDE the function being differentiated from that function's ``probes``
-    argument (one zero array per fused linear, shaped like its output; ``None`` entries
-    only record the linears' inputs and outputs, e.g. under ``jax.eval_shape``) and hand
-    :meth:`slot`\\ s to the layers (``main_grad=slot``). Fused linear ``k`` then computes
-    ``x @ stop_gradient(w).T + b + probes[k]`` and records its input ``x`` in
-    :attr:`inputs` (return them as auxiliary outputs). Differentiating with respect to the
-    probes gives every linear's output gradient ``dy_k`` while no weight-gradient GEMM is
-    computed (the weights are held out of differentiation); the ``W`` task later runs
-    ``wgrad_accumulate(x_k, dy_k, bucket, offset)`` for each.
-    """
-
-    def __init__(self, probes):
         self._probes = list(probes)
         self.inputs: list[jax.Array | None] = [None] * len(self._probes)
         self.outputs: list[jax.Array | None] = [None] * len(self._probes)
+        # id(weight) -> (weight, destination): the weight is held so its id stays unique.
+        self._routes: dict[int, tuple[jax.Array, _ToBucket | _ToSplit]] = {}
+        self._used: set[int] = set()
 
-    def slot(self, index: int) -> SplitSlot:
-        """The split main grad of fused linear number ``index``."""
+    # -- attaching weights
+
+    def to_bucket(
+        self, weight: jax.Array, bucket: Hashable, offset: ops.Offset, *, name: str = ""
+    ) -> None:
+        """``weight``'s gradient is added to ``buckets[bucket]`` from element ``offset`` on
+        (a Python int, or a traced :class:`~jax_wgrad.ops.BlockOffset` / int32 scalar, see
+        :func:`linear_into_bucket`); ``name`` is for error messages."""
+        if bucket not in self._tokens:
+            raise ValueError(
+                f"WgradRoutes.to_bucket: bucket {bucket!r} out of range (have {list(self._tokens)})"
+            )
+        self._attach(weight, _ToBucket(bucket, offset, name or f"weight {weight.shape}"))
+
+    def to_split(self, weight: jax.Array, index: int, *, name: str = "") -> None:
+        """``weight``'s linear is split for zero bubble with probe ``probes[index]``."""
         if not 0 <= index < len(self._probes):
             raise ValueError(
-                f"WgradSplit.slot: linear {index} out of range (have {len(self._probes)} probes)"
+                f"WgradRoutes.to_split: probe {index} out of range "
+                f"(have {len(self._probes)} probes)"
             )
-        return SplitSlot(self, index)
+        self._attach(weight, _ToSplit(index, name or f"weight {weight.shape}"))
 
-    def _linear(self, x, w, b, index: int, precision: int) -> jax.Array:
-        probe = self._probes[index]
+    def _attach(self, weight: jax.Array, dest: _ToBucket | _ToSplit) -> None:
+        if id(weight) in self._routes:
+            raise ValueError(
+                f"WgradRoutes: {dest.name} is already attached (as "
+                f"{self._routes[id(weight)][1].name}); one destination per weight array"
+            )
+        self._routes[id(weight)] = (weight, dest)
+
+    # -- the context
+
+    def __enter__(self) -> WgradRoutes:
+        _active().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack = _active()
+        if not stack or stack[-1] is not self:
+            raise RuntimeError("WgradRoutes: contexts exited out of order")
+        stack.pop()
+
+    # -- results
+
+    @property
+    def buckets(self) -> tuple[jax.Array, ...] | dict[Hashable, jax.Array]:
+        """The current bucket tokens, in the form given (a tuple, or a dict by key)."""
+        return dict(self._tokens) if self._keyed else tuple(self._tokens.values())
+
+    def check_used(self) -> None:
+        """Raises ``ValueError`` naming every attached weight no fused linear used."""
+        unused = [d.name for i, (_, d) in self._routes.items() if i not in self._used]
+        if unused:
+            raise ValueError(
+                f"WgradRoutes: {', '.join(unused)} had a gradient destination but no "
+                "jax_wgrad linear used the array (a weight must reach the layer unchanged: "
+                "a cast, reshape or copy before the linear is a different array); its "
+                "gradient would be lost"
+            )
+
+    # -- what the fused linears call
+
+    def _find(self, weight: jax.Array) -> _ToBucket | _ToSplit | None:
+        hit = self._routes.get(id(weight))
+        if hit is None or hit[0] is not weight:
+            return None
+        self._used.add(id(weight))
+        return hit[1]
+
+    def _thread(self, key: Hashable, fn: Callable[[jax.Array], tuple[Any, jax.Array]]):
+        out, self._tokens[key] = fn(self._tokens[key])
+        return out
+
+    def _split_linear(self, dest: _ToSplit, x, w, b, precision: int) -> jax.Array:
+        probe = self._probes[dest.index]
         y = _forward(x, jax.lax.stop_gradient(w), b, precision)
         if probe is not None:  # None: only record (to learn the shapes)
             if probe.shape != y.shape:
                 raise ValueError(
-                    f"WgradSplit: probe {index} has shape {probe.shape}, the "
+                    f"WgradRoutes: the probe of {dest.name} has shape {probe.shape}, the "
                     f"linear's output {y.shape}"
                 )
             y = y + probe.astype(y.dtype)
-        self.inputs[index], self.outputs[index] = x, y
+        if self.inputs[dest.index] is not None:
+            raise ValueError(
+                f"WgradRoutes: {dest.name} is split for zero bubble and used twice in one "
+                "call (its W task keeps one (x, dy) pair)"
+            )
+        self.inputs[dest.index], self.outputs[dest.index] = x, y
         return y
 
+    # -- stacked layers (scan_layers)
 
-@dataclasses.dataclass(frozen=True)
-class SplitSlot:
-    """Fused linear ``index`` of a :class:`WgradSplit` (``main_grad=`` of :func:`linear`)."""
+    def stack(self, leaves: Sequence[jax.Array]) -> StackRoutes:
+        """The routes of weights stacked ``[n, ...]`` over the layers of a ``lax.scan``
+        (:func:`~jax_wgrad.functional.scan_layers`): their buckets ride in the scan's
+        carry, each layer's block at a traced :class:`~jax_wgrad.ops.BlockOffset`."""
+        return StackRoutes(self, [self._find(a) for a in leaves])
 
-    owner: WgradSplit
-    index: int
+
+class StackRoutes:
+    """The routes of one ``lax.scan`` over stacked layers (made by
+    :meth:`WgradRoutes.stack`; ``dests[k]``: leaf ``k``'s destination or ``None``).
+
+    ``carry``: the bucket tokens the scan carries; ``probes``: the stacked probes
+    ``[n, ...]`` of the split leaves (scan inputs). Per layer, :meth:`layer` makes the
+    routes of that layer's slices; after the scan, :meth:`finish` hands the carried
+    tokens and the stacked records back to the outer routes.
+    """
+
+    def __init__(self, outer: WgradRoutes, dests: list[_ToBucket | _ToSplit | None]):
+        self._outer = outer
+        self._dests = dests
+        self.keys: tuple[Hashable, ...] = tuple(
+            dict.fromkeys(d.key for d in dests if isinstance(d, _ToBucket))
+        )
+        self._split = [(k, d) for k, d in enumerate(dests) if isinstance(d, _ToSplit)]
+
+    @property
+    def carry(self) -> tuple[jax.Array, ...]:
+        return tuple(self._outer._tokens[k] for k in self.keys)
+
+    @property
+    def probes(self) -> list[jax.Array | None]:
+        return [self._outer._probes[d.index] for _, d in self._split]
+
+    def layer(
+        self,
+        tokens: Sequence[jax.Array],
+        layer_leaves: Sequence[jax.Array],
+        index: jax.Array,
+        probes: Sequence[jax.Array | None],
+    ) -> WgradRoutes:
+        """The routes of layer ``index`` (traced int32, of the FULL stacks):
+        ``layer_leaves[k]`` is leaf ``k``'s slice ``[...]``; its bucket block at
+        ``BlockOffset(offset, index, size)`` (exact at any bucket size); ``probes``: this
+        layer's probes of the split leaves."""
+        inner = WgradRoutes(dict(zip(self.keys, tokens)), probes)
+        j = 0
+        for leaf, dest in zip(layer_leaves, self._dests):
+            if isinstance(dest, _ToBucket):
+                offset = advance(dest.offset, index, math.prod(leaf.shape))
+                inner.to_bucket(leaf, dest.key, offset, name=dest.name)
+            elif isinstance(dest, _ToSplit):
+                inner.to_split(leaf, j, name=dest.name)
+                j += 1
+        return inner
+
+    @staticmethod
+    def layer_result(routes: WgradRoutes, keys: tuple[Hashable, ...]):
+        """``(tokens, inputs, outputs)`` of a layer's routes after the layer ran."""
+        routes.check_used()
+        return tuple(routes._tokens[k] for k in keys), routes.inputs, routes.outputs
+
+    def finish(self, tokens: Sequence[jax.Array], inputs, outputs) -> None:
+        """The scan's carried tokens and stacked records ``[k, ...]`` into the outer
+        routes."""
+        for key, token in zip(self.keys, tokens):
+            self._outer._tokens[key] = token
+        for j, (_, dest) in enumerate(self._split):
+            self._outer.inputs[dest.index] = inputs[j]
+            self._outer.outputs[dest.index] = outputs[j]
 
 
-@dataclasses.dataclass(frozen=True)
-class BucketSlot:
-    """Where one weight's main grad lives in threaded buckets (``main_grad=`` of
-    :func:`linear`); made by :meth:`WgradBuckets.slot`. ``offset`` is a Python int, or a
-    :class:`~jax_wgrad.ops.BlockOffset` / int32 scalar array (traced)."""
+def reshape_weight(weight: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """``weight.reshape(shape)`` with ``weight``'s gradient destination (a reshape keeps the
+    row-major block): what a layer uses to hand a reshaped weight to :func:`linear`."""
+    out = weight.reshape(shape)
+    routes = active_routes()
+    if routes is not None and out is not weight:
+        dest = routes._find(weight)
+        if dest is not None:
+            routes._attach(out, dest)
+    return out
 
-    owner: WgradBuckets
-    bucket: int
-    offset: ops.Offset
+
+def through_bucket(
+    weight: jax.Array,
+    plain: Callable[[], Any],
+    into_bucket: Callable[[jax.Array, ops.Offset], tuple[Any, jax.Array]],
+) -> Any:
+    """For fused layers other than :func:`linear` (the expert linears): ``into_bucket(
+    bucket, offset)`` with the active routes' bucket of ``weight`` (threaded: it returns
+    ``(out, new bucket)``, ``out`` is returned), or ``plain()`` when ``weight`` has no
+    destination. Raises ``ValueError`` for a weight split for zero bubble (only
+    :func:`linear` splits)."""
+    routes = active_routes()
+    dest = None if routes is None else routes._find(weight)
+    if dest is None:
+        return plain()
+    if isinstance(dest, _ToSplit):
+        raise ValueError(f"WgradRoutes: {dest.name} cannot be split for zero bubble here")
+    return routes._thread(dest.key, lambda bk: into_bucket(bk, dest.offset))
 
 
 def linear(
@@ -340,10 +532,14 @@ def linear(
     w: jax.Array,
     b: jax.Array | None = None,
     *,
-    main_grad: jax.Array | BucketSlot | SplitSlot | None = None,
+    main_grad: jax.Array | None = None,
     precision: ops.PrecisionLike = None,
 ) -> jax.Array:
     """``y = x @ w.T + b``.
+
+    Where ``w``'s gradient goes: with ``main_grad`` into that array; else where the
+    active :class:`WgradRoutes` attach ``w`` (the array object itself: a bucket block,
+    or a zero-bubble split); else to ``w``'s ordinary cotangent (a plain linear).
 
     Args:
       x: ``[..., in]`` input.
@@ -351,10 +547,7 @@ def linear(
       b: optional ``[out]`` bias.
       main_grad: optional ``[out, in]`` fp32 (or input-dtype) accumulator. When given,
         the backward accumulates ``dy^T x`` into it through the fused op and returns the
-        updated buffer as its cotangent; ``w`` then receives a zero gradient. Or a
-        :class:`BucketSlot`: the weight's block in threaded flat buckets
-        (:func:`linear_into_bucket`), or a :class:`SplitSlot` (zero-bubble: the weight
-        gradient is left to a later task, :class:`WgradSplit`).
+        updated buffer as its cotangent; ``w`` then receives a zero gradient.
       precision: matmul precision of the forward, data-gradient and weight-gradient
         GEMMs, with ``jnp.dot``'s meaning and default (``jax.default_matmul_precision``;
         see :func:`jax_wgrad.ops.matmul_precision`): on a GPU float32 uses TF32 unless
@@ -364,14 +557,19 @@ def linear(
     """
     _check(x, w, b)
     level = ops.matmul_precision(precision)
-    if main_grad is None:
+    if main_grad is not None:
+        if main_grad.shape != w.shape:
+            raise ValueError(
+                f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"
+            )
+        return _fused_linear(x, w, b, main_grad, level)
+    routes = active_routes()
+    dest = None if routes is None else routes._find(w)
+    if dest is None:
         return _forward(x, w, b, level)
-    if isinstance(main_grad, BucketSlot):
-        return main_grad.owner._linear(x, w, b, main_grad.bucket, main_grad.offset, level)
-    if isinstance(main_grad, SplitSlot):
-        return main_grad.owner._linear(x, w, b, main_grad.index, level)
-    if main_grad.shape != w.shape:
-        raise ValueError(
-            f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"
-        )
-    return _fused_linear(x, w, b, main_grad, level)
+    if isinstance(dest, _ToSplit):
+        return routes._split_linear(dest, x, w, b, level)
+    return routes._thread(
+        dest.key,
+        lambda bk: linear_into_bucket(x, w, b, bk, offset=dest.offset, precision=precision),
+    )

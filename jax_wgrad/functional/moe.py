@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax_wgrad import ops
 from jax_wgrad._validation import check_positive
 from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
-from jax_wgrad.functional.linear import BucketSlot, WgradBuckets
+from jax_wgrad.functional.linear import WgradRoutes, through_bucket
 from jax_wgrad.functional.moe_dispatch import CapacityDispatch, DroplessDispatch, dispatch_slots
 
 __all__ = [
@@ -235,7 +235,6 @@ def moe_mlp(
     sequence_axis: str | None = None,
     expert_tensor_axis: str | None = None,
     buckets: tuple[jax.Array, int, int] | None = None,
-    main_grads: tuple[BucketSlot, BucketSlot] | None = None,
     precision: ops.PrecisionLike = None,
 ) -> tuple[Any, MoEStats]:
     """The MoE MLP of this rank's tokens.
@@ -253,13 +252,29 @@ def moe_mlp(
       expert_tensor_axis: expert tensor parallelism over this axis (``etp`` ranks; needs
         sequence parallelism over it: each tensor rank routes its own tokens).
       buckets: optional ``(bucket, fc1 offset, fc2 offset)``: expert weight gradients go
-        into that flat fp32 bucket (threaded, see :func:`grouped_linear`).
-      main_grads: instead of ``buckets``, the ``(fc1, fc2)`` weights'
-        BucketSlot objects (returns ``y`` only).
+        into that flat fp32 bucket (threaded, see :func:`grouped_linear`). Without it,
+        ``fc1``/``fc2`` go where the active :class:`~jax_wgrad.functional.WgradRoutes`
+        send those arrays (one fused call per expert linear), else to their cotangents.
     Returns:
       ``(y [T, H], stats)``, or ``((y, bucket), stats)`` with ``buckets``; ``stats``: a
       :class:`MoEStats`.
     """
+    if buckets is not None:  # explicit bucket: routes of its own
+        routes = WgradRoutes((buckets[0],))
+        routes.to_bucket(params["fc1"], 0, buckets[1], name="fc1")
+        routes.to_bucket(params["fc2"], 0, buckets[2], name="fc2")
+        with routes:
+            y, stats = moe_mlp(
+                params,
+                x,
+                cfg,
+                expert_axis=expert_axis,
+                sequence_axis=sequence_axis,
+                expert_tensor_axis=expert_tensor_axis,
+                precision=precision,
+            )
+        routes.check_used()
+        return (y, routes.buckets[0]), stats
     e, k = cfg.num_experts, cfg.topk
     ep = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
     etp = 1 if expert_tensor_axis is None else jax.lax.axis_size(expert_tensor_axis)
@@ -273,20 +288,21 @@ def moe_mlp(
         else CapacityDispatch(**exchange, capacity=cfg.capacity(t))
     )
     rows, sizes, state = dispatcher.dispatch(x, experts)
-    owner = None
-    if buckets is not None:
-        if main_grads is not None:
-            raise ValueError("moe_mlp: give buckets or main_grads, not both")
-        owner = WgradBuckets((buckets[0],))
-        main_grads = (owner.slot(0, buckets[1]), owner.slot(0, buckets[2]))
-    mg1, mg2 = main_grads or (None, None)
     opts = dict(precision=precision, overlap_wgrad=cfg.overlap_wgrad)
+    group = {} if sizes is None else {"group_sizes": sizes}
+    expert_linear = grouped_linear if sizes is None else ragged_linear
+
+    def linear(a: jax.Array, param: jax.Array, w: jax.Array) -> jax.Array:
+        """``a`` through expert weight ``w`` (``param`` itself, or its reshape), whose
+        gradient goes where ``param``'s is routed."""
+        return through_bucket(
+            param,
+            lambda: expert_linear(a, w, **group, **opts),
+            lambda bk, off: expert_linear(a, w, **group, bucket=bk, offset=off, **opts),
+        )
+
     fc1 = params["fc1"].reshape(params["fc1"].shape[0], -1, h)  # SwiGLU: gate, up rows
-    if sizes is None:
-        linear = lambda a, w, mg: grouped_linear(a, w, main_grad=mg, **opts)
-    else:
-        linear = lambda a, w, mg: ragged_linear(a, w, sizes, main_grad=mg, **opts)
-    out = linear(cfg.activation(linear(rows, fc1, mg1)), params["fc2"], mg2)
+    out = linear(cfg.activation(linear(rows, params["fc1"], fc1)), params["fc2"], params["fc2"])
     y = dispatcher.combine(out, gates, state)
     tokens_per_expert = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))
     counts, total = tokens_per_expert, t
@@ -303,4 +319,4 @@ def moe_mlp(
         jnp.zeros((), jnp.float32) if kept is None else jnp.sum(~kept) / jnp.float32(kept.size)
     )
     stats = MoEStats(aux, tokens_per_expert, dropped)
-    return ((y, owner.buckets[0]) if owner is not None else y), stats
+    return y, stats

@@ -10,21 +10,22 @@ compile time does not grow with ``n`` (``unroll`` trades it back for straight-li
 each iteration reads its layer's parameters from the full stacks (no copy of the stacks),
 and the weight-gradient slots handed to the layer are rebuilt per iteration:
 
-* a :class:`~jax_wgrad.functional.BucketSlot` of a stacked weight becomes the slot of
-  layer ``i``'s block, at the TRACED position ``BlockOffset(offset, i, size)`` (the fused
-  op's traced-offset form: ``offset + i * size`` computed in 64 bits by the handler, exact
-  in buckets past ``2**31`` elements), and the buckets it writes ride in the scan's
-  carry -- so the scan's backward carries their cotangent and each iteration adds its
-  layer's block in place;
-* a :class:`~jax_wgrad.functional.SplitSlot` (zero bubble) of a stacked weight takes its
-  probe ``[n, ...]`` as a scan input and records the layer inputs as a scan output
-  ``[n, ...]``: the ``W`` task's pair is then the stacked ``(x, dy)``, one grouped fused
-  call (:func:`jax_wgrad.ops.grouped_wgrad_accumulate`: ``n`` blocks back to back).
+* a stacked weight the active :class:`~jax_wgrad.functional.WgradRoutes` send to a bucket
+  has layer ``i``'s slice sent to layer ``i``'s block, at the TRACED position
+  ``BlockOffset(offset, i, size)`` (the fused op's traced-offset form: ``offset + i * size``
+  computed in 64 bits by the handler, exact in buckets past ``2**31`` elements), and the
+  buckets it writes ride in the scan's carry -- so the scan's backward carries their
+  cotangent and each iteration adds its layer's block in place;
+* a stacked weight split for zero bubble takes its probe ``[n, ...]`` as a scan input and
+  records the layer inputs as a scan output ``[n, ...]``: the ``W`` task's pair is then
+  the stacked ``(x, dy)``, one grouped fused call
+  (:func:`jax_wgrad.ops.grouped_wgrad_accumulate`: ``n`` blocks back to back).
+
+The layer function knows none of this: it calls the library's layers on its parameters.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,48 +33,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_wgrad import ops
-from jax_wgrad.functional.linear import BucketSlot, SplitSlot, WgradBuckets, WgradSplit
+from jax_wgrad.functional.linear import StackRoutes, WgradRoutes, active_routes
 from jax_wgrad.functional.recompute import LayerGroup, LayerRecompute
-from jax_wgrad.ops.position import advance
 
 __all__ = ["scan_layers"]
 
 PyTree = Any
 
 
-def _is_slot(x) -> bool:
-    return x is None or isinstance(x, (BucketSlot, SplitSlot))
-
-
-def _layer_offset(slot: BucketSlot, layer: jax.Array, size: int) -> ops.BlockOffset:
-    """The block of stacked layer ``layer`` (traced int32) of the weight whose layer-0
-    block is at ``slot.offset``, ``size`` elements per layer: ``BlockOffset(slot.offset,
-    layer, size)``, exact at any bucket size (:func:`jax_wgrad.ops.position.advance`; a
-    traced ``slot.offset`` combines when its stride is a multiple of ``size``, else this
-    raises ``ValueError``)."""
-    return advance(slot.offset, layer, size)
-
-
 def scan_layers(
-    layer: Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]],
+    layer: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]],
     x: jax.Array,
     params: PyTree,
-    main_grads: PyTree | None,
     *,
     unroll: int = 1,
     rows: tuple[Any, int] | None = None,
     recompute: LayerRecompute | None = None,
 ) -> tuple[jax.Array, PyTree]:
-    """``for i in range(n): x, aux_i = layer(params[i], main_grads[i], x)`` as a scan.
+    """``for i in range(n): x, aux_i = layer(params[i], x)`` as a scan.
 
     Args:
-      layer: ``(params of one layer, its main grads or None, x) -> (x, aux)``.
+      layer: ``(params of one layer, x) -> (x, aux)``.
       x: the first layer's input (the scan carry).
-      params: the layers' parameters, every leaf stacked ``[n, ...]``.
-      main_grads: ``None``, or a tree shaped like ``params`` with a slot (``BucketSlot`` /
-        ``SplitSlot`` of the STACKED weight: its bucket block, its probe ``[k, ...]`` for
-        the ``k`` layers run) or ``None`` at each leaf.
+      params: the layers' parameters, every leaf stacked ``[n, ...]``; the active
+        :class:`~jax_wgrad.functional.WgradRoutes` may send a leaf's gradient to a bucket
+        (its layer-0 block; a probe ``[k, ...]`` for the ``k`` layers run when split).
       unroll: iterations per step of the loop (``lax.scan``'s ``unroll``; an iteration is
         one layer, or one group of layers recomputed together); ``n``: no loop
         (straight-line code, the offsets constant; compile time grows with ``n``).
@@ -85,8 +69,8 @@ def scan_layers(
         per layer or per group of layers, inside the scan); ``None``: no checkpoint (what
         JAX's autodiff saves by itself).
     Returns:
-      ``(x after the layers, aux stacked [k, ...])``. The threaded buckets and the
-      split records of the slots' owners are updated as if each layer had been called.
+      ``(x after the layers, aux stacked [k, ...])``. The active routes' buckets and
+      split records are updated as if each layer had been called.
     """
     leaves, treedef = jax.tree.flatten(params)
     n = leaves[0].shape[0]
@@ -100,38 +84,19 @@ def scan_layers(
         raise ValueError(f"scan_layers: rows {rows!r} outside the {n} stacked layers")
     groups = (LayerGroup(0, 1, count, None),) if recompute is None else recompute.groups(count)
 
-    slots = (
-        [None] * len(leaves)
-        if main_grads is None
-        else treedef.flatten_up_to(jax.tree.map(lambda s: s, main_grads, is_leaf=_is_slot))
-    )
-    # Threaded buckets: one carry entry per (owner, bucket) a BucketSlot writes.
-    owners: dict[int, WgradBuckets] = {}
-    threaded: list[tuple[int, int]] = []
-    for s in slots:
-        if isinstance(s, BucketSlot):
-            owners.setdefault(id(s.owner), s.owner)
-            if (id(s.owner), s.bucket) not in threaded:
-                threaded.append((id(s.owner), s.bucket))
-    split = [(k, s) for k, s in enumerate(slots) if isinstance(s, SplitSlot)]
-    probes = [s.owner._probes[s.index] for _, s in split]
+    outer = active_routes()
+    stack: StackRoutes = (outer or WgradRoutes()).stack(leaves)
+    keys = stack.keys
+    probes = stack.probes
 
     def one_layer(h, bks, index, probe):
         """Layer ``index`` (traced, of the ``count`` run) on ``h``: ``(h, bks, records)``."""
-        inner = WgradBuckets(bks)
-        ws = WgradSplit(probe)
-        per_layer = list(slots)
-        for k, s in enumerate(slots):
-            if isinstance(s, BucketSlot):
-                per_layer[k] = inner.slot(
-                    threaded.index((id(s.owner), s.bucket)),
-                    _layer_offset(s, start + index, math.prod(leaves[k].shape[1:])),
-                )
-        for j, (k, _) in enumerate(split):
-            per_layer[k] = ws.slot(j)
-        p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, start + index, 0, False), params)
-        h, aux = layer(p, None if main_grads is None else jax.tree.unflatten(treedef, per_layer), h)
-        return h, inner.buckets, (aux, ws.inputs, ws.outputs)
+        sliced = [lax.dynamic_index_in_dim(a, start + index, 0, False) for a in leaves]
+        routes = stack.layer(bks, sliced, start + index, probe)
+        with routes:
+            h, aux = layer(jax.tree.unflatten(treedef, sliced), h)
+        bks, inputs, outputs = StackRoutes.layer_result(routes, keys)
+        return h, bks, (aux, inputs, outputs)
 
     def run_group(g: LayerGroup):
         def iteration(h, bks, it, probe):
@@ -166,7 +131,7 @@ def scan_layers(
 
         return step, (jnp.arange(g.count, dtype=jnp.int32), [group_probes(p) for p in probes])
 
-    carry = (x, tuple(owners[o]._buckets[b] for o, b in threaded))
+    carry = (x, stack.carry)
     records = []
     for g in groups:
         step, xs = run_group(g)
@@ -180,8 +145,5 @@ def scan_layers(
     aux, inputs, outputs = (
         records[0] if len(records) == 1 else jax.tree.map(lambda *r: jnp.concatenate(r), *records)
     )
-    for (o, b), bk in zip(threaded, bks):
-        owners[o]._buckets[b] = bk
-    for j, (_, s) in enumerate(split):
-        s.owner.inputs[s.index], s.owner.outputs[s.index] = inputs[j], outputs[j]
+    stack.finish(bks, inputs, outputs)
     return y, aux

@@ -9,17 +9,17 @@ it:
   the backward (:func:`~jax_wgrad.functional.linear_into_bucket`; the buckets thread
   through the differentiated function);
 * ``"stash_w"``: split backward (zero bubble): the backward computes the linear's output
-  gradient only (:class:`~jax_wgrad.functional.WgradSplit` probes) and the pair
+  gradient only (split probes of :class:`~jax_wgrad.functional.WgradRoutes`) and the pair
   ``(x, dy)`` waits for the microbatch's ``W`` task;
 * ``"defer"``: the output layer's weight under ``defer_embedding_wgrad_compute``
   (Megatron's deferral): its pair is stashed for the drain after the schedule (deferred
   microbatches), else handled as above.
 
 Every other gradient is an ordinary array added to its block by
-:meth:`GradLayout.add`. A model's stage programs never see buckets: they get a
-:class:`Tape`'s ``main_grads`` -- a :class:`~jax_wgrad.grads.chunks.DeviceTree` with a
-slot (``main_grad=`` of :func:`~jax_wgrad.functional.linear`) at each fused weight of
-the role and ``None`` elsewhere.
+:meth:`GradLayout.add`. A model's stage programs never see buckets: a :class:`Tape`
+attaches the role's fused weights (the device tree's leaves themselves) to their
+destinations in a :class:`~jax_wgrad.functional.WgradRoutes` context, active while the
+program runs, and the library's linears look their weights up there.
 
 Which weights get which policy (nothing here knows a model): a weight fused in the
 ``OUTPUT`` role is deferred when microbatches are deferred; with a split backward the
@@ -39,7 +39,7 @@ from typing import Literal
 import jax
 
 from jax_wgrad import ops
-from jax_wgrad.functional.linear import WgradBuckets, WgradSplit
+from jax_wgrad.functional.linear import WgradRoutes
 from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
 from jax_wgrad.grads.layout import GradLayout
 from jax_wgrad.grads.spec import LAYERS, OUTPUT, STACKED, STAGE
@@ -101,7 +101,8 @@ class GradSink:
     layout: GradLayout
     entries: tuple[SinkEntry, ...]
     num_deferred: int
-    _leaf_entries: tuple[SinkEntry | None, ...]
+    leaf_entries: tuple[SinkEntry | None, ...]
+    """Per leaf of the device tree (flatten order): its entry, ``None`` if not fused."""
 
     @classmethod
     def create(
@@ -179,12 +180,14 @@ class GradSink:
     def open(
         self,
         role: str,
+        params: DeviceTree,
         state: GradState | None,
         probes: Mapping[str, jax.Array | None] | None = None,
     ) -> Tape:
         """A :class:`Tape` for one differentiated call of ``role`` (create it INSIDE the
-        function being differentiated, from that function's ``state`` and ``probes``)."""
-        return Tape(self, role, state, probes)
+        function being differentiated, from that function's ``params``, ``state`` and
+        ``probes``; run the program under ``with tape:``)."""
+        return Tape(self, role, params, state, probes)
 
     def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
         """``role``'s ordinary gradients into their blocks (:meth:`GradLayout.add`)."""
@@ -234,48 +237,67 @@ def _first_bucket(layout: GradLayout, chunk: str) -> int:
 
 
 class Tape:
-    """One differentiated call's view of the sink (made by :meth:`GradSink.open`).
+    """One differentiated call's view of the sink (made by :meth:`GradSink.open`); a
+    context manager: the program runs under ``with tape:``.
 
-    ``main_grads``: a device tree with, at each weight fused in the role, a
-    :class:`~jax_wgrad.functional.BucketSlot` (policy ``accumulate``: the bucket threads
-    through the call) or a :class:`~jax_wgrad.functional.SplitSlot` (``stash_w``,
+    Attaches each weight fused in the role -- the leaf of ``params`` itself -- to its
+    destination in a :class:`~jax_wgrad.functional.WgradRoutes`: its bucket block (policy
+    ``accumulate``: the bucket threads through the call) or a split probe (``stash_w``,
     ``defer``: the call adds probe ``probes[name]`` to the linear's output and records its
-    input), ``None`` elsewhere; ``None`` altogether when ``state`` is ``None`` (no fusion:
-    a forward-only call). :meth:`close` returns the threaded buckets and the records.
+    input); nothing when ``state`` is ``None`` (no fusion: a forward-only call).
+    :meth:`close` returns the threaded buckets and the records.
     """
 
     def __init__(
         self,
         sink: GradSink,
         role: str,
+        params: DeviceTree,
         state: GradState | None,
         probes: Mapping[str, jax.Array | None] | None,
     ):
         self._state = state
         self._probed = sink.probed(role)
+        self._routes: WgradRoutes | None = None
         if state is None:
-            self.main_grads = None
             return
-        self._wb = state.map(lambda _, bks: WgradBuckets(bks))
-        self._ws = WgradSplit([None if probes is None else probes[e.name] for e in self._probed])
-        index = {e.name: i for i, e in enumerate(self._probed)}
-
-        def slot(entry: SinkEntry | None):
-            if entry is None or entry.role != role:
-                return None
-            if entry.probed:
-                return self._ws.slot(index[entry.name])
-            return self._wb[entry.chunk].slot(entry.bucket, entry.offset)
-
-        self.main_grads = jax.tree.unflatten(
-            sink.layout.buffer.treedef, [slot(e) for e in sink._leaf_entries]
+        routes = WgradRoutes(
+            {(chunk, i): bk for chunk, bks in state.items() for i, bk in enumerate(bks)},
+            [None if probes is None else probes[e.name] for e in self._probed],
         )
+        index = {e.name: i for i, e in enumerate(self._probed)}
+        leaves = sink.layout.buffer.treedef.flatten_up_to(params)
+        for leaf, entry in zip(leaves, sink.leaf_entries):
+            if entry is None or entry.role != role:
+                continue
+            if entry.probed:
+                routes.to_split(leaf, index[entry.name], name=entry.name)
+            else:
+                routes.to_bucket(leaf, (entry.chunk, entry.bucket), entry.offset, name=entry.name)
+        self._routes = routes
+
+    def __enter__(self) -> Tape:
+        if self._routes is not None:
+            self._routes.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._routes is not None:
+            self._routes.__exit__(*exc)
 
     def close(self) -> tuple[GradState | None, dict[str, jax.Array], dict[str, jax.Array]]:
         """``(buckets after the call's fused linears, inputs, outputs)``: the records are
-        by entry name, for the probed entries of the role."""
-        if self._state is None:
+        by entry name, for the probed entries of the role.
+
+        Raises:
+          ValueError: a fused weight of the role that no library linear used (its gradient
+            would be lost; :meth:`~jax_wgrad.functional.WgradRoutes.check_used`).
+        """
+        if self._routes is None:
             return None, {}, {}
-        state = self._wb.map(lambda _, wb: wb.buckets)
+        self._routes.check_used()
+        tokens = self._routes.buckets
+        state = self._state.map(lambda chunk, bks: tuple(tokens[chunk, i] for i in range(len(bks))))
         names = [e.name for e in self._probed]
-        return (state, dict(zip(names, self._ws.inputs)), dict(zip(names, self._ws.outputs)))
+        inputs, outputs = self._routes.inputs, self._routes.outputs
+        return state, dict(zip(names, inputs)), dict(zip(names, outputs))

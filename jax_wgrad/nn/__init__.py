@@ -4,7 +4,7 @@ variable metadata (:func:`jax_wgrad.nn.facts.param_facts`)."""
 
 from jax_wgrad.nn.facts import param_facts
 from jax_wgrad.nn.linear import Linear, MainGrad
-from jax_wgrad.nn.norm import LayerNorm
+from jax_wgrad.nn.norm import LayerNorm, RMSNorm
 from jax_wgrad.nn.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -17,6 +17,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "MainGrad",
+    "RMSNorm",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "init_std_for_output_layers",

@@ -10,11 +10,11 @@ Activations are ``[batch, seq, hidden]``. With sequence parallelism the activati
 between blocks are ``[batch, seq / tp, hidden]``: column-parallel layers all-gather the
 sequence before their GEMM and row-parallel layers reduce-scatter after theirs.
 
-With ``main_grad=acc`` a linear layer's weight gradient goes through
-:func:`jax_wgrad.functional.linear` into the fp32 accumulator ``acc`` (gradient
-accumulation fusion); see that function for the cotangent convention. ``main_grad`` may
-also be a :class:`jax_wgrad.functional.BucketSlot`: the weight's block of a flat gradient
-bucket threaded through the layers.
+A linear layer's weight gradient goes where the active
+:class:`jax_wgrad.functional.WgradRoutes` send its weight (gradient accumulation fusion
+into a bucket block, or a zero-bubble split; set up by whoever owns the buckets, e.g. the
+pipeline executor), else to the weight's ordinary gradient; the layers take no gradient
+argument.
 
 Every parameter carries its facts as NNX variable metadata (:func:`param_facts`): the
 dim split over ``tensor`` (``tensor_axis``), whether weight decay applies, and whether its
@@ -38,7 +38,7 @@ from jax_wgrad.functional.collectives import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from jax_wgrad.functional.cross_entropy import vocab_shard_index
-from jax_wgrad.functional.linear import BucketSlot, linear
+from jax_wgrad.functional.linear import linear, reshape_weight
 from jax_wgrad.nn.facts import param_facts
 from jax_wgrad.ops import PrecisionLike
 from jax_wgrad.parallel.mesh import PIPELINE, TENSOR
@@ -113,20 +113,12 @@ class ColumnParallelLinear(nnx.Module):
             else None
         )
 
-    def __call__(
-        self,
-        x: jax.Array,
-        weight: jax.Array | None = None,
-        *,
-        main_grad: jax.Array | BucketSlot | None = None,
-    ) -> jax.Array:
+    def __call__(self, x: jax.Array, weight: jax.Array | None = None) -> jax.Array:
         """``x``: ``[b, s(/tp), in]`` -> ``[b, s, out / tp]`` (or ``out``).
 
         Args:
           weight: overrides the layer's own weight (Megatron's tied output layer);
             required when built with ``skip_weight_param_allocation``.
-          main_grad: fp32 ``[out / tp, in]`` accumulator for fused wgrad accumulation,
-            or a :class:`~jax_wgrad.linear.BucketSlot` in threaded flat buckets.
         """
         with jax.named_scope("column_parallel_linear"):
             if weight is None:
@@ -139,15 +131,8 @@ class ColumnParallelLinear(nnx.Module):
                 else:
                     x = copy_to_tensor_parallel_region(x, self.axis_name)
             bias = None if self.bias is None else self.bias[...].reshape(-1)
-            if isinstance(main_grad, jax.Array):  # an accumulator shaped like the weight
-                main_grad = main_grad.reshape(-1, main_grad.shape[-1])
-            y = linear(
-                x,
-                weight.reshape(-1, weight.shape[-1]),
-                bias,
-                main_grad=main_grad,
-                precision=self.precision,
-            )
+            w = reshape_weight(weight, (-1, weight.shape[-1]))  # gated: [2 F/tp, in]
+            y = linear(x, w, bias, precision=self.precision)
             if self.gather_output and self.tp_size > 1:
                 y = gather_last_dim(y, self.axis_name)
             return y
@@ -194,13 +179,10 @@ class RowParallelLinear(nnx.Module):
             else None
         )
 
-    def __call__(
-        self, x: jax.Array, *, main_grad: jax.Array | BucketSlot | None = None
-    ) -> jax.Array:
-        """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``; ``main_grad`` as in
-        :class:`ColumnParallelLinear`."""
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``."""
         with jax.named_scope("row_parallel_linear"):
-            y = linear(x, self.weight[...], None, main_grad=main_grad, precision=self.precision)
+            y = linear(x, self.weight[...], None, precision=self.precision)
             if self.tp_size > 1:
                 if self.sequence_parallel:
                     y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name, SEQ_DIM)
@@ -260,7 +242,7 @@ class VocabParallelEmbedding(nnx.Module):
         The backward scatter-adds the token gradients in fp32 whatever the table's dtype
         (:func:`take_rows`): a 16-bit scatter-add rounds every partial sum and, on text-like
         ids (a few rows hit by most tokens), is two orders of magnitude slower on a GPU
-        (``DESIGN.md``, traps).
+        (``docs/design/h100_findings.md``, section 2).
         """
         with jax.named_scope("vocab_parallel_embedding"):
             table = self.embedding[...]

@@ -30,13 +30,20 @@ __all__ = ["ModelConfig", "TrainPlan", "mesh_shape"]
 class ModelConfig(Protocol):
     """What a plan needs of a model's config (:class:`~jax_wgrad.GPTConfig` is one): a
     frozen dataclass (its fields are what a checkpoint compares) that checks itself
-    against a parallel layout and builds its stage programs."""
+    against a parallel layout, builds its stage programs and names the fields on which a
+    checkpoint's parameters would not fit it."""
 
     def validate(self, parallel: ParallelConfig) -> None:
         """Raises ``ValueError`` if the layout does not divide the model."""
 
     def program(self, parallel: ParallelConfig, platform: str | None = None) -> StageProgram:
         """The model's :class:`StageProgram` for ``parallel`` on ``platform``."""
+
+    def shape_differences(self, saved: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+        """``(field, saved, this)`` for every field that fixes the parameters' shapes on
+        which ``saved`` (a checkpoint's ``dataclasses.asdict`` of its model config) and
+        this config disagree; ``[]`` if the checkpoint's parameters fit this model (what
+        :mod:`~jax_wgrad.training.checkpoint` checks before loading them)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

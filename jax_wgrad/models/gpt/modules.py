@@ -11,9 +11,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,7 +33,14 @@ from jax_wgrad.nn.tensor_parallel import (
 )
 from jax_wgrad.parallel.mesh import EXPERT, PIPELINE, TENSOR
 
-__all__ = ["TransformerLayer", "MoEExperts", "SharedExpertMLP", "GPTEmbedding", "GPTHead"]
+__all__ = [
+    "GPTEmbedding",
+    "GPTHead",
+    "MoEExperts",
+    "SharedExpertMLP",
+    "TransformerLayer",
+    "moe_stats_of",
+]
 
 
 def _dtype(cfg: GPTConfig) -> jnp.dtype:
@@ -92,22 +96,21 @@ class SharedExpertMLP(nnx.Module):
             f, h, use_bias=cfg.add_bias_linear, init_std=out_std, rngs=rngs, **common
         )
 
-    def __call__(self, x: jax.Array, *, main_grads: Mapping[str, Any] | None = None) -> jax.Array:
-        """``[b, s(/tp), H]`` -> same shape; ``main_grads`` as for :class:`TransformerLayer`."""
-        return _mlp(self, x, main_grads or {})
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[b, s(/tp), H]`` -> same shape."""
+        return _mlp(self, x)
 
 
-def _mlp(module: nnx.Module, x: jax.Array, mg: Mapping[str, Any]) -> jax.Array:
+def _mlp(module: nnx.Module, x: jax.Array) -> jax.Array:
     """``module.fc2(act(module.fc1(x)))``: GELU, or SwiGLU on this rank's gate features and
-    its up features; ``mg``: the main grads of ``module``'s linears."""
-    weight = lambda name: (mg.get(name) or {}).get("weight")
-    hidden = module.fc1(x, main_grad=weight("fc1"))
+    its up features."""
+    hidden = module.fc1(x)
     if module.swiglu:
         gate, up = jnp.split(hidden, 2, axis=-1)
         hidden = jax.nn.silu(gate) * up
     else:
         hidden = jax.nn.gelu(hidden, approximate=False)
-    return module.fc2(hidden, main_grad=weight("fc2"))
+    return module.fc2(hidden)
 
 
 class TransformerLayer(nnx.Module):
@@ -189,45 +192,31 @@ class TransformerLayer(nnx.Module):
         self.ep_size, self.tp_size, self.etp_size = ep_size, tp_size, etp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
-    def __call__(
-        self,
-        x: jax.Array,
-        *,
-        main_grads: Mapping[str, Any] | None = None,
-        moe_stats: list | None = None,
-    ) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[b, s(/tp), H]`` -> same shape.
 
-        ``main_grads``: optional, shaped like the layer's parameter tree (missing entries
-        and ``None`` leaves: not fused): at each linear's ``weight`` an fp32 accumulator or
-        a slot (gradient accumulation fusion); an MoE layer's ``experts`` entry holds its
-        ``fc1`` and ``fc2`` expert weights' BucketSlot objects. ``moe_stats``: a list an MoE
-        layer appends its :class:`~jax_wgrad.functional.MoEStats` to (return them from the
-        traced function).
+        An MoE layer sows its :class:`~jax_wgrad.functional.MoEStats` as the
+        ``nnx.Intermediate`` ``moe_stats`` (read it back with :func:`moe_stats_of`).
         """
-        mg = main_grads or {}
-        weight = lambda name: (mg.get(name) or {}).get("weight")
         with jax.named_scope("attention"):
-            x = x + self.proj(self._attention(self.ln1(x), weight("qkv")), main_grad=weight("proj"))
+            x = x + self.proj(self._attention(self.ln1(x)))
         if self.moe is not None:
-            experts = mg.get("experts") or {}
-            slots = (experts.get("fc1"), experts.get("fc2"))
             h = self.ln2(x)
-            y = self._moe_mlp(h, None if slots[0] is None else slots, moe_stats)
+            y = self._moe_mlp(h)
             if hasattr(self, "shared_expert"):
                 if not self.shared_expert_overlap:  # after the routed experts (Megatron)
                     y, h = jax.lax.optimization_barrier((y, h))
                 with jax.named_scope("shared_expert"):
-                    y = y + self.shared_expert(h, main_grads=mg.get("shared_expert"))
+                    y = y + self.shared_expert(h)
             return x + y
         with jax.named_scope("mlp"):
-            return x + _mlp(self, self.ln2(x), mg)
+            return x + _mlp(self, self.ln2(x))
 
-    def _attention(self, h: jax.Array, qkv_grad) -> jax.Array:
+    def _attention(self, h: jax.Array) -> jax.Array:
         """``[b, s(/tp), H]`` -> the attention output ``[b, s, heads/tp * d]`` of this
         rank's query groups (the whole sequence: the qkv projection all-gathers it under
         sequence parallelism, so RoPE sees positions ``0 .. S-1``)."""
-        qkv = self.qkv(h, main_grad=qkv_grad)
+        qkv = self.qkv(h)
         b, s = qkv.shape[:2]
         m, d = self.per_group, self.head_dim
         qkv = qkv.reshape(b, s, self.groups, m + 2, d)
@@ -241,7 +230,7 @@ class TransformerLayer(nnx.Module):
             k = rotary_embedding(k, base=base, percent=percent)
         return causal_attention(q, k, v, implementation=self.attention)
 
-    def _moe_mlp(self, h: jax.Array, main_grads, moe_stats: list | None) -> jax.Array:
+    def _moe_mlp(self, h: jax.Array) -> jax.Array:
         """``[b, s(/tp), H]`` -> the MoE MLP's output; its aux loss joins the backward
         weighted by the microbatch's token count (:func:`attach_aux_loss`)."""
         b, s, hid = h.shape
@@ -258,12 +247,20 @@ class TransformerLayer(nnx.Module):
                 expert_axis=EXPERT if self.ep_size > 1 else None,
                 expert_tensor_axis=TENSOR if self.etp_size > 1 else None,
                 sequence_axis=TENSOR if self.sequence_parallel else None,
-                main_grads=main_grads,
             )
-            if moe_stats is not None:
-                moe_stats.append(stats)
+            self.sow(nnx.Intermediate, "moe_stats", stats)
             tokens = b * s * (self.tp_size if self.sequence_parallel else 1)
             return attach_aux_loss(y, stats.aux_loss, float(tokens)).reshape(b, s, hid)
+
+
+def moe_stats_of(layer: nnx.Module) -> tuple:
+    """The :class:`~jax_wgrad.functional.MoEStats` an MoE layer sowed in its calls since
+    the last read (``()`` for none), removed from the layer."""
+    if not hasattr(layer, "moe_stats"):
+        return ()
+    stats = layer.moe_stats.get_value()
+    del layer.moe_stats
+    return tuple(stats)
 
 
 class GPTEmbedding(nnx.Module):
@@ -361,7 +358,6 @@ class GPTHead(nnx.Module):
         labels: jax.Array,
         *,
         weight: jax.Array | None = None,
-        main_grad: jax.Array | None = None,
         with_lse: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``x``: ``[b, s(/tp), H]``, ``labels``: int ``[b, s]`` -> fp32 scalar SUM of the
@@ -374,7 +370,7 @@ class GPTHead(nnx.Module):
             last = jax.lax.axis_index(PIPELINE) == pp - 1
             x = jax.lax.psum(jnp.where(last, x, jnp.zeros((), x.dtype)), PIPELINE)
         with jax.named_scope("output_layer"):
-            logits = self.output(self.final_norm(x), weight, main_grad=main_grad)
+            logits = self.output(self.final_norm(x), weight)
         with jax.named_scope("cross_entropy"):
             losses = vocab_parallel_cross_entropy(logits, labels, tp_size=shards, axis_name=axes)
         if not with_lse:

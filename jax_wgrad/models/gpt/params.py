@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -40,10 +39,20 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.grads.chunks import Chunks, DeviceTree
-from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, SHARED, STAGE, GradSpec
+from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, SHARED, STAGE
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.modules import GPTEmbedding, GPTHead, TransformerLayer
-from jax_wgrad.parallel.mesh import EXPERT, PIPELINE, TENSOR
+from jax_wgrad.models.trees import (
+    Order,
+    forward_order,
+    from_forward_order,
+    grad_spec_of,
+    pure_dict,
+    registration_order,
+    specs_of,
+    walk_variables,
+)
+from jax_wgrad.parallel.mesh import PIPELINE, TENSOR
 
 __all__ = [
     "abstract_modules",
@@ -61,34 +70,6 @@ __all__ = [
 
 Params = dict[str, Any]
 
-Order = dict[str, "Order | None"]
-"""A module's parameter names in registration order, nested (``None`` at a parameter)."""
-
-
-def registration_order(make: Callable[[], nnx.Module]) -> Order:
-    """The parameter names of the module ``make()`` builds, in the order its ``__init__``
-    assigns them (its structure: Megatron registers parameters in forward order).
-
-    Built under ``jax.eval_shape`` (no arrays); read from the instance's attributes,
-    which keep assignment order (an NNX state sorts its keys).
-    """
-    found: dict[str, Order] = {}
-
-    def build():
-        found["order"] = _order(make())
-        return 0
-
-    jax.eval_shape(build)
-    return found["order"]
-
-
-def _order(node: Any) -> Order | None:
-    if isinstance(node, nnx.Variable):
-        return None
-    return {
-        k: _order(v) for k, v in vars(node).items() if isinstance(v, (nnx.Module, nnx.Variable))
-    }
-
 
 @functools.cache
 def module_orders(cfg: GPTConfig) -> dict[str, Order]:
@@ -103,31 +84,6 @@ def module_orders(cfg: GPTConfig) -> dict[str, Order]:
         out["moe_layer"] = registration_order(lambda: TransformerLayer(cfg, moe=True, rngs=rngs()))
     out["head"] = registration_order(lambda: GPTHead(cfg, rngs=rngs()))
     return out
-
-
-def forward_order(tree: Mapping[str, Any], order: Order) -> collections.OrderedDict:
-    """The same parameters as nested ``OrderedDict`` trees in ``order`` (a module's
-    :func:`registration_order`).
-
-    Plain dicts flatten by sorted key; ``OrderedDict`` flattens in insertion order, so
-    :class:`jax_wgrad.grads.GradBuffer` lays this tree out as Megatron lays out the
-    model (reverse registration order: the head's last parameter at offset 0).
-    """
-    unknown = [k for k in tree if k not in order]
-    if unknown:
-        raise ValueError(
-            f"forward_order: parameters {unknown} are not in the module's structure {list(order)}"
-        )
-    return collections.OrderedDict(
-        (k, forward_order(tree[k], order[k]) if isinstance(tree[k], Mapping) else tree[k])
-        for k in order
-        if k in tree
-    )
-
-
-def from_forward_order(tree: Mapping[str, Any]) -> Params:
-    """Inverse of :func:`forward_order`: plain nested dicts."""
-    return {k: from_forward_order(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
 
 
 def _stacks(pattern) -> list[tuple[str, int]]:
@@ -189,7 +145,7 @@ def device_tree(params: Params, cfg: GPTConfig) -> DeviceTree:
     counts = {"layers": period.count(False), "moe_layers": period.count(True)}
     stage, experts = [], []
     for key, k in _stacks(period):
-        p = dict(jax.tree.map(lambda a: _position(a, counts[key], k), params[key]))
+        p = dict(jax.tree.map(functools.partial(_position, count=counts[key], k=k), params[key]))
         if key == "moe_layers":
             order = orders["moe_layer"]
             experts.append(forward_order(p.pop("experts"), order["experts"]))
@@ -219,16 +175,6 @@ def canonical_tree(tree: DeviceTree, cfg: GPTConfig) -> Params:
     return out
 
 
-def _pure(module: nnx.Module) -> Params:
-    return nnx.to_pure_dict(nnx.split(module)[1])
-
-
-def _walk(node: Any, fn) -> Any:
-    if isinstance(node, nnx.Variable):
-        return fn(node)
-    return {k: _walk(v, fn) for k, v in node.items()}
-
-
 def init_params(cfg: GPTConfig, seed: int) -> Params:
     """Full (unsharded) canonical parameters in ``cfg.params_dtype``; depend only on
     ``cfg`` and ``seed``.
@@ -244,13 +190,13 @@ def init_params(cfg: GPTConfig, seed: int) -> Params:
     per_key: dict[str, list] = {"layers": [], "moe_layers": []}
     for i, moe in enumerate(cfg.moe_layer_pattern):
         layer = TransformerLayer(cfg, moe=moe, rngs=nnx.Rngs(jax.random.fold_in(key, 1 + i)))
-        per_key["moe_layers" if moe else "layers"].append(_pure(layer))
+        per_key["moe_layers" if moe else "layers"].append(pure_dict(layer))
     head = GPTHead(cfg, rngs=nnx.Rngs(jax.random.fold_in(key, 1 + cfg.num_layers)))
-    out = {"embedding": _pure(embedding)}
+    out = {"embedding": pure_dict(embedding)}
     for k, ps in per_key.items():
         if ps:
             out[k] = jax.tree.map(lambda *xs: jnp.stack(xs), *ps)
-    out["head"] = _pure(head)
+    out["head"] = pure_dict(head)
     dtype = jnp.dtype(cfg.params_dtype)
     return jax.tree.map(lambda a: a.astype(dtype), out)
 
@@ -282,18 +228,6 @@ def abstract_modules(
     )
 
 
-def _specs(module: nnx.Module, prefix: tuple[str | None, ...]) -> Params:
-    def spec(v: nnx.Variable) -> P:
-        dims: list[str | None] = [None] * v.get_value().ndim
-        facts = v.get_metadata()
-        for fact, axis_name in (("tensor_axis", TENSOR), ("expert_axis", EXPERT)):
-            if facts.get(fact) is not None:
-                dims[facts[fact]] = axis_name
-        return P(*prefix, *dims)
-
-    return _walk(nnx.split(module)[1], spec)
-
-
 def param_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) -> Params:
     """``PartitionSpec`` for every canonical parameter on the ``(data, expert, tensor,
     pipeline)`` mesh: layers split over ``pipeline`` on the stacked dim (expert weights
@@ -301,30 +235,18 @@ def param_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1)
     last stage uses them), except, with ``vocab_over_pipeline``, the word embedding and
     the output weight: their vocabulary dim split over ``(pipeline, tensor)``."""
     emb, layer, moe_layer, head = abstract_modules(cfg, etp=etp)
-    out = {"embedding": _specs(emb, ())}
+    out = {"embedding": specs_of(emb, ())}
     pattern = cfg.moe_layer_pattern
     if not all(pattern):
-        out["layers"] = _specs(layer, (PIPELINE,))
+        out["layers"] = specs_of(layer, (PIPELINE,))
     if any(pattern):
-        out["moe_layers"] = _specs(moe_layer, (PIPELINE,))
-    out["head"] = _specs(head, ())
+        out["moe_layers"] = specs_of(moe_layer, (PIPELINE,))
+    out["head"] = specs_of(head, ())
     if vocab_over_pipeline:
         out["embedding"]["word"]["embedding"] = P((PIPELINE, TENSOR), None)
         if "weight" in out["head"].get("output", {}):  # untied
             out["head"]["output"]["weight"] = P((PIPELINE, TENSOR), None)
     return out
-
-
-def _grad_spec(v: nnx.Variable, chunk: str, roles: set[str], fused_in: str | None) -> GradSpec:
-    """A parameter's spec from its metadata (:mod:`jax_wgrad.nn.facts`) and its place."""
-    facts = v.get_metadata()
-    return GradSpec(
-        chunk=chunk,
-        roles=frozenset(roles),
-        fused_in=fused_in if facts.get("fused_wgrad") else None,
-        tensor_replicated=facts.get("tensor_axis") is None,
-        weight_decay=bool(facts.get("weight_decay")),
-    )
 
 
 def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) -> DeviceTree:
@@ -339,7 +261,7 @@ def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) 
     )
     orders = module_orders(cfg)
     tied = not cfg.untie_embeddings_and_output_weights
-    layer_spec = _walk(layer, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS))
+    layer_spec = walk_variables(layer, lambda v: grad_spec_of(v, STAGE, {LAYERS}, LAYERS))
     layer_specs, expert_specs = [], []
     for moe in period_pattern(cfg):
         if not moe:
@@ -348,24 +270,27 @@ def grad_specs(cfg: GPTConfig, vocab_over_pipeline: bool = False, etp: int = 1) 
         spec = {k: v for k, v in moe_layer.items() if k != "experts"}
         layer_specs.append(
             forward_order(
-                _walk(spec, lambda v: _grad_spec(v, STAGE, {LAYERS}, LAYERS)), orders["moe_layer"]
+                walk_variables(spec, lambda v: grad_spec_of(v, STAGE, {LAYERS}, LAYERS)),
+                orders["moe_layer"],
             )
         )
         expert_specs.append(
             forward_order(
-                _walk(moe_layer["experts"], lambda v: _grad_spec(v, EXPERTS, {LAYERS}, LAYERS)),
+                walk_variables(
+                    moe_layer["experts"], lambda v: grad_spec_of(v, EXPERTS, {LAYERS}, LAYERS)
+                ),
                 orders["moe_layer"]["experts"],
             )
         )
-    word = _grad_spec(emb["word"]["embedding"], SHARED, {INPUT}, None)
+    word = grad_spec_of(emb["word"]["embedding"], SHARED, {INPUT}, None)
     word = dataclasses.replace(word, pipeline_sharded=vocab_over_pipeline)
     if tied:  # the output layer's weight IS the word embedding: also OUTPUT's, fused there
         word = dataclasses.replace(
             word, roles=frozenset({INPUT, OUTPUT}), fused_in=OUTPUT, tied_embedding=True
         )
-    emb_spec = _walk(emb, lambda v: _grad_spec(v, SHARED, {INPUT}, None))
+    emb_spec = walk_variables(emb, lambda v: grad_spec_of(v, SHARED, {INPUT}, None))
     emb_spec["word"]["embedding"] = word
-    head_spec = _walk(head, lambda v: _grad_spec(v, SHARED, {OUTPUT}, OUTPUT))
+    head_spec = walk_variables(head, lambda v: grad_spec_of(v, SHARED, {OUTPUT}, OUTPUT))
     if "weight" in head_spec.get("output", {}):  # untied
         head_spec["output"]["weight"] = dataclasses.replace(
             head_spec["output"]["weight"], pipeline_sharded=vocab_over_pipeline

@@ -18,6 +18,7 @@ from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.functional.stacked import scan_layers
 from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.models.gpt.config import GPTConfig
+from jax_wgrad.models.gpt.modules import moe_stats_of
 from jax_wgrad.models.gpt.params import (
     abstract_modules,
     canonical_tree,
@@ -45,10 +46,12 @@ class GPTProgram:
     The device tree (:func:`~jax_wgrad.models.gpt.params.device_tree`): ``stage`` holds
     this stage's layers stacked over its periods (one tree per layer of the period),
     ``experts`` the stacked expert weights of its MoE layers (empty for a dense model),
-    ``shared`` the ``{embedding, head}`` tree every stage holds. ``pre`` embeds the tokens ``batch[:, :-1]``, ``body`` runs the stage's layers
-    (``aux``: the MoE statistics summed over them, ``()`` for a dense model), ``post`` the
-    head on the labels ``batch[:, 1:]`` (``aux``: the per-token logsumexp when the deferred
-    output-layer wgrad recomputes its gradient, else ``()``).
+    ``shared`` the ``{embedding, head}`` tree every stage holds. ``pre`` embeds the tokens
+    ``batch[:, :-1]``, ``body`` runs the stage's layers (``aux``: the MoE statistics summed
+    over them, ``()`` for a dense model), ``post`` the head on the labels ``batch[:, 1:]``
+    (``aux``: the per-token logsumexp when asked for the output gradient's extras, which
+    the executor does when the deferred output-layer wgrad recomputes its gradient, else
+    ``()``).
 
     ``platform``: the jax platform the programs run on (default: jax's default backend),
     which resolves ``model.attention_backend``.
@@ -137,7 +140,8 @@ class GPTProgram:
     @property
     def ends_over_pipeline(self) -> bool:
         """``pre`` and ``post`` are collectives over ``pipeline`` (the vocabulary over the
-        pipeline): every stage runs them (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`)."""
+        pipeline): every stage runs them
+        (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`)."""
         return self._vocab_pp > 1
 
     def init_params(self, seed: int = 0) -> Params:
@@ -178,30 +182,18 @@ class GPTProgram:
 
     # -- the stage programs
 
-    def pre(self, params: DeviceTree, main_grads, batch: jax.Array) -> tuple[jax.Array, tuple]:
+    def pre(self, params: DeviceTree, batch: jax.Array) -> tuple[jax.Array, tuple]:
         """Tokens ``[mb, S + 1]`` -> the embedding of ``batch[:, :-1]``, ``[mb, s(/tp), H]``."""
         emb = nnx.merge(self._emb_def, from_forward_order(params.shared["embedding"]))
         return emb(batch[:, :-1]), ()
 
-    def body(
-        self,
-        params: DeviceTree,
-        main_grads: DeviceTree | None,
-        x: jax.Array,
-        layers: Window | None = None,
-    ):
+    def body(self, params: DeviceTree, x: jax.Array, layers: Window | None = None):
         """This stage's ``L / P`` layers in order (with ``layers``: model chunk
         ``layers.index``'s ``L / (P V)`` of them), as one ``lax.scan`` over its periods of
         layers (:func:`~jax_wgrad.functional.scan_layers`; compile time flat in the
         depth): ``(y, MoE statistics summed over its MoE layers)`` (``()`` for a dense
-        model). ``main_grads``: slots of the stacked weights (the linears' weights; an MoE
-        layer's two expert weights), each layer's block found at its traced offset."""
+        model)."""
         stacked = {"stage": params.stage, "experts": params.experts}
-        grads = (
-            None
-            if main_grads is None
-            else {"stage": main_grads.stage, "experts": main_grads.experts}
-        )
         rows = None
         if layers is not None and layers.count > 1:
             per_chunk = jax.tree.leaves(params.stage)[0].shape[0] // layers.count
@@ -211,7 +203,6 @@ class GPTProgram:
                 self._period,
                 x,
                 stacked,
-                grads,
                 unroll=self.model.layer_scan_unroll,
                 rows=rows,
                 recompute=self._recompute,
@@ -220,22 +211,18 @@ class GPTProgram:
             return y, ()
         return y, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
 
-    def _period(self, p, main_grads, x: jax.Array):
+    def _period(self, p, x: jax.Array):
         """One period of layers (:func:`~jax_wgrad.models.gpt.params.period_pattern`):
         ``(y, its MoE layers' statistics summed)``."""
         experts = iter(p["experts"])
-        expert_grads = iter(main_grads["experts"] if main_grads is not None else ())
         stats: list = []
         for j, moe in enumerate(self.period):
             lp = from_forward_order(p["stage"][j])
-            mg = None if main_grads is None else dict(main_grads["stage"][j])
             if moe:
                 lp["experts"] = from_forward_order(next(experts))
-                if mg is not None:
-                    mg["experts"] = next(expert_grads)
-            x = nnx.merge(self._moe_layer_def if moe else self._layer_def, lp)(
-                x, main_grads=mg, moe_stats=stats
-            )
+            layer = nnx.merge(self._moe_layer_def if moe else self._layer_def, lp)
+            x = layer(x)
+            stats.extend(moe_stats_of(layer))
         if not self.moe:
             return x, ()
         total = self._stats_zeros()
@@ -254,30 +241,24 @@ class GPTProgram:
         return MoEStats(jnp.float32(0.0), jnp.zeros((e,), jnp.float32), jnp.float32(0.0))
 
     def post(
-        self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array, batch: jax.Array
+        self,
+        params: DeviceTree,
+        y: jax.Array,
+        batch: jax.Array,
+        *,
+        output_grad_extras: bool = False,
     ):
         """Sum of the per-token losses of ``y`` ``[mb, s(/tp), H]`` against
-        ``batch[:, 1:]``; the output layer's weight gets its slot (the word embedding's
-        when tied)."""
+        ``batch[:, 1:]`` (the output layer's weight: the word embedding's when tied); with
+        ``output_grad_extras`` its aux is the per-token logsumexp ``[mb, S]`` (fp32)."""
         head = nnx.merge(self._head_def, from_forward_order(params.shared["head"]))
-        mg = None
-        if main_grads is not None:
-            mg = (
-                main_grads.shared["embedding"]["word"]["embedding"]
-                if self.tied
-                else main_grads.shared["head"]["output"]["weight"]
-            )
-        with_lse = (
-            self.parallel.defer_mode == "recompute" and self.parallel.num_deferred_microbatches
-        )
         out = head(
             y,
             batch[:, 1:],
             weight=self._output_weight(params),
-            main_grad=mg,
-            with_lse=bool(with_lse),
+            with_lse=output_grad_extras,
         )
-        return out if with_lse else (out, ())
+        return out if output_grad_extras else (out, ())
 
     def _output_weight(self, params: DeviceTree) -> jax.Array | None:
         return params.shared["embedding"]["word"]["embedding"] if self.tied else None

@@ -48,8 +48,8 @@ def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> ja
 
     spread = program.ends_over_pipeline
     batch_of = lambda i: lax.dynamic_index_in_dim(micro, clip(i), 0, keepdims=False)
-    pre = lambda i: program.pre(params, None, batch_of(i))[0]
-    post = lambda y, i: program.post(params, None, y, batch_of(i))[0]
+    pre = lambda i: program.pre(params, batch_of(i))[0]
+    post = lambda y, i: program.post(params, y, batch_of(i))[0]
     zero = lambda: jnp.float32(0.0)
 
     def tick(carry, xs):
@@ -69,7 +69,7 @@ def eval_loss(program: StageProgram, params: DeviceTree, batch: jax.Array) -> ja
 
         def forward(x_recv):
             x = lax.cond(stage == 0, first_input, lambda: x_recv)
-            y, _ = program.body(params, None, x, layers=Window(v, nv) if nv > 1 else None)
+            y, _ = program.body(params, x, layers=Window(v, nv) if nv > 1 else None)
             loss = (
                 zero()
                 if spread

@@ -41,37 +41,46 @@ the sink writes its blocks; ``pre``/``post`` run on the first/last virtual stage
 edge is in :mod:`.transfer`. Slots: the table's ``slot_map`` (Megatron's in-flight bound).
 
 The carried state (:class:`~.carry.PipelineCarry`) is bounded by the table, not by ``M``.
+
+**Parts.** :class:`ScheduleRun` is one device's run: the tick, the layers' tasks, the
+cooldown sync and the exchange. It builds the run's :class:`~.context.StageContext` (the
+numbers of stages, microbatches and chunks, this stage, the step's parameters and
+microbatches) once and hands it to the pipeline's ends, a strategy chosen once per program
+(:func:`~.ends.pipeline_ends`: :class:`~.ends.StageEnds`, or :class:`~.ends.SpreadEnds`
+when the ends are collectives over the pipeline), whose hooks the tick calls at fixed
+places; ``pre``, ``post``, their backward, the output layer's pairs and the deferral drain
+live there (:mod:`.ends`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
+from jax_wgrad.grads.chunks import DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import sync_stage_buckets
-from jax_wgrad.grads.sink import GradSink, SinkEntry
-from jax_wgrad.grads.spec import EXPERTS, INPUT, LAYERS, OUTPUT, STAGE
-from jax_wgrad.parallel import deferred
-from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WPair, put, zeros_of
-from jax_wgrad.parallel.pipeline.ends import EndsMixin
+from jax_wgrad.grads.sink import GradSink
+from jax_wgrad.grads.spec import EXPERTS, LAYERS, STAGE
+from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WeightPairs, zeros_of
+from jax_wgrad.parallel.pipeline.context import StageContext, TickRows
+from jax_wgrad.parallel.pipeline.ends import EndsTick, PipelineEnds, pipeline_ends
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
-from jax_wgrad.parallel.pipeline.transfer import exchange, inbox_index
+from jax_wgrad.parallel.pipeline.transfer import exchange
 
-__all__ = ["cooldown_sync", "initial_carry", "stage_gradients"]
+__all__ = ["ScheduleRun", "cooldown_sync", "initial_carry", "stage_gradients"]
 
 
 def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
     """Whether stage buckets are synced inside the schedule (``overlap_grad_reduce``):
     only with ``P > 1`` (with one stage the last backward IS the last tick; inside, XLA:CPU
-    ran the stage and embedding/head all-reduces concurrently and crashed, notes/issue5.md)."""
+    ran the stage and embedding/head all-reduces concurrently and crashed:
+    docs/design/buckets.md)."""
     return ddp.overlap_grad_reduce and num_stages > 1
 
 
@@ -100,9 +109,9 @@ def stage_gradients(
       reduced), its sum of token losses, and its sums of ``body``'s aux.
       :func:`jax_wgrad.grads.finalize_grads` does the rest.
     """
-    run = _StageRun(program, sink, ddp, table, params, batch)
-    carry, _ = lax.scan(run.tick, run.init_carry(), run.tick_inputs())
-    grads = run.drain(carry)
+    run = ScheduleRun(program, sink, ddp, table, params, batch)
+    carry, _ = lax.scan(run.tick, run.init_carry(), run.tick_rows())
+    grads = run.ends.drain(carry)
     return sink.layout.concatenated(grads), carry.loss_sum, carry.aux_sum
 
 
@@ -115,12 +124,28 @@ def initial_carry(
     batch: jax.Array,
 ) -> PipelineCarry:
     """The carry :func:`stage_gradients` starts from (inside ``shard_map``)."""
-    return _StageRun(program, sink, ddp, table, params, batch).init_carry()
+    return ScheduleRun(program, sink, ddp, table, params, batch).init_carry()
 
 
-class _StageRun(EndsMixin):
-    """One device's run of a schedule: static context plus the tick's named steps (the
-    pipeline's ends: :class:`~.ends.EndsMixin`)."""
+class ScheduleRun:
+    """One device's run of a schedule table: the stage's layers in ``F``/``B``/``W`` tasks,
+    the cooldown sync and the exchange with the neighbours, tick by tick; the pipeline's
+    ends are its strategy :attr:`ends` (:mod:`.ends`).
+
+    Attributes:
+      program, sink, table: what runs, where its gradients go, in which order.
+      context: the run's facts and this step's inputs, shared with the ends.
+      ends: the pipeline's ends (:func:`~.ends.pipeline_ends`).
+      syncs_in_cooldown: each stage syncs its buckets after its last gradient task
+        (:func:`cooldown_sync`).
+      last_grad_tick: ``int32 [P]``, per stage the tick of its last ``B`` / ``W``.
+      residual_slot: ``int32 [P, V, M]``, where a microbatch's residuals wait from its
+        ``F`` to its ``B``; weight_pair_slot: likewise from its ``F`` to its ``W`` (split
+        backward only, else ``None``).
+      body_probes: zero probes of the layers' split linears (none unless split).
+      body_records: shapes of what ``body`` records: ``(inputs, outputs, aux)``.
+      store: how the layers' residuals are kept in slots (:class:`~.residuals.ResidualStore`).
+    """
 
     def __init__(
         self,
@@ -131,10 +156,8 @@ class _StageRun(EndsMixin):
         params: DeviceTree,
         batch: jax.Array,
     ):
-        setup, par = program.setup, program.parallel
-        self.program, self.sink, self.ddp, self.table, self.par = program, sink, ddp, table, par
-        self.pp, self.m = setup.num_stages, setup.num_microbatches
-        shape = (self.pp, self.m, par.num_model_chunks)
+        setup = program.setup
+        shape = (setup.num_stages, setup.num_microbatches, program.parallel.num_model_chunks)
         if (table.num_stages, table.num_microbatches, table.num_chunks) != shape:
             raise ValueError(
                 f"stage_gradients: schedule {table.name!r} is for "
@@ -147,168 +170,140 @@ class _StageRun(EndsMixin):
                 f"stage_gradients: schedule {table.name!r} splits the backward, "
                 "which needs gradient accumulation fusion"
             )
-        self.micro = setup.microbatches(batch, "stage_gradients")
-        self.act = setup.zero_activation()
-        self.params = params
-        self.stage = setup.stage_index()
-        self.is_first, self.is_last = self.stage == 0, self.stage == self.pp - 1
-        self.split = table.split_backward
-        self.spread = program.ends_over_pipeline
-        self.overlap = cooldown_sync(ddp, self.pp)
-        self.v = table.num_chunks
-        self.depth = (table.inbox_depth("F"), table.inbox_depth("B"))
-        self.last_tick = jnp.asarray([table.last_grad_tick(s) for s in range(self.pp)])
-        self.res_slot = jnp.asarray(table.slot_map("F", "B"))
-        self.w_slot = jnp.asarray(table.slot_map("F", "W")) if self.split else None
-        self.fused = sink.layout.fusion
-        zeros = sink.layout.zeros() if self.fused else None
-        # Probed linears' inputs/outputs and aux: shapes learned by tracing, once.
-        chunk0 = (params, zeros)
-        self.body_trace = jax.eval_shape(self._body_fn, (*chunk0, None, jnp.int32(0)), self.act)[1]
-        self.post_trace = jax.eval_shape(
-            self._post_fn, params, zeros, None, self.act, self.micro[0]
-        )[1]
-        self.body_probes = zeros_of(self.body_trace[1])
-        self.post_probes = zeros_of(self.post_trace[1])
-        self.store = ResidualStore.create(
-            self._body_fn, (*chunk0, self.body_probes, jnp.int32(0)), self.act, has_aux=True
+        self.program, self.sink, self.ddp, self.table = program, sink, ddp, table
+        stage = setup.stage_index()
+        self.context = ctx = StageContext(
+            num_stages=setup.num_stages,
+            num_microbatches=setup.num_microbatches,
+            num_chunks=table.num_chunks,
+            split_backward=table.split_backward,
+            fused=sink.layout.fusion,
+            activation_inbox_depth=table.inbox_depth("F"),
+            gradient_inbox_depth=table.inbox_depth("B"),
+            stage=stage,
+            is_first_stage=stage == 0,
+            is_last_stage=stage == setup.num_stages - 1,
+            params=params,
+            microbatches=setup.microbatches(batch, "stage_gradients"),
+            zero_activation=setup.zero_activation(),
         )
-        self.defer = sink.deferred
-        self.out_slots = table.live_count(self.pp - 1, "F", "W", self.v - 1) if self.split else 0
+        self.syncs_in_cooldown = cooldown_sync(ddp, ctx.num_stages)
+        self.last_grad_tick = jnp.asarray([table.last_grad_tick(s) for s in range(ctx.num_stages)])
+        self.residual_slot = jnp.asarray(table.slot_map("F", "B"))
+        self.weight_pair_slot = (
+            jnp.asarray(table.slot_map("F", "W")) if ctx.split_backward else None
+        )
+        # The layers' probed inputs/outputs and aux: shapes learned by tracing, once.
+        buckets = sink.layout.zeros() if ctx.fused else None
+        chunk0 = (params, buckets)
+        self.body_records = jax.eval_shape(
+            self._taped_body, (*chunk0, None, jnp.int32(0)), ctx.zero_activation
+        )[1]
+        self.body_probes = zeros_of(self.body_records[1])
+        self.store = ResidualStore.create(
+            self._taped_body,
+            (*chunk0, self.body_probes, jnp.int32(0)),
+            ctx.zero_activation,
+            has_aux=True,
+        )
+        output_pair_slots = (
+            table.live_count(ctx.num_stages - 1, "F", "W", ctx.num_chunks - 1)
+            if ctx.split_backward
+            else 0
+        )
+        self.ends: PipelineEnds = pipeline_ends(
+            program, sink, ctx, output_pair_slots=output_pair_slots
+        )
 
-    # ------------------------------------------------------------------------ programs
-
-    def _window(self, v) -> Window | None:
-        return Window(v, self.v) if self.v > 1 else None
-
-    def _body_fn(self, live, x):
-        # ((params, grads, probes, chunk), x) -> ((y, grads), (recorded inputs, outputs,
-        # aux)) of model chunk `chunk`'s layers; probes None: records only (traced once for
-        # the shapes).
-        params, grads, probes, v = live
-        tape = self.sink.open(LAYERS, grads, probes)
-        y, aux = self.program.body(params, tape.main_grads, x, layers=self._window(v))
+    def _taped_body(self, live, x):
+        """``((params, grads, probes, chunk), x) -> ((y, grads), (recorded inputs,
+        outputs, aux))`` of model chunk ``chunk``'s layers under the sink's ``LAYERS`` tape
+        (probes ``None``: records only, traced once for the shapes)."""
+        params, grads, probes, chunk = live
+        with self.sink.open(LAYERS, params, grads, probes) as tape:
+            y, aux = self.program.body(params, x, layers=self.context.window(chunk))
         grads, inputs, outputs = tape.close()
         return (y, grads), (inputs, outputs, aux)
 
-    def _post_fn(self, params, grads, probes, y, batch):
-        # -> ((loss, grads), (recorded inputs, outputs, aux))
-        tape = self.sink.open(OUTPUT, grads, probes)
-        loss, aux = self.program.post(params, tape.main_grads, y, batch)
-        grads, inputs, outputs = tape.close()
-        return (loss, grads), (inputs, outputs, aux)
-
-    def _pre_fn(self, params, grads, batch):
-        tape = self.sink.open(INPUT, grads)
-        x, _ = self.program.pre(params, tape.main_grads, batch)
-        grads, _, _ = tape.close()
-        return x, grads
+    def _live(self, carry: PipelineCarry, chunk):
+        """What the differentiated body reads that is not stored: the parameters, the
+        threaded buckets, the probes, the model chunk."""
+        return (self.context.params, self.context.threaded(carry.grads), self.body_probes, chunk)
 
     # ------------------------------------------------------------------------ the scan
 
     def init_carry(self) -> PipelineCarry:
-        inbox = lambda d: jnp.zeros((self.v * d + 1, *self.act.shape), self.act.dtype)
-        body_in, body_out, body_aux = self.body_trace
-        post_in, post_out, post_aux = self.post_trace
-        wstash = {}
-        if self.split:
-            k = self.table.weight_slots
-            for name in body_in:
-                wstash[name] = WPair(
-                    *(jnp.zeros((k, *s.shape), s.dtype) for s in (body_in[name], body_out[name]))
+        ctx = self.context
+        body_inputs, body_outputs, body_aux = self.body_records
+        inbox = lambda depth: jnp.zeros(
+            (ctx.num_chunks * depth + 1, *ctx.zero_activation.shape), ctx.zero_activation.dtype
+        )
+        weight_pairs = {}
+        if ctx.split_backward:
+            weight_pairs = {
+                name: WeightPairs.zeros(
+                    self.table.weight_slots, body_inputs[name], body_outputs[name]
                 )
-            for e in self.sink.probed(OUTPUT):
-                wstash[e.name] = WPair(
-                    *(
-                        jnp.zeros((self.out_slots, *s.shape), s.dtype)
-                        for s in (post_in[e.name], post_out[e.name])
-                    )
-                )
-        stash = {}
-        if self.defer is not None:
-            shapes = jax.eval_shape(
-                self._defer_items,
-                post_in[self.defer.name],
-                post_out[self.defer.name],
-                post_aux,
-                self.micro[0],
-            )
-            md = self.sink.num_deferred
-            stash[self.defer.name] = tuple(jnp.zeros((md, *s.shape), s.dtype) for s in shapes)
+                for name in body_inputs
+            }
         return PipelineCarry(
             grads=self.sink.layout.zeros(),
             residuals=self.store.buffers(self.table.num_slots),
-            x_inbox=inbox(self.depth[0]),
-            g_inbox=inbox(self.depth[1]),
+            activation_inbox=inbox(ctx.activation_inbox_depth),
+            gradient_inbox=inbox(ctx.gradient_inbox_depth),
             loss_sum=jnp.float32(0.0),
             aux_sum=zeros_of(body_aux),
-            wstash=wstash,
-            deferred=stash,
+            weight_pairs={**weight_pairs, **self.ends.output_weight_pairs()},
+            deferred=self.ends.deferred_stash(),
         )
 
-    def tick_inputs(self):
-        """The scan's xs: per tick, its index and the table rows (``int32 [P]`` each):
-        the microbatch and the model chunk of each task."""
+    def tick_rows(self) -> TickRows:
+        """The scan's xs: the table by tick (:class:`~.context.TickRows`)."""
         t = self.table
-        return (
-            jnp.arange(t.num_ticks),
-            *(
-                jnp.asarray(a)
-                for a in (
-                    t.forward,
-                    t.backward,
-                    t.weight,
-                    t.forward_chunk,
-                    t.backward_chunk,
-                    t.weight_chunk,
-                )
-            ),
-        )
+        rows = (t.forward, t.backward, t.weight, t.forward_chunk, t.backward_chunk, t.weight_chunk)
+        return TickRows(jnp.arange(t.num_ticks), *(jnp.asarray(a) for a in rows))
 
-    def tick(self, c: PipelineCarry, xs) -> tuple[PipelineCarry, None]:
-        t, fwd_row, bwd_row, w_row, fc_row, bc_row, wc_row = xs
-        f, b, w = fwd_row[self.stage], bwd_row[self.stage], w_row[self.stage]
-        fc, bc, wc = fc_row[self.stage], bc_row[self.stage], wc_row[self.stage]
-        fwd, bwd = (fwd_row, fc_row), (bwd_row, bc_row)
-        ends = self.end_rows(fwd, bwd) if self.spread else None
-        x_pre = self.spread_pre(ends[0]) if self.spread else self.act
+    def tick(self, carry: PipelineCarry, rows: TickRows) -> tuple[PipelineCarry, None]:
+        """One tick: this stage's ``F``, ``B`` and ``W`` tasks (each skipped when idle)
+        with the ends' hooks around them, the cooldown sync, the exchange."""
+        ctx = self.context
+        here = lambda row: row[ctx.stage]
+        f, b, w = here(rows.forward), here(rows.backward), here(rows.weight)
+        f_chunk, b_chunk = here(rows.forward_chunk), here(rows.backward_chunk)
+        w_chunk = here(rows.weight_chunk)
+        ends = self.ends.begin_tick(rows)
         with jax.named_scope("forward"):
-            c, y = lax.cond(f >= 0, self.forward, lambda c, f, v, x: (c, self.act), c, f, fc, x_pre)
-        if self.spread:
-            c = self.spread_post(c, ends[1], y)
+            carry, y = lax.cond(f >= 0, self.forward, self._no_forward, carry, f, f_chunk, ends)
+        carry = self.ends.after_forward_tick(carry, ends, y)
         with jax.named_scope("backward"):
-            c, dx = lax.cond(b >= 0, self.backward, lambda c, b, v: (c, self.act), c, b, bc)
-        if self.spread:
-            c = self.spread_pre_backward(c, ends[2], dx)
-        if self.split:
+            carry, dx = lax.cond(b >= 0, self.backward, self._no_backward, carry, b, b_chunk)
+        carry = self.ends.after_backward_tick(carry, ends, dx)
+        if ctx.split_backward:
             with jax.named_scope("weight_gradients"):
-                c = lax.cond(w >= 0, self.weight, lambda c, w, v: c, c, w, wc)
-        if self.overlap:
-            c = c.replace(grads=self.cooldown(c.grads, t))
-        return self.exchange(c, y, dx, fwd, bwd), None
+                carry = lax.cond(w >= 0, self.weight, lambda c, w, v: c, carry, w, w_chunk)
+        if self.syncs_in_cooldown:
+            carry = carry.replace(grads=self.cooldown(carry.grads, rows.tick))
+        return self.exchange(carry, y, dx, rows), None
 
-    def _inbox(self, kind: int, v, m):
-        """Slot of (chunk ``v``, microbatch ``m``) in inbox ``kind`` (0: x, 1: g)."""
-        return inbox_index(self.depth[kind], v, m)
-
-    def exchange(self, c: PipelineCarry, y, dx, fwd, bwd) -> PipelineCarry:
+    def exchange(self, carry: PipelineCarry, y, dx, rows: TickRows) -> PipelineCarry:
         """Sends and receives of the tick (:func:`~.transfer.exchange`)."""
-        if self.pp == 1:
-            return c
-        x_inbox, g_inbox = exchange(
-            (c.x_inbox, c.g_inbox),
+        ctx = self.context
+        if ctx.num_stages == 1:
+            return carry
+        activation_inbox, gradient_inbox = exchange(
+            (carry.activation_inbox, carry.gradient_inbox),
             y,
             dx,
-            fwd,
-            bwd,
-            stage=self.stage,
-            num_stages=self.pp,
-            num_chunks=self.v,
-            depth=self.depth,
+            rows.forward_tasks,
+            rows.backward_tasks,
+            stage=ctx.stage,
+            num_stages=ctx.num_stages,
+            num_chunks=ctx.num_chunks,
+            depth=(ctx.activation_inbox_depth, ctx.gradient_inbox_depth),
         )
-        return c.replace(x_inbox=x_inbox, g_inbox=g_inbox)
+        return carry.replace(activation_inbox=activation_inbox, gradient_inbox=gradient_inbox)
 
-    def cooldown(self, grads: GradState, t) -> GradState:
+    def cooldown(self, grads: GradState, tick) -> GradState:
         """This stage's last gradient task is done: sync its buckets now (in the loop)."""
         with jax.named_scope("grad_sync_in_cooldown"):
 
@@ -319,97 +314,83 @@ class _StageRun(EndsMixin):
                 )
 
             stage, experts = lax.cond(
-                t == self.last_tick[self.stage], sync, lambda own: own, (grads.stage, grads.experts)
+                tick == self.last_grad_tick[self.context.stage],
+                sync,
+                lambda own: own,
+                (grads.stage, grads.experts),
             )
             return grads.replace(stage=stage, experts=experts)
 
     # ------------------------------------------------------------------------ tasks
 
-    def _batch(self, i):
-        return lax.dynamic_index_in_dim(self.micro, jnp.clip(i, 0, self.m - 1), 0, False)
-
-    def _live(self, c: PipelineCarry, v):
-        """What the differentiated body reads that is not stored: the parameters, the
-        threaded buckets, the probes, the model chunk."""
-        return (self.params, self._threaded(c), self.body_probes, v)
-
-    def forward(self, c: PipelineCarry, f, v, x_pre):
-        batch = self._batch(f)
-        received = lax.dynamic_index_in_dim(c.x_inbox, self._inbox(0, v, f), 0, keepdims=False)
-        pre = (
-            (lambda: x_pre) if self.spread else (lambda: self._pre_fn(self.params, None, batch)[0])
+    def forward(self, carry: PipelineCarry, microbatch, chunk, ends: EndsTick | None):
+        """``F``: the stage input (``pre``'s on the first virtual stage, else the
+        activation received) through the layers, their residuals stored; then the ends'
+        part (``post`` on the last virtual stage). Returns the carry and the output."""
+        ctx = self.context
+        batch = ctx.batch(microbatch)
+        received = lax.dynamic_index_in_dim(
+            carry.activation_inbox, ctx.activation_slot(chunk, microbatch), 0, keepdims=False
         )
-        x_in = lax.cond(self.is_first & (v == 0), pre, lambda: received)
+        x = lax.cond(
+            ctx.is_first_virtual_stage(chunk),
+            lambda: self.ends.first_stage_input(ends, batch),
+            lambda: received,
+        )
         (y, _), (inputs, _, aux), residuals = self.store.forward(
-            c.residuals, self.res_slot[self.stage, v, f], self._live(c, v), x_in
+            carry.residuals,
+            self.residual_slot[ctx.stage, chunk, microbatch],
+            self._live(carry, chunk),
+            x,
         )
-        wstash = dict(c.wstash)
-        for name, x in inputs.items():
-            wstash[name] = wstash[name]._replace(
-                x=put(wstash[name].x, x, self.w_slot[self.stage, v, f])
+        pairs = dict(carry.weight_pairs)
+        for name, x_in in inputs.items():
+            pairs[name] = pairs[name].put_x(
+                self.weight_pair_slot[ctx.stage, chunk, microbatch], x_in
             )
-        c = c.replace(
-            residuals=residuals, wstash=wstash, aux_sum=jax.tree.map(jnp.add, c.aux_sum, aux)
+        carry = carry.replace(
+            residuals=residuals,
+            weight_pairs=pairs,
+            aux_sum=jax.tree.map(jnp.add, carry.aux_sum, aux),
         )
-        # The last virtual stage: loss and the head's backward now; its gradient for the
-        # layers' output waits in the gradient inbox for this stage's B.
-        if not self.spread:
-            c = lax.cond(
-                self.is_last & (v == self.v - 1),
-                functools.partial(self._post, y=y, batch=batch, f=f),
-                lambda c: c,
-                c,
-            )
-        return c, y
+        return self.ends.after_forward_task(carry, microbatch, chunk, y, batch), y
 
-    def backward(self, c: PipelineCarry, b, v):
-        dy = lax.dynamic_index_in_dim(c.g_inbox, self._inbox(1, v, b), 0, keepdims=False)
-        live = self._live(c, v)
-        pullback = self.store.pullback(c.residuals, self.res_slot[self.stage, v, b], live)
+    def _no_forward(self, carry: PipelineCarry, microbatch, chunk, ends):
+        return carry, self.context.zero_activation
+
+    def backward(self, carry: PipelineCarry, microbatch, chunk):
+        """``B``: the stored pullback seeded with the gradient received; the layers'
+        gradients into their blocks (or, split, their output gradients kept for ``W``);
+        then the ends' part (``pre``'s backward on the first virtual stage). Returns the
+        carry and the input gradient."""
+        ctx = self.context
+        dy = lax.dynamic_index_in_dim(
+            carry.gradient_inbox, ctx.gradient_slot(chunk, microbatch), 0, keepdims=False
+        )
+        live = self._live(carry, chunk)
+        pullback = self.store.pullback(
+            carry.residuals, self.residual_slot[ctx.stage, chunk, microbatch], live
+        )
         (dparams, grads, dys, _), dx = pullback((dy, live[1]))
-        grads = self.sink.add(c.grads if grads is None else grads, LAYERS, dparams)
-        wstash = dict(c.wstash)
+        grads = self.sink.add(carry.grads if grads is None else grads, LAYERS, dparams)
+        pairs = dict(carry.weight_pairs)
         for name, d in dys.items():
-            wstash[name] = wstash[name]._replace(
-                dy=put(wstash[name].dy, d, self.w_slot[self.stage, v, b])
-            )
-        if not self.spread:
-            grads = lax.cond(
-                self.is_first & (v == 0),
-                lambda g: self._pre_backward(g, dx, self._batch(b)),
-                lambda g: g,
-                grads,
-            )
-        return c.replace(grads=grads, wstash=wstash), dx
+            pairs[name] = pairs[name].put_dy(self.weight_pair_slot[ctx.stage, chunk, microbatch], d)
+        grads = self.ends.after_backward_task(grads, microbatch, chunk, dx)
+        return carry.replace(grads=grads, weight_pairs=pairs), dx
 
-    def _threaded(self, c: PipelineCarry) -> GradState | None:
-        return c.grads if self.fused else None  # what the fused linears thread
+    def _no_backward(self, carry: PipelineCarry, microbatch, chunk):
+        return carry, self.context.zero_activation
 
-    def weight(self, c: PipelineCarry, w, v):
-        """The fused weight-gradient GEMMs of microbatch ``w``'s stored ``(x, dy)`` pairs
-        on chunk ``v``."""
-        slot = self.w_slot[self.stage, v, w]
-        grads = c.grads
+    def weight(self, carry: PipelineCarry, microbatch, chunk):
+        """``W`` (split backward): the fused weight-gradient GEMMs of the microbatch's
+        stored ``(x, dy)`` pairs on ``chunk``, the layers' then the ends' (the output
+        layer's on the last virtual stage)."""
+        ctx = self.context
+        slot = self.weight_pair_slot[ctx.stage, chunk, microbatch]
+        grads = carry.grads
         for e in self.sink.probed(LAYERS):
-            grads = self._accumulate_pair(grads, e, c.wstash[e.name], slot, self._window(v))
-
-        def output(grads):
-            for e in self.sink.probed(OUTPUT):
-                acc = functools.partial(
-                    self._accumulate_pair, e=e, pair=c.wstash[e.name], slot=w % self.out_slots
-                )
-                if e.policy == "defer":  # a deferred microbatch is drained later
-                    grads = lax.cond(deferred.is_deferred(self.par, w), lambda g: g, acc, grads)
-                else:
-                    grads = acc(grads)
-            return grads
-
-        if self.sink.probed(OUTPUT) and not self.spread:
-            grads = lax.cond(self.is_last & (v == self.v - 1), output, lambda g: g, grads)
-        return c.replace(grads=grads)
-
-    def _accumulate_pair(self, grads, e: SinkEntry, pair: WPair, slot, window=None):
-        x, dy = (lax.dynamic_index_in_dim(a, slot, 0, keepdims=False) for a in pair)
-        return self.sink.accumulate(grads, e, x, dy, window)
-
-    # ------------------------------------------------------------------------ after
+            x, dy = carry.weight_pairs[e.name].at(slot)
+            grads = self.sink.accumulate(grads, e, x, dy, ctx.window(chunk))
+        grads = self.ends.weight_task(grads, microbatch, chunk, carry.weight_pairs)
+        return carry.replace(grads=grads)

@@ -5,17 +5,27 @@ vocabulary, embedding, head or MoE. A model hands them three pure functions of o
 device's parameters (a :class:`~jax_wgrad.grads.chunks.DeviceTree`), each returning
 ``(output, aux)``:
 
-* ``pre(params, main_grads, batch)``: the first stage's input, ``[mb, s(/tp), H]``, from
-  one microbatch of the batch (the GPT: its embedding of the tokens);
-* ``body(params, main_grads, x)``: a stage's layers, ``[mb, s(/tp), H]`` to the same; its
-  ``aux`` (any pytree of arrays, e.g. MoE statistics summed over the stage's layers) is
-  summed over the device's microbatches and handed to :meth:`StageProgram.metrics`;
-* ``post(params, main_grads, y, batch)``: the last stage's fp32 scalar loss SUM over the
-  microbatch's tokens (the GPT: final norm, output layer, cross entropy).
+* ``pre(params, batch)``: the first stage's input, ``[mb, s(/tp), H]``, from one
+  microbatch of the batch (the GPT: its embedding of the tokens);
+* ``body(params, x)``: a stage's layers, ``[mb, s(/tp), H]`` to the same; its ``aux`` (any
+  pytree of arrays, e.g. MoE statistics summed over the stage's layers) is summed over the
+  device's microbatches and handed to :meth:`StageProgram.metrics`;
+* ``post(params, y, batch, *, output_grad_extras=False)``: the last stage's fp32 scalar
+  loss SUM over the microbatch's tokens (the GPT: final norm, output layer, cross
+  entropy); asked for ``output_grad_extras`` only under recompute-mode deferral.
 
-``main_grads`` is a device tree of slots from a :class:`~jax_wgrad.grads.sink.Tape`
-(``main_grad=`` of each fused linear; ``None`` where a weight is not fused) or ``None``
-(forward only): the program hands each linear its own leaf and never sees a bucket.
+The deferred output-layer wgrad in recompute mode (Megatron's deferral keeps ``(x, dy)``;
+``ParallelConfig.defer_mode == "recompute"`` keeps ``x`` and what rebuilds ``dy``) needs
+two more: :meth:`StageProgram.defer_extras` (what the stash keeps beside ``x``) and
+:meth:`StageProgram.recompute_output_grad` (``dy`` rebuilt from them in the drain). A
+model reads no deferral option: the executor asks for what it needs.
+
+The programs never see a gradient bucket: where each fused weight's gradient goes is
+attached to the weight array itself by the executor (a
+:class:`~jax_wgrad.functional.WgradRoutes` context, active while a program runs), so a
+program only has to hand each parameter leaf of ``params`` unchanged to the library's
+layers (:mod:`jax_wgrad.nn`; a weight reshaped first goes through
+:func:`~jax_wgrad.functional.reshape_weight`).
 
 A model also gives its layout facts: the device tree's per-device shapes and its
 :class:`~jax_wgrad.grads.GradSpec`\\ s (:meth:`StageProgram.grad_specs`), the conversion
@@ -50,39 +60,57 @@ class StageProgram(Protocol):
     ends_over_pipeline: bool
     """``pre`` and ``post`` are collectives over ``pipeline`` (e.g. the vocabulary split
     over the stages): the executor runs them on EVERY stage in the ticks where the first /
-    last virtual stage needs them (:mod:`~jax_wgrad.parallel.pipeline.ends`); ``post``'s
-    loss and gradient count on the last stage, ``pre``'s backward is seeded with the first
-    stage's input gradient (zeros on the others)."""
+    last virtual stage needs them (:class:`~jax_wgrad.parallel.pipeline.ends.SpreadEnds`);
+    ``post``'s loss and gradient count on the last stage, ``pre``'s backward is seeded with
+    the first stage's input gradient (zeros on the others)."""
 
     # -- the stage programs
 
-    def pre(
-        self, params: DeviceTree, main_grads: DeviceTree | None, batch: jax.Array
-    ) -> tuple[jax.Array, PyTree]:
+    def pre(self, params: DeviceTree, batch: jax.Array) -> tuple[jax.Array, PyTree]:
         """First stage: one microbatch ``[mb, ...]`` -> ``([mb, s(/tp), H], aux)``."""
 
     def body(
-        self,
-        params: DeviceTree,
-        main_grads: DeviceTree | None,
-        x: jax.Array,
-        layers: Window | None = None,
+        self, params: DeviceTree, x: jax.Array, layers: Window | None = None
     ) -> tuple[jax.Array, PyTree]:
         """Every stage: ``[mb, s(/tp), H]`` -> ``(same shape, aux)``; with ``layers``
         (interleaved schedules, ``V > 1``) only model chunk ``layers.index``'s layers: rows
         ``[index n / V, (index + 1) n / V)`` of the stacked chunks' leaves
-        (:data:`~jax_wgrad.grads.spec.STACKED`), read in place from the full stacks (their
-        ``main_grads`` slots are the full stacks' blocks, their split probes ``[n / V, ...]``).
-        A program that does not stack its layers runs only ``layers=None``."""
+        (:data:`~jax_wgrad.grads.spec.STACKED`), read in place from the full stacks by
+        :func:`~jax_wgrad.functional.scan_layers` ``(rows=...)``. A program that does not
+        stack its layers runs only ``layers=None``."""
 
     def post(
-        self, params: DeviceTree, main_grads: DeviceTree | None, y: jax.Array, batch: jax.Array
+        self,
+        params: DeviceTree,
+        y: jax.Array,
+        batch: jax.Array,
+        *,
+        output_grad_extras: bool = False,
     ) -> tuple[jax.Array, PyTree]:
-        """Last stage: ``(fp32 scalar sum of the microbatch's token losses, aux)``."""
+        """Last stage: ``(fp32 scalar sum of the microbatch's token losses, aux)``. ``aux``
+        is ``()`` unless ``output_grad_extras`` (the executor asks under recompute-mode
+        deferral only), then what :meth:`defer_extras` turns into the stash's extras, never
+        differentiated (the GPT: the per-token logsumexp of the logits ``[mb, S]``)."""
 
     def metrics(self, aux_sum: PyTree) -> dict[str, jax.Array]:
         """The step's figures from this device's sums of ``body``'s aux over its
         microbatches (inside ``shard_map``: reduce over the mesh here); ``{}`` if none."""
+
+    # -- the deferred output-layer wgrad in recompute mode
+
+    def defer_extras(self, post_aux: PyTree, batch: jax.Array) -> tuple[jax.Array, ...]:
+        """What the recompute-mode stash keeps of one microbatch beside the output layer's
+        input ``x``, from ``post``'s aux (asked with ``output_grad_extras=True``) and the
+        microbatch: arrays ``[mb, S, ...]`` by token (the drain slices them on dim 1 as it
+        slices ``x``; the GPT: the logsumexp and the labels)."""
+
+    def recompute_output_grad(
+        self, x: jax.Array, extras: tuple[jax.Array, ...], weight: jax.Array
+    ) -> jax.Array:
+        """The output layer's output gradient ``dy`` (of the token-loss SUM) for its input
+        ``x`` ``[mb, s, H]``, rebuilt from :meth:`defer_extras`' arrays sliced to the same
+        tokens and the output layer's ``weight`` (this device's shard): what the drain's
+        fused GEMM accumulates ``dy^T x`` of."""
 
     # -- parameters and their layout
 

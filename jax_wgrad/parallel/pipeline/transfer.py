@@ -43,7 +43,7 @@ def exchange(
     arrives (inside ``shard_map``).
 
     Args:
-      inboxes: ``(x_inbox, g_inbox)``, each ``[V depth + 1, ...]``.
+      inboxes: ``(activation_inbox, gradient_inbox)``, each ``[V depth + 1, ...]``.
       fwd, bwd: ``(microbatch row, chunk row)`` of the tick's ``F`` / ``B`` tasks,
         ``int32 [P]`` each.
       stage: this device's stage (traced); depth: slots per chunk of the two inboxes.
@@ -64,8 +64,8 @@ def exchange(
     m_g, v_g = bwd[0][nxt], bwd[1][nxt] - is_last
     x_slot = jnp.where((m_x >= 0) & (v_x < nv), inbox_index(depth[0], v_x, m_x), nv * depth[0])
     g_slot = jnp.where((m_g >= 0) & (v_g >= 0), inbox_index(depth[1], v_g, m_g), nv * depth[1])
-    x_inbox, g_inbox = inboxes
+    activation_inbox, gradient_inbox = inboxes
     return (
-        lax.dynamic_update_index_in_dim(x_inbox, x_recv, x_slot, 0),
-        lax.dynamic_update_index_in_dim(g_inbox, g_recv, g_slot, 0),
+        lax.dynamic_update_index_in_dim(activation_inbox, x_recv, x_slot, 0),
+        lax.dynamic_update_index_in_dim(gradient_inbox, g_recv, g_slot, 0),
     )

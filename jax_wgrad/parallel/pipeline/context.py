@@ -1,0 +1,115 @@
+"""What the parts of one device's schedule run share: its :class:`StageContext` (the static
+facts of the run and this step's inputs) and one tick of the table (:class:`TickRows`).
+
+The executor (:mod:`.executor`) builds the context once per traced step and hands it to
+the pipeline's ends (:mod:`.ends`); neither reads the other's attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
+from jax_wgrad.parallel.pipeline.transfer import inbox_index
+
+__all__ = ["StageContext", "TickRows"]
+
+
+class TickRows(NamedTuple):
+    """One tick of a :class:`~.schedules.ScheduleTable` (the scan's ``xs``): the tick's
+    index and, per task, its row of every stage's microbatch (``IDLE``: none) and model
+    chunk, ``int32 [P]`` each."""
+
+    tick: jax.Array
+    forward: jax.Array
+    backward: jax.Array
+    weight: jax.Array
+    forward_chunk: jax.Array
+    backward_chunk: jax.Array
+    weight_chunk: jax.Array
+
+    @property
+    def forward_tasks(self) -> tuple[jax.Array, jax.Array]:
+        """``(microbatch row, chunk row)`` of the tick's ``F`` tasks."""
+        return self.forward, self.forward_chunk
+
+    @property
+    def backward_tasks(self) -> tuple[jax.Array, jax.Array]:
+        """``(microbatch row, chunk row)`` of the tick's ``B`` tasks."""
+        return self.backward, self.backward_chunk
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageContext:
+    """One device's run of a schedule (inside ``shard_map``): static facts, then traced
+    values of this step.
+
+    Attributes:
+      num_stages: ``P``. num_microbatches: ``M`` per data rank. num_chunks: ``V`` model
+        chunks per stage (interleaved schedules; 1 otherwise).
+      split_backward: the table splits the backward into ``B`` (input gradients) and ``W``
+        (weight gradients) tasks (zero bubble).
+      fused: gradient accumulation fusion: the gradient buckets thread through the
+        differentiated programs (the fused linears add their blocks in place).
+      activation_inbox_depth, gradient_inbox_depth: slots per model chunk of the two
+        inboxes (:meth:`~.schedules.ScheduleTable.inbox_depth` of ``F`` and ``B``).
+      stage: this device's pipeline stage (traced ``int32``); is_first_stage,
+        is_last_stage: whether it is stage ``0`` / ``P - 1`` (traced ``bool``).
+      params: this device's parameters (the device tree).
+      microbatches: ``[M, mb, ...]`` this data rank's batch by microbatch.
+      zero_activation: ``[mb, s(/tp), H]`` zeros (what an idle task sends).
+    """
+
+    num_stages: int
+    num_microbatches: int
+    num_chunks: int
+    split_backward: bool
+    fused: bool
+    activation_inbox_depth: int
+    gradient_inbox_depth: int
+    stage: jax.Array
+    is_first_stage: jax.Array
+    is_last_stage: jax.Array
+    params: DeviceTree
+    microbatches: jax.Array
+    zero_activation: jax.Array
+
+    def batch(self, microbatch) -> jax.Array:
+        """Microbatch ``microbatch`` (traced; clipped into range: an idle task's ``-1``
+        reads microbatch 0)."""
+        index = jnp.clip(microbatch, 0, self.num_microbatches - 1)
+        return lax.dynamic_index_in_dim(self.microbatches, index, 0, keepdims=False)
+
+    def threaded(self, grads: GradState) -> GradState | None:
+        """What the differentiated programs thread: the buckets with fusion, else nothing."""
+        return grads if self.fused else None
+
+    def window(self, chunk) -> Window | None:
+        """The layers of model chunk ``chunk`` (``None``: one chunk, all of them)."""
+        return Window(chunk, self.num_chunks) if self.num_chunks > 1 else None
+
+    def is_first_virtual_stage(self, chunk) -> jax.Array:
+        """This device runs the first virtual stage on ``chunk`` (``pre``'s consumer)."""
+        return self.is_first_stage & (chunk == 0)
+
+    def is_last_virtual_stage(self, chunk) -> jax.Array:
+        """This device runs the last virtual stage on ``chunk`` (``post``'s producer)."""
+        return self.is_last_stage & (chunk == self.num_chunks - 1)
+
+    def activation_slot(self, chunk, microbatch):
+        """Slot of (``chunk``, ``microbatch``) in the activation inbox."""
+        return inbox_index(self.activation_inbox_depth, chunk, microbatch)
+
+    def gradient_slot(self, chunk, microbatch):
+        """Slot of (``chunk``, ``microbatch``) in the gradient inbox."""
+        return inbox_index(self.gradient_inbox_depth, chunk, microbatch)
+
+    @property
+    def spare_gradient_slot(self) -> int:
+        """The gradient inbox's last slot, never read (what nobody consumes goes there)."""
+        return self.num_chunks * self.gradient_inbox_depth
