@@ -1,0 +1,198 @@
+"""Bring your own Flax model: a Llama written in plain NNX, pretrained through the pipeline.
+
+The model below is ordinary Flax NNX built from jax_wgrad's tensor-parallel layers: on one
+device ``Llama(cfg, rngs=nnx.Rngs(0))(tokens)`` is its loss, and ``nnx.grad`` its
+gradients. Nothing in it knows about gradient buckets: when the pipeline runs it, the
+executor attaches every fused weight's gradient destination (a bucket block, a zero-bubble
+W task, a deferred output-layer GEMM) to the weight itself. Its config subclasses
+``LayerStackConfig``, which derives the stage split, the sharding and the gradient layout
+from the module (``jax_wgrad.models.stack``).
+
+    python examples/custom_model.py                      # 8 CPU devices: DP2 TP2 PP2 + SP
+    python examples/custom_model.py --tp 2 --pp 4 --dp 1 --schedule interleaved
+    python examples/custom_model.py --schedule zb-h1 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_wgrad import DDPConfig, ParallelConfig, TrainPlan, parallel, training
+from jax_wgrad.functional import causal_attention, rotary_embedding, vocab_parallel_cross_entropy
+from jax_wgrad.models import LayerStackConfig
+from jax_wgrad.nn import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(LayerStackConfig):
+    vocab_size: int = 256
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    seq_length: int = 32
+    rope_base: float = 10000.0
+    init_std: float = 0.02
+
+    def build(self, *, tp_size: int = 1, sequence_parallel: bool = False, rngs: nnx.Rngs):
+        return Llama(self, tp_size=tp_size, sequence_parallel=sequence_parallel, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE; heads split over the tensor ranks by KV group."""
+
+    def __init__(self, cfg: LlamaConfig, tp: dict, rngs: nnx.Rngs):
+        d = cfg.hidden_size // cfg.num_heads
+        self.groups = cfg.num_kv_heads // tp["tp_size"]
+        self.per_group, self.head_dim, self.base = (
+            cfg.num_heads // cfg.num_kv_heads,
+            d,
+            cfg.rope_base,
+        )
+        # Per KV group: its query heads, then its key and value head (a contiguous split
+        # over the tensor ranks gives each whole groups).
+        width = cfg.num_kv_heads * (self.per_group + 2) * d
+        std = cfg.init_std
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, width, use_bias=False, init_std=std, rngs=rngs, **tp
+        )
+        self.proj = RowParallelLinear(
+            cfg.num_heads * d, cfg.hidden_size, use_bias=False, init_std=std, rngs=rngs, **tp
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        qkv = self.qkv(x)  # [b, s, groups/tp * (m + 2) * d]: the whole sequence
+        b, s, _ = qkv.shape
+        m, d = self.per_group, self.head_dim
+        qkv = qkv.reshape(b, s, self.groups, m + 2, d)
+        q = qkv[:, :, :, :m].reshape(b, s, self.groups * m, d)
+        k, v = qkv[:, :, :, m], qkv[:, :, :, m + 1]
+        q, k = rotary_embedding(q, base=self.base), rotary_embedding(k, base=self.base)
+        return self.proj(causal_attention(q, k, v))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``fc2(silu(gate) * up)``, gate and up fused in ``fc1``."""
+
+    def __init__(self, cfg: LlamaConfig, tp: dict, rngs: nnx.Rngs):
+        h, f, std = cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std
+        self.fc1 = ColumnParallelLinear(
+            h, f, use_bias=False, gated=True, init_std=std, rngs=rngs, **tp
+        )
+        self.fc2 = RowParallelLinear(f, h, use_bias=False, init_std=std, rngs=rngs, **tp)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(self.fc1(x), 2, axis=-1)
+        return self.fc2(jax.nn.silu(gate) * up)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, tp: dict, rngs: nnx.Rngs):
+        self.ln1, self.attn = RMSNorm(cfg.hidden_size), Attention(cfg, tp, rngs)
+        self.ln2, self.mlp = RMSNorm(cfg.hidden_size), MLP(cfg, tp, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, tp: dict, rngs: nnx.Rngs):
+        self.word = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, init_std=cfg.init_std, rngs=rngs, **tp
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.word(tokens)
+
+
+class Head(nnx.Module):
+    """Final norm, untied output layer, vocab-parallel cross entropy: the SUM of the
+    token losses (the pipeline normalizes by the step's token count)."""
+
+    def __init__(self, cfg: LlamaConfig, tp: dict, rngs: nnx.Rngs):
+        self.tp_size = tp["tp_size"]
+        self.norm = RMSNorm(cfg.hidden_size)
+        self.output = ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, use_bias=False, init_std=cfg.init_std, rngs=rngs, **tp
+        )
+
+    def __call__(self, x: jax.Array, labels: jax.Array) -> jax.Array:
+        logits = self.output(self.norm(x))
+        return jnp.sum(vocab_parallel_cross_entropy(logits, labels, tp_size=self.tp_size))
+
+
+class Llama(nnx.Module):
+    def __init__(
+        self, cfg: LlamaConfig, *, tp_size: int = 1, sequence_parallel: bool = False, rngs: nnx.Rngs
+    ):
+        tp = dict(tp_size=tp_size, sequence_parallel=sequence_parallel)
+        self.embed = Embed(cfg, tp, rngs)
+        self.layers = nnx.List([Block(cfg, tp, rngs) for _ in range(cfg.num_layers)])
+        self.head = Head(cfg, tp, rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """``tokens`` int ``[b, S + 1]`` -> the sum of the next-token losses."""
+        x = self.embed(tokens[:, :-1])
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x, tokens[:, 1:])
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--no-sequence-parallel", action="store_true")
+    parser.add_argument("--schedule", choices=("1f1b", "interleaved", "zb-h1"), default="1f1b")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args(argv)
+
+    world = args.dp * args.tp * args.pp
+    parallel.use_virtual_cpu_devices(max(world, 8))  # CPU only; before jax starts
+
+    cfg = LlamaConfig()
+    par = ParallelConfig(
+        world_size=world,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        sequence_parallel=not args.no_sequence_parallel and args.tp > 1,
+        micro_batch_size=2,
+        global_batch_size=8 * args.dp,
+        gradient_accumulation_fusion=True,  # fused wgrad into the Megatron buckets
+        defer_embedding_wgrad_compute=args.schedule != "zb-h1",  # output-layer deferral
+        pipeline_schedule="zb-h1" if args.schedule == "zb-h1" else "1f1b",
+        virtual_pipeline_model_parallel_size=2 if args.schedule == "interleaved" else None,
+    )
+    ddp = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)  # cooldown sync
+    mesh = parallel.make_mesh(par)
+    plan = TrainPlan.create(cfg, par, mesh, training.default_optimizer(args.lr), ddp=ddp)
+    state = training.init_train_state(plan, seed=0)
+    step = training.build_train_step(plan, state)
+    # A learnable toy language: each token is the previous one plus one (mod vocab).
+    rng = jax.random.key(1)
+    losses = []
+    for i in range(args.steps):
+        start = jax.random.randint(
+            jax.random.fold_in(rng, i), (par.global_batch_size, 1), 0, cfg.vocab_size
+        )
+        tokens = (start + jnp.arange(cfg.seq_length + 1)) % cfg.vocab_size
+        state, metrics = step(state, training.shard_batch(mesh, jax.device_get(tokens)))
+        losses.append(float(metrics["loss"]))
+        print(f"step {i + 1:3d}  loss {losses[-1]:.4f}", flush=True)
+    return losses
+
+
+if __name__ == "__main__":
+    main()
