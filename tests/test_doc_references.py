@@ -160,3 +160,16 @@ def test_a_bad_path_and_a_bad_link_are_reported():
 def test_prose_is_docstrings_and_comments_only():
     source = 'x = "jax_wgrad.nope"  # see jax_wgrad.ops\n\n\ndef f():\n    """jax_wgrad.grads"""\n'
     assert DOTTED.findall(python_prose(source)) == ["jax_wgrad.grads", "jax_wgrad.ops"]
+
+
+def test_the_cli_reference_is_the_help_text(monkeypatch):
+    """docs/cli.md prints ``examples/pretrain_gpt.py --help`` at 80 columns, as it is."""
+    from jax_wgrad.training import cli
+
+    monkeypatch.setenv("COLUMNS", "80")
+    page = (ROOT / "docs" / "cli.md").read_text()
+    printed = re.search(r"```text\n(.*?)```", page, re.S).group(1)
+    assert printed == cli.make_parser("pretrain_gpt.py").format_help(), (
+        "docs/cli.md is out of date: paste `COLUMNS=80 python examples/pretrain_gpt.py "
+        "--help` into its text block"
+    )
