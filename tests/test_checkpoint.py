@@ -72,10 +72,13 @@ def test_resume_is_bitwise_exact_on_the_same_layout(pretrain, straight_and_saved
 @pytest.mark.parametrize(
     "layout",
     [
-        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
-        [],  # (8, 1, 1), replicated optimizer
+        pytest.param(
+            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
+            id="tp2pp4",
+            marks=pytest.mark.slow,  # suite time: dp8 changes every mesh axis and the optimizer
+        ),
+        pytest.param([], id="dp8"),  # (8, 1, 1), replicated optimizer
     ],
-    ids=["tp2pp4", "dp8"],
 )
 def test_resume_onto_another_layout(pretrain, straight_and_saved, layout):
     d, straight = straight_and_saved
@@ -91,6 +94,8 @@ def test_resume_onto_another_layout(pretrain, straight_and_saved, layout):
         assert abs(a - b) <= 1e-5 * abs(b), (got, straight)
 
 
+@pytest.mark.slow  # a parameters-only restore (load_optim=False) stays in the default run:
+# test_training_ux.py::test_eval_loss_equals_single_device_reference
 def test_no_load_optim_keeps_parameters_only(pretrain, straight_and_saved):
     d, straight = straight_and_saved
     out = d / "fresh-optim.jsonl"
@@ -140,6 +145,8 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow  # two runs, one a subprocess; resuming an interrupted run with each step once
+# in the metrics stays in the default run: test_training_ux.py::test_interrupted_run_resumes_...
 def test_killed_async_save_leaves_the_previous_checkpoint_loadable(pretrain, tmp_path):
     """SIGKILL during the save of step 4; the resumed run (same metrics file) continues from
     the newest complete checkpoint and the metrics file holds every step exactly once."""
@@ -205,6 +212,8 @@ def test_load_of_a_missing_directory_is_an_error(pretrain, tmp_path, capsys):
     assert "no checkpoint in this directory" in line
 
 
+@pytest.mark.slow  # --load equal to --save stays in the default run:
+# test_training_ux.py::test_interrupted_run_resumes_with_each_step_once_in_the_metrics
 def test_load_equal_to_save_starts_from_scratch_and_says_so(pretrain, tmp_path, capsys):
     d = str(tmp_path / "new")
     pretrain.main(
@@ -252,12 +261,25 @@ def _data_chunk(step_dir: Path) -> Path:
 
 @pytest.mark.parametrize(
     "damage, message",
-    [
-        (lambda d: (d / "9").mkdir(), "step 9 is damaged: item 'meta' is missing"),
-        (lambda d: (d / "3" / "meta" / "metadata").unlink(), "step 3 is damaged: missing file "),
-        (lambda d: _data_chunk(d / "3").unlink(), "step 3 is damaged: ValueError: "),
+    [  # suite time: the fallback test below also reads a fake step folder's message
+        pytest.param(
+            lambda d: (d / "9").mkdir(),
+            "step 9 is damaged: item 'meta' is missing",
+            id="fake-step-folder",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            lambda d: (d / "3" / "meta" / "metadata").unlink(),
+            "step 3 is damaged: missing file ",
+            id="deleted-meta",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            lambda d: _data_chunk(d / "3").unlink(),
+            "step 3 is damaged: ValueError: ",
+            id="deleted-data-chunk",
+        ),
     ],
-    ids=["fake-step-folder", "deleted-meta", "deleted-data-chunk"],
 )
 def test_damaged_checkpoint_is_one_line(
     pretrain, straight_and_saved, tmp_path, capsys, damage, message
@@ -305,6 +327,8 @@ def _as_moe(ckpt: Path, experts: int) -> None:
     meta.write_text(json.dumps(record))
 
 
+@pytest.mark.slow  # the MoE fields' comparison stays in the default run:
+# test_model_differences_field_by_field; the one-line message: test_other_model_is_a_clear_error
 def test_moe_checkpoint_loaded_as_dense_names_the_fields(
     pretrain, straight_and_saved, tmp_path, capsys
 ):

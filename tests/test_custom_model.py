@@ -59,7 +59,7 @@ def test_the_model_is_plain_nnx_and_its_program_a_stage_program(example):
 LAYOUTS = [
     # (dp, tp, pp), sequence parallel, schedule
     ((2, 2, 2), True, "1f1b"),
-    ((1, 2, 4), False, "interleaved"),
+    pytest.param((1, 2, 4), False, "interleaved", marks=pytest.mark.slow),
     pytest.param((2, 2, 2), True, "zb-h1", marks=pytest.mark.slow),
     pytest.param((1, 2, 4), True, "1f1b", marks=pytest.mark.slow),
 ]
@@ -111,6 +111,7 @@ def test_one_step_equals_single_device_nnx_grad(example, layout, sp, schedule):
 
 
 @needs_fusion
+@pytest.mark.slow  # its layout's step is compiled and checked by the (2, 2, 2) case above
 def test_the_example_runs_and_learns(example):
     losses = example.main(["--steps", "6"])
     assert losses[-1] < losses[0]

@@ -139,6 +139,10 @@ CASES = [  # (dp, tp, pp), distributed optimizer, buckets, clip: every mesh, bot
     ((2, 2, 2), False, "single", 0.0),
     ((2, 1, 4), True, "small", 0.0),
 ]
+# The default run keeps (2, 2, 2) (TP+PP+DP with SP); the non-finite test below runs it
+# with the distributed optimizer, small buckets and clipping against the same reference.
+# The other CASES run with -m slow (suite time).
+DEFAULT_CASE = ((2, 2, 2), False, "single", 0.0)
 ALL = [
     (m, d, b, c)
     for m in [(8, 1, 1), (2, 2, 2), (2, 1, 4)]
@@ -162,7 +166,14 @@ def _ddp(dist, buckets, clip, **kw):
 
 @pytest.mark.parametrize(
     "mesh_shape, dist, buckets, clip",
-    [pytest.param(*c, id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}") for c in CASES]
+    [
+        pytest.param(
+            *c,
+            id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}",
+            marks=() if c == DEFAULT_CASE else pytest.mark.slow,
+        )
+        for c in CASES
+    ]
     + [
         pytest.param(
             *c, id=f"{c[0]}-{'dist' if c[1] else 'repl'}-{c[2]}-clip{c[3]}", marks=pytest.mark.slow
@@ -242,7 +253,10 @@ def _compiled(dp_tp_pp, ddp, fusion=True, sp=False):
     return layout, data_groups, in_loop, outside
 
 
-@pytest.mark.parametrize("dist", [True, False])
+@pytest.mark.parametrize(
+    "dist",
+    [True, pytest.param(False, marks=pytest.mark.slow)],  # suite time; True checks more
+)
 def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
     ddp = _ddp(dist, "small", 0.0)
     layout, _, in_loop, _ = _compiled((2, 1, 4), ddp)
@@ -276,8 +290,15 @@ def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
     assert not [ops for ops in dus if ops[2].startswith("%constant")], dus
 
 
-@pytest.mark.parametrize("dist, op", [(True, "reduce-scatter"), (False, "all-reduce")])
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize(
+    "overlap, dist, op",
+    [  # by default both placements and both collectives; the other two with -m slow
+        (True, True, "reduce-scatter"),
+        (False, False, "all-reduce"),
+        pytest.param(True, False, "all-reduce", marks=pytest.mark.slow),
+        pytest.param(False, True, "reduce-scatter", marks=pytest.mark.slow),
+    ],
+)
 def test_hlo_one_collective_per_bucket_in_cooldown_or_after(dist, op, overlap):
     ddp = _ddp(dist, "small", 0.0)
     if not overlap:

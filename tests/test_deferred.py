@@ -169,8 +169,8 @@ def _check(m, limit, sp, tied, mode, mesh=(2, 2, 2)):
     [
         (2, 0, True, True, "stash"),
         pytest.param(5, 2, True, False, "stash", marks=pytest.mark.slow),  # suite time
-        (1, 1, False, True, "stash"),
-        (5, 0, True, True, "recompute"),
+        pytest.param(1, 1, False, True, "stash", marks=pytest.mark.slow),  # suite time
+        pytest.param(5, 0, True, True, "recompute", marks=pytest.mark.slow),  # suite time
         (2, 1, False, False, "recompute"),
     ],
     ids=str,

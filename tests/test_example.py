@@ -45,6 +45,9 @@ def _curve(pretrain, tmp_path, name, extra):
     return [r["loss"] for r in rows]
 
 
+@pytest.mark.slow  # equal curves across layouts stay in the default run: test_train.py::
+# test_loss_curves_and_params_equal_across_layouts, and through this example
+# test_checkpoint.py::test_resume_onto_another_layout[dp8]
 def test_loss_curves_equal_across_layouts_and_loss_falls(pretrain, tmp_path):
     base = _curve(pretrain, tmp_path, "dp8", [])
     assert base[-1] < base[0]
@@ -70,6 +73,9 @@ def test_loss_curves_equal_across_layouts_and_loss_falls(pretrain, tmp_path):
             assert abs(a - b) <= 1e-4 * abs(b), (name, curve, base)
 
 
+@pytest.mark.slow  # both optimizers and bucketings against one reference stay in the default
+# run: test_ddp.py (five steps, replicated; non-finite, distributed with small buckets),
+# test_dist_optimizer.py; averaging in the collective: test_grad_buffer.py
 def test_loss_curve_unchanged_by_distributed_optimizer_and_bucket_size(pretrain, tmp_path):
     layout = [
         "--tensor-model-parallel-size",
@@ -171,8 +177,8 @@ def test_deferral_errors(pretrain, capsys):
 
 
 def _schedule_runs():
-    runs = [("zb-h1", "selective"), ("1f1b", "full")]
-    slow = [("1f1b", "selective"), ("zb-h1", None), ("zb-h1", "full")]
+    runs = [("zb-h1", "selective")]  # full recomputation by default: test_pipeline.py
+    slow = [("1f1b", "full"), ("1f1b", "selective"), ("zb-h1", None), ("zb-h1", "full")]
     return [pytest.param(s, r, id=f"{s}-{r}") for s, r in runs] + [
         pytest.param(s, r, id=f"{s}-{r}", marks=pytest.mark.slow) for s, r in slow
     ]

@@ -40,7 +40,16 @@ def _padding_mask(buf):
     return [m == 0 for m in flat_mask(buf, [True] * len(buf.slots))]
 
 
-@pytest.mark.parametrize("dist,bucket_size", [(True, 30), (False, 30), (True, None)])
+# (True, 30) by default; a non-distributed layout stays in test_one_collective_per_bucket_in_hlo,
+# a single bucket in test_dtype_groups_and_casts
+@pytest.mark.parametrize(
+    "dist,bucket_size",
+    [
+        (True, 30),
+        pytest.param(False, 30, marks=pytest.mark.slow),
+        pytest.param(True, None, marks=pytest.mark.slow),
+    ],
+)
 def test_layout_matches_plan_and_round_trips(dist, bucket_size):
     buf = GradBuffer.create(
         _params(), dp_size=4, bucket_size=bucket_size, use_distributed_optimizer=dist
@@ -164,7 +173,8 @@ def _sync_all_variants(buckets_local):
 
 
 @needs8
-@pytest.mark.parametrize("mesh_shape", [(8,), (4, 2)])
+# (4, 2) by default; a data-only mesh stays in test_buckets_as_scan_carry_inside_shard_map
+@pytest.mark.parametrize("mesh_shape", [pytest.param((8,), marks=pytest.mark.slow), (4, 2)])
 def test_sync_buckets_matches_numpy(mesh_shape):
     names = ("data", "tensor")[: len(mesh_shape)]
     mesh, dp, ndev = _mesh(mesh_shape, names), mesh_shape[0], int(np.prod(mesh_shape))

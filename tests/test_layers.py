@@ -50,8 +50,14 @@ def _split(module_fn):
     return graphdef, nnx.to_pure_dict(state), dict(specs)
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
-@pytest.mark.parametrize("fusion", [False, True], ids=["plain", "fused"])
+# fused-sp by default, the rest -m slow (suite time; the unfused layers run by default in
+# the models' tests, e.g. test_hf.py's pipeline cross entropy)
+@pytest.mark.parametrize(
+    "sp", [pytest.param(False, marks=pytest.mark.slow), True], ids=["nosp", "sp"]
+)
+@pytest.mark.parametrize(
+    "fusion", [pytest.param(False, marks=pytest.mark.slow), True], ids=["plain", "fused"]
+)
 def test_column_row_mlp(mesh, sp, fusion):
     kw = dict(sequence_parallel=sp)
     col_def, col_p, col_s = _split(
@@ -118,7 +124,9 @@ def test_column_row_mlp(mesh, sp, fusion):
             _close(g[name]["weight"], g_ref[name]["weight"])
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+@pytest.mark.parametrize(
+    "sp", [pytest.param(False, marks=pytest.mark.slow), True], ids=["nosp", "sp"]
+)
 def test_vocab_parallel_embedding(mesh, sp):
     gdef, p, specs = _split(
         lambda tp, r: VocabParallelEmbedding(V, H, tp_size=tp, sequence_parallel=sp, rngs=r)

@@ -116,7 +116,7 @@ def test_nnx_linear_has_main_grad_only_when_fused():
     np.testing.assert_array_equal(fused.fc1.weight[...], plain.fc1.weight[...])
 
 
-@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("fuse", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_accumulate_gradients_equals_jax_grad_of_mean(fuse):
     model, ref_model = _MLP(fuse, nnx.Rngs(0)), _MLP(False, nnx.Rngs(0))
     batches = _microbatches()
