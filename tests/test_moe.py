@@ -87,8 +87,24 @@ def _reference_loss(params, x, r, cfg, ep):
     return total
 
 
-@pytest.mark.parametrize("ep,topk", [(1, 1), (2, 2), (4, 1), (4, 2)])
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+# The default run keeps fused-4-2 (EP 4, top-2, the grouped fused wgrad); the rest -m slow
+# (EP 1, 2, top-1 and the plain expert gradients: tests/test_moe_dropless.py's defaults
+# test_dropless_equals_dense_reference[4-1-True] and
+# test_dropless_tensor_parallel_equals_dense_reference[2-1-False]).
+@pytest.mark.parametrize(
+    "fused,ep,topk",
+    [
+        pytest.param(
+            fused,
+            ep,
+            topk,
+            id=f"{'fused' if fused else 'plain'}-{ep}-{topk}",
+            marks=[] if (fused, ep, topk) == (True, 4, 2) else [pytest.mark.slow],
+        )
+        for fused in (False, True)
+        for ep, topk in [(1, 1), (2, 2), (4, 1), (4, 2)]
+    ],
+)
 def test_no_drop_equals_dense_reference(ep, topk, fused):
     cfg = MoEConfig(
         num_experts=E, ffn_hidden_size=F, topk=topk, capacity_factor=None, aux_loss_coeff=1e-2
@@ -147,7 +163,17 @@ def _train(cfg, ep, steps=3, lr=0.1):
     return losses, params
 
 
-@pytest.mark.parametrize("ep,topk,factor", [(4, 2, 1.0), (2, 1, 1.25), (4, 1, None)])
+# The default run keeps EP 4, top-2, capacity 1.0; the rest -m slow (the dropless delayed
+# wgrad: tests/test_moe_dropless.py's HLO test; EP 2 with drops: tests/test_moe_gpt.py's
+# bitwise default ep2-pp2-top2-distopt-drop).
+@pytest.mark.parametrize(
+    "ep,topk,factor",
+    [
+        (4, 2, 1.0),
+        pytest.param(2, 1, 1.25, marks=pytest.mark.slow),
+        pytest.param(4, 1, None, marks=pytest.mark.slow),
+    ],
+)
 def test_delayed_wgrad_is_bitwise_the_serial_order(ep, topk, factor):
     # Megatron's test of --overlap-dispatch-backward-with-experts-wgrad: same seed, 3
     # optimizer steps, every loss and every final parameter bitwise equal.

@@ -83,11 +83,12 @@ LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 
 def _grid():
     # All-MoE with the grouped fused wgrad, and MoE + dense layers with plain gradients;
-    # the default run keeps the EP = 2 layouts (the rest: -m slow; EP 4 vs the reference:
-    # tests/test_moe.py, tests/test_moe_dropless.py).
+    # all -m slow: the default run's GPT-level equivalence to jax.grad is
+    # test_dropless_layouts_equal_single_device_reference[ep2-tp2-pp2-etp2-top2-shared-overlap]
+    # (EP, tp, pp, ETP, shared experts, aux loss); EP 4 vs the reference and the plain
+    # (unfused) expert gradients: tests/test_moe.py, tests/test_moe_dropless.py.
     for ep, tp, pp in LAYOUTS:
         for fusion, freq, name in [(True, 1, "fused"), (False, 2, "mixed-plain")]:
-            slow = ep in (1, 4) or (not fusion and (ep, tp, pp) != (2, 1, 2))
             yield pytest.param(
                 ep,
                 tp,
@@ -95,7 +96,7 @@ def _grid():
                 fusion,
                 freq,
                 id=f"{name}-{ep}-{tp}-{pp}",
-                marks=[pytest.mark.slow] if slow else [],
+                marks=[pytest.mark.slow],
             )
 
 
@@ -104,6 +105,9 @@ def test_gradients_equal_single_device_reference(ep, tp, pp, fusion, freq):
     _check_gradients(ep, tp, pp, fusion, freq)
 
 
+# ~15 s each; the default run's GPT-level MoE equivalence through the pipeline:
+# test_dropless_layouts_equal_single_device_reference[ep2-tp2-pp2-etp2-top2-shared-overlap].
+@pytest.mark.slow
 @pytest.mark.parametrize("ep, tp, pp", [(2, 1, 2), (2, 2, 2)], ids=str)
 def test_zero_bubble_schedule_equals_single_device_reference(ep, tp, pp):
     """zb-h1 with MoE and dense layers: the dense linears' W tasks fill the bubbles, the
@@ -127,7 +131,9 @@ MIXTRAL = dict(
 @pytest.mark.parametrize(
     "ep, tp, pp, schedule",
     [
-        pytest.param(2, 2, 2, "1f1b", id="2-2-2-1f1b"),
+        # ~28 s; default GPT-level equivalence: test_dropless_layouts_equal_single_device_
+        # reference[ep2-tp2-pp2-etp2-top2-shared-overlap] (top-2, ETP, pp 2).
+        pytest.param(2, 2, 2, "1f1b", id="2-2-2-1f1b", marks=pytest.mark.slow),
         pytest.param(2, 1, 2, "zb-h1", id="2-1-2-zb-h1", marks=pytest.mark.slow),
     ],
 )
@@ -269,9 +275,12 @@ def _train(cfg, par, ddp, steps=3, tx=None):
 
 
 # Megatron's test: 4 layers, 8 experts, EP=4, 3 optimizer steps, torch.equal everywhere.
+# The default run keeps ep2-pp2-top2-distopt-drop (~33 s each: capacity with drops,
+# pipeline, distributed optimizer); the delayed wgrad on the dropless path and with EP 4:
+# tests/test_moe.py, tests/test_moe_dropless.py (bitwise and HLO order).
 BITWISE = [
-    pytest.param(4, 1, 1, 2, True, None, id="ep4-top2-distopt"),
-    pytest.param(2, 2, 1, 1, False, 1.0, id="ep2-tp2-sp-top1-drop"),
+    pytest.param(4, 1, 1, 2, True, None, id="ep4-top2-distopt", marks=pytest.mark.slow),
+    pytest.param(2, 2, 1, 1, False, 1.0, id="ep2-tp2-sp-top1-drop", marks=pytest.mark.slow),
     pytest.param(2, 1, 2, 2, True, 1.0, id="ep2-pp2-top2-distopt-drop"),
     pytest.param(2, 1, 2, 1, False, None, id="ep2-pp2-top1", marks=pytest.mark.slow),
     pytest.param(4, 1, 1, 1, False, None, id="ep4-top1", marks=pytest.mark.slow),
@@ -294,7 +303,8 @@ def test_overlap_option_is_bitwise_equal_over_three_steps(
 
 def _matrix():
     """PR 3766's matrix: layers x shared experts x dispatcher (EP=2, top-2); -m slow (the
-    default run has the BITWISE defaults, dropless and capacity)."""
+    default run has the BITWISE default, capacity; dropless: tests/test_moe_dropless.py's
+    HLO test of the delayed ragged wgrad)."""
     for layers in (2, 4):
         for shared in (None, 32):
             for capacity, name in ((None, "dropless"), (1.0, "capacity")):
@@ -304,7 +314,7 @@ def _matrix():
                     capacity,
                     id=f"{layers}layers-{'shared' if shared else 'routed'}-{name}",
                     marks=[pytest.mark.slow],
-                )  # the 3 BITWISE defaults run
+                )  # the BITWISE default runs
 
 
 @pytest.mark.parametrize("layers, shared, capacity", list(_matrix()))
@@ -343,6 +353,10 @@ def _check_bitwise(model_kw, par, dist):
         np.testing.assert_array_equal(a, b)
 
 
+# ~51 s (3 trainings); the default run keeps the distributed optimizer with experts in
+# test_overlap_option_is_bitwise_equal_over_three_steps[ep2-pp2-top2-distopt-drop] and
+# test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups.
+@pytest.mark.slow
 def test_distributed_optimizer_with_experts_equals_replicated_and_ep1():
     """3 clipped SGD steps of an MoE GPT: EP=2, pp=2 with the distributed optimizer (expert
     shards over the 2 expert-data-parallel ranks, dense shards over all 4 data-parallel
