@@ -45,8 +45,8 @@ def _curve(pretrain, tmp_path, name, extra):
     return [r["loss"] for r in rows]
 
 
-@pytest.mark.slow  # equal curves across layouts stay in the default run: test_train.py::
-# test_loss_curves_and_params_equal_across_layouts, and through this example
+@pytest.mark.slow  # equal results across layouts stay in the default run: test_ddp.py::
+# test_five_steps_equal_single_device_optax[(2, 2, 2)-...], and through this example
 # test_checkpoint.py::test_resume_onto_another_layout[dp8]
 def test_loss_curves_equal_across_layouts_and_loss_falls(pretrain, tmp_path):
     base = _curve(pretrain, tmp_path, "dp8", [])

@@ -164,16 +164,29 @@ def _assert_equal_grads(loss, ref_loss, grads, ref_grads, tol=1e-5):
         )
 
 
-@pytest.mark.parametrize("dp, tp, pp", MESHES, ids=lambda v: str(v))
-@pytest.mark.parametrize(
-    "sp, fusion",
-    [
-        pytest.param(False, False, id="plain"),
-        pytest.param(True, True, id="sp-fused"),
-        pytest.param(True, False, id="sp", marks=pytest.mark.slow),
-        pytest.param(False, True, id="fused", marks=pytest.mark.slow),
-    ],
-)
+def _mesh_grid():
+    # By default only sp-fused on (2,2,2) (the rest: -m slow, suite time); unfused without
+    # SP runs by default in test_gpipe_through_the_same_executor_equals_jax_grad[2-1-4-...].
+    for sp, fusion, kind in [
+        (False, False, "plain"),
+        (True, True, "sp-fused"),
+        (True, False, "sp"),
+        (False, True, "fused"),
+    ]:
+        for dp, tp, pp in MESHES:
+            default = kind == "sp-fused" and (dp, tp, pp) == (2, 2, 2)
+            yield pytest.param(
+                dp,
+                tp,
+                pp,
+                sp,
+                fusion,
+                id=f"{kind}-{dp}-{tp}-{pp}",
+                marks=() if default else pytest.mark.slow,
+            )
+
+
+@pytest.mark.parametrize("dp, tp, pp, sp, fusion", list(_mesh_grid()))
 def test_gradients_equal_single_device_jax_grad(dp, tp, pp, sp, fusion):
     if sp and tp == 1:
         if not fusion:
@@ -183,17 +196,18 @@ def test_gradients_equal_single_device_jax_grad(dp, tp, pp, sp, fusion):
 
 
 def _llama_grid():
-    # Fused and unfused on (2,2,2), fused on (4,2,1) (the rest: -m slow, suite time).
+    # All -m slow (suite time): the Llama options on (2,2,2)+SP, fused, untied run by default
+    # in test_llama_options_with_deferral_and_recomputation (ZB-H1) and
+    # test_megatron_recompute_methods_equal_jax_grad (1F1B).
     for dp, tp, pp in MESHES:
         for fusion in (False, True):
-            slow = (dp, tp, pp) != (2, 2, 2) and not (fusion and (dp, tp, pp) == (4, 2, 1))
             yield pytest.param(
                 dp,
                 tp,
                 pp,
                 fusion,
                 id=f"{'fused' if fusion else 'plain'}-{dp}-{tp}-{pp}",
-                marks=[pytest.mark.slow] if slow else [],
+                marks=[pytest.mark.slow],
             )
 
 
@@ -264,6 +278,9 @@ def test_gqa_groups_must_divide_over_tensor():
         GPTConfig(**dict(LLAMA, num_query_groups=3), hidden_size=32)
 
 
+# untied by default: test_llama_options_with_deferral_and_recomputation (2,2,2) and
+# test_schedules_and_recompute_equal_jax_grad[default-zb-h1-selective-m3] (1,2,4)
+@pytest.mark.slow
 @pytest.mark.parametrize("dp, tp, pp", [(2, 2, 2), (1, 2, 4)], ids=str)
 def test_untied_output_layer(dp, tp, pp):
     _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=True, fusion=True, tied=False))
@@ -311,6 +328,7 @@ def test_unrolled_layer_loop_equals_the_scan(schedule):
         _assert_equal_grads(loss, ref_loss, grads, ref_grads)
 
 
+@pytest.mark.slow  # bf16 compute through the pipeline by default: tests/test_bf16_params.py
 def test_bf16_runs_close():
     loss, ref_loss, grads, ref_grads = _check_gradients(
         2, 2, 2, sp=True, fusion=True, dtype="bfloat16"
@@ -319,6 +337,7 @@ def test_bf16_runs_close():
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow  # the fused op in the compiled pipeline by default: tests/test_pipeline_hlo.py
 def test_fused_pipeline_calls_the_fused_op():
     if not fusion_available("cpu"):
         pytest.skip("the CPU wgrad_accumulate handler was not built")
@@ -377,7 +396,8 @@ def test_gpipe_table_facts():
 @pytest.mark.parametrize(
     "dp, tp, pp, sp, fusion",
     [
-        (2, 2, 2, True, True),
+        # (2,2,2)+SP fused through 1F1B's table by default: test_gradients_equal_...[sp-fused-2-2-2]
+        pytest.param(2, 2, 2, True, True, marks=pytest.mark.slow),
         pytest.param(1, 2, 4, False, True, marks=pytest.mark.slow),
         (2, 1, 4, False, False),
     ],
@@ -420,9 +440,9 @@ GRID_MESHES = [
     (2, 1, 4, False),
     (1, 1, 8, False),
 ]
-# (mesh index, schedule, recompute, m, tied) run by default: every mesh, schedule and
+# (mesh index, schedule, recompute, m, tied): a cross-section with every mesh, schedule and
 # recompute mode at least once, with M = 1, M < P and an untied output layer among them.
-DEFAULT_GRID = [
+CROSS_SECTION = [
     (1, "zb-h1", None, 2, True),
     (2, "zb-h1", "selective", 3, False),
     (3, "1f1b", "full", 1, True),
@@ -430,6 +450,10 @@ DEFAULT_GRID = [
     (0, "zb-h1", "full", 2, True),
     (2, "1f1b", "selective", 5, True),
 ]
+# Run by default (the rest: -m slow, suite time): ZB-H1, selective recompute, M < P, untied;
+# full recompute by default in test_llama_options_with_deferral_and_recomputation and
+# test_megatron_recompute_methods_equal_jax_grad.
+DEFAULT_GRID = [(2, "zb-h1", "selective", 3, False)]
 
 
 def _grid_params():
@@ -455,11 +479,18 @@ def _grid_params():
                         )
                     )
     extra = [
-        (*GRID_MESHES[i][:4], s, r, m, t)
-        for i, s, r, m, t in DEFAULT_GRID
+        ((*GRID_MESHES[i][:4], s, r, m, t), (i, s, r, m, t) in DEFAULT_GRID)
+        for i, s, r, m, t in CROSS_SECTION
         if (m, t) not in ((1, True), (3, True), (2, False))
     ]
-    out += [pytest.param(*e, id=f"default-{e[4]}-{e[5]}-m{e[6]}") for e in extra]
+    out += [
+        pytest.param(
+            *e,
+            id=f"default-{e[4]}-{e[5]}-m{e[6]}",
+            marks=() if default else pytest.mark.slow,
+        )
+        for e, default in extra
+    ]
     return out
 
 
@@ -478,7 +509,7 @@ def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recomp
 def _interleaved_grid():
     """The issue's matrix: V = 2, 3 on (1,1,4), (2,2,2)+SP, (1,2,4), M = P and 3P, both
     schedules, fused with deferral and the cooldown sync; a cross-section by default."""
-    default = {((2, 2, 2), 2, 3, "zb-h1"), ((1, 2, 4), 3, 3, "1f1b")}
+    default = {((2, 2, 2), 2, 3, "zb-h1")}  # V = 3, 1F1B, (1,2,4): -m slow, suite time
     for mesh in [(1, 1, 4), (2, 2, 2), (1, 2, 4)]:
         for v in (2, 3):
             for times in (1, 3):
@@ -508,8 +539,13 @@ def test_interleaved_equals_single_device_jax_grad(dp, tp, pp, v, times, schedul
     _assert_equal_grads(*out)
 
 
+# interleaved by default: test_interleaved_equals_single_device_jax_grad[2-2-2-2-3-zb-h1]
 @pytest.mark.parametrize(
-    "tied, recompute", [(False, None), pytest.param(True, "full", marks=pytest.mark.slow)]
+    "tied, recompute",
+    [
+        pytest.param(False, None, marks=pytest.mark.slow),
+        pytest.param(True, "full", marks=pytest.mark.slow),
+    ],
 )
 def test_interleaved_unfused_untied_and_recomputed(tied, recompute):
     # no fusion: every gradient through the sink's per-chunk (static-offset) adds
@@ -565,12 +601,13 @@ def _vocab_grid():
         ((1, 2, 4), True, "fused-defer"),
         ((2, 2, 2), False, "plain"),
     ]
-    for k, (mesh, tied, kind) in enumerate(cases):
+    for mesh, tied, kind in cases:
         yield pytest.param(
             *mesh,
             tied,
             kind,
-            marks=() if k < 4 or k == 5 else pytest.mark.slow,
+            # by default the case with the most features (the rest: -m slow, suite time)
+            marks=() if kind == "interleaved-zb-h1" else pytest.mark.slow,
             id=f"{'-'.join(map(str, mesh))}-{'tied' if tied else 'untied'}-{kind}",
         )
 

@@ -79,6 +79,10 @@ WGRAD_TARGETS = (WGRAD, "jax_wgrad_wgrad_accumulate_at")
 BACKWARD_DOTS = 8
 
 
+# -m slow (suite time): by default the backward's recomputed GEMMs are counted in
+# test_zb_h1_weight_gradients_only_in_w_tasks[full], what each granularity stores in
+# tests/test_residuals.py, the fused wgrad calls in 1F1B's loop in tests/test_ddp.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute, recomputed", [(None, 0), ("selective", 2), ("full", 5)])
 def test_backward_task_recomputes_only_what_the_granularity_says(recompute, recomputed):
     # None: no forward GEMM in B. Selective: the attention core's two batched GEMMs.
@@ -88,7 +92,7 @@ def test_backward_task_recomputes_only_what_the_granularity_says(recompute, reco
     assert count["F", "dot"] == 8 and count["B", WGRAD] == 4 and count["F", WGRAD] == 1
 
 
-@pytest.mark.parametrize("recompute", [None, "full"])
+@pytest.mark.parametrize("recompute", [pytest.param(None, marks=pytest.mark.slow), "full"])
 def test_zb_h1_weight_gradients_only_in_w_tasks(recompute):
     count = _by_task(_step("zb-h1", recompute).as_text())
     # B: data gradients only -- no wgrad call, and no more dots than 1F1B's backward.
@@ -99,7 +103,10 @@ def test_zb_h1_weight_gradients_only_in_w_tasks(recompute):
     assert sum(v for (task, kind), v in count.items() if kind == WGRAD) == 5
 
 
-@pytest.mark.parametrize("schedule, recompute", [("1f1b", None), ("zb-h1", "selective")])
+@pytest.mark.parametrize(
+    "schedule, recompute",
+    [pytest.param("1f1b", None, marks=pytest.mark.slow), ("zb-h1", "selective")],
+)
 def test_no_copy_of_a_carried_buffer_inside_the_loop(schedule, recompute):
     hlo = _step(schedule, recompute).as_text()
     comps = computations(hlo)

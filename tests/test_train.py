@@ -71,6 +71,9 @@ def test_init_params_independent_of_layout():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
+# -m slow (suite time): train steps on (2,2,2)+SP fused equal the single-device ones by
+# default in tests/test_ddp.py::test_five_steps_equal_single_device_optax
+@pytest.mark.slow
 def test_loss_curves_and_params_equal_across_layouts():
     base_loss, base_norm, base_params, n = _train(1, 1)
     assert n == 3
@@ -100,7 +103,7 @@ def test_step_donates_state():
     )
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])  # 2: TP + SP
 def test_bf16_step_has_no_16bit_scatter(tp):
     # Embedding gradients are scatter-added in fp32 (a bf16 scatter-add rounds every partial
     # sum and is ~190x slower on a GPU for text-like ids, docs/design/h100_findings.md, section 2).

@@ -223,6 +223,8 @@ def test_bad_data_path_is_an_argparse_error(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.slow  # blends by default: tests/test_data.py (the preprocess tool, split and
+# blend) and test_blend_with_an_empty_validation_part_is_named (the example's blend)
 def test_megatron_data_blend_trains_without_progress_bar_in_logs(tmp_path):
     """tools/preprocess_data.py writes two datasets; the example trains on their weighted
     blend with a vocabulary sized from the data; stdout is a pipe: no progress bar."""
@@ -500,7 +502,10 @@ class _FakeOOM:
         )
 
 
-@pytest.mark.parametrize("at, where", [("compile", "compilation"), ("step", "first step")])
+@pytest.mark.parametrize(
+    "at, where",
+    [("compile", "compilation"), pytest.param("step", "first step", marks=pytest.mark.slow)],
+)
 def test_out_of_memory_is_one_line(pretrain, capsys, monkeypatch, at, where):
     from jax_wgrad.training import loop
 
