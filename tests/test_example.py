@@ -177,11 +177,16 @@ def test_deferral_errors(pretrain, capsys):
 
 
 def _schedule_runs():
-    runs = [("zb-h1", "selective")]  # full recomputation by default: test_pipeline.py
-    slow = [("1f1b", "full"), ("1f1b", "selective"), ("zb-h1", None), ("zb-h1", "full")]
-    return [pytest.param(s, r, id=f"{s}-{r}") for s, r in runs] + [
-        pytest.param(s, r, id=f"{s}-{r}", marks=pytest.mark.slow) for s, r in slow
+    # All in -m slow: schedules with recomputation equal jax.grad in the default run
+    # (test_pipeline.py::test_schedules_and_recompute_equal_jax_grad[default-zb-h1-selective-m3]).
+    slow = [
+        ("zb-h1", "selective"),
+        ("1f1b", "full"),
+        ("1f1b", "selective"),
+        ("zb-h1", None),
+        ("zb-h1", "full"),
     ]
+    return [pytest.param(s, r, id=f"{s}-{r}", marks=pytest.mark.slow) for s, r in slow]
 
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="zb-h1 needs the fused op")

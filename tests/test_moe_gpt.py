@@ -281,7 +281,9 @@ def _train(cfg, par, ddp, steps=3, tx=None):
 BITWISE = [
     pytest.param(4, 1, 1, 2, True, None, id="ep4-top2-distopt", marks=pytest.mark.slow),
     pytest.param(2, 2, 1, 1, False, 1.0, id="ep2-tp2-sp-top1-drop", marks=pytest.mark.slow),
-    pytest.param(2, 1, 2, 2, True, 1.0, id="ep2-pp2-top2-distopt-drop"),
+    # slow: the delayed expert wgrad stays bitwise-checked in the default run at the MoE
+    # layer (test_moe.py::test_delayed_wgrad_is_bitwise_the_serial_order[4-2-1.0])
+    pytest.param(2, 1, 2, 2, True, 1.0, id="ep2-pp2-top2-distopt-drop", marks=pytest.mark.slow),
     pytest.param(2, 1, 2, 1, False, None, id="ep2-pp2-top1", marks=pytest.mark.slow),
     pytest.param(4, 1, 1, 1, False, None, id="ep4-top1", marks=pytest.mark.slow),
     pytest.param(2, 2, 1, 2, True, None, id="ep2-tp2-sp-top2-distopt", marks=pytest.mark.slow),

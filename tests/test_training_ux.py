@@ -109,6 +109,8 @@ def runs(pretrain, tmp_path_factory):
     return d
 
 
+@pytest.mark.slow  # evaluation stays in the default run:
+# test_eval_loss_equals_single_device_reference
 def test_evaluation_does_not_change_the_training_curve(runs):
     assert _train_losses(runs / "eval.jsonl") == _train_losses(runs / "plain.jsonl")  # bitwise
 
@@ -341,6 +343,8 @@ def _launch_two_processes(tmp_path: Path, tag: str, extra: list[str]) -> list[Pa
     return files
 
 
+@pytest.mark.slow  # a real 2-process launch (~2 min); tests/test_readme.py's
+# --num-processes 2 command runs one too, also in -m slow
 def test_two_processes_equal_one_process(pretrain, tmp_path):
     """2 processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) train
     with gradient accumulation fusion, evaluate, save and resume; the curve equals the
