@@ -12,28 +12,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from script_util import SMALL_GPT
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
-SMALL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "16",
-    "--lr",
-    "3e-3",
-    "--no-progress",
-    "--seed",
-    "3",
-]
+SMALL = [*SMALL_GPT, "--no-progress"]
 L222 = [
     "--tensor-model-parallel-size",
     "2",

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from script_util import SMALL_GPT
 
 from jax_wgrad import fusion_available
 from jax_wgrad.training import cli
@@ -14,25 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
 
-SMALL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "16",
-    "--lr",
-    "3e-3",
-    "--no-progress",
-    "--seed",
-    "3",
-]
+SMALL = [*SMALL_GPT, "--no-progress"]
 
 
 def _curve(pretrain, tmp_path, name, extra):

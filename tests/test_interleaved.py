@@ -4,6 +4,7 @@ simulator, and gradients equal to single-device ``jax.grad`` through the same ex
 import jax
 import numpy as np
 import pytest
+from script_util import SMALL_GPT
 
 from jax_wgrad import ParallelConfig
 from jax_wgrad import schedules as sim
@@ -158,23 +159,8 @@ def test_simulator_plots_chunks(tmp_path):
 # --------------------------------------------------------------------------- end to end
 
 SMALL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "16",
-    "--lr",
-    "3e-3",
+    *SMALL_GPT,
     "--no-progress",
-    "--seed",
-    "3",
     "--tensor-model-parallel-size",
     "2",
     "--pipeline-model-parallel-size",

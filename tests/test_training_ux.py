@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from script_util import SMALL_GPT
 
 from jax_wgrad.training import cli
 
@@ -25,24 +26,7 @@ EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
-SMALL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "16",
-    "--lr",
-    "3e-3",
-    "--seed",
-    "3",
-]
+SMALL = [*SMALL_GPT]
 L222 = [
     "--tensor-model-parallel-size",
     "2",
