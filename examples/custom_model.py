@@ -148,23 +148,11 @@ class Llama(nnx.Module):
 # ---------------------------------------------------------------------------- training
 
 
-def main(argv: list[str] | None = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--no-sequence-parallel", action="store_true")
-    parser.add_argument("--schedule", choices=("1f1b", "interleaved", "zb-h1"), default="1f1b")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
-
-    world = args.dp * args.tp * args.pp
-    parallel.use_virtual_cpu_devices(max(world, 8))  # CPU only; before jax starts
-
-    cfg = LlamaConfig()
+def _plan(args) -> tuple[TrainPlan, jax.sharding.Mesh]:
+    """The run's plan: LlamaConfig on the layout the flags ask for."""
+    cfg = LlamaConfig(num_layers=args.num_layers)
     par = ParallelConfig(
-        world_size=world,
+        world_size=args.dp * args.tp * args.pp,
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         sequence_parallel=not args.no_sequence_parallel and args.tp > 1,
@@ -178,15 +166,34 @@ def main(argv: list[str] | None = None) -> list[float]:
     ddp = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)  # cooldown sync
     mesh = parallel.make_mesh(par)
     plan = TrainPlan.create(cfg, par, mesh, training.default_optimizer(args.lr), ddp=ddp)
+    return plan, mesh
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--no-sequence-parallel", action="store_true")
+    parser.add_argument("--schedule", choices=("1f1b", "interleaved", "zb-h1"), default="1f1b")
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args(argv)
+
+    parallel.use_virtual_cpu_devices(max(args.dp * args.tp * args.pp, 8))  # CPU; before jax
+    try:
+        plan, mesh = _plan(args)
+    except ValueError as exc:  # a layout the model or the devices do not allow: one line
+        parser.error(str(exc))
     state = training.init_train_state(plan, seed=0)
     step = training.build_train_step(plan, state)
+    cfg, batch = plan.model, plan.parallel.global_batch_size
     # A learnable toy language: each token is the previous one plus one (mod vocab).
     rng = jax.random.key(1)
     losses = []
     for i in range(args.steps):
-        start = jax.random.randint(
-            jax.random.fold_in(rng, i), (par.global_batch_size, 1), 0, cfg.vocab_size
-        )
+        start = jax.random.randint(jax.random.fold_in(rng, i), (batch, 1), 0, cfg.vocab_size)
         tokens = (start + jnp.arange(cfg.seq_length + 1)) % cfg.vocab_size
         state, metrics = step(state, training.shard_batch(mesh, jax.device_get(tokens)))
         losses.append(float(metrics["loss"]))
