@@ -185,8 +185,8 @@ def compile_plan(
     t0 = time.perf_counter()
     state = abstract_train_state(plan)
     tokens = jax.ShapeDtypeStruct(
-        (par.global_batch_size, plan.model.seq_length + 1),
-        jnp.int32,
+        (par.global_batch_size, *plan.program.setup.sample_shape),
+        plan.program.setup.sample_dtype,
         sharding=NamedSharding(plan.mesh, P(DATA_PARALLEL)),
     )
     step = build_train_step(plan, state)

@@ -107,7 +107,7 @@ class LoopOptions:
 def evaluate(plan: TrainPlan, eval_step, params, valid, opts: LoopOptions) -> float:
     """Mean token loss of ``opts.eval_iters`` held-out global batches (the same batches at
     every evaluation: ``valid.batch(k, ...)`` for ``k < eval_iters``)."""
-    gb, seq = plan.parallel.global_batch_size, plan.model.seq_length
+    gb, seq = plan.parallel.global_batch_size, plan.program.setup.seq_length
     losses = [
         float(eval_step(params, shard_batch(plan.mesh, valid.batch(k, gb, seq, opts.seed))))
         for k in range(opts.eval_iters)
@@ -225,7 +225,7 @@ def run(
     check_paths(opts)
     state, start = _resume(plan, state, opts, log)
     metrics.start(start)
-    gb, seq = plan.parallel.global_batch_size, plan.model.seq_length
+    gb, seq = plan.parallel.global_batch_size, plan.program.setup.seq_length
     batch = lambda i: shard_batch(plan.mesh, train_data.batch(i, gb, seq, opts.seed))
     compiled, compile_s = None, 0.0
     eval_step = build_eval_step(plan) if opts.eval_interval else None
@@ -335,10 +335,10 @@ def out_of_memory_message(
 ) -> str:
     """One line: the model, the train state's bytes per device, what XLA tried to
     allocate, and where to look next."""
-    model, par = plan.model, plan.parallel
+    model, par, setup = plan.model, plan.parallel, plan.program.setup
     parts = [
         f"out of memory in the {where}: {model.num_layers} layers, hidden "
-        f"{model.hidden_size}, seq {model.seq_length}, micro batch "
+        f"{setup.hidden_size}, seq {setup.seq_length}, micro batch "
         f"{par.micro_batch_size}, mesh (data, expert, tensor, pipeline) = {par.mesh_shape}"
     ]
     if state is not None:
