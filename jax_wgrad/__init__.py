@@ -8,13 +8,15 @@ Tiers, bottom up (each imports only the ones before it):
   or flat buckets, Megatron's conjugate collectives, vocab-parallel cross entropy.
 * :mod:`jax_wgrad.nn`: Flax NNX modules (``Linear``, tensor-parallel layers, LayerNorm).
 * :mod:`jax_wgrad.parallel` (mesh, axis names, ``ParallelConfig``) and
-  :mod:`jax_wgrad.models.gpt` (the GPT: modules, canonical parameters, per-stage functions).
+  :mod:`jax_wgrad.models` (any ``embed -> layers -> head`` NNX model through
+  ``LayerStackConfig``; :mod:`jax_wgrad.models.gpt`, the GPT).
 * :mod:`jax_wgrad.grads`: flat padded buckets (Megatron's plan), layouts from parameter
   specs, data-parallel sync and finalization; :mod:`jax_wgrad.optim`: the distributed
   optimizer.
 * :mod:`jax_wgrad.parallel.pipeline` (schedules as data, the executor) and
   :mod:`jax_wgrad.parallel.deferred` (deferred output-layer weight gradients).
-* :mod:`jax_wgrad.training`: the per-run plan, the train step, data.
+* :mod:`jax_wgrad.training`: the per-run plan, the train step, data, the CLI;
+  :mod:`jax_wgrad.pretrain`: the pretraining job (``examples/pretrain_gpt.py``).
 * :mod:`jax_wgrad.testing`: the single-device reference model.
 """
 

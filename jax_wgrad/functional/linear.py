@@ -496,13 +496,18 @@ class StackRoutes:
             self._outer.outputs[dest.index] = outputs[j]
 
 
+def _destination(weight: jax.Array) -> tuple[WgradRoutes | None, _ToBucket | _ToSplit | None]:
+    """The active routes and ``weight``'s destination there (``None`` when it has none)."""
+    routes = active_routes()
+    return routes, None if routes is None else routes._find(weight)
+
+
 def reshape_weight(weight: jax.Array, shape: Sequence[int]) -> jax.Array:
     """``weight.reshape(shape)`` with ``weight``'s gradient destination (a reshape keeps the
     row-major block): what a layer uses to hand a reshaped weight to :func:`linear`."""
     out = weight.reshape(shape)
-    routes = active_routes()
-    if routes is not None and out is not weight:
-        dest = routes._find(weight)
+    if out is not weight:
+        routes, dest = _destination(weight)
         if dest is not None:
             routes._attach(out, dest)
     return out
@@ -518,8 +523,7 @@ def through_bucket(
     ``(out, new bucket)``, ``out`` is returned), or ``plain()`` when ``weight`` has no
     destination. Raises ``ValueError`` for a weight split for zero bubble (only
     :func:`linear` splits)."""
-    routes = active_routes()
-    dest = None if routes is None else routes._find(weight)
+    routes, dest = _destination(weight)
     if dest is None:
         return plain()
     if isinstance(dest, _ToSplit):
@@ -563,8 +567,7 @@ def linear(
                 f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"
             )
         return _fused_linear(x, w, b, main_grad, level)
-    routes = active_routes()
-    dest = None if routes is None else routes._find(w)
+    routes, dest = _destination(w)
     if dest is None:
         return _forward(x, w, b, level)
     if isinstance(dest, _ToSplit):

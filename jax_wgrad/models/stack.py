@@ -164,13 +164,12 @@ class LayerStackProgram:
         set_ = lambda name, value: object.__setattr__(self, name, value)
         set_("_defs", {k: nnx.split(m)[0] for k, m in parts.items()})
         set_("_states", {k: nnx.split(m)[1] for k, m in parts.items()})
-        whole = lambda: build(1, False)
-        set_(
+        set_(  # read from the abstract model built above (no rebuild)
             "_orders",
             {
-                "embed": registration_order(lambda: whole().embed),
-                "layers": registration_order(lambda: whole().layers[0]),
-                "head": registration_order(lambda: whole().head),
+                "embed": registration_order(lambda: full.embed),
+                "layers": registration_order(lambda: full.layers[0]),
+                "head": registration_order(lambda: full.head),
             },
         )
         set_(
