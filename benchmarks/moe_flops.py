@@ -615,10 +615,9 @@ def main(argv: list[str] | None = None) -> None:
                     f"E={e}, EP={ep}: EP must divide E and be <= "
                     f"{jax.device_count()} devices, and k <= E"
                 )
-    if not jax_wgrad.fusion_available():
-        sys.exit(
-            f"fused handlers unavailable on {jax.default_backend()}: {jax_wgrad.fusion_status()}"
-        )
+    if not jax_wgrad.fusion_available(families=("ragged",)):
+        status = jax_wgrad.fusion_status(families=("ragged",))
+        sys.exit(f"the ragged GEMM handlers are unavailable on {jax.default_backend()}: {status}")
     if not args.json:
         print(
             f"# {jax.default_backend()}: T={args.tokens}/rank H={args.hidden} "

@@ -189,10 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--rows, --hidden, --ffn, --groups and --iters must be >= 1, --warmup >= 0")
     if not all(0.0 <= f <= 1.0 for f in args.fractions):
         parser.error(f"--fractions must lie in [0, 1], got {args.fractions}")
-    if not jax_wgrad.fusion_available():
-        sys.exit(
-            f"fused handlers unavailable on {jax.default_backend()}: {jax_wgrad.fusion_status()}"
-        )
+    if not jax_wgrad.fusion_available(families=("ragged",)):
+        status = jax_wgrad.fusion_status(families=("ragged",))
+        sys.exit(f"the ragged GEMM handlers are unavailable on {jax.default_backend()}: {status}")
     if not args.json:
         print(
             f"# {jax.default_backend()}: R={args.rows} H={args.hidden} F={args.ffn} "

@@ -33,7 +33,13 @@ from jax_wgrad.nn import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from jax_wgrad.ops import bucket_add, fusion_available, fusion_status, wgrad_accumulate
+from jax_wgrad.ops import (
+    bucket_add,
+    fusion_available,
+    fusion_status,
+    op_status,
+    wgrad_accumulate,
+)
 from jax_wgrad.optim import DistributedOptimizer
 from jax_wgrad.parallel import (
     ParallelConfig,
@@ -83,6 +89,7 @@ __all__ = [
     "bucket_add",
     "fusion_available",
     "fusion_status",
+    "op_status",
     "linear",
     "linear_into_bucket",
     "WgradRoutes",

@@ -1,7 +1,8 @@
 """The built FFI handlers as jax meets them: the API version they declare, registration
 that can fail without breaking jax, a status that tells the truth everywhere (under
-tracing, after a transient failure, on every process), the CUDA library's architectures
-and command-buffer (CUDA graph) compatibility."""
+tracing, after a transient failure, on every process), per op family (a broken expert
+kernel leaves a dense model's fusion usable; an MoE plan is gated on its own family), the
+CUDA library's architectures and command-buffer (CUDA graph) compatibility."""
 
 import importlib
 import shutil
@@ -135,7 +136,7 @@ def test_import_error_is_a_status(monkeypatch):
 
 @pytest.fixture
 def fresh_status(monkeypatch):
-    """No status remembered: the next query probes again."""
+    """No status remembered (of any ``(platform, family)``): the next query probes again."""
     monkeypatch.setattr(registry, "_VERIFIED", {})
 
 
@@ -149,7 +150,8 @@ def test_status_asked_while_tracing_is_not_a_failure(fresh_status):
     jax.jit(f)(1.0)
     jax.eval_shape(f, jax.ShapeDtypeStruct((2,), jnp.float32))
     assert seen == [None, None]
-    assert registry._VERIFIED["cpu"] is None
+    assert registry._VERIFIED["cpu", "dense"] is None
+    assert registry._VERIFIED["cpu", "bucket_add"] is None
 
 
 def test_fused_linear_built_inside_nnx_eval_shape(fresh_status):
@@ -178,9 +180,10 @@ def test_transient_failure_is_not_remembered(fresh_status, monkeypatch):
 
     monkeypatch.setattr(jax, "local_devices", none_yet)
     assert "jax sees no cpu device of this process" in registry._status("cpu")
-    assert "cpu" not in registry._VERIFIED
+    assert "jax sees no cpu device of this process" in ops.op_status("cpu")["ragged"]
+    assert registry._VERIFIED == {}
     monkeypatch.setattr(jax, "local_devices", real)
-    assert registry._status("cpu") is None and registry._VERIFIED["cpu"] is None
+    assert registry._status("cpu") is None and registry._VERIFIED["cpu", "dense"] is None
 
 
 def test_out_of_memory_is_not_remembered(fresh_status, monkeypatch):
@@ -189,51 +192,157 @@ def test_out_of_memory_is_not_remembered(fresh_status, monkeypatch):
 
     monkeypatch.setattr(ops, "wgrad_accumulate", oom)
     assert "RESOURCE_EXHAUSTED" in registry._status("cpu")
-    assert "cpu" not in registry._VERIFIED
+    assert ("cpu", "dense") not in registry._VERIFIED
+
+
+def _break(monkeypatch, op: str) -> None:
+    """``ops.<op>`` returns its accumulator (or input) unchanged: a kernel that runs but
+    computes nothing, as the probe calls it."""
+    monkeypatch.setattr(
+        ops,
+        op,
+        lambda *args, **kwargs: args[2] if op == "grouped_wgrad_accumulate" else args[0],
+    )
 
 
 @pytest.mark.parametrize(
-    "broken,case",
+    "broken,family,case",
     [
-        ("grouped_wgrad_accumulate", "grouped experts into a bucket"),
-        ("bucket_add", "bucket_add of several blocks"),
-        ("ragged_matmul", "ragged_matmul float32 transpose_rhs=1"),
-        ("ragged_wgrad_accumulate", "ragged_wgrad_accumulate float32"),
+        ("wgrad_accumulate", "dense", "float32 default"),
+        ("grouped_wgrad_accumulate", "grouped", "grouped experts into a bucket"),
+        ("bucket_add", "bucket_add", "bucket_add of several blocks"),
+        ("ragged_matmul", "ragged", "ragged_matmul float32 transpose_rhs=1"),
+        ("ragged_wgrad_accumulate", "ragged", "ragged_wgrad_accumulate float32"),
     ],
 )
-def test_probe_checks_every_kernel_variant(fresh_status, monkeypatch, broken, case):
-    monkeypatch.setattr(
-        ops,
-        broken,
-        lambda *args, **kwargs: args[2] if broken == "grouped_wgrad_accumulate" else args[0],
-    )
-    assert registry._status("cpu").endswith(f"returned wrong values ({case})")
+def test_probe_checks_every_kernel_variant(fresh_status, monkeypatch, broken, family, case):
+    _break(monkeypatch, broken)
+    status = ops.op_status("cpu")
+    assert status[family].endswith(f"returned wrong values ({case})"), status
+    # Every other family has its own program: unaffected.
+    assert {f for f, reason in status.items() if reason is not None} == {family}
+    # The dense model's view: only its families count; a reason names the family.
+    dense = registry._status("cpu")
+    if family in ops.DENSE_FAMILIES:
+        assert dense.startswith(f"op family '{family}': ") and dense.endswith(f"({case})")
+    else:
+        assert dense is None
 
 
 def test_probe_cases_cover_the_variants():
-    names = [c[0] for c in registry._probe_cases()]
-    assert names == [
-        "float32 default",
-        "float32 highest",
-        "bfloat16 into float32",
-        "bfloat16 into bfloat16",
-        "float16 into float32",
-        "float16 into float16",
-        "offset block of a flat bucket",
-        "grouped experts into a bucket",
-        "traced offset block of a flat bucket",
-        "grouped experts at a traced, clamped offset",
-        "block at a 64-bit position base + index * stride",
-        "grouped experts at an aligned position base + index * stride",
-        "bucket_add of several blocks",
-        "ragged_matmul float32 transpose_rhs=1",
-        "ragged_matmul bfloat16 transpose_rhs=0",
-        "ragged_wgrad_accumulate float32",
-        "ragged_wgrad_accumulate bfloat16 into bfloat16",
-        "ragged_wgrad_accumulate float16 into a bucket",
-        "ragged_wgrad_accumulate at a traced, clamped offset",
-        "ragged_wgrad_accumulate at a 64-bit position base + index * stride",
+    cases = [(c.name, c.family) for c in registry._probe_cases()]
+    assert cases == [
+        ("float32 default", "dense"),
+        ("float32 highest", "dense"),
+        ("bfloat16 into float32", "dense"),
+        ("bfloat16 into bfloat16", "dense"),
+        ("float16 into float32", "dense"),
+        ("float16 into float16", "dense"),
+        ("offset block of a flat bucket", "dense"),
+        ("grouped experts into a bucket", "grouped"),
+        ("traced offset block of a flat bucket", "dense"),
+        ("grouped experts at a traced, clamped offset", "grouped"),
+        ("block at a 64-bit position base + index * stride", "dense"),
+        ("grouped experts at an aligned position base + index * stride", "grouped"),
+        ("bucket_add of several blocks", "bucket_add"),
+        ("ragged_matmul float32 transpose_rhs=1", "ragged"),
+        ("ragged_matmul bfloat16 transpose_rhs=0", "ragged"),
+        ("ragged_wgrad_accumulate float32", "ragged"),
+        ("ragged_wgrad_accumulate bfloat16 into bfloat16", "ragged"),
+        ("ragged_wgrad_accumulate float16 into a bucket", "ragged"),
+        ("ragged_wgrad_accumulate at a traced, clamped offset", "ragged"),
+        ("ragged_wgrad_accumulate at a 64-bit position base + index * stride", "ragged"),
     ]
+    assert registry.OP_FAMILIES == ("dense", "bucket_add", "grouped", "ragged")
+    assert registry.DENSE_FAMILIES == ("dense", "bucket_add")
+    assert {c.family for c in registry._probe_cases()} == set(registry.OP_FAMILIES)
+    for family in registry.OP_FAMILIES:
+        assert [c.family for c in registry._probe_cases(family)] == [
+            f for _, f in cases if f == family
+        ]
+
+
+# ---- 3. a status per op family -------------------------------------------------------
+
+
+def test_families_are_probed_in_order(fresh_status):
+    # Asking for the ragged family first still runs the dense program first (a sticky
+    # CUDA error left by a later family cannot hide the dense result), one per family.
+    ops.require_fusion("cpu", families=("ragged",))
+    assert list(registry._VERIFIED) == [("cpu", f) for f in registry.OP_FAMILIES]
+    assert ops.op_status("cpu") == dict.fromkeys(registry.OP_FAMILIES)
+    assert ops.op_status() == ops.op_status("cpu")  # jax's default backend: the CPU here
+    with pytest.raises(ValueError, match="unknown op families \\['moe'\\]"):
+        ops.fusion_status(families=("dense", "moe"))
+
+
+def test_a_broken_ragged_kernel_leaves_dense_fusion_usable(fresh_status, monkeypatch):
+    _break(monkeypatch, "ragged_matmul")
+    case = "ragged_matmul float32 transpose_rhs=1"
+    # The dense model's fused path (the default families) still works ...
+    assert ops.fusion_status()["cpu"] is None and jax_wgrad.fusion_status()["cpu"] is None
+    assert ops.fusion_available("cpu") and jax_wgrad.fusion_available("cpu")
+    ops.require_fusion("cpu")
+    layer = jax_wgrad.Linear(4, 3, gradient_accumulation_fusion=True, rngs=nnx.Rngs(0))
+    assert layer.main_grad.get_value().shape == (3, 4)
+    # ... while the ragged family is reported broken, naming the case ...
+    status = ops.op_status("cpu")
+    assert status["ragged"].endswith(f"returned wrong values ({case})"), status
+    assert status["dense"] is status["bucket_add"] is status["grouped"] is None
+    assert not ops.fusion_available("cpu", families=("dense", "ragged"))
+    assert ops.fusion_status(families="ragged")["cpu"].startswith("op family 'ragged': ")
+    # ... and refused where asked for, in Megatron's words naming the family.
+    with pytest.raises(RuntimeError, match=r"op family 'ragged'.*\(ragged_matmul float32"):
+        ops.require_fusion("cpu", families=("ragged",), who="moe")
+    with pytest.raises(RuntimeError, match="^moe was called with gradient_accumulation_fusion"):
+        ops.require_fusion("cpu", families=("ragged",), who="moe")
+
+
+def _tiny_gpt(**moe) -> jax_wgrad.GPTConfig:
+    return jax_wgrad.GPTConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=8,
+        vocab_size=32,
+        **moe,
+    )
+
+
+_DROPLESS = dict(num_moe_experts=4, moe_ffn_hidden_size=16)
+_CAPACITY = dict(
+    _DROPLESS,
+    moe_expert_capacity_factor=1.0,
+    moe_pad_expert_input_to_capacity=True,
+    moe_grouped_gemm=True,
+)
+
+
+def _fused_plan(model: jax_wgrad.GPTConfig) -> jax_wgrad.TrainPlan:
+    par = jax_wgrad.ParallelConfig(gradient_accumulation_fusion=True, world_size=1)
+    mesh = jax_wgrad.make_mesh(par, jax.devices("cpu")[:1])
+    return jax_wgrad.TrainPlan.create(model, par, mesh, jax_wgrad.default_optimizer(1e-3))
+
+
+def test_a_program_names_the_families_it_fuses():
+    par = jax_wgrad.ParallelConfig(gradient_accumulation_fusion=True, world_size=1)
+    families = lambda model: jax_wgrad.GPTProgram(model, par, "cpu").fused_op_families
+    assert families(_tiny_gpt()) == ("dense", "bucket_add")
+    assert families(_tiny_gpt(**_DROPLESS)) == ("dense", "bucket_add", "ragged")
+    assert families(_tiny_gpt(**_CAPACITY)) == ("dense", "bucket_add", "grouped")
+    # Capacity buffers without moe_grouped_gemm: the expert GEMMs are XLA's.
+    no_grouped = dict(_CAPACITY, moe_grouped_gemm=False)
+    assert families(_tiny_gpt(**no_grouped)) == ("dense", "bucket_add")
+
+
+def test_an_moe_plan_is_gated_on_its_experts_family(fresh_status, monkeypatch):
+    _break(monkeypatch, "ragged_matmul")
+    # A dense GPT and a capacity-buffer MoE fuse; a dropless MoE (the ragged GEMMs) is
+    # refused, naming the family.
+    assert _fused_plan(_tiny_gpt()).program.fused_op_families == ("dense", "bucket_add")
+    _fused_plan(_tiny_gpt(**_CAPACITY))
+    with pytest.raises(RuntimeError, match=r"^gradient_accumulation_fusion was called.*'ragged'"):
+        _fused_plan(_tiny_gpt(**_DROPLESS))
 
 
 # ---- 4. CUDA architectures; 5. command buffers ------------------------------------------

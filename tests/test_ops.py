@@ -282,7 +282,7 @@ def test_cuda_handler_is_built_in_ci():
 
 
 def test_fusion_status_is_shown_by_a_call(monkeypatch):
-    assert ops.fusion_status()["cpu"] is None and registry._VERIFIED["cpu"] is None
+    assert ops.fusion_status()["cpu"] is None and registry._VERIFIED["cpu", "dense"] is None
     assert not ops.fusion_available("tpu")
     # A handler that runs but is wrong, or fails, is reported as unavailable, with why.
     monkeypatch.setattr(registry, "_VERIFIED", {})

@@ -63,9 +63,15 @@ def test_every_op_is_one_spec():
 
 def test_a_spec_must_declare_its_vmap_method_and_result():
     with pytest.raises(ValueError, match="vmap_method must be one of"):
-        FfiPrimitive(name="t", target="t", attributes={}, aliases={0: 0}, vmap_method="auto")
+        FfiPrimitive(
+            name="t", target="t", attributes={}, aliases={0: 0}, vmap_method="auto", family="dense"
+        )
     with pytest.raises(ValueError, match="needs abstract"):
-        FfiPrimitive(name="t", target="t", attributes={}, vmap_method=None)
+        FfiPrimitive(name="t", target="t", attributes={}, vmap_method=None, family="dense")
+    with pytest.raises(ValueError, match="family must be one of"):
+        FfiPrimitive(
+            name="t", target="t", attributes={}, aliases={0: 0}, vmap_method=None, family="moe"
+        )
     assert "t" not in {op.name for op in primitive.defined()}
 
 
@@ -86,6 +92,7 @@ def test_a_new_op_is_one_spec(monkeypatch):
         attributes={"offsets": np.int64},
         aliases={0: 0},
         vmap_method="sequential",
+        family="bucket_add",
         per_example=(0,),
     )
     assert primitive.defined()[-1] is spec
@@ -104,12 +111,15 @@ def test_a_new_op_is_one_spec(monkeypatch):
 
 def test_unbuilt_target_is_the_status_and_a_compile_time_error(monkeypatch):
     _without_target(monkeypatch, "cpu", registry.RAGGED_WGRAD_TARGET)
-    status = ops.fusion_status()["cpu"]
-    assert status == (
+    unbuilt = (
         "its cpu handler module was built without jax_wgrad_ragged_wgrad_accumulate; "
         "rebuild jax_wgrad (pip install .)"
     )
-    assert not ops.fusion_available("cpu")
+    # The status of its family; a dense model's fusion does not need it.
+    assert ops.op_status("cpu") == {**dict.fromkeys(registry.OP_FAMILIES), "ragged": unbuilt}
+    assert ops.fusion_status(families="ragged")["cpu"] == f"op family 'ragged': {unbuilt}"
+    assert not ops.fusion_available("cpu", families="ragged")
+    assert ops.fusion_status()["cpu"] is None and ops.fusion_available("cpu")
     x, dy, sizes, acc = jnp.ones((5, 4)), jnp.ones((5, 3)), jnp.asarray([5]), jnp.zeros((1, 3, 4))
     with pytest.raises(RuntimeError, match="ragged_wgrad_accumulate: the jax_wgrad handler for"):
         _lowered(lambda *a: ops.ragged_wgrad_accumulate(*a), x, dy, sizes, acc)

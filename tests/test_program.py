@@ -27,6 +27,7 @@ from jax_wgrad.functional import linear
 from jax_wgrad.grads import GradSpec
 from jax_wgrad.grads.chunks import Chunks
 from jax_wgrad.grads.spec import INPUT, LAYERS, OUTPUT, SHARED, STAGE
+from jax_wgrad.ops import DENSE_FAMILIES
 from jax_wgrad.parallel.mesh import PIPELINE, make_mesh
 from jax_wgrad.parallel.pipeline.gradients import pipeline_gradients
 from jax_wgrad.parallel.pipeline.program import StageProgram
@@ -106,6 +107,7 @@ class MLPStack:
     model: MLPStackConfig
     parallel: ParallelConfig
     ends_over_pipeline = False  # pre and post run on the first / last stage only
+    fused_op_families = DENSE_FAMILIES  # fused linears only
 
     @property
     def setup(self) -> StageSetup:

@@ -13,7 +13,9 @@ from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
 from jax_wgrad import ops
 from jax_wgrad.ops import registry
 
-pytestmark = pytest.mark.skipif(not ops.fusion_available("cpu"), reason="needs the CPU handler")
+pytestmark = pytest.mark.skipif(
+    not ops.fusion_available("cpu", families="ragged"), reason="needs the CPU handler"
+)
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 R = 37

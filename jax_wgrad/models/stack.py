@@ -49,6 +49,7 @@ from jax_wgrad.models.trees import (
     specs_of,
     walk_variables,
 )
+from jax_wgrad.ops.registry import DENSE_FAMILIES
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline.setup import StageSetup
@@ -152,6 +153,7 @@ class LayerStackProgram:
     parallel: ParallelConfig
     platform: str | None = None
     ends_over_pipeline = False  # pre / post on the first / last stage only
+    fused_op_families = DENSE_FAMILIES  # no expert layers
 
     def __post_init__(self) -> None:
         par = self.parallel

@@ -11,7 +11,9 @@
   ``main_grad[g] += dy_g^T x_g`` in place), work proportional to the routed rows.
 * :func:`bucket_add`: many gradients added into their own blocks of a flat bucket, in place.
 * :func:`fusion_status` / :func:`fusion_available` / :func:`require_fusion`: whether the
-  handlers were shown to work on a platform (:mod:`jax_wgrad.ops.registry`).
+  handlers of some op families (:data:`OP_FAMILIES`; by default :data:`DENSE_FAMILIES`,
+  what a dense model's fused path needs) were shown to work on a platform;
+  :func:`op_status`: per op family (:mod:`jax_wgrad.ops.registry`).
 * :func:`matmul_precision`: ``jnp.dot``'s ``precision`` as the handlers' number.
 """
 
@@ -27,7 +29,14 @@ from jax_wgrad.ops.ragged import (
     ragged_wgrad_accumulate_p,
     ragged_wgrad_accumulate_ref,
 )
-from jax_wgrad.ops.registry import fusion_available, fusion_status, require_fusion
+from jax_wgrad.ops.registry import (
+    DENSE_FAMILIES,
+    OP_FAMILIES,
+    fusion_available,
+    fusion_status,
+    op_status,
+    require_fusion,
+)
 from jax_wgrad.ops.wgrad import (
     WORKSPACE_BYTES,
     is_traced_offset,
@@ -39,6 +48,8 @@ from jax_wgrad.ops.wgrad import (
 
 __all__ = [
     "BlockOffset",
+    "DENSE_FAMILIES",
+    "OP_FAMILIES",
     "Offset",
     "PrecisionLike",
     "WORKSPACE_BYTES",
@@ -51,6 +62,7 @@ __all__ = [
     "grouped_wgrad_accumulate_ref",
     "is_traced_offset",
     "matmul_precision",
+    "op_status",
     "ragged_matmul",
     "ragged_matmul_p",
     "ragged_matmul_ref",

@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_wgrad.ops import registry
 from jax_wgrad.ops.position import INT32_MAX
-from jax_wgrad.ops.primitive import FfiPrimitive
+from jax_wgrad.ops.primitive import FfiPrimitive, ProbeCase
 from jax_wgrad.ops.wgrad import FLOAT_DTYPES, added
 
 __all__ = ["bucket_add", "bucket_add_p", "bucket_add_ref"]
@@ -46,7 +46,7 @@ def _bucket_add_xla(bucket, *grads, offsets):
     return bucket
 
 
-def _self_check(rng) -> list:
+def _self_check(rng) -> list[ProbeCase]:
     """Several blocks, a 16-bit gradient into a float32 bucket."""
     from jax_wgrad import ops  # late: the public function, as a user calls it
 
@@ -54,7 +54,7 @@ def _self_check(rng) -> list:
     g1 = np.arange(1, 4, dtype=np.float32)
     g2 = (np.arange(6, dtype=np.float32) - 2).reshape(2, 3)
     return [
-        (
+        ProbeCase(
             "bucket_add of several blocks",
             lambda b, g1, g2: ops.bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
             (flat, g1, g2),
@@ -69,6 +69,7 @@ BUCKET_ADD = FfiPrimitive(
     attributes={"offsets": np.int64},
     aliases={0: 0},
     vmap_method=None,
+    family="bucket_add",
     # Where the handler is unavailable, and on any other platform (TPU, ROCm, ...).
     fallback=_bucket_add_xla,
     self_check=_self_check,

@@ -22,10 +22,11 @@ the rules below, each written here once for all ops:
   safe default either): ``"broadcast_all"`` (every operand gets a leading batch dim and
   the handler loops over it), ``"sequential"`` (a ``lax.map`` over the batch) or ``None``
   (``vmap`` is refused);
-* **status**: :meth:`FfiPrimitive.unavailable`, and the ``self_check`` cases -- calls of
-  the public functions on small integer data with their exact results -- that
-  :func:`~jax_wgrad.ops.fusion_status` runs on a device before it reports a platform as
-  working.
+* **status**: the op's ``family`` (one of :data:`~jax_wgrad.ops.registry.OP_FAMILIES`),
+  :meth:`FfiPrimitive.unavailable`, and the ``self_check`` cases (:class:`ProbeCase`:
+  calls of the public functions on small integer data with their exact results, each of
+  the op's family unless it names another) that :func:`~jax_wgrad.ops.fusion_status` runs
+  on a device, one program per family, before it reports the family as working there.
 
 A named primitive (rather than a bare ``jax.ffi.ffi_call``) shows up under its own name in
 compiled HLO and in profiler traces. None has side effects (``has_side_effect`` would
@@ -38,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +51,22 @@ from jax_wgrad.ops import registry
 
 __all__ = ["FfiPrimitive", "ProbeCase", "defined"]
 
-ProbeCase = tuple[str, Callable[..., Any], tuple[Any, ...], np.ndarray]
-"""``(name, fn, args, want)``: ``fn(*args)`` must equal ``want`` exactly."""
+
+class ProbeCase(NamedTuple):
+    """One case of an op's ``self_check``: ``fn(*args)`` must equal ``want`` exactly."""
+
+    name: str
+    """What the case checks (named in a wrong-value status)."""
+    fn: Callable[..., Any]
+    """Calls the public function(s), as a user does."""
+    args: tuple[Any, ...]
+    """The arguments (numpy arrays; operands of the probe program)."""
+    want: np.ndarray
+    """The exact result."""
+    family: str | None = None
+    """The op family (:data:`~jax_wgrad.ops.registry.OP_FAMILIES`) the case belongs to;
+    ``None``: the declaring :class:`FfiPrimitive`'s ``family``."""
+
 
 VMAP_METHODS = ("broadcast_all", "sequential", None)
 
@@ -77,6 +92,10 @@ class FfiPrimitive:
     tuple becomes an array of that type); a ``bind`` must give exactly these."""
     vmap_method: str | None
     """How ``vmap`` batches the op: one of :data:`VMAP_METHODS` (module docstring)."""
+    family: str
+    """The op family (one of :data:`~jax_wgrad.ops.registry.OP_FAMILIES`) whose status
+    covers the op: its ``self_check`` cases are probed in that family's program unless a
+    case names another, and a target missing from the built module fails that family."""
     aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
     """``{operand: result}`` updated in place (the result's buffer is the operand's)."""
     per_example: tuple[int, ...] = ()
@@ -96,7 +115,8 @@ class FfiPrimitive:
     op where its handler is unavailable; by default ``"<name>: the jax_wgrad handler for
     platform '<platform>' is not available (<reason>)"``."""
     self_check: Callable[[np.random.Generator], list[ProbeCase]] | None = None
-    """The op's cases of the probe behind :func:`~jax_wgrad.ops.fusion_status`."""
+    """The op's cases of the probe behind :func:`~jax_wgrad.ops.fusion_status` (each
+    in its family's program)."""
     primitive: Primitive = dataclasses.field(init=False)
     """The registered jax primitive."""
 
@@ -104,6 +124,10 @@ class FfiPrimitive:
         if self.vmap_method not in VMAP_METHODS:
             raise ValueError(
                 f"{self.name}: vmap_method must be one of {VMAP_METHODS}, got {self.vmap_method!r}"
+            )
+        if self.family not in registry.OP_FAMILIES:
+            raise ValueError(
+                f"{self.name}: family must be one of {registry.OP_FAMILIES}, got {self.family!r}"
             )
         if self.per_example and self.vmap_method != "sequential":
             raise ValueError(f"{self.name}: per_example is for vmap_method='sequential'")

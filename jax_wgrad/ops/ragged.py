@@ -33,7 +33,7 @@ import numpy as np
 from jax_wgrad.ops import registry
 from jax_wgrad.ops.position import Offset, as_block_offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
-from jax_wgrad.ops.primitive import FfiPrimitive
+from jax_wgrad.ops.primitive import FfiPrimitive, ProbeCase
 from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, added, check_block, check_dtypes
 
 __all__ = [
@@ -109,7 +109,7 @@ def ragged_rows(sizes: np.ndarray, rows: int) -> list[slice]:
 _SHORT, _LONG = np.array([2, 0, 3], np.int32), np.array([4, 0, 9], np.int32)
 
 
-def _matmul_self_check(rng) -> list:
+def _matmul_self_check(rng) -> list[ProbeCase]:
     """Both ``w`` layouts, 16-bit data, short and clamped sizes."""
     from jax_wgrad import ops  # late: the public functions, as a user calls them
 
@@ -121,7 +121,7 @@ def _matmul_self_check(rng) -> list:
         for g, rows in enumerate(ragged_rows(sizes, 7)):
             y[rows] = x[rows] @ w[g].T
         cases.append(
-            (
+            ProbeCase(
                 f"ragged_matmul {jnp.dtype(dt).name} transpose_rhs={int(transpose)}",
                 lambda x, w, s, t=transpose, d=dt: ops.ragged_matmul(
                     x.astype(d), w.astype(d), s, transpose_rhs=t
@@ -133,7 +133,7 @@ def _matmul_self_check(rng) -> list:
     return cases
 
 
-def _wgrad_self_check(rng) -> list:
+def _wgrad_self_check(rng) -> list[ProbeCase]:
     """16-bit data and accumulator, a flat bucket at a static offset, at a traced, clamped
     offset and at a 64-bit position ``base + index * stride``."""
     from jax_wgrad import ops
@@ -145,13 +145,13 @@ def _wgrad_self_check(rng) -> list:
     bucket = np.concatenate([flat, flat[:1]])  # 41 elements: 36 fit from 5 on
     short, long = (np.stack([dy[r].T @ x[r] for r in ragged_rows(s, 7)]) for s in (_SHORT, _LONG))
     return [
-        (
+        ProbeCase(
             "ragged_wgrad_accumulate float32",
             ops.ragged_wgrad_accumulate,
             (x, dy, _SHORT, acc),
             acc + short,
         ),
-        (
+        ProbeCase(
             "ragged_wgrad_accumulate bfloat16 into bfloat16",
             lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
                 x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s, a.astype(jnp.bfloat16)
@@ -159,7 +159,7 @@ def _wgrad_self_check(rng) -> list:
             (x, dy, _LONG, acc),
             acc + long,
         ),
-        (
+        ProbeCase(
             "ragged_wgrad_accumulate float16 into a bucket",
             lambda x, dy, s, b: ops.ragged_wgrad_accumulate(
                 x.astype(jnp.float16), dy.astype(jnp.float16), s, b, offset=5
@@ -167,13 +167,13 @@ def _wgrad_self_check(rng) -> list:
             (x, dy, _SHORT, bucket),
             added(bucket, 5, short),
         ),
-        (
+        ProbeCase(
             "ragged_wgrad_accumulate at a traced, clamped offset",  # 30 clamped to 40 - 36
             lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(x, dy, s, b, offset=o),
             (x, dy, _LONG, flat, np.int32(30)),
             added(flat, 4, long),
         ),
-        (
+        ProbeCase(
             "ragged_wgrad_accumulate at a 64-bit position base + index * stride",
             lambda x, dy, s, b, i: ops.ragged_wgrad_accumulate(
                 x, dy, s, b, offset=ops.BlockOffset(2**33 + 5, i, 2**31)
@@ -197,6 +197,7 @@ RAGGED_MATMUL = FfiPrimitive(
         shape=(x.shape[0], w.shape[1] if transpose_rhs else w.shape[2])
     ),
     vmap_method="sequential",
+    family="ragged",
     self_check=_matmul_self_check,
 )
 """``ragged_matmul(x, w, group_sizes, *, transpose_rhs, precision) -> y``."""
@@ -206,6 +207,7 @@ RAGGED_WGRAD_ACCUMULATE = FfiPrimitive(
     attributes={"base": np.int64, "stride": np.int64, "precision": np.int32},
     aliases={3: 0},
     vmap_method="sequential",
+    family="ragged",
     per_example=(3,),
     self_check=_wgrad_self_check,
 )

@@ -21,15 +21,36 @@ which reaches the handler on jax 0.10, 0.11 and 0.12 alike (measured:
 ``docs/design/h100_findings.md``, section 3).
 
 **Status that is shown, not assumed.** Registering a handler proves nothing (a CUDA
-registration on a CPU-only jaxlib succeeds silently). :func:`fusion_status` therefore
-checks that the loaded module holds every op's target, then runs each loaded handler
-once, on the first query per platform, on a device of *this* process (multi-process runs:
-every process checks its own): one program calling every kernel variant the library uses
-(:func:`_probe`: the ``self_check`` cases each :class:`~jax_wgrad.ops.primitive.FfiPrimitive`
-declares), each result checked against numpy. The probe
-runs in a thread of its own, outside any ``jit``/``eval_shape``/NNX trace of the caller.
-A success or a wrong answer is remembered; a failure that may pass (no device yet, out of
-memory, a trace) is not, and the next query tries again.
+registration on a CPU-only jaxlib succeeds silently). The status is therefore kept per
+*op family* (:data:`OP_FAMILIES`): the kernels one kind of layer needs --
+
+* ``"dense"``: :func:`~jax_wgrad.ops.wgrad_accumulate` on 2-D weights (every dtype pair and
+  precision, blocks of a bucket at static, traced and 64-bit positions), what every fused
+  linear calls;
+* ``"bucket_add"``: :func:`~jax_wgrad.ops.bucket_add`, the in-place add of the unfused
+  gradients into their buckets;
+* ``"grouped"``: :func:`~jax_wgrad.ops.grouped_wgrad_accumulate` (expert weights
+  ``[E, out, in]`` of capacity-buffer MoE layers; the same two primitives as ``"dense"``);
+* ``"ragged"``: :func:`~jax_wgrad.ops.ragged_matmul` and
+  :func:`~jax_wgrad.ops.ragged_wgrad_accumulate` (dropless MoE layers).
+
+A dense model's fused path needs :data:`DENSE_FAMILIES`; an MoE model adds its experts'
+family (a :class:`~jax_wgrad.parallel.pipeline.program.StageProgram` names its own:
+``fused_op_families``). So a broken expert kernel marks only its family unusable, and
+:func:`require_fusion` still lets a dense model fuse.
+
+A family's status checks that the loaded module holds the targets of its ops, then runs
+the family once, on the first query per platform, on a device of *this* process
+(multi-process runs: every process checks its own): one jitted program per family calling
+every kernel variant of it (:func:`_probe`: the ``self_check`` cases
+(:class:`~jax_wgrad.ops.primitive.ProbeCase`) each
+:class:`~jax_wgrad.ops.primitive.FfiPrimitive` declares, with their family), each result
+checked against numpy. The families are probed in the order of :data:`OP_FAMILIES` (asking
+for one first probes those before it): ``"dense"`` first, so that a sticky CUDA error
+left by a later family's kernel cannot hide the dense result. The probe runs in a thread
+of its own, outside any ``jit``/``eval_shape``/NNX trace of the caller. A success or a
+wrong answer is remembered per ``(platform, family)``; a failure that may pass (no device
+yet, out of memory, a trace) is not, and the next query tries again.
 """
 
 from __future__ import annotations
@@ -38,6 +59,7 @@ import dataclasses
 import importlib
 import re
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +78,10 @@ __all__ = [
     "handler_loaded",
     "handler_metadata",
     "runtime_ffi_api",
+    "OP_FAMILIES",
+    "DENSE_FAMILIES",
     "fusion_status",
+    "op_status",
     "fusion_available",
     "require_fusion",
     "fusion_error",
@@ -76,6 +101,17 @@ RAGGED_WGRAD_TARGET = "jax_wgrad_ragged_wgrad_accumulate"
 WGRAD_TARGETS: tuple[str, ...] = (TARGET, TARGET_AT, RAGGED_WGRAD_TARGET)
 """Every FFI target that accumulates a weight gradient in place (fused wgrad calls)."""
 
+OP_FAMILIES: tuple[str, ...] = ("dense", "bucket_add", "grouped", "ragged")
+"""The op families, each checked on its own and in this order (module docstring):
+``"dense"`` (:func:`~jax_wgrad.ops.wgrad_accumulate` on 2-D weights), ``"bucket_add"``
+(:func:`~jax_wgrad.ops.bucket_add`), ``"grouped"``
+(:func:`~jax_wgrad.ops.grouped_wgrad_accumulate`: expert weights of capacity-buffer MoE
+layers) and ``"ragged"`` (:func:`~jax_wgrad.ops.ragged_matmul` and
+:func:`~jax_wgrad.ops.ragged_wgrad_accumulate`: dropless MoE layers)."""
+DENSE_FAMILIES: tuple[str, ...] = ("dense", "bucket_add")
+"""The op families the fused path of a dense model needs (the default of
+:func:`fusion_status`, :func:`fusion_available` and :func:`require_fusion`)."""
+
 OLDEST_SUPPORTED_FFI_API: tuple[int, int] = (0, 3)
 """XLA FFI API version of the oldest supported jax (0.10.2; 0.11.2 speaks 0.4, 0.12 0.5):
 the version the handlers are built against, so that every supported jax accepts them."""
@@ -91,9 +127,9 @@ PLATFORMS: tuple[str, ...] = tuple(_MODULES)
 _LOADED: dict[str, str | None] = {}
 # platform -> the module's handler_metadata() when it was imported.
 _METADATA: dict[str, dict[str, dict[str, Any]]] = {}
-# platform -> None when the probe call ran and was right, else why not (lazy; only
-# outcomes that cannot change within the process are kept).
-_VERIFIED: dict[str, str | None] = {}
+# (platform, family) -> None when the family's probe ran and was right, else why not
+# (lazy; only outcomes that cannot change within the process are kept).
+_VERIFIED: dict[tuple[str, str], str | None] = {}
 _PROBE_LOCK = threading.Lock()
 
 
@@ -177,9 +213,11 @@ def handler_metadata(platform: str) -> dict[str, dict[str, Any]]:
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
     reason: str | None
-    """``None``: every kernel variant ran and was right; else why not."""
+    """``None``: every kernel variant of the family ran and was right; else why not."""
     final: bool
     """Whether the outcome holds for the rest of the process (kept by the cache)."""
+    whole_platform: bool = False
+    """The reason is the platform's, not the family's (handlers not loaded, no device)."""
 
 
 # Status codes of a failure that another attempt may not repeat.
@@ -193,21 +231,45 @@ _TRANSIENT = (
 )
 
 
-def _probe_cases():
-    """Every kernel variant the library calls, on small integer data that every
-    precision (TF32 included) and dtype represents exactly: ``(name, fn, args, want)``,
-    the ``self_check`` cases of every :class:`~jax_wgrad.ops.primitive.FfiPrimitive`."""
+def _families(families: str | Iterable[str]) -> tuple[str, ...]:
+    """``families`` (one name or several) checked against :data:`OP_FAMILIES`, in that
+    order (the order they are probed in)."""
+    names = (families,) if isinstance(families, str) else tuple(families)
+    unknown = [f for f in names if f not in OP_FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown op families {unknown}; the op families are {OP_FAMILIES}")
+    return tuple(f for f in OP_FAMILIES if f in names)
+
+
+def _declared():
+    """``[(op, case)]``: every op's ``self_check`` case, its family resolved (``None``: the
+    op's), in the order of declaration; small integer data that every precision (TF32
+    included) and dtype represents exactly."""
     import numpy as np
 
     from jax_wgrad import ops  # noqa: F401  late: the ops import this module; declares them all
-    from jax_wgrad.ops.primitive import defined
+    from jax_wgrad.ops.primitive import ProbeCase, defined
 
     rng = np.random.default_rng(0)
-    return [case for op in defined() if op.self_check for case in op.self_check(rng)]
+    return [
+        (op, case._replace(family=case.family or op.family))
+        for op in defined()
+        if op.self_check
+        for case in map(ProbeCase._make, op.self_check(rng))
+    ]
 
 
-def _probe(platform: str) -> _Outcome:
-    """Runs every kernel variant once on a device of this process; checks each result."""
+def _probe_cases(family: str | None = None) -> list:
+    """Every kernel variant the library calls (of ``family``; ``None``: of every family):
+    the :class:`~jax_wgrad.ops.primitive.ProbeCase` s ``(name, fn, args, want, family)``
+    of every :class:`~jax_wgrad.ops.primitive.FfiPrimitive`'s ``self_check``, each with
+    its family."""
+    return [case for _, case in _declared() if family in (None, case.family)]
+
+
+def _probe(platform: str, family: str) -> _Outcome:
+    """Runs every kernel variant of ``family`` once, in one program, on a device of this
+    process; checks each result."""
     import numpy as np
 
     try:
@@ -216,11 +278,14 @@ def _probe(platform: str) -> _Outcome:
         return _Outcome(
             f"the handler is built, but jax sees no {platform} device of this process ({exc})",
             final=False,
+            whole_platform=True,
         )
-    cases = _probe_cases()
+    cases = _probe_cases(family)
+    if not cases:
+        return _Outcome(None, final=True)
     try:
-        args = jax.device_put([c[2] for c in cases], device)
-        got = jax.jit(lambda args: [c[1](*a) for c, a in zip(cases, args)])(args)
+        args = jax.device_put([c.args for c in cases], device)
+        got = jax.jit(lambda args: [c.fn(*a) for c, a in zip(cases, args)])(args)
         got = [np.asarray(g, np.float64) for g in got]
     except Exception as exc:
         message = str(exc).splitlines()[0][:300] if str(exc) else ""
@@ -229,23 +294,23 @@ def _probe(platform: str) -> _Outcome:
             f"{type(exc).__name__}: {message}",
             final=not any(code in str(exc) for code in _TRANSIENT),
         )
-    for (name, _, _, want), value in zip(cases, got):
-        if not np.array_equal(value, want):
+    for case, value in zip(cases, got):
+        if not np.array_equal(value, case.want):
             return _Outcome(
-                f"the {platform} handler ran on {device} but returned wrong values ({name})",
+                f"the {platform} handler ran on {device} but returned wrong values ({case.name})",
                 final=True,
             )
     return _Outcome(None, final=True)
 
 
-def _probe_outside_traces(platform: str) -> _Outcome:
+def _probe_outside_traces(platform: str, family: str) -> _Outcome:
     """:func:`_probe` in a thread of its own: jax's trace state is per thread, so a query
     made while the caller traces (``jit``, ``eval_shape``, NNX transforms) runs concrete."""
     box: list[_Outcome] = []
 
     def run() -> None:
         try:
-            box.append(_probe(platform))
+            box.append(_probe(platform, family))
         except Exception as exc:
             box.append(
                 _Outcome(
@@ -253,67 +318,128 @@ def _probe_outside_traces(platform: str) -> _Outcome:
                 )
             )
 
-    thread = threading.Thread(target=run, name=f"jax_wgrad-fusion-probe-{platform}")
+    thread = threading.Thread(target=run, name=f"jax_wgrad-fusion-probe-{platform}-{family}")
     thread.start()
     thread.join()
     return box[0]
 
 
-def _unbuilt(platform: str) -> str | None:
-    """Why some op cannot be lowered to ``platform``'s handlers (a target missing from
-    the built module), or ``None``."""
+def _unbuilt(platform: str, family: str) -> str | None:
+    """Why some op of ``family`` (declared in it, or declaring one of its cases) cannot be
+    lowered to ``platform``'s handlers (a target missing from the built module), or
+    ``None``."""
     from jax_wgrad import ops  # noqa: F401  late: declares every op
     from jax_wgrad.ops.primitive import defined
 
-    return next(filter(None, (op.unavailable(platform) for op in defined())), None)
+    used = {op for op, case in _declared() if case.family == family}
+    members = [op for op in defined() if op.family == family or op in used]
+    return next(filter(None, (op.unavailable(platform) for op in members)), None)
 
 
-def _status(platform: str) -> str | None:
+def _family_outcome(platform: str, family: str) -> _Outcome:
+    """``family``'s outcome on ``platform``: the families before it are probed first (in
+    the order of :data:`OP_FAMILIES`); final outcomes are remembered."""
     loaded = load_error(platform)
     if loaded is not None:
-        return loaded
+        return _Outcome(loaded, final=True, whole_platform=True)
     with _PROBE_LOCK:
-        if platform in _VERIFIED:
-            return _VERIFIED[platform]
-        unbuilt = _unbuilt(platform)
-        outcome = _Outcome(unbuilt, final=True) if unbuilt else _probe_outside_traces(platform)
-        if outcome.final:
-            _VERIFIED[platform] = outcome.reason
-        return outcome.reason
+        outcome = _Outcome(None, final=True)
+        for name in OP_FAMILIES[: OP_FAMILIES.index(family) + 1]:
+            if (platform, name) in _VERIFIED:
+                outcome = _Outcome(_VERIFIED[platform, name], final=True)
+                continue
+            unbuilt = _unbuilt(platform, name)
+            outcome = (
+                _Outcome(unbuilt, final=True) if unbuilt else _probe_outside_traces(platform, name)
+            )
+            if outcome.final:
+                _VERIFIED[platform, name] = outcome.reason
+        return outcome
 
 
-def fusion_status() -> dict[str, str | None]:
-    """Per platform (``"cpu"``, ``"cuda"``): ``None`` if the fused handlers were shown to
-    work by a test call on a device of this process (every kernel variant: float32 at
-    default (TF32 on GPUs) and highest precision, bf16/fp16 into fp32 and into 16-bit, an
-    offset block, grouped experts, both at a traced offset and at a 64-bit position
-    ``base + index * stride``, ``bucket_add`` of several blocks, the ragged grouped GEMMs
-    of :mod:`jax_wgrad.ops.ragged`), else the reason they cannot be used (not built, built
-    for a newer jax, library missing, no device, a call failed or was wrong).
+def _status(platform: str, families: str | Iterable[str] = DENSE_FAMILIES) -> str | None:
+    """``None`` when every family of ``families`` works on ``platform``, else the first
+    failing family's reason, naming the family (unless the reason is the platform's)."""
+    platform = normalize_platform(platform)
+    for family in _families(families):
+        outcome = _family_outcome(platform, family)
+        if outcome.reason is not None:
+            if outcome.whole_platform:
+                return outcome.reason
+            return f"op family '{family}': {outcome.reason}"
+    return None
 
-    The first query of a platform compiles and runs one small program on it; it may be
-    made anywhere, also while tracing.
+
+def fusion_status(families: str | Iterable[str] = DENSE_FAMILIES) -> dict[str, str | None]:
+    """Per platform (``"cpu"``, ``"cuda"``): ``None`` if the fused handlers of every op
+    family of ``families`` (:data:`OP_FAMILIES`; default :data:`DENSE_FAMILIES`, what a
+    dense model's fused path needs) were shown to work by a test call on a device of this
+    process, else the reason they cannot be used, naming the first failing family (not
+    built, built for a newer jax, library missing, no device, a call failed or was wrong).
+
+    Each family is its own test program, running every kernel variant of it: for
+    ``"dense"`` float32 at default (TF32 on GPUs) and highest precision, bf16/fp16 into
+    fp32 and into 16-bit, an offset block, a block at a traced offset and at a 64-bit
+    position ``base + index * stride``; for ``"bucket_add"`` several blocks; for
+    ``"grouped"`` grouped experts at a static, a traced and a 64-bit position; for
+    ``"ragged"`` the ragged grouped GEMMs of :mod:`jax_wgrad.ops.ragged`. Per family:
+    :func:`op_status`.
+
+    The first query of a family on a platform compiles and runs its program there (and
+    those of the families before it in :data:`OP_FAMILIES`); it may be made anywhere,
+    also while tracing.
+
+    Args:
+      families: op family names (or one name).
+    Raises:
+      ValueError: an unknown family.
     """
-    return {p: _status(p) for p in PLATFORMS}
+    families = _families(families)
+    return {p: _status(p, families) for p in PLATFORMS}
 
 
-def fusion_available(platform: str | None = None) -> bool:
-    """Whether the fused handlers work on ``platform`` (see :func:`fusion_status`).
+def op_status(platform: str | None = None) -> dict[str, str | None]:
+    """Per op family of :data:`OP_FAMILIES`: ``None`` if its handlers were shown to work
+    on ``platform`` (see :func:`fusion_status`), else why not (for a wrong value: the
+    failing case).
 
     Args:
       platform: ``"cpu"``, ``"cuda"`` (or ``"gpu"``); default: jax's default backend.
     """
     platform = normalize_platform(platform)
-    return platform in _MODULES and _status(platform) is None
+    return {f: _family_outcome(platform, f).reason for f in OP_FAMILIES}
 
 
-def require_fusion(platform: str | None = None, *, who: str = "wgrad_accumulate") -> None:
-    """Raises ``RuntimeError`` (Megatron's wording) when fusion is unavailable."""
+def fusion_available(
+    platform: str | None = None, families: str | Iterable[str] = DENSE_FAMILIES
+) -> bool:
+    """Whether the fused handlers of every family of ``families`` work on ``platform``
+    (see :func:`fusion_status`).
+
+    Args:
+      platform: ``"cpu"``, ``"cuda"`` (or ``"gpu"``); default: jax's default backend.
+      families: op family names (default :data:`DENSE_FAMILIES`, a dense model's).
+    """
     platform = normalize_platform(platform)
-    if fusion_available(platform):
+    families = _families(families)
+    return platform in _MODULES and _status(platform, families) is None
+
+
+def require_fusion(
+    platform: str | None = None,
+    *,
+    who: str = "wgrad_accumulate",
+    families: str | Iterable[str] = DENSE_FAMILIES,
+) -> None:
+    """Raises ``RuntimeError`` (Megatron's wording, naming the failing op family) when
+    fusion is unavailable for any family of ``families`` (default
+    :data:`DENSE_FAMILIES`; an MoE model adds its experts' family) on ``platform``."""
+    platform = normalize_platform(platform)
+    families = _families(families)
+    if fusion_available(platform, families):
         return
     reason = (
-        _status(platform)
+        _status(platform, families)
         if platform in _MODULES
         else f"jax_wgrad has no handler for platform '{platform}'"
     )

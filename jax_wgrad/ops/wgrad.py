@@ -45,7 +45,7 @@ from jax_wgrad.ops.position import (
     provably_aligned,
 )
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
-from jax_wgrad.ops.primitive import FfiPrimitive
+from jax_wgrad.ops.primitive import FfiPrimitive, ProbeCase
 
 __all__ = [
     "WORKSPACE_BYTES",
@@ -150,14 +150,15 @@ def added(flat: np.ndarray, start: int, update: np.ndarray) -> np.ndarray:
     return out
 
 
-def _self_check(rng) -> list:
-    """Every dtype pair and precision, an offset block, grouped experts into a bucket."""
+def _self_check(rng) -> list[ProbeCase]:
+    """Every dtype pair and precision, an offset block; grouped experts into a bucket
+    (family ``"grouped"``)."""
     from jax_wgrad import ops  # late: the public functions, as a user calls them
 
     x, dy, gx, gdy, flat, update, grouped = _probe_data(rng)
     acc = rng.integers(-8, 9, size=(3, 4)).astype(np.float32)
     cases = [
-        (
+        ProbeCase(
             f"float32 {p}",  # TF32 on GPUs unless highest
             lambda x, dy, a, p=p: ops.wgrad_accumulate(x, dy, a, precision=p),
             (x, dy, acc),
@@ -167,29 +168,35 @@ def _self_check(rng) -> list:
     ]
     for dt in (jnp.bfloat16, jnp.float16):
         name, xd, dyd = jnp.dtype(dt).name, x.astype(dt), dy.astype(dt)
-        cases.append((f"{name} into float32", ops.wgrad_accumulate, (xd, dyd, acc), acc + update))
         cases.append(
-            (f"{name} into {name}", ops.wgrad_accumulate, (xd, dyd, acc.astype(dt)), acc + update)
+            ProbeCase(f"{name} into float32", ops.wgrad_accumulate, (xd, dyd, acc), acc + update)
+        )
+        cases.append(
+            ProbeCase(
+                f"{name} into {name}", ops.wgrad_accumulate, (xd, dyd, acc.astype(dt)), acc + update
+            )
         )
     return [
         *cases,
-        (
+        ProbeCase(
             "offset block of a flat bucket",
             lambda x, dy, b: ops.wgrad_accumulate(x, dy, b, offset=7),
             (x, dy, flat),
             added(flat, 7, update),
         ),
-        (
+        ProbeCase(
             "grouped experts into a bucket",
             lambda x, dy, b: ops.grouped_wgrad_accumulate(x, dy, b, offset=4),
             (gx, gdy, flat),
             added(flat, 4, grouped),
+            family="grouped",
         ),
     ]
 
 
-def _self_check_at(rng) -> list:
-    """Traced offsets (operands of the program), clamped; 64-bit positions."""
+def _self_check_at(rng) -> list[ProbeCase]:
+    """Traced offsets (operands of the program), clamped; 64-bit positions; the grouped
+    experts' cases of family ``"grouped"``."""
     from jax_wgrad import ops
 
     x, dy, gx, gdy, flat, update, grouped = _probe_data(rng)
@@ -198,19 +205,20 @@ def _self_check_at(rng) -> list:
     # 2**31 = 7 (in 32 bits every term wraps), and 4 + 3 * 4 = 16 with aligned base and
     # stride (the CUDA handler's unstaged form for an fp32 accumulator).
     return [
-        (
+        ProbeCase(
             "traced offset block of a flat bucket",
             lambda x, dy, b, o: ops.wgrad_accumulate(x, dy, b, offset=o),
             (x, dy, flat, np.int32(7)),
             added(flat, 7, update),
         ),
-        (
+        ProbeCase(
             "grouped experts at a traced, clamped offset",
             lambda x, dy, b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o),
             (gx, gdy, flat, np.int32(30)),
             added(flat, 16, grouped),
+            family="grouped",
         ),
-        (
+        ProbeCase(
             "block at a 64-bit position base + index * stride",
             lambda x, dy, b, i: ops.wgrad_accumulate(
                 x, dy, b, offset=ops.BlockOffset(2**32 + 7, i, 2**31)
@@ -218,13 +226,14 @@ def _self_check_at(rng) -> list:
             (x, dy, flat, np.int32(-2)),
             added(flat, 7, update),
         ),
-        (
+        ProbeCase(
             "grouped experts at an aligned position base + index * stride",
             lambda x, dy, b, i: ops.grouped_wgrad_accumulate(
                 x, dy, b, offset=ops.BlockOffset(4, i, 4)
             ),
             (gx, gdy, flat, np.int32(3)),
             added(flat, 16, grouped),
+            family="grouped",
         ),
     ]
 
@@ -239,6 +248,7 @@ WGRAD_ACCUMULATE = FfiPrimitive(
     # broadcast_all: the result is a per-example accumulator, so an unbatched main_grad
     # becomes one copy per batch element, each accumulating its own dy^T x.
     vmap_method="broadcast_all",
+    family="dense",  # its grouped experts' cases: "grouped"
     scratch=_scratch,
     unavailable_message=_fusion_error,
     self_check=_self_check,
@@ -253,6 +263,7 @@ WGRAD_ACCUMULATE_AT = FfiPrimitive(
     # The index gets the batch dim too: one block position per batch element, one
     # shared base and stride.
     vmap_method="broadcast_all",
+    family="dense",  # its grouped experts' cases: "grouped"
     scratch=_scratch_at,
     unavailable_message=_fusion_error,
     self_check=_self_check_at,

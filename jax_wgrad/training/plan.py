@@ -89,16 +89,18 @@ class TrainPlan:
         Args:
           tx: the optax transformation (element-wise; :func:`default_optimizer` is
             Megatron's AdamW with its weight-decay mask).
-          check_fusion: with ``gradient_accumulation_fusion``, prove the fused handler
-            works by running a test call on the mesh's platform
+          check_fusion: with ``gradient_accumulation_fusion``, prove the fused handlers
+            of the op families the model's layers call (its program's
+            ``fused_op_families``: a dense model's, plus an MoE model's expert GEMMs) work
+            by test calls on the mesh's platform
             (:func:`~jax_wgrad.ops.require_fusion`). ``False`` when only compiling
             (:mod:`jax_wgrad.aot`: nothing can run): then only the handler's being
             built and registered -- what the lowering needs -- is required.
         Raises:
           ValueError: a layout that does not divide the model, or a mesh that is not
-            ``parallel``'s; RuntimeError: fusion asked for on a platform without a
-            working handler (Megatron's wording), or, with ``check_fusion=False``,
-            without a loaded one.
+            ``parallel``'s; RuntimeError: fusion asked for on a platform without
+            working handlers for one of those op families (Megatron's wording, naming
+            the family), or, with ``check_fusion=False``, without a loaded one.
         """
         ddp = ddp or DDPConfig()
         model.validate(parallel)
@@ -109,14 +111,17 @@ class TrainPlan:
                 f"does not match the parallel config's {parallel.mesh_shape}"
             )
         platform = mesh.devices.flat[0].platform
-        if parallel.gradient_accumulation_fusion and check_fusion:
-            require_fusion(platform, who="gradient_accumulation_fusion")
-        elif parallel.gradient_accumulation_fusion and load_error(platform) is not None:
+        fusion = parallel.gradient_accumulation_fusion
+        if fusion and not check_fusion and load_error(platform) is not None:
             raise RuntimeError(
                 f"gradient_accumulation_fusion: the fused path cannot be "
                 f"lowered for platform '{platform}': {load_error(platform)}"
             )
         program = model.program(parallel, platform)
+        if fusion and check_fusion:  # the op families the program's layers call
+            require_fusion(
+                platform, who="gradient_accumulation_fusion", families=program.fused_op_families
+            )
         layout = grad_layout(program, ddp)
         optimizer = DistributedOptimizer.create(
             layout.buffer,

@@ -30,6 +30,7 @@ from jax_wgrad.models.gpt.params import (
     period_pattern,
 )
 from jax_wgrad.nn.tensor_parallel import vocab_axes
+from jax_wgrad.ops.registry import DENSE_FAMILIES
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import AXES, TENSOR
 from jax_wgrad.parallel.pipeline.setup import StageSetup
@@ -120,6 +121,21 @@ class GPTProgram:
     @property
     def moe(self) -> bool:
         return self.model.num_moe_experts is not None
+
+    @property
+    def fused_op_families(self) -> tuple[str, ...]:
+        """The op families the layers call with ``gradient_accumulation_fusion``
+        (:data:`~jax_wgrad.ops.registry.OP_FAMILIES`): a dense model's
+        (:data:`~jax_wgrad.ops.registry.DENSE_FAMILIES`), and for an MoE model its expert
+        linears': ``"ragged"`` when dropless (``moe_expert_capacity_factor`` None: the
+        ragged GEMMs, forward and backward), else ``"grouped"`` when ``moe_grouped_gemm``
+        fuses the expert weight gradients (without it the capacity buffers' GEMMs are
+        XLA's)."""
+        if not self.moe:
+            return DENSE_FAMILIES
+        if self.model.moe_expert_capacity_factor is None:
+            return (*DENSE_FAMILIES, "ragged")
+        return (*DENSE_FAMILIES, "grouped") if self.model.moe_grouped_gemm else DENSE_FAMILIES
 
     # -- parameters and the device tree
 

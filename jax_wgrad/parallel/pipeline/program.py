@@ -63,6 +63,12 @@ class StageProgram(Protocol):
     last virtual stage needs them (:class:`~jax_wgrad.parallel.pipeline.ends.SpreadEnds`);
     ``post``'s loss and gradient count on the last stage, ``pre``'s backward is seeded with
     the first stage's input gradient (zeros on the others)."""
+    fused_op_families: tuple[str, ...]
+    """The op families (:data:`~jax_wgrad.ops.registry.OP_FAMILIES`) its layers call with
+    ``gradient_accumulation_fusion``: what :meth:`~jax_wgrad.training.TrainPlan.create`
+    requires to work (:func:`~jax_wgrad.ops.require_fusion`) before it builds a fused
+    plan. A dense model: :data:`~jax_wgrad.ops.registry.DENSE_FAMILIES`; an MoE model adds
+    its experts' (``"ragged"`` dropless, ``"grouped"`` with capacity buffers)."""
 
     # -- the stage programs
 
