@@ -246,6 +246,9 @@ COLUMNS: tuple[str, ...] = (
     "bytes/param: params + grads + optimizer (Megatron)",
     "non-GEMM traffic / µbatch",
     "launches / µbatch",
+    "host syncs / step",
+    "estimated step (MFU)",
+    "DP sync",
     "fused calls in place",
     "compile",
 )
@@ -285,6 +288,10 @@ def _cells(row: dict[str, Any]) -> list[str]:
     in_place = f"{row['fused_aliased']}/{row['fused_calls']}" + (
         "" if not copies else f"; **{copies} bucket-sized ops per tick**"
     )
+    syncs, ms, mfu = (
+        row.get(k) for k in ("host_syncs_per_step", "estimated_step_ms", "estimated_mfu")
+    )
+    overlap = row.get("dp_sync_overlapped")
     return head + [
         ", ".join(map(str, row["mesh_shape"])),
         f"{peak:.1f} / {budget:.1f} GiB",
@@ -292,6 +299,9 @@ def _cells(row: dict[str, Any]) -> list[str]:
         bpp,
         traffic_cell,
         "—" if launches is None else f"{launches:.0f}",
+        "—" if syncs is None else f"{syncs:.0f}",
+        "—" if ms is None else f"{ms:.0f} ms" + ("" if mfu is None else f" ({mfu:.1%})"),
+        "—" if overlap is None else "overlapped" if overlap else "exposed",
         in_place,
         f"{row['compile_s']:.0f} s",
     ]
@@ -340,7 +350,14 @@ def legend() -> str:
         "microbatch by the busiest pipeline stage's kernels in the schedule loop other than "
         "GEMMs and custom calls (fusions, copies, zero-fills, dynamic-update-slices), and "
         "the time that takes at the GPU's memory bandwidth. Launches: kernel launches per "
-        "microbatch (a CUDA graph counts as one). Fused calls in place: the fused wgrad and "
+        "microbatch (a CUDA graph counts as one). Host syncs: conditionals and loops of "
+        "unknown trip count XLA:GPU runs on the host, per step. Estimated step: "
+        "`jax_wgrad.aot.estimate`'s roofline of the compiled step (per kernel max(FLOPs / "
+        "peak, bytes / bandwidth), collectives over NVLink or the network, exposed unless "
+        "GEMM-class work runs between start and done; not a measurement: it ran 21% below "
+        "measured H100 steps, docs/performance.md) and the MFU it implies (Megatron's model "
+        "FLOPs). DP sync: whether the data-parallel gradient collectives are hidden behind "
+        "GEMM-class work in that estimate. Fused calls in place: the fused wgrad and "
         "bucket-add custom calls whose output aliases the bucket, of all of them. Compile: "
         "XLA's compile time on the machine that made the table (no GEMM autotuning without "
         "a GPU)."

@@ -29,6 +29,15 @@ XLA GEMM measured here, or ``--peak-tflops``).
     python benchmarks/step_vs_plain_jax.py --hidden-size 2048 --num-layers 4 \\
         --num-attention-heads 16 --seq-length 1024 --micro-batch-size 4 \\
         --global-batch-size 64 --bf16                           # the issue's GPU case
+
+Beside each measured time the JSON has the estimate of the same compiled step
+(``estimated_*_ms``, :mod:`jax_wgrad.aot.estimate`, with the device's peaks: a known GPU's
+datasheet, else the measured GEMM and copy bandwidth) and its error (``estimate_error_*``).
+
+``--compile-only --target h100`` compiles the three steps for an H100 that is not there
+(``JAX_PLATFORMS=cpu`` with jax's CUDA plugin) and prints, instead of times, each step's
+estimated time and MFU (:mod:`jax_wgrad.aot.estimate`), launches per microbatch, host
+syncs and peak memory, with ``estimated_fused_over_plain`` and the other ratios.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from jax_wgrad import (
     GPTConfig,
     ParallelConfig,
     TrainPlan,
+    aot,
     build_train_step,
     default_optimizer,
     init_params,
@@ -89,6 +99,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the device's peak for the MFU (default: datasheet or measured)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile the three steps for --target without running them (no GPU needed: "
+        "JAX_PLATFORMS=cpu and jax's CUDA plugin) and print their estimated times "
+        "(jax_wgrad.aot.estimate) and launches instead of measured ones",
+    )
+    p.add_argument("--target", choices=("h100", "h200"), default="h100")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         p.error(
@@ -248,16 +266,41 @@ def device_peak(device, dtype: str, override: float | None) -> tuple[float, str]
     return 2 * n**3 / best / 1e12, f"measured XLA {dtype} GEMM {n}^3 on {device.device_kind}"
 
 
+def device_peaks(device, peak_tflops: float) -> aot.estimate.Peaks:
+    """The peaks the estimate uses for ``device``: a known GPU's datasheet
+    (:data:`jax_wgrad.aot.estimate.PEAKS`), else ``peak_tflops`` (the measured GEMM) and
+    a measured copy bandwidth, no launch latency (XLA:CPU runs its kernels in-process)."""
+    for name in ("H100", "H200"):
+        if device.platform == "gpu" and name in device.device_kind:
+            return aot.estimate.PEAKS[name.lower()]
+    a = jnp.ones((1 << 26,), jnp.float32)  # 256 MiB
+    copy = jax.jit(lambda a: a * 2.0)
+    jax.block_until_ready(copy(a))
+    bandwidth = 2 * a.nbytes / min(_timed(copy, a) for _ in range(5))
+    flops = peak_tflops * 1e12
+    return aot.estimate.Peaks(
+        f"{device.device_kind}: measured GEMM {peak_tflops:.3g} TFLOP/s, copy "
+        f"{bandwidth / 1e9:.3g} GB/s",
+        tensor_flops={"f32": flops, "bf16": flops, "f16": flops},
+        vector_flops=flops,
+        hbm_bandwidth=bandwidth,
+        nvlink_bandwidth=bandwidth,
+        network_bandwidth=bandwidth,
+        launch_s=0.0,
+        graph_kernel_s=0.0,
+        collective_s=0.0,
+        host_sync_s=0.0,
+    )
+
+
 def _timed(fn, *args) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return time.perf_counter() - t0
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    device = jax.devices()[0]
-    cfg = GPTConfig(
+def _config(args) -> GPTConfig:
+    return GPTConfig(
         vocab_size=args.vocab_size,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -266,6 +309,105 @@ def main(argv=None) -> dict:
         attention_backend=args.attention_backend,
         compute_dtype="bfloat16" if args.bf16 else "float32",
     )
+
+
+def _parallel(args, fusion: bool) -> ParallelConfig:
+    return ParallelConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        world_size=1,
+        gradient_accumulation_fusion=fusion,
+    )
+
+
+def compile_only(args) -> dict:
+    """The three steps compiled for one ``args.target`` GPU without one: per step its
+    estimated time and MFU, launches per microbatch (of the microbatch loop: the
+    library's schedule loop of the busiest stage over its microbatches, the plain
+    step's ``lax.scan`` body), host syncs per step, peak memory; the ratios."""
+    (device,) = aot.target_devices(args.target)
+    cfg = _config(args)
+    attention = cfg.attention_implementation("gpu")
+    tokens = args.global_batch_size * cfg.seq_length
+    flops = model_flops_per_step(cfg, tokens)
+    result: dict = {
+        "target": args.target,
+        "compile_only": True,
+        "jax": jax.__version__,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "seq_length": cfg.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size,
+        "dtype": cfg.compute_dtype,
+        "attention": attention,
+        "model_tflop_per_step": round(flops / 1e12, 4),
+    }
+    batch_shape = (args.global_batch_size, cfg.seq_length + 1)
+    steps: dict[str, tuple] = {}  # name -> (estimate, launches per microbatch, host syncs, peak)
+    for name, fusion in (("fused", True), ("unfused", False)):
+        par = _parallel(args, fusion)
+        mesh = make_mesh(par, devices=[device])
+        tx = default_optimizer(LR, weight_decay=WEIGHT_DECAY, b1=B1, b2=B2, eps=EPS)
+        ddp = DDPConfig(clip_grad=CLIP)
+        plan = TrainPlan.create(cfg, par, mesh, tx, ddp=ddp, check_fusion=False)
+        report = aot.compile_plan(plan, args.target)
+        steps[name] = (
+            report.estimate,
+            report.launches_per_microbatch,
+            report.host_syncs_per_step,
+            report.peak_bytes,
+        )
+        num_micro = par.num_microbatches
+    one = jax.sharding.SingleDeviceSharding(device)
+    params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+        jax.eval_shape(lambda: init_params(cfg, args.seed)),
+    )
+    tx = plain_optimizer(params)
+    opt_state = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+        jax.eval_shape(tx.init, params),
+    )
+    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=one)
+    lowered = plain_step_fn(cfg, num_micro, attention, tx).trace((params, opt_state), batch).lower()
+    plain = aot.compile_program(lowered, args.target, loop_trips=num_micro)
+    mem = plain.compiled.memory_analysis()
+    steps["plain"] = (
+        plain.estimate,
+        plain.loop_launches,
+        plain.host_syncs,
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes,
+    )
+    peak = aot.estimate.PEAKS[args.target].gemm_peak("bf16" if args.bf16 else "f32")
+    for name, (est, launches, syncs, peak_bytes) in steps.items():
+        result.update(
+            {
+                f"estimated_{name}_ms": round(est.seconds * 1e3, 2),
+                f"estimated_{name}_mfu": round(flops / est.seconds / peak, 4),
+                f"estimated_{name}_breakdown_ms": {
+                    k: round(v, 2) for k, v in est.figures()["estimated_breakdown_ms"].items()
+                },
+                f"{name}_launches_per_microbatch": launches,
+                f"{name}_host_syncs_per_step": syncs,
+                f"{name}_peak_bytes": peak_bytes,
+            }
+        )
+    for a, b in (("fused", "plain"), ("unfused", "plain"), ("fused", "unfused")):
+        result[f"estimated_{a}_over_{b}"] = round(steps[a][0].seconds / steps[b][0].seconds, 4)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.compile_only:
+        return compile_only(args)
+    device = jax.devices()[0]
+    cfg = _config(args)
     attention = cfg.attention_implementation(device.platform)
     rng = np.random.default_rng(args.seed)
     batches = [
@@ -288,17 +430,13 @@ def main(argv=None) -> dict:
     }
 
     variants: dict[str, _Timed] = {}
+    plans: dict[str, TrainPlan | None] = {"plain": None}
     for name, fusion in (("fused", True), ("unfused", False)):
-        par = ParallelConfig(
-            micro_batch_size=args.micro_batch_size,
-            global_batch_size=args.global_batch_size,
-            world_size=1,
-            gradient_accumulation_fusion=fusion,
-        )
+        par = _parallel(args, fusion)
         mesh = make_mesh(par, devices=[device])
         tx = default_optimizer(LR, weight_decay=WEIGHT_DECAY, b1=B1, b2=B2, eps=EPS)
         ddp = DDPConfig(clip_grad=CLIP)
-        plan = TrainPlan.create(cfg, par, mesh, tx, ddp=ddp)
+        plan = plans[name] = TrainPlan.create(cfg, par, mesh, tx, ddp=ddp)
         state = init_train_state(plan, args.seed)
         step = build_train_step(plan, state)
         variants[name] = _Timed(step, state, [shard_batch(mesh, b) for b in batches])
@@ -327,6 +465,12 @@ def main(argv=None) -> dict:
 
     flops = model_flops_per_step(cfg, args.global_batch_size * cfg.seq_length)
     peak, source = device_peak(device, cfg.compute_dtype, args.peak_tflops)
+    peaks = device_peaks(device, peak)
+    for name, v in variants.items():
+        e = aot.estimate_compiled(v.compiled.as_text(), peaks, plan=plans[name])
+        result[f"estimated_{name}_ms"] = round(e.seconds * 1e3, 3)
+        result[f"estimate_error_{name}"] = round(e.seconds * 1e3 / result[f"{name}_ms"] - 1, 4)
+    result["estimate_peaks"] = peaks.name
     result.update(
         {
             "steps": args.steps,

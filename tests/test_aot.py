@@ -836,6 +836,13 @@ def test_single_h100_step_structure(plugin):
     assert report.bucket_bytes > 0 and report.param_bytes > 0
     text = report.format()
     assert "launches per tick" in text and "DOES NOT FIT" not in text
+    # the estimate: the model's FLOPs are Megatron's, the counted ones include them
+    e = report.estimate
+    assert e is not None and e.seconds > 0 and 0 < e.mfu < 1
+    assert e.cost.flops >= e.model_flops * 0.9  # forward + both backward GEMMs counted
+    assert report.host_syncs_per_step is not None and "estimated step on" in text
+    figures = report.figures()
+    assert figures["estimated_step_ms"] == pytest.approx(e.seconds * 1e3)
 
 
 @aot
@@ -962,8 +969,13 @@ def test_llama3_8b_on_8_h100_fits_in_place():
         "bytes_per_param",
         "megatron_bytes_per_param",
         "non_gemm_bytes_per_microbatch",
+        "estimated_step_ms",
+        "estimated_mfu",
+        "host_syncs_per_step",
+        "dp_sync_overlapped",
     ):
         assert key in row, key
+    assert 0.2 < row["estimated_mfu"] < 0.7 and row["estimated_step_ms"] > 0
     assert row["peak_bytes"] <= row["budget_bytes"]
     assert row["fused_calls"] > 0 and row["fused_aliased"] == row["fused_calls"]
     assert row["wgrad_aliased"] == row["wgrad_calls"] > 0

@@ -135,6 +135,10 @@ def _figures(**over) -> dict:
         "fused_aliased": 9,
         "loop_bucket_ops": [],
         "compile_s": 37.2,
+        "host_syncs_per_step": 78.0,
+        "estimated_step_ms": 1110.7,
+        "estimated_mfu": 0.3,
+        "dp_sync_overlapped": False,
     }
     out.update(over)
     return out
@@ -230,7 +234,7 @@ def test_rows_table_and_jsonl_from_canned_reports(scale, capsys, tmp_path):
     assert table[1] == (
         "| `llama3-8b-tp2pp2dp2-s4k-full` | 8 | 2, 1, 2, 2 | 32.7 / 59.3 GiB | "
         "yes (26.6 GiB spare) | 2.00 + 4.00 + 6.00 = 12.0 (2 + 4 + 6.00 = 12.0) | "
-        "58.4 GB (17.4 ms) | 805 | 9/9 | 37 s |"
+        "58.4 GB (17.4 ms) | 805 | 78 | 1111 ms (30.0%) | exposed | 9/9 | 37 s |"
     )
     assert "| **no** (over by 2.0 GiB) |" in table[2]
     assert "| 8/9; **1 bucket-sized ops per tick** |" in table[2]

@@ -10,26 +10,40 @@
   non-GEMM memory traffic per loop iteration) and :mod:`jax_wgrad.aot.thunks` (XLA:GPU's
   thunk sequence, e.g. :func:`~jax_wgrad.aot.thunks.loop_launches`: launches per loop
   iteration, a command buffer counting as one): the analyses, reusable on any module.
+* :mod:`jax_wgrad.aot.estimate`: an estimated step time and MFU from the compiled
+  program (a roofline per kernel; collectives exposed or hidden), in every report;
+  :func:`compile_program` compiles and estimates any other program the same way.
 
 Needs jax's CUDA plugin (e.g. ``pip install 'jax[cuda13]'``); on a machine without a GPU
 jax must start with ``JAX_PLATFORMS=cpu`` (``examples/pretrain_gpt.py --compile-only``
 sets it itself). The CUDA handler must be built for the fused path to lower.
 """
 
-from jax_wgrad.aot import hlo, thunks
-from jax_wgrad.aot.compile import abstract_train_state, compile_for_target, compile_plan
+from jax_wgrad.aot import estimate, hlo, thunks
+from jax_wgrad.aot.compile import (
+    CompiledProgram,
+    abstract_train_state,
+    compile_for_target,
+    compile_plan,
+    compile_program,
+    estimate_compiled,
+)
 from jax_wgrad.aot.report import AotReport, Collectives
 from jax_wgrad.aot.targets import TARGETS, GpuTarget, cuda_plugin, gpu_target, target_devices
 
 __all__ = [
     "AotReport",
     "Collectives",
+    "CompiledProgram",
     "GpuTarget",
     "TARGETS",
     "abstract_train_state",
     "compile_for_target",
     "compile_plan",
+    "compile_program",
     "cuda_plugin",
+    "estimate",
+    "estimate_compiled",
     "gpu_target",
     "hlo",
     "target_devices",

@@ -30,12 +30,19 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad.aot import hlo, thunks
+from jax_wgrad.aot import estimate, hlo, thunks
 from jax_wgrad.aot.report import DEFAULT_MEM_FRACTION, FUSION_SKIPPED, AotReport, collectives
 from jax_wgrad.aot.targets import GpuTarget, gpu_target, target_devices
 from jax_wgrad.parallel.mesh import mesh_shape
 
-__all__ = ["abstract_train_state", "compile_for_target", "compile_plan"]
+__all__ = [
+    "CompiledProgram",
+    "abstract_train_state",
+    "compile_for_target",
+    "compile_plan",
+    "compile_program",
+    "estimate_compiled",
+]
 
 T = TypeVar("T")
 
@@ -136,6 +143,117 @@ def _compile_dumped(lowered, opts: dict[str, Any]):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """Any program compiled for a GPU target by :func:`compile_program`, with its
+    estimated run time (:mod:`jax_wgrad.aot.estimate`) and launch count."""
+
+    compiled: Any
+    """jax's ``Compiled``."""
+    estimate: estimate.StepEstimate
+    launches: int | None
+    """Kernel launches of one run (a command buffer one launch; loops times their known
+    trip counts; conditionals their busier branch); ``None`` without a thunk sequence."""
+    loop_launches: int | None
+    """Launches of one iteration of the outermost loop of ``loop_trips`` iterations (a
+    microbatch loop), ``None`` when there is none."""
+    host_syncs: float
+    """Host synchronisations of one run (:func:`jax_wgrad.aot.thunks.host_syncs`)."""
+
+
+def compile_program(
+    lowered,
+    target: GpuTarget | str = "h100",
+    *,
+    gpus_per_host: int = 1,
+    model_flops: float | None = None,
+    xla_options: dict[str, Any] | None = None,
+    loop_trips: int | None = None,
+) -> CompiledProgram:
+    """Compiles a lowered program (``jax.jit(f).trace(*abstract).lower()`` on compile-only
+    devices of ``target``: :func:`~jax_wgrad.aot.target_devices`) with the GPU run's XLA
+    flags and estimates one run of it: any program, e.g. a plain-JAX train step beside
+    the library's (``benchmarks/step_vs_plain_jax.py --compile-only``)."""
+    target = gpu_target(target) if isinstance(target, str) else target
+    compiled, thunk_text, meta_text = _compile_dumped(lowered, _xla_options(xla_options))
+    text = compiled.as_text()
+    trips = hlo.trip_counts(text)
+    n, loop_n = None, None
+    if thunk_text and meta_text:
+        parsed, names = thunks.parse_thunks(thunk_text), thunks.thunk_names(meta_text)
+        by_id = {i: trips[nm] for i, nm in names.items() if trips.get(nm) is not None}
+        n = thunks.launches(parsed, trips=by_id)
+        loops = [
+            t
+            for top in parsed
+            for t in top.walk()
+            if t.kind == "kWhile" and loop_trips is not None and by_id.get(t.id) == loop_trips
+        ]
+        if loops:
+            per = thunks.launches([loops[0]], trips=by_id)
+            loop_n = per // loop_trips
+    est = estimate_compiled(
+        text,
+        estimate.PEAKS[target.name],
+        thunk_text=thunk_text,
+        meta_text=meta_text,
+        gpus_per_host=gpus_per_host,
+        model_flops=model_flops,
+    )
+    return CompiledProgram(compiled, est, n, loop_n, est.cost.host_syncs)
+
+
+def _bucket_sizes(plan) -> list[int]:
+    """The bucket lengths that identify the schedule loop and bucket-sized kernels."""
+    numels = plan.layout.buffer.bucket_numels
+    return sorted({int(n) for n in numels if n >= 1 << 16} | {int(max(numels))}, reverse=True)
+
+
+def estimate_compiled(
+    text: str,
+    peaks: estimate.Peaks,
+    *,
+    plan=None,
+    thunk_text: str | None = None,
+    meta_text: str | None = None,
+    gpus_per_host: int = 1,
+    model_flops: float | None = None,
+) -> estimate.StepEstimate:
+    """The estimated step of a compiled module on ``peaks``' device
+    (:func:`jax_wgrad.aot.estimate.estimate_step`): with ``plan`` (the train step of a
+    :class:`~jax_wgrad.training.TrainPlan`) its schedule loop's ticks busy or idle as the
+    plan's table says and the model's FLOPs (``flops_per_step``, if the model config has
+    it) for the MFU; with XLA:GPU's thunk sequence and metadata (``*thunk_sequence*.txt``,
+    ``*thunk_metadata.txt``) the kernels in CUDA graphs and the host syncs. Works on any
+    backend's compiled text (``compiled.as_text()``)."""
+    graphed, syncs = frozenset(), None
+    if thunk_text and meta_text:
+        parsed, names = thunks.parse_thunks(thunk_text), thunks.thunk_names(meta_text)
+        graphed = thunks.graphed_instructions(parsed, names)
+        syncs = thunks.host_syncs(parsed, names, hlo.trip_counts(text))
+    schedule: dict[str, Any] = {}
+    if plan is not None:
+        flops_of = getattr(plan.model, "flops_per_step", None)
+        if model_flops is None and flops_of is not None:
+            model_flops = flops_of(plan.parallel.global_batch_size)
+        schedule = dict(
+            loop=hlo.schedule_loop(text, _bucket_sizes(plan)),
+            busy=table_busy(plan.table),
+            num_ticks=plan.table.num_ticks,
+            num_stages=plan.table.num_stages,
+        )
+    return estimate.estimate_step(
+        text,
+        peaks,
+        gpus_per_host=gpus_per_host,
+        devices=1 if plan is None else plan.mesh.devices.size,
+        graphed=graphed,
+        host_syncs=syncs,
+        model_flops=model_flops,
+        **schedule,
+    )
+
+
 def _loop_facts(text: str, comps, sizes) -> tuple[tuple[str, str] | None, list[str], list[str]]:
     """The schedule loop, and the bucket-sized kernels or copies run every tick and in the
     cooldown sync's branch (once per step)."""
@@ -202,10 +320,7 @@ def compile_plan(
     bucket_bytes = sum(
         int(n) * np.dtype(d).itemsize for n, d in zip(buf.bucket_numels, buf.bucket_dtypes)
     )
-    sizes = sorted(
-        {int(n) for n in buf.bucket_numels if n >= 1 << 16} | {int(max(buf.bucket_numels))},
-        reverse=True,
-    )
+    sizes = _bucket_sizes(plan)
     comps = hlo.computations(text)
     loop, loop_ops, cooldown_ops = _loop_facts(text, comps, sizes)
     wgrad = [c for t in registry.WGRAD_TARGETS for c in hlo.custom_calls(text, t)]
@@ -221,6 +336,15 @@ def compile_plan(
             op_names,
             trips=hlo.trip_counts(text),
         )
+    step_estimate = estimate_compiled(
+        text,
+        estimate.PEAKS[target.name],
+        plan=plan,
+        thunk_text=thunk_text,
+        meta_text=meta_text,
+        gpus_per_host=gpus_per_host,
+    )
+    syncs = step_estimate.cost.host_syncs if thunk_text and meta_text else None
     traffic = None if loop is None else hlo.loop_traffic(text, loop[1])
     params_per_device, expert_params, itemsize = _param_facts(state.params)
 
@@ -283,6 +407,8 @@ def compile_plan(
         traffic_per_microbatch=None
         if traffic is None
         else _per_microbatch(traffic.overhead, traffic.tasks, plan.table, lambda t: t.total),
+        estimate=step_estimate,
+        host_syncs_per_step=syncs,
     )
 
 
@@ -293,27 +419,36 @@ def _per_microbatch(
     ``overhead`` plus each task's ``(idle, busy)`` cost as the schedule ``table`` says
     (a tick count of launches, or a :class:`~jax_wgrad.aot.hlo.Traffic`); the stage with
     the largest ``size`` of its sum is the busiest."""
-    rows = {
-        "forward": np.asarray(table.forward),
-        "backward": np.asarray(table.backward),
-        "weight_gradients": np.asarray(table.weight),
-    }
+    on = table_busy(table)
     stages = []
     for s in range(table.num_stages):
         n = overhead * table.num_ticks
         for t in range(table.num_ticks):
             for key, (idle, busy) in tasks.items():
-                key = key.rstrip("'")
-                on = (
-                    rows[key][t, s] >= 0
-                    if key in rows
-                    else t == table.last_grad_tick(s)
-                    if key == "grad_sync_in_cooldown"
-                    else True
-                )
-                n = n + (busy if on else idle)
+                n = n + (busy if on(key.rstrip("'"), t, s) else idle)
         stages.append(n)
     return max(stages, key=size) * (1 / table.num_microbatches)
+
+
+def table_busy(table) -> Callable[[str, int, int], bool]:
+    """``busy(task, tick, stage)``: whether the schedule ``table`` runs the task named by
+    its scope (:data:`~jax_wgrad.aot.hlo.TASK_SCOPES`) in that tick on that stage (the
+    cooldown sync: in the stage's last gradient tick; a conditional of no task: always)."""
+    rows = {
+        "forward": np.asarray(table.forward),
+        "backward": np.asarray(table.backward),
+        "weight_gradients": np.asarray(table.weight),
+    }
+    last = [table.last_grad_tick(s) for s in range(table.num_stages)]
+
+    def busy(key: str, t: int, s: int) -> bool:
+        if key in rows:
+            return bool(rows[key][t, s] >= 0)
+        if key == "grad_sync_in_cooldown":
+            return t == last[s]
+        return True
+
+    return busy
 
 
 def compile_for_target(

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jax_wgrad.aot import estimate as estimates
 from jax_wgrad.aot import hlo, thunks
 
 __all__ = [
     "AotReport",
     "Collectives",
     "COLLECTIVE_GROUPS",
+    "DP_SYNC_SCOPES",
     "DEFAULT_MEM_FRACTION",
     "FUSION_SKIPPED",
     "collectives",
@@ -31,6 +33,11 @@ COLLECTIVE_GROUPS: dict[str, str] = {
     "send_recv": "pipeline permutes",
     "deferred_wgrad_ring": "deferred-wgrad ring",
 }
+
+
+DP_SYNC_SCOPES: tuple[str, ...] = ("grad_sync_in_cooldown", "data_parallel_sync")
+"""``op_name`` scopes of the data-parallel gradient collectives (in the schedule's
+cooldown, and after the schedule)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +199,11 @@ class AotReport:
     """Non-GEMM memory traffic of one tick of the schedule loop (``None``: no loop)."""
     traffic_per_microbatch: hlo.Traffic | None = None
     """The busiest stage's non-GEMM traffic over the schedule's ticks, per microbatch."""
+    estimate: estimates.StepEstimate | None = None
+    """The estimated step time (:mod:`jax_wgrad.aot.estimate`)."""
+    host_syncs_per_step: float | None = None
+    """Host synchronisations per step (conditionals and loops of unknown trip count run
+    outside command buffers; ``None``: no thunk sequence)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -281,6 +293,13 @@ class AotReport:
             "trace_lower_s": self.trace_lower_s,
             "fusion": self.fusion,
             "xla_flags": list(self.xla_flags),
+            "host_syncs_per_step": self.host_syncs_per_step,
+            "dp_sync_overlapped": self.dp_sync_overlapped(),
+            **(
+                {"estimated_step_ms": None, "estimated_mfu": None}
+                if self.estimate is None
+                else self.estimate.figures()
+            ),
         }
 
     def verdict(self) -> str:
@@ -407,7 +426,52 @@ class AotReport:
         lines.append(f"  {self._traffic_line()}")
         lines.append("  collectives:")
         lines += [f"    {c.format()}" for c in self.collectives]
+        lines += self._estimate_lines()
         return "\n".join(lines)
+
+    def dp_sync_overlapped(self) -> bool | None:
+        """Whether every data-parallel gradient collective (the cooldown sync's, or the
+        sync after the schedule: :data:`DP_SYNC_SCOPES`) is hidden behind GEMM-class work in
+        the estimate; ``None`` without an estimate or with no such collective."""
+        if self.estimate is None:
+            return None
+        dp = [c for s in DP_SYNC_SCOPES for c in self.estimate.collectives if s in c.op_name]
+        return None if not dp else all(c.exposed_s <= 1e-9 for c in dp)
+
+    def _estimate_lines(self) -> list[str]:
+        e = self.estimate
+        if e is None:
+            return []
+        b = e.cost
+        mfu = "unknown (no model FLOPs)" if e.mfu is None else f"{e.mfu:.1%}"
+        exposed = [c for s in DP_SYNC_SCOPES for c in e.exposed(s)]
+        lines = [
+            f"estimated step on {e.peaks.name} (roofline per kernel, not a measurement: "
+            "jax_wgrad.aot.estimate): "
+            f"{e.seconds * 1e3:.1f} ms, MFU {mfu}",
+            f"  the busiest stage: GEMM-bound kernels {b.compute_s * 1e3:.1f} ms, "
+            f"memory-bound {b.memory_s * 1e3:.1f} ms, launches {b.launch_s * 1e3:.1f} ms, "
+            f"exposed collectives {b.exposed_comm_s * 1e3:.1f} ms (hidden "
+            f"{b.hidden_comm_s * 1e3:.1f} ms), host syncs {b.host_syncs:.0f} "
+            f"({b.host_sync_s * 1e3:.2f} ms)",
+        ]
+        if self.host_syncs_per_step is not None:
+            lines.append(f"  host synchronisations per step: {self.host_syncs_per_step:.0f}")
+        dp = self.dp_sync_overlapped()
+        if dp is not None:
+            lines.append(
+                "  data-parallel gradient sync: "
+                + (
+                    "overlapped (every collective hidden behind GEMM-class work)"
+                    if dp
+                    else "exposed: "
+                    + "; ".join(
+                        f"{c.kind} {c.name} {c.exposed_s * 1e3:.2f} ms" for c in exposed[:4]
+                    )
+                    + (" ..." if len(exposed) > 4 else "")
+                )
+            )
+        return lines
 
 
 _TRAFFIC_LABELS = {

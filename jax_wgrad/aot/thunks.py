@@ -26,6 +26,8 @@ __all__ = [
     "launches",
     "LaunchCount",
     "loop_launches",
+    "graphed_instructions",
+    "host_syncs",
 ]
 
 
@@ -297,3 +299,40 @@ def _busy_walk(
     for s in seqs:
         for x in s:
             yield from _busy_walk(x, idle, trips, times, inside)
+
+
+def graphed_instructions(thunks: Sequence[Thunk], names: Mapping[int, str]) -> frozenset[str]:
+    """Names of the HLO instructions whose kernels XLA:GPU runs inside command buffers
+    (CUDA graphs), from the thunk sequence and ``names`` (:func:`thunk_names`)."""
+    out: set[str] = set()
+    for top in thunks:
+        for t in top.walk():
+            if t.kind == "kCommandBuffer":
+                out |= {names[x.id] for x in t.walk() if x is not t and x.id in names}
+    return frozenset(out)
+
+
+def host_syncs(
+    thunks: Sequence[Thunk], names: Mapping[int, str], trips: Mapping[str, int | None]
+) -> dict[str, int]:
+    """``{HLO instruction name: host synchronisations per run}`` of the control flow XLA:GPU
+    runs on the host: a conditional outside command buffers copies its predicate to the
+    host and waits for it (``ConditionalThunk``); so does a while loop of unknown trip
+    count, once per iteration (``WhileThunk``; one is counted). A loop of known trip
+    count (``trips``, :func:`jax_wgrad.aot.hlo.trip_counts`) and anything inside a
+    command buffer (a CUDA graph's conditional or while node) reads nothing back."""
+    out: dict[str, int] = {}
+
+    def visit(t: Thunk) -> None:
+        if t.kind == "kCommandBuffer":
+            return
+        name = names.get(t.id, "")
+        if t.kind == "kConditional" or (t.kind == "kWhile" and trips.get(name) is None):
+            out[name] = out.get(name, 0) + 1
+        for seq in t.nested.values():
+            for x in seq:
+                visit(x)
+
+    for top in thunks:
+        visit(top)
+    return out

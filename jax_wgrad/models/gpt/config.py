@@ -387,6 +387,36 @@ class GPTConfig:
             and not (rope and k == "seq_length")
         ]  # no learned positions: any length
 
+    def flops_per_step(self, global_batch_size: int) -> float:
+        """Model FLOPs of one training step of ``global_batch_size`` sequences: Megatron-LM's
+        ``num_floating_point_operations`` (``megatron/training/training.py``), the figure
+        its MFU and TFLOP/s logs use. Per layer and token, ``3 x 2 x 2 x H^2`` (forward,
+        weight and input gradients; two GEMMs of a kind; 2 FLOPs per multiply-add) times:
+        attention ``(1 + G/A + s/H) x (A d / H)`` (query and output projections, keys and
+        values, the ``s x s`` core counted in full, no causal halving), MLP ``F/H x 3/2``
+        with SwiGLU (per routed expert, ``top-k`` of them, plus the shared experts, on MoE
+        layers -- Megatron's formula takes every layer as MoE; here the dense layers of
+        ``moe_layer_freq`` count their own MLP), and the output layer ``V / (2 L H)``."""
+        h, s, n = self.hidden_size, self.seq_length, self.num_layers
+        gated = 1.5 if self.swiglu else 1.0
+        attention = (
+            (1 + self.query_groups / self.num_attention_heads + s / h)
+            * self.head_dim
+            * self.num_attention_heads
+            / h
+        )
+        moe = self.moe_config()
+        mlp = 0.0
+        for is_moe in self.moe_layer_pattern:
+            if is_moe and moe is not None:
+                ffn = self.moe_ffn_hidden_size or self.ffn_hidden_size
+                shared = self.moe_shared_expert_intermediate_size or 0
+                mlp += (ffn * self.moe_router_topk + shared) / h * gated
+            else:
+                mlp += self.ffn_hidden_size / h * gated
+        logit = self.vocab_size / (2 * n * h)
+        return 12.0 * global_batch_size * s * n * h * h * (attention + mlp / n + logit)
+
     def attention_implementation(self, platform: str) -> Literal["xla", "cudnn"]:
         """``attention_backend`` resolved for a jax platform (``"cpu"``, ``"gpu"``, ...)."""
         if self.attention_backend != "auto":

@@ -1,0 +1,645 @@
+"""An estimated step time from a compiled program: a roofline over its kernels.
+
+Nothing is run. Every kernel of the optimized HLO (``compiled.as_text()``, scheduled: text
+order is run order) costs ``max(FLOPs / peak, bytes / HBM bandwidth)`` on the target
+(:class:`Peaks`), plus a fixed latency per launch; every collective costs its bytes over
+the link its group spans (NVLink inside a host, the network between hosts) plus a fixed
+latency, and only the part not hidden behind GEMM-class kernels scheduled between its start
+and done is added to the step (:class:`Cost`). Loops count their body times their trip
+count; a conditional its heavier branch, except the pipeline schedule's task conditionals,
+which the schedule table turns busy or idle per stage and tick (:func:`schedule_time`:
+each tick as long as its slowest stage).
+
+What each kernel does, from its shapes:
+
+* a ``dot`` (inside a fusion or alone), cuBLAS custom call: ``2 x result x contracted``
+  FLOPs at the tensor-core peak of its operands' type (TF32 for f32);
+* cuDNN attention (``__cudnn$fmha*``): ``4 b h s_q s_kv d`` forward, 2.5 times that
+  backward, half of it under a causal mask;
+* the library's fused calls (``jax_wgrad_*``): ``2 x numel(x) x out`` for the weight
+  gradient and ragged GEMMs (every row of a ragged buffer: the routed count is not in the
+  program), an accumulator block read and written; ``bucket_add``: each gradient read and
+  its block read and written;
+* every other kernel: the bytes :func:`jax_wgrad.aot.hlo.kernel_traffic` counts.
+
+**What it is not.** A model, not a measurement: no cache, no tile quantisation or wave
+tail, no kernel achieving less than its roofline (real GEMMs reach 70-80% of the dense
+peak, elementwise kernels 80-90% of the bandwidth), no contention between a collective and
+the kernels it overlaps. Its error against measured steps is stated where it is used
+(``docs/performance.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from jax_wgrad.aot import hlo
+
+__all__ = [
+    "Peaks",
+    "PEAKS",
+    "Cost",
+    "CollectiveCost",
+    "ModuleCosts",
+    "group_span",
+    "schedule_time",
+    "StepEstimate",
+    "estimate_step",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+    """A GPU's datasheet peaks and the fixed latencies the estimate charges."""
+
+    name: str
+    tensor_flops: Mapping[str, float]
+    """Dense tensor-core FLOP/s by operand type (``bf16``, ``f16``, ``f8``, ``f32``: TF32,
+    XLA:GPU's default precision for fp32 dots, ``f64``)."""
+    vector_flops: float
+    """FP32 FLOP/s of the CUDA cores (elementwise math; rarely the bound)."""
+    hbm_bandwidth: float
+    """Device memory bytes/s."""
+    nvlink_bandwidth: float
+    """Bytes/s one GPU sends to the others of its host (one direction)."""
+    network_bandwidth: float
+    """Bytes/s one GPU sends to other hosts (one NIC per GPU, one direction)."""
+    launch_s: float = 2.5e-6
+    """Latency charged per kernel launch outside a CUDA graph (launch gap and ramp)."""
+    graph_kernel_s: float = 1.0e-6
+    """Latency charged per kernel inside a CUDA graph (XLA:GPU command buffer)."""
+    collective_s: float = 1.0e-5
+    """Latency charged per collective (NCCL's start-up per call)."""
+    host_sync_s: float = 2.0e-5
+    """Charged per host synchronisation (a conditional's predicate read back, the queue
+    drained and refilled)."""
+
+    def gemm_peak(self, dtype: str) -> float:
+        """The tensor-core peak for operands of ``dtype`` (an HLO type; bf16's if unknown)."""
+        key = "f8" if dtype.startswith("f8") else dtype
+        return self.tensor_flops.get(key, self.tensor_flops["bf16"])
+
+
+_H100 = dict(
+    tensor_flops={"bf16": 989.4e12, "f16": 989.4e12, "f8": 1978.9e12, "f32": 494.7e12},
+    vector_flops=66.9e12,
+    nvlink_bandwidth=450e9,
+    network_bandwidth=50e9,
+)
+PEAKS: dict[str, Peaks] = {
+    # H100 SXM5 datasheet (dense, no sparsity); NVLink 4: 900 GB/s both directions;
+    # one 400 Gb/s NDR NIC per GPU.
+    "h100": Peaks("NVIDIA H100 SXM 80 GB", hbm_bandwidth=3.35e12, **_H100),
+    # The same chip with HBM3e: 4.8 TB/s.
+    "h200": Peaks("NVIDIA H200 SXM 141 GB", hbm_bandwidth=4.8e12, **_H100),
+}
+"""Peaks of the targets :func:`jax_wgrad.aot.gpu_target` knows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Seconds and work of running some HLO once (one device)."""
+
+    compute_s: float = 0.0
+    """Kernels whose FLOPs bound them (GEMMs, attention, the fused calls)."""
+    memory_s: float = 0.0
+    """Kernels whose bytes bound them."""
+    launch_s: float = 0.0
+    """Launch latency of every kernel."""
+    exposed_comm_s: float = 0.0
+    """Collective time not hidden behind GEMM-class kernels."""
+    hidden_comm_s: float = 0.0
+    """Collective time hidden behind them (not part of :attr:`seconds`)."""
+    host_sync_s: float = 0.0
+    host_syncs: float = 0.0
+    """Host synchronisations (conditionals and loops run on the host)."""
+    flops: float = 0.0
+    """Counted FLOPs (recompute included)."""
+    hbm_bytes: float = 0.0
+    comm_bytes: float = 0.0
+    launches: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        busy = self.compute_s + self.memory_s + self.launch_s
+        return busy + self.exposed_comm_s + self.host_sync_s
+
+    @property
+    def gemm_class_s(self) -> float:
+        """Time of the kernels that can hide a collective (GEMM-class)."""
+        return self.compute_s
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __mul__(self, k: float) -> Cost:
+        return Cost(*(a * k for a in dataclasses.astuple(self)))
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "seconds": self.seconds}
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """One collective of the program, as the estimate saw it."""
+
+    name: str
+    kind: str
+    op_name: str
+    group_size: int
+    crosses_hosts: bool
+    bytes: float
+    """Bytes one device sends (ring algorithms: ``(n - 1) / n`` of the buffer for an
+    all-gather or reduce-scatter, twice that for an all-reduce)."""
+    seconds: float
+    hidden_s: float
+    """Of :attr:`seconds`, what GEMM-class kernels between start and done hide."""
+    times: float = 1.0
+    """How often it runs per execution of its computation's caller chain (loops)."""
+
+    @property
+    def exposed_s(self) -> float:
+        return self.seconds - self.hidden_s
+
+
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def group_span(line: str, gpus_per_host: int) -> tuple[int, bool]:
+    """``(group size, whether a group spans hosts)`` of a collective instruction line,
+    from its ``replica_groups`` (explicit lists, iota ``[a,b]<=[n]T(...)``, or jax's
+    ``mesh[...] {axes}``; device ``d`` on host ``d // gpus_per_host``) or a permute's
+    ``source_target_pairs``; a line with neither is one group of unknown size spanning
+    hosts (``(0, True)``: the conservative side)."""
+    groups: list[list[int]] = []
+    m = _MESH_GROUPS.search(line)
+    if m:
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        over = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        moved = np.moveaxis(ids, [names.index(a) for a in over], range(len(over)))
+        groups = moved.reshape(math.prod(sizes[names.index(a)] for a in over), -1).T.tolist()
+    elif (m := _IOTA_GROUPS.search(line)) is not None:
+        dims = [int(x) for x in m.group(1).split(",")]
+        src = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(src)).reshape(src)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        groups = ids.reshape(dims[0], -1).tolist()
+    elif (m := _LIST_GROUPS.search(line)) is not None:
+        groups = [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+        ]
+    elif (m := _PAIRS.search(line)) is not None:
+        pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+        cross = any(a // gpus_per_host != b // gpus_per_host for a, b in pairs)
+        return 2, cross
+    groups = [g for g in groups if g]
+    if not groups:
+        return 0, True
+    cross = any(len({d // gpus_per_host for d in g}) > 1 for g in groups)
+    return len(groups[0]), cross
+
+
+def _collective_bytes(kind: str, ins: hlo.Instruction, operand_bytes: float, n: int) -> float:
+    """Bytes one device sends for a collective of ``kind`` over ``n`` devices."""
+    result = hlo.shape_bytes(
+        hlo._tuple_elements(ins.shape)[-1] if ins.opcode.endswith("-start") else ins.shape
+    )
+    if n <= 1:
+        return 0.0
+    share = (n - 1) / n
+    if kind == "all-gather":
+        return share * result
+    if kind == "reduce-scatter":
+        return share * operand_bytes
+    if kind == "all-reduce":
+        return 2 * share * operand_bytes
+    if kind == "all-to-all" or kind == "ragged-all-to-all":
+        return share * operand_bytes
+    return operand_bytes  # collective-permute, broadcast: the buffer once
+
+
+_FFI_PREFIX = "jax_wgrad_"
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """An asynchronous collective between its start and its done."""
+
+    ins: hlo.Instruction
+    kind: str
+    seconds: float
+    nbytes: float
+    group_size: int
+    crosses_hosts: bool
+    gemm_s: float = 0.0
+    """GEMM-class kernel time scheduled since the start."""
+
+
+class ModuleCosts:
+    """The costs of a compiled module's computations on ``peaks``' GPU (module docstring).
+
+    Args:
+      text: ``compiled.as_text()``.
+      peaks: the target's :class:`Peaks`.
+      gpus_per_host: to tell NVLink from network collectives.
+      graphed: names of HLO instructions XLA:GPU runs inside command buffers (CUDA graphs:
+        :attr:`Peaks.graph_kernel_s` per kernel instead of :attr:`Peaks.launch_s`); default
+        none.
+      host_syncs: ``{conditional or while instruction name: host syncs per run}`` (the
+        conditionals and loops of unknown trip count that XLA:GPU runs outside command
+        buffers, :func:`jax_wgrad.aot.thunks.host_syncs`); default none.
+    """
+
+    def __init__(
+        self,
+        text: str,
+        peaks: Peaks,
+        *,
+        gpus_per_host: int = 8,
+        graphed: frozenset[str] = frozenset(),
+        host_syncs: Mapping[str, int] | None = None,
+    ):
+        self.comps = hlo.computations(text)
+        self.peaks = peaks
+        self.gpus_per_host = gpus_per_host
+        self.graphed = graphed
+        self.host_syncs = dict(host_syncs or {})
+        self.trips = hlo.trip_counts(text)
+        self.shapes = hlo._Shapes(self.comps)
+        self.entry = hlo.entry_name(text)
+        self.collectives: list[CollectiveCost] = []
+        self._seen: set[str] = set()
+
+    # ---------------------------------------------------------------- kernels
+
+    def _operand_shapes(self, ins: hlo.Instruction) -> list[str]:
+        return [self.shapes.operand(n, k) for n, k in hlo._operands(ins)]
+
+    def _dot_flops(self, ins: hlo.Instruction, shapes: Callable[[str], str]) -> float:
+        ops = hlo._operands(ins)
+        lhs = hlo._ARRAY.search(shapes(ops[0][0])) if ops else None
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line)
+        if lhs is None or m is None:
+            return 0.0
+        dims = [int(d) for d in lhs.group(2).split(",") if d]
+        contracted = math.prod(dims[int(i)] for i in m.group(1).split(",") if i)
+        out = sum(math.prod(s) for _, s in ins.arrays())
+        return 2.0 * out * contracted
+
+    def _fused_flops(self, callee: str) -> tuple[float, str]:
+        """FLOPs of the dots in a fused computation, and their operands' type."""
+        body = hlo.instructions(self.comps.get(callee, ()))
+        by_name = {i.name: i.shape for i in body}
+        flops, dtype = 0.0, "bf16"
+        for i in body:
+            if i.opcode in ("dot", "scaled-dot"):
+                flops += self._dot_flops(
+                    i, lambda n: by_name.get(n, self.shapes.by_name.get(n, ""))
+                )
+                ops = hlo._operands(i)
+                lhs = hlo._ARRAY.search(by_name.get(ops[0][0], "")) if ops else None
+                dtype = lhs.group(1) if lhs else dtype
+            elif i.opcode in ("fusion", "call") and (c := re.search(r"calls=%([\w.\-]+)", i.line)):
+                f, d = self._fused_flops(c.group(1))
+                flops, dtype = flops + f, d if f else dtype
+        return flops, dtype
+
+    def _custom_call(self, ins: hlo.Instruction) -> tuple[float, str, float]:
+        """``(flops, operand type, hbm bytes)`` of a custom call."""
+        target = re.search(r'custom_call_target="([^"]*)"', ins.line)
+        target = target.group(1) if target else ""
+        shapes = self._operand_shapes(ins)
+        arrays = [hlo._ARRAY.search(s) for s in shapes]
+        dims = [[int(d) for d in a.group(2).split(",") if d] if a else [] for a in arrays]
+        dtype = arrays[0].group(1) if arrays and arrays[0] else "bf16"
+        io = sum(map(hlo.shape_bytes, shapes)) + hlo.shape_bytes(ins.shape)
+        if target.startswith("__cudnn$fmha") and len(dims) >= 2 and len(dims[0]) == 4:
+            b, sq, h, d = dims[0]
+            skv = dims[1][1]
+            flops = 4.0 * b * h * sq * skv * d
+            if "Backward" in target:
+                flops *= 2.5
+            if '"mask_type":"CAUSAL"' in ins.line or "PADDING_CAUSAL" in ins.line:
+                flops *= 0.5
+            return flops, dtype, io
+        if target.startswith("__cublas") and dims and len(dims) >= 2:
+            m = re.search(r'"lhs_contracting_dimensions":\["?([\d"\,]*)"?\]', ins.line)
+            k = (
+                math.prod(dims[0][int(i)] for i in re.findall(r"\d+", m.group(1)))
+                if m
+                else dims[0][-1]
+            )
+            out = hlo._ARRAY.search(hlo._tuple_elements(ins.shape)[0])
+            numel = math.prod(int(d) for d in out.group(2).split(",") if d) if out else 0
+            return 2.0 * numel * k, dtype, io
+        if target.startswith(_FFI_PREFIX):
+            item = hlo.shape_bytes(shapes[0]) / max(math.prod(dims[0]), 1) if dims else 2
+            if target.endswith("bucket_add"):
+                grads = shapes[1:]
+                n = sum(math.prod(d) for d in dims[1:])
+                return 0.0, dtype, sum(map(hlo.shape_bytes, grads)) + 8.0 * n
+            x, second = dims[0], dims[1] if len(dims) > 1 else []
+            if "ragged_matmul" in target:
+                out = hlo._ARRAY.search(hlo._tuple_elements(ins.shape)[0])
+                n_out = int(out.group(2).split(",")[-1]) if out else 0
+                flops = 2.0 * math.prod(x) * n_out
+                return (
+                    flops,
+                    dtype,
+                    io - hlo.shape_bytes(ins.shape) + math.prod(x) / max(x[-1], 1) * n_out * item,
+                )
+            # a weight gradient: x [*, T, in], dy [*, T, out]; the block [*, out, in] fp32
+            flops = 2.0 * math.prod(x) * (second[-1] if second else 0)
+            block = math.prod(x[:-2]) * x[-1] * (second[-1] if second else 0) * 4.0
+            return flops, dtype, hlo.shape_bytes(shapes[0]) + hlo.shape_bytes(shapes[1]) + 2 * block
+        return 0.0, dtype, io
+
+    def kernel(self, ins: hlo.Instruction) -> Cost:
+        """The cost of the kernel ``ins`` launches (none for control flow, collectives,
+        bitcasts, tuples, ...)."""
+        p = self.peaks
+        launch = p.graph_kernel_s if ins.name in self.graphed else p.launch_s
+        op = ins.opcode
+        if op == "custom-call" or (
+            op == "fusion" and hlo.wraps_aliased_custom_call(ins.line, self.comps)
+        ):
+            call = ins
+            if op == "fusion":
+                callee = re.search(r"calls=%([\w.\-]+)", ins.line).group(1)
+                root = [l for l in self.comps[callee] if l.startswith("ROOT ")][0]
+                call = hlo.instructions([root])[0]
+            flops, dtype, nbytes = self._custom_call(call)
+            return self._roofline(flops, dtype, nbytes, launch)
+        if op in ("fusion", "fusion-start") or op in ("dot", "convolution"):
+            flops, dtype = 0.0, "bf16"
+            if op in ("dot", "convolution"):
+                flops = self._dot_flops(ins, lambda n: self.shapes.by_name.get(n, ""))
+                ops = self._operand_shapes(ins)
+                a = hlo._ARRAY.search(ops[0]) if ops else None
+                dtype = a.group(1) if a else dtype
+            elif (c := re.search(r"calls=%([\w.\-]+)", ins.line)) is not None:
+                flops, dtype = self._fused_flops(c.group(1))
+            if flops:
+                io = sum(map(hlo.shape_bytes, self._operand_shapes(ins))) + hlo.shape_bytes(
+                    hlo._tuple_elements(ins.shape)[0] if op == "fusion-start" else ins.shape
+                )
+                return self._roofline(flops, dtype, io, launch)
+        traffic = hlo.kernel_traffic(ins, self.comps, self.shapes)
+        if traffic is None:
+            return Cost()
+        return self._roofline(0.0, "f32", traffic[1], launch)
+
+    def _roofline(self, flops: float, dtype: str, nbytes: float, launch: float) -> Cost:
+        t_flops = flops / self.peaks.gemm_peak(dtype) if flops else 0.0
+        t_bytes = nbytes / self.peaks.hbm_bandwidth
+        if t_flops >= t_bytes and flops:
+            return Cost(
+                compute_s=t_flops, launch_s=launch, flops=flops, hbm_bytes=nbytes, launches=1
+            )
+        return Cost(memory_s=t_bytes, launch_s=launch, flops=flops, hbm_bytes=nbytes, launches=1)
+
+    # ------------------------------------------------------------ collectives
+
+    def _collective_seconds(
+        self, ins: hlo.Instruction, kind: str
+    ) -> tuple[float, float, int, bool]:
+        """``(seconds, bytes one device sends, group size, spans hosts)``."""
+        line = ins.line
+        if ins.opcode == "async-start":  # the wrapped collective's own line
+            callee = re.search(r"calls=%([\w.\-]+)", line)
+            for c in hlo.instructions(self.comps.get(callee.group(1), ()) if callee else ()):
+                if c.opcode == kind:
+                    line, ins = c.line, c
+                    break
+        n, cross = group_span(line, self.gpus_per_host)
+        operand = sum(map(hlo.shape_bytes, self._operand_shapes(ins)))
+        nbytes = _collective_bytes(kind, ins, operand, n or 2)
+        bw = self.peaks.network_bandwidth if cross else self.peaks.nvlink_bandwidth
+        seconds = nbytes / bw + self.peaks.collective_s if nbytes else 0.0
+        return seconds, nbytes, n, cross
+
+    # ------------------------------------------------------------ computations
+
+    def computation(
+        self,
+        name: str,
+        *,
+        busy: bool = True,
+        replace: Mapping[str, Cost] | None = None,
+        record: float = 1.0,
+    ) -> Cost:
+        """The cost of running computation ``name`` once: its kernels in order; a
+        collective's time exposed except what GEMM-class kernels between its start and
+        done hide; loops times their trip counts; conditionals their heavier branch
+        (``busy``) or lighter one; ``replace``: instructions whose cost is given (the
+        schedule loop). ``record``: times this run counts in :attr:`collectives`."""
+        replace = replace or {}
+        total = Cost()
+        pending: dict[str, _InFlight] = {}  # by start instruction name
+        for ins in hlo.instructions(self.comps.get(name, ())):
+            if ins.name in replace:
+                c = replace[ins.name]
+            else:
+                c = self._instruction(ins, busy=busy, replace=replace, record=record)
+            kind = hlo._async_kind(ins, self.comps) if ins.opcode.endswith("start") else None
+            if kind is not None:
+                pending[ins.name] = _InFlight(ins, kind, *self._collective_seconds(ins, kind))
+                continue
+            if ins.opcode.endswith("-done"):
+                src = hlo._operands(ins)
+                start = pending.pop(src[0][0], None) if src else None
+                if start is not None:
+                    total += self._settle(start, record)
+                    continue
+            if hlo._collective(ins.opcode) and not ins.opcode.endswith("start"):
+                sync = _InFlight(ins, ins.opcode, *self._collective_seconds(ins, ins.opcode))
+                total += self._settle(sync, record)
+                continue
+            for p in pending.values():
+                p.gemm_s += c.gemm_class_s
+            total += c
+        for p in pending.values():  # a start whose done is elsewhere: exposed
+            total += self._settle(p, record)
+        return total
+
+    def _settle(self, p: _InFlight, record: float) -> Cost:
+        """The collective's done: hidden up to the GEMM-class time since its start."""
+        hidden = min(p.seconds, p.gemm_s)
+        if record:
+            self.collectives.append(
+                CollectiveCost(
+                    p.ins.name,
+                    p.kind,
+                    p.ins.op_name,
+                    p.group_size,
+                    p.crosses_hosts,
+                    p.nbytes,
+                    p.seconds,
+                    hidden,
+                    record,
+                )
+            )
+        return Cost(exposed_comm_s=p.seconds - hidden, hidden_comm_s=hidden, comm_bytes=p.nbytes)
+
+    def _instruction(self, ins: hlo.Instruction, *, busy: bool, replace, record: float) -> Cost:
+        run = functools.partial(self.computation, busy=busy, replace=replace)
+        syncs = self.host_syncs.get(ins.name, 0)
+        sync = Cost(host_sync_s=self.peaks.host_sync_s * syncs, host_syncs=syncs)
+        if ins.opcode == "while":
+            body = re.search(r"body=%([\w.\-]+)", ins.line).group(1)
+            n = self.trips.get(ins.name)
+            if n is not None:
+                return run(body, record=record * n) * n
+            cond = re.search(r"condition=%([\w.\-]+)", ins.line).group(1)
+            return run(body, record=record) + run(cond, record=record) + sync
+        if ins.opcode == "conditional":
+            options = [run(b, record=0) for b in hlo.branches(ins.line)] or [Cost()]
+            pick = (max if busy else min)(range(len(options)), key=lambda i: options[i].seconds)
+            if record:
+                run(hlo.branches(ins.line)[pick], record=record)
+            return options[pick] + sync
+        if ins.opcode == "call" or (
+            ins.opcode == "async-start" and hlo._async_kind(ins, self.comps) is None
+        ):
+            total = Cost()
+            for callee in re.findall(r"(?:to_apply|calls)=%([\w.\-]+)", ins.line):
+                total += run(callee, record=record)
+            return total
+        return self.kernel(ins)
+
+    def branch_costs(self, conditional: hlo.Instruction, record: float = 0) -> list[Cost]:
+        """Each branch's cost (in branch order)."""
+        return [self.computation(b, record=record) for b in hlo.branches(conditional.line)]
+
+
+def schedule_time(
+    overhead: Cost,
+    tasks: Mapping[str, tuple[Cost, Cost]],
+    busy: Callable[[str, int, int], bool],
+    num_ticks: int,
+    num_stages: int,
+) -> tuple[float, Cost]:
+    """The schedule loop's time: each tick as long as its slowest stage (the ticks are
+    chained by the pipeline's sends and receives), a stage's tick ``overhead`` plus each
+    task's ``(idle, busy)`` cost as ``busy(task, tick, stage)`` says. Returns ``(seconds,
+    the busiest stage's summed cost)``."""
+    seconds, per_stage = 0.0, [Cost() for _ in range(num_stages)]
+    for t in range(num_ticks):
+        costs = []
+        for s in range(num_stages):
+            c = overhead
+            for key, (idle, on) in tasks.items():
+                c = c + (on if busy(key.rstrip("'"), t, s) else idle)
+            costs.append(c)
+            per_stage[s] = per_stage[s] + c
+        seconds += max(c.seconds for c in costs)
+    return seconds, max(per_stage, key=lambda c: c.seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """The estimated time of one step of a compiled program on one device (the busiest)."""
+
+    seconds: float
+    cost: Cost
+    """The busiest pipeline stage's costs summed (the loop's ticks and everything outside
+    it); :attr:`seconds` is larger when stages are busy in different ticks."""
+    peaks: Peaks
+    devices: int
+    model_flops: float | None = None
+    """Model FLOPs of a step, all devices (Megatron's formula), if known."""
+    collectives: tuple[CollectiveCost, ...] = ()
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs / (step time x devices x bf16 dense peak)."""
+        if not self.model_flops or not self.seconds:
+            return None
+        return self.model_flops / (self.seconds * self.devices * self.peaks.gemm_peak("bf16"))
+
+    def exposed(self, op_scope: str) -> list[CollectiveCost]:
+        """Collectives under the ``op_scope`` named scope with time not hidden."""
+        return [c for c in self.collectives if op_scope in c.op_name and c.exposed_s > 1e-9]
+
+    def figures(self) -> dict[str, object]:
+        return {
+            "estimated_step_ms": self.seconds * 1e3,
+            "estimated_mfu": self.mfu,
+            "estimated_breakdown_ms": {
+                k: v * 1e3
+                for k, v in self.cost.as_dict().items()
+                if k.endswith("_s") or k == "seconds"
+            },
+            "estimated_model_flops": self.model_flops,
+            "estimated_counted_flops": self.cost.flops,
+            "peaks": self.peaks.name,
+        }
+
+
+def estimate_step(
+    text: str,
+    peaks: Peaks,
+    *,
+    gpus_per_host: int,
+    devices: int,
+    graphed: frozenset[str] = frozenset(),
+    host_syncs: Mapping[str, int] | None = None,
+    loop: tuple[str, str] | None = None,
+    busy: Callable[[str, int, int], bool] | None = None,
+    num_ticks: int = 0,
+    num_stages: int = 1,
+    model_flops: float | None = None,
+    scopes=hlo.TASK_SCOPES,
+) -> StepEstimate:
+    """The estimated step of a compiled module (module docstring).
+
+    Args:
+      text: ``compiled.as_text()``.
+      graphed, host_syncs: from the thunk sequence (:class:`ModuleCosts`).
+      loop: ``(while instruction, body)`` of the pipeline schedule loop
+        (:func:`jax_wgrad.aot.hlo.schedule_loop`), whose task conditionals (named by
+        ``scopes``) are busy in tick ``t`` on stage ``s`` when ``busy(task, t, s)``; the
+        loop runs ``num_ticks`` ticks over ``num_stages`` stages (:func:`schedule_time`).
+        ``None``: the module has no such loop (its loops count their trip counts).
+      devices: the devices the step runs on (for MFU).
+    """
+    mc = ModuleCosts(
+        text, peaks, gpus_per_host=gpus_per_host, graphed=graphed, host_syncs=host_syncs
+    )
+    if loop is None or busy is None:
+        cost = mc.computation(mc.entry)
+        return StepEstimate(cost.seconds, cost, peaks, devices, model_flops, tuple(mc.collectives))
+    name, body = loop
+    conds = [i for i in hlo.instructions(mc.comps.get(body, ())) if i.opcode == "conditional"]
+    tasks: dict[str, tuple[Cost, Cost]] = {}
+    for ins in conds:
+        key = hlo.task_of(ins.op_name, scopes)
+        while key in tasks:
+            key += "'"
+        syncs = mc.host_syncs.get(ins.name, 0)
+        sync = Cost(host_sync_s=peaks.host_sync_s * syncs, host_syncs=syncs)
+        options = sorted(mc.branch_costs(ins, record=1), key=lambda c: c.seconds)
+        tasks[key] = (options[0] + sync, options[-1] + sync)
+    overhead = mc.computation(body, replace={i.name: Cost() for i in conds})
+    loop_s, loop_cost = schedule_time(overhead, tasks, busy, num_ticks, num_stages)
+    outside = mc.computation(mc.entry, replace={name: Cost()})
+    return StepEstimate(
+        outside.seconds + loop_s,
+        outside + loop_cost,
+        peaks,
+        devices,
+        model_flops,
+        tuple(mc.collectives),
+    )

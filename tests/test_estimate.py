@@ -1,0 +1,275 @@
+"""The estimated step time from compiled HLO (``jax_wgrad.aot.estimate``): each kernel's
+roofline, collectives hidden or exposed, loops, conditionals, the schedule's ticks, and
+Megatron's model FLOPs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_wgrad import GPTConfig
+from jax_wgrad.aot import estimate as est
+from jax_wgrad.aot import thunks
+
+# Round numbers, no latencies: every expected time below is exact.
+PEAKS = est.Peaks(
+    "test",
+    tensor_flops={"bf16": 1e12, "f32": 5e11},
+    vector_flops=1e11,
+    hbm_bandwidth=1e9,
+    nvlink_bandwidth=1e8,
+    network_bandwidth=1e7,
+    launch_s=0.0,
+    graph_kernel_s=0.0,
+    collective_s=0.0,
+    host_sync_s=0.0,
+)
+
+
+@pytest.mark.parametrize(
+    "line,size,crosses",
+    [
+        # jax's mesh form: the 'tensor' axis of a (2, 1, 2, 2) mesh: ids d, d + 2
+        ("replica_groups=mesh['data'=2,'expert'=1,'tensor'=2,'pipeline'=2] {'tensor'}", 2, False),
+        # the 'data' axis: ids d, d + 4 -- on two hosts of 4 GPUs
+        ("replica_groups=mesh['data'=2,'expert'=1,'tensor'=2,'pipeline'=2] {'data'}", 2, True),
+        ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4, False),
+        ("replica_groups={{0,4},{1,5}}", 2, True),
+        ("replica_groups=[2,4]<=[8]", 4, False),  # rows of iota(8).reshape(2, 4)
+        ("replica_groups=[4,2]<=[2,4]T(1,0)", 2, True),  # columns: {0,4}, {1,5}, ...
+        ("source_target_pairs={{0,1},{1,0}}", 2, False),
+        ("source_target_pairs={{3,4}}", 2, True),
+        ("no groups at all", 0, True),
+    ],
+)
+def test_group_span(line, size, crosses):
+    assert est.group_span(line, gpus_per_host=4) == (size, crosses)
+
+
+_MODULE = """\
+HloModule m, is_scheduled=true
+
+%gemm (p0: bf16[64,128], p1: bf16[128,256]) -> bf16[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %d = bf16[64,256]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%scale (q: f32[1000]) -> f32[1000] {
+  %q = f32[1000]{0} parameter(0)
+  %c = f32[] constant(2)
+  %b = f32[1000]{0} broadcast(%c), dimensions={}
+  ROOT %m = f32[1000]{0} multiply(%q, %b)
+}
+
+%ag (agp: f32[1000]) -> f32[2000] {
+  %agp = f32[1000]{0} parameter(0)
+  ROOT %g = f32[2000]{0} all-gather(%agp), replica_groups={{0,1}}, dimensions={0}
+}
+
+%body (t: (s32[], f32[1000])) -> (s32[], f32[1000]) {
+  %t = (s32[], f32[1000]{0}) parameter(0)
+  %x = f32[1000]{0} get-tuple-element(%t), index=1
+  %i = s32[] get-tuple-element(%t), index=0
+  %y = f32[1000]{0} fusion(%x), kind=kLoop, calls=%scale
+  ROOT %r = (s32[], f32[1000]{0}) tuple(%i, %y)
+}
+
+%cond (t: (s32[], f32[1000])) -> pred[] {
+  %t = (s32[], f32[1000]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+%light (x: f32[1000]) -> f32[1000] {
+  ROOT %x = f32[1000]{0} parameter(0)
+}
+
+%heavy (x: f32[1000]) -> f32[1000] {
+  %x = f32[1000]{0} parameter(0)
+  ROOT %y = f32[1000]{0} fusion(%x), kind=kLoop, calls=%scale
+}
+
+ENTRY %main (a: bf16[64,128], b: bf16[128,256], v: f32[1000], k: pred[]) -> f32[1000] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %b = bf16[128,256]{1,0} parameter(1)
+  %v = f32[1000]{0} parameter(2)
+  %k = pred[] parameter(3)
+  %all-gather-start = ((f32[1000]{0}), f32[2000]{0}) async-start(%v), calls=%ag, \
+metadata={op_name="jit(step)/tensor/all_gather"}
+  %gemm_fusion = bf16[64,256]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm
+  %all-gather-done = f32[2000]{0} async-done(%all-gather-start)
+  %all-reduce = f32[1000]{0} all-reduce(%v), replica_groups={{0,1}}, to_apply=%scale, \
+metadata={op_name="jit(step)/data_parallel_sync/psum"}
+  %z = s32[] constant(0)
+  %init = (s32[], f32[1000]{0}) tuple(%z, %v)
+  %while = (s32[], f32[1000]{0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %w = f32[1000]{0} get-tuple-element(%while), index=1
+  ROOT %c = f32[1000]{0} conditional(%k, %w, %w), true_computation=%heavy, \
+false_computation=%light
+}
+"""
+
+
+def test_roofline_of_each_kernel_and_collective():
+    mc = est.ModuleCosts(_MODULE, PEAKS, gpus_per_host=8)
+    cost = mc.computation(mc.entry)
+    gemm_s = 2 * 64 * 128 * 256 / 1e12  # 4.2 us at the bf16 peak
+    gemm_io = (64 * 128 + 128 * 256 + 64 * 256) * 2  # 115 us at 1 GB/s: memory-bound
+    gemm_bound = max(gemm_s, gemm_io / 1e9)
+    scale_s = 8000 / 1e9  # read 4000 B, write 4000 B
+    assert cost.flops == 2 * 64 * 128 * 256
+    # the gemm (memory-bound at these peaks) + 3 loop iterations + the heavier branch
+    assert cost.memory_s == pytest.approx(gemm_bound + 3 * scale_s + scale_s)
+    assert cost.compute_s == 0.0  # the GEMM's bytes dominate its FLOPs here
+    # all-gather: 1/2 of 8000 B over NVLink, nothing GEMM-bound between start and done;
+    # the all-reduce is synchronous: 2 * 1/2 * 4000 B
+    ag, ar = 4000 / 1e8, 4000 / 1e8
+    assert cost.exposed_comm_s == pytest.approx(ag + ar)
+    assert cost.seconds == pytest.approx(cost.memory_s + ag + ar)
+    assert {c.kind for c in mc.collectives} == {"all-gather", "all-reduce"}
+
+
+def test_gemm_class_work_between_start_and_done_hides_the_collective():
+    fast = dataclasses_replace(PEAKS, hbm_bandwidth=1e15)  # the GEMM becomes FLOP-bound
+    mc = est.ModuleCosts(_MODULE, fast, gpus_per_host=8)
+    cost = mc.computation(mc.entry)
+    gemm_s = 2 * 64 * 128 * 256 / 1e12
+    ag = 4000 / 1e8
+    assert cost.compute_s == pytest.approx(gemm_s)
+    (gather,) = [c for c in mc.collectives if c.kind == "all-gather"]
+    assert gather.hidden_s == pytest.approx(min(ag, gemm_s))
+    assert gather.exposed_s == pytest.approx(ag - gemm_s)
+    assert cost.hidden_comm_s == pytest.approx(gemm_s)
+
+
+def test_lighter_branch_and_network_bandwidth():
+    mc = est.ModuleCosts(_MODULE, PEAKS, gpus_per_host=1)  # {0,1} now spans two hosts
+    idle = mc.computation(mc.entry, busy=False)
+    busy = mc.computation(mc.entry)
+    assert busy.memory_s - idle.memory_s == pytest.approx(8000 / 1e9)
+    assert busy.exposed_comm_s == pytest.approx(2 * 4000 / 1e7)
+
+
+def dataclasses_replace(p, **kw):
+    import dataclasses
+
+    return dataclasses.replace(p, **kw)
+
+
+def test_schedule_time_is_the_slowest_stage_per_tick():
+    idle, on = est.Cost(memory_s=0.5), est.Cost(compute_s=2.0)
+    # stage 0 busy in ticks 0 and 1, stage 1 in ticks 1 and 2: every tick has a busy
+    # stage, so 3 x 2 s, though each stage alone is busy for 2 + 2 + 0.5 s
+    busy = {(0, 0), (1, 0), (1, 1), (2, 1)}
+    seconds, stage = est.schedule_time(
+        est.Cost(), {"forward": (idle, on)}, lambda k, t, s: (t, s) in busy, 3, 2
+    )
+    assert seconds == pytest.approx(3 * 2.0)
+    assert stage.seconds == pytest.approx(2 + 2 + 0.5)
+
+
+def test_flops_of_a_cpu_compiled_scan_of_matmuls():
+    """The estimate counts a real compiled module's GEMMs: a scan of three matmuls."""
+
+    def f(x, ws):
+        return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, ws)[0]
+
+    x, ws = jnp.ones((64, 128), jnp.float32), jnp.ones((3, 128, 128), jnp.float32)
+    text = jax.jit(f).lower(x, ws).compile().as_text()
+    e = est.estimate_step(text, PEAKS, gpus_per_host=1, devices=1)
+    assert e.cost.flops == pytest.approx(3 * 2 * 64 * 128 * 128)
+    assert e.seconds > 0 and e.mfu is None
+
+
+def test_host_syncs_and_graphed_kernels_from_thunks():
+    text = """\
+001: kConditional   [source | sink]
+  true_branch:
+    002: kKernel    [source | sink]
+003: kCommandBuffer [source | sink]
+    004: kKernel    [source | sink]
+    008: kConditional [source | sink]
+005: kWhile         [source | sink]
+condition:
+  006: kKernel      [source | sink]
+body:
+  007: kKernel      [source | sink]
+"""
+    seq = thunks.parse_thunks(text)
+    names = {1: "cond.1", 2: "fusion.2", 4: "fusion.4", 5: "while.5", 6: "cmp", 7: "fusion.7"}
+    names[8] = "cond.8"  # captured in the command buffer: a CUDA graph conditional node
+    assert thunks.graphed_instructions(seq, names) == frozenset({"fusion.4", "cond.8"})
+    assert thunks.host_syncs(seq, names, {"while.5": None}) == {"cond.1": 1, "while.5": 1}
+    assert thunks.host_syncs(seq, names, {"while.5": 12}) == {"cond.1": 1}
+
+
+def test_megatron_model_flops():
+    """``GPTConfig.flops_per_step`` is Megatron-LM's ``num_floating_point_operations``: for
+    a GPT-3-style model it is the Megatron paper's ``72 B s L h^2 (1 + s / 6h + V / 12 L h)``
+    (arXiv 2104.04473, appendix), and for Llama-3-8B the GQA/SwiGLU form."""
+    gpt = GPTConfig(
+        vocab_size=51200, num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048
+    )
+    b, s, n, h, v = 8, 2048, 24, 2048, 51200
+    paper = 72 * b * s * n * h**2 * (1 + s / (6 * h) + v / (12 * n * h))
+    assert gpt.flops_per_step(b) == pytest.approx(paper, rel=1e-12)
+    llama = GPTConfig(
+        vocab_size=128256,
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        group_query_attention=True,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        seq_length=4096,
+        swiglu=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    )
+    attention = 1 + 8 / 32 + 4096 / 4096
+    mlp = 14336 / 4096 * 1.5
+    logit = 128256 / (2 * 32 * 4096)
+    want = 12 * 16 * 4096 * 32 * 4096**2 * (attention + mlp + logit)
+    assert llama.flops_per_step(16) == pytest.approx(want, rel=1e-12)
+    assert np.isclose(want, 3.37e15, rtol=0.01)
+
+
+def test_report_figures_carry_the_estimate():
+    import dataclasses
+
+    from test_aot import _report
+
+    e = est.StepEstimate(
+        0.5,
+        est.Cost(compute_s=0.4, memory_s=0.1, host_syncs=3),
+        est.PEAKS["h100"],
+        devices=8,
+        model_flops=0.5 * 8 * 989.4e12 * 0.45,
+        collectives=(
+            est.CollectiveCost(
+                "rs.1", "reduce-scatter", "x/grad_sync_in_cooldown/rs", 2, False, 1.0, 1e-3, 1e-3
+            ),
+        ),
+    )
+    r = dataclasses.replace(_report(None), estimate=e, host_syncs_per_step=3.0)
+    fig = r.figures()
+    assert fig["estimated_step_ms"] == pytest.approx(500.0)
+    assert fig["estimated_mfu"] == pytest.approx(0.45)
+    assert fig["host_syncs_per_step"] == 3.0 and fig["dp_sync_overlapped"] is True
+    assert "estimated step on NVIDIA H100" in r.format() and "MFU 45.0%" in r.format()
+    exposed = dataclasses.replace(
+        e,
+        collectives=(
+            est.CollectiveCost(
+                "rs.1", "reduce-scatter", "x/data_parallel_sync/rs", 2, False, 1.0, 1e-3, 0.0
+            ),
+        ),
+    )
+    r = dataclasses.replace(r, estimate=exposed)
+    assert r.figures()["dp_sync_overlapped"] is False
+    assert "data-parallel gradient sync: exposed: reduce-scatter rs.1 1.00 ms" in r.format()
