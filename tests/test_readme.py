@@ -114,7 +114,8 @@ def test_readme_command_runs_as_printed(block, tmp_path):
         (tmp_path / name).symlink_to(ROOT / name)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # the commands set their own device count
-    for line in block.strip().splitlines():
+    # a command continued over several lines (a trailing backslash) is one line to bash
+    for line in re.sub(r"\\\n\s*", " ", block.strip()).splitlines():
         cmd = as_run_here(line)
         run = subprocess.run(
             ["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1800
