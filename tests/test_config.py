@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from jax_wgrad import GPTConfig, ParallelConfig
@@ -142,6 +143,23 @@ def test_make_mesh():
     mesh = make_mesh(par)
     assert mesh.axis_names == AXES
     assert dict(mesh.shape) == {"data": 2, "expert": 1, "tensor": 2, "pipeline": 2}
+
+
+def test_make_mesh_orders_devices_as_megatron_ranks():
+    """Megatron's default rank order (tp-cp-ep-dp-pp): tensor ranks consecutive, pipeline
+    slowest -- so a tensor group stays on one host (here: hosts of 2 devices)."""
+    devices = jax.devices()
+    par = ParallelConfig(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2
+    )
+    mesh = make_mesh(par, devices)
+    d_, e_, t_, p_ = par.mesh_shape  # (1, 2, 2, 2)
+    for d, e, t, p in np.ndindex(*par.mesh_shape):
+        rank = t + t_ * (e + e_ * (d + d_ * p))
+        assert mesh.devices[d, e, t, p] == devices[rank]
+    hosts = {i: i // 2 for i in range(8)}
+    for d, e, p in np.ndindex(d_, e_, p_):
+        assert len({hosts[x.id] for x in mesh.devices[d, e, :, p]}) == 1
 
 
 def test_make_mesh_device_mismatch():

@@ -45,7 +45,8 @@ PEAKS = est.Peaks(
     ],
 )
 def test_group_span(line, size, crosses):
-    assert est.group_span(line, gpus_per_host=4) == (size, crosses)
+    hosts = [d // 4 for d in range(8)]  # two hosts of four devices
+    assert est.group_span(line, hosts) == (size, crosses)
 
 
 _MODULE = """\
@@ -114,7 +115,7 @@ false_computation=%light
 
 
 def test_roofline_of_each_kernel_and_collective():
-    mc = est.ModuleCosts(_MODULE, PEAKS, gpus_per_host=8)
+    mc = est.ModuleCosts(_MODULE, PEAKS, hosts=(0, 0))
     cost = mc.computation(mc.entry)
     gemm_s = 2 * 64 * 128 * 256 / 1e12  # 4.2 us at the bf16 peak
     gemm_io = (64 * 128 + 128 * 256 + 64 * 256) * 2  # 115 us at 1 GB/s: memory-bound
@@ -134,7 +135,7 @@ def test_roofline_of_each_kernel_and_collective():
 
 def test_gemm_class_work_between_start_and_done_hides_the_collective():
     fast = dataclasses_replace(PEAKS, hbm_bandwidth=1e15)  # the GEMM becomes FLOP-bound
-    mc = est.ModuleCosts(_MODULE, fast, gpus_per_host=8)
+    mc = est.ModuleCosts(_MODULE, fast, hosts=(0, 0))
     cost = mc.computation(mc.entry)
     gemm_s = 2 * 64 * 128 * 256 / 1e12
     ag = 4000 / 1e8
@@ -146,7 +147,7 @@ def test_gemm_class_work_between_start_and_done_hides_the_collective():
 
 
 def test_lighter_branch_and_network_bandwidth():
-    mc = est.ModuleCosts(_MODULE, PEAKS, gpus_per_host=1)  # {0,1} now spans two hosts
+    mc = est.ModuleCosts(_MODULE, PEAKS, hosts=(0, 1))  # {0,1} spans two hosts
     idle = mc.computation(mc.entry, busy=False)
     busy = mc.computation(mc.entry)
     assert busy.memory_s - idle.memory_s == pytest.approx(8000 / 1e9)
@@ -179,7 +180,7 @@ def test_flops_of_a_cpu_compiled_scan_of_matmuls():
 
     x, ws = jnp.ones((64, 128), jnp.float32), jnp.ones((3, 128, 128), jnp.float32)
     text = jax.jit(f).lower(x, ws).compile().as_text()
-    e = est.estimate_step(text, PEAKS, gpus_per_host=1, devices=1)
+    e = est.estimate_step(text, PEAKS)
     assert e.cost.flops == pytest.approx(3 * 2 * 64 * 128 * 128)
     assert e.seconds > 0 and e.mfu is None
 

@@ -21,7 +21,7 @@ import glob
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -165,7 +165,7 @@ def compile_program(
     lowered,
     target: GpuTarget | str = "h100",
     *,
-    gpus_per_host: int = 1,
+    hosts: Sequence[int] = (0,),
     model_flops: float | None = None,
     xla_options: dict[str, Any] | None = None,
     loop_trips: int | None = None,
@@ -173,7 +173,9 @@ def compile_program(
     """Compiles a lowered program (``jax.jit(f).trace(*abstract).lower()`` on compile-only
     devices of ``target``: :func:`~jax_wgrad.aot.target_devices`) with the GPU run's XLA
     flags and estimates one run of it: any program, e.g. a plain-JAX train step beside
-    the library's (``benchmarks/step_vs_plain_jax.py --compile-only``)."""
+    the library's (``benchmarks/step_vs_plain_jax.py --compile-only``). ``hosts``: the
+    host of each device of its device assignment (:class:`~jax_wgrad.aot.estimate.ModuleCosts`);
+    ``loop_trips``: count one iteration of the outermost loop of that many iterations."""
     target = gpu_target(target) if isinstance(target, str) else target
     compiled, thunk_text, meta_text = _compile_dumped(lowered, _xla_options(xla_options))
     text = compiled.as_text()
@@ -197,7 +199,7 @@ def compile_program(
         estimate.PEAKS[target.name],
         thunk_text=thunk_text,
         meta_text=meta_text,
-        gpus_per_host=gpus_per_host,
+        hosts=hosts,
         model_flops=model_flops,
     )
     return CompiledProgram(compiled, est, n, loop_n, est.cost.host_syncs)
@@ -216,7 +218,7 @@ def estimate_compiled(
     plan=None,
     thunk_text: str | None = None,
     meta_text: str | None = None,
-    gpus_per_host: int = 1,
+    hosts: Sequence[int] | None = None,
     model_flops: float | None = None,
 ) -> estimate.StepEstimate:
     """The estimated step of a compiled module on ``peaks``' device
@@ -224,8 +226,10 @@ def estimate_compiled(
     :class:`~jax_wgrad.training.TrainPlan`) its schedule loop's ticks busy or idle as the
     plan's table says and the model's FLOPs (``flops_per_step``, if the model config has
     it) for the MFU; with XLA:GPU's thunk sequence and metadata (``*thunk_sequence*.txt``,
-    ``*thunk_metadata.txt``) the kernels in CUDA graphs and the host syncs. Works on any
-    backend's compiled text (``compiled.as_text()``)."""
+    ``*thunk_metadata.txt``) the kernels in CUDA graphs and the host syncs. ``hosts``: the
+    host of each device of the program (default: the plan's mesh devices'
+    ``process_index`` in mesh order -- the logical ids collectives name -- else one
+    device). Works on any backend's compiled text (``compiled.as_text()``)."""
     graphed, syncs = frozenset(), None
     if thunk_text and meta_text:
         parsed, names = thunks.parse_thunks(thunk_text), thunks.thunk_names(meta_text)
@@ -242,11 +246,12 @@ def estimate_compiled(
             num_ticks=plan.table.num_ticks,
             num_stages=plan.table.num_stages,
         )
+    if hosts is None:
+        hosts = (0,) if plan is None else [d.process_index for d in plan.mesh.devices.flat]
     return estimate.estimate_step(
         text,
         peaks,
-        gpus_per_host=gpus_per_host,
-        devices=1 if plan is None else plan.mesh.devices.size,
+        hosts=hosts,
         graphed=graphed,
         host_syncs=syncs,
         model_flops=model_flops,
@@ -342,7 +347,6 @@ def compile_plan(
         plan=plan,
         thunk_text=thunk_text,
         meta_text=meta_text,
-        gpus_per_host=gpus_per_host,
     )
     syncs = step_estimate.cost.host_syncs if thunk_text and meta_text else None
     traffic = None if loop is None else hlo.loop_traffic(text, loop[1])

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -174,12 +174,17 @@ _LIST_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
-def group_span(line: str, gpus_per_host: int) -> tuple[int, bool]:
+def group_span(line: str, hosts: Sequence[int]) -> tuple[int, bool]:
     """``(group size, whether a group spans hosts)`` of a collective instruction line,
     from its ``replica_groups`` (explicit lists, iota ``[a,b]<=[n]T(...)``, or jax's
-    ``mesh[...] {axes}``; device ``d`` on host ``d // gpus_per_host``) or a permute's
-    ``source_target_pairs``; a line with neither is one group of unknown size spanning
-    hosts (``(0, True)``: the conservative side)."""
+    ``mesh[...] {axes}``) or a permute's ``source_target_pairs``, whose device numbers are
+    logical ids (positions in the program's device assignment: a mesh's
+    ``devices.flat``) on host ``hosts[id]``; a line with neither is one group of unknown
+    size spanning hosts (``(0, True)``: the conservative side)."""
+
+    def host(d: int) -> int:
+        return hosts[d] if 0 <= d < len(hosts) else -1 - d  # unknown: a host of its own
+
     groups: list[list[int]] = []
     m = _MESH_GROUPS.search(line)
     if m:
@@ -202,12 +207,12 @@ def group_span(line: str, gpus_per_host: int) -> tuple[int, bool]:
         ]
     elif (m := _PAIRS.search(line)) is not None:
         pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
-        cross = any(a // gpus_per_host != b // gpus_per_host for a, b in pairs)
+        cross = any(host(a) != host(b) for a, b in pairs)
         return 2, cross
     groups = [g for g in groups if g]
     if not groups:
         return 0, True
-    cross = any(len({d // gpus_per_host for d in g}) > 1 for g in groups)
+    cross = any(len({host(d) for d in g}) > 1 for g in groups)
     return len(groups[0]), cross
 
 
@@ -253,7 +258,8 @@ class ModuleCosts:
     Args:
       text: ``compiled.as_text()``.
       peaks: the target's :class:`Peaks`.
-      gpus_per_host: to tell NVLink from network collectives.
+      hosts: the host of each logical device id (the device assignment's order), to tell
+        NVLink from network collectives; default: one host.
       graphed: names of HLO instructions XLA:GPU runs inside command buffers (CUDA graphs:
         :attr:`Peaks.graph_kernel_s` per kernel instead of :attr:`Peaks.launch_s`); default
         none.
@@ -267,13 +273,13 @@ class ModuleCosts:
         text: str,
         peaks: Peaks,
         *,
-        gpus_per_host: int = 8,
+        hosts: Sequence[int] = (0,),
         graphed: frozenset[str] = frozenset(),
         host_syncs: Mapping[str, int] | None = None,
     ):
         self.comps = hlo.computations(text)
         self.peaks = peaks
-        self.gpus_per_host = gpus_per_host
+        self.hosts = tuple(hosts)
         self.graphed = graphed
         self.host_syncs = dict(host_syncs or {})
         self.trips = hlo.trip_counts(text)
@@ -423,7 +429,7 @@ class ModuleCosts:
                 if c.opcode == kind:
                     line, ins = c.line, c
                     break
-        n, cross = group_span(line, self.gpus_per_host)
+        n, cross = group_span(line, self.hosts)
         operand = sum(map(hlo.shape_bytes, self._operand_shapes(ins)))
         nbytes = _collective_bytes(kind, ins, operand, n or 2)
         bw = self.peaks.network_bandwidth if cross else self.peaks.nvlink_bandwidth
@@ -592,8 +598,7 @@ def estimate_step(
     text: str,
     peaks: Peaks,
     *,
-    gpus_per_host: int,
-    devices: int,
+    hosts: Sequence[int] = (0,),
     graphed: frozenset[str] = frozenset(),
     host_syncs: Mapping[str, int] | None = None,
     loop: tuple[str, str] | None = None,
@@ -613,14 +618,15 @@ def estimate_step(
         ``scopes``) are busy in tick ``t`` on stage ``s`` when ``busy(task, t, s)``; the
         loop runs ``num_ticks`` ticks over ``num_stages`` stages (:func:`schedule_time`).
         ``None``: the module has no such loop (its loops count their trip counts).
-      devices: the devices the step runs on (for MFU).
+      hosts: the host of each device of the program, in its device assignment's order
+        (:class:`ModuleCosts`); their number is the devices the MFU divides by.
     """
-    mc = ModuleCosts(
-        text, peaks, gpus_per_host=gpus_per_host, graphed=graphed, host_syncs=host_syncs
-    )
+    mc = ModuleCosts(text, peaks, hosts=hosts, graphed=graphed, host_syncs=host_syncs)
     if loop is None or busy is None:
         cost = mc.computation(mc.entry)
-        return StepEstimate(cost.seconds, cost, peaks, devices, model_flops, tuple(mc.collectives))
+        return StepEstimate(
+            cost.seconds, cost, peaks, len(mc.hosts), model_flops, tuple(mc.collectives)
+        )
     name, body = loop
     conds = [i for i in hlo.instructions(mc.comps.get(body, ())) if i.opcode == "conditional"]
     tasks: dict[str, tuple[Cost, Cost]] = {}
@@ -639,7 +645,7 @@ def estimate_step(
         outside.seconds + loop_s,
         outside + loop_cost,
         peaks,
-        devices,
+        len(mc.hosts),
         model_flops,
         tuple(mc.collectives),
     )
