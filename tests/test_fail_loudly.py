@@ -93,6 +93,11 @@ def test_numeric_range(pretrain, capsys, argv, message):
             "--rotary-base 500000.0 needs --position-embedding-type rope",
         ),
         (["--rotary-percent", "0.5"], "--rotary-percent 0.5 needs --position-embedding-type rope"),
+        (["--use-rope-scaling"], "--use-rope-scaling needs --position-embedding-type rope"),
+        (
+            ["--position-embedding-type", "rope", "--rope-scaling-factor", "32"],
+            "--rope-scaling-factor 32.0 needs --use-rope-scaling",
+        ),
         (["--profile-steps", "2"], "--profile-steps 2 needs --profile-dir"),
         (["--process-id", "0"], "--process-id 0 needs --distributed"),
         (

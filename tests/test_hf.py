@@ -196,6 +196,12 @@ def test_exported_config_maps_back_to_the_same_model(family):
 @pytest.mark.parametrize(
     "family, change, field",
     [
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+            "rope_scaling.rope_type",
+        ),
+        # llama3 scaling without its band parameters
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
         (
             "llama",
@@ -223,6 +229,61 @@ def test_exported_config_maps_back_to_the_same_model(family):
 def test_unrepresentable_configs_are_refused_naming_the_field(family, change, field):
     with pytest.raises(UnsupportedHFConfig, match=f"config {field}="):
         config_from_hf({**_hf_config(family), **change})
+
+
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rope_scaling": LLAMA31_ROPE},  # transformers 4
+        {"rope_parameters": {**LLAMA31_ROPE, "rope_theta": 500000.0}},  # transformers 5
+    ],
+    ids=["rope_scaling", "rope_parameters"],
+)
+def test_llama31_rope_scaling_imports_and_exports(change):
+    """Llama 3.1-3.3's ``rope_type: "llama3"`` becomes Megatron's --use-rope-scaling with
+    Hugging Face's band parameters, and exports back to the same dict."""
+    base = {k: v for k, v in _hf_config("llama").items() if k != "rope_parameters"}
+    cfg = config_from_hf({**base, "rope_theta": 500000.0, **change})
+    assert cfg.rope_scaling and cfg.rotary_base == 500000.0
+    assert (
+        cfg.rope_scaling_factor,
+        cfg.rope_scaling_low_freq_factor,
+        cfg.rope_scaling_high_freq_factor,
+        cfg.rope_scaling_original_max_position_embeddings,
+    ) == (8.0, 1.0, 4.0, 8192)
+    out = hf_config_from(cfg)
+    assert out["rope_scaling"] == LLAMA31_ROPE
+    assert config_from_hf(out) == cfg
+
+
+def test_llama31_rope_frequency_bands():
+    """Llama 3.1 (head_dim 128, base 5e5, factor 8 over 8192 positions): frequencies whose
+    wavelength is under 8192 / 4 are kept, over 8192 divided by 8, and between
+    interpolated (transformers' ``_compute_llama3_parameters``)."""
+    from jax_wgrad.functional import RopeScaling, rope_frequencies
+
+    plain = np.asarray(rope_frequencies(128, 500000.0), np.float64)
+    scaled = np.asarray(rope_frequencies(128, 500000.0, RopeScaling()), np.float64)
+    wavelen = 2 * np.pi / plain
+    high, low = wavelen < 2048, wavelen > 8192
+    medium = ~high & ~low
+    assert high.sum() and low.sum() and medium.sum()
+    np.testing.assert_array_equal(scaled[high], plain[high])
+    np.testing.assert_allclose(scaled[low], plain[low] / 8, rtol=1e-7)
+    ratio = scaled[medium] / plain[medium]
+    assert np.all((ratio > 1 / 8) & (ratio < 1)) and np.all(np.diff(ratio) < 0)
+    # smooth = (8192 / wavelen - 1) / (4 - 1); inv * ((1 - smooth) / 8 + smooth)
+    smooth = (8192 / wavelen[medium] - 1) / 3
+    np.testing.assert_allclose(ratio, (1 - smooth) / 8 + smooth, rtol=1e-6)
 
 
 def test_a_sliding_window_longer_than_the_sequence_is_accepted():

@@ -232,6 +232,44 @@ def test_qwen_and_megatron_only_options_equal_jax_grad(schedule):
 
 
 @pytest.mark.parametrize(
+    "dp, tp, pp", [(1, 1, 1), pytest.param(2, 2, 2, marks=pytest.mark.slow)]
+)  # one device by default (suite time); (2,2,2)+SP: RoPE after the sequence-parallel gather
+def test_llama31_rope_scaling_equals_single_device_jax_grad(dp, tp, pp):
+    """Llama 3.1's RoPE scaling, fused: kv_channels 8 at base 5e5 with an original 256
+    positions puts one frequency in each band (kept, interpolated, divided by the factor;
+    two divided). The reference applies transformers' formula on its own."""
+    arch = dict(
+        LLAMA,
+        kv_channels=8,
+        rope_scaling=True,
+        rope_scaling_factor=8.0,
+        rope_scaling_original_max_position_embeddings=256,
+    )
+    loss, ref_loss, grads, ref_grads = _check_gradients(
+        dp, tp, pp, sp=tp > 1, fusion=True, tied=False, arch=arch, world_size=dp * tp * pp
+    )
+    _assert_equal_grads(loss, ref_loss, grads, ref_grads)
+    # the scaling changes the gradients far beyond the tolerance (ignoring it would fail)
+    cfg = GPTConfig(
+        num_layers=4,
+        hidden_size=32,
+        seq_length=8,
+        vocab_size=64,
+        untie_embeddings_and_output_weights=True,
+        **arch,
+    )
+    tokens = jax.random.randint(jax.random.key(1), (4 * dp, 9), 0, 64)
+    unscaled = jax.grad(reference_loss)(
+        init_params(cfg, seed=0), tokens, dataclasses.replace(cfg, rope_scaling=False)
+    )
+    diff = max(
+        float(np.abs(np.asarray(g) - np.asarray(u)).max() / np.abs(np.asarray(u)).max())
+        for g, u in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(unscaled))
+    )
+    assert diff > 1e-4
+
+
+@pytest.mark.parametrize(
     "schedule, recompute, mode",
     [
         pytest.param("1f1b", "selective", "stash", marks=pytest.mark.slow),

@@ -286,7 +286,6 @@ class ModuleCosts:
         self.shapes = hlo._Shapes(self.comps)
         self.entry = hlo.entry_name(text)
         self.collectives: list[CollectiveCost] = []
-        self._seen: set[str] = set()
 
     # ---------------------------------------------------------------- kernels
 

@@ -3,7 +3,12 @@ gradients into fp32 main grads or flat buckets, Megatron's conjugate collectives
 vocab-parallel cross entropy, the attention core and the expert-parallel MoE MLP. No
 modules, no parameters."""
 
-from jax_wgrad.functional.attention import causal_attention, rotary_embedding
+from jax_wgrad.functional.attention import (
+    RopeScaling,
+    causal_attention,
+    rope_frequencies,
+    rotary_embedding,
+)
 from jax_wgrad.functional.collectives import (
     SEQ_DIM,
     copy_to_tensor_parallel_region,
@@ -42,6 +47,8 @@ __all__ = [
     "WgradRoutes",
     "causal_attention",
     "rotary_embedding",
+    "rope_frequencies",
+    "RopeScaling",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_last_dim",

@@ -2,12 +2,56 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["causal_attention", "rotary_embedding"]
+__all__ = ["RopeScaling", "causal_attention", "rope_frequencies", "rotary_embedding"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x's RoPE frequency scaling (Megatron's ``--use-rope-scaling``, Hugging
+    Face's ``rope_type: "llama3"``): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``,
+    those shorter than ``original_max_position_embeddings / high_freq_factor`` kept, and
+    those between interpolated smoothly. The defaults are Llama 3.1's (and Megatron's)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(
+                f"RoPE scaling needs factor ({self.factor}) > 0 and 0 < low_freq_factor "
+                f"({self.low_freq_factor}) < high_freq_factor ({self.high_freq_factor})"
+            )
+        if not self.original_max_position_embeddings > 0:
+            raise ValueError(
+                "RoPE scaling's original_max_position_embeddings must be > 0, got "
+                f"{self.original_max_position_embeddings}"
+            )
+
+
+def rope_frequencies(rot: int, base: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """``[rot / 2]`` float32: the inverse frequencies ``base^(-2i / rot)`` of RoPE over
+    ``rot`` dims, scaled by ``scaling`` (Llama 3.x, :class:`RopeScaling`) as Hugging Face's
+    ``_compute_llama3_parameters`` and Megatron's ``_apply_scaling`` do, in float32."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    if scaling is None:
+        return inv_freq
+    old = float(scaling.original_max_position_embeddings)
+    lo, hi, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return jnp.where(medium, smoothed, scaled)
 
 
 def causal_attention(
@@ -42,11 +86,14 @@ def causal_attention(
     return out.reshape(b, s, h * d)
 
 
-def rotary_embedding(x: jax.Array, *, base: float, percent: float = 1.0) -> jax.Array:
+def rotary_embedding(
+    x: jax.Array, *, base: float, percent: float = 1.0, scaling: RopeScaling | None = None
+) -> jax.Array:
     """RoPE of ``x`` ``[b, s, heads, head_dim]`` at positions ``0 .. s - 1`` (the whole
     sequence: apply it after the sequence-parallel all-gather), on the first
     ``percent * head_dim`` dims in the non-interleaved ``rotate_half`` convention
-    (Megatron's default, Hugging Face Llama's): angles in fp32, output in ``x.dtype``."""
+    (Megatron's default, Hugging Face Llama's), its frequencies scaled by ``scaling``
+    (Llama 3.x, :class:`RopeScaling`): angles in fp32, output in ``x.dtype``."""
     s, d = x.shape[1], x.shape[-1]
     rot = int(d * percent)
     if rot % 2 or not 0 < rot <= d:
@@ -54,7 +101,7 @@ def rotary_embedding(x: jax.Array, *, base: float, percent: float = 1.0) -> jax.
             f"rotary_embedding: rotary dims {rot} (head_dim {d} x rotary_percent "
             f"{percent}) must be even and positive"
         )
-    inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    inv_freq = rope_frequencies(rot, base, scaling)
     angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None]  # [s, rot/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None].astype(x.dtype)
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None].astype(x.dtype)

@@ -55,28 +55,45 @@ def _family(hf: dict) -> str:
     return FAMILIES[arch[0]]
 
 
-def _rope_theta(hf: dict, family: str) -> float:
-    """``rope_theta`` from transformers 4's flat fields or 5's ``rope_parameters``;
-    scaled or partial rotary embeddings are refused."""
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_fields(hf: dict, family: str) -> dict[str, Any]:
+    """``rotary_base`` and the ``rope_scaling*`` fields from transformers 4's flat fields
+    (``rope_theta``, ``rope_scaling``) or 5's ``rope_parameters``: plain RoPE, or Llama
+    3.x's ``rope_type: "llama3"``; other scalings and partial rotary embeddings are
+    refused."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "default":
-        _refuse(
-            "rope_scaling",
-            scaling,
-            "scaled RoPE (llama3, yarn, linear, dynamic, ...) is not implemented; only plain RoPE",
+    scaling = hf.get("rope_scaling") or (params if "rope_type" in params else None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    fields: dict[str, Any] = {}
+    if kind == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+        if missing:
+            _refuse(where, scaling, f"rope_type 'llama3' needs {missing}")
+        fields = dict(
+            rope_scaling=True,
+            rope_scaling_factor=float(scaling["factor"]),
+            rope_scaling_low_freq_factor=float(scaling["low_freq_factor"]),
+            rope_scaling_high_freq_factor=float(scaling["high_freq_factor"]),
+            rope_scaling_original_max_position_embeddings=int(
+                scaling["original_max_position_embeddings"]
+            ),
         )
-    if params.get("rope_type", "default") != "default":
+    elif kind != "default":
         _refuse(
-            "rope_parameters.rope_type",
-            params["rope_type"],
-            "scaled RoPE is not implemented; only 'default'",
+            f"{where}.rope_type",
+            kind,
+            "only plain RoPE ('default') and Llama 3.x's 'llama3' scaling are implemented "
+            "(linear, yarn, longrope, dynamic, ... are not)",
         )
-    for where in (hf, params):
-        factor = where.get("partial_rotary_factor", 1.0)
+    for source in (hf, params):
+        factor = source.get("partial_rotary_factor", 1.0)
         if factor != 1.0:
             _refuse("partial_rotary_factor", factor, "this family rotates the whole head")
-    return float(params.get("rope_theta", hf.get("rope_theta", _ROPE_DEFAULTS[family])))
+    theta = params.get("rope_theta", hf.get("rope_theta", _ROPE_DEFAULTS[family]))
+    return {"rotary_base": float(theta), **fields}
 
 
 def _sliding_window_active(hf: dict, family: str, num_layers: int) -> bool:
@@ -179,7 +196,7 @@ def _config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
         ffn_hidden_size=hf["intermediate_size"],
         normalization="RMSNorm",
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf, family),
+        **_rope_fields(hf, family),
         swiglu=True,
         group_query_attention=nkv != nh,
         num_query_groups=nkv if nkv != nh else None,
@@ -277,7 +294,15 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
         "initializer_range": cfg.init_method_std,
         "rms_norm_eps": cfg.layernorm_epsilon,
         "rope_theta": cfg.rotary_base,
-        "rope_scaling": None,
+        "rope_scaling": None
+        if not cfg.rope_scaling
+        else {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_scaling_low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_scaling_original_max_position_embeddings,
+        },
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "attention_dropout": 0.0,
         "use_cache": True,

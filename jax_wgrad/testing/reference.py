@@ -41,10 +41,23 @@ def _dense(x, p, w="weight", b="bias"):
 
 
 def _rope(x, cfg: GPTConfig):
-    """``x [b, s, heads, d]``: Hugging Face Llama's rotary embedding (rotate_half)."""
+    """``x [b, s, heads, d]``: Hugging Face Llama's rotary embedding (rotate_half), with
+    Llama 3.x's frequency scaling when ``cfg.rope_scaling``."""
     s, d = x.shape[1], x.shape[-1]
     rot = int(d * cfg.rotary_percent)
     inv = 1.0 / (cfg.rotary_base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    if cfg.rope_scaling:  # transformers' _compute_llama3_parameters, step by step
+        factor, old = cfg.rope_scaling_factor, cfg.rope_scaling_original_max_position_embeddings
+        low_wavelen = old / cfg.rope_scaling_low_freq_factor
+        high_wavelen = old / cfg.rope_scaling_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        llama = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - cfg.rope_scaling_low_freq_factor) / (
+            cfg.rope_scaling_high_freq_factor - cfg.rope_scaling_low_freq_factor
+        )
+        smoothed = (1 - smooth) * llama / factor + smooth * llama
+        medium = jnp.logical_not(wavelen < high_wavelen) & jnp.logical_not(wavelen > low_wavelen)
+        inv = jnp.where(medium, smoothed, llama)
     ang = jnp.arange(s, dtype=jnp.float32)[:, None] * inv[None]
     emb = jnp.concatenate([ang, ang], -1)
     cos, sin = (f(emb)[None, :, None].astype(x.dtype) for f in (jnp.cos, jnp.sin))

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 from jax_wgrad._validation import check_positive
+from jax_wgrad.functional.attention import RopeScaling
 from jax_wgrad.functional.moe import MoEConfig
 from jax_wgrad.nn.norm import NORMALIZATIONS
 from jax_wgrad.parallel.config import ParallelConfig
@@ -75,6 +76,18 @@ class GPTConfig:
     """RoPE's base (theta)."""
     rotary_percent: float = 1.0
     """The share of each head's dims that RoPE rotates (the first ones)."""
+    rope_scaling: bool = False
+    """Scale RoPE's frequencies as Llama 3.1-3.3 do (Hugging Face's ``rope_type:
+    "llama3"``; :class:`~jax_wgrad.functional.RopeScaling`)."""
+    rope_scaling_factor: float = 8.0
+    """The RoPE scaling's factor (8 for Llama 3.1 and 3.3, 32 for 3.2)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """The RoPE scaling's ``low_freq_factor`` (from Hugging Face configs; Megatron: 1)."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """The RoPE scaling's ``high_freq_factor`` (from Hugging Face configs; Megatron: 4)."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """The RoPE scaling's ``original_max_position_embeddings`` (from Hugging Face configs;
+    Megatron: 8192)."""
     swiglu: bool = dataclasses.field(
         default=MoEConfig.__dataclass_fields__["swiglu"].default,
         metadata={_MOE: "swiglu", _DENSE_TOO: True},
@@ -226,6 +239,12 @@ class GPTConfig:
                 f"rotary_base ({self.rotary_base}) must be > 0 and rotary_percent "
                 f"({self.rotary_percent}) in (0, 1]"
             )
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            raise ValueError(
+                "rope_scaling (--use-rope-scaling) needs position_embedding_type 'rope', "
+                f"got {self.position_embedding_type!r}"
+            )
+        self.rope_scaling_config()  # its own checks
         if self.position_embedding_type == "rope" and int(self.head_dim * self.rotary_percent) % 2:
             raise ValueError(
                 f"rotary_percent ({self.rotary_percent}) x kv_channels "
@@ -326,6 +345,18 @@ class GPTConfig:
         if self.num_moe_experts is None:
             return (False,) * self.num_layers
         return tuple(i % self.moe_layer_freq == 0 for i in range(self.num_layers))
+
+    def rope_scaling_config(self) -> RopeScaling | None:
+        """The RoPE frequency scaling of the ``rope_scaling*`` fields, ``None`` when off.
+        Raises ``ValueError`` for factors that do not make one."""
+        if not self.rope_scaling:
+            return None
+        return RopeScaling(
+            factor=self.rope_scaling_factor,
+            low_freq_factor=self.rope_scaling_low_freq_factor,
+            high_freq_factor=self.rope_scaling_high_freq_factor,
+            original_max_position_embeddings=self.rope_scaling_original_max_position_embeddings,
+        )
 
     @property
     def head_dim(self) -> int:

@@ -146,7 +146,9 @@ class TransformerLayer(nnx.Module):
         self.head_dim = d
         self.attention = attention
         self.rope = (
-            (cfg.rotary_base, cfg.rotary_percent) if cfg.position_embedding_type == "rope" else None
+            (cfg.rotary_base, cfg.rotary_percent, cfg.rope_scaling_config())
+            if cfg.position_embedding_type == "rope"
+            else None
         )
         self.swiglu = cfg.swiglu
         self.ln1 = norm(h)
@@ -225,9 +227,9 @@ class TransformerLayer(nnx.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            base, percent = self.rope
-            q = rotary_embedding(q, base=base, percent=percent)
-            k = rotary_embedding(k, base=base, percent=percent)
+            base, percent, scaling = self.rope
+            q = rotary_embedding(q, base=base, percent=percent, scaling=scaling)
+            k = rotary_embedding(k, base=base, percent=percent, scaling=scaling)
         return causal_attention(q, k, v, implementation=self.attention)
 
     def _moe_mlp(self, h: jax.Array) -> jax.Array:

@@ -1,7 +1,7 @@
 """Shapes of the models people train, as ``GPTConfig`` arguments (:data:`PRESETS`).
 
-The full-size shapes are those of the published Hugging Face configs (Llama-3 8B / 70B,
-Mistral 7B v0.3, Qwen2.5 7B, Mixtral 8x7B); the ``-tiny`` ones keep each family's
+The full-size shapes are those of the published Hugging Face configs (Llama-3 and 3.1
+8B / 70B, Mistral 7B v0.3, Qwen2.5 7B, Mixtral 8x7B); the ``-tiny`` ones keep each family's
 architecture at a size a CPU trains in seconds. :func:`preset` builds a config, overrides
 winning (the example's ``--model NAME`` with flags).
 """
@@ -22,6 +22,13 @@ _LLAMA = dict(
     add_bias_linear=False,
     untie_embeddings_and_output_weights=True,
     layernorm_epsilon=1e-5,
+)
+_LLAMA31 = dict(
+    rope_scaling=True,
+    rope_scaling_factor=8.0,
+    rope_scaling_low_freq_factor=1.0,
+    rope_scaling_high_freq_factor=4.0,
+    rope_scaling_original_max_position_embeddings=8192,
 )
 _TINY = dict(
     num_layers=4,
@@ -55,6 +62,33 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=128256,
         seq_length=8192,
         rotary_base=500000.0,
+    ),
+    # Llama 3.1 (and 3.3 70B): Llama 3's shapes with its RoPE scaling (factor 8 over an
+    # original 8192 positions); the published configs allow 131072 positions, the preset
+    # trains at 8192 (--seq-length changes it).
+    "llama3.1-8b": dict(
+        _LLAMA,
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        seq_length=8192,
+        rotary_base=500000.0,
+        **_LLAMA31,
+    ),
+    "llama3.1-70b": dict(
+        _LLAMA,
+        num_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_query_groups=8,
+        ffn_hidden_size=28672,
+        vocab_size=128256,
+        seq_length=8192,
+        rotary_base=500000.0,
+        **_LLAMA31,
     ),
     "mistral-7b": dict(
         _LLAMA,
@@ -95,6 +129,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_ffn_hidden_size=14336,
     ),
     "llama3-tiny": dict(_LLAMA, **_TINY, rotary_base=500000.0),
+    # the scaling at a tiny size: an original 64 positions puts head_dim 16's frequencies in
+    # all three bands (kept, interpolated, divided by the factor)
+    "llama3.1-tiny": dict(
+        _LLAMA,
+        **_TINY,
+        rotary_base=500000.0,
+        **{**_LLAMA31, "rope_scaling_original_max_position_embeddings": 64},
+    ),
     "mistral-tiny": dict(_LLAMA, **_TINY, rotary_base=1000000.0),
     "qwen2.5-tiny": dict(
         _LLAMA, **_TINY, rotary_base=1000000.0, add_qkv_bias=True, layernorm_epsilon=1e-6
