@@ -82,12 +82,13 @@ class GPTConfig:
     rope_scaling_factor: float = 8.0
     """The RoPE scaling's factor (8 for Llama 3.1 and 3.3, 32 for 3.2)."""
     rope_scaling_low_freq_factor: float = 1.0
-    """The RoPE scaling's ``low_freq_factor`` (from Hugging Face configs; Megatron: 1)."""
+    """The RoPE scaling's low_freq_factor (Hugging Face configs carry it; Megatron fixes 1)."""
     rope_scaling_high_freq_factor: float = 4.0
-    """The RoPE scaling's ``high_freq_factor`` (from Hugging Face configs; Megatron: 4)."""
+    """The RoPE scaling's high_freq_factor (Hugging Face configs carry it; Megatron fixes
+    4)."""
     rope_scaling_original_max_position_embeddings: int = 8192
-    """The RoPE scaling's ``original_max_position_embeddings`` (from Hugging Face configs;
-    Megatron: 8192)."""
+    """The RoPE scaling's original_max_position_embeddings: the context the model was
+    trained at before scaling (Hugging Face configs carry it; Megatron fixes 8192)."""
     swiglu: bool = dataclasses.field(
         default=MoEConfig.__dataclass_fields__["swiglu"].default,
         metadata={_MOE: "swiglu", _DENSE_TOO: True},
