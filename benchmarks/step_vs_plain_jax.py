@@ -311,6 +311,20 @@ def _config(args) -> GPTConfig:
     )
 
 
+def _shape(args, cfg: GPTConfig, attention: str) -> dict:
+    """What the JSON line says of the run: jax, the model, the batch, the attention."""
+    return {
+        "jax": jax.__version__,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "seq_length": cfg.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size,
+        "dtype": cfg.compute_dtype,
+        "attention": attention,
+    }
+
+
 def _parallel(args, fusion: bool) -> ParallelConfig:
     return ParallelConfig(
         micro_batch_size=args.micro_batch_size,
@@ -333,14 +347,7 @@ def compile_only(args) -> dict:
     result: dict = {
         "target": args.target,
         "compile_only": True,
-        "jax": jax.__version__,
-        "num_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "seq_length": cfg.seq_length,
-        "micro_batch_size": args.micro_batch_size,
-        "global_batch_size": args.global_batch_size,
-        "dtype": cfg.compute_dtype,
-        "attention": attention,
+        **_shape(args, cfg, attention),
         "model_tflop_per_step": round(flops / 1e12, 4),
     }
     batch_shape = (args.global_batch_size, cfg.seq_length + 1)
@@ -419,14 +426,7 @@ def main(argv=None) -> dict:
     result = {
         "device": device.device_kind,
         "platform": device.platform,
-        "jax": jax.__version__,
-        "num_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "seq_length": cfg.seq_length,
-        "micro_batch_size": args.micro_batch_size,
-        "global_batch_size": args.global_batch_size,
-        "dtype": cfg.compute_dtype,
-        "attention": attention,
+        **_shape(args, cfg, attention),
     }
 
     variants: dict[str, _Timed] = {}

@@ -30,6 +30,20 @@ _LLAMA31 = dict(
     rope_scaling_high_freq_factor=4.0,
     rope_scaling_original_max_position_embeddings=8192,
 )
+_LLAMA3_8B = dict(
+    _LLAMA,
+    num_layers=32,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_query_groups=8,
+    ffn_hidden_size=14336,
+    vocab_size=128256,
+    seq_length=8192,
+    rotary_base=500000.0,
+)
+_LLAMA3_70B = dict(
+    _LLAMA3_8B, num_layers=80, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=28672
+)
 _TINY = dict(
     num_layers=4,
     hidden_size=64,
@@ -41,55 +55,13 @@ _TINY = dict(
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(
-        _LLAMA,
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_query_groups=8,
-        ffn_hidden_size=14336,
-        vocab_size=128256,
-        seq_length=8192,
-        rotary_base=500000.0,
-    ),
-    "llama3-70b": dict(
-        _LLAMA,
-        num_layers=80,
-        hidden_size=8192,
-        num_attention_heads=64,
-        num_query_groups=8,
-        ffn_hidden_size=28672,
-        vocab_size=128256,
-        seq_length=8192,
-        rotary_base=500000.0,
-    ),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3-70b": _LLAMA3_70B,
     # Llama 3.1 (and 3.3 70B): Llama 3's shapes with its RoPE scaling (factor 8 over an
     # original 8192 positions); the published configs allow 131072 positions, the preset
     # trains at 8192 (--seq-length changes it).
-    "llama3.1-8b": dict(
-        _LLAMA,
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_query_groups=8,
-        ffn_hidden_size=14336,
-        vocab_size=128256,
-        seq_length=8192,
-        rotary_base=500000.0,
-        **_LLAMA31,
-    ),
-    "llama3.1-70b": dict(
-        _LLAMA,
-        num_layers=80,
-        hidden_size=8192,
-        num_attention_heads=64,
-        num_query_groups=8,
-        ffn_hidden_size=28672,
-        vocab_size=128256,
-        seq_length=8192,
-        rotary_base=500000.0,
-        **_LLAMA31,
-    ),
+    "llama3.1-8b": dict(_LLAMA3_8B, **_LLAMA31),
+    "llama3.1-70b": dict(_LLAMA3_70B, **_LLAMA31),
     "mistral-7b": dict(
         _LLAMA,
         num_layers=32,
