@@ -380,6 +380,29 @@ def _interrupt(after_s: float, extra: list[str] = (), wait_for: str | None = Non
     return proc.returncode, out + rest, err
 
 
+def test_a_swallowed_ctrl_c_is_still_noted():
+    """A module that swallows the KeyboardInterrupt (a bare ``except:`` around an import)
+    cannot make the run go on: the scope noted the Ctrl-C, and the handler is restored."""
+    import os
+    import signal
+    import time
+
+    from jax_wgrad.pretrain.launch import interrupt_noted
+
+    before = signal.getsignal(signal.SIGINT)
+    with interrupt_noted() as ctrl_c:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # the handler runs here
+        except BaseException:  # the swallowing module
+            pass
+    assert ctrl_c.pressed
+    assert signal.getsignal(signal.SIGINT) is before
+    with interrupt_noted() as quiet:
+        pass
+    assert not quiet.pressed
+
+
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback():
     code, _, err = _interrupt(1.0)  # while the modules are being imported
     assert code == 130 and "Traceback" not in err, (code, err)
