@@ -31,21 +31,25 @@ __all__ = [
 def run_script(argv: list[str], prog: str | None = None) -> None:
     """The script's run of the job of ``argv``: jax's platforms chosen before jax is
     imported, a Ctrl-C at any moment (the imports included) ending it with exit status 130
-    and one line saying what to resume from, and, after a Ctrl-C, an exit without the
+    and one line saying what to resume from (also when some code swallowed the
+    KeyboardInterrupt: :func:`interrupt_noted`), and, after a Ctrl-C, an exit without the
     interpreter's finalization (which races jax's and XLA's own threads: a compilation or
     transfer under way crashed with SIGSEGV; the loop has waited for its checkpoint writes)."""
     prog = prog or os.path.basename(sys.argv[0])
     start_jax_on_cpu_to_compile_only(argv)
     start_jax_on_cpu_without_gpu()
     try:
-        try:
-            with interrupts_redelivered(), interrupt_noted() as ctrl_c:
-                from jax_wgrad.pretrain.job import main  # jax and the library: seconds
-        except KeyboardInterrupt:
-            interrupted(prog, argv)
-        if ctrl_c.pressed:  # an import swallowed the KeyboardInterrupt
-            interrupted(prog, argv)
-        main(argv, prog=prog)
+        with interrupt_noted() as ctrl_c:
+            try:
+                with interrupts_redelivered():
+                    from jax_wgrad.pretrain.job import main  # jax and the library: seconds
+            except KeyboardInterrupt:
+                interrupted(prog, argv)
+            if ctrl_c.pressed:  # an import swallowed the KeyboardInterrupt
+                interrupted(prog, argv)
+            main(argv, prog=prog)
+            if ctrl_c.pressed:  # swallowed on the way (the run went on to its end)
+                interrupted(prog, argv)
     except KeyboardInterrupt:  # a Ctrl-C re-sent (see interrupts_redelivered) after main
         _flush_stdio()
         os._exit(130)
