@@ -18,7 +18,6 @@ from typing import NoReturn
 
 __all__ = [
     "CUDA_PLUGINS",
-    "interrupt_noted",
     "interrupted",
     "interrupts_redelivered",
     "resume_point",
@@ -31,25 +30,19 @@ __all__ = [
 def run_script(argv: list[str], prog: str | None = None) -> None:
     """The script's run of the job of ``argv``: jax's platforms chosen before jax is
     imported, a Ctrl-C at any moment (the imports included) ending it with exit status 130
-    and one line saying what to resume from (also when some code swallowed the
-    KeyboardInterrupt: :func:`interrupt_noted`), and, after a Ctrl-C, an exit without the
+    and one line saying what to resume from, and, after a Ctrl-C, an exit without the
     interpreter's finalization (which races jax's and XLA's own threads: a compilation or
     transfer under way crashed with SIGSEGV; the loop has waited for its checkpoint writes)."""
     prog = prog or os.path.basename(sys.argv[0])
     start_jax_on_cpu_to_compile_only(argv)
     start_jax_on_cpu_without_gpu()
     try:
-        with interrupt_noted() as ctrl_c:
-            try:
-                with interrupts_redelivered():
-                    from jax_wgrad.pretrain.job import main  # jax and the library: seconds
-            except KeyboardInterrupt:
-                interrupted(prog, argv)
-            if ctrl_c.pressed:  # an import swallowed the KeyboardInterrupt
-                interrupted(prog, argv)
-            main(argv, prog=prog)
-            if ctrl_c.pressed:  # swallowed on the way (the run went on to its end)
-                interrupted(prog, argv)
+        try:
+            with interrupts_redelivered():
+                from jax_wgrad.pretrain.job import main  # jax and the library: seconds
+        except KeyboardInterrupt:
+            interrupted(prog, argv)
+        main(argv, prog=prog)
     except KeyboardInterrupt:  # a Ctrl-C re-sent (see interrupts_redelivered) after main
         _flush_stdio()
         os._exit(130)
@@ -117,41 +110,6 @@ def interrupts_redelivered():
         yield
     finally:
         sys.unraisablehook = previous
-
-
-class _CtrlC:
-    pressed = False
-
-
-@contextlib.contextmanager
-def interrupt_noted():
-    """A scope whose SIGINT handler notes the Ctrl-C before raising KeyboardInterrupt as
-    Python's own does: code that swallows the exception (a bare ``except:`` in some
-    module's import-time fallback) cannot make the run go on as if nothing was pressed --
-    the caller checks ``.pressed`` after the scope. The previous handler is back on exit.
-    Only in the main thread (where Python runs signal handlers) and over Python's own
-    handler (an ignored SIGINT stays ignored); otherwise a no-op."""
-    import signal
-    import threading
-
-    noted = _CtrlC()
-    previous = signal.getsignal(signal.SIGINT)
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or previous is not signal.default_int_handler  # ignored, or someone else's
-    ):
-        yield noted
-        return
-
-    def handler(signum, frame) -> None:
-        noted.pressed = True
-        signal.default_int_handler(signum, frame)
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield noted
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _flush_stdio() -> None:
