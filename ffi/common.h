@@ -3,7 +3,6 @@
 #define JAX_WGRAD_FFI_COMMON_H_
 
 #include <exception>
-#include <sstream>
 #include <string>
 #include <utility>
 
@@ -33,14 +32,18 @@ inline const char* DtypeName(ffi::DataType t) {
   }
 }
 
-// "float32[4,3]"
+// "float32[4,3]". std::to_string, not an ostringstream: formatting an int64 through an
+// ostream inside the CUDA handlers crashed the process (SIGSEGV in the stream's locale
+// code, in XLA's execute thread) on an H200 machine with jax 0.11.2; to_string formats
+// with the C library and involves no stream or locale objects.
 inline std::string ShapeString(const ffi::AnyBuffer& b) {
-  std::ostringstream s;
-  s << DtypeName(b.element_type()) << "[";
+  std::string s = std::string(DtypeName(b.element_type())) + "[";
   auto d = b.dimensions();
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? "," : "") << d[i];
-  s << "]";
-  return s.str();
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(d[i]);
+  }
+  return s + "]";
 }
 
 inline bool IsSupportedFloat(ffi::DataType t) {

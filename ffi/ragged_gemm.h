@@ -75,11 +75,13 @@ inline ffi::Error CheckPrecision(const char* op, int32_t precision) {
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckGroupSizes(const char* op, const ffi::AnyBuffer& sizes,
-                                  const std::string& describe) {
+// `describe()`: the operands for an error message, formatted only when one is returned (a
+// handler that runs every step formats nothing on success).
+template <typename Describe>
+ffi::Error CheckGroupSizes(const char* op, const ffi::AnyBuffer& sizes, Describe describe) {
   if (sizes.element_type() != ffi::DataType::S32 || sizes.dimensions().size() != 1) {
     return ffi::Error::InvalidArgument(std::string(op) +
-                                       ": group_sizes must be int32 [G]" + describe);
+                                       ": group_sizes must be int32 [G]" + describe());
   }
   return ffi::Error::Success();
 }
@@ -91,15 +93,16 @@ inline ffi::Error CheckRaggedMatmulArgs(const ffi::AnyBuffer& x, const ffi::AnyB
                                         int32_t transpose_rhs, int32_t precision,
                                         RaggedDims* dims) {
   const char* op = "ragged_matmul";
-  const std::string describe = " (x=" + ShapeString(x) + ", w=" + ShapeString(w) +
-                               ", group_sizes=" + ShapeString(sizes) + ", y=" +
-                               ShapeString(y) + ")";
+  auto describe = [&] {
+    return " (x=" + ShapeString(x) + ", w=" + ShapeString(w) + ", group_sizes=" +
+           ShapeString(sizes) + ", y=" + ShapeString(y) + ")";
+  };
   if (ffi::Error err = CheckGroupSizes(op, sizes, describe); err.failure()) return err;
   if (ffi::Error err = CheckPrecision(op, precision); err.failure()) return err;
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
     return ffi::Error::InvalidArgument(
-        "ragged_matmul: x must be [R, K], w [G, N, K] or [G, K, N], y [R, N]" + describe);
+        "ragged_matmul: x must be [R, K], w [G, N, K] or [G, K, N], y [R, N]" + describe());
   }
   if (transpose_rhs != 0 && transpose_rhs != 1) {
     return ffi::Error::InvalidArgument("ragged_matmul: transpose_rhs must be 0 or 1, got " +
@@ -111,13 +114,13 @@ inline ffi::Error CheckRaggedMatmulArgs(const ffi::AnyBuffer& x, const ffi::AnyB
   if (sizes.dimensions()[0] != g || xd[1] != k || yd[0] != xd[0] || yd[1] != n) {
     return ffi::Error::InvalidArgument(
         "ragged_matmul: shapes disagree: need group_sizes [G], x [R, K], y [R, N] for w " +
-        std::string(transpose_rhs ? "[G, N, K]" : "[G, K, N]") + describe);
+        std::string(transpose_rhs ? "[G, N, K]" : "[G, K, N]") + describe());
   }
   const ffi::DataType t = x.element_type();
   if (!IsSupportedFloat(t) || w.element_type() != t || y.element_type() != t) {
     return ffi::Error::InvalidArgument(
         "ragged_matmul: x, w and y must share one dtype: float32, bfloat16 or float16" +
-        describe);
+        describe());
   }
   dims->groups = g;
   dims->rows = xd[0];
@@ -137,15 +140,16 @@ inline ffi::Error CheckRaggedWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBu
                                        const ffi::AnyBuffer& result, int64_t base,
                                        int64_t stride, int32_t precision, RaggedDims* dims) {
   const char* op = "ragged_wgrad_accumulate";
-  const std::string describe = " (x=" + ShapeString(x) + ", dy=" + ShapeString(dy) +
-                               ", group_sizes=" + ShapeString(sizes) + ", main_grad=" +
-                               ShapeString(acc) + ")";
+  auto describe = [&] {
+    return " (x=" + ShapeString(x) + ", dy=" + ShapeString(dy) + ", group_sizes=" +
+           ShapeString(sizes) + ", main_grad=" + ShapeString(acc) + ")";
+  };
   if (ffi::Error err = CheckGroupSizes(op, sizes, describe); err.failure()) return err;
   if (ffi::Error err = CheckPrecision(op, precision); err.failure()) return err;
   auto xd = x.dimensions(), gd = dy.dimensions(), ad = acc.dimensions();
   if (xd.size() != 2 || gd.size() != 2 || xd[0] != gd[0]) {
     return ffi::Error::InvalidArgument(
-        "ragged_wgrad_accumulate: x and dy must be [R, in] and [R, out]" + describe);
+        "ragged_wgrad_accumulate: x and dy must be [R, in] and [R, out]" + describe());
   }
   const int64_t g = sizes.dimensions()[0], in = xd[1], out = gd[1];
   const bool flat = ad.size() == 1;
@@ -153,11 +157,11 @@ inline ffi::Error CheckRaggedWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBu
     if (ad[0] < g * out * in) {
       return ffi::Error::InvalidArgument(
           "ragged_wgrad_accumulate: a flat main_grad must hold G * out * in elements" +
-          describe);
+          describe());
     }
   } else if (ad.size() != 3 || ad[0] != g || ad[1] != out || ad[2] != in) {
     return ffi::Error::InvalidArgument(
-        "ragged_wgrad_accumulate: main_grad must be [G, out, in] or flat [N]" + describe);
+        "ragged_wgrad_accumulate: main_grad must be [G, out, in] or flat [N]" + describe());
   }
   if (offset.element_type() != ffi::DataType::S32 || offset.element_count() != 1) {
     return ffi::Error::InvalidArgument(
@@ -171,16 +175,16 @@ inline ffi::Error CheckRaggedWgradArgs(const ffi::AnyBuffer& x, const ffi::AnyBu
   if (!IsSupportedFloat(in_t) || dy.element_type() != in_t) {
     return ffi::Error::InvalidArgument(
         "ragged_wgrad_accumulate: x and dy must both be float32, bfloat16 or float16" +
-        describe);
+        describe());
   }
   if (!(acc_t == ffi::DataType::F32 || (in_t != ffi::DataType::F32 && acc_t == in_t))) {
     return ffi::Error::InvalidArgument(
         "ragged_wgrad_accumulate: main_grad must be float32, or the 16-bit dtype of the "
-        "inputs" + describe);
+        "inputs" + describe());
   }
   if (result.element_type() != acc_t || result.element_count() != acc.element_count()) {
     return ffi::Error::InvalidArgument(
-        "ragged_wgrad_accumulate: result must have main_grad's shape and dtype" + describe);
+        "ragged_wgrad_accumulate: result must have main_grad's shape and dtype" + describe());
   }
   dims->groups = g;
   dims->rows = xd[0];

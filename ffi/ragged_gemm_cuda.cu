@@ -48,12 +48,12 @@
 // once). Blocks own disjoint outputs: no atomics, deterministic.
 // FLOP bound: 2 * out_pad * in_pad * (routed rows + 32 * G).
 //
-// Unmeasured: none of this has run on a GPU yet. It was written on a machine without one
-// and checked by nvcc (sm_80 / sm_90 / sm_100, no warnings), by reading, and by a numpy
-// emulation of its tiling, masks and group search (not of WMMA). Its numerics are for
-// tests/test_ragged_gpu.py to establish and its speed for benchmarks/ragged_gemm_gpu.py;
-// expect it well below cuBLAS's peak (64 x 64 tiles, one shared-memory stage, no cp.async
-// pipelining).
+// Measured on an H200 (jax 0.11.2, built for sm_90): tests/test_ragged_gpu.py passes (every
+// dtype and layout against float64 and XLA), and benchmarks/ragged_gemm_gpu.py gives
+// 48-83 TFLOP/s bf16 (forward, input gradient, weight gradient) at Mixtral's and
+// Qwen3-MoE's shapes, 5-8% of the 989 TFLOP/s peak and 0.12-0.21x cuBLAS's batched GEMM
+// with the same useful FLOPs: the expected figure for 64 x 64 tiles, one shared-memory
+// stage, no cp.async pipelining. A fallback, not a Hopper kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -13,7 +13,8 @@
 //
 // Two execution stages (registered as a handler bundle):
 // * initialize (once per executable and device, before any run or CUDA-graph capture):
-//   creates the cuBLAS handle of the stream's device, with that device current.
+//   creates the cuBLAS handle of the call's device (XLA's device ordinal), with that device
+//   current.
 // * execute: only enqueues work on XLA's stream (a copy when XLA did not alias, the
 //   GEMM), so it may be captured into a CUDA graph: the handler declares the
 //   command-buffer trait and XLA records it into its command buffers instead of launching
@@ -94,15 +95,6 @@ std::mutex& RegistryMutex() {
 std::unordered_map<int, HandleEntry*>& Registry() {
   static auto* registry = new std::unordered_map<int, HandleEntry*>();
   return *registry;
-}
-
-// The device that owns XLA's stream (not whatever device is current on this thread).
-ffi::ErrorOr<int> StreamDevice(cudaStream_t stream) {
-  int device = 0;
-  if (cudaError_t e = cudaStreamGetDevice(stream, &device); e != cudaSuccess) {
-    return ffi::Unexpected(CudaError("cudaStreamGetDevice", e));
-  }
-  return device;
 }
 
 // Creates `device`'s handle with `device` current (a cuBLAS handle belongs to the device
@@ -200,15 +192,15 @@ bool Empty(const WgradDims& d) {
   return d.batch == 0 || d.groups == 0 || d.tokens == 0 || d.in == 0 || d.out == 0;
 }
 
-// Runs gemms(handle) with the stream device's cuBLAS handle set to XLA's stream and to
+// Runs gemms(handle) with `device`'s cuBLAS handle (XLA's device ordinal of the call,
+// from the execution context: cudaStreamGetDevice is not allowed while XLA captures the
+// stream into a CUDA graph) set to XLA's stream and to
 // the workspace result (aligned up to 256 bytes; the result has 256 bytes of slack),
 // under the handle's mutex. `gemms` returns the status of its last cuBLAS call.
 template <typename Gemms>
-ffi::Error WithCublas(cudaStream_t stream, ffi::Result<ffi::AnyBuffer>& workspace,
+ffi::Error WithCublas(cudaStream_t stream, int device, ffi::Result<ffi::AnyBuffer>& workspace,
                       const char* what, Gemms gemms) {
-  auto device = StreamDevice(stream);
-  if (device.has_error()) return device.error();
-  auto entry = GetHandleInExecute(*device);
+  auto entry = GetHandleInExecute(device);
   if (entry.has_error()) return entry.error();
   const auto base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
   const uintptr_t aligned = (base + kWorkspaceAlignment - 1) & ~(kWorkspaceAlignment - 1);
@@ -243,7 +235,8 @@ GemmShape ShapeOf(const WgradDims& d, const ffi::AnyBuffer& x, const ffi::AnyBuf
                    ComputeType(x.element_type(), d.precision)};
 }
 
-ffi::Error WgradAccumulateCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+ffi::Error WgradAccumulateCudaBody(cudaStream_t stream, int32_t device,
+    ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                    ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> result,
                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t offset,
                                    int32_t precision) {
@@ -271,7 +264,7 @@ ffi::Error WgradAccumulateCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::A
         static_cast<char*>(result->untyped_data()) + acc_offset * acc_bytes, g.acc_t, g.m,
         stride_c, static_cast<int>(count), g.compute, CUBLAS_GEMM_DEFAULT);
   };
-  return WithCublas(stream, workspace, "cublasGemmStridedBatchedEx",
+  return WithCublas(stream, device, workspace, "cublasGemmStridedBatchedEx",
                     [&](cublasHandle_t h) {
     if (d.groups == 1) {  // batch elements' blocks are acc_stride apart: one call
       return gemm(h, 0, d.offset, d.batch, d.acc_stride);
@@ -367,7 +360,8 @@ bool ProvablyAligned(const BlockPosition& position, const WgradDims& d, int64_t 
          (d.out * d.in) % unit == 0 && d.acc_stride % unit == 0;
 }
 
-ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, int32_t device,
+    ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                      ffi::AnyBuffer acc, ffi::AnyBuffer offset,
                                      ffi::Result<ffi::AnyBuffer> result,
                                      ffi::Result<ffi::AnyBuffer> workspace,
@@ -448,7 +442,7 @@ ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi:
   }
   const float alpha = 1.0f, beta = 1.0f;
   const GemmShape g = ShapeOf(d, x, acc);
-  if (ffi::Error err = WithCublas(stream, workspace, "cublasGemmBatchedEx",
+  if (ffi::Error err = WithCublas(stream, device, workspace, "cublasGemmBatchedEx",
                                   [&](cublasHandle_t h) {
         return cublasGemmBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_T, g.m, g.n, g.k, &alpha, out.a,
                                    g.in_t, g.m, out.b, g.in_t, g.n, &beta, out.c, g.acc_t, g.m,
@@ -466,7 +460,8 @@ ffi::Error WgradAccumulateAtCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error WgradAccumulateAtCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+ffi::Error WgradAccumulateAtCudaImpl(cudaStream_t stream, int32_t device,
+    ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                      ffi::AnyBuffer acc, ffi::AnyBuffer offset,
                                      ffi::Result<ffi::AnyBuffer> result,
                                      ffi::Result<ffi::AnyBuffer> workspace,
@@ -474,27 +469,26 @@ ffi::Error WgradAccumulateAtCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi:
                                      ffi::Result<ffi::AnyBuffer> staging, int64_t base,
                                      int64_t stride, int32_t precision) {
   return Guarded("wgrad_accumulate", [&] {
-    return WgradAccumulateAtCudaBody(stream, x, dy, acc, offset, result, workspace, pointers,
+    return WgradAccumulateAtCudaBody(stream, device, x, dy, acc, offset, result, workspace, pointers,
                                      staging, base, stride, precision);
   });
 }
 
-ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+ffi::Error WgradAccumulateCudaImpl(cudaStream_t stream, int32_t device,
+    ffi::AnyBuffer x, ffi::AnyBuffer dy,
                                    ffi::AnyBuffer acc, ffi::Result<ffi::AnyBuffer> result,
                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t offset,
                                    int32_t precision) {
   return Guarded("wgrad_accumulate", [&] {
-    return WgradAccumulateCudaBody(stream, x, dy, acc, result, workspace, offset,
+    return WgradAccumulateCudaBody(stream, device, x, dy, acc, result, workspace, offset,
                                    precision);
   });
 }
 
-// Initialize stage: the cuBLAS handle of the stream's device, outside any capture.
-ffi::Error WgradAccumulateCudaInitializeImpl(cudaStream_t stream) {
+// Initialize stage: the cuBLAS handle of the call's device, outside any capture.
+ffi::Error WgradAccumulateCudaInitializeImpl(int32_t device) {
   return Guarded("wgrad_accumulate", [&]() -> ffi::Error {
-    auto device = StreamDevice(stream);
-    if (device.has_error()) return device.error();
-    auto entry = GetHandle(*device, /*create=*/true);
+    auto entry = GetHandle(device, /*create=*/true);
     if (entry.has_error()) return entry.error();
     return ffi::Error::Success();
   });
@@ -505,11 +499,12 @@ ffi::Error WgradAccumulateCudaInitializeImpl(cudaStream_t stream) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCudaInitialize,
                               WgradAccumulateCudaInitializeImpl,
                               ffi::Ffi::BindInitialize()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>());
+                                  .Ctx<ffi::DeviceOrdinal>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCuda, WgradAccumulateCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()  // XLA's device of the call
                                   .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., out, in]
@@ -522,6 +517,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateCuda, WgradAccumulateCudaImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WgradAccumulateAtCuda, WgradAccumulateAtCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()  // XLA's device of the call
                                   .Arg<ffi::AnyBuffer>()   // x          [..., T, in]
                                   .Arg<ffi::AnyBuffer>()   // dy         [..., T, out]
                                   .Arg<ffi::AnyBuffer>()   // main_grad  [..., N] (flat)
