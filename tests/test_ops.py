@@ -3,6 +3,7 @@
 import functools
 import glob
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -343,6 +344,34 @@ for fn, args in cases:
         print("ERROR:", str(exc).splitlines()[0])
 print("ALIVE")
 """
+
+
+# Host calls a CUDA handler may not make: it is recorded into XLA's CUDA graphs (the
+# handlers declare the command-buffer trait), where CUDA refuses stream queries, allocation
+# and synchronisation while capturing (cudaStreamGetDevice failed exactly so on an H200).
+# And no iostreams: ``ostream << int64`` in a handler segfaulted in XLA's thread there.
+_CAPTURE_UNSAFE = re.compile(
+    r"\b(cudaStreamGetDevice|cudaStreamSynchronize|cudaDeviceSynchronize|cudaMalloc|"
+    r"cudaFree|cudaMemcpy|cudaMemset|cudaStreamQuery)\s*\(|std::(o|i)?stringstream|"
+    r"std::ostream|#include <(sstream|iostream|ostream)>"
+)
+
+
+def test_cuda_handlers_make_only_capture_safe_host_calls():
+    root = os.path.join(os.path.dirname(__file__), "..", "ffi")
+    sources = [
+        p
+        for p in sorted(glob.glob(os.path.join(root, "*")))
+        if p.endswith((".cu", ".cuh", ".h")) and not p.endswith(("_cpu.h", "metadata.h"))
+    ]
+    assert any(p.endswith("wgrad_accumulate_cuda.cu") for p in sources), sources
+    found = [
+        f"{os.path.basename(p)}:{n}: {line.strip()}"
+        for p in sources
+        for n, line in enumerate(open(p).read().splitlines(), 1)
+        if not line.lstrip().startswith("//") and _CAPTURE_UNSAFE.search(line)
+    ]
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.gpu
