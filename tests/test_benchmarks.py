@@ -64,6 +64,16 @@ def test_model_flops_formula():
 
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
+def test_device_peaks_prints_one_json_line(capsys):
+    result = _load("device_peaks").main(
+        ["--gemm-sizes", "64", "--dtype", "float32", "--copy-mib", "1", "--iters", "2"]
+    )
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line) == result
+    assert result["gemm_float32_64_tflops"] > 0 and result["copy_tbps"] > 0
+    assert "gemm_efficiency" not in result  # no datasheet for a CPU
+
+
 def test_wgrad_kernel_prints_rows(capsys):
     _load("wgrad_kernel").main(
         [
