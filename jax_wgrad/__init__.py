@@ -57,6 +57,7 @@ from jax_wgrad.training import (
     default_optimizer,
     init_train_state,
     shard_batch,
+    train_state_from_hf,
 )
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "GPTProgram",
     "pipeline_gradients",
     "init_train_state",
+    "train_state_from_hf",
     "build_train_step",
     "default_optimizer",
     "shard_batch",

@@ -415,9 +415,7 @@ def test_load_hf_into_a_bf16_run(pretrain, tmp_path, capsys):
     )
     assert {v.dtype for v in jax.tree.leaves(values)} == {np.dtype(np.float32)}
     plan = _plan(cfg, mb=2, gb=8)
-    state = pretrain.start_from_hf(
-        cli.make_parser(), str(fixture), plan, init_train_state(plan, seed=1)
-    )
+    state = pretrain.start_from_hf(cli.make_parser(), str(fixture), plan)
     jax.tree.map(
         lambda p, v: np.testing.assert_array_equal(p, v.astype(BF16)),
         jax.device_get(state.params),

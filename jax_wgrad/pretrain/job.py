@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -14,15 +13,15 @@ import numpy as np
 import optax
 
 from jax_wgrad import aot
-from jax_wgrad.interop import import_hf
 from jax_wgrad.parallel import initialize_distributed, make_mesh, use_virtual_cpu_devices
 from jax_wgrad.pretrain.launch import interrupted, interrupts_redelivered
 from jax_wgrad.training import (
     TrainPlan,
+    TrainState,
     cli,
     default_optimizer,
-    init_optimizer_state,
     init_train_state,
+    train_state_from_hf,
 )
 from jax_wgrad.training.checkpoint import quiet_failed_restores
 from jax_wgrad.training.console import LineFilter
@@ -86,27 +85,13 @@ def run_job(argv: list[str], prog: str | None = None) -> dict:
             parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 
-def start_from_hf(parser, directory: str, plan, state):
-    """``state`` with the parameters of the Hugging Face model in ``directory`` (streamed
-    shard by shard) and an optimizer state for them; a run whose model differs from the
-    directory's is refused with the field named."""
+def start_from_hf(parser: argparse.ArgumentParser, directory: str, plan: TrainPlan) -> TrainState:
+    """``--load-hf``: :func:`jax_wgrad.training.train_state_from_hf`, its refusals (an
+    unsupported config, damaged shards, a model the flags change) as usage errors."""
     try:
-        cfg, params = import_hf(directory, seq_length=plan.model.seq_length)
+        return train_state_from_hf(plan, directory)
     except ValueError as exc:
         parser.error(f"--load-hf {directory}: {exc}")
-    diff = plan.model.shape_differences(dataclasses.asdict(cfg))
-    if diff:
-        parser.error(
-            f"--load-hf {directory}: the flags give another model: "
-            + "; ".join(f"{k}={a!r} in the directory, {b!r} in this run" for k, a, b in diff)
-        )
-    params = jax.tree.map(
-        lambda a, like: a.astype(like.dtype),  # the run's params dtype
-        plan.program.from_canonical(params),
-        state.params,
-    )
-    params = jax.device_put(params, plan.param_shardings)
-    return state._replace(params=params, opt_state=init_optimizer_state(plan, params))
 
 
 def compile_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -166,14 +151,15 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
     except ValueError as exc:
         cli.usage_error(parser, exc)
     try:
-        state = init_train_state(plan, args.seed)
+        if args.load_hf is None:
+            state = init_train_state(plan, args.seed)
+        else:
+            state = start_from_hf(parser, args.load_hf, plan)
+            log(f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh optimizer)")
     except RuntimeError as exc:
         if not is_out_of_memory(exc):
             raise
         raise OutOfMemoryError(out_of_memory_message(plan, None, "initialization", exc)) from None
-    if args.load_hf is not None:
-        state = start_from_hf(parser, args.load_hf, plan, state)
-        log(f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh optimizer)")
     for line in ([args.preset_line] if args.preset_line else []) + describe(
         plan, train_data, state
     ):
