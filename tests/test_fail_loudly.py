@@ -251,16 +251,18 @@ def test_hf_missing_shard(pretrain, capsys, tmp_path):
 
 
 def test_hf_sliding_window_is_checked_against_seq_length(capsys, tmp_path):
-    """A window of 32 is inactive for --seq-length 16 (accepted: the preset applies) and
-    active for --seq-length 64 (refused, naming the field and the run's length)."""
-    d = _copy("mistral", tmp_path)
-    _edit_config(d, sliding_window=32)
+    """Qwen2's window of 32 on layers 2-3 only is inactive for --seq-length 16 (accepted:
+    the preset applies) and active for --seq-length 64 (refused, naming the field and the
+    run's length; a window on every layer is --window-size)."""
+    d = _copy("qwen2", tmp_path)
+    _edit_config(d, use_sliding_window=True, sliding_window=32, max_window_layers=2)
+    _edit_config(d, layer_types=None)  # transformers' default: from max_window_layers
     parser = cli.make_parser()
     cli.apply_preset(parser, ["--load-hf", str(d), "--seq-length", "16"])
     assert parser.get_default("hidden_size") == 64
     with pytest.raises(SystemExit):
         cli.apply_preset(cli.make_parser(), ["--load-hf", str(d), "--seq-length", "64"])
-    assert "sliding_window" in capsys.readouterr().err
+    assert "max_window_layers=2" in capsys.readouterr().err
 
 
 def test_hf_vocab_size_names_the_directory(pretrain, capsys, tmp_path):

@@ -212,16 +212,16 @@ def test_exported_config_maps_back_to_the_same_model(family):
         ("llama", {"attention_bias": True}, "attention_bias/mlp_bias"),
         ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ("llama", {"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-        ("mistral", {"sliding_window": 32}, "sliding_window"),
+        ("mistral", {"sliding_window": 0}, "sliding_window"),
         (
-            "qwen2",
+            "qwen2",  # a window on layers 2-3 only
             {
                 "use_sliding_window": True,
                 "sliding_window": 32,
                 "max_window_layers": 2,
                 "layer_types": None,
             },
-            "sliding_window",
+            "max_window_layers",
         ),
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ],
@@ -286,10 +286,20 @@ def test_llama31_rope_frequency_bands():
     np.testing.assert_allclose(ratio, (1 - smooth) / 8 + smooth, rtol=1e-6)
 
 
-def test_a_sliding_window_longer_than_the_sequence_is_accepted():
-    assert config_from_hf({**_hf_config("mistral"), "sliding_window": 64}).seq_length == 64
-    with pytest.raises(UnsupportedHFConfig, match="sliding_window=64"):
-        config_from_hf({**_hf_config("mistral"), "sliding_window": 64}, seq_length=128)
+def test_a_sliding_window_on_some_layers_longer_than_the_sequence_is_accepted():
+    """Qwen2's window on layers 2-3 only: no window for sequences it covers, refused for
+    longer ones (a window on every layer is Megatron's --window-size:
+    tests/test_sliding_window.py)."""
+    partial = {
+        **_hf_config("qwen2"),
+        "use_sliding_window": True,
+        "sliding_window": 64,
+        "max_window_layers": 2,
+        "layer_types": None,
+    }
+    assert config_from_hf(partial).window_size is None  # max_position_embeddings 64
+    with pytest.raises(UnsupportedHFConfig, match="max_window_layers=2"):
+        config_from_hf(partial, seq_length=128)
 
 
 # --------------------------------------------------------------------------- round trips

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-REQUIRED = ("rotary_base", "rotary_percent", "layernorm_epsilon", "moe_router_topk")
+REQUIRED = ("rotary_base", "rotary_percent", "layernorm_epsilon", "moe_router_topk", "window_size")
 """Fields a converted checkpoint requires of the run beyond the shape fields."""
 TOKENIZER_FILES = (
     "tokenizer.json",

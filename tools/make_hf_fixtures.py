@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Regenerate ``tests/fixtures/hf/<family>/``: small random-weight Hugging Face models of the
-Llama, Mistral, Qwen2 and Mixtral families (built from configs with ``transformers``, no
-download) and their reference logits, for ``tests/test_hf.py``.
+Llama, Mistral (also with a sliding window shorter than the sequence), Qwen2 and Mixtral
+families (built from configs with ``transformers``, no download) and their reference
+logits, for ``tests/test_hf.py`` and ``tests/test_sliding_window.py``.
 
 Needs ``torch`` and ``transformers`` (not dependencies of this library; e.g. a separate
 venv: ``pip install torch==2.13.0 transformers safetensors numpy``)::
@@ -55,6 +56,13 @@ FAMILIES = {
         "MixtralForCausalLM",
         dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
     ),
+    # Mistral 7B v0.1's sliding-window attention: a window of 5 tokens, shorter than the
+    # 16 input tokens of reference.npz (Megatron's --window-size 4,0)
+    "mistral_window": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(intermediate_size=96, sliding_window=5, rope_theta=1e6),
+    ),
 }
 SHARD = {"llama": "200KB"}
 """Families saved as several shards with an index (the others: one file)."""
@@ -100,7 +108,7 @@ def random_shapes(family: str, seed: int) -> dict:
         intermediate_size=16 * int(rng.integers(2, 9)),
         rope_theta=float(rng.choice([1e4, 5e5, 1e6])),
     )
-    if family == "mistral":
+    if family.startswith("mistral"):
         extra["head_dim"] = int(rng.choice([d, 2 * d]))
     return {**shapes, **extra}
 
@@ -176,12 +184,20 @@ def main(argv=None) -> None:
         metavar=("HF_DIR", "TOKENS_NPZ", "OUT_NPZ"),
         help="only write transformers' logits of HF_DIR on TOKENS_NPZ's tokens",
     )
+    p.add_argument(
+        "--families",
+        nargs="+",
+        choices=list(FAMILIES),
+        default=list(FAMILIES),
+        help="only these families (each keeps its seed: --seed + 10 x its place in the list)",
+    )
     args = p.parse_args(argv)
     if args.logits_of:
         logits_of(*args.logits_of)
         return
     for k, family in enumerate(FAMILIES):
-        print(json.dumps(build(family, Path(args.out), args.seed + 10 * k, args.fresh)))
+        if family in args.families:
+            print(json.dumps(build(family, Path(args.out), args.seed + 10 * k, args.fresh)))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,12 @@ def rope_frequencies(rot: int, base: float, scaling: RopeScaling | None = None) 
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "xla"
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    implementation: str = "xla",
+    window: int | None = None,
 ) -> jax.Array:
     """``q``: ``[b, s, heads, head_dim]``, ``k, v``: ``[b, s, groups, head_dim]`` ->
     ``[b, s, heads * head_dim]``.
@@ -65,6 +70,11 @@ def causal_attention(
     Face's ``repeat_kv`` order). ``implementation``: ``"xla"`` (below: fp32 scores and
     softmax, output in ``q.dtype``) or ``"cudnn"`` (:func:`jax.nn.dot_product_attention`'s
     cuDNN flash attention, 16-bit inputs on a CUDA GPU).
+
+    ``window``: sliding-window attention over ``window`` tokens (an int >= 1): query ``i``
+    attends to keys ``j`` with ``i - window < j <= i``, itself and the ``window - 1``
+    tokens before it (Hugging Face's ``sliding_window``; Megatron's ``--window-size
+    window-1,0``). ``None``, or a window of ``s`` tokens or more: every earlier token.
     """
     b, s, h, d = q.shape
     g = k.shape[2]
@@ -73,17 +83,37 @@ def causal_attention(
             f"causal_attention: q {q.shape} needs k, v [b, s, groups, d] with "
             f"heads divisible by groups; got k {k.shape}, v {v.shape}"
         )
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"causal_attention: window must be an int >= 1 or None, got {window!r}")
+    band = window if window is not None and window < s else None  # else no key is cut off
     if implementation == "cudnn":
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        out = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            # (left, right) tokens beside the query: cuDNN's window (pos - band, pos]
+            local_window_size=None if band is None else (band - 1, 0),
+            implementation="cudnn",
+        )
         return out.reshape(b, s, h * d)
     qg = q.reshape(b, s, g, h // g, d)
     scores = jnp.einsum("bqgmd,bkgd->bgmqk", qg, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(d)
-    mask = jnp.tril(jnp.ones((s, s), bool))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(_causal_mask(s, band), scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bgmqk,bkgd->bqgmd", probs, v)
     return out.reshape(b, s, h * d)
+
+
+def _causal_mask(s: int, window: int | None) -> jax.Array:
+    """bool ``[s, s]``: query ``i`` (row) may attend to key ``j`` (column): ``j <= i``, and
+    ``j > i - window`` with a window."""
+    if window is None:
+        return jnp.tril(jnp.ones((s, s), bool))
+    return jnp.tril(jnp.ones((s, s), bool)) & jnp.triu(jnp.ones((s, s), bool), 1 - window)
 
 
 def rotary_embedding(

@@ -2,9 +2,10 @@
 Qwen2 and Mixtral families.
 
 Everything the GPT cannot compute exactly as ``transformers`` does is refused with the HF
-field and its value named (RoPE scaling, an active sliding window, other activations,
-bias combinations Megatron's flags cannot express, router jitter, dropout), so an
-imported model is never silently a different function.
+field and its value named (RoPE scaling other than Llama 3's, a sliding window on some
+layers only, other activations, bias combinations Megatron's flags cannot express, router
+jitter, dropout), so an imported model is never silently a different function. A sliding
+window on every layer is Megatron's ``window_size`` (``(sliding_window - 1, 0)``).
 """
 
 from __future__ import annotations
@@ -96,33 +97,81 @@ def _rope_fields(hf: dict, family: str) -> dict[str, Any]:
     return {"rotary_base": float(theta), **fields}
 
 
-def _sliding_window_active(hf: dict, family: str, num_layers: int) -> bool:
-    if family in ("mistral", "mixtral"):
-        return hf.get("sliding_window") is not None
+def _window_size(hf: dict, family: str, seq_length: int) -> tuple[int, int] | None:
+    """Megatron's ``window_size`` ``(W - 1, 0)`` of a sliding window of ``W`` tokens
+    (transformers' mask: ``kv_idx > q_idx - sliding_window``, causal) that every layer
+    uses: Mistral's and Mixtral's ``sliding_window``; Qwen2's when ``use_sliding_window``,
+    on the layers ``layer_types`` names ``"sliding_attention"`` (without ``layer_types``,
+    transformers' default: the layers from ``max_window_layers`` on). ``None``: no window.
+    A window on some layers only is refused, naming the field and the layer split, unless
+    no sequence of ``seq_length`` tokens reaches past it."""
+    window = hf.get("sliding_window")
     if family == "qwen2":
-        types = hf.get("layer_types")
-        if types is not None:
-            return "sliding_attention" in types
-        return (
-            bool(hf.get("use_sliding_window"))
-            and hf.get("max_window_layers", num_layers) < num_layers
-        )
-    return False
+        layers = hf["num_hidden_layers"]
+        if not hf.get("use_sliding_window"):
+            window = None  # transformers' Qwen2Config drops it
+        _check_sliding_window(window)
+        types, field = hf.get("layer_types"), "layer_types"
+        if types is not None and len(types) != layers:
+            _refuse("layer_types", types, f"needs one entry per layer ({layers})")
+        if types is None:
+            first, field = hf.get("max_window_layers", layers), "max_window_layers"
+            types = [
+                "sliding_attention" if window is not None and i >= first else "full_attention"
+                for i in range(layers)
+            ]
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+        if not sliding:
+            return None
+        if window is None:
+            _refuse(
+                "layer_types",
+                types,
+                f"sliding_attention on {_spans(sliding)} without a window "
+                "(use_sliding_window false or sliding_window null): transformers refuses it",
+            )
+        if len(sliding) < layers:
+            if window < seq_length:
+                full = [i for i in range(layers) if i not in sliding]
+                _refuse(
+                    field,
+                    types if field == "layer_types" else first,
+                    f"a sliding window of {window} tokens on {_spans(sliding)} and full "
+                    f"attention on {_spans(full)}: the window here is the same "
+                    f"on every layer (--window-size); it is inactive only for sequences of "
+                    f"at most {window} tokens (pass seq_length <= {window}; now "
+                    f"{seq_length})",
+                )
+            return None  # no sequence of this run reaches past it
+    elif family not in ("mistral", "mixtral"):
+        return None
+    _check_sliding_window(window)
+    return None if window is None else (window - 1, 0)
 
 
-def _check(hf: dict, family: str, seq_length: int) -> None:
+def _check_sliding_window(window: Any) -> None:
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        _refuse("sliding_window", window, "a window is a number of tokens >= 1 (or null)")
+
+
+def _spans(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"layers 0-2, 5"``, ``[3]`` -> ``"layer 3"``."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    spans = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+    return f"layer{'s' if len(layers) > 1 else ''} {spans}"
+
+
+def _check(hf: dict, family: str) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         _refuse("hidden_act", act, "SwiGLU here is SiLU-gated (Megatron's --swiglu)")
-    window = hf.get("sliding_window")
-    if _sliding_window_active(hf, family, hf["num_hidden_layers"]) and window < seq_length:
-        _refuse(
-            "sliding_window",
-            window,
-            f"sliding-window attention is not implemented; it "
-            f"is inactive only for sequences of at most {window} tokens (pass "
-            f"seq_length <= {window}; now {seq_length})",
-        )
     if family == "llama" and hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         _refuse(
             "attention_bias/mlp_bias",
@@ -221,8 +270,10 @@ def _config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
             if hf.get("output_router_logits")
             else 0.0,
         )
+    _check(hf, family)
+    seq_length = overrides.get("seq_length", fields["seq_length"])
+    fields["window_size"] = _window_size(hf, family, seq_length)
     fields.update(overrides)
-    _check(hf, family, fields["seq_length"])
     return GPTConfig(**fields)
 
 
@@ -255,8 +306,10 @@ def _export_refusals(cfg: GPTConfig) -> list[tuple[str, Any, str]]:
 
 def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "float32") -> dict:
     """A ``config.json`` (dict) ``transformers`` loads as the same model: Mixtral with
-    experts, Qwen2 with q/k/v biases only, else Llama (``family="mistral"`` also for a
-    dense model without biases).
+    experts, Qwen2 with q/k/v biases only, else Llama, or Mistral with a sliding window
+    (``family="mistral"`` also for a dense model without biases). ``window_size (left,
+    0)`` is written as ``sliding_window = left + 1`` (Qwen2's on every layer:
+    ``use_sliding_window``, ``max_window_layers`` 0).
 
     Raises:
       ValueError: ``cfg`` has an option no such family has (the field named).
@@ -273,6 +326,15 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
         if cfg.add_qkv_bias and not cfg.add_bias_linear
         else "llama"
     )
+    window = cfg.attention_window
+    if auto == "llama" and window is not None:  # Llama has no sliding window, Mistral has
+        if cfg.add_bias_linear or family == "llama":
+            raise ValueError(
+                f"cannot export {'as llama' if family == 'llama' else 'to Hugging Face'}: "
+                f"window_size={cfg.window_size!r} (Llama has no sliding window; Mistral "
+                "has, without linear biases)"
+            )
+        auto = "mistral"
     family = family or auto
     if family != auto and not (family == "mistral" and auto == "llama" and not cfg.add_bias_linear):
         raise ValueError(f"cannot export as {family!r}: this model's options make it {auto!r}")
@@ -311,9 +373,13 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
     if family == "llama":
         out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
     if family in ("mistral", "mixtral"):
-        out["sliding_window"] = None
-    if family == "qwen2":
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+        out["sliding_window"] = window
+    if family == "qwen2":  # every layer from max_window_layers on slides
+        out.update(
+            use_sliding_window=window is not None,
+            sliding_window=window,
+            max_window_layers=cfg.num_layers if window is None else 0,
+        )
     if family == "mixtral":
         out.update(
             num_local_experts=cfg.num_moe_experts,

@@ -7,7 +7,8 @@ canonical parameters must equal what the pipelined, sharded train step computes:
 
 An MoE model's layers (``cfg.moe_layer_pattern``) use the dense MoE reference
 (:func:`~jax_wgrad.testing.reference_moe_mlp`: every token through its top-k experts, no
-capacity) -- equal to the expert-parallel layer whenever no token is dropped.
+capacity) -- equal to the expert-parallel layer whenever no token is dropped. A
+sliding window (``cfg.window_size``) is applied by this module's own mask.
 """
 
 from __future__ import annotations
@@ -66,6 +67,18 @@ def _rope(x, cfg: GPTConfig):
     return jnp.concatenate([xr * cos + half * sin, x[..., rot:]], -1)
 
 
+def _allowed(s: int, cfg: GPTConfig) -> jax.Array:
+    """bool ``[s, s]``: query ``i`` sees key ``j``. Causal, and with Megatron's
+    ``window_size (left, 0)`` only the ``left`` keys before the query besides itself
+    (Hugging Face's ``sliding_window = left + 1``: ``kv_idx > q_idx - sliding_window``)."""
+    q = jnp.arange(s)[:, None]
+    kv = jnp.arange(s)[None, :]
+    allowed = kv <= q
+    if cfg.window_size is not None:
+        allowed = allowed & (q - kv <= cfg.window_size[0])
+    return allowed
+
+
 def _attention(x, p, cfg: GPTConfig):
     b, s, _ = x.shape
     g, d = cfg.query_groups, cfg.head_dim
@@ -78,7 +91,7 @@ def _attention(x, p, cfg: GPTConfig):
         q = _rope(q.reshape(b, s, g * m, d), cfg).reshape(b, s, g, m, d)
         k = _rope(k, cfg)
     sc = jnp.einsum("bqgmd,bkgd->bgmqk", q, k, preferred_element_type=jnp.float32)
-    sc = jnp.where(jnp.tril(jnp.ones((s, s), bool)), sc / math.sqrt(d), -jnp.inf)
+    sc = jnp.where(_allowed(s, cfg), sc / math.sqrt(d), -jnp.inf)
     a = jnp.einsum("bgmqk,bkgd->bqgmd", jax.nn.softmax(sc, -1).astype(v.dtype), v)
     return x + _dense(a.reshape(b, s, g * m * d), p["proj"])
 

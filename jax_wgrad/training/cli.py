@@ -64,6 +64,7 @@ __all__ = [
     "preset_line",
     "usage_error",
     "virtual_stages",
+    "window_size_type",
 ]
 
 # ------------------------------------------------------------------------ value types
@@ -111,6 +112,21 @@ def float_above(minimum: float, inclusive: bool):
         return value
 
     return parse
+
+
+def window_size_type(text: str) -> tuple[int, ...]:
+    """argparse type of ``--window-size``: Megatron's ``tuple_type``, ``LEFT,RIGHT`` (or
+    ``(LEFT,RIGHT)``) integers; the ranges are :class:`GPTConfig`'s checks."""
+    try:
+        pair = tuple(int(part) for part in text.strip().strip("()").split(","))
+    except ValueError:
+        pair = ()
+    if len(pair) != 2:
+        raise argparse.ArgumentTypeError(
+            f"expected LEFT,RIGHT (Megatron's tuple, e.g. 4095,0: a Hugging Face "
+            f"sliding_window of 4096), got {text!r}"
+        )
+    return pair
 
 
 positive_int = int_at_least(1)
@@ -456,6 +472,13 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             Flag("--add-qkv-bias", GPTConfig, "add_qkv_bias"),
             Flag("--qk-layernorm", GPTConfig, "qk_layernorm"),
             Flag("--kv-channels", GPTConfig, "kv_channels"),
+            Flag(
+                "--window-size",
+                GPTConfig,
+                "window_size",
+                type=window_size_type,
+                metavar="LEFT,RIGHT",
+            ),
             Flag("--init-method-std", GPTConfig, "init_method_std"),
             Flag("--layer-scan-unroll", GPTConfig, "layer_scan_unroll"),
         ),
@@ -795,7 +818,10 @@ def model_flags(cfg: GPTConfig) -> list[str]:
             if value == flag.set_value:
                 out.append(flag.name)
         else:
-            out += [flag.name, str(value)]
+            out += [
+                flag.name,
+                ",".join(map(str, value)) if isinstance(value, tuple) else str(value),
+            ]
     return out
 
 

@@ -11,7 +11,7 @@ from jax_wgrad.functional.moe import MoEConfig
 from jax_wgrad.nn.norm import NORMALIZATIONS
 from jax_wgrad.parallel.config import ParallelConfig
 
-__all__ = ["GPTConfig", "RUN_OPTIONS", "validate"]
+__all__ = ["GPTConfig", "RUN_OPTIONS", "check_window_size", "validate"]
 
 _MOE = "moe_config"
 """Field metadata key of the GPT's MoE options: the :class:`MoEConfig` field an option is
@@ -107,6 +107,12 @@ class GPTConfig:
     """Normalize each query and key head (``normalization``, over ``kv_channels``)."""
     kv_channels: int | None = None
     """Each head's dims; ``None`` means ``hidden_size / num_attention_heads``."""
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention, Megatron's ``(left, right)`` window size (Transformer
+    Engine's; ``left,right`` on the command line): each token attends to itself and the
+    ``left`` tokens before it; ``right`` must be 0 (the model is causal). Hugging Face's
+    ``sliding_window`` W (Mistral, Qwen2) is ``(W - 1, 0)``: 4096 is ``4095,0``. A
+    ``left`` of ``seq_length - 1`` or more changes nothing. ``None``: no window."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Activations and GEMM inputs (the layers cast their weights to it)."""
     params_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -251,6 +257,7 @@ class GPTConfig:
                 f"rotary_percent ({self.rotary_percent}) x kv_channels "
                 f"({self.head_dim}) must be an even number of rotary dims"
             )
+        object.__setattr__(self, "window_size", check_window_size(self.window_size))
         if self.num_query_groups is not None:
             check_positive("num_query_groups", self.num_query_groups)
         if self.num_query_groups is not None and not self.group_query_attention:
@@ -263,6 +270,13 @@ class GPTConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a "
                 f"multiple of num_query_groups ({self.query_groups})"
             )
+
+    @property
+    def attention_window(self) -> int | None:
+        """The tokens each query attends to (itself included) under ``window_size``:
+        ``left + 1``, :func:`~jax_wgrad.functional.causal_attention`'s ``window`` (Hugging
+        Face's ``sliding_window``); ``None`` without a window."""
+        return None if self.window_size is None else self.window_size[0] + 1
 
     @property
     def query_groups(self) -> int:
@@ -460,6 +474,32 @@ class GPTConfig:
             and self.head_dim <= 128
         )
         return "cudnn" if cudnn_ok else "xla"
+
+
+def check_window_size(value: Any) -> tuple[int, int] | None:
+    """``value`` as a ``window_size`` (:attr:`GPTConfig.window_size`): ``None``, or a pair
+    ``(left, right)`` of ints (a list is made a tuple) with ``left >= 0`` and ``right ==
+    0``. Raises ``ValueError`` naming the value and what is allowed."""
+    if value is None:
+        return None
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in pair):
+        raise ValueError(
+            f"window_size must be a (left, right) pair of integers, got {value!r} "
+            "(Megatron's tuple: a Hugging Face sliding_window of W is (W - 1, 0))"
+        )
+    left, right = pair
+    if right != 0:
+        raise ValueError(
+            f"window_size {pair}: the right window must be 0, got {right} (the GPT is "
+            f"causal: a token never attends to later ones); use ({left}, 0)"
+        )
+    if left < 0:
+        raise ValueError(
+            f"window_size {pair}: the left window must be >= 0, got {left} (Megatron's "
+            "-1, an unlimited window, is no window here: leave window_size out)"
+        )
+    return pair
 
 
 def validate(parallel: ParallelConfig, model: GPTConfig) -> None:

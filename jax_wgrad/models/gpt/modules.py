@@ -145,6 +145,7 @@ class TransformerLayer(nnx.Module):
         self.groups, self.per_group = groups // tp_size, heads // groups
         self.head_dim = d
         self.attention = attention
+        self.window = cfg.attention_window  # sliding-window attention (None: none)
         self.rope = (
             (cfg.rotary_base, cfg.rotary_percent, cfg.rope_scaling_config())
             if cfg.position_embedding_type == "rope"
@@ -230,7 +231,7 @@ class TransformerLayer(nnx.Module):
             base, percent, scaling = self.rope
             q = rotary_embedding(q, base=base, percent=percent, scaling=scaling)
             k = rotary_embedding(k, base=base, percent=percent, scaling=scaling)
-        return causal_attention(q, k, v, implementation=self.attention)
+        return causal_attention(q, k, v, implementation=self.attention, window=self.window)
 
     def _moe_mlp(self, h: jax.Array) -> jax.Array:
         """``[b, s(/tp), H]`` -> the MoE MLP's output; its aux loss joins the backward
