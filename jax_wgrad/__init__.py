@@ -24,7 +24,13 @@ from jax_wgrad import functional, grads, models, nn, ops, optim, parallel, testi
 from jax_wgrad.functional import WgradRoutes, linear, linear_into_bucket
 from jax_wgrad.functional.cross_entropy import vocab_parallel_cross_entropy
 from jax_wgrad.grads import DDPConfig, GradBuffer, GradLayout, GradSpec, plan_buckets
-from jax_wgrad.models.gpt import GPTConfig, GPTProgram, init_params, param_specs
+from jax_wgrad.models.gpt import (
+    GPTConfig,
+    GPTProgram,
+    init_params,
+    param_specs,
+    single_device_logits,
+)
 from jax_wgrad.nn import (
     ColumnParallelLinear,
     LayerNorm,
@@ -73,6 +79,7 @@ __all__ = [
     "init_params",
     "param_specs",
     "GPTProgram",
+    "single_device_logits",
     "pipeline_gradients",
     "init_train_state",
     "train_state_from_hf",

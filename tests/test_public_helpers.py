@@ -1,5 +1,6 @@
 """Public helpers for users of the Python API: a train state from a Hugging Face directory
-(:func:`jax_wgrad.train_state_from_hf`)."""
+(:func:`jax_wgrad.train_state_from_hf`), a model's logits on one device from the library's
+layers (:func:`jax_wgrad.single_device_logits`)."""
 
 import dataclasses
 from pathlib import Path
@@ -14,6 +15,7 @@ from jax_wgrad import (
     TrainPlan,
     default_optimizer,
     make_mesh,
+    single_device_logits,
     train_state_from_hf,
 )
 from jax_wgrad.interop import import_hf
@@ -53,3 +55,69 @@ def test_train_state_from_hf_refuses_another_model_naming_the_field():
         match=rf"hidden_size={cfg.hidden_size} in the directory, {other.hidden_size} in this run",
     ):
         train_state_from_hf(_plan(other), LLAMA)
+
+
+# --------------------------------------------------------------------------- logits
+
+FAMILIES = ["llama", "mistral", "qwen2", "mixtral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_device_logits_equal_transformers_fp32(family):
+    """The library's own layers against ``transformers`` (committed fixtures of
+    ``tools/make_hf_fixtures.py``): fp32 logits within 1e-5 of the largest."""
+    ref = np.load(LLAMA.parent / family / "reference.npz")
+    cfg, params = import_hf(LLAMA.parent / family, seq_length=16)
+    ours = np.asarray(single_device_logits(cfg, params, ref["tokens"][:, :-1]))
+    theirs = ref["logits_fp32"]
+    assert ours.shape == theirs.shape and ours.dtype == np.float32
+    rel = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    assert rel <= 1e-5, rel
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({}, id="gpt2-learned-positions"),
+        pytest.param(
+            dict(
+                position_embedding_type="rope",
+                normalization="RMSNorm",
+                swiglu=True,
+                num_moe_experts=4,
+                moe_router_topk=2,
+                untie_embeddings_and_output_weights=True,
+            ),
+            id="moe-untied",
+        ),
+    ],
+)
+def test_single_device_logits_equal_the_plain_reference(fields):
+    """Against :func:`jax_wgrad.testing.reference_logits` (a plain single-device model
+    written apart from the library's layers), fp32."""
+    from jax_wgrad import GPTConfig, init_params
+    from jax_wgrad.testing import reference_logits
+
+    cfg = GPTConfig(
+        vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, **fields
+    )
+    params = init_params(cfg, 3)
+    ids = np.random.default_rng(0).integers(0, 96, (3, 8), dtype=np.int32)
+    ours = np.asarray(single_device_logits(cfg, params, ids))
+    want = np.asarray(reference_logits(params, ids, cfg))
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_single_device_logits_refuses_bad_ids():
+    from jax_wgrad import GPTConfig, init_params
+
+    cfg = GPTConfig(
+        vocab_size=32, num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8
+    )
+    params = init_params(cfg, 0)
+    with pytest.raises(ValueError, match=r"ids must be int \[B, S\], got float32\[2, 8\]"):
+        single_device_logits(cfg, params, np.zeros((2, 8), np.float32))
+    with pytest.raises(
+        ValueError, match="learned positions need S = seq_length = 8, got ids of length 5"
+    ):
+        single_device_logits(cfg, params, np.zeros((2, 5), np.int32))

@@ -3,6 +3,7 @@ Megatron's Llama-family options: RMSNorm, RoPE, SwiGLU, grouped-query attention,
 its config, NNX modules, canonical parameters and stage programs."""
 
 from jax_wgrad.models.gpt.config import GPTConfig, validate
+from jax_wgrad.models.gpt.logits import single_device_logits
 from jax_wgrad.models.gpt.modules import GPTEmbedding, GPTHead, TransformerLayer
 from jax_wgrad.models.gpt.params import (
     canonical_tree,
@@ -32,5 +33,6 @@ __all__ = [
     "param_specs",
     "period_pattern",
     "registration_order",
+    "single_device_logits",
     "validate",
 ]

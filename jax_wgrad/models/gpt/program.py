@@ -276,6 +276,14 @@ class GPTProgram:
         )
         return out if output_grad_extras else (out, ())
 
+    def logits(self, params: DeviceTree, y: jax.Array) -> jax.Array:
+        """The output layer's logits of ``y`` ``[mb, s(/tp), H]`` (the final norm, then the
+        output layer; the word embedding's weight when tied): ``[mb, s, V / (P tp)]``, this
+        device's share of the vocabulary, in the compute dtype. Inside ``shard_map`` on
+        the last stage (every stage with the vocabulary over the pipeline)."""
+        head = nnx.merge(self._head_def, from_forward_order(params.shared["head"]))
+        return head.output(head.final_norm(y), self._output_weight(params))
+
     def _output_weight(self, params: DeviceTree) -> jax.Array | None:
         return params.shared["embedding"]["word"]["embedding"] if self.tied else None
 
