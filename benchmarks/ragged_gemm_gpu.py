@@ -12,7 +12,11 @@ one jitted scan over --steps stacked inputs, after --warmup runs):
   dense_fwd       einsum over [G, R / G, K] (even split only: cuBLAS's batched GEMM with
                   the same useful FLOPs, the bar to reach)
 and prints one JSON line per case with the milliseconds per call and the TFLOP/s of the
-routed rows (2 * R * K * N per GEMM).
+routed rows (2 * R * K * N per GEMM). jax_wgrad's ops are timed once per kernel choice of
+--kernels (default both: "auto", CUTLASS's sm90 grouped GEMMs on a Hopper GPU where the
+shapes allow, and "wmma", the fallback kernels forced with
+jax_wgrad.ops.ragged.set_cuda_kernel), each key naming the kernels that actually ran
+(counted by the handlers): e.g. fwd[cutlass]_ms, fwd[wmma]_ms.
 
     python benchmarks/ragged_gemm_gpu.py
     python benchmarks/ragged_gemm_gpu.py --cases 64x16384x2048x1408 --dtype bfloat16 --skew 1
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_wgrad import ops
+from jax_wgrad.ops import ragged
 
 CASES = [(8, 16384, 4096, 1024), (64, 16384, 2048, 1408), (128, 16384, 2048, 768)]
 # (XLA expands ragged_dot densely: [R, G, K] for its lhs, 8.6 GB in the last case.)
@@ -68,17 +73,44 @@ def scan_of(op, steps):
     return jax.jit(run)
 
 
-def run_case(case, dtype, skew, steps, warmup, iters, device):
+def kernels_ran(before: dict[str, int]) -> str:
+    """The kernels the ragged handlers enqueued since ``before`` (a launch count)."""
+    after = ragged.cuda_kernel_launches()
+    ran = [k for k in ("cutlass", "wmma") if after[k] > before[k]]
+    return "+".join(ran) or "none"
+
+
+def run_case(case, dtype, skew, steps, warmup, iters, device, kernels=("auto", "wmma")):
     g, r, k, n = case
-    rng = np.random.default_rng(0)
-    put = lambda a: jax.device_put(jnp.asarray(a, dtype), device)
-    xs = put(rng.standard_normal((steps, r, k)))
-    dys = put(rng.standard_normal((steps, r, n)))
-    w = put(rng.standard_normal((g, n, k)) / np.sqrt(k))
-    w_kn = put(np.swapaxes(np.asarray(w, np.float32), 1, 2))
+    key = jax.random.key(0)
+    with jax.default_device(device):  # generated on the device: no host copies
+        xs, dys, w = (
+            jax.random.normal(kk, shape, dtype) * scale
+            for kk, shape, scale in zip(
+                jax.random.split(key, 3),
+                ((steps, r, k), (steps, r, n), (g, n, k)),
+                (1.0, 1.0, float(1.0 / np.sqrt(k))),
+            )
+        )
+        w_kn = jnp.swapaxes(w, 1, 2)
     sizes = jax.device_put(jnp.asarray(group_sizes(g, r, skew)), device)
+    data = (xs, dys, w, w_kn, sizes)
+    row = {}
+    for i, kernel in enumerate(kernels):
+        ragged.set_cuda_kernel(kernel)
+        jax.clear_caches()  # fresh executables: nothing recorded with the other choice
+        row.update(_run_case(case, data, skew, steps, warmup, iters, device, baselines=i == 0))
+    ragged.set_cuda_kernel("auto")
+    return row
+
+
+def _run_case(case, data, skew, steps, warmup, iters, device, baselines):
+    g, r, k, n = case
+    xs, dys, w, w_kn, sizes = data
+    dtype = xs.dtype
 
     per_call = {}
+    before = ragged.cuda_kernel_launches()
     per_call["fwd"] = (
         timed(
             scan_of(lambda x, w, s: ops.ragged_matmul(x, w, s, transpose_rhs=True), steps),
@@ -88,6 +120,8 @@ def run_case(case, dtype, skew, steps, warmup, iters, device):
         )
         / steps
     )
+    per_call[f"fwd[{kernels_ran(before)}]"] = per_call.pop("fwd")
+    before = ragged.cuda_kernel_launches()
     per_call["dgrad"] = (
         timed(
             scan_of(lambda dy, w, s: ops.ragged_matmul(dy, w, s, transpose_rhs=False), steps),
@@ -97,6 +131,47 @@ def run_case(case, dtype, skew, steps, warmup, iters, device):
         )
         / steps
     )
+    per_call[f"dgrad[{kernels_ran(before)}]"] = per_call.pop("dgrad")
+    if baselines:
+        per_call.update(_baselines(xs, w, w_kn, sizes, g, r, k, n, skew, steps, warmup, iters))
+
+    def wgrad_scan(acc, xs, dys, s):
+        def body(a, xy):
+            return ops.ragged_wgrad_accumulate(xy[0], xy[1], s, a), None
+
+        return jax.lax.scan(body, acc, (xs, dys))[0]
+
+    wgrad = jax.jit(wgrad_scan, donate_argnums=0)
+    acc = [jax.device_put(jnp.zeros((g, n, k), jnp.float32), device)]
+
+    def wgrad_once(xs, dys, s):  # the donated accumulator is threaded from call to call
+        acc[0] = wgrad(acc[0], xs, dys, s)
+        return acc[0]
+
+    before = ragged.cuda_kernel_launches()
+    seconds = timed(wgrad_once, (xs, dys, sizes), warmup, iters) / steps
+    per_call[f"wgrad[{kernels_ran(before)}]"] = seconds
+
+    flops = 2.0 * r * k * n
+    row = {
+        "platform": device.platform,
+        "device": device.device_kind,
+        "dtype": jnp.dtype(dtype).name,
+        "G": g,
+        "R": r,
+        "K": k,
+        "N": n,
+        "skew": skew,
+    }
+    for name, seconds in per_call.items():
+        row[f"{name}_ms"] = round(seconds * 1e3, 4)
+        row[f"{name}_tflops"] = round(flops / seconds / 1e12, 1)
+    return row
+
+
+def _baselines(xs, w, w_kn, sizes, g, r, k, n, skew, steps, warmup, iters):
+    """XLA's own ragged product and (even split) cuBLAS's batched GEMM, seconds per call."""
+    per_call = {}
     per_call["xla_ragged_dot"] = (
         timed(
             scan_of(
@@ -126,36 +201,7 @@ def run_case(case, dtype, skew, steps, warmup, iters, device):
             )
             / steps
         )
-
-    def wgrad_scan(acc, xs, dys, s):
-        def body(a, xy):
-            return ops.ragged_wgrad_accumulate(xy[0], xy[1], s, a), None
-
-        return jax.lax.scan(body, acc, (xs, dys))[0]
-
-    wgrad = jax.jit(wgrad_scan, donate_argnums=0)
-    acc = [jax.device_put(jnp.zeros((g, n, k), jnp.float32), device)]
-
-    def wgrad_once(xs, dys, s):  # the donated accumulator is threaded from call to call
-        acc[0] = wgrad(acc[0], xs, dys, s)
-        return acc[0]
-
-    per_call["wgrad"] = timed(wgrad_once, (xs, dys, sizes), warmup, iters) / steps
-
-    flops = 2.0 * r * k * n
-    row = {
-        "platform": device.platform,
-        "dtype": jnp.dtype(dtype).name,
-        "G": g,
-        "R": r,
-        "K": k,
-        "N": n,
-        "skew": skew,
-    }
-    for name, seconds in per_call.items():
-        row[f"{name}_ms"] = round(seconds * 1e3, 4)
-        row[f"{name}_tflops"] = round(flops / seconds / 1e12, 1)
-    return row
+    return per_call
 
 
 def main(argv=None):
@@ -166,6 +212,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto", "wmma"],
+        choices=["auto", "wmma"],
+        help="kernel choices of the ragged handlers to time (set_cuda_kernel)",
+    )
     args = parser.parse_args(argv)
     cases = CASES
     if args.cases:
@@ -190,6 +243,7 @@ def main(argv=None):
                     args.warmup,
                     args.iters,
                     device,
+                    tuple(args.kernels),
                 )
             ),
             flush=True,

@@ -2,6 +2,19 @@
 //   jax_wgrad_ragged_matmul:           y[rows of g] = x[rows of g] @ op(w[g]), 0 past them
 //   jax_wgrad_ragged_wgrad_accumulate: main_grad[g] += dy[rows of g]^T @ x[rows of g]
 //
+// Hopper: CUTLASS (opt-in: JAX_WGRAD_RAGGED_KERNEL=auto, or the module's set_ragged_kernel,
+// until it has run on a GPU; the WMMA kernels are the default). On a compute capability 9.0
+// device, bf16 and f16 operands whose shapes meet TMA's alignment go to CUTLASS 3.x sm90
+// grouped GEMMs instead (ragged_gemm_cutlass.h
+// and .cu: a set-up kernel writes the per-group problem shapes, pointers and strides from
+// group_sizes into the custom call's scratch result, on the device, then one persistent
+// warp-specialized TMA + wgmma kernel runs every group); fp32 and TF32, 16-bit
+// accumulators, other devices and unaligned shapes run the WMMA kernels below. The choice
+// is made on the host from what it knows (device, dtypes, shapes, attributes), never from
+// group_sizes. The device's compute capability and SM count are queried once per device
+// by the handlers' initialize stage (which also raises the CUTLASS kernels' dynamic shared
+// memory limit there, before any CUDA-graph capture) and cached.
+//
 // Why own kernels and not cuBLAS. group_sizes (and the wgrad position's index) live in
 // device memory
 // and the step may be captured into a CUDA graph, so the handlers may not copy them to the
@@ -60,13 +73,19 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 
 #include "common.h"
 #include "convert_cuda.cuh"
 #include "ragged_gemm.h"
+#include "ragged_gemm_cutlass.h"
 #include "wgrad_accumulate.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -76,6 +95,11 @@
 #define JAX_WGRAD_RAGGED_WMMA 0  // (nvcuda::wmma has no bf16 or tf32 types there)
 #else
 #define JAX_WGRAD_RAGGED_WMMA 1
+#endif
+
+// 1 when ragged_gemm_cutlass.cu is part of the module (CMake: CUDA architectures with 90).
+#ifndef JAX_WGRAD_CUTLASS
+#define JAX_WGRAD_CUTLASS 0
 #endif
 
 namespace jax_wgrad {
@@ -469,6 +493,103 @@ __global__ void __launch_bounds__(kThreads) RaggedWgradKernel(WgradArgs p) {
   }
 }
 
+#if !JAX_WGRAD_CUTLASS
+}  // namespace
+// Built without ragged_gemm_cutlass.cu (no sm_90 among the CUDA architectures): never
+// called (CutlassDevice is false), defined so that the handlers link.
+namespace ragged_cutlass {
+ffi::Error PrepareDeviceBf16(int) { return ffi::Error::Success(); }
+ffi::Error PrepareDeviceF16(int) { return ffi::Error::Success(); }
+ffi::Error MatmulBf16(cudaStream_t, const MatmulProblem&, const Scratch&) {
+  return ffi::Error::Internal("ragged_matmul: built without the CUTLASS kernels");
+}
+ffi::Error MatmulF16(cudaStream_t, const MatmulProblem&, const Scratch&) {
+  return ffi::Error::Internal("ragged_matmul: built without the CUTLASS kernels");
+}
+ffi::Error WgradBf16(cudaStream_t, const WgradProblem&, const Scratch&) {
+  return ffi::Error::Internal("ragged_wgrad_accumulate: built without the CUTLASS kernels");
+}
+ffi::Error WgradF16(cudaStream_t, const WgradProblem&, const Scratch&) {
+  return ffi::Error::Internal("ragged_wgrad_accumulate: built without the CUTLASS kernels");
+}
+}  // namespace ragged_cutlass
+namespace {
+#endif  // !JAX_WGRAD_CUTLASS
+
+// --- kernel choice -------------------------------------------------------------------------
+// The WMMA kernels unless JAX_WGRAD_RAGGED_KERNEL=auto: the CUTLASS kernels were written
+// and compiled without a GPU and have not run on one yet, so they are opt-in until
+// tests/test_ragged_gpu.py and benchmarks/ragged_gemm_gpu.py have passed on a Hopper GPU.
+RaggedKernel KernelFromEnvironment() {
+  const char* v = std::getenv("JAX_WGRAD_RAGGED_KERNEL");
+  return v != nullptr && std::strcmp(v, "auto") == 0 ? RaggedKernel::kAuto
+                                                     : RaggedKernel::kWmma;
+}
+std::atomic<int> g_kernel{static_cast<int>(KernelFromEnvironment())};
+std::atomic<int64_t> g_cutlass_launches{0};
+std::atomic<int64_t> g_wmma_launches{0};
+
+// What the handlers need to know of a device, queried once (initialize stage, or the first
+// execute should a runtime skip that stage: cudaDeviceGetAttribute is a plain query).
+struct DeviceFacts {
+  int major = 0, minor = 0, sm_count = 0;
+  bool cutlass_ready = false;  // PrepareDevice done
+};
+
+std::mutex& FactsMutex() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::unordered_map<int, DeviceFacts>& FactsTable() {
+  static auto* table = new std::unordered_map<int, DeviceFacts>();
+  return *table;
+}
+
+ffi::ErrorOr<DeviceFacts> GetDeviceFacts(int device) {
+  std::lock_guard<std::mutex> lock(FactsMutex());
+  auto it = FactsTable().find(device);
+  if (it != FactsTable().end()) return it->second;
+  DeviceFacts f;
+  for (auto [attr, out] : {std::pair{cudaDevAttrComputeCapabilityMajor, &f.major},
+                           std::pair{cudaDevAttrComputeCapabilityMinor, &f.minor},
+                           std::pair{cudaDevAttrMultiProcessorCount, &f.sm_count}}) {
+    if (cudaError_t e = cudaDeviceGetAttribute(out, attr, device); e != cudaSuccess) {
+      return ffi::Unexpected(ffi::Error::Internal(
+          std::string("ragged GEMMs: cudaDeviceGetAttribute failed: ") + cudaGetErrorString(e)));
+    }
+  }
+#if JAX_WGRAD_CUTLASS
+  if (f.major == 9 && f.minor == 0) {
+    if (ffi::Error err = ragged_cutlass::PrepareDevice(device); err.failure()) {
+      return ffi::Unexpected(err);
+    }
+    f.cutlass_ready = true;
+  }
+#endif
+  FactsTable()[device] = f;
+  return f;
+}
+
+// Whether the CUTLASS kernels may run on `f`'s device for 16-bit operands.
+bool CutlassDevice(const DeviceFacts& f) {
+  return JAX_WGRAD_CUTLASS && f.cutlass_ready &&
+         static_cast<RaggedKernel>(g_kernel.load()) == RaggedKernel::kAuto;
+}
+
+ffi::Error CheckScratch(const char* op, const ffi::AnyBuffer& scratch) {
+  if (scratch.element_type() != ffi::DataType::U8 || scratch.dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": the scratch result must be uint8 [bytes], got " +
+                                       ShapeString(scratch));
+  }
+  return ffi::Error::Success();
+}
+
+// The scratch result, if it holds what ragged_gemm_cutlass.h's layout needs for G groups.
+bool ScratchFits(const ffi::AnyBuffer& scratch, int64_t groups) {
+  return static_cast<int64_t>(scratch.size_bytes()) >= ragged_cutlass::ScratchBytes(groups);
+}
+
 // --- handlers -------------------------------------------------------------------------------
 ffi::Error CudaError(const char* op, const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(op) + ": " + what + " failed: " +
@@ -490,16 +611,38 @@ void LaunchMatmul(cudaStream_t stream, const MatmulArgs& p, bool transpose_rhs) 
   }
 }
 
-ffi::Error RaggedMatmulCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                ffi::AnyBuffer sizes, ffi::Result<ffi::AnyBuffer> y,
-                                int32_t transpose_rhs, int32_t precision) {
+ffi::Error RaggedMatmulCudaBody(cudaStream_t stream, int device, ffi::AnyBuffer x,
+                                ffi::AnyBuffer w, ffi::AnyBuffer sizes,
+                                ffi::Result<ffi::AnyBuffer> y,
+                                ffi::Result<ffi::AnyBuffer> scratch, int32_t transpose_rhs,
+                                int32_t precision) {
+  const char* op = "ragged_matmul";
   RaggedDims d;
   if (ffi::Error err =
           CheckRaggedMatmulArgs(x, w, sizes, *y, transpose_rhs, precision, &d);
       err.failure()) {
     return err;
   }
+  if (ffi::Error err = CheckScratch(op, *scratch); err.failure()) return err;
   if (d.rows == 0 || d.n == 0) return ffi::Error::Success();  // y is empty
+  const ffi::DataType t = x.element_type();
+  if (t == ffi::DataType::BF16 || t == ffi::DataType::F16) {
+    auto facts = GetDeviceFacts(device);
+    if (facts.has_error()) return facts.error();
+    const ragged_cutlass::MatmulProblem cp{
+        x.untyped_data(), w.untyped_data(),
+        static_cast<const int32_t*>(sizes.untyped_data()), y->untyped_data(), d.groups,
+        d.rows, d.k, d.n, d.transpose_rhs, t == ffi::DataType::F16};
+    if (CutlassDevice(*facts) && d.k > 0 && ragged_cutlass::CanMatmul(cp) &&
+        ScratchFits(*scratch, d.groups)) {
+      g_cutlass_launches.fetch_add(1, std::memory_order_relaxed);
+      return ragged_cutlass::Matmul(
+          stream, cp,
+          {scratch->untyped_data(), static_cast<int64_t>(scratch->size_bytes()), device,
+           facts->sm_count});
+    }
+  }
+  g_wmma_launches.fetch_add(1, std::memory_order_relaxed);
   const MatmulArgs p{x.untyped_data(), w.untyped_data(),
                      static_cast<const int32_t*>(sizes.untyped_data()), y->untyped_data(),
                      d.groups, d.rows, d.k, d.n};
@@ -519,7 +662,7 @@ ffi::Error RaggedMatmulCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyB
       break;
   }
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
-    return CudaError("ragged_matmul", "kernel launch", e);
+    return CudaError(op, "kernel launch", e);
   }
   return ffi::Error::Success();
 }
@@ -540,10 +683,11 @@ void LaunchWgradFor(cudaStream_t stream, const WgradArgs& p, bool acc_is_f32) {
   }
 }
 
-ffi::Error RaggedWgradCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
-                               ffi::AnyBuffer sizes, ffi::AnyBuffer acc,
+ffi::Error RaggedWgradCudaBody(cudaStream_t stream, int device, ffi::AnyBuffer x,
+                               ffi::AnyBuffer dy, ffi::AnyBuffer sizes, ffi::AnyBuffer acc,
                                ffi::AnyBuffer offset, ffi::Result<ffi::AnyBuffer> result,
-                               int64_t base, int64_t stride, int32_t precision) {
+                               ffi::Result<ffi::AnyBuffer> scratch, int64_t base,
+                               int64_t stride, int32_t precision) {
   const char* op = "ragged_wgrad_accumulate";
   RaggedDims d;
   if (ffi::Error err = CheckRaggedWgradArgs(x, dy, sizes, acc, offset, *result, base, stride,
@@ -551,6 +695,7 @@ ffi::Error RaggedWgradCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
       err.failure()) {
     return err;
   }
+  if (ffi::Error err = CheckScratch(op, *scratch); err.failure()) return err;
   if (result->untyped_data() != acc.untyped_data()) {  // XLA did not alias: start from acc
     if (cudaError_t e = cudaMemcpyAsync(result->untyped_data(), acc.untyped_data(),
                                         acc.size_bytes(), cudaMemcpyDeviceToDevice, stream);
@@ -559,6 +704,34 @@ ffi::Error RaggedWgradCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
     }
   }
   if (d.groups == 0 || d.rows == 0 || d.k == 0 || d.n == 0) return ffi::Error::Success();
+  const ffi::DataType t = x.element_type();
+  if ((t == ffi::DataType::BF16 || t == ffi::DataType::F16) &&
+      acc.element_type() == ffi::DataType::F32) {
+    auto facts = GetDeviceFacts(device);
+    if (facts.has_error()) return facts.error();
+    const ragged_cutlass::WgradProblem cp{x.untyped_data(),
+                                          dy.untyped_data(),
+                                          static_cast<const int32_t*>(sizes.untyped_data()),
+                                          static_cast<const int32_t*>(offset.untyped_data()),
+                                          d.position,
+                                          static_cast<float*>(result->untyped_data()),
+                                          d.groups,
+                                          d.rows,
+                                          /*in=*/d.k,
+                                          /*out=*/d.n,
+                                          d.max_offset,
+                                          d.flat,
+                                          t == ffi::DataType::F16};
+    if (CutlassDevice(*facts) && ragged_cutlass::CanWgrad(cp) &&
+        ScratchFits(*scratch, d.groups)) {
+      g_cutlass_launches.fetch_add(1, std::memory_order_relaxed);
+      return ragged_cutlass::Wgrad(
+          stream, cp,
+          {scratch->untyped_data(), static_cast<int64_t>(scratch->size_bytes()), device,
+           facts->sm_count});
+    }
+  }
+  g_wmma_launches.fetch_add(1, std::memory_order_relaxed);
   const WgradArgs p{x.untyped_data(),
                     dy.untyped_data(),
                     static_cast<const int32_t*>(sizes.untyped_data()),
@@ -593,33 +766,60 @@ ffi::Error RaggedWgradCudaBody(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-ffi::Error RaggedMatmulCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                ffi::AnyBuffer sizes, ffi::Result<ffi::AnyBuffer> y,
-                                int32_t transpose_rhs, int32_t precision) {
+ffi::Error RaggedMatmulCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                ffi::AnyBuffer w, ffi::AnyBuffer sizes,
+                                ffi::Result<ffi::AnyBuffer> y,
+                                ffi::Result<ffi::AnyBuffer> scratch, int32_t transpose_rhs,
+                                int32_t precision) {
   return Guarded("ragged_matmul", [&] {
-    return RaggedMatmulCudaBody(stream, x, w, sizes, y, transpose_rhs, precision);
+    return RaggedMatmulCudaBody(stream, device, x, w, sizes, y, scratch, transpose_rhs,
+                                precision);
   });
 }
 
-ffi::Error RaggedWgradCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
-                               ffi::AnyBuffer sizes, ffi::AnyBuffer acc, ffi::AnyBuffer offset,
-                               ffi::Result<ffi::AnyBuffer> result, int64_t base,
+ffi::Error RaggedWgradCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                               ffi::AnyBuffer dy, ffi::AnyBuffer sizes, ffi::AnyBuffer acc,
+                               ffi::AnyBuffer offset, ffi::Result<ffi::AnyBuffer> result,
+                               ffi::Result<ffi::AnyBuffer> scratch, int64_t base,
                                int64_t stride, int32_t precision) {
   return Guarded("ragged_wgrad_accumulate", [&] {
-    return RaggedWgradCudaBody(stream, x, dy, sizes, acc, offset, result, base, stride,
-                               precision);
+    return RaggedWgradCudaBody(stream, device, x, dy, sizes, acc, offset, result, scratch,
+                               base, stride, precision);
+  });
+}
+
+// Initialize stage (both targets): the device's facts, and the CUTLASS kernels' shared
+// memory limit, before any run or CUDA-graph capture.
+ffi::Error RaggedGemmCudaInitializeImpl(int32_t device) {
+  return Guarded("ragged GEMMs", [&]() -> ffi::Error {
+    auto facts = GetDeviceFacts(device);
+    if (facts.has_error()) return facts.error();
+    return ffi::Error::Success();
   });
 }
 
 }  // namespace
 
+void SetRaggedKernel(RaggedKernel kernel) { g_kernel.store(static_cast<int>(kernel)); }
+RaggedKernel GetRaggedKernel() { return static_cast<RaggedKernel>(g_kernel.load()); }
+RaggedLaunches GetRaggedLaunches() {
+  return {g_cutlass_launches.load(), g_wmma_launches.load()};
+}
+bool RaggedCutlassBuilt() { return JAX_WGRAD_CUTLASS != 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedGemmCudaInitialize, RaggedGemmCudaInitializeImpl,
+                              ffi::Ffi::BindInitialize()
+                                  .Ctx<ffi::DeviceOrdinal>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedMatmulCuda, RaggedMatmulCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()  // XLA's device of the call
                                   .Arg<ffi::AnyBuffer>()  // x            [R, K]
                                   .Arg<ffi::AnyBuffer>()  // w            [G, N, K] / [G, K, N]
                                   .Arg<ffi::AnyBuffer>()  // group_sizes  int32 [G], device
                                   .Ret<ffi::AnyBuffer>()  // y            [R, N]
+                                  .Ret<ffi::AnyBuffer>()  // CUTLASS scratch, uint8 (or [0])
                                   .Attr<int32_t>("transpose_rhs")  // 1: w is [G, N, K]
                                   .Attr<int32_t>("precision"),     // 0/1/2: TF32 unless 2
                               {ffi::Traits::kCmdBufferCompatible});
@@ -627,12 +827,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedMatmulCuda, RaggedMatmulCudaImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedWgradAccumulateCuda, RaggedWgradCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()  // XLA's device of the call
                                   .Arg<ffi::AnyBuffer>()  // x            [R, in]
                                   .Arg<ffi::AnyBuffer>()  // dy           [R, out]
                                   .Arg<ffi::AnyBuffer>()  // group_sizes  int32 [G], device
                                   .Arg<ffi::AnyBuffer>()  // main_grad    [G, out, in] / [N]
                                   .Arg<ffi::AnyBuffer>()  // offset       int32 [] index, device
                                   .Ret<ffi::AnyBuffer>()  // main_grad    (aliased)
+                                  .Ret<ffi::AnyBuffer>()  // CUTLASS scratch, uint8 (or [0])
                                   .Attr<int64_t>("base")           // group 0's block at base +
                                   .Attr<int64_t>("stride")         // index * stride, clamped
                                   .Attr<int32_t>("precision"),     // 0/1/2: TF32 unless 2

@@ -247,10 +247,13 @@ def test_probe_cases_cover_the_variants():
         ("bucket_add of several blocks", "bucket_add"),
         ("ragged_matmul float32 transpose_rhs=1", "ragged"),
         ("ragged_matmul bfloat16 transpose_rhs=0", "ragged"),
+        ("ragged_matmul bfloat16 K = N = 8 transpose_rhs=1", "ragged"),
+        ("ragged_matmul bfloat16 K = N = 8 transpose_rhs=0", "ragged"),
         ("ragged_wgrad_accumulate float32", "ragged"),
         ("ragged_wgrad_accumulate bfloat16 into bfloat16", "ragged"),
         ("ragged_wgrad_accumulate float16 into a bucket", "ragged"),
         ("ragged_wgrad_accumulate at a traced, clamped offset", "ragged"),
+        ("ragged_wgrad_accumulate bfloat16 into float32, out = in = 8", "ragged"),
         ("ragged_wgrad_accumulate at a 64-bit position base + index * stride", "ragged"),
     ]
     assert registry.OP_FAMILIES == ("dense", "bucket_add", "grouped", "ragged")

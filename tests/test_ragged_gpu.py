@@ -9,12 +9,20 @@ tiles (and 16-byte aligned ones, the vector-load path), skewed group sizes with 
 negative ones, sizes summing past R, more groups than one 128-group scan chunk, and a flat
 bucket at an unaligned traced offset (clamped). Rows past the groups must be zeros
 (matmul) or never read (wgrad: NaNs there change nothing), and another expert's inf
-weights must not leak into a group's rows. One test (``cuda_handler``, no GPU needed)
-checks what the handlers declare and how the ops lower for CUDA.
+weights must not leak into a group's rows. On a Hopper GPU (compute capability 9.0) the
+16-bit cases whose feature dims are multiples of 8 run the CUTLASS grouped GEMMs (the
+others, the WMMA kernels); ``test_cutlass_*`` check that they did, against float64 and
+against the WMMA kernels forced with :func:`jax_wgrad.ops.ragged.set_cuda_kernel`. The
+``cuda_handler`` tests (no GPU needed) check what the handlers declare, how the ops lower
+for CUDA, and the kernel switch.
 """
 
+import contextlib
 import functools
 import importlib
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +30,7 @@ import numpy as np
 import pytest
 
 from jax_wgrad import ops
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import ragged, registry
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 U = {jnp.dtype(F32): 2.0**-24, jnp.dtype(BF16): 2.0**-8, jnp.dtype(F16): 2.0**-11}
@@ -160,12 +168,18 @@ WGRAD_IDS = ["f32", "f32_highest", "bf16_f32", "f16_f32", "bf16_bf16", "f16_f16"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d_in,d_out", [(70, 45), (64, 48)], ids=["ragged_tiles", "aligned"])
 @pytest.mark.parametrize("layout", ["stacked", "flat"])
 @pytest.mark.parametrize("case", list(SIZES))
 @pytest.mark.parametrize("in_dtype,acc_dtype,precision", WGRAD_DTYPES, ids=WGRAD_IDS)
-def test_wgrad_matches_float64_and_reference(in_dtype, acc_dtype, precision, case, layout):
+def test_wgrad_matches_float64_and_reference(
+    in_dtype, acc_dtype, precision, case, layout, d_in, d_out
+):
+    # 70 x 45: neither a multiple of the 64 x 64 tile; 64 x 48: TMA-aligned rows (CUTLASS on
+    # Hopper for 16-bit inputs into fp32, stacked; the flat bucket's unaligned offset 5 is
+    # not provably aligned: WMMA).
     rows, sizes = SIZES[case]
-    g, d_in, d_out = len(sizes), 70, 45  # neither a multiple of the 64 x 64 tile
+    g = len(sizes)
     x, dy = _rand(5, (rows, d_in), in_dtype), _rand(6, (rows, d_out), in_dtype)
     blocks = _rand(7, (g, d_out, d_in), acc_dtype)
     group_sizes = jnp.asarray(sizes, jnp.int32)
@@ -263,6 +277,117 @@ def test_wgrad_in_place_in_a_donated_scan_over_layers():
     np.testing.assert_array_equal(got[3 + layers * block :], 0)
 
 
+# ------------------------------------------------------------- CUTLASS (Hopper) vs WMMA
+def _hopper() -> bool:
+    return str(getattr(_gpu(), "compute_capability", "")) == "9.0"
+
+
+@contextlib.contextmanager
+def _kernels(name):
+    """Runs the block with the ragged handlers' kernel choice ``name`` (fresh compiles)."""
+    previous = ragged.set_cuda_kernel(name)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        ragged.set_cuda_kernel(previous)
+        jax.clear_caches()
+
+
+def _launched(fn, *args):
+    """``fn(*args)`` (a fresh jit) as float64, and the kernels the handlers enqueued."""
+    before = ragged.cuda_kernel_launches()
+    out = jax.block_until_ready(jax.jit(fn)(*args))
+    after = ragged.cuda_kernel_launches()
+    return _f64(out), {k: after[k] - before[k] for k in after}
+
+
+def _check_kernel(launched, kernel):
+    other = "wmma" if kernel == "cutlass" else "cutlass"
+    assert launched[kernel] >= 1 and launched[other] == 0, launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(SIZES))
+@pytest.mark.parametrize("transpose_rhs", [True, False], ids=["w_NK", "w_KN"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_cutlass_matmul_matches_float64_and_wmma(dtype, transpose_rhs, case):
+    rows, sizes = SIZES[case]
+    g, k, n = len(sizes), 136, 264  # multiples of 8, not of the 64- or 256-wide tiles
+    x = np.random.default_rng(20).standard_normal((rows, k))
+    end = _groups(sizes, rows)[-1][1]
+    x[end:] = np.nan  # past the groups: never read
+    w = np.random.default_rng(21).standard_normal((g, n, k) if transpose_rhs else (g, k, n))
+    args = jax.device_put(
+        (jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes, jnp.int32)), _gpu()
+    )
+    fn = functools.partial(ops.ragged_matmul, transpose_rhs=transpose_rhs)
+    with _kernels("auto"):
+        got, launched = _launched(fn, *args)
+    _check_kernel(launched, "cutlass" if _hopper() else "wmma")
+    with _kernels("wmma"):
+        wmma, launched = _launched(fn, *args)
+    _check_kernel(launched, "wmma")
+    exact, magnitude = _matmul_exact(args[0], args[1], sizes, transpose_rhs)
+    bound = _accumulation(dtype, None, k) * magnitude + U[jnp.dtype(dtype)] * np.abs(exact)
+    np.testing.assert_array_equal(got[end:], 0)
+    got, exact, magnitude, bound, wmma = (a[:end] for a in (got, exact, magnitude, bound, wmma))
+    assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) - bound)
+    assert np.all(np.abs(got - wmma) <= 2 * bound), np.max(np.abs(got - wmma) - 2 * bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(SIZES))
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_cutlass_wgrad_in_a_donated_scan_matches_float64_and_wmma(dtype, case):
+    """Two layers' expert blocks in one donated fp32 bucket, each at BlockOffset(base,
+    layer, stride) (provably 16-byte aligned: CUTLASS on Hopper), the second clamped;
+    accumulated onto non-zero blocks; rows past the groups are NaN (never read)."""
+    rows, sizes = SIZES[case]
+    g, d_in, d_out, layers = len(sizes), 72, 40, 2
+    block = g * d_out * d_in
+    base, tail = 8, 12  # the clamp's end: base + tail, a multiple of 4 elements
+    x = np.random.default_rng(22).standard_normal((layers, rows, d_in))
+    dy = np.random.default_rng(23).standard_normal((layers, rows, d_out))
+    end = _groups(sizes, rows)[-1][1]
+    x[:, end:], dy[:, end:] = np.nan, np.nan
+    x, dy = jnp.asarray(x, dtype), jnp.asarray(dy, dtype)
+    bucket = _rand(24, (base + block + tail,), F32)
+    # layer 0 at base; layer 1 at base + block, clamped to base + tail (overlapping 0's)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+
+    def run(b, x, dy):
+        def step(b, layer):
+            xl, dyl, i = layer
+            offset = ops.BlockOffset(base, i, block)
+            return ops.ragged_wgrad_accumulate(xl, dyl, group_sizes, b, offset=offset), None
+
+        return jax.lax.scan(step, b, (x, dy, jnp.arange(layers, dtype=jnp.int32)))[0]
+
+    args = jax.device_put((bucket, x, dy), _gpu())
+    donated = jax.jit(run, donate_argnums=0)
+    with _kernels("auto"):
+        before = ragged.cuda_kernel_launches()
+        got = _f64(jax.block_until_ready(donated(jnp.array(args[0]), *args[1:])))
+        after = ragged.cuda_kernel_launches()
+    _check_kernel({k: after[k] - before[k] for k in after}, "cutlass" if _hopper() else "wmma")
+    with _kernels("wmma"):
+        wmma, launched = _launched(run, *args)
+    _check_kernel(launched, "wmma")
+
+    exact, magnitude = _f64(bucket).copy(), np.abs(_f64(bucket))
+    for layer, at in ((0, base), (1, base + tail)):
+        e, m = _wgrad_exact(x[layer], dy[layer], np.zeros((g, d_out, d_in)), sizes)
+        exact[at : at + block] += e.reshape(-1)
+        magnitude[at : at + block] += m.reshape(-1)
+    longest = max(e - s for s, e in _groups(sizes, rows))
+    bound = _accumulation(dtype, None, longest) * magnitude + U[jnp.dtype(F32)] * np.abs(exact)
+    assert np.all(np.isfinite(got))
+    assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) - bound)
+    assert np.all(np.abs(got - wmma) <= 2 * bound), np.max(np.abs(got - wmma) - 2 * bound)
+    np.testing.assert_array_equal(got[:base], _f64(bucket)[:base])  # before the blocks
+
+
 # ------------------------------------------------------- declaration and lowering, no GPU
 @pytest.mark.cuda_handler
 def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
@@ -270,14 +395,28 @@ def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
     module = importlib.import_module("jax_wgrad._wgrad_ffi_cuda")
     for name in (registry.RAGGED_MATMUL_TARGET, registry.RAGGED_WGRAD_TARGET):
         assert metadata[name]["command_buffer_compatible"], metadata[name]
-        # Kernels of their own (no cuBLAS handle to create): no initialize stage.
-        assert not isinstance(module.registrations()[name], dict)
+        # Bundles: the initialize stage queries the device and readies CUTLASS's kernels.
+        assert set(module.registrations()[name]) == {"initialize", "execute"}
     x, w, sizes = jnp.ones((10, 4)), jnp.ones((3, 5, 4)), jnp.array([3, 0, 4], jnp.int32)
     text = (
         jax.jit(ops.ragged_matmul).trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
     )
     calls = [l for l in text.splitlines() if f"@{registry.RAGGED_MATMUL_TARGET}(" in l]
     assert len(calls) == 1 and "transpose_rhs = 1" in calls[0], text
+    # float32: an empty scratch result (CUTLASS runs 16-bit data only).
+    assert calls[0].rstrip().endswith("-> (tensor<10x5xf32>, tensor<0xui8>)"), calls[0]
+    scratch = ragged.cutlass_scratch_bytes(3)
+    for x16, w16 in ((x.astype(BF16), w.astype(BF16)), (x.astype(F16), jnp.swapaxes(w, 1, 2))):
+        t = "bf16" if x16.dtype == BF16 else "f16"
+        opts = {"transpose_rhs": x16.dtype == BF16}
+        text = (
+            jax.jit(functools.partial(ops.ragged_matmul, **opts))
+            .trace(x16, w16.astype(x16.dtype), sizes)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        call = next(l for l in text.splitlines() if f"@{registry.RAGGED_MATMUL_TARGET}(" in l)
+        assert call.rstrip().endswith(f"-> (tensor<10x5x{t}>, tensor<{scratch}xui8>)"), call
     dy, bucket = jnp.ones((10, 5)), jnp.zeros(100)
     text = (
         jax.jit(lambda b, o: ops.ragged_wgrad_accumulate(x, dy, sizes, b, offset=o))
@@ -287,6 +426,44 @@ def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
     )
     calls = [l for l in text.splitlines() if f"@{registry.RAGGED_WGRAD_TARGET}(" in l]
     assert len(calls) == 1, text
-    assert "output_tuple_indices = [], operand_index = 3" in calls[0], calls[0]
-    # No workspace or other extra result: the handler allocates nothing.
-    assert calls[0].rstrip().endswith("-> tensor<100xf32>"), calls[0]
+    assert "output_tuple_indices = [0], operand_index = 3" in calls[0], calls[0]
+    # The handler allocates nothing: float32 data gets an empty scratch result, bf16 data
+    # into an fp32 bucket CUTLASS's workspace and per-group arrays, into bf16 blocks none.
+    assert calls[0].rstrip().endswith("-> (tensor<100xf32>, tensor<0xui8>)"), calls[0]
+    for acc, want in ((bucket, scratch), (bucket.astype(BF16), 0)):
+        text = (
+            jax.jit(
+                lambda b, o: ops.ragged_wgrad_accumulate(
+                    x.astype(BF16), dy.astype(BF16), sizes, b, offset=o
+                )
+            )
+            .trace(acc, jnp.int32(3))
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        call = next(l for l in text.splitlines() if f"@{registry.RAGGED_WGRAD_TARGET}(" in l)
+        assert f"tensor<{want}xui8>)" in call, call
+
+
+@pytest.mark.cuda_handler
+def test_kernel_switch_and_launch_counts():
+    assert set(ragged.cuda_kernel_launches()) == {"cutlass", "wmma"}
+    previous = ragged.set_cuda_kernel("wmma")
+    try:
+        assert ragged.set_cuda_kernel("wmma") == "wmma"
+        with pytest.raises(ValueError, match="'auto' or 'wmma'"):
+            ragged.set_cuda_kernel("cublas")
+    finally:
+        ragged.set_cuda_kernel(previous)
+    # The environment variable sets the initial choice when the handlers are loaded; an
+    # unknown name makes loading fail loudly.
+    code = "from jax_wgrad.ops import ragged; print(ragged.set_cuda_kernel('auto'))"
+    for value, want in (("wmma", "wmma"), ("auto", "auto"), ("", "wmma")):
+        env = {**os.environ, "JAX_WGRAD_RAGGED_KERNEL": value, "JAX_PLATFORMS": "cpu"}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == want, out
+    env = {**os.environ, "JAX_WGRAD_RAGGED_KERNEL": "fast", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "JAX_WGRAD_RAGGED_KERNEL must be" in out.stderr, out

@@ -19,7 +19,14 @@ and ``end_g = clamp(start_g + max(size_g, 0), 0, R)``: sizes summing past ``R`` 
 Both lower to XLA FFI custom calls (``jax_wgrad_ragged_matmul``,
 ``jax_wgrad_ragged_wgrad_accumulate``; ``ffi/ragged_gemm.h``) whose work is proportional
 to the rows in groups, unlike ``jax.lax.ragged_dot``, which XLA expands to a dense masked
-product (``G`` times the FLOPs) on CPU and GPU. On a platform whose handlers were not
+product (``G`` times the FLOPs) on CPU and GPU. On a CUDA GPU they run the library's
+WMMA kernels (``ffi/ragged_gemm_cuda.cu``; measured on an H200 at 5-8% of the bf16 peak).
+With ``JAX_WGRAD_RAGGED_KERNEL=auto`` (read when the CUDA handlers are loaded) or
+:func:`set_cuda_kernel` ``("auto")``, bf16 and f16 operands on a Hopper GPU (compute
+capability 9.0) run CUTLASS sm90 grouped GEMMs instead when the feature dims are multiples
+of 8 (and the wgrad accumulates into fp32 blocks at 16-byte aligned positions). CUTLASS is
+opt-in because it has not run on a GPU yet (written and compiled without one);
+:func:`cuda_kernel_launches` counts what ran. On a platform whose handlers were not
 built, or one jax_wgrad has no handlers for (TPU, ROCm), compiling them raises; the
 plain-XLA references are :func:`ragged_matmul_ref` and :func:`ragged_wgrad_accumulate_ref`.
 """
@@ -37,6 +44,8 @@ from jax_wgrad.ops.primitive import FfiPrimitive, ProbeCase
 from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, added, check_block, check_dtypes
 
 __all__ = [
+    "cuda_kernel_launches",
+    "set_cuda_kernel",
     "ragged_matmul",
     "ragged_matmul_p",
     "ragged_matmul_ref",
@@ -130,7 +139,30 @@ def _matmul_self_check(rng) -> list[ProbeCase]:
                 y,
             )
         )
-    return cases
+    return cases + _aligned_matmul_self_check(rng, ops)
+
+
+def _aligned_matmul_self_check(rng, ops) -> list[ProbeCase]:
+    """bf16 with K = N = 8, shapes the CUDA handlers give to CUTLASS on a Hopper GPU when
+    it is chosen (``JAX_WGRAD_RAGGED_KERNEL=auto``), so that the self-check verifies the
+    kernels that will run: both ``w`` layouts, a group of zero rows, rows past the groups."""
+    sizes = np.array([5, 0, 6], np.int32)
+    x = rng.integers(-3, 4, size=(16, 8)).astype(np.float32)
+    w = rng.integers(-3, 4, size=(3, 8, 8)).astype(np.float32)  # [G, N, K]
+    y = np.zeros((16, 8), np.float32)
+    for g, rows in enumerate(ragged_rows(sizes, 16)):
+        y[rows] = x[rows] @ w[g].T
+    return [
+        ProbeCase(
+            f"ragged_matmul bfloat16 K = N = 8 transpose_rhs={int(transpose)}",
+            lambda x, w, s, t=transpose: ops.ragged_matmul(
+                x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), s, transpose_rhs=t
+            ),
+            (x, w if transpose else np.swapaxes(w, 1, 2), sizes),
+            y,
+        )
+        for transpose in (True, False)
+    ]
 
 
 def _wgrad_self_check(rng) -> list[ProbeCase]:
@@ -144,6 +176,8 @@ def _wgrad_self_check(rng) -> list[ProbeCase]:
     flat = rng.integers(-8, 9, size=40).astype(np.float32)
     bucket = np.concatenate([flat, flat[:1]])  # 41 elements: 36 fit from 5 on
     short, long = (np.stack([dy[r].T @ x[r] for r in ragged_rows(s, 7)]) for s in (_SHORT, _LONG))
+    x8, dy8 = (rng.integers(-3, 4, size=(7, 8)).astype(np.float32) for _ in range(2))
+    acc8 = rng.integers(-8, 9, size=(3, 8, 8)).astype(np.float32)
     return [
         ProbeCase(
             "ragged_wgrad_accumulate float32",
@@ -173,6 +207,14 @@ def _wgrad_self_check(rng) -> list[ProbeCase]:
             (x, dy, _LONG, flat, np.int32(30)),
             added(flat, 4, long),
         ),
+        ProbeCase(  # shapes CUTLASS takes on a Hopper GPU when chosen (out = in = 8)
+            "ragged_wgrad_accumulate bfloat16 into float32, out = in = 8",
+            lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
+                x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s, a
+            ),
+            (x8, dy8, _SHORT, acc8),
+            acc8 + np.stack([dy8[r].T @ x8[r] for r in ragged_rows(_SHORT, 7)]),
+        ),
         ProbeCase(
             "ragged_wgrad_accumulate at a 64-bit position base + index * stride",
             lambda x, dy, s, b, i: ops.ragged_wgrad_accumulate(
@@ -182,6 +224,84 @@ def _wgrad_self_check(rng) -> list[ProbeCase]:
             added(bucket, 5, short),
         ),
     ]
+
+
+# ---- the CUDA handlers' scratch and kernel choice ----------------------------------------
+
+# The CUDA handlers' scratch result (ffi/ragged_gemm_cutlass.h: ScratchBytes): CUTLASS's
+# workspace (at most 128 KiB: TMA descriptors per SM, 84,480 bytes on 132-SM H100/H200s;
+# the handler checks the device's need on every call) and per group 128 bytes of device
+# arrays (problem shape, A/B/C/D pointers and strides), plus alignment slack. Only calls
+# CUTLASS may run get it: 16-bit operands (and, for the wgrad, an fp32 accumulator);
+# others get an empty buffer.
+CUTLASS_WORKSPACE_BYTES = 128 << 10
+CUTLASS_BYTES_PER_GROUP = 128
+_CUTLASS_SLACK = 256 + 256
+
+
+def cutlass_scratch_bytes(groups: int) -> int:
+    """Bytes of the CUDA handlers' scratch result for ``groups`` groups (16-bit operands)."""
+    return _CUTLASS_SLACK + CUTLASS_WORKSPACE_BYTES + CUTLASS_BYTES_PER_GROUP * groups
+
+
+def _scratch(nbytes: int) -> list[jax.core.ShapedArray]:
+    return [jax.core.ShapedArray((nbytes,), jnp.uint8)]
+
+
+def _sixteen_bit(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _matmul_scratch(platform, x, w, group_sizes, **_):
+    if platform != "cuda":
+        return []
+    return _scratch(cutlass_scratch_bytes(w.shape[0]) if _sixteen_bit(x.dtype) else 0)
+
+
+def _wgrad_scratch(platform, x, dy, group_sizes, main_grad, index, **_):
+    if platform != "cuda":
+        return []
+    cutlass = _sixteen_bit(x.dtype) and jnp.dtype(main_grad.dtype) == jnp.dtype(jnp.float32)
+    return _scratch(cutlass_scratch_bytes(group_sizes.shape[0]) if cutlass else 0)
+
+
+def _cuda_module():
+    import importlib
+
+    return importlib.import_module("jax_wgrad._wgrad_ffi_cuda")
+
+
+def set_cuda_kernel(kernel: str) -> str:
+    """Chooses the CUDA ragged handlers' kernels for the calls they enqueue from now on:
+    ``"auto"`` (CUTLASS on Hopper where it applies, else WMMA) or ``"wmma"`` (always the
+    WMMA kernels). Returns the previous choice. Process-wide; a program already recorded
+    into a CUDA graph keeps its kernels (``jax.clear_caches()`` recompiles). The initial
+    choice is ``JAX_WGRAD_RAGGED_KERNEL`` (``wmma`` when unset: CUTLASS is opt-in until it
+    has run on a GPU). The ragged family's self-check (:func:`jax_wgrad.ops.op_status`)
+    checks the kernels chosen when it runs, once per process (it includes shapes CUTLASS
+    takes): choose with the environment variable to have CUTLASS checked before use.
+
+    Raises:
+      ValueError: another name.
+      ImportError: the CUDA handlers are not built or cannot be loaded.
+    """
+    if kernel not in ("auto", "wmma"):
+        raise ValueError(f"set_cuda_kernel: kernel must be 'auto' or 'wmma', got {kernel!r}")
+    module = _cuda_module()
+    previous = module.ragged_kernel()
+    module.set_ragged_kernel(kernel)
+    return previous
+
+
+def cuda_kernel_launches() -> dict[str, int]:
+    """How often the CUDA ragged handlers enqueued CUTLASS and WMMA kernels since they were
+    loaded: ``{"cutlass": n, "wmma": m}`` (a call recorded into a CUDA graph counts once,
+    when recorded).
+
+    Raises:
+      ImportError: the CUDA handlers are not built or cannot be loaded.
+    """
+    return dict(_cuda_module().ragged_kernel_launches())
 
 
 # ---- primitives ------------------------------------------------------------------------
@@ -198,6 +318,7 @@ RAGGED_MATMUL = FfiPrimitive(
     ),
     vmap_method="sequential",
     family="ragged",
+    scratch=_matmul_scratch,
     self_check=_matmul_self_check,
 )
 """``ragged_matmul(x, w, group_sizes, *, transpose_rhs, precision) -> y``."""
@@ -209,6 +330,7 @@ RAGGED_WGRAD_ACCUMULATE = FfiPrimitive(
     vmap_method="sequential",
     family="ragged",
     per_example=(3,),
+    scratch=_wgrad_scratch,
     self_check=_wgrad_self_check,
 )
 """``ragged_wgrad_accumulate(x, dy, group_sizes, main_grad, index, *, base, stride,
