@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Hugging Face model directory <-> this library's checkpoint (Llama, Mistral, Qwen2, Mixtral).
+"""Hugging Face model directory <-> this library's checkpoint (Llama, Mistral, Qwen2/3,
+Mixtral, Qwen3-MoE).
 
 Import: the HF directory's config and safetensors (streamed shard by shard) become a
 PARAMETERS-ONLY checkpoint; ``examples/pretrain_gpt.py --load CKPT`` with the printed model
@@ -35,12 +36,16 @@ TOKENIZER_FILES = (
 )
 
 
-def import_to_checkpoint(hf_dir: str, out: str, seq_length: int | None) -> dict:
+def import_to_checkpoint(
+    hf_dir: str, out: str, seq_length: int | None, make_vocab_size_divisible_by: int = 128
+) -> dict:
     from jax_wgrad.interop import import_hf, megatron_flags
     from jax_wgrad.training.checkpoint import save_params_checkpoint
 
     t0 = time.perf_counter()
     overrides = {} if seq_length is None else {"seq_length": seq_length}
+    # padded as the run will pad it (the padding rows zero): any layout that divides it
+    overrides["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     cfg, params = import_hf(hf_dir, **overrides)
     save_params_checkpoint(
         out, cfg, params, source=f"converted from Hugging Face {hf_dir}", required_fields=REQUIRED
@@ -112,6 +117,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="import: training sequence length (absent: max_position_embeddings)",
     )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="import: pad the vocabulary to a multiple of this, as the training run does "
+        "(its flag of the same name, default 128); export drops the padding rows",
+    )
     p.add_argument("--export", action="store_true", help="checkpoint -> HF directory")
     p.add_argument("--load", help="export: the checkpoint directory (newest step)")
     p.add_argument(
@@ -139,7 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             if not args.out:
                 p.error("import needs --out CKPT (or pass --export)")
-            out = import_to_checkpoint(args.hf_dir, args.out, args.seq_length)
+            out = import_to_checkpoint(
+                args.hf_dir, args.out, args.seq_length, args.make_vocab_size_divisible_by
+            )
     except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))
     print(json.dumps(out))

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Regenerate ``tests/fixtures/hf/<family>/``: small random-weight Hugging Face models of the
-Llama, Mistral (also with a sliding window shorter than the sequence), Qwen2 and Mixtral
-families (built from configs with ``transformers``, no download) and their reference
-logits, for ``tests/test_hf.py`` and ``tests/test_sliding_window.py``.
+Llama (also Llama 3.1's RoPE scaling), Mistral (also with a sliding window shorter than the
+sequence), Qwen2, Mixtral, Qwen3 and Qwen3-MoE families (built from configs with
+``transformers``, no download) and their reference logits, for ``tests/test_hf.py``,
+``tests/test_qwen3.py`` and ``tests/test_sliding_window.py``.
 
 Needs ``torch`` and ``transformers`` (not dependencies of this library; e.g. a separate
 venv: ``pip install torch==2.13.0 transformers safetensors numpy``)::
@@ -63,6 +64,68 @@ FAMILIES = {
         "MistralForCausalLM",
         dict(intermediate_size=96, sliding_window=5, rope_theta=1e6),
     ),
+    # Qwen3: q/k RMSNorm per head, head_dim 32 != hidden / heads, tied (as Qwen3-0.6B)
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            intermediate_size=96,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        ),
+    ),
+    # Qwen3-MoE: 8 experts top-3, renormalised (norm_topk_prob, as Qwen3-30B-A3B), MoE on
+    # layers 0 and 2 (mlp_only_layers 1, 3: Megatron's --moe-layer-freq 2), untied
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            mlp_only_layers=[1, 3],
+            head_dim=32,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+        ),
+    ),
+    # Qwen3-MoE's default routing: norm_topk_prob false (Megatron's --moe-router-pre-softmax),
+    # experts on every layer
+    "qwen3_moe_unnormed": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            rope_theta=1e6,
+        ),
+    ),
+    # Llama 3.1's rope_type "llama3" over an original 64 positions: head_dim 16 at base 5e5
+    # has frequencies in all three bands (kept, interpolated, divided by 8), and the
+    # 16-token sequences turn the lowest ones far enough for the logits to differ
+    "llama31": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            intermediate_size=128,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            max_position_embeddings=512,
+        ),
+    ),
 }
 SHARD = {"llama": "200KB"}
 """Families saved as several shards with an index (the others: one file)."""
@@ -110,6 +173,11 @@ def random_shapes(family: str, seed: int) -> dict:
     )
     if family.startswith("mistral"):
         extra["head_dim"] = int(rng.choice([d, 2 * d]))
+    if "rope_parameters" in extra:  # Llama 3.1: the base goes inside
+        extra["rope_parameters"] = {
+            **extra["rope_parameters"],
+            "rope_theta": extra.pop("rope_theta"),
+        }
     return {**shapes, **extra}
 
 
@@ -132,6 +200,8 @@ def build(family: str, out: Path, seed: int, fresh: bool = False) -> dict:
     for f in d.iterdir():
         f.unlink()
     model.save_pretrained(d, max_shard_size=SHARD.get(family, "10MB"))
+    for f in d.glob("*.safetensors"):
+        f.chmod(0o644)  # safetensors creates its files private
     np.savez_compressed(
         d / "reference.npz",
         tokens=tokens.numpy().astype(np.int32),

@@ -5,7 +5,8 @@ weight gradient (:mod:`jax_wgrad.parallel.deferred`: its explicit head backward 
 ``recompute`` mode, which rebuilds the logits' gradient from :func:`vocab_parallel_logsumexp`
 with :func:`logits_grad`), and the vocab-range mask also by the embedding lookup
 (:func:`vocab_shard_index`). Logits are ``[..., vocab / tp]``, this rank's vocabulary shard;
-the vocabulary is never gathered.
+the vocabulary is never gathered. A padded vocabulary's padding columns are masked to
+``-inf`` before any of it (:func:`mask_vocab_padding`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax_wgrad.parallel.mesh import TENSOR
 
 __all__ = [
+    "mask_vocab_padding",
     "vocab_shard_index",
     "logits_grad",
     "vocab_parallel_cross_entropy",
@@ -38,6 +40,22 @@ def vocab_shard_index(
     local = ids - start
     in_range = (local >= 0) & (local < local_vocab)
     return jnp.where(in_range, local, 0), in_range
+
+
+def mask_vocab_padding(
+    logits: jax.Array, vocab_size: int | None, axis_name: str | tuple[str, ...] | None
+) -> jax.Array:
+    """``logits`` ``[..., V_padded / shards]`` (this rank's vocabulary shard, as
+    :func:`vocab_shard_index` numbers them) with the columns of the padding rows -- global
+    ids ``>= vocab_size`` -- set to ``-inf``: excluded from the softmax, so the loss and
+    every gradient are those of the unpadded model and the padding gets zero gradient.
+    ``vocab_size=None``: no padding (``logits`` returned as they are)."""
+    local = logits.shape[-1]
+    if vocab_size is None:
+        return logits
+    start = jax.lax.axis_index(axis_name) * local if axis_name is not None else 0
+    ids = start + jnp.arange(local)
+    return jnp.where(ids < vocab_size, logits, jnp.array(-jnp.inf, logits.dtype))
 
 
 def logits_grad(probs: jax.Array, local: jax.Array, in_range: jax.Array) -> jax.Array:
@@ -128,12 +146,15 @@ def recompute_dy(
     tp: int,
     scale: float = 1.0,
     axis_name: str = TENSOR,
+    vocab_size: int | None = None,
 ) -> jax.Array:
     """``dy = scale * (softmax - onehot)`` over this rank's vocabulary shard for the
     tokens of ``x`` ``[..., H]`` (``lse``, ``labels``: ``[...]``): the vocab-parallel
-    cross entropy's gradient, rebuilt from the stashed logsumexp."""
-    logits = jnp.matmul(x, w.T.astype(x.dtype))
-    local, in_range = vocab_shard_index(labels, logits.shape[-1], axis_name if tp > 1 else None)
+    cross entropy's gradient, rebuilt from the stashed logsumexp (``vocab_size``: the true
+    vocabulary of padded rows, whose ``dy`` is 0 -- :func:`mask_vocab_padding`)."""
+    axes = axis_name if tp > 1 else None
+    logits = mask_vocab_padding(jnp.matmul(x, w.T.astype(x.dtype)), vocab_size, axes)
+    local, in_range = vocab_shard_index(labels, logits.shape[-1], axes)
     soft = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
     dy = logits_grad(soft, local, in_range) * scale
     return dy.astype(x.dtype)

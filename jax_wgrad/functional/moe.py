@@ -5,8 +5,11 @@ runs on every backend, the CPU included), called inside ``shard_map`` where the 
 axis (``expert_axis``, e.g. :data:`jax_wgrad.parallel.mesh.EXPERT`) holds ``EP`` ranks,
 each with its own tokens (EP is carved out of data parallelism) and ``E / EP`` experts:
 
-1. **Router**: fp32 logits ``x @ w_router^T`` ``[T, E]``, top-k, gates = softmax over the
-   k selected logits (Megatron's default, ``moe_router_pre_softmax=False``).
+1. **Router** (:func:`route`, Megatron's ``topk_softmax_with_capacity``): fp32 logits
+   ``x @ w_router^T`` ``[T, E]``; gates = softmax over the k largest logits (Megatron's
+   default: the top-k probabilities renormalised, Hugging Face's ``norm_topk_prob``) or,
+   with ``moe_router_pre_softmax``, the k largest of the softmax over all ``E`` experts
+   (not renormalised); times ``moe_router_topk_scaling_factor`` when given.
 2. **Dispatch** (:mod:`jax_wgrad.functional.moe_dispatch`): dropless (Megatron's default:
    tokens sorted by expert, ragged groups, expert GEMMs over the routed rows only) or, with
    ``moe_expert_capacity_factor``, capacity buffers ``[E, C, H]`` (choices past ``C``
@@ -85,6 +88,11 @@ class MoEConfig:
       overlap_wgrad: ``overlap_dispatch_backward_with_experts_wgrad`` (module docstring).
       swiglu: SwiGLU experts (Mixtral): ``fc1 [E, 2, F, H]`` = gate rows, then up rows
         (each tensor rank holds the gate and up rows of the same features).
+      pre_softmax: ``moe_router_pre_softmax``: the gates are the top-k of the softmax
+        over all experts (not renormalised; Hugging Face's ``norm_topk_prob: false``);
+        off (Megatron's default): the softmax over the top-k logits.
+      topk_scaling_factor: ``moe_router_topk_scaling_factor``: multiplies the gates;
+        ``None`` (Megatron's default): no scaling.
     """
 
     num_experts: int
@@ -95,6 +103,8 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     overlap_wgrad: bool = False
     swiglu: bool = False
+    pre_softmax: bool = False
+    topk_scaling_factor: float | None = None
 
     def activation(self, hidden: jax.Array) -> jax.Array:
         """The experts' nonlinearity: ``[..., F]`` (GELU), ``[..., 2F]`` (SwiGLU) -> ``F``."""
@@ -125,6 +135,22 @@ class MoEConfig:
         if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not coeff >= 0:
             raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {coeff!r}")
         object.__setattr__(self, "aux_loss_coeff", float(coeff))
+        if not isinstance(self.pre_softmax, bool):
+            raise ValueError(
+                f"moe_router_pre_softmax must be True or False, got {self.pre_softmax!r}"
+            )
+        scale = self.topk_scaling_factor
+        if scale is not None:
+            if (
+                isinstance(scale, bool)
+                or not isinstance(scale, (int, float))
+                or not 0 < scale < math.inf
+            ):
+                raise ValueError(
+                    f"moe_router_topk_scaling_factor must be a finite number > 0 (or None: "
+                    f"no scaling), got {scale!r}"
+                )
+            object.__setattr__(self, "topk_scaling_factor", float(scale))
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert per source rank: ``ceil(T * k * factor / E)`` (Megatron's
@@ -147,17 +173,33 @@ class MoEStats(NamedTuple):
     """Scalar: dropped choices / routed choices."""
 
 
-def route(x: jax.Array, w_router: jax.Array, topk: int):
-    """Router: ``(probs [T, E] fp32 softmax, experts [T, k] int32, gates [T, k] fp32)``."""
+def route(
+    x: jax.Array,
+    w_router: jax.Array,
+    topk: int,
+    *,
+    pre_softmax: bool = False,
+    scaling_factor: float | None = None,
+):
+    """Router: ``(probs [T, E] fp32 softmax, experts [T, k] int32, gates [T, k] fp32)``.
+
+    Megatron's ``topk_softmax_with_capacity`` (score function softmax): the ``k`` experts
+    of the largest logits; ``gates`` = the softmax over those ``k`` logits, or with
+    ``pre_softmax`` the ``k`` largest of ``probs`` (the softmax over all experts, not
+    renormalised); then times ``scaling_factor`` when given. ``probs`` (what the
+    load-balancing loss reads) is the full softmax either way."""
     logits = jnp.matmul(
         x.astype(jnp.float32), w_router.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST
     )
-    top_logits, experts = jax.lax.top_k(logits, topk)
-    return (
-        jax.nn.softmax(logits, axis=-1),
-        experts.astype(jnp.int32),
-        jax.nn.softmax(top_logits, axis=-1),
-    )
+    probs = jax.nn.softmax(logits, axis=-1)
+    if pre_softmax:
+        gates, experts = jax.lax.top_k(probs, topk)
+    else:
+        top_logits, experts = jax.lax.top_k(logits, topk)
+        gates = jax.nn.softmax(top_logits, axis=-1)
+    if scaling_factor is not None:
+        gates = gates * scaling_factor
+    return probs, experts.astype(jnp.int32), gates
 
 
 def load_balancing_loss(
@@ -280,7 +322,13 @@ def moe_mlp(
     etp = 1 if expert_tensor_axis is None else jax.lax.axis_size(expert_tensor_axis)
     _expert_shapes(params, cfg, x, ep, etp)
     t, h = x.shape
-    probs, experts, gates = route(x, params["router"], k)
+    probs, experts, gates = route(
+        x,
+        params["router"],
+        k,
+        pre_softmax=cfg.pre_softmax,
+        scaling_factor=cfg.topk_scaling_factor,
+    )
     exchange = dict(expert_axis=expert_axis, ep=ep, tensor_axis=expert_tensor_axis, num_experts=e)
     dispatcher = (
         DroplessDispatch(**exchange)

@@ -1,5 +1,5 @@
 """Checkpoints of other libraries in and out: :mod:`jax_wgrad.interop.hf` (Hugging Face
-Llama, Mistral, Qwen2 and Mixtral directories)."""
+Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE directories)."""
 
 from jax_wgrad.interop.hf import (
     canonical_arrays,

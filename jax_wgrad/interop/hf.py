@@ -14,8 +14,11 @@ views; so the two directions cannot disagree. Layouts:
   permutation of rows.
 * ``gate_proj``/``up_proj`` -> ``fc1 [2, F, H]``, ``down_proj`` -> ``fc2``;
   Mixtral's ``w1``/``w3`` -> ``experts.fc1 [E, 2, F, H]`` ``[:, 0]``/``[:, 1]``, ``w2`` ->
-  ``experts.fc2``, ``block_sparse_moe.gate`` -> ``router`` (transformers 5's in-memory
-  names ``mlp.gate``/``mlp.experts.gate_up_proj``/``down_proj`` are read too).
+  ``experts.fc2``, ``block_sparse_moe.gate`` -> ``router``; Qwen3-MoE's
+  ``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj`` and ``mlp.gate`` likewise
+  (transformers 5's in-memory names ``mlp.gate``/``mlp.experts.gate_up_proj`` ``[E, 2F,
+  H]``/``down_proj`` are read too).
+* Qwen3's ``self_attn.q_norm``/``k_norm`` ``[d]`` -> ``q_norm.scale``/``k_norm.scale``.
 
 Import is streamed: one shard open at a time (``safe_open`` maps it), each tensor copied
 into the preallocated fp32 canonical arrays and dropped; so the memory beyond the result
@@ -36,7 +39,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jax_wgrad.interop.hf_config import config_from_hf, head_dim, hf_config_from
+from jax_wgrad.interop.hf_config import config_from_hf, expert_family, head_dim, hf_config_from
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.params import init_params
 
@@ -130,6 +133,10 @@ def _attention(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
                 _region(f"{key}.proj.bias", j),
             )
         )
+    if getattr(cfg, "qk_layernorm", False):  # Qwen3: RMSNorm over each head, before RoPE
+        for part in ("q", "k"):
+            leaf = f"{key}.{part}_norm.scale"
+            out.append(HFTensor(f"{p}self_attn.{part}_norm.weight", (d,), leaf, _region(leaf, j)))
     return out
 
 
@@ -149,28 +156,41 @@ def _mlp(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
     return out
 
 
+_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe.", "w1", "w3", "w2"),
+    "qwen3_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+}
+"""Per family: the MoE block's prefix and the names of an expert's gate, up and down
+weights in checkpoint files."""
+
+
 def _experts(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
     h, f, e_num = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
-    fc1, fc2, q = f"{key}.experts.fc1", f"{key}.experts.fc2", f"{p}block_sparse_moe."
+    block, gate, up, down = _EXPERT_NAMES[expert_family(cfg)]
+    fc1, fc2, q = f"{key}.experts.fc1", f"{key}.experts.fc2", f"{p}{block}"
     out = [HFTensor(f"{q}gate.weight", (e_num, h), f"{key}.router", _region(f"{key}.router", j))]
     for e in range(e_num):
         out += [
-            HFTensor(f"{q}experts.{e}.w1.weight", (f, h), fc1, _region(fc1, j, e, 0)),
-            HFTensor(f"{q}experts.{e}.w3.weight", (f, h), fc1, _region(fc1, j, e, 1)),
-            HFTensor(f"{q}experts.{e}.w2.weight", (h, f), fc2, _region(fc2, j, e)),
+            HFTensor(f"{q}experts.{e}.{gate}.weight", (f, h), fc1, _region(fc1, j, e, 0)),
+            HFTensor(f"{q}experts.{e}.{up}.weight", (f, h), fc1, _region(fc1, j, e, 1)),
+            HFTensor(f"{q}experts.{e}.{down}.weight", (h, f), fc2, _region(fc2, j, e)),
         ]
     return out
 
 
 def _experts_v5(cfg: GPTConfig, p: str, key: str, j: int) -> list[HFTensor]:
-    """transformers 5's fused in-memory names (read only; files use :func:`_experts`')."""
+    """transformers 5's fused in-memory names (read only; files use :func:`_experts`'):
+    the same for Mixtral and Qwen3-MoE (whose router name is the files' one)."""
     h, f, e_num = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
     fc1, fc2 = f"{key}.experts.fc1", f"{key}.experts.fc2"
-    return [
-        HFTensor(f"{p}mlp.gate.weight", (e_num, h), f"{key}.router", _region(f"{key}.router", j)),
+    out = [
         HFTensor(f"{p}mlp.experts.gate_up_proj", (e_num, 2 * f, h), fc1, _region(fc1, j)),
         HFTensor(f"{p}mlp.experts.down_proj", (e_num, h, f), fc2, _region(fc2, j)),
     ]
+    if expert_family(cfg) == "mixtral":  # its files name the router block_sparse_moe.gate
+        router = f"{key}.router"
+        out.append(HFTensor(f"{p}mlp.gate.weight", (e_num, h), router, _region(router, j)))
+    return out
 
 
 def hf_tensors(cfg: GPTConfig, *, aliases: bool = False) -> list[HFTensor]:
@@ -182,7 +202,7 @@ def hf_tensors(cfg: GPTConfig, *, aliases: bool = False) -> list[HFTensor]:
             "model.embed_tokens.weight",
             (v, h),
             "embedding.word.embedding",
-            _region("embedding.word.embedding"),
+            _region("embedding.word.embedding", slice(0, v)),  # the padding: not in HF
         )
     ]
     seen = {"layers": 0, "moe_layers": 0}
@@ -219,7 +239,12 @@ def hf_tensors(cfg: GPTConfig, *, aliases: bool = False) -> list[HFTensor]:
     )
     if cfg.untie_embeddings_and_output_weights:
         out.append(
-            HFTensor("lm_head.weight", (v, h), "head.output.weight", _region("head.output.weight"))
+            HFTensor(
+                "lm_head.weight",
+                (v, h),
+                "head.output.weight",
+                _region("head.output.weight", slice(0, v)),
+            )
         )
     return out
 
@@ -337,6 +362,11 @@ def read_hf_tensors(directory: str | os.PathLike, cfg: GPTConfig, params: dict) 
     """
     table = {t.name: t for t in hf_tensors(cfg, aliases=True)}
     written = dict.fromkeys(_leaves(params), 0)
+    for leaf in ("embedding.word.embedding", "head.output.weight"):  # Megatron's padding
+        if leaf in written:  # rows: zero (the directory has none; never in the loss)
+            padding = _get(params, leaf)[cfg.vocab_size :]
+            padding[...] = 0
+            written[leaf] += padding.size
     for path in shard_files(directory):
         _read_shard(path, table, params, written, cfg)
     sizes = {k: a.size for k, a in _leaves(params).items()}

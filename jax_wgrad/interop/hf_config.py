@@ -1,11 +1,14 @@
 """Hugging Face ``config.json`` <-> :class:`~jax_wgrad.GPTConfig` for the Llama, Mistral,
-Qwen2 and Mixtral families.
+Qwen2, Qwen3, Mixtral and Qwen3-MoE families.
 
 Everything the GPT cannot compute exactly as ``transformers`` does is refused with the HF
 field and its value named (RoPE scaling other than Llama 3's, a sliding window on some
 layers only, other activations, bias combinations Megatron's flags cannot express, router
-jitter, dropout), so an imported model is never silently a different function. A sliding
-window on every layer is Megatron's ``window_size`` (``(sliding_window - 1, 0)``).
+jitter, dropout, a Qwen3-MoE layer pattern Megatron's ``moe_layer_freq`` cannot give), so
+an imported model is never silently a different function. A sliding window on every layer
+is Megatron's ``window_size`` (``(sliding_window - 1, 0)``). Qwen3's per-head q/k RMSNorm
+is Megatron's ``qk_layernorm``; Qwen3-MoE's ``norm_topk_prob`` is the negation of
+``moe_router_pre_softmax``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from jax_wgrad.models.gpt.config import GPTConfig
 __all__ = [
     "FAMILIES",
     "UnsupportedHFConfig",
+    "expert_family",
     "config_from_hf",
     "hf_config_from",
     "head_dim",
@@ -30,10 +34,21 @@ FAMILIES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 """The ``architectures`` entries read and written, and their ``model_type``."""
 
-_ROPE_DEFAULTS = {"llama": 10000.0, "mistral": 10000.0, "qwen2": 10000.0, "mixtral": 1e6}
+_ROPE_DEFAULTS = {
+    "llama": 10000.0,
+    "mistral": 10000.0,
+    "qwen2": 10000.0,
+    "mixtral": 1e6,
+    "qwen3": 10000.0,
+    "qwen3_moe": 10000.0,
+}
+_QWEN3 = ("qwen3", "qwen3_moe")
+"""The families with Megatron's ``qk_layernorm`` (q_norm/k_norm: RMSNorm over each head)."""
 
 
 class UnsupportedHFConfig(ValueError):
@@ -47,6 +62,12 @@ def _refuse(field: str, value: Any, why: str) -> None:
 def head_dim(cfg: GPTConfig) -> int:
     """Attention head size: ``kv_channels``, or ``hidden_size / num_attention_heads``."""
     return getattr(cfg, "kv_channels", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def expert_family(cfg: Any) -> str:
+    """The Hugging Face family of an MoE config: ``qwen3_moe`` with ``qk_layernorm``,
+    else ``mixtral`` (it decides the expert tensors' names too)."""
+    return "qwen3_moe" if getattr(cfg, "qk_layernorm", False) else "mixtral"
 
 
 def _family(hf: dict) -> str:
@@ -106,7 +127,9 @@ def _window_size(hf: dict, family: str, seq_length: int) -> tuple[int, int] | No
     A window on some layers only is refused, naming the field and the layer split, unless
     no sequence of ``seq_length`` tokens reaches past it."""
     window = hf.get("sliding_window")
-    if family == "qwen2":
+    if family == "qwen3_moe" and not hf.get("use_sliding_window"):
+        window = None  # transformers' Qwen3MoeConfig drops it; else every layer slides
+    if family in ("qwen2", "qwen3"):
         layers = hf["num_hidden_layers"]
         if not hf.get("use_sliding_window"):
             window = None  # transformers' Qwen2Config drops it
@@ -143,7 +166,7 @@ def _window_size(hf: dict, family: str, seq_length: int) -> tuple[int, int] | No
                     f"{seq_length})",
                 )
             return None  # no sequence of this run reaches past it
-    elif family not in ("mistral", "mixtral"):
+    elif family not in ("mistral", "mixtral", "qwen3_moe"):
         return None
     _check_sliding_window(window)
     return None if window is None else (window - 1, 0)
@@ -178,6 +201,14 @@ def _check(hf: dict, family: str) -> None:
             (hf.get("attention_bias"), hf.get("mlp_bias")),
             "Megatron's --disable-bias-linear switches every linear's bias together "
             "(--add-qkv-bias adds q/k/v biases only, not o_proj's)",
+        )
+    if family in _QWEN3 and hf.get("attention_bias", False):
+        _refuse(
+            "attention_bias",
+            hf["attention_bias"],
+            "Qwen3's attention_bias adds q/k/v and o_proj biases without MLP biases: "
+            "Megatron's --add-qkv-bias adds q/k/v biases only, --disable-bias-linear off "
+            "adds the MLPs' too",
         )
     for name in ("attention_dropout", "router_jitter_noise"):
         if hf.get(name, 0.0):
@@ -235,7 +266,8 @@ def _config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
     family = _family(hf)
     nh, hidden = hf["num_attention_heads"], hf["hidden_size"]
     nkv = hf.get("num_key_value_heads") or nh
-    d = hf.get("head_dim") or hidden // nh
+    # transformers' Qwen3Config defaults head_dim to 128; the others to hidden / heads
+    d = hf.get("head_dim", 128 if family == "qwen3" else None) or hidden // nh
     fields: dict[str, Any] = dict(
         vocab_size=hf["vocab_size"],
         num_layers=hf["num_hidden_layers"],
@@ -252,6 +284,7 @@ def _config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
         kv_channels=d if d * nh != hidden else None,
         add_bias_linear=bool(hf.get("attention_bias", False)) if family == "llama" else False,
         add_qkv_bias=family == "qwen2",
+        qk_layernorm=family in _QWEN3,
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         init_method_std=float(hf.get("initializer_range", 0.02)),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
@@ -270,11 +303,60 @@ def _config_from_hf(hf_config: dict, **overrides) -> GPTConfig:
             if hf.get("output_router_logits")
             else 0.0,
         )
+    if family == "qwen3_moe":
+        fields.update(_qwen3_moe_fields(hf))
     _check(hf, family)
     seq_length = overrides.get("seq_length", fields["seq_length"])
     fields["window_size"] = _window_size(hf, family, seq_length)
     fields.update(overrides)
     return GPTConfig(**fields)
+
+
+def _moe_layer_freq(hf: dict) -> int:
+    """Megatron's ``moe_layer_freq`` N of Qwen3-MoE's layer pattern (transformers: layer
+    ``i`` is MoE when ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in
+    ``mlp_only_layers``; Megatron: when ``i % N == 0``); another pattern is refused."""
+    layers = hf["num_hidden_layers"]
+    step = hf.get("decoder_sparse_step", 1)
+    only = hf.get("mlp_only_layers") or []
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        _refuse("decoder_sparse_step", step, "a number of layers >= 1")
+    moe = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
+    freq = moe[1] - moe[0] if len(moe) > 1 else layers
+    if not moe or moe != list(range(0, layers, freq)):
+        _refuse(
+            "decoder_sparse_step/mlp_only_layers",
+            (step, only),
+            f"MoE on {_spans(moe) if moe else 'no layer'} of {layers}: Megatron's "
+            "--moe-layer-freq N puts experts on layers 0, N, 2N, ... (here only that "
+            "pattern is implemented, not Megatron's list form)",
+        )
+    return freq
+
+
+def _qwen3_moe_fields(hf: dict) -> dict[str, Any]:
+    """GPTConfig's MoE fields of a Qwen3-MoE config (no shared experts)."""
+    experts = hf.get("num_local_experts", hf.get("num_experts"))  # transformers 5 / 4 name
+    if not experts:
+        _refuse("num_experts", experts, "a Qwen3-MoE model needs experts (else it is Qwen3)")
+    freq = _moe_layer_freq(hf)
+    topk = hf["num_experts_per_tok"]
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_layer_freq=freq,
+        # transformers' Qwen3MoeTopKRouter: softmax over all experts, top-k, renormalised
+        # only with norm_topk_prob (its default: False)
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_aux_loss_coeff=hf_to_megatron_aux_loss_coeff(
+            hf.get("router_aux_loss_coef", 0.001),
+            topk,
+            len(range(0, hf["num_hidden_layers"], freq)),
+        )
+        if hf.get("output_router_logits")
+        else 0.0,
+    )
 
 
 def _export_refusals(cfg: GPTConfig) -> list[tuple[str, Any, str]]:
@@ -283,17 +365,35 @@ def _export_refusals(cfg: GPTConfig) -> list[tuple[str, Any, str]]:
         ("position_embedding_type", "rope"),
         ("swiglu", True),
         ("rotary_percent", 1.0),
-        ("qk_layernorm", False),
     ]
     out = [
         (f, getattr(cfg, f, None), f"the Llama family needs {want!r}")
         for f, want in checks
         if getattr(cfg, f, None) != want
     ]
+    qwen3 = cfg.qk_layernorm
+    if qwen3 and (cfg.add_bias_linear or cfg.add_qkv_bias):
+        out.append(
+            (
+                "add_bias_linear/add_qkv_bias",
+                (cfg.add_bias_linear, cfg.add_qkv_bias),
+                "qk_layernorm makes it Qwen3, whose attention_bias adds q/k/v and o_proj "
+                "biases and no MLP biases",
+            )
+        )
     if cfg.num_moe_experts is not None:
-        if cfg.moe_layer_freq != 1:
+        if not qwen3 and cfg.moe_layer_freq != 1:
             out.append(("moe_layer_freq", cfg.moe_layer_freq, "Mixtral has experts in every layer"))
-        if cfg.add_bias_linear or cfg.add_qkv_bias:
+        if not qwen3 and cfg.moe_router_pre_softmax:
+            out.append(
+                (
+                    "moe_router_pre_softmax",
+                    True,
+                    "Mixtral renormalises its top-k gates (Qwen3-MoE's norm_topk_prob false "
+                    "needs qk_layernorm)",
+                )
+            )
+        if not qwen3 and (cfg.add_bias_linear or cfg.add_qkv_bias):
             out.append(
                 (
                     "add_bias_linear/add_qkv_bias",
@@ -301,15 +401,22 @@ def _export_refusals(cfg: GPTConfig) -> list[tuple[str, Any, str]]:
                     "Mixtral has no linear biases",
                 )
             )
+        for field in ("moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size"):
+            if getattr(cfg, field) is not None:
+                out.append(
+                    (field, getattr(cfg, field), "Mixtral and Qwen3-MoE have no such option")
+                )
     return out
 
 
 def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "float32") -> dict:
-    """A ``config.json`` (dict) ``transformers`` loads as the same model: Mixtral with
-    experts, Qwen2 with q/k/v biases only, else Llama, or Mistral with a sliding window
-    (``family="mistral"`` also for a dense model without biases). ``window_size (left,
-    0)`` is written as ``sliding_window = left + 1`` (Qwen2's on every layer:
-    ``use_sliding_window``, ``max_window_layers`` 0).
+    """A ``config.json`` (dict) ``transformers`` loads as the same model: with
+    ``qk_layernorm`` Qwen3-MoE (experts) or Qwen3; else Mixtral with experts, Qwen2 with
+    q/k/v biases only, else Llama, or Mistral with a sliding window (``family="mistral"``
+    also for a dense model without biases). ``window_size (left, 0)`` is written as
+    ``sliding_window = left + 1`` (Qwen2's and Qwen3's on every layer:
+    ``use_sliding_window``, ``max_window_layers`` 0). Qwen3-MoE's dense layers of
+    ``moe_layer_freq`` are its ``mlp_only_layers``.
 
     Raises:
       ValueError: ``cfg`` has an option no such family has (the field named).
@@ -320,8 +427,10 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
             "cannot export to Hugging Face: " + "; ".join(f"{f}={v!r} ({why})" for f, v, why in bad)
         )
     auto = (
-        "mixtral"
+        expert_family(cfg)
         if cfg.num_moe_experts is not None
+        else "qwen3"
+        if cfg.qk_layernorm
         else "qwen2"
         if cfg.add_qkv_bias and not cfg.add_bias_linear
         else "llama"
@@ -346,7 +455,7 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.moe_ffn_hidden_size
         if family == "mixtral"
-        else cfg.ffn_hidden_size,
+        else cfg.ffn_hidden_size,  # Qwen3-MoE: its dense layers' (mlp_only_layers)
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": nkv,
@@ -374,7 +483,11 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
         out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
     if family in ("mistral", "mixtral"):
         out["sliding_window"] = window
-    if family == "qwen2":  # every layer from max_window_layers on slides
+    if family in _QWEN3:
+        out["attention_bias"] = False
+    if family == "qwen3_moe":  # every layer slides with use_sliding_window
+        out.update(use_sliding_window=window is not None, sliding_window=window)
+    if family in ("qwen2", "qwen3"):  # every layer from max_window_layers on slides
         out.update(
             use_sliding_window=window is not None,
             sliding_window=window,
@@ -387,6 +500,20 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
             router_jitter_noise=0.0,
             router_aux_loss_coef=megatron_to_hf_aux_loss_coeff(
                 cfg.moe_aux_loss_coeff, cfg.moe_router_topk, sum(cfg.moe_layer_pattern)
+            ),
+            output_router_logits=cfg.moe_aux_loss_coeff > 0,
+        )
+    if family == "qwen3_moe":
+        pattern = cfg.moe_layer_pattern
+        out.update(
+            num_experts=cfg.num_moe_experts,
+            num_experts_per_tok=cfg.moe_router_topk,
+            moe_intermediate_size=cfg.moe_ffn_hidden_size,
+            norm_topk_prob=not cfg.moe_router_pre_softmax,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+            router_aux_loss_coef=megatron_to_hf_aux_loss_coeff(
+                cfg.moe_aux_loss_coeff, cfg.moe_router_topk, sum(pattern)
             ),
             output_router_logits=cfg.moe_aux_loss_coeff > 0,
         )

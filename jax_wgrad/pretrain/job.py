@@ -258,7 +258,13 @@ def describe(plan, data, state) -> list[str]:
         plan.buffer_summary(),
         f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "
         f"{model.hidden_size}, heads {model.num_attention_heads} (kv {model.query_groups}), "
-        f"seq {model.seq_length}, vocab {model.vocab_size}, {model.compute_dtype}, "
+        f"seq {model.seq_length}, vocab {model.vocab_size}"
+        + (
+            f" (padded to {model.padded_vocab_size})"
+            if model.padded_vocab_size != model.vocab_size
+            else ""
+        )
+        + f", {model.compute_dtype}, "
         f"{model.normalization}, {model.position_embedding_type}, "
         f"{'swiglu' if model.swiglu else 'gelu'}, "
         f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'}"

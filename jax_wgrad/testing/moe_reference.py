@@ -20,11 +20,21 @@ def reference_moe_mlp(
 ) -> tuple[jax.Array, jax.Array]:
     """``(y [T, H], aux_loss)`` of tokens ``x [T, H]`` with ALL experts' weights
     (``router [E, H]``, ``fc1 [E, F, H]`` (``[E, 2, F, H]`` with SwiGLU), ``fc2 [E, H, F]``),
-    in fp32 ``jnp``."""
+    in fp32 ``jnp``. The router options (``pre_softmax``, ``topk_scaling_factor``) are
+    written here from Megatron's definition, not taken from
+    :func:`jax_wgrad.functional.moe.route`."""
     hp = jax.lax.Precision.HIGHEST
     logits = jnp.dot(x.astype(jnp.float32), params["router"].T.astype(jnp.float32), precision=hp)
-    top, experts = jax.lax.top_k(logits, cfg.topk)
-    gates = jax.nn.softmax(top, axis=-1)
+    experts = jnp.argsort(-logits, axis=-1, stable=True)[:, : cfg.topk]  # ties: lower index
+    chosen_logits = jnp.take_along_axis(logits, experts, axis=1)
+    if cfg.pre_softmax:  # the full softmax's values at the chosen experts, as they are
+        full = jnp.exp(logits - logits.max(-1, keepdims=True))
+        gates = jnp.take_along_axis(full / full.sum(-1, keepdims=True), experts, axis=1)
+    else:  # renormalised over the chosen experts
+        top = jnp.exp(chosen_logits - chosen_logits[:, :1])
+        gates = top / top.sum(-1, keepdims=True)
+    if cfg.topk_scaling_factor is not None:
+        gates = gates * cfg.topk_scaling_factor
     fc1 = params["fc1"].reshape(cfg.num_experts, -1, x.shape[-1])  # SwiGLU: gate, up rows
     hidden = cfg.activation(jnp.einsum("th,efh->tef", x, fc1, precision=hp))
     every = jnp.einsum("tef,ehf->teh", hidden, params["fc2"], precision=hp)  # [T, E, H]

@@ -140,6 +140,7 @@ def _forward(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig, mb: int, dt
     head = params["head"]
     x = _norm(x, head["final_norm"], cfg)
     w = head["output"]["weight"] if "output" in head else emb["word"]["embedding"]
+    w = w[: cfg.vocab_size]  # a padded vocabulary's padding rows: no tokens, no logits
     return (x @ w.T.astype(dtype)).astype(jnp.float32), aux_total
 
 

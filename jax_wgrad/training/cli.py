@@ -511,6 +511,8 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         (
             Flag("--num-experts", GPTConfig, "num_moe_experts"),
             Flag("--moe-router-topk", GPTConfig, "moe_router_topk"),
+            Flag("--moe-router-pre-softmax", GPTConfig, "moe_router_pre_softmax"),
+            Flag("--moe-router-topk-scaling-factor", GPTConfig, "moe_router_topk_scaling_factor"),
             Flag("--moe-ffn-hidden-size", GPTConfig, "moe_ffn_hidden_size"),
             Flag("--moe-router-load-balancing-type", GPTConfig, "moe_router_load_balancing_type"),
             Flag("--moe-aux-loss-coeff", GPTConfig, "moe_aux_loss_coeff"),
@@ -584,9 +586,13 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             ),
             Flag(
                 "--make-vocab-size-divisible-by",
+                GPTConfig,
+                "make_vocab_size_divisible_by",
                 type=positive_int,
                 default=128,
-                help="pad a vocabulary sized from the data to a multiple of this",
+                help="pad the vocabulary to a multiple of this (Megatron's; not multiplied "
+                "by the tensor-parallel size here: the layout must divide the padded "
+                "size); the padding rows are masked out of the loss",
             ),
         ),
     ),
@@ -600,8 +606,8 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                 "--load-hf",
                 metavar="DIR",
                 help="start from a Hugging Face model directory (Llama, Mistral, Qwen2, "
-                "Mixtral): its config gives the model flags' defaults, its weights "
-                "the initial parameters (step 0, fresh optimizer)",
+                "Qwen3, Mixtral, Qwen3-MoE): its config gives the model flags' defaults, its "
+                "weights the initial parameters (step 0, fresh optimizer)",
             ),
             Flag("--load-fallback-to-intact", LoopOptions, "load_fallback"),
             Flag(
@@ -792,9 +798,14 @@ def loop_options(args: argparse.Namespace) -> LoopOptions:
 
 def model_flags(cfg: GPTConfig) -> list[str]:
     """The model flags of ``cfg``: a run passing them builds ``cfg`` (the run that loads a
-    converted checkpoint with ``--load``). Flags at their field's default are left out,
-    except the sizes; run options (:data:`RUN_OPTIONS`: dtypes, ...) too."""
+    converted checkpoint with ``--load``). Flags at their default (the field's; the
+    vocabulary padding's: the flag's) are left out, except the sizes; run options
+    (:data:`RUN_OPTIONS`: dtypes, ...) too."""
     defaults = {name: f.default for name, f in _fields(GPTConfig).items()}
+    # what a run without the flag gets (the padding's default is Megatron's 128, not 1)
+    defaults["make_vocab_size_divisible_by"] = _BY_FIELD[
+        GPTConfig, "make_vocab_size_divisible_by"
+    ].flag_default()
     always = {
         "vocab_size",
         "num_layers",
@@ -933,11 +944,13 @@ def hf_model_fields(parser: argparse.ArgumentParser, directory: str, seq_length:
         check_shards(directory)  # missing, truncated: refused before anything is built
     except ValueError as exc:
         parser.error(f"--load-hf {directory}: {exc}")
-    # seq_length: the training sequence length is this run's choice (RoPE takes any).
+    # seq_length: the training sequence length is this run's choice (RoPE takes any);
+    # so is the vocabulary's padding (the directory has none: its rows are the vocabulary).
     return {
         k: v
         for k, v in dataclasses.asdict(cfg).items()
-        if k not in RUN_OPTIONS | {"seq_length"} and (GPTConfig, k) in _BY_FIELD
+        if k not in RUN_OPTIONS | {"seq_length", "make_vocab_size_divisible_by"}
+        and (GPTConfig, k) in _BY_FIELD
     }
 
 

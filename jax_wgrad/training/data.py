@@ -15,7 +15,6 @@ parts: a token stream by tokens, an indexed dataset by documents (Megatron's rul
 
 from __future__ import annotations
 
-import math
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jax_wgrad.models.gpt.config import vocab_size_with_padding
 from jax_wgrad.training.indexed import IndexedDataset
 
 __all__ = [
@@ -268,12 +268,13 @@ def _empty(name: str) -> TokenDataset:
 
 
 def padded_vocab_size(max_token_id: int, divisible_by: int = 128) -> int:
-    """Megatron's ``--make-vocab-size-divisible-by`` padding of ``max_token_id + 1``
-    (here independent of the tensor-parallel size, so a checkpoint moves across layouts;
-    the result must still be divisible by it)."""
-    if divisible_by < 1:
-        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by}")
-    return int(math.ceil((max_token_id + 1) / divisible_by) * divisible_by)
+    """The vocabulary of data with no tokenizer's size: ``max_token_id + 1`` padded by the
+    one rule (:func:`~jax_wgrad.models.gpt.config.vocab_size_with_padding`, Megatron's
+    ``--make-vocab-size-divisible-by`` without its tensor-parallel factor). These rows are
+    all real tokens to the model (the tokenizer may know ids the data lacks), as
+    Megatron's padding rows are; a vocabulary given by a tokenizer or ``--vocab-size`` is
+    padded by the model instead, its padding rows masked out of the loss."""
+    return vocab_size_with_padding(max_token_id + 1, divisible_by)
 
 
 def _read(files: list[Path], max_bytes: int | None) -> np.ndarray:

@@ -120,7 +120,11 @@ def train_state_from_hf(plan: TrainPlan, directory: str | os.PathLike) -> TrainS
     """
     from jax_wgrad.interop.hf import import_hf  # late: the interop imports the models
 
-    cfg, params = import_hf(directory, seq_length=plan.model.seq_length)
+    cfg, params = import_hf(  # padded as the run pads (the directory has no padding)
+        directory,
+        seq_length=plan.model.seq_length,
+        make_vocab_size_divisible_by=plan.model.make_vocab_size_divisible_by,
+    )
     diff = plan.model.shape_differences(dataclasses.asdict(cfg))
     if diff:
         raise ValueError(

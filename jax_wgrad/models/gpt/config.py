@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, Literal
 
 from jax_wgrad._validation import check_positive
@@ -11,7 +12,7 @@ from jax_wgrad.functional.moe import MoEConfig
 from jax_wgrad.nn.norm import NORMALIZATIONS
 from jax_wgrad.parallel.config import ParallelConfig
 
-__all__ = ["GPTConfig", "RUN_OPTIONS", "check_window_size", "validate"]
+__all__ = ["GPTConfig", "RUN_OPTIONS", "check_window_size", "validate", "vocab_size_with_padding"]
 
 _MOE = "moe_config"
 """Field metadata key of the GPT's MoE options: the :class:`MoEConfig` field an option is
@@ -48,7 +49,16 @@ class GPTConfig:
     or Mixtral (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, untied)."""
 
     vocab_size: int = 256
-    """Vocabulary size; 256 for the byte-level data of :mod:`jax_wgrad.training.data`."""
+    """Vocabulary size (the tokenizer's, the true one); 256 for the byte-level data of
+    :mod:`jax_wgrad.training.data`."""
+    make_vocab_size_divisible_by: int = 1
+    """Pad the vocabulary to a multiple of this (Megatron's
+    ``--make-vocab-size-divisible-by``; the command line's default is Megatron's 128):
+    the embedding and output layer get :attr:`padded_vocab_size` rows, the padding rows
+    are masked out of the softmax (never predicted, zero gradient). Unlike Megatron the
+    multiple is NOT multiplied by the tensor-parallel size, so the padded shapes (and
+    checkpoints) do not depend on the layout; the layout must divide the padded size
+    (Megatron's size for ``tp``: pass Megatron's value times ``tp``)."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 64
@@ -143,6 +153,12 @@ class GPTConfig:
     """Experts per MoE layer (``--num-experts``); ``None``: a dense model."""
     moe_router_topk: int = _forwarded("topk")
     """Experts each token is routed to."""
+    moe_router_pre_softmax: bool = _forwarded("pre_softmax")
+    """The gates are the top-k of the softmax over all experts, not renormalised (Hugging
+    Face's ``norm_topk_prob: false``); off: the softmax over the top-k logits (= the top-k
+    probabilities renormalised: Mixtral's, ``norm_topk_prob: true``)."""
+    moe_router_topk_scaling_factor: float | None = _forwarded("topk_scaling_factor")
+    """Multiplies the top-k gates (``None``: no scaling)."""
     moe_ffn_hidden_size: int | None = dataclasses.field(
         default=None, metadata={_MOE: "ffn_hidden_size"}
     )
@@ -181,6 +197,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in (
             "vocab_size",
+            "make_vocab_size_divisible_by",
             "num_layers",
             "hidden_size",
             "num_attention_heads",
@@ -374,6 +391,12 @@ class GPTConfig:
         )
 
     @property
+    def padded_vocab_size(self) -> int:
+        """The embedding's and output layer's rows: ``vocab_size`` rounded up to a multiple
+        of ``make_vocab_size_divisible_by`` (:func:`vocab_size_with_padding`)."""
+        return vocab_size_with_padding(self.vocab_size, self.make_vocab_size_divisible_by)
+
+    @property
     def head_dim(self) -> int:
         """``kv_channels``, or ``hidden_size / num_attention_heads``."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
@@ -382,6 +405,7 @@ class GPTConfig:
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size",
+        "make_vocab_size_divisible_by",
         "num_layers",
         "hidden_size",
         "num_attention_heads",
@@ -419,7 +443,8 @@ class GPTConfig:
         (a checkpoint's ``dataclasses.asdict`` of its model config) and this config
         disagree; a field missing from an older checkpoint counts as its default. The
         ``moe_*`` shape fields count only when both models have experts (else
-        ``num_moe_experts`` names it), ``seq_length`` only with learned positions."""
+        ``num_moe_experts`` names it), ``seq_length`` only with learned positions,
+        ``make_vocab_size_divisible_by`` only when the padded vocabularies differ."""
         now = dataclasses.asdict(self)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         then = {k: saved.get(k, defaults[k]) for k in self.SHAPE_FIELDS}
@@ -431,6 +456,10 @@ class GPTConfig:
             if then[k] != now[k]
             and not (dense and k.startswith("moe_"))  # a dense model has no MoE shapes
             and not (rope and k == "seq_length")
+            and not (
+                k == "make_vocab_size_divisible_by"
+                and vocab_size_with_padding(then["vocab_size"], then[k]) == self.padded_vocab_size
+            )
         ]  # no learned positions: any length
 
     def flops_per_step(self, global_batch_size: int) -> float:
@@ -460,7 +489,7 @@ class GPTConfig:
                 mlp += (ffn * self.moe_router_topk + shared) / h * gated
             else:
                 mlp += self.ffn_hidden_size / h * gated
-        logit = self.vocab_size / (2 * n * h)
+        logit = self.padded_vocab_size / (2 * n * h)  # Megatron's: the padded vocabulary
         return 12.0 * global_batch_size * s * n * h * h * (attention + mlp / n + logit)
 
     def attention_implementation(self, platform: str) -> Literal["xla", "cudnn"]:
@@ -474,6 +503,16 @@ class GPTConfig:
             and self.head_dim <= 128
         )
         return "cudnn" if cudnn_ok else "xla"
+
+
+def vocab_size_with_padding(vocab_size: int, divisible_by: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by``: THE padding rule
+    (Megatron's ``_vocab_size_with_padding`` without its factor
+    ``tensor_model_parallel_size``, so the padded size is the same on every layout).
+    Raises ``ValueError`` naming the flag for a ``divisible_by`` below 1."""
+    if isinstance(divisible_by, bool) or not isinstance(divisible_by, int) or divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by!r}")
+    return -(-vocab_size // divisible_by) * divisible_by
 
 
 def check_window_size(value: Any) -> tuple[int, int] | None:
@@ -506,12 +545,13 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
     """Checks that ``model`` can be split as ``parallel`` asks; raises ``ValueError``."""
     tp = parallel.tensor_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
-    for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
+    for name in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
         value = getattr(model, name)
         if value % tp != 0:
             raise ValueError(
                 f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp})"
             )
+    _validate_vocab(parallel, model)
     if model.query_groups % tp != 0:  # Megatron's rule: whole query groups per rank
         raise ValueError(
             f"num_query_groups ({model.query_groups}) must be a multiple of "
@@ -521,12 +561,6 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
         raise ValueError(
             f"num_layers ({model.num_layers}) must be divisible by "
             f"pipeline_model_parallel_size ({pp})"
-        )
-    if parallel.vocab_parallel_over_pipeline and model.vocab_size % (tp * pp) != 0:
-        raise ValueError(
-            f"vocab_size ({model.vocab_size}) must be divisible by "
-            f"tensor_model_parallel_size x pipeline_model_parallel_size "
-            f"({tp} x {pp}) with vocab_parallel_over_pipeline"
         )
     v = parallel.num_model_chunks
     if (model.num_layers // pp) % v != 0:  # Megatron's wording (arguments.py)
@@ -541,6 +575,33 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
             f"tensor_model_parallel_size ({tp}) with sequence parallelism"
         )
     _validate_moe_layout(parallel, model)
+
+
+def _validate_vocab(parallel: ParallelConfig, model: GPTConfig) -> None:
+    """The padded vocabulary splits into whole shards over ``tensor`` (and ``pipeline``
+    with the vocabulary over the pipeline); the error names the padding that would."""
+    tp = parallel.tensor_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size if parallel.vocab_parallel_over_pipeline else 1
+    v, d, padded = model.vocab_size, model.make_vocab_size_divisible_by, model.padded_vocab_size
+    if padded % (tp * pp) == 0:
+        return
+    by = (
+        f"tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp}) with "
+        "vocab_parallel_over_pipeline"
+        if pp > 1
+        else f"tensor_model_parallel_size ({tp})"
+    )
+    size = (
+        f"vocab_size ({v})"
+        if padded == v
+        else f"vocab_size ({v}) padded to a multiple of make_vocab_size_divisible_by ({d}), "
+        f"{padded},"
+    )
+    raise ValueError(
+        f"{size} must be divisible by {by}; pad it: make_vocab_size_divisible_by "
+        f"{math.lcm(d if d > 1 else 128, tp * pp)} (a multiple of {tp * pp}; Megatron pads to "
+        "a multiple of make_vocab_size_divisible_by x tensor_model_parallel_size)"
+    )
 
 
 def _validate_moe_layout(parallel: ParallelConfig, model: GPTConfig) -> None:

@@ -60,7 +60,8 @@ def single_device_logits(
         batch = jnp.pad(ids, ((0, 0), (0, 1)))  # pre() embeds batch[:, :-1]: these ids
         x, _ = program.pre(tree, batch)
         y, _ = program.body(tree, x)
-        return program.logits(tree, y).astype(jnp.float32)
+        # the true vocabulary's columns (a padded one's padding rows are no tokens)
+        return program.logits(tree, y)[..., : cfg.vocab_size].astype(jnp.float32)
 
     run = jax.shard_map(forward, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
     return jax.jit(run)(tree, jax.device_put(ids, device))

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jax_wgrad.functional.attention import causal_attention, rotary_embedding
 from jax_wgrad.functional.cross_entropy import (
+    mask_vocab_padding,
     vocab_parallel_cross_entropy,
     vocab_parallel_logsumexp,
 )
@@ -286,7 +287,7 @@ class GPTEmbedding(nnx.Module):
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.dtype = _dtype(cfg)
         self.word = VocabParallelEmbedding(
-            cfg.vocab_size,
+            cfg.padded_vocab_size,  # the padding rows: initialised as the others (Megatron)
             cfg.hidden_size,
             tp_size=tp_size,
             axis_name=axis_name,
@@ -325,6 +326,9 @@ class GPTHead(nnx.Module):
     every stage runs the head on the last stage's ``x`` (summed over ``pipeline`` from the
     last stage; its backward sums every stage's share of ``dx`` back to it): the final
     norm on each, its own logits, the cross entropy reduced over ``(pipeline, tensor)``.
+
+    ``V`` is the padded vocabulary (``cfg.padded_vocab_size``); the padding rows' logits
+    are ``-inf`` (:meth:`logits`), so the loss and gradients are the unpadded model's.
     """
 
     def __init__(
@@ -343,9 +347,11 @@ class GPTHead(nnx.Module):
         self.final_norm = make_norm(
             cfg.normalization, cfg.hidden_size, epsilon=cfg.layernorm_epsilon
         )
+        padded = cfg.padded_vocab_size
+        self.vocab_size = cfg.vocab_size if padded != cfg.vocab_size else None
         self.output = ColumnParallelLinear(
             cfg.hidden_size,
-            cfg.vocab_size // vocab_pipeline_size,
+            padded // vocab_pipeline_size,
             tp_size=tp_size,
             axis_name=axis_name,
             use_bias=False,
@@ -372,8 +378,7 @@ class GPTHead(nnx.Module):
         if pp > 1:  # the last stage's x on every stage
             last = jax.lax.axis_index(PIPELINE) == pp - 1
             x = jax.lax.psum(jnp.where(last, x, jnp.zeros((), x.dtype)), PIPELINE)
-        with jax.named_scope("output_layer"):
-            logits = self.output(self.final_norm(x), weight)
+        logits = self.logits(x, weight)
         with jax.named_scope("cross_entropy"):
             losses = vocab_parallel_cross_entropy(logits, labels, tp_size=shards, axis_name=axes)
         if not with_lse:
@@ -382,3 +387,16 @@ class GPTHead(nnx.Module):
             jax.lax.stop_gradient(logits), shards, axes
         )  # kept, never differentiated
         return jnp.sum(losses), lse
+
+    def logits(self, x: jax.Array, weight: jax.Array | None = None) -> jax.Array:
+        """The final norm and output layer of ``x`` ``[b, s(/tp), H]`` (already the last
+        stage's on every stage with the vocabulary over the pipeline): ``[b, s, V / (P
+        tp)]``, this device's vocabulary shard, the padding rows' columns ``-inf``
+        (:func:`~jax_wgrad.functional.cross_entropy.mask_vocab_padding`)."""
+        pp = self.vocab_pipeline_size
+        with jax.named_scope("output_layer"):
+            logits = self.output(self.final_norm(x), weight)
+            if self.vocab_size is None:
+                return logits
+            axes = vocab_axes(self.axis_name, self.tp_size, pp)
+            return mask_vocab_padding(logits, self.vocab_size, axes)

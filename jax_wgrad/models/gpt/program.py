@@ -279,10 +279,11 @@ class GPTProgram:
     def logits(self, params: DeviceTree, y: jax.Array) -> jax.Array:
         """The output layer's logits of ``y`` ``[mb, s(/tp), H]`` (the final norm, then the
         output layer; the word embedding's weight when tied): ``[mb, s, V / (P tp)]``, this
-        device's share of the vocabulary, in the compute dtype. Inside ``shard_map`` on
-        the last stage (every stage with the vocabulary over the pipeline)."""
+        device's share of the (padded) vocabulary, in the compute dtype, the padding
+        rows' columns ``-inf``. Inside ``shard_map`` on the last stage (every stage with
+        the vocabulary over the pipeline)."""
         head = nnx.merge(self._head_def, from_forward_order(params.shared["head"]))
-        return head.output(head.final_norm(y), self._output_weight(params))
+        return head.logits(y, self._output_weight(params))
 
     def _output_weight(self, params: DeviceTree) -> jax.Array | None:
         return params.shared["embedding"]["word"]["embedding"] if self.tied else None
@@ -318,7 +319,7 @@ class GPTProgram:
         """The output layer's ``dy`` for ``x`` ``[mb, s, H]`` rebuilt from the stashed
         extras (sliced to the same tokens): the cross entropy's gradient."""
         lse, labels = extras
-        tp = self.parallel.tensor_model_parallel_size
+        tp, m = self.parallel.tensor_model_parallel_size, self.model
         return recompute_dy(
             x,
             weight,
@@ -326,4 +327,5 @@ class GPTProgram:
             labels,
             tp=tp * self._vocab_pp,
             axis_name=vocab_axes(TENSOR, tp, self._vocab_pp),
+            vocab_size=None if m.padded_vocab_size == m.vocab_size else m.vocab_size,
         )
