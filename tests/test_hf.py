@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from hf_util import FIXTURES, file_tensors, hf_config, log_softmax, pipeline_loss, reference
 
 from jax_wgrad.interop import (
     UnsupportedHFConfig,
@@ -24,9 +23,7 @@ from jax_wgrad.interop import (
     import_hf,
     read_hf_tensors,
 )
-from jax_wgrad.interop.hf import shard_files
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ["llama", "mistral", "qwen2", "mixtral"]
 
 
@@ -35,24 +32,6 @@ def _families_keeping(default: str) -> list:
     one family each by default, together every family's features: mistral (llama's, and
     head_dim != hidden / heads), qwen2 (qkv bias, tied embeddings), mixtral (MoE)."""
     return [f if f == default else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
-
-
-def _hf_config(family: str) -> dict:
-    return json.loads((FIXTURES / family / "config.json").read_text())
-
-
-def _reference(family: str):
-    return np.load(FIXTURES / family / "reference.npz")
-
-
-def _file_tensors(directory) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    out = {}
-    for path in shard_files(directory):
-        with safe_open(path, framework="numpy") as f:
-            out |= {k: f.get_tensor(k) for k in f.keys()}
-    return out
 
 
 # --------------------------------------------------------------------------- the tensor table
@@ -122,10 +101,10 @@ def _spec_skeleton(c) -> dict:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tensor_table_fills_the_canonical_layout_and_reads_back_bitwise(family):
-    c = _spec_namespace(_hf_config(family))
+    c = _spec_namespace(hf_config(family))
     params = read_hf_tensors(FIXTURES / family, c, _spec_skeleton(c))
     assert not any(np.isnan(a).any() for a in jax.tree.leaves(params))  # every element set
-    files = _file_tensors(FIXTURES / family)
+    files = file_tensors(FIXTURES / family)
     # group-major qkv: group g = query heads g*hpg .. (g+1)*hpg-1, then key g, then value g
     d, ng = c.kv_channels, c.num_query_groups
     hpg = c.num_attention_heads // ng
@@ -153,8 +132,8 @@ def test_tensor_table_fills_the_canonical_layout_and_reads_back_bitwise(family):
 def test_a_missing_tensor_is_named(tmp_path):
     from safetensors.numpy import save_file
 
-    c = _spec_namespace(_hf_config("qwen2"))
-    files = _file_tensors(FIXTURES / "qwen2")
+    c = _spec_namespace(hf_config("qwen2"))
+    files = file_tensors(FIXTURES / "qwen2")
     del files["model.layers.2.mlp.up_proj.weight"]
     save_file(files, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"layers.fc1.weight.*model.layers.2.mlp.up_proj"):
@@ -165,18 +144,18 @@ def test_a_missing_tensor_is_named(tmp_path):
 
 
 def test_config_mapping():
-    cfg = config_from_hf(_hf_config("llama"))
+    cfg = config_from_hf(hf_config("llama"))
     assert (cfg.normalization, cfg.position_embedding_type, cfg.swiglu) == ("RMSNorm", "rope", True)
     assert (cfg.group_query_attention, cfg.num_query_groups) == (True, 2)
     assert (cfg.add_bias_linear, cfg.add_qkv_bias) == (False, False)
     assert cfg.untie_embeddings_and_output_weights and cfg.rotary_base == 10000.0
     assert cfg.layernorm_epsilon == 1e-5 and cfg.seq_length == 64 and cfg.ffn_hidden_size == 128
-    mistral = config_from_hf(_hf_config("mistral"))
+    mistral = config_from_hf(hf_config("mistral"))
     assert mistral.kv_channels == 32 and mistral.rotary_base == 1e6
-    qwen = config_from_hf(_hf_config("qwen2"))
+    qwen = config_from_hf(hf_config("qwen2"))
     assert qwen.add_qkv_bias and not qwen.add_bias_linear
     assert not qwen.untie_embeddings_and_output_weights
-    moe = config_from_hf(_hf_config("mixtral"), seq_length=16)
+    moe = config_from_hf(hf_config("mixtral"), seq_length=16)
     assert (
         moe.num_moe_experts,
         moe.moe_router_topk,
@@ -189,7 +168,7 @@ def test_config_mapping():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exported_config_maps_back_to_the_same_model(family):
-    cfg = config_from_hf(_hf_config(family))
+    cfg = config_from_hf(hf_config(family))
     assert config_from_hf(hf_config_from(cfg)) == cfg
 
 
@@ -228,7 +207,7 @@ def test_exported_config_maps_back_to_the_same_model(family):
 )
 def test_unrepresentable_configs_are_refused_naming_the_field(family, change, field):
     with pytest.raises(UnsupportedHFConfig, match=f"config {field}="):
-        config_from_hf({**_hf_config(family), **change})
+        config_from_hf({**hf_config(family), **change})
 
 
 LLAMA31_ROPE = {
@@ -251,7 +230,7 @@ LLAMA31_ROPE = {
 def test_llama31_rope_scaling_imports_and_exports(change):
     """Llama 3.1-3.3's ``rope_type: "llama3"`` becomes Megatron's --use-rope-scaling with
     Hugging Face's band parameters, and exports back to the same dict."""
-    base = {k: v for k, v in _hf_config("llama").items() if k != "rope_parameters"}
+    base = {k: v for k, v in hf_config("llama").items() if k != "rope_parameters"}
     cfg = config_from_hf({**base, "rope_theta": 500000.0, **change})
     assert cfg.rope_scaling and cfg.rotary_base == 500000.0
     assert (
@@ -291,7 +270,7 @@ def test_a_sliding_window_on_some_layers_longer_than_the_sequence_is_accepted():
     longer ones (a window on every layer is Megatron's --window-size:
     tests/test_sliding_window.py)."""
     partial = {
-        **_hf_config("qwen2"),
+        **hf_config("qwen2"),
         "use_sliding_window": True,
         "sliding_window": 64,
         "max_window_layers": 2,
@@ -314,7 +293,7 @@ def test_import_export_import_is_bitwise(family, tmp_path):
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params2, params)
     # the exported files hold exactly the original (bf16) values, as fp32
-    theirs, ours = _file_tensors(FIXTURES / family), _file_tensors(tmp_path)
+    theirs, ours = file_tensors(FIXTURES / family), file_tensors(tmp_path)
     assert sorted(theirs) == sorted(ours)
     for k in theirs:
         np.testing.assert_array_equal(ours[k], theirs[k].astype(np.float32), err_msg=k)
@@ -350,17 +329,11 @@ def test_export_of_a_random_model_imports_bitwise(tmp_path):
 # --------------------------------------------------------------------------- parity
 
 
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 @pytest.mark.parametrize("family", _families_keeping("mistral"))
 def test_reference_logits_equal_transformers_fp32(family):
     from jax_wgrad.testing import reference_logits
 
-    ref = _reference(family)
+    ref = reference(family)
     cfg, params = import_hf(FIXTURES / family, seq_length=16)
     ids = jnp.asarray(ref["tokens"][:, :-1])
     ours = np.asarray(reference_logits(jax.tree.map(jnp.asarray, params), ids, cfg))
@@ -375,45 +348,13 @@ def test_bf16_kl_per_token(family):
     against transformers' fp32 logits: KL(HF fp32 || ours bf16) <= 1e-3 for every token."""
     from jax_wgrad.testing import reference_logits
 
-    ref = _reference(family)
+    ref = reference(family)
     cfg, params = import_hf(FIXTURES / family, seq_length=16, compute_dtype="bfloat16")
     ids = jnp.asarray(ref["tokens"][:, :-1])
-    ours = _log_softmax(np.asarray(reference_logits(jax.tree.map(jnp.asarray, params), ids, cfg)))
-    theirs = _log_softmax(ref["logits_fp32"])
+    ours = log_softmax(np.asarray(reference_logits(jax.tree.map(jnp.asarray, params), ids, cfg)))
+    theirs = log_softmax(ref["logits_fp32"])
     kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
     assert kl.max() <= 1e-3, kl.max()
-
-
-def _pipeline_loss(cfg, params, tokens, dp, tp, pp, sp):
-    from jax_wgrad import GPTProgram, ParallelConfig, make_mesh
-    from jax_wgrad.parallel.mesh import DATA_PARALLEL
-    from jax_wgrad.parallel.pipeline.evaluate import eval_loss
-
-    par = ParallelConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        micro_batch_size=1,
-        global_batch_size=tokens.shape[0],
-        sequence_parallel=sp,
-    )
-    mesh, program = make_mesh(par), GPTProgram(cfg, par)
-    specs = program.param_specs()
-    fn = jax.shard_map(
-        lambda p, t: eval_loss(program, program.device_tree(p), t),
-        mesh=mesh,
-        in_specs=(specs, P(DATA_PARALLEL)),
-        out_specs=P(),
-        check_vma=False,
-    )
-    shard = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-    )
-    return float(
-        jax.jit(fn)(
-            jax.device_put(params, shard),
-            jax.device_put(tokens, NamedSharding(mesh, P(DATA_PARALLEL))),
-        )
-    )
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -424,12 +365,12 @@ def _pipeline_loss(cfg, params, tokens, dp, tp, pp, sp):
 )
 @pytest.mark.parametrize("family", _families_keeping("mixtral"))
 def test_pipeline_cross_entropy_equals_transformers(family, dp, tp, pp, sp):
-    ref = _reference(family)
+    ref = reference(family)
     sp = sp or family == "mixtral"  # MoE with tensor parallelism needs SP (Megatron's rule)
     cfg, params = import_hf(FIXTURES / family, seq_length=16)
     tokens = ref["tokens"]
-    theirs = -np.mean(np.take_along_axis(_log_softmax(ref["logits_fp32"]), tokens[:, 1:, None], -1))
-    ours = _pipeline_loss(cfg, params, jnp.asarray(tokens), dp, tp, pp, sp)
+    theirs = -np.mean(np.take_along_axis(log_softmax(ref["logits_fp32"]), tokens[:, 1:, None], -1))
+    ours = pipeline_loss(cfg, params, jnp.asarray(tokens), dp, tp, pp, sp)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
 
@@ -607,7 +548,7 @@ def test_convert_tool_round_trip_is_bitwise(tmp_path):
             str(FIXTURES / "mixtral"),
         ]
     )
-    theirs, ours = _file_tensors(FIXTURES / "mixtral"), _file_tensors(tmp_path / "hf")
+    theirs, ours = file_tensors(FIXTURES / "mixtral"), file_tensors(tmp_path / "hf")
     assert sorted(theirs) == sorted(ours)
     for k in theirs:
         np.testing.assert_array_equal(ours[k], theirs[k].astype(np.float32), err_msg=k)

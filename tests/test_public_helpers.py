@@ -3,11 +3,11 @@
 layers (:func:`jax_wgrad.single_device_logits`)."""
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from hf_util import FIXTURES, reference
 
 from jax_wgrad import (
     DDPConfig,
@@ -21,7 +21,7 @@ from jax_wgrad import (
 from jax_wgrad.interop import import_hf
 from jax_wgrad.training import init_optimizer_state
 
-LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
+LLAMA = FIXTURES / "llama"
 
 
 def _plan(cfg, **par):
@@ -74,8 +74,8 @@ FAMILIES = [
 def test_single_device_logits_equal_transformers_fp32(family):
     """The library's own layers against ``transformers`` (committed fixtures of
     ``tools/make_hf_fixtures.py``): fp32 logits within 1e-5 of the largest."""
-    ref = np.load(LLAMA.parent / family / "reference.npz")
-    cfg, params = import_hf(LLAMA.parent / family, seq_length=16)
+    ref = reference(family)
+    cfg, params = import_hf(FIXTURES / family, seq_length=16)
     ours = np.asarray(single_device_logits(cfg, params, ref["tokens"][:, :-1]))
     theirs = ref["logits_fp32"]
     assert ours.shape == theirs.shape and ours.dtype == np.float32

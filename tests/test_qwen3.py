@@ -9,12 +9,12 @@ torch 2.13 and transformers 5.24 (the logits there are transformers' own)."""
 import dataclasses
 import functools
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_util import FIXTURES, file_tensors, hf_config, log_softmax, pipeline_loss, reference
 
 from jax_wgrad import GPTConfig, single_device_logits
 from jax_wgrad.interop import (
@@ -25,35 +25,9 @@ from jax_wgrad.interop import (
     hf_tensors,
     import_hf,
 )
-from jax_wgrad.interop.hf import shard_files
 from jax_wgrad.testing import reference_logits
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ["qwen3", "qwen3_moe", "qwen3_moe_unnormed", "llama31"]
-
-
-def _hf_config(family: str) -> dict:
-    return json.loads((FIXTURES / family / "config.json").read_text())
-
-
-def _reference(family: str):
-    return np.load(FIXTURES / family / "reference.npz")
-
-
-def _file_tensors(directory) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    out = {}
-    for path in shard_files(directory):
-        with safe_open(path, framework="numpy") as f:
-            out |= {k: f.get_tensor(k) for k in f.keys()}
-    return out
-
-
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
 def _families_keeping(*default: str) -> list:
@@ -75,12 +49,12 @@ _jit_reference_logits = jax.jit(reference_logits, static_argnums=2)
 
 
 def test_config_mapping():
-    qwen3 = config_from_hf(_hf_config("qwen3"))
+    qwen3 = config_from_hf(hf_config("qwen3"))
     assert qwen3.qk_layernorm and qwen3.kv_channels == 32 and qwen3.hidden_size == 64
     assert (qwen3.add_bias_linear, qwen3.add_qkv_bias) == (False, False)
     assert not qwen3.untie_embeddings_and_output_weights  # tied, as Qwen3-0.6B
     assert (qwen3.rotary_base, qwen3.layernorm_epsilon) == (1e6, 1e-6)
-    moe = config_from_hf(_hf_config("qwen3_moe"))
+    moe = config_from_hf(hf_config("qwen3_moe"))
     assert (
         moe.num_moe_experts,
         moe.moe_router_topk,
@@ -93,13 +67,13 @@ def test_config_mapping():
     ) == (8, 3, 32, 96, 2, False, None, 0.0)
     assert moe.moe_layer_pattern == (True, False, True, False)  # mlp_only_layers [1, 3]
     assert moe.qk_layernorm and moe.untie_embeddings_and_output_weights
-    unnormed = config_from_hf(_hf_config("qwen3_moe_unnormed"))
+    unnormed = config_from_hf(hf_config("qwen3_moe_unnormed"))
     assert unnormed.moe_router_pre_softmax and unnormed.moe_layer_freq == 1
     assert unnormed.kv_channels is None  # Qwen3-MoE's head_dim default: hidden / heads
-    llama31 = config_from_hf(_hf_config("llama31"))
+    llama31 = config_from_hf(hf_config("llama31"))
     assert llama31.rope_scaling and llama31.rope_scaling_original_max_position_embeddings == 64
     # transformers' Qwen3Config defaults head_dim to 128 (not hidden / heads)
-    no_head_dim = {k: v for k, v in _hf_config("qwen3").items() if k != "head_dim"}
+    no_head_dim = {k: v for k, v in hf_config("qwen3").items() if k != "head_dim"}
     assert config_from_hf(no_head_dim).kv_channels == 128
 
 
@@ -112,7 +86,7 @@ def test_config_mapping():
     ],
 )
 def test_qwen3_moe_layer_patterns_map_to_moe_layer_freq(change, freq):
-    cfg = config_from_hf({**_hf_config("qwen3_moe"), **change})
+    cfg = config_from_hf({**hf_config("qwen3_moe"), **change})
     assert cfg.moe_layer_freq == freq
     out = hf_config_from(cfg)
     assert out["decoder_sparse_step"] == 1
@@ -122,13 +96,13 @@ def test_qwen3_moe_layer_patterns_map_to_moe_layer_freq(change, freq):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exported_config_maps_back_to_the_same_model(family):
-    cfg = config_from_hf(_hf_config(family))
+    cfg = config_from_hf(hf_config(family))
     out = hf_config_from(cfg)
-    assert out["architectures"] == _hf_config(family)["architectures"]
+    assert out["architectures"] == hf_config(family)["architectures"]
     assert config_from_hf(out) == cfg
     if family.startswith("qwen3_moe"):
-        assert out["norm_topk_prob"] == _hf_config(family)["norm_topk_prob"]
-        assert out["mlp_only_layers"] == _hf_config(family).get("mlp_only_layers", [])
+        assert out["norm_topk_prob"] == hf_config(family)["norm_topk_prob"]
+        assert out["mlp_only_layers"] == hf_config(family).get("mlp_only_layers", [])
 
 
 @pytest.mark.parametrize(
@@ -155,7 +129,7 @@ def test_exported_config_maps_back_to_the_same_model(family):
 )
 def test_unrepresentable_configs_are_refused_naming_the_field(family, change, field):
     with pytest.raises(UnsupportedHFConfig, match=f"config {field}="):
-        config_from_hf({**_hf_config(family), **change})
+        config_from_hf({**hf_config(family), **change})
 
 
 @pytest.mark.parametrize(
@@ -178,7 +152,7 @@ def test_unrepresentable_configs_are_refused_naming_the_field(family, change, fi
     ],
 )
 def test_unexportable_options_are_refused_naming_the_field(family, change, message):
-    cfg = dataclasses.replace(config_from_hf(_hf_config(family)), **change)
+    cfg = dataclasses.replace(config_from_hf(hf_config(family)), **change)
     with pytest.raises(ValueError, match=f"cannot export to Hugging Face: .*{message}"):
         hf_config_from(cfg)
 
@@ -196,7 +170,7 @@ def test_mixtral_keeps_renormalised_routing():
 
 
 def test_tensor_table_names_qwen3_tensors():
-    names = {t.name: t for t in hf_tensors(config_from_hf(_hf_config("qwen3_moe")), aliases=True)}
+    names = {t.name: t for t in hf_tensors(config_from_hf(hf_config("qwen3_moe")), aliases=True)}
     p = "model.layers.0."
     assert names[p + "self_attn.q_norm.weight"].shape == (32,)
     assert names[p + "self_attn.k_norm.weight"].leaf == "moe_layers.k_norm.scale"
@@ -213,7 +187,7 @@ def test_transformers5_fused_expert_names_import_alike(tmp_path):
     imports to the same parameters as the per-expert names of the Hub's files."""
     from safetensors.numpy import save_file
 
-    files = _file_tensors(FIXTURES / "qwen3_moe")
+    files = file_tensors(FIXTURES / "qwen3_moe")
     fused = {k: v for k, v in files.items() if ".mlp.experts." not in k}
     for i in (0, 2):
         p = f"model.layers.{i}.mlp.experts."
@@ -225,7 +199,7 @@ def test_transformers5_fused_expert_names_import_alike(tmp_path):
         )
         fused[p + "down_proj"] = np.stack([files[f"{p}{e}.down_proj.weight"] for e in range(8)])
     save_file(fused, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps(_hf_config("qwen3_moe")))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config("qwen3_moe")))
     cfg, params = import_hf(tmp_path)
     cfg0, params0 = import_hf(FIXTURES / "qwen3_moe")
     assert cfg == cfg0
@@ -240,7 +214,7 @@ def test_import_export_import_is_bitwise(family, tmp_path):
     cfg2, params2 = import_hf(tmp_path)
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params2, params)
-    theirs, ours = _file_tensors(FIXTURES / family), _file_tensors(tmp_path)
+    theirs, ours = file_tensors(FIXTURES / family), file_tensors(tmp_path)
     assert sorted(theirs) == sorted(ours)
     for k in theirs:
         np.testing.assert_array_equal(ours[k], theirs[k].astype(np.float32), err_msg=k)
@@ -259,7 +233,7 @@ def _imported(family: str, **overrides):
 def test_logits_equal_transformers_fp32(family):
     """The library's own layers (single_device_logits) and the independent reference model,
     fp32, within 1e-5 of transformers' largest logit (measured: about 6e-7)."""
-    ref = _reference(family)
+    ref = reference(family)
     cfg, params = _imported(family)
     ids = jnp.asarray(ref["tokens"][:, :-1])
     theirs = ref["logits_fp32"]
@@ -282,7 +256,7 @@ def test_logits_equal_transformers_fp32(family):
 def test_the_fixtures_tell_the_options_apart(family, change):
     """Each option the fixtures check changes the logits far beyond the tolerance: the
     RoPE scaling at these 16 positions, the unnormalised routing, the norms' epsilon."""
-    ref = _reference(family)
+    ref = reference(family)
     cfg, params = _imported(family)
     if change.get("qk_layernorm") is False:
         strip = lambda t: {k: v for k, v in t.items() if k not in ("q_norm", "k_norm")}
@@ -298,10 +272,10 @@ def test_bf16_kl_per_token(family):
     """The library's layers in bf16 against transformers' fp32 logits: KL(HF fp32 || ours
     bf16) <= 1e-3 for every token (as tests/test_hf.py::test_bf16_kl_per_token). By
     default llama31: without its RoPE scaling the logits are 15% off, far outside this."""
-    ref = _reference(family)
+    ref = reference(family)
     cfg, params = _imported(family, compute_dtype="bfloat16")
-    ours = _log_softmax(single_device_logits(cfg, params, jnp.asarray(ref["tokens"][:, :-1])))
-    theirs = _log_softmax(ref["logits_fp32"])
+    ours = log_softmax(single_device_logits(cfg, params, jnp.asarray(ref["tokens"][:, :-1])))
+    theirs = log_softmax(ref["logits_fp32"])
     kl = (np.exp(theirs) * (theirs - ours)).sum(-1)
     assert kl.max() <= 1e-3, kl.max()
 
@@ -311,13 +285,12 @@ def test_pipeline_cross_entropy_equals_transformers():
     """Qwen3-MoE (q/k norms, MoE and dense layers alternating, top-3 of 8 experts) on
     (dp, tp, pp) = (2, 2, 2) with sequence parallelism: the pipeline's loss is
     transformers'."""
-    from test_hf import _pipeline_loss
 
-    ref = _reference("qwen3_moe")
+    ref = reference("qwen3_moe")
     cfg, params = import_hf(FIXTURES / "qwen3_moe", seq_length=16)
     tokens = ref["tokens"]
-    theirs = -np.mean(np.take_along_axis(_log_softmax(ref["logits_fp32"]), tokens[:, 1:, None], -1))
-    ours = _pipeline_loss(cfg, params, jnp.asarray(tokens), 2, 2, 2, True)
+    theirs = -np.mean(np.take_along_axis(log_softmax(ref["logits_fp32"]), tokens[:, 1:, None], -1))
+    ours = pipeline_loss(cfg, params, jnp.asarray(tokens), 2, 2, 2, True)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
 

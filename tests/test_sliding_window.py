@@ -9,12 +9,12 @@ import argparse
 import dataclasses
 import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_util import FIXTURES, hf_config, log_softmax, pipeline_loss, reference
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,7 +33,6 @@ from jax_wgrad.models.gpt import validate
 from jax_wgrad.testing import reference_logits, reference_loss
 from jax_wgrad.training import cli
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 MULTI = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
 
@@ -322,7 +321,7 @@ def test_window_size_type_is_argparse_style():
 
 
 def _hf(family: str, **changes) -> dict:
-    return {**json.loads((FIXTURES / family / "config.json").read_text()), **changes}
+    return {**hf_config(family), **changes}
 
 
 def test_mistral_window_shorter_than_the_sequence_imports_and_exports():
@@ -393,16 +392,10 @@ def test_load_hf_gives_the_window_flag_its_default(tmp_path):
     assert parser.get_default("window_size") == (4, 0)
 
 
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 def test_reference_logits_equal_transformers_mistral_window_fp32():
     """transformers' MistralForCausalLM with sliding_window 5 over 16 tokens (fp32, sdpa),
     with test_hf's tolerance; without the window the logits are far off."""
-    ref = np.load(FIXTURES / "mistral_window" / "reference.npz")
+    ref = reference("mistral_window")
     cfg, params = import_hf(FIXTURES / "mistral_window", seq_length=16)
     assert cfg.window_size == (4, 0)
     params = jax.tree.map(jnp.asarray, params)
@@ -418,34 +411,9 @@ def test_reference_logits_equal_transformers_mistral_window_fp32():
 def test_pipeline_cross_entropy_equals_transformers_mistral_window():
     """The library's model on (2,2,2) with sequence parallelism against transformers' loss
     (test_hf's tolerance)."""
-    from jax_wgrad.parallel.mesh import DATA_PARALLEL
-    from jax_wgrad.parallel.pipeline.evaluate import eval_loss
-
-    ref = np.load(FIXTURES / "mistral_window" / "reference.npz")
+    ref = reference("mistral_window")
     cfg, params = import_hf(FIXTURES / "mistral_window", seq_length=16)
     tokens = ref["tokens"]
-    theirs = -np.mean(np.take_along_axis(_log_softmax(ref["logits_fp32"]), tokens[:, 1:, None], -1))
-    par = ParallelConfig(
-        tensor_model_parallel_size=2,
-        pipeline_model_parallel_size=2,
-        micro_batch_size=1,
-        global_batch_size=tokens.shape[0],
-        sequence_parallel=True,
-    )
-    mesh, program = make_mesh(par), GPTProgram(cfg, par)
-    specs = program.param_specs()
-    fn = jax.shard_map(
-        lambda p, t: eval_loss(program, program.device_tree(p), t),
-        mesh=mesh,
-        in_specs=(specs, P(DATA_PARALLEL)),
-        out_specs=P(),
-        check_vma=False,
-    )
-    shard = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-    )
-    ours = jax.jit(fn)(
-        jax.device_put(params, shard),
-        jax.device_put(jnp.asarray(tokens), NamedSharding(mesh, P(DATA_PARALLEL))),
-    )
+    theirs = -np.mean(np.take_along_axis(log_softmax(ref["logits_fp32"]), tokens[:, 1:, None], -1))
+    ours = pipeline_loss(cfg, params, jnp.asarray(tokens), 2, 2, 2, True)
     np.testing.assert_allclose(float(ours), theirs, rtol=1e-5)
