@@ -431,6 +431,10 @@ def test_a_parameters_only_checkpoint_starts_a_run(pretrain, tmp_path, capsys):
     assert "--hidden-size=32 in the checkpoint, 64 in this run" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # suite time: the example starting from a HF directory on tp 2 stays in
+# the default run in test_vocab_padding.py::test_the_example_trains_a_32001_vocabulary_on_tp2,
+# the refusal naming the field in test_public_helpers.py, the tool's round trip in
+# test_vocab_padding.py::test_the_convert_tool_round_trips_a_padded_vocabulary
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 def test_the_example_starts_from_a_hf_directory(pretrain, tmp_path, capsys):
     """``--load-hf DIR``: the directory's config gives the model flags, its weights the

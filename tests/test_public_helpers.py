@@ -89,6 +89,8 @@ def test_single_device_logits_equal_transformers_fp32(family):
         # -m slow (suite time): learned positions; the library's layers against the plain
         # reference stay in the default run in [moe-untied] and the transformers fixtures
         pytest.param({}, id="gpt2-learned-positions", marks=pytest.mark.slow),
+        # -m slow (suite time): the library's MoE layers on one device stay in the default
+        # run against transformers' Mixtral (test_single_device_logits_equal_transformers_fp32)
         pytest.param(
             dict(
                 position_embedding_type="rope",
@@ -99,6 +101,7 @@ def test_single_device_logits_equal_transformers_fp32(family):
                 untie_embeddings_and_output_weights=True,
             ),
             id="moe-untied",
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -229,7 +229,9 @@ def _imported(family: str, **overrides):
     return cfg, jax.tree.map(jnp.asarray, params)
 
 
-@pytest.mark.parametrize("family", _families_keeping("qwen3_moe"))
+# the dense family by default (suite time): Qwen3-MoE's forward against transformers stays
+# in the default run in test_pipeline_cross_entropy_equals_transformers
+@pytest.mark.parametrize("family", _families_keeping("qwen3"))
 def test_logits_equal_transformers_fp32(family):
     """The library's own layers (single_device_logits) and the independent reference model,
     fp32, within 1e-5 of transformers' largest logit (measured: about 6e-7)."""

@@ -27,12 +27,12 @@ def reference_moe_mlp(
     logits = jnp.dot(x.astype(jnp.float32), params["router"].T.astype(jnp.float32), precision=hp)
     experts = jnp.argsort(-logits, axis=-1, stable=True)[:, : cfg.topk]  # ties: lower index
     chosen_logits = jnp.take_along_axis(logits, experts, axis=1)
+    # jax.nn.softmax for its gradient: a hand-written exp / sum differentiates through the
+    # quotient and loses the router gradient of saturated routing to fp32 cancellation.
     if cfg.pre_softmax:  # the full softmax's values at the chosen experts, as they are
-        full = jnp.exp(logits - logits.max(-1, keepdims=True))
-        gates = jnp.take_along_axis(full / full.sum(-1, keepdims=True), experts, axis=1)
+        gates = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), experts, axis=1)
     else:  # renormalised over the chosen experts
-        top = jnp.exp(chosen_logits - chosen_logits[:, :1])
-        gates = top / top.sum(-1, keepdims=True)
+        gates = jax.nn.softmax(chosen_logits, axis=-1)
     if cfg.topk_scaling_factor is not None:
         gates = gates * cfg.topk_scaling_factor
     fc1 = params["fc1"].reshape(cfg.num_experts, -1, x.shape[-1])  # SwiGLU: gate, up rows
