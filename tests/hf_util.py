@@ -35,6 +35,24 @@ def file_tensors(directory) -> dict[str, np.ndarray]:
     return out
 
 
+def assert_export_round_trip_is_bitwise(family: str, out) -> None:
+    """Fixture ``family`` imported, exported into ``out`` (sharded), imported again: the
+    same config and parameters bitwise, and the written files hold exactly the fixture's
+    (bf16) tensors, as fp32, under the same names."""
+    from jax_wgrad.interop import export_hf, import_hf
+
+    cfg, params = import_hf(FIXTURES / family)
+    files = export_hf(cfg, params, out, max_shard_bytes=100_000)
+    assert (out / "model.safetensors.index.json") in files
+    cfg2, params2 = import_hf(out)
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    theirs, ours = file_tensors(FIXTURES / family), file_tensors(out)
+    assert sorted(theirs) == sorted(ours)
+    for k in theirs:
+        np.testing.assert_array_equal(ours[k], theirs[k].astype(np.float32), err_msg=k)
+
+
 def log_softmax(x) -> np.ndarray:
     """float64 log-softmax over the last axis."""
     x = np.asarray(x, np.float64)

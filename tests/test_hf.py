@@ -12,7 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_util import FIXTURES, file_tensors, hf_config, log_softmax, pipeline_loss, reference
+from hf_util import (
+    FIXTURES,
+    assert_export_round_trip_is_bitwise,
+    file_tensors,
+    hf_config,
+    log_softmax,
+    pipeline_loss,
+    reference,
+)
 
 from jax_wgrad.interop import (
     UnsupportedHFConfig,
@@ -286,17 +294,7 @@ def test_a_sliding_window_on_some_layers_longer_than_the_sequence_is_accepted():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_export_import_is_bitwise(family, tmp_path):
-    cfg, params = import_hf(FIXTURES / family)
-    files = export_hf(cfg, params, tmp_path, max_shard_bytes=100_000)
-    assert (tmp_path / "model.safetensors.index.json") in files
-    cfg2, params2 = import_hf(tmp_path)
-    assert cfg2 == cfg
-    jax.tree.map(np.testing.assert_array_equal, params2, params)
-    # the exported files hold exactly the original (bf16) values, as fp32
-    theirs, ours = file_tensors(FIXTURES / family), file_tensors(tmp_path)
-    assert sorted(theirs) == sorted(ours)
-    for k in theirs:
-        np.testing.assert_array_equal(ours[k], theirs[k].astype(np.float32), err_msg=k)
+    assert_export_round_trip_is_bitwise(family, tmp_path)
 
 
 def test_export_of_a_random_model_imports_bitwise(tmp_path):
