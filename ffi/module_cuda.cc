@@ -56,7 +56,7 @@ PYBIND11_MODULE(_wgrad_ffi_cuda, m) {
   });
   // Which kernels the ragged handlers run (ffi/ragged_gemm_cutlass.h): "auto" (CUTLASS on
   // Hopper where the shapes allow, else WMMA) or "wmma"; initially JAX_WGRAD_RAGGED_KERNEL,
-  // "wmma" when unset (CUTLASS is opt-in until it has run on a GPU).
+  // "auto" when unset.
   if (const char* env = std::getenv("JAX_WGRAD_RAGGED_KERNEL");
       env != nullptr && *env != '\0' && std::string(env) != "auto" &&
       std::string(env) != "wmma") {

@@ -2,9 +2,8 @@
 //   jax_wgrad_ragged_matmul:           y[rows of g] = x[rows of g] @ op(w[g]), 0 past them
 //   jax_wgrad_ragged_wgrad_accumulate: main_grad[g] += dy[rows of g]^T @ x[rows of g]
 //
-// Hopper: CUTLASS (opt-in: JAX_WGRAD_RAGGED_KERNEL=auto, or the module's set_ragged_kernel,
-// until it has run on a GPU; the WMMA kernels are the default). On a compute capability 9.0
-// device, bf16 and f16 operands whose shapes meet TMA's alignment go to CUTLASS 3.x sm90
+// Hopper: CUTLASS (the default; JAX_WGRAD_RAGGED_KERNEL=wmma or the module's
+// set_ragged_kernel("wmma") forces the WMMA kernels). On a compute capability 9.0 device, bf16 and f16 operands whose shapes meet TMA's alignment go to CUTLASS 3.x sm90
 // grouped GEMMs instead (ragged_gemm_cutlass.h
 // and .cu: a set-up kernel writes the per-group problem shapes, pointers and strides from
 // group_sizes into the custom call's scratch result, on the device, then one persistent
@@ -517,13 +516,13 @@ namespace {
 #endif  // !JAX_WGRAD_CUTLASS
 
 // --- kernel choice -------------------------------------------------------------------------
-// The WMMA kernels unless JAX_WGRAD_RAGGED_KERNEL=auto: the CUTLASS kernels were written
-// and compiled without a GPU and have not run on one yet, so they are opt-in until
-// tests/test_ragged_gpu.py and benchmarks/ragged_gemm_gpu.py have passed on a Hopper GPU.
+// CUTLASS where it applies (kAuto) unless JAX_WGRAD_RAGGED_KERNEL=wmma (the module
+// refuses any other value when it loads). tests/test_ragged_gpu.py and
+// benchmarks/ragged_gemm_gpu.py have run both kernels on an H200.
 RaggedKernel KernelFromEnvironment() {
   const char* v = std::getenv("JAX_WGRAD_RAGGED_KERNEL");
-  return v != nullptr && std::strcmp(v, "auto") == 0 ? RaggedKernel::kAuto
-                                                     : RaggedKernel::kWmma;
+  return v != nullptr && std::strcmp(v, "wmma") == 0 ? RaggedKernel::kWmma
+                                                     : RaggedKernel::kAuto;
 }
 std::atomic<int> g_kernel{static_cast<int>(KernelFromEnvironment())};
 std::atomic<int64_t> g_cutlass_launches{0};

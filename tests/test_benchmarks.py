@@ -127,3 +127,17 @@ def test_ragged_gemm_prints_rows(capsys):
     rows = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
     assert [r["routed"] for r in rows] == [1.0, 0.25]
     assert all(r["fwd_fused_ms"] > 0 and r["wgrad_ratio"] > 0 for r in rows)
+
+
+@pytest.mark.cuda_handler  # set_cuda_kernel needs the CUDA handlers importable (no GPU)
+@pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
+def test_moe_layer_gpu_row_on_a_cpu_device():
+    """The GPU MoE-layer benchmark's case, run on a CPU device at a tiny size (its ``main``
+    needs a GPU): every variant timed, the capacity variant the only one dropping."""
+    import jax
+
+    row = _load("moe_layer_gpu").run_case((64, 32, 16, 4, 2), 0, 1, jax.devices("cpu")[0])
+    for name in ("dropless[auto]", "dropless[wmma]", "capacity=1"):
+        assert row[f"{name}_ms"] > 0 and row[f"{name}_kernels"] == "none", row
+    assert row["dropless[auto]_dropped"] == row["dropless[wmma]_dropped"] == 0.0
+    assert row["capacity=1_vs_capacity1"] == 1.0

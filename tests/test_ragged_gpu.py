@@ -458,7 +458,7 @@ def test_kernel_switch_and_launch_counts():
     # The environment variable sets the initial choice when the handlers are loaded; an
     # unknown name makes loading fail loudly.
     code = "from jax_wgrad.ops import ragged; print(ragged.set_cuda_kernel('auto'))"
-    for value, want in (("wmma", "wmma"), ("auto", "auto"), ("", "wmma")):
+    for value, want in (("wmma", "wmma"), ("auto", "auto"), ("", "auto")):
         env = {**os.environ, "JAX_WGRAD_RAGGED_KERNEL": value, "JAX_PLATFORMS": "cpu"}
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True

@@ -19,16 +19,17 @@ and ``end_g = clamp(start_g + max(size_g, 0), 0, R)``: sizes summing past ``R`` 
 Both lower to XLA FFI custom calls (``jax_wgrad_ragged_matmul``,
 ``jax_wgrad_ragged_wgrad_accumulate``; ``ffi/ragged_gemm.h``) whose work is proportional
 to the rows in groups, unlike ``jax.lax.ragged_dot``, which XLA expands to a dense masked
-product (``G`` times the FLOPs) on CPU and GPU. On a CUDA GPU they run the library's
-WMMA kernels (``ffi/ragged_gemm_cuda.cu``; measured on an H200 at 5-8% of the bf16 peak).
-With ``JAX_WGRAD_RAGGED_KERNEL=auto`` (read when the CUDA handlers are loaded) or
-:func:`set_cuda_kernel` ``("auto")``, bf16 and f16 operands on a Hopper GPU (compute
-capability 9.0) run CUTLASS sm90 grouped GEMMs instead when the feature dims are multiples
-of 8 (and the wgrad accumulates into fp32 blocks at 16-byte aligned positions). CUTLASS is
-opt-in because it has not run on a GPU yet (written and compiled without one);
-:func:`cuda_kernel_launches` counts what ran. On a platform whose handlers were not
-built, or one jax_wgrad has no handlers for (TPU, ROCm), compiling them raises; the
-plain-XLA references are :func:`ragged_matmul_ref` and :func:`ragged_wgrad_accumulate_ref`.
+product (``G`` times the FLOPs) on CPU and GPU. On a Hopper GPU (compute capability 9.0),
+bf16 and f16 operands run CUTLASS sm90 grouped GEMMs (``ffi/ragged_gemm_cutlass.cu``;
+measured on an H200 at 70% of the bf16 peak at Mixtral's expert shapes) when the feature
+dims are multiples of 8 (and the wgrad accumulates into fp32 blocks at 16-byte aligned
+positions); other shapes, dtypes and GPUs run the library's WMMA kernels
+(``ffi/ragged_gemm_cuda.cu``; 5-8% of the peak), as does every call after
+``JAX_WGRAD_RAGGED_KERNEL=wmma`` (read when the CUDA handlers are loaded) or
+:func:`set_cuda_kernel` ``("wmma")``. :func:`cuda_kernel_launches` counts what ran. On a
+platform whose handlers were not built, or one jax_wgrad has no handlers for (TPU, ROCm),
+compiling them raises; the plain-XLA references are :func:`ragged_matmul_ref` and
+:func:`ragged_wgrad_accumulate_ref`.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def _matmul_self_check(rng) -> list[ProbeCase]:
 
 def _aligned_matmul_self_check(rng, ops) -> list[ProbeCase]:
     """bf16 with K = N = 8, shapes the CUDA handlers give to CUTLASS on a Hopper GPU when
-    it is chosen (``JAX_WGRAD_RAGGED_KERNEL=auto``), so that the self-check verifies the
+    it is chosen (the default ``auto``), so that the self-check verifies the
     kernels that will run: both ``w`` layouts, a group of zero rows, rows past the groups."""
     sizes = np.array([5, 0, 6], np.int32)
     x = rng.integers(-3, 4, size=(16, 8)).astype(np.float32)
@@ -276,10 +277,10 @@ def set_cuda_kernel(kernel: str) -> str:
     ``"auto"`` (CUTLASS on Hopper where it applies, else WMMA) or ``"wmma"`` (always the
     WMMA kernels). Returns the previous choice. Process-wide; a program already recorded
     into a CUDA graph keeps its kernels (``jax.clear_caches()`` recompiles). The initial
-    choice is ``JAX_WGRAD_RAGGED_KERNEL`` (``wmma`` when unset: CUTLASS is opt-in until it
-    has run on a GPU). The ragged family's self-check (:func:`jax_wgrad.ops.op_status`)
-    checks the kernels chosen when it runs, once per process (it includes shapes CUTLASS
-    takes): choose with the environment variable to have CUTLASS checked before use.
+    choice is ``JAX_WGRAD_RAGGED_KERNEL`` (``auto`` when unset). The ragged family's
+    self-check (:func:`jax_wgrad.ops.op_status`) checks the kernels chosen when it runs,
+    once per process (it includes shapes CUTLASS takes): choose with the environment
+    variable to have the kernels that will run checked before use.
 
     Raises:
       ValueError: another name.
