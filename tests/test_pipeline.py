@@ -231,9 +231,11 @@ def test_qwen_and_megatron_only_options_equal_jax_grad(schedule):
     )
 
 
-@pytest.mark.parametrize(
-    "dp, tp, pp", [(1, 1, 1), pytest.param(2, 2, 2, marks=pytest.mark.slow)]
-)  # one device by default (suite time); (2,2,2)+SP: RoPE after the sequence-parallel gather
+# -m slow (suite time); the default run's Llama 3.1 RoPE scaling: the transformers-made
+# fixture's fp32 logits and (2,2,2)+SP pipeline loss, tests/test_qwen3.py[llama31], and its
+# frequency bands, tests/test_hf.py::test_llama31_rope_frequency_bands.
+@pytest.mark.slow
+@pytest.mark.parametrize("dp, tp, pp", [(1, 1, 1), (2, 2, 2)])
 def test_llama31_rope_scaling_equals_single_device_jax_grad(dp, tp, pp):
     """Llama 3.1's RoPE scaling, fused: kv_channels 8 at base 5e5 with an original 256
     positions puts one frequency in each band (kept, interpolated, divided by the factor;
@@ -437,7 +439,9 @@ def test_gpipe_table_facts():
         # (2,2,2)+SP fused through 1F1B's table by default: test_gradients_equal_...[sp-fused-2-2-2]
         pytest.param(2, 2, 2, True, True, marks=pytest.mark.slow),
         pytest.param(1, 2, 4, False, True, marks=pytest.mark.slow),
-        (2, 1, 4, False, False),
+        # -m slow too (suite time): GPipe differs from 1F1B only in its table, whose facts
+        # test_gpipe_table_facts checks; the executor: test_gradients_equal_...[sp-fused-2-2-2]
+        pytest.param(2, 1, 4, False, False, marks=pytest.mark.slow),
     ],
     ids=str,
 )
@@ -546,14 +550,14 @@ def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recomp
 
 def _interleaved_grid():
     """The issue's matrix: V = 2, 3 on (1,1,4), (2,2,2)+SP, (1,2,4), M = P and 3P, both
-    schedules, fused with deferral and the cooldown sync; a cross-section by default."""
-    default = {((2, 2, 2), 2, 3, "zb-h1")}  # V = 3, 1F1B, (1,2,4): -m slow, suite time
+    schedules, fused with deferral and the cooldown sync. All -m slow (suite time): the
+    default run's interleaved schedule through the executor is
+    test_vocab_over_pipeline_equals_single_device_jax_grad[1-2-4-tied-interleaved-zb-h1]."""
     for mesh in [(1, 1, 4), (2, 2, 2), (1, 2, 4)]:
         for v in (2, 3):
             for times in (1, 3):
                 for schedule in ("1f1b", "zb-h1"):
-                    marks = () if (mesh, v, times, schedule) in default else pytest.mark.slow
-                    yield pytest.param(*mesh, v, times, schedule, marks=marks)
+                    yield pytest.param(*mesh, v, times, schedule, marks=pytest.mark.slow)
 
 
 @pytest.mark.parametrize("dp, tp, pp, v, times, schedule", list(_interleaved_grid()))
