@@ -17,8 +17,9 @@ the all-to-alls, and the largest non-fused buffers::
     JAX_PLATFORMS=cpu python benchmarks/moe_aot.py mlp --gpus 8 --experts 8 64 --cublas
 
 ``ragged-a2a``: a ``jax.lax.ragged_all_to_all`` of a ``[T k, H]`` send buffer over the
-expert axis (per-destination offsets and sizes, each source's rows at ``src * T k`` of the
-receiver: the receive layout of ``DroplessDispatch``), forward and its transpose; prints
+expert axis (per-destination offsets and sizes, each source's rows at ``src * T k`` of a
+worst-case receive buffer), forward and its transpose, on its own (``DroplessDispatch``
+exchanges the same way, its sources back to back in a buffer of ``receive_rows``); prints
 the HLO collectives and the thunks they lower to. ``--platform cpu`` compiles the same on
 XLA:CPU (8 host devices) and prints the error.
 

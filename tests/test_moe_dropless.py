@@ -2,7 +2,8 @@
 expert tensor parallelism, against the dense single-device reference (every token
 through its top-k experts, nothing dropped), skewed routing included; the delayed expert
 wgrad's order on the ragged path (HLO); the example's MoE flags fail loudly. The expert
-GEMM FLOPs: tests/test_moe_flops.py."""
+GEMM FLOPs: tests/test_moe_flops.py. The exact-size exchange (``ragged_all_to_all``, emulated
+on CPU) against a numpy model of its semantics, and its receive-buffer bound."""
 
 import re
 
@@ -14,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.functional import MoEConfig, moe_mlp
-from jax_wgrad.functional.moe_dispatch import group_by_expert
+from jax_wgrad.functional.moe_dispatch import group_by_expert, ragged_all_to_all, receive_rows
 from jax_wgrad.ops import fusion_available
 from jax_wgrad.parallel.mesh import EXPERT, TENSOR
 from jax_wgrad.testing import reference_moe_mlp
@@ -53,7 +54,8 @@ def _data(n: int, skewed: bool, seed: int = 1):
 
 
 def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool):
-    """jitted ``(params, x, r) -> (loss, grads, dx, counts)`` on an (expert, tensor) mesh:
+    """jitted ``(params, x, r) -> (loss, grads, dx, counts, overflow)`` on an (expert,
+    tensor) mesh:
     every rank its own ``T`` tokens (a tensor rank: its slice of the sequence), ``E/EP``
     experts, their ``F / etp`` features with expert tensor parallelism."""
     n = ep * tp * T
@@ -93,7 +95,8 @@ def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool):
         if etp == 1:  # experts replicated over the tensor ranks: each saw its own tokens
             dp["fc1"], dp["fc2"] = (jax.lax.psum(dp[k], TENSOR) for k in ("fc1", "fc2"))
         counts = jax.lax.psum(stats.tokens_per_expert, (EXPERT, TENSOR))
-        return jax.lax.psum(value, (EXPERT, TENSOR)), dp, dx, counts
+        overflow = jax.lax.psum(stats.overflow_rows, (EXPERT, TENSOR))
+        return jax.lax.psum(value, (EXPERT, TENSOR)), dp, dx, counts, overflow
 
     mesh = Mesh(np.array(jax.devices()[: ep * tp]).reshape(ep, tp), (EXPERT, TENSOR))
     tokens = P((EXPERT, TENSOR))
@@ -102,7 +105,7 @@ def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool):
             local,
             mesh=mesh,
             in_specs=(specs, tokens, tokens),
-            out_specs=(P(), specs, tokens, P()),
+            out_specs=(P(), specs, tokens, P(), P()),
             check_vma=False,
         )
     )
@@ -117,7 +120,7 @@ def _reference(params, x, r, cfg, ep, tp):
     return total
 
 
-def _check(ep, tp, etp, topk, fused, skewed, capacity=None, swiglu=False):
+def _check(ep, tp, etp, topk, fused, skewed, capacity=None, swiglu=False, buffer_factor=None):
     cfg = MoEConfig(
         num_experts=E,
         ffn_hidden_size=F,
@@ -125,9 +128,11 @@ def _check(ep, tp, etp, topk, fused, skewed, capacity=None, swiglu=False):
         capacity_factor=capacity,
         aux_loss_coeff=1e-2,
         swiglu=swiglu,
+        dropless_buffer_factor=buffer_factor,
     )
     params, (x, r) = _params(skewed, swiglu), _data(ep * tp * T, skewed)
-    loss, grads, dx, counts = _sharded(cfg, ep, tp, etp, fused)(params, x, r)
+    loss, grads, dx, counts, overflow = _sharded(cfg, ep, tp, etp, fused)(params, x, r)
+    assert float(overflow) == 0.0
     want, (wgrads, wdx) = jax.value_and_grad(_reference, argnums=(0, 1))(params, x, r, cfg, ep, tp)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     for name in params:
@@ -181,12 +186,144 @@ def test_capacity_path_with_expert_tensor_parallelism():
     _check(2, 2, 2, 2, fused=True, skewed=False, capacity=float(E))
 
 
+@pytest.mark.parametrize(
+    "ep, tp, etp, factor",
+    [(4, 1, 1, 1.5), (2, 2, 2, 1.25)],
+    ids=["ep4_factor1.5", "ep2_etp2_factor1.25"],
+)
+def test_bounded_receive_buffer_equals_dense_reference(ep, tp, etp, factor):
+    """A receive buffer smaller than the worst case, routing that fits it: the same
+    numbers as the reference, nothing counted as overflow."""
+    assert receive_rows(T * 2, ep, factor) < ep * T * 2
+    _check(ep, tp, etp, 2, fused=True, skewed=False, buffer_factor=factor)
+
+
+def test_receive_buffer_overflow_is_counted():
+    """Skewed routing into buffers of T k rows: every routed choice past a rank's buffer is
+    counted (the training loop refuses such a step)."""
+    ep, k = 4, 2
+    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=k, dropless_buffer_factor=1.0)
+    params, (x, r) = _params(True), _data(ep * T, True)
+    *_, counts, overflow = _sharded(cfg, ep, 1, 1, fused=False)(params, x, r)
+    received = np.asarray(counts).reshape(ep, E // ep).sum(axis=1)
+    cap = receive_rows(T * k, ep, 1.0)
+    want = np.maximum(received - cap, 0).sum()
+    assert want > 0 and float(overflow) == want, (received, cap, overflow)
+
+
+def test_receive_rows_bounds():
+    assert receive_rows(24, 4, None) == 96  # the worst case
+    assert receive_rows(24, 4, 1.5) == 40  # ceil(36) to a multiple of 8
+    assert receive_rows(24, 4, 8.0) == 96  # never past the worst case
+    with pytest.raises(
+        ValueError, match=r"moe_dropless_buffer_factor must be a finite number >= 1"
+    ):
+        MoEConfig(num_experts=E, ffn_hidden_size=F, dropless_buffer_factor=0.5)
+    with pytest.raises(ValueError, match="cannot be combined with moe_expert_capacity_factor"):
+        MoEConfig(num_experts=E, ffn_hidden_size=F, capacity_factor=1.0, dropless_buffer_factor=2)
+
+
+def _exchange_case(ep: int, rows: int, out_rows: int, seed: int):
+    """Consistent random arguments of a ragged all-to-all over ``ep`` ranks: sender ``s``
+    sends ``send[s, d]`` rows to ``d`` from a random offset; receiver ``d`` places its
+    sources back to back from a random start."""
+    rng = np.random.default_rng(seed)
+    send = rng.integers(0, rows // ep + 1, size=(ep, ep)).astype(np.int32)
+    in_off = np.stack([rng.integers(0, rows - send[s].max() + 1, ep) for s in range(ep)])
+    out_off = np.zeros((ep, ep), np.int32)  # [s, d]: where s's rows land on d
+    for d in range(ep):
+        base = rng.integers(0, out_rows - send[:, d].sum() + 1)
+        out_off[:, d] = base + np.concatenate([[0], np.cumsum(send[:-1, d])])
+    operand = rng.normal(size=(ep, rows, 3)).astype(np.float32)
+    want = np.zeros((ep, out_rows, 3), np.float32)
+    for s in range(ep):
+        for d in range(ep):
+            n = send[s, d]
+            want[d, out_off[s, d] : out_off[s, d] + n] = operand[s, in_off[s, d] : in_off[s, d] + n]
+    return operand, in_off.astype(np.int32), send, out_off, send.T.copy(), want
+
+
+def test_ragged_all_to_all_matches_its_semantics_on_cpu():
+    """The CPU emulation of :func:`jax.lax.ragged_all_to_all` against a numpy model of the
+    collective's documented semantics (senders' offsets, receivers' placement)."""
+    ep, rows, out_rows = 4, 10, 24
+    mesh = Mesh(np.array(jax.devices()[:ep]), (EXPERT,))
+    f = jax.jit(
+        jax.shard_map(
+            lambda o, i, s, oo, rs: ragged_all_to_all(
+                o[0], jnp.zeros((out_rows, 3)), i[0], s[0], oo[0], rs[0], axis_name=EXPERT
+            )[None],
+            mesh=mesh,
+            in_specs=P(EXPERT),
+            out_specs=P(EXPERT),
+        )
+    )
+    for seed in range(3):
+        operand, in_off, send, out_off, recv, want = _exchange_case(ep, rows, out_rows, seed)
+        got = f(operand, in_off, send, out_off, recv)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_ragged_all_to_all_is_exact_sized_on_gpus():
+    """Lowered for CUDA the exchange is XLA's ragged all-to-all (no worst-case buffer);
+    for CPU, where XLA has none, an all-to-all."""
+    mesh = Mesh(np.array(jax.devices()[:4]), (EXPERT,))
+
+    def text(platform):
+        f = jax.jit(
+            jax.shard_map(
+                lambda o, i, s, oo, rs: ragged_all_to_all(
+                    o, jnp.zeros((16, 8)), i, s, oo, rs, axis_name=EXPERT
+                ),
+                mesh=mesh,
+                in_specs=P(EXPERT),
+                out_specs=P(EXPERT),
+            )
+        )
+        sizes = jax.ShapeDtypeStruct((16,), jnp.int32)
+        args = (jax.ShapeDtypeStruct((32, 8), jnp.float32), sizes, sizes, sizes, sizes)
+        return f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+    cuda, cpu = text("cuda"), text("cpu")
+    assert "ragged_all_to_all" in cuda and "all_to_all" not in cuda.replace("ragged_all_to_all", "")
+    assert "ragged_all_to_all" not in cpu and "all_to_all" in cpu
+
+
 def test_group_by_expert_orders_the_sources_by_local_expert():
-    # Two sources, three local experts: source 0 sent [2, 0, 1] rows, source 1 [1, 2, 0].
-    dest, sizes = group_by_expert(jnp.array([[2, 0, 1], [1, 2, 0]], jnp.int32), 4)
+    # Two sources, three local experts: source 0 sent [2, 0, 1] rows, source 1 [1, 2, 0],
+    # each in a block of 4 buffer rows.
+    counts = jnp.array([[2, 0, 1], [1, 2, 0]], jnp.int32)
+    dest, sizes = group_by_expert(counts, jnp.array([0, 4], jnp.int32), 8)
     assert sizes.tolist() == [3, 2, 1]
     # expert 0: s0 rows 0, 1 then s1 row 0; expert 1: s1 rows 1, 2; expert 2: s0 row 2.
-    assert dest.tolist() == [[0, 1, 5, 8], [2, 3, 4, 8]]
+    assert dest.tolist() == [0, 1, 5, 8, 2, 3, 4, 8]
+    # Back to back (the exact exchange), an empty source between, 2 rows left over.
+    counts = jnp.array([[2, 0, 1], [0, 0, 0], [1, 2, 0]], jnp.int32)
+    dest, sizes = group_by_expert(counts, jnp.array([0, 3, 3], jnp.int32), 8)
+    assert sizes.tolist() == [3, 2, 1]
+    assert dest.tolist() == [0, 1, 5, 2, 3, 4, 8, 8]
+
+
+# A tiny MoE model for the example (one step).
+_EXAMPLE_MOE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--no-progress",
+    "--num-experts",
+    "8",
+    "--train-iters",
+    "1",
+]
 
 
 @pytest.mark.parametrize(
@@ -222,36 +359,35 @@ def test_group_by_expert_orders_the_sources_by_local_expert():
             r"moe.ffn.hidden.size \(50\) must be divisible by (--)?expert.tensor.parallel.size "
             r"\(4\)",
         ),
+        (
+            ["--moe-dropless-buffer-factor", "0.5"],
+            r"moe.dropless.buffer.factor must be a finite number >= 1 .*got 0.5",
+        ),
     ],
-    ids=["etp", "overlap-without-shared", "shared-size", "ffn-etp"],
+    ids=["etp", "overlap-without-shared", "shared-size", "ffn-etp", "buffer-factor"],
 )
 def test_example_moe_flags_fail_loudly(pretrain, capsys, argv, message):
-    import re
-
-    small = [
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--micro-batch-size",
-        "2",
-        "--global-batch-size",
-        "16",
-        "--no-progress",
-        "--num-experts",
-        "8",
-        "--train-iters",
-        "1",
-    ]
     with pytest.raises(SystemExit) as exc:
-        pretrain.main(small + argv)
+        pretrain.main(_EXAMPLE_MOE + argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err, err
     assert re.search(message, err), err
+
+
+def test_example_stops_at_a_step_overflowing_the_receive_buffers(pretrain, capsys, tmp_path):
+    """EP 4, buffers of T k rows (the mean): a random router overflows them in the first
+    step; the run stops with one line naming the flag, before the step is saved."""
+    argv = ["--expert-model-parallel-size", "4", "--moe-dropless-buffer-factor", "1"]
+    with pytest.raises(SystemExit) as exc:
+        pretrain.main(_EXAMPLE_MOE + argv + ["--save", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "Traceback" not in err, err
+    assert re.search(
+        r"error: iteration 1: the dropless MoE dispatch routed \d+ token choices past the "
+        r"expert ranks' receive buffers \(--moe-dropless-buffer-factor",
+        err,
+    ), err
+    assert not any((tmp_path / "ckpt").glob("*/"))
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -467,3 +467,55 @@ def test_kernel_switch_and_launch_counts():
     env = {**os.environ, "JAX_WGRAD_RAGGED_KERNEL": "fast", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "JAX_WGRAD_RAGGED_KERNEL must be" in out.stderr, out
+
+
+@pytest.mark.gpu
+def test_dropless_layer_through_the_native_ragged_all_to_all():
+    """The dropless MoE layer on one GPU with an expert axis of size 1: its exchanges are
+    XLA:GPU's ragged all-to-all (not the CPU emulation), forward and transpose; the loss
+    and gradients equal the dense fp32 reference's at HIGHEST precision."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jax_wgrad.functional import MoEConfig, moe_mlp
+    from jax_wgrad.parallel.mesh import EXPERT
+    from jax_wgrad.testing import reference_moe_mlp
+
+    e, h, f, t = 8, 32, 64, 96
+    cfg = MoEConfig(num_experts=e, ffn_hidden_size=f, topk=2, dropless_buffer_factor=1.0)
+    params = {
+        "router": _rand(1, (e, h), F32),
+        "fc1": _rand(2, (e, f, h), F32) / np.sqrt(h),
+        "fc2": _rand(3, (e, h, f), F32) / np.sqrt(f),
+    }
+    x, r = _rand(4, (t, h), F32), _rand(5, (t, h), F32)
+    mesh = Mesh(np.array([_gpu()]), (EXPERT,))
+
+    def loss(p, x):
+        y, stats = moe_mlp(p, x, cfg, expert_axis=EXPERT, precision="highest")
+        return jnp.sum(y * r), stats.overflow_rows
+
+    step = jax.jit(
+        jax.shard_map(
+            jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=((P(), P()), (P(), P())),
+            check_vma=False,
+        )
+    )
+    args = jax.device_put((params, x), _gpu())
+    assert "ragged_all_to_all" in step.lower(*args).as_text()  # lowered for the GPU
+    (value, overflow), (grads, dx) = step(*args)
+
+    def ref(p, x):
+        return jnp.sum(reference_moe_mlp(p, x, cfg)[0] * r)
+
+    with jax.default_matmul_precision("highest"):  # fp32, not TF32
+        want, (wgrads, wdx) = jax.jit(jax.value_and_grad(ref, argnums=(0, 1)))(*args)
+    assert float(overflow) == 0.0
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+    for name in params:
+        g, w = np.asarray(grads[name]), np.asarray(wgrads[name])
+        assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), name
+    assert np.abs(np.asarray(dx) - np.asarray(wdx)).max() <= 1e-5 * np.abs(wdx).max()

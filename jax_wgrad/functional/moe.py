@@ -93,6 +93,12 @@ class MoEConfig:
         off (Megatron's default): the softmax over the top-k logits.
       topk_scaling_factor: ``moe_router_topk_scaling_factor``: multiplies the gates;
         ``None`` (Megatron's default): no scaling.
+      dropless_buffer_factor: ``moe_dropless_buffer_factor``: a dropless layer's receive
+        buffer per expert rank holds ``ceil(factor T k)`` rows (``T k``: one rank's routed
+        choices) instead of the worst case ``EP T k``
+        (:func:`~jax_wgrad.functional.moe_dispatch.receive_rows`); a step routing more to
+        one rank counts the excess in :attr:`MoEStats.overflow_rows` (the training loop
+        refuses it). ``None``: the worst case, which no routing exceeds.
     """
 
     num_experts: int
@@ -105,6 +111,7 @@ class MoEConfig:
     swiglu: bool = False
     pre_softmax: bool = False
     topk_scaling_factor: float | None = None
+    dropless_buffer_factor: float | None = None
 
     def activation(self, hidden: jax.Array) -> jax.Array:
         """The experts' nonlinearity: ``[..., F]`` (GELU), ``[..., 2F]`` (SwiGLU) -> ``F``."""
@@ -151,6 +158,24 @@ class MoEConfig:
                     f"no scaling), got {scale!r}"
                 )
             object.__setattr__(self, "topk_scaling_factor", float(scale))
+        factor = self.dropless_buffer_factor
+        if factor is not None:
+            if (
+                isinstance(factor, bool)
+                or not isinstance(factor, (int, float))
+                or not (math.isfinite(factor) and factor >= 1)
+            ):
+                raise ValueError(
+                    f"moe_dropless_buffer_factor must be a finite number >= 1 (a rank "
+                    f"receives T k rows on average; or None: the worst case), got {factor!r}"
+                )
+            if self.capacity_factor is not None:
+                raise ValueError(
+                    f"moe_dropless_buffer_factor ({factor}) bounds the dropless dispatch; "
+                    f"it cannot be combined with moe_expert_capacity_factor "
+                    f"({self.capacity_factor})"
+                )
+            object.__setattr__(self, "dropless_buffer_factor", float(factor))
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert per source rank: ``ceil(T * k * factor / E)`` (Megatron's
@@ -171,6 +196,9 @@ class MoEStats(NamedTuple):
     """``[E]`` routed choices per expert, before dropping."""
     dropped_fraction: jax.Array
     """Scalar: dropped choices / routed choices."""
+    overflow_rows: jax.Array
+    """Scalar: routed choices this expert rank's dropless receive buffer could not hold
+    (``MoEConfig.dropless_buffer_factor``); nonzero means the layer's output is wrong."""
 
 
 def route(
@@ -331,7 +359,7 @@ def moe_mlp(
     )
     exchange = dict(expert_axis=expert_axis, ep=ep, tensor_axis=expert_tensor_axis, num_experts=e)
     dispatcher = (
-        DroplessDispatch(**exchange)
+        DroplessDispatch(**exchange, buffer_factor=cfg.dropless_buffer_factor)
         if cfg.capacity_factor is None
         else CapacityDispatch(**exchange, capacity=cfg.capacity(t))
     )
@@ -366,5 +394,10 @@ def moe_mlp(
     dropped = (
         jnp.zeros((), jnp.float32) if kept is None else jnp.sum(~kept) / jnp.float32(kept.size)
     )
-    stats = MoEStats(aux, tokens_per_expert, dropped)
+    overflow = (
+        dispatcher.overflow(state).astype(jnp.float32)
+        if isinstance(dispatcher, DroplessDispatch)
+        else jnp.zeros((), jnp.float32)
+    )
+    stats = MoEStats(aux, tokens_per_expert, dropped, overflow)
     return y, stats

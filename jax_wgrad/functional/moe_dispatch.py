@@ -11,10 +11,14 @@ sums each token's ``k`` choices weighted by the gates.
   ``[E/EP, EP * C, H]`` (batched GEMMs).
 * :class:`DroplessDispatch` (Megatron's default: no capacity): the ``T k`` choices sorted by
   expert (stable: k-major, then token order), so each expert's tokens are one contiguous
-  group; exchanged with one ``all_to_all`` of a worst-case ``[EP, T k, H]`` buffer plus the
-  ``[EP, E/EP]`` counts (bytes worst-case, because XLA:CPU cannot compile
-  ``ragged_all_to_all``); on receipt the rows are ordered by local expert: ``[EP T k, H]``
-  with ``group_sizes [E/EP]``, the ragged GEMMs' input (work: the routed rows only).
+  group, and each expert rank's share one contiguous range; exchanged exactly
+  (:func:`ragged_all_to_all`: each source's rows land back to back in the receiver's buffer
+  of ``receive_rows`` rows) after a small ``all_to_all`` of the counts; on receipt the rows
+  are ordered by local expert (``group_sizes [E/EP]``), the ragged GEMMs' input (work: the
+  routed rows only). The buffer holds the worst case ``EP T k`` unless
+  ``buffer_factor`` bounds it to ``ceil(factor T k)`` rows; rows past the bound are not
+  sent and counted (:meth:`DroplessDispatch.overflow`), so that a step that exceeded it is
+  refused by the training loop instead of training on wrong numbers.
 
 **Expert tensor parallelism** (``expert_tensor_axis``, Megatron's
 ``--expert-tensor-parallel-size`` = tp; MoE with tp needs sequence parallelism, so every
@@ -28,6 +32,7 @@ rank the tokens came from (Megatron's ``gather_from_sequence_parallel_region`` /
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +44,14 @@ from jax_wgrad.functional.collectives import (
 )
 from jax_wgrad.functional.saved import SAVED
 
-__all__ = ["CapacityDispatch", "DroplessDispatch", "dispatch_slots", "group_by_expert"]
+__all__ = [
+    "CapacityDispatch",
+    "DroplessDispatch",
+    "dispatch_slots",
+    "group_by_expert",
+    "ragged_all_to_all",
+    "receive_rows",
+]
 
 
 def _exclusive_cumsum(a: jax.Array, axis: int = -1) -> jax.Array:
@@ -59,27 +71,101 @@ def dispatch_slots(experts: jax.Array, num_experts: int, capacity: int):
     return slot, slot < capacity
 
 
-def group_by_expert(counts: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+def group_by_expert(counts: jax.Array, starts: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     """Where each received row goes when the rows are ordered by local expert.
 
     Args:
       counts: int32 ``[S, E_l]``: source ``s`` sent ``counts[s, j]`` rows of local expert
-        ``j``, back to back in expert order at the start of its ``rows`` slots.
+        ``j``, back to back in expert order from row ``starts[s]`` of the buffer.
+      starts: int32 ``[S]``: where each source's rows begin in the buffer of ``rows`` rows.
     Returns:
-      ``(dest [S, rows], group_sizes [E_l])``: row ``i`` of source ``s`` goes to row
-      ``dest[s, i]`` of ``[S * rows]`` (experts contiguous, within an expert the sources in
-      order); ``dest = S * rows`` (out of bounds) for the slots past what ``s`` sent.
+      ``(dest [rows], group_sizes [E_l])``: buffer row ``p`` goes to row ``dest[p]`` of the
+      expert-ordered rows (experts contiguous, within an expert the sources in order);
+      ``dest = rows`` (out of bounds) for the rows no source filled.
     """
     s, e_l = counts.shape
     sizes = jnp.sum(counts, axis=0)
+    sent = jnp.sum(counts, axis=1)  # [S]
+    p = jnp.arange(rows, dtype=jnp.int32)
+    # The source of each row: the last one starting at or before it (a source sending
+    # nothing shares its start with the next one, whose rows these are).
+    src = jnp.clip(jnp.searchsorted(starts, p, side="right") - 1, 0, s - 1)
+    i = p - starts[src]  # row within its source's block
     ends = jnp.cumsum(counts, axis=1)  # [S, E_l]
-    i = jnp.arange(rows, dtype=jnp.int32)
-    j = jax.vmap(lambda e: jnp.searchsorted(e, i, side="right"))(ends)  # [S, rows]
+    j = jax.vmap(lambda e, ii: jnp.searchsorted(e, ii, side="right"))(ends[src], i)
     jc = jnp.minimum(j, e_l - 1)
-    start_in_source = jnp.take_along_axis(ends - counts, jc, axis=1)
-    before = jnp.take_along_axis(_exclusive_cumsum(counts, axis=0), jc, axis=1)
-    dest = _exclusive_cumsum(sizes)[jc] + before + i[None] - start_in_source
-    return jnp.where(j < e_l, dest, s * rows).astype(jnp.int32), sizes.astype(jnp.int32)
+    start_in_source = (ends - counts)[src, jc]
+    before = _exclusive_cumsum(counts, axis=0)[src, jc]
+    dest = _exclusive_cumsum(sizes)[jc] + before + i - start_in_source
+    filled = (i >= 0) & (i < sent[src])
+    return jnp.where(filled, dest, rows).astype(jnp.int32), sizes.astype(jnp.int32)
+
+
+def receive_rows(tokens_k: int, ep: int, buffer_factor: float | None) -> int:
+    """Rows of an expert rank's dropless receive buffer for ``tokens_k`` (= ``T k``) routed
+    choices per source rank and ``ep`` sources: the worst case ``ep T k`` without a
+    factor, else ``ceil(factor T k)`` rounded up to a multiple of 8 and at most the worst
+    case."""
+    worst = ep * tokens_k
+    if buffer_factor is None:
+        return worst
+    return min(worst, -(-math.ceil(buffer_factor * tokens_k) // 8) * 8)
+
+
+def _ragged_exchange_via(
+    all_to_all, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+):
+    """:func:`jax.lax.ragged_all_to_all`'s result from ``all_to_all`` (dim 0, tiled) of
+    worst-case ``[EP, N, ...]`` buffers (``N`` = the operand's rows)."""
+    n = operand.shape[0]
+    i = jnp.arange(n, dtype=jnp.int32)
+    take = jnp.where(i[None] < send_sizes[:, None], input_offsets[:, None] + i[None], n)
+    recv = all_to_all(_rows_at(operand, take))  # [EP(src), N, ...]
+    offsets = all_to_all(output_offsets)  # where each source's rows go here
+    put = jnp.where(i[None] < recv_sizes[:, None], offsets[:, None] + i[None], output.shape[0])
+    return output.at[put.reshape(-1)].set(recv.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def ragged_all_to_all(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: str,
+) -> jax.Array:
+    """:func:`jax.lax.ragged_all_to_all` (same arguments: to peer ``d`` this rank sends
+    ``send_sizes[d]`` rows of ``operand`` from ``input_offsets[d]``, landing at
+    ``output_offsets[d]`` of ``d``'s ``output``; from peer ``s`` it receives
+    ``recv_sizes[s]`` rows), exact-sized where the backend has the collective (GPUs; TPUs)
+    and emulated with one worst-case ``all_to_all`` where it does not (XLA:CPU): chosen
+    when the program is lowered for its platform (:func:`jax.lax.platform_dependent`)."""
+
+    if axis_name not in getattr(jax.typeof(output), "vma", frozenset()):
+        # the result varies over the axis (jax types it as the output buffer, the emulation
+        # as what was scattered into it): the same type on both branches
+        output = jax.lax.pcast(output, (axis_name,), to="varying")
+
+    def native(*args):
+        return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
+
+    def emulated(*args):
+        return _ragged_exchange_via(
+            lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True), *args
+        )
+
+    return jax.lax.platform_dependent(
+        operand,
+        output,
+        input_offsets,
+        send_sizes,
+        output_offsets,
+        recv_sizes,
+        cpu=emulated,
+        default=native,
+    )
 
 
 def _rows_at(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -100,6 +186,15 @@ class _Exchange:
         if self.expert_axis is None:
             return buf
         return jax.lax.all_to_all(buf, self.expert_axis, 0, 0, tiled=True)
+
+    def ragged_exchange(
+        self, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+    ):
+        """:func:`ragged_all_to_all` over the expert ranks (a local copy with one)."""
+        args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+        if self.expert_axis is None:
+            return _ragged_exchange_via(lambda a: a, *args)
+        return ragged_all_to_all(*args, axis_name=self.expert_axis)
 
     def tensor_gather(self, buf: jax.Array, dim: int) -> jax.Array:
         if self.tensor_axis is None:
@@ -157,14 +252,17 @@ class CapacityDispatch(_Exchange):
 
 @dataclasses.dataclass(frozen=True)
 class DroplessDispatch(_Exchange):
-    """Sorted, ragged rows (module docstring)."""
+    """Sorted, ragged rows (module docstring); ``buffer_factor``: the receive buffer's
+    bound (:func:`receive_rows`; ``None``: the worst case)."""
 
     num_experts: int = 0
+    buffer_factor: float | None = None
 
     def dispatch(self, x: jax.Array, experts: jax.Array):
         """``x [T, H]``, ``experts [T, k]`` -> ``(rows [R, H], group_sizes [E/EP], state)``:
-        ``R = T k`` rows on one expert rank without expert tensor parallelism, else
-        ``S T k`` for ``S`` sources; rows past the groups are zeros."""
+        ``R = T k`` rows on one expert rank, else ``etp B`` with ``B`` =
+        :func:`receive_rows` (``etp`` = expert tensor ranks); rows past the groups are
+        zeros."""
         t, h = x.shape
         tk = experts.size
         flat = experts.T.reshape(-1)  # choice c = kk * T + token
@@ -172,43 +270,66 @@ class DroplessDispatch(_Exchange):
         counts = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
         rows = x[order % t]  # [T k, H] grouped by expert
         if self.expert_axis is None and self.tensor_axis is None:
-            return rows, counts, (order, None, None, None)
+            return rows, counts, (order, None)
         e_l = self.num_experts // self.ep
         per_rank = counts.reshape(self.ep, e_l)
-        sent = jnp.sum(per_rank, axis=1)
-        start = _exclusive_cumsum(sent)
-        i = jnp.arange(tk, dtype=jnp.int32)
-        send = _rows_at(rows, jnp.where(i[None] < sent[:, None], start[:, None] + i[None], tk))
-        recv = self.expert_all_to_all(send)  # [EP(src), T k, H]
+        sent = jnp.sum(per_rank, axis=1)  # [EP(dst)]
+        start = _exclusive_cumsum(sent)  # where each destination's rows begin in `rows`
+        cap = receive_rows(tk, self.ep, self.buffer_factor)
+        # The counts to the receivers; each receiver places its sources back to back,
+        # keeps what fits in its `cap` rows and tells every source where and how many.
         recv_counts = self.expert_all_to_all(per_rank)  # [EP(src), E_l]
-        recv = self.tensor_gather(recv, 0).reshape(-1, tk, h)  # [S, T k, H]
+        src_start = self.expert_all_to_all(start)  # [EP(src)]: my rows in each source's
+        recv_sizes = jnp.sum(recv_counts, axis=1)
+        fit = jnp.clip(cap - _exclusive_cumsum(recv_sizes), 0, recv_sizes)
+        recv_start = _exclusive_cumsum(fit)  # <= cap (= cap for sources that do not fit)
+        fit_counts = jnp.clip(fit[:, None] - _exclusive_cumsum(recv_counts, axis=1), 0, recv_counts)
+        overflow = jnp.sum(recv_sizes - fit)
+        placed = self.expert_all_to_all(jnp.stack([recv_start, fit], axis=1))  # [EP(dst), 2]
+        out_start, send_n = placed[:, 0], placed[:, 1]
+        recv = self.ragged_exchange(
+            rows, jnp.zeros((cap, h), rows.dtype), start, send_n, out_start, fit
+        )  # [cap, H]
+        etp = 1 if self.tensor_axis is None else jax.lax.axis_size(self.tensor_axis)
+        recv = self.tensor_gather(recv, 0)  # [etp cap, H]
+        starts = recv_start
         if self.tensor_axis is not None:
-            recv_counts = jax.lax.all_gather(recv_counts, self.tensor_axis, axis=0, tiled=True)
-        dest, sizes = group_by_expert(recv_counts, tk)
-        s = dest.shape[0]
+            fit_counts = jax.lax.all_gather(fit_counts, self.tensor_axis, axis=0, tiled=True)
+            rank = jnp.arange(etp, dtype=jnp.int32)[:, None] * cap
+            starts = (rank + jax.lax.all_gather(recv_start, self.tensor_axis, axis=0)).reshape(-1)
+        dest, sizes = group_by_expert(fit_counts, starts, etp * cap)
         source = (
-            jnp.full((s * tk + 1,), s * tk, jnp.int32)
-            .at[dest.reshape(-1)]
-            .set(jnp.arange(s * tk, dtype=jnp.int32), mode="drop")[:-1]
+            jnp.full((etp * cap + 1,), etp * cap, jnp.int32)
+            .at[dest]
+            .set(jnp.arange(etp * cap, dtype=jnp.int32), mode="drop")[:-1]
         )
-        local = checkpoint_name(_rows_at(recv.reshape(s * tk, h), source), SAVED)
-        return local, sizes, (order, dest, start, sent)
+        local = checkpoint_name(_rows_at(recv, source), SAVED)
+        return local, sizes, (order, (dest, recv_start, fit, src_start, send_n, overflow))
 
     def combine(self, out: jax.Array, gates: jax.Array, state) -> jax.Array:
-        order, dest, start, sent = state
+        order, exchanged = state
         t, k = gates.shape
         h = out.shape[-1]
-        if dest is None:
+        if exchanged is None:
             sorted_out = out
         else:
-            back = _rows_at(out, dest.reshape(-1)).reshape(dest.shape[0], t * k, h)
-            back = self.tensor_reduce_scatter(back, 0)  # [EP, T k, H]
-            back = checkpoint_name(self.expert_all_to_all(back), SAVED)  # [EP(dst), T k, H]
-            p = jnp.arange(t * k, dtype=jnp.int32)
-            rank = jnp.searchsorted(jnp.cumsum(sent), p, side="right")
-            sorted_out = _rows_at(back.reshape(-1, h), rank * (t * k) + p - start[rank])
+            dest, recv_start, fit, src_start, send_n, _ = exchanged
+            back = _rows_at(out, dest)  # [etp cap, H] in the received order
+            back = self.tensor_reduce_scatter(back, 0)  # [cap, H]
+            sorted_out = checkpoint_name(
+                self.ragged_exchange(
+                    back, jnp.zeros((t * k, h), back.dtype), recv_start, fit, src_start, send_n
+                ),
+                SAVED,
+            )  # [T k, H] in this rank's sorted order
         per_choice = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
         return jnp.einsum("kth,tk->th", per_choice.reshape(k, t, h), gates.astype(out.dtype))
 
     def kept(self, state) -> jax.Array | None:
         return None
+
+    def overflow(self, state) -> jax.Array:
+        """Scalar int32: the routed rows this expert rank's receive buffer could not hold
+        (0 within the bound; never more than 0 without ``buffer_factor``)."""
+        exchanged = state[1]
+        return jnp.zeros((), jnp.int32) if exchanged is None else exchanged[-1]

@@ -29,6 +29,7 @@ from jax_wgrad.training.data import load_data as load_datasets
 from jax_wgrad.training.data import padded_vocab_size
 from jax_wgrad.training.gpu import apply_gpu_xla_flags
 from jax_wgrad.training.loop import (
+    DispatchOverflowError,
     OutOfMemoryError,
     check_paths,
     is_out_of_memory,
@@ -81,7 +82,7 @@ def run_job(argv: list[str], prog: str | None = None) -> dict:
             scope.enter_context(LineFilter())  # fd 1 through a filter until the job ends
         try:
             return train(parser, args, opts)
-        except OutOfMemoryError as exc:
+        except (OutOfMemoryError, DispatchOverflowError) as exc:
             parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 

@@ -519,6 +519,7 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             # a string, not a choice: the config names the one dispatcher there is
             Flag("--moe-token-dispatcher-type", GPTConfig, "moe_token_dispatcher_type", type=str),
             Flag("--moe-expert-capacity-factor", GPTConfig, "moe_expert_capacity_factor"),
+            Flag("--moe-dropless-buffer-factor", GPTConfig, "moe_dropless_buffer_factor"),
             Flag(
                 "--moe-pad-expert-input-to-capacity", GPTConfig, "moe_pad_expert_input_to_capacity"
             ),

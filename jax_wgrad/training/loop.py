@@ -42,6 +42,7 @@ from jax_wgrad.training.step import TrainState, build_eval_step, build_train_ste
 
 __all__ = [
     "LoopOptions",
+    "DispatchOverflowError",
     "OutOfMemoryError",
     "check_paths",
     "evaluate",
@@ -56,6 +57,12 @@ COMPILE_ONLY_HINT = "run with --compile-only to see the per-device memory report
 
 class OutOfMemoryError(RuntimeError):
     """The device memory did not hold the first step (one line: what did not fit)."""
+
+
+class DispatchOverflowError(RuntimeError):
+    """A step routed more tokens to an expert rank than its dropless receive buffer holds
+    (``--moe-dropless-buffer-factor``): its numbers are wrong, so the run stops before the
+    step is logged or checkpointed (one line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +226,7 @@ def run(
       ValueError: a path of ``opts`` (see :func:`check_paths`), a missing or damaged
         checkpoint, a checkpoint of another model (one line each).
       OutOfMemoryError: the first step does not fit in device memory.
+      DispatchOverflowError: a step overflowed the dropless MoE receive buffers.
       KeyboardInterrupt: after the checkpoint writes under way are complete.
     """
     metrics = metrics or MetricsWriter()
@@ -382,6 +390,14 @@ def _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, l
     summary["times"].append(dt)
     summary["skipped_steps"] += skipped
     moe = {k: np.asarray(v).tolist() for k, v in m.items() if k.startswith("moe_")}
+    if moe.get("moe_dispatch_overflow", 0) > 0:
+        raise DispatchOverflowError(
+            f"iteration {i + 1}: the dropless MoE dispatch routed "
+            f"{moe['moe_dispatch_overflow']:.0f} token choices past the expert ranks' receive "
+            f"buffers (--moe-dropless-buffer-factor: ceil(factor x T x topk) rows per rank); "
+            f"this step's numbers are wrong and were not saved: resume from the last "
+            f"checkpoint with a larger factor, or without the flag (buffers for the worst case)"
+        )
     metrics.write(
         {
             "step": i + 1,

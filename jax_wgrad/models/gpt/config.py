@@ -37,7 +37,15 @@ def _gpt_moe_option(default):
     return dataclasses.field(default=default, metadata={_MOE: None})
 
 
-RUN_OPTIONS = frozenset({"compute_dtype", "params_dtype", "attention_backend", "layer_scan_unroll"})
+RUN_OPTIONS = frozenset(
+    {
+        "compute_dtype",
+        "params_dtype",
+        "attention_backend",
+        "layer_scan_unroll",
+        "moe_dropless_buffer_factor",
+    }
+)
 """Fields that say how a run computes, not which model it is (no preset or converted
 checkpoint sets them)."""
 
@@ -171,6 +179,12 @@ class GPTConfig:
     """Only ``alltoall`` exists here (Megatron's default is ``allgather``)."""
     moe_expert_capacity_factor: float | None = _forwarded("capacity_factor")
     """``None``: no token is dropped; else Megatron's capacity ``ceil(T k f / E)``."""
+    moe_dropless_buffer_factor: float | None = _forwarded("dropless_buffer_factor")
+    """Not Megatron's (its dropless dispatch has dynamic shapes): each expert rank's
+    receive buffer of a dropless MoE layer holds ``ceil(factor T k)`` rows (``T k``: one
+    rank's routed choices; exchanged exactly on GPUs) instead of the worst case ``EP T k``;
+    a step routing more to one rank stops the run with an error. ``None``: the worst
+    case."""
     moe_pad_expert_input_to_capacity: bool = _gpt_moe_option(False)
     """Pad each expert's input to its capacity. Needs a capacity factor; with one it is
     required here, because XLA's static shapes always pad."""

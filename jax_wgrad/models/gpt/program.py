@@ -248,13 +248,16 @@ class GPTProgram:
                 total.aux_loss + st.aux_loss,
                 total.tokens_per_expert + st.tokens_per_expert,
                 total.dropped_fraction + st.dropped_fraction * routed,
+                total.overflow_rows + st.overflow_rows,
             )
         return x, total
 
     def _stats_zeros(self) -> MoEStats:
-        # aux loss, tokens per expert [E], and in dropped_fraction's place the dropped COUNT.
+        # aux loss, tokens per expert [E], in dropped_fraction's place the dropped COUNT, and
+        # the dropless dispatch's overflow rows.
         e = self.model.num_moe_experts
-        return MoEStats(jnp.float32(0.0), jnp.zeros((e,), jnp.float32), jnp.float32(0.0))
+        zero = jnp.float32(0.0)
+        return MoEStats(zero, jnp.zeros((e,), jnp.float32), zero, zero)
 
     def post(
         self,
@@ -294,11 +297,13 @@ class GPTProgram:
         microbatches and data-parallel ranks: the term the gradients include),
         ``moe_tokens_per_expert`` ``[E]`` (routed choices per expert over all MoE layers
         and tokens of the step, before dropping), ``moe_max_load`` (the busiest expert's
-        load over the mean: 1 is perfect balance) and ``moe_dropped_fraction`` (dropped /
-        routed); ``{}`` for a dense model."""
+        load over the mean: 1 is perfect balance), ``moe_dropped_fraction`` (dropped /
+        routed) and ``moe_dispatch_overflow`` (routed choices the dropless receive buffers
+        could not hold, ``--moe-dropless-buffer-factor``: nonzero means the step computed
+        wrong numbers); ``{}`` for a dense model."""
         if not self.moe:
             return {}
-        aux, tokens, dropped = (lax.psum(s, AXES) for s in aux_sum)
+        aux, tokens, dropped, overflow = (lax.psum(s, AXES) for s in aux_sum)
         routed = jnp.sum(tokens)
         par = self.parallel
         return {
@@ -306,6 +311,7 @@ class GPTProgram:
             "moe_tokens_per_expert": tokens,
             "moe_max_load": jnp.max(tokens) / jnp.maximum(jnp.mean(tokens), 1.0),
             "moe_dropped_fraction": dropped / jnp.maximum(routed, 1.0),
+            "moe_dispatch_overflow": overflow,
         }
 
     # -- deferred output-layer wgrad, recompute mode (Megatron's stash has no such mode)
