@@ -116,10 +116,12 @@ def _ragged_exchange_via(
     all_to_all, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
 ):
     """:func:`jax.lax.ragged_all_to_all`'s result from ``all_to_all`` (dim 0, tiled) of
-    worst-case ``[EP, N, ...]`` buffers (``N`` = the operand's rows)."""
-    n = operand.shape[0]
+    worst-case ``[EP, n, ...]`` buffers: ``n`` = the operand's rows or the output's,
+    whichever is fewer (what one peer sends another fits both)."""
+    rows = operand.shape[0]
+    n = min(rows, output.shape[0])
     i = jnp.arange(n, dtype=jnp.int32)
-    take = jnp.where(i[None] < send_sizes[:, None], input_offsets[:, None] + i[None], n)
+    take = jnp.where(i[None] < send_sizes[:, None], input_offsets[:, None] + i[None], rows)
     recv = all_to_all(_rows_at(operand, take))  # [EP(src), N, ...]
     offsets = all_to_all(output_offsets)  # where each source's rows go here
     put = jnp.where(i[None] < recv_sizes[:, None], offsets[:, None] + i[None], output.shape[0])
