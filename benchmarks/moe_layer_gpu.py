@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,19 +36,11 @@ import jax.numpy as jnp
 from jax_wgrad.functional import MoEConfig, moe_mlp
 from jax_wgrad.ops import ragged
 
+sys.path.insert(0, str(Path(__file__).parent))  # the benchmarks are scripts, not a package
+from ragged_gemm_gpu import gpu_device, kernels_ran, parse_cases, timed
+
 # Mixtral-8x7B and Qwen3-30B-A3B layers, 8192 tokens (micro-batch 2 x 4096).
 CASES = [(8192, 4096, 14336, 8, 2), (8192, 2048, 768, 128, 8)]
-
-
-def _timed(fn, args, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _step(cfg: MoEConfig):
@@ -91,11 +82,9 @@ def run_case(case, warmup: int, iters: int, device) -> dict:
         )
         step = _step(cfg)
         before = ragged.cuda_kernel_launches()
-        seconds[name] = _timed(step, (params, x), warmup, iters)
-        after = ragged.cuda_kernel_launches()
-        ran = "+".join(n for n in ("cutlass", "wmma") if after[n] > before[n]) or "none"
+        seconds[name] = timed(step, (params, x), warmup, iters)
+        row[f"{name}_kernels"] = kernels_ran(before)
         (_, dropped), _ = step(params, x)
-        row[f"{name}_kernels"] = ran
         row[f"{name}_dropped"] = round(float(dropped), 4)
     ragged.set_cuda_kernel("auto")
     for name, s in seconds.items():
@@ -111,18 +100,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args(argv)
-    cases = CASES
-    if args.cases:
-        try:
-            cases = [tuple(int(v) for v in c.split("x")) for c in args.cases]
-        except ValueError:
-            cases = [()]
-        if any(len(c) != 5 for c in cases):
-            parser.error("--cases takes TxHxFxExk, e.g. 8192x4096x14336x8x2")
-    try:
-        device = jax.devices("gpu")[0]
-    except RuntimeError:
-        sys.exit("moe_layer_gpu: needs a CUDA GPU visible to jax")
+    cases = parse_cases(parser, args.cases, CASES, "TxHxFxExk, e.g. 8192x4096x14336x8x2")
+    device = gpu_device("moe_layer_gpu")
     for case in cases:
         print(json.dumps(run_case(case, args.warmup, args.iters, device)), flush=True)
 

@@ -204,6 +204,28 @@ def _baselines(xs, w, w_kn, sizes, g, r, k, n, skew, steps, warmup, iters):
     return per_call
 
 
+def parse_cases(parser: argparse.ArgumentParser, values: list[str] | None, default, example: str):
+    """``--cases`` values ``AxBx...`` as int tuples of ``example``'s length (``default``
+    when not given); a malformed one is a usage error showing ``example``."""
+    if not values:
+        return default
+    try:
+        cases = [tuple(int(v) for v in c.split("x")) for c in values]
+    except ValueError:
+        cases = [()]
+    if any(len(c) != len(example.split("x")) for c in cases):
+        parser.error(f"--cases takes {example}")
+    return cases
+
+
+def gpu_device(script: str):
+    """The first CUDA GPU jax sees; exits naming ``script`` without one."""
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        sys.exit(f"{script}: needs a CUDA GPU visible to jax")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=None, help="GxRxKxN ...")
@@ -220,18 +242,8 @@ def main(argv=None):
         help="kernel choices of the ragged handlers to time (set_cuda_kernel)",
     )
     args = parser.parse_args(argv)
-    cases = CASES
-    if args.cases:
-        try:
-            cases = [tuple(int(v) for v in c.split("x")) for c in args.cases]
-        except ValueError:
-            cases = [()]
-        if any(len(c) != 4 for c in cases):
-            parser.error("--cases takes GxRxKxN, e.g. 8x16384x4096x1024")
-    try:
-        device = jax.devices("gpu")[0]
-    except RuntimeError:
-        sys.exit("ragged_gemm_gpu: needs a CUDA GPU visible to jax")
+    cases = parse_cases(parser, args.cases, CASES, "GxRxKxN, e.g. 8x16384x4096x1024")
+    device = gpu_device("ragged_gemm_gpu")
     for case in cases:
         print(
             json.dumps(

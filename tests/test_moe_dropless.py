@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from script_util import SMALL_GPT
 
 from jax_wgrad.functional import MoEConfig, moe_mlp
 from jax_wgrad.functional.moe_dispatch import group_by_expert, ragged_all_to_all, receive_rows
@@ -308,25 +309,7 @@ def test_group_by_expert_orders_the_sources_by_local_expert():
 
 
 # A tiny MoE model for the example (one step).
-_EXAMPLE_MOE = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "16",
-    "--no-progress",
-    "--num-experts",
-    "8",
-    "--train-iters",
-    "1",
-]
+_EXAMPLE_MOE = SMALL_GPT + ["--no-progress", "--num-experts", "8", "--train-iters", "1"]
 
 
 @pytest.mark.parametrize(
