@@ -360,6 +360,35 @@ def test_example_moe_flags_fail_loudly(pretrain, capsys, argv, message):
     assert re.search(message, err), err
 
 
+def test_the_loop_stops_at_a_step_that_overflowed_the_receive_buffers():
+    """A step whose metrics count overflow rows raises before it is logged (the metrics
+    writer is not called); through the example: the slow test below."""
+    from types import SimpleNamespace
+
+    from jax_wgrad.training.loop import DispatchOverflowError, _one_step
+
+    written = []
+    metrics = {"loss": 1.0, "grad_norm": 1.0, "skipped": False, "moe_dispatch_overflow": 3.0}
+    summary = {"losses": [], "times": [], "skipped_steps": 0, "start_step": 0}
+    with pytest.raises(DispatchOverflowError, match=r"iteration 5: .* routed 3 token choices"):
+        _one_step(
+            lambda state, tokens: (state, metrics),
+            "state",
+            lambda i: np.zeros((2, 9), np.int32),
+            4,
+            (0, 0),
+            SimpleNamespace(profile_dir=None),
+            summary,
+            SimpleNamespace(write=written.append),
+            SimpleNamespace(set_postfix=lambda **kw: None),
+            print,
+        )
+    assert written == []
+
+
+# -m slow (suite time, a 25 s example run): the default run's cover is the layer's overflow
+# count (test_receive_buffer_overflow_is_counted) and the loop's refusal (just above).
+@pytest.mark.slow
 def test_example_stops_at_a_step_overflowing_the_receive_buffers(pretrain, capsys, tmp_path):
     """EP 4, buffers of T k rows (the mean): a random router overflows them in the first
     step; the run stops with one line naming the flag, before the step is saved."""
