@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +114,14 @@ def receive_rows(tokens_k: int, ep: int, buffer_factor: float | None) -> int:
 
 
 def _ragged_exchange_via(
-    all_to_all, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
-):
+    all_to_all: Callable[[jax.Array], jax.Array],
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+) -> jax.Array:
     """:func:`jax.lax.ragged_all_to_all`'s result from ``all_to_all`` (dim 0, tiled) of
     worst-case ``[EP, n, ...]`` buffers: ``n`` = the operand's rows or the output's,
     whichever is fewer (what one peer sends another fits both)."""
@@ -190,9 +197,16 @@ class _Exchange:
         return jax.lax.all_to_all(buf, self.expert_axis, 0, 0, tiled=True)
 
     def ragged_exchange(
-        self, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
-    ):
-        """:func:`ragged_all_to_all` over the expert ranks (a local copy with one)."""
+        self,
+        operand: jax.Array,
+        output: jax.Array,
+        input_offsets: jax.Array,
+        send_sizes: jax.Array,
+        output_offsets: jax.Array,
+        recv_sizes: jax.Array,
+    ) -> jax.Array:
+        """:func:`ragged_all_to_all` over the expert ranks (a local copy with one):
+        ``operand [N, H]`` into ``output [M, H]``, the four int32 ``[EP]`` arrays as there."""
         args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
         if self.expert_axis is None:
             return _ragged_exchange_via(lambda a: a, *args)
