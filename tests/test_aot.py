@@ -980,6 +980,9 @@ def test_llama3_8b_on_8_h100_fits_in_place():
     assert row["fused_calls"] > 0 and row["fused_aliased"] == row["fused_calls"]
     assert row["wgrad_aliased"] == row["wgrad_calls"] > 0
     assert row["loop_bucket_ops"] == []  # no bucket-sized kernel or copy in any tick
+    # the cooldown's fp32 buckets go into their reduce-scatters unscaled (the 1/dp is in
+    # the shard-sized token scaling): only the shard write-backs are bucket-sized there
+    assert not [op for op in row["cooldown_bucket_ops"] if "multiply" in op], row
     assert row["launches_per_microbatch"] > 0 and row["non_gemm_bytes_per_microbatch"] > 0
     got, megatron = row["bytes_per_param"], row["megatron_bytes_per_param"]
     assert megatron == {"params": 2, "grads": 4, "optimizer": 6, "total": 12}  # DP 2

@@ -327,3 +327,13 @@ def test_hlo_one_collective_per_bucket_in_cooldown_or_after(dist, op, overlap):
     # No per-parameter collectives: over `data`, only the buckets (and 0-d scalars: loss,
     # token count, norm pieces, which are not 1-D arrays and not counted here).
     assert sorted(over_data(in_loop + outside)) == sorted(stage + shared)
+    # The fp32 buckets go into their collectives unscaled: the 1/dp is folded into the
+    # shard-sized token scaling (grads/finalize.py), never a pass over a whole bucket.
+    whole = "|".join(str(n) for n in set(layout.buffer.bucket_numels))
+    scaled = [
+        line
+        for line in in_loop + outside
+        if re.search(rf"= f32\[({whole})\]\S* multiply\(", line)
+        and re.search(r"grad_sync_in_cooldown|data_parallel_sync", line)
+    ]
+    assert scaled == [], scaled

@@ -23,14 +23,18 @@ class DDPConfig:
     """Shard fp32 master weights and optimizer state over ``data``: buckets are
     reduce-scattered, each rank updates its shard, parameters are all-gathered."""
     overlap_grad_reduce: bool = False
-    """Sync a pipeline stage's gradient buckets in the cooldown, as soon as the stage's
-    last backward is done (inside the schedule); otherwise after the schedule."""
+    """Sync a pipeline stage's gradient buckets in the cooldown, in the tick after the
+    stage's last backward (inside the schedule, while the stages before it still run
+    theirs); otherwise after the schedule."""
     bucket_size: int | None = None
     """Approximate elements per bucket. As in Megatron: ``None`` means
     ``max(40_000_000, 1_000_000 * dp)`` with ``overlap_grad_reduce`` and is ignored (one
     bucket per buffer) without it; see :meth:`effective_bucket_size`."""
     average_in_collective: bool = False
-    """Average in the collective (divide after the sum) instead of pre-scaling by 1/dp."""
+    """Average in the collective (divide after the sum) instead of pre-scaling by 1/dp.
+    fp32 buckets (the default grad dtype) are always divided after the sum: their 1/dp is
+    folded into the token scaling (:mod:`jax_wgrad.grads.finalize`, step 1), so this
+    decides for 16-bit buckets."""
     pad_buckets_for_high_nccl_busbw: bool = False
     """Pad bucket ends to a multiple of ``lcm(dp, 128, 2**16)`` (distributed optimizer)."""
     clip_grad: float = 1.0
