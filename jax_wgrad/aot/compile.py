@@ -437,19 +437,19 @@ def _per_microbatch(
 def table_busy(table) -> Callable[[str, int, int], bool]:
     """``busy(task, tick, stage)``: whether the schedule ``table`` runs the task named by
     its scope (:data:`~jax_wgrad.aot.hlo.TASK_SCOPES`) in that tick on that stage (the
-    cooldown sync: in the stage's last gradient tick; a conditional of no task: always)."""
+    cooldown sync: in the stage's ``table.sync_tick``; a conditional of no task: always)."""
     rows = {
         "forward": np.asarray(table.forward),
         "backward": np.asarray(table.backward),
         "weight_gradients": np.asarray(table.weight),
     }
-    last = [table.last_grad_tick(s) for s in range(table.num_stages)]
+    sync = [table.sync_tick(s) for s in range(table.num_stages)]
 
     def busy(key: str, t: int, s: int) -> bool:
         if key in rows:
             return bool(rows[key][t, s] >= 0)
         if key == "grad_sync_in_cooldown":
-            return t == last[s]
+            return t == sync[s]
         return True
 
     return busy

@@ -6,7 +6,7 @@ parameter path it is looking at.
 
 **Chunks** are separately planned groups of buckets (Megatron keeps one buffer per model
 chunk): :data:`STAGE` holds a pipeline stage's own layers (synced over ``data`` in the
-cooldown as soon as the stage's last backward is done), :data:`EXPERTS` the stage's expert
+cooldown once the stage's last backward is done), :data:`EXPERTS` the stage's expert
 weights of its MoE layers (Megatron's expert-parallel buffers: synced like the stage chunk,
 but over the expert-data-parallel ranks with Megatron's expert scaling; empty for a dense
 model), :data:`SHARED` the parameters every pipeline stage holds a replica of (embedding,

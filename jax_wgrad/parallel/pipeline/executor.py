@@ -138,7 +138,8 @@ class ScheduleRun:
       ends: the pipeline's ends (:func:`~.ends.pipeline_ends`).
       syncs_in_cooldown: each stage syncs its buckets after its last gradient task
         (:func:`cooldown_sync`).
-      last_grad_tick: ``int32 [P]``, per stage the tick of its last ``B`` / ``W``.
+      sync_tick: ``int32 [P]``, per stage the tick of its cooldown sync
+        (:meth:`~.schedules.ScheduleTable.sync_tick`).
       residual_slot: ``int32 [P, V, M]``, where a microbatch's residuals wait from its
         ``F`` to its ``B``; weight_pair_slot: likewise from its ``F`` to its ``W`` (split
         backward only, else ``None``).
@@ -188,7 +189,7 @@ class ScheduleRun:
             zero_activation=setup.zero_activation(),
         )
         self.syncs_in_cooldown = cooldown_sync(ddp, ctx.num_stages)
-        self.last_grad_tick = jnp.asarray([table.last_grad_tick(s) for s in range(ctx.num_stages)])
+        self.sync_tick = jnp.asarray([table.sync_tick(s) for s in range(ctx.num_stages)])
         self.residual_slot = jnp.asarray(table.slot_map("F", "B"))
         self.weight_pair_slot = (
             jnp.asarray(table.slot_map("F", "W")) if ctx.split_backward else None
@@ -304,7 +305,9 @@ class ScheduleRun:
         return carry.replace(activation_inbox=activation_inbox, gradient_inbox=gradient_inbox)
 
     def cooldown(self, grads: GradState, tick) -> GradState:
-        """This stage's last gradient task is done: sync its buckets now (in the loop)."""
+        """This stage's gradients are complete: sync its buckets in its sync tick (in the
+        loop; the tick after its last gradient task,
+        :meth:`~.schedules.ScheduleTable.sync_tick`)."""
         with jax.named_scope("grad_sync_in_cooldown"):
 
             def sync(own):
@@ -314,7 +317,7 @@ class ScheduleRun:
                 )
 
             stage, experts = lax.cond(
-                tick == self.last_grad_tick[self.context.stage],
+                tick == self.sync_tick[self.context.stage],
                 sync,
                 lambda own: own,
                 (grads.stage, grads.experts),

@@ -145,6 +145,14 @@ class ScheduleTable:
             int(self.ticks(task, stage, v).max()) for task in tasks for v in range(self.num_chunks)
         )
 
+    def sync_tick(self, stage: int) -> int:
+        """Tick of ``stage``'s cooldown sync (its buckets' data-parallel collectives): the
+        tick after its :meth:`last_grad_tick`, in which the stage has no task left while
+        the stages before it still run backwards, so its collectives take no time of its
+        own from the schedule; the last gradient tick itself when that is the schedule's
+        last tick (nothing runs after it: the first stage under 1F1B)."""
+        return min(self.last_grad_tick(stage) + 1, self.num_ticks - 1)
+
     def _live(self, stage: int, start: Task, end: Task, chunk: int) -> np.ndarray:
         """``[num_ticks]``: microbatches of ``(stage, chunk)`` between ``start`` and
         ``end`` (both ticks included)."""
