@@ -122,6 +122,25 @@ LAYOUTS: tuple[Layout, ...] = (
         "TP2 PP2 DP2, seq 4096, no recompute, output-layer wgrad deferred",
     ),
     Layout(
+        "llama3-8b-tp2pp2dp2-s4k-paired",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2)
+        + _seq(4096, 16)
+        + ("--overlap-grad-reduce", "--defer-embedding-wgrad-compute")
+        + ("--pipeline-schedule", "1f1b-paired"),
+        "the first row with paired 1F1B ticks (a backward and a forward per tick)",
+    ),
+    Layout(
+        "llama3-8b-tp2pp2dp2-s4k-gb64-paired",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2)
+        + _seq(4096, 64)
+        + ("--overlap-grad-reduce", "--pipeline-schedule", "1f1b-paired"),
+        "TP2 PP2 DP2, seq 4096, global batch 64, no recompute, paired 1F1B ticks",
+    ),
+    Layout(
         "llama3-8b-tp2pp2dp2-s4k-full",
         "llama3-8b",
         8,

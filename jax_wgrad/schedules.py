@@ -28,7 +28,12 @@ import argparse
 import json
 import sys
 
-from jax_wgrad.parallel.pipeline.schedules import SCHEDULES, ScheduleTable, get_schedule
+from jax_wgrad.parallel.pipeline.schedules import (
+    INTERLEAVED_FORMS,
+    SCHEDULES,
+    ScheduleTable,
+    get_schedule,
+)
 
 __all__ = ["summary", "plot_timeline", "main"]
 
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--compare",
         action="store_true",
-        help="1F1B, ZB-H1 and (V > 1) their interleaved forms side by side",
+        help="every schedule and (V > 1) the interleaved forms side by side",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-stage timeline")
@@ -165,7 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
     runs = [(args.schedule, args.virtual_stages)]
     if args.compare:
-        runs = [(n, v) for v in sorted({1, args.virtual_stages}) for n in sorted(SCHEDULES)]
+        runs = [
+            (n, v)
+            for v in sorted({1, args.virtual_stages})
+            for n in sorted(SCHEDULES if v == 1 else INTERLEAVED_FORMS)
+        ]
     rows = []
     for name, v in runs:
         try:

@@ -22,7 +22,7 @@ from jax_wgrad import (
     pipeline_gradients,
 )
 from jax_wgrad.models.gpt import validate
-from jax_wgrad.parallel.pipeline import IDLE, ScheduleTable, one_f_one_b
+from jax_wgrad.parallel.pipeline import IDLE, ScheduleTable, get_schedule, one_f_one_b
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -542,6 +542,22 @@ def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recomp
         *_check_gradients(
             dp, tp, pp, sp=sp, fusion=True, m=m, tied=tied, schedule=schedule, recompute=recompute
         )
+    )
+
+
+@pytest.mark.parametrize(
+    "dp, tp, pp, sp, m",
+    [(2, 2, 2, True, 5), pytest.param(1, 1, 4, False, 8, marks=pytest.mark.slow)],
+    ids=str,
+)
+def test_paired_1f1b_equals_single_device_jax_grad(dp, tp, pp, sp, m):
+    """1F1B with paired ticks: a stage runs a B and an F in the same tick (its slots and
+    inboxes as the table says), the gradients those of plain jax.grad."""
+    table = get_schedule("1f1b-paired", pp, m)
+    both = (table.forward != IDLE) & (table.backward != IDLE)
+    assert both.any(axis=0).all()  # every stage pairs a B with an F (M >= 2P - 1)
+    _assert_equal_grads(
+        *_check_gradients(dp, tp, pp, sp=sp, fusion=True, m=m, schedule="1f1b-paired")
     )
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jax_wgrad import schedules as sim
+from jax_wgrad.parallel import ParallelConfig
 from jax_wgrad.parallel.pipeline import IDLE, ScheduleTable, one_f_one_b
 from jax_wgrad.parallel.pipeline.schedules import get_schedule, zb_h1
 
@@ -126,6 +127,36 @@ def test_a_stage_syncs_in_the_tick_after_its_last_gradient_task(make, p, m):
     # 1F1B: the last stage finishes first; the first stage's last B ends the schedule
     if make is one_f_one_b and (p, m) == (4, 8):
         assert [t.sync_tick(s) for s in range(4)] == [21, 21, 20, 19]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32])
+def test_paired_1f1b_reaches_the_bubble_bound_with_twice_the_slots(p, m):
+    """1f1b-paired: a B and an F share a tick, so under lock step its makespan is
+    1F1B's bubble-bounded ideal (M + P - 1) (F + B) -- 1F1B's own is longer whenever
+    P > 1 and M > 1 -- for at most 2 (P - s) microbatches in flight on stage s."""
+    paired, plain = get_schedule("1f1b-paired", p, m), one_f_one_b(p, m)
+    f, b = 1.0, 2.0  # a backward (input and weight gradients) costs twice a forward
+    assert paired.makespan(f, b / 2, b / 2) == (m + p - 1) * (f + b)
+    assert paired.makespan(f, b / 2, b / 2) <= plain.makespan(f, b / 2, b / 2)
+    if p > 1 and m > 1:
+        assert paired.makespan(f, b / 2, b / 2) < plain.makespan(f, b / 2, b / 2)
+    assert all(paired.in_flight(s) <= 2 * (p - s) for s in range(p))
+    assert [plain.in_flight(s) for s in range(p)] == [min(p - s, m) for s in range(p)]
+
+
+def test_paired_1f1b_has_no_interleaved_form():
+    with pytest.raises(ValueError, match="'1f1b-paired' has no interleaved form"):
+        get_schedule("1f1b-paired", 2, 4, num_chunks=2)
+    with pytest.raises(ValueError, match="'1f1b-paired' has no interleaved form"):
+        ParallelConfig(
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            pipeline_schedule="1f1b-paired",
+            global_batch_size=4,
+            micro_batch_size=1,
+            world_size=2,
+        )
 
 
 def test_table_validation_of_w_tasks():

@@ -7,7 +7,7 @@ import warnings
 from typing import Literal
 
 from jax_wgrad._validation import check_positive, check_recompute
-from jax_wgrad.parallel.pipeline.schedules import SCHEDULES
+from jax_wgrad.parallel.pipeline.schedules import INTERLEAVED_FORMS, SCHEDULES
 
 __all__ = ["ParallelConfig"]
 
@@ -57,11 +57,15 @@ class ParallelConfig:
     """``stash``: keep ``(x, dy)`` per deferred microbatch (Megatron; ``dy`` is
     ``[T, V/tp]``). ``recompute``: keep ``(x, logsumexp, labels)`` and rebuild ``dy``
     chunk by chunk in the drain (``O(T H)`` instead of ``O(T V/tp)``; one extra GEMM)."""
-    pipeline_schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    pipeline_schedule: Literal["1f1b", "1f1b-paired", "zb-h1"] = "1f1b"
     """The pipeline schedule (:data:`jax_wgrad.parallel.pipeline.SCHEDULES`): ``1f1b``
-    (Megatron's; stage ``s`` holds at most ``P - s`` microbatches) or ``zb-h1`` (zero
-    bubble: backward split into input- and weight-gradient tasks, the weight-gradient
-    GEMMs filling the bubbles; needs gradient accumulation fusion)."""
+    (Megatron's; stage ``s`` holds at most ``P - s`` microbatches), ``1f1b-paired`` (the
+    same order, a stage running a backward and a forward in the same lock-step tick: in
+    the steady state every tick is one of each on every stage, the makespan 1F1B's ideal
+    ``(M + P - 1) (F + B)``, for up to ``2 (P - s)`` microbatches in flight; no
+    interleaved form) or ``zb-h1`` (zero bubble: backward split into input- and
+    weight-gradient tasks, the weight-gradient GEMMs filling the bubbles; needs gradient
+    accumulation fusion)."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Megatron's interleaved schedule: model chunks per pipeline stage (``V``; ``None``: 1,
     no interleaving). Stage ``s`` holds virtual stages ``s, P + s, ..., (V - 1) P + s`` of
@@ -202,6 +206,12 @@ class ParallelConfig:
             return
         check_positive("virtual_pipeline_model_parallel_size", v)
         p, m = self.pipeline_model_parallel_size, self.num_microbatches
+        if v > 1 and self.pipeline_schedule not in INTERLEAVED_FORMS:
+            raise ValueError(
+                f"pipeline_schedule {self.pipeline_schedule!r} has no interleaved form; "
+                f"with virtual_pipeline_model_parallel_size ({v}) use one of "
+                f"{list(INTERLEAVED_FORMS)}"
+            )
         if v > 1 and p == 1:  # Megatron's rule (arguments.py), naming the fields
             raise ValueError(
                 f"virtual_pipeline_model_parallel_size ({v}) asks for the "
