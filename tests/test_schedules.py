@@ -113,10 +113,10 @@ def test_zb_h1_splits_every_backward_and_keeps_1f1b_order():
         assert z.last_grad_tick(s) == z.ticks("W", s).max()
 
 
-@pytest.mark.parametrize("make", [one_f_one_b, zb_h1])
+@pytest.mark.parametrize("name", ["1f1b", "1f1b-paired", "zb-h1"])
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 3)])
-def test_a_stage_syncs_in_the_tick_after_its_last_gradient_task(make, p, m):
-    t = make(p, m)
+def test_a_stage_syncs_in_the_tick_after_its_last_gradient_task(name, p, m):
+    t = get_schedule(name, p, m)
     tasks = [np.asarray(t.forward), np.asarray(t.backward), np.asarray(t.weight)]
     for s in range(p):
         last, sync = t.last_grad_tick(s), t.sync_tick(s)
@@ -125,7 +125,7 @@ def test_a_stage_syncs_in_the_tick_after_its_last_gradient_task(make, p, m):
         else:  # a tick in which the stage has no task of its own left
             assert sync == last + 1 and all(c[sync, s] == IDLE for c in tasks)
     # 1F1B: the last stage finishes first; the first stage's last B ends the schedule
-    if make is one_f_one_b and (p, m) == (4, 8):
+    if name == "1f1b" and (p, m) == (4, 8):
         assert [t.sync_tick(s) for s in range(4)] == [21, 21, 20, 19]
 
 
