@@ -552,13 +552,25 @@ def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recomp
 )
 def test_paired_1f1b_equals_single_device_jax_grad(dp, tp, pp, sp, m):
     """1F1B with paired ticks: a stage runs a B and an F in the same tick (its slots and
-    inboxes as the table says), the gradients those of plain jax.grad."""
+    inboxes as the table says), with the output-layer deferral and the cooldown sync (in
+    the tick after each stage's last B), the gradients those of plain jax.grad."""
+    from jax_wgrad import DDPConfig
+
     table = get_schedule("1f1b-paired", pp, m)
     both = (table.forward != IDLE) & (table.backward != IDLE)
     assert both.any(axis=0).all()  # every stage pairs a B with an F (M >= 2P - 1)
-    _assert_equal_grads(
-        *_check_gradients(dp, tp, pp, sp=sp, fusion=True, m=m, schedule="1f1b-paired")
+    out = _check_gradients(
+        dp,
+        tp,
+        pp,
+        sp=sp,
+        fusion=True,
+        m=m,
+        schedule="1f1b-paired",
+        defer_embedding_wgrad_compute=True,
+        ddp=DDPConfig(overlap_grad_reduce=True),
     )
+    _assert_equal_grads(*out)
 
 
 # --------------------------------------------------------------------------- interleaved
