@@ -361,7 +361,7 @@ def list_schedule(
     done = {k: np.full((p, m), -1, np.int64) for k in "FBW"}
     count = {k: [0] * p for k in "FBW"}
     release = "W" if split_backward else "B"
-    rows: list[list[tuple[str, int] | None]] = []
+    rows: list[list[list[tuple[str, int]]]] = []  # per tick, per stage: its tasks
     t = 0
     while min(count[release]) < m:
         row: list[list[tuple[str, int]]] = []
