@@ -56,10 +56,11 @@ Buckets = tuple[jax.Array, ...]
 
 
 def sync_chunk(buckets: Buckets, ddp: DDPConfig, chunk: str) -> Buckets:
-    """The data-parallel sync of one chunk's buckets over its group (:data:`SYNC_AXES`),
-    with Megatron's scaling: ``1/dp`` before the collective, or with
-    ``average_in_collective`` 1 for dense and ``edp/dp`` for expert buckets, then divided by
-    the group size after it (``ReduceOp.AVG``)."""
+    """The data-parallel sync of one chunk's buckets over its group (:data:`SYNC_AXES`).
+    16-bit buckets (:func:`prescaled`) get Megatron's scaling: ``1/dp`` before the
+    collective, or with ``average_in_collective`` 1 for dense and ``edp/dp`` for expert
+    buckets, then divided by the group size after it (``ReduceOp.AVG``); fp32 buckets are
+    reduced unscaled (their ``1/dp`` is in :func:`finalize_grads`' token scaling)."""
     axis = SYNC_AXES[chunk]
     factor = None
     if chunk == EXPERTS:
