@@ -22,6 +22,7 @@ FOUNDATION = (
     "jax_wgrad._cuda_probe",
     "jax_wgrad.parallel.mesh",
     "jax_wgrad.parallel.config",
+    "jax_wgrad.parallel.control",
     "jax_wgrad.parallel.pipeline.schedules",
     "jax_wgrad.parallel.pipeline.interleaved",
     "jax_wgrad.parallel.pipeline.setup",

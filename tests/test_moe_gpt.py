@@ -579,22 +579,26 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
     comps = computations(hlo)
     entry = entry_name(hlo)
     bucket = f"f32[{expert_numel}]"
-    (loop,) = [
+    # The loops that carry the bucket: the schedule's loop over ticks, with the layers'
+    # loops inside (one microbatch here is one tick, and XLA drops a loop of one iteration:
+    # then the layer loops are the program's own).
+    tops = [
         (line, body)
         for line, body in while_bodies(comps, entry)
         if bucket in line.split(" while(")[0]
     ]
-    inside = reachable(comps, loop[1])
     # fc1 and fc2 of every MoE layer, one call each: the layers run as one scan, so each
     # expert linear's call is in the layer loop's body, at the layer's traced offset.
     (layer_loop,) = [
         (line, body)
-        for n in inside
+        for n in {entry} | {c for _, body in tops for c in reachable(comps, body)}
         for line, body in while_bodies(comps, n)
         if bucket in line.split(" while(")[0]
         and re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
         and "/backward/" in line
     ]
+    # The loop the bucket's reduce-scatter waits for: the one holding the layer loop.
+    (loop,) = [t for t in tops if t == layer_loop or layer_loop[1] in reachable(comps, t[1])]
     assert re.search(r'"known_trip_count":\{"n":"(\d+)"', layer_loop[0]).group(1) == str(
         cfg.num_layers
     )

@@ -33,15 +33,16 @@ pytestmark = [
 MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
 
 
-def _step(schedule, recompute, m=2, dp=2):
+def _step(schedule, recompute, m=2, dp=2, pp=4, **options):
     par = ParallelConfig(
-        pipeline_model_parallel_size=4,
+        pipeline_model_parallel_size=pp,
         micro_batch_size=2,
         global_batch_size=2 * dp * m,
         gradient_accumulation_fusion=True,
         pipeline_schedule=schedule,
         recompute_granularity=recompute,
         **(dict(recompute_method="uniform", recompute_num_layers=1) if recompute == "full" else {}),
+        **options,
     )
     mesh = make_mesh(par)
     plan = TrainPlan.create(MODEL, par, mesh, default_optimizer(1e-3))
@@ -130,3 +131,22 @@ def test_temp_memory_independent_of_microbatches(schedule):
     small = _step(schedule, None, m=4, dp=2).memory_analysis().temp_size_in_bytes
     large = _step(schedule, None, m=32, dp=2).memory_analysis().temp_size_in_bytes
     assert large <= 1.25 * small, (small, large)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        "1f1b",
+        pytest.param("1f1b-paired", marks=pytest.mark.slow),
+        pytest.param("zb-h1", marks=pytest.mark.slow),
+    ],
+)
+def test_one_stage_step_has_no_conditional(schedule):
+    """With one stage the table runs every task in every tick and "first"/"last stage" are
+    static: no conditional is left for XLA:GPU to run on the host (a host sync each)."""
+    options = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    one = _step(schedule, None, m=3, dp=4, pp=1, **options).as_text()
+    assert " conditional(" not in one
+    # Two stages idle in some ticks: their tasks stay conditional.
+    two = _step(schedule, None, m=3, dp=2, pp=2, **options).as_text()
+    assert two.count(" conditional(") >= 2

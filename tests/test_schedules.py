@@ -167,3 +167,16 @@ def test_table_validation_of_w_tasks():
     with pytest.raises(ValueError, match="runs W before B"):
         ScheduleTable("x", f, b, np.array([[0], [IDLE], [1], [IDLE]]), split_backward=True)
     ScheduleTable("x", f, b, np.array([[IDLE], [0], [IDLE], [1]]), split_backward=True)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "1f1b-paired", "zb-h1"])
+def test_one_stage_runs_every_task_of_a_microbatch_in_its_tick(name):
+    """No pipeline, no lock step: tick m runs F(m), B(m) (and W(m)); no task is ever idle,
+    so the executor needs no conditional."""
+    t = get_schedule(name, 1, 5)
+    assert t.num_ticks == 5 and t.in_flight(0) == 1
+    assert t.forward[:, 0].tolist() == t.backward[:, 0].tolist() == list(range(5))
+    assert t.always_busy("F") and t.always_busy("B")
+    assert t.always_busy("W") == t.split_backward == (name == "zb-h1")
+    assert t.makespan(1, 2, 1) == 5 * (1 + 2 + 1)
+    assert not any(get_schedule(name, 2, 5).always_busy(k) for k in "FBW")

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad import ops
+from jax_wgrad.parallel import control
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import TENSOR
 
@@ -95,7 +96,7 @@ def drain(
     offset: int,
     recompute: Callable[[jax.Array, tuple], jax.Array] | None = None,
     *,
-    active=None,
+    active: control.Predicate | None = None,
     axis_name: str = TENSOR,
 ) -> jax.Array:
     """Accumulates every stashed microbatch's ``dy^T x`` into the output layer's block
@@ -107,15 +108,16 @@ def drain(
     to the same tokens (the model's rebuild of the output gradient, e.g.
     :func:`jax_wgrad.functional.cross_entropy.recompute_dy`).
 
-    ``active`` (traced bool, e.g. "this is the last stage"): only where it is true are the
-    GEMMs computed. Without sequence parallelism the whole drain is one ``lax.cond``. With
+    ``active`` (traced bool, e.g. "this is the last stage", or a Python bool, static:
+    :func:`jax_wgrad.parallel.control.cond`): only where it is true are the GEMMs
+    computed. Without sequence parallelism the whole drain is one ``lax.cond``. With
     it, the ring's permutes run on EVERY device and only the GEMMs are conditional: the
     XLA:CPU collective-permute is one rendezvous of all devices of the program (its pairs
     span all groups), so a permute inside a branch that other pipeline stages skip hangs.
     Non-last stages hold a zero stash, so they forward zeros.
     """
     if active is None:
-        active = jnp.bool_(True)
+        active = True
     tp, sp = par.tensor_model_parallel_size, par.sequence_parallel
     if (par.defer_mode == "recompute") != (recompute is not None):
         raise ValueError(
@@ -146,7 +148,7 @@ def drain(
                 # depend on this transfer, only the next step's does.
                 nxt = ring_shift(cur, tp, axis_name) if k < tp - 1 else None
                 src = (rank - k) % tp  # the rank this chunk's tokens belong to
-                bk = lax.cond(
+                bk = control.cond(
                     active,
                     lambda bk, cur=cur, src=src: ops.wgrad_accumulate(
                         cur, dy_of(item, cur, src * chunk, chunk), bk, offset=offset
@@ -158,6 +160,6 @@ def drain(
         return bk, None
 
     if not sp:
-        return lax.cond(active, lambda bk: lax.scan(one, bk, stash)[0], lambda bk: bk, bucket)
+        return control.cond(active, lambda bk: lax.scan(one, bk, stash)[0], lambda bk: bk, bucket)
     bucket, _ = lax.scan(one, bucket, stash)
     return bucket

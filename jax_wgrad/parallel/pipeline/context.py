@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
+from jax_wgrad.parallel.control import Predicate
 from jax_wgrad.parallel.pipeline.transfer import inbox_index
 
 __all__ = ["StageContext", "TickRows"]
@@ -58,8 +59,10 @@ class StageContext:
         differentiated programs (the fused linears add their blocks in place).
       activation_inbox_depth, gradient_inbox_depth: slots per model chunk of the two
         inboxes (:meth:`~.schedules.ScheduleTable.inbox_depth` of ``F`` and ``B``).
-      stage: this device's pipeline stage (traced ``int32``); is_first_stage,
-        is_last_stage: whether it is stage ``0`` / ``P - 1`` (traced ``bool``).
+      stage: this device's pipeline stage (traced ``int32``; ``0`` when ``P == 1``);
+        is_first_stage, is_last_stage: whether it is stage ``0`` / ``P - 1`` (traced
+        ``bool``; Python ``True`` when ``P == 1``: branches on them are then no
+        conditionals, :func:`jax_wgrad.parallel.control.cond`).
       params: this device's parameters (the device tree).
       microbatches: ``[M, mb, ...]`` this data rank's batch by microbatch.
       zero_activation: ``[mb, s(/tp), H]`` zeros (what an idle task sends).
@@ -73,8 +76,8 @@ class StageContext:
     activation_inbox_depth: int
     gradient_inbox_depth: int
     stage: jax.Array
-    is_first_stage: jax.Array
-    is_last_stage: jax.Array
+    is_first_stage: Predicate
+    is_last_stage: Predicate
     params: DeviceTree
     microbatches: jax.Array
     zero_activation: jax.Array
@@ -93,12 +96,18 @@ class StageContext:
         """The layers of model chunk ``chunk`` (``None``: one chunk, all of them)."""
         return Window(chunk, self.num_chunks) if self.num_chunks > 1 else None
 
-    def is_first_virtual_stage(self, chunk) -> jax.Array:
-        """This device runs the first virtual stage on ``chunk`` (``pre``'s consumer)."""
+    def is_first_virtual_stage(self, chunk) -> Predicate:
+        """This device runs the first virtual stage on ``chunk`` (``pre``'s consumer);
+        static (a Python bool) with one stage and one chunk."""
+        if self.num_chunks == 1:
+            return self.is_first_stage
         return self.is_first_stage & (chunk == 0)
 
-    def is_last_virtual_stage(self, chunk) -> jax.Array:
-        """This device runs the last virtual stage on ``chunk`` (``post``'s producer)."""
+    def is_last_virtual_stage(self, chunk) -> Predicate:
+        """This device runs the last virtual stage on ``chunk`` (``post``'s producer);
+        static (a Python bool) with one stage and one chunk."""
+        if self.num_chunks == 1:
+            return self.is_last_stage
         return self.is_last_stage & (chunk == self.num_chunks - 1)
 
     def activation_slot(self, chunk, microbatch):

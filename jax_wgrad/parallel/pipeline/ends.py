@@ -46,7 +46,8 @@ from jax import lax
 from jax_wgrad.grads.chunks import GradState
 from jax_wgrad.grads.sink import GradSink, SinkEntry
 from jax_wgrad.grads.spec import INPUT, OUTPUT
-from jax_wgrad.parallel import deferred
+from jax_wgrad.parallel import control, deferred
+from jax_wgrad.parallel.control import Predicate
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WeightPairs, zeros_of
 from jax_wgrad.parallel.pipeline.context import StageContext, TickRows
 from jax_wgrad.parallel.pipeline.program import StageProgram
@@ -195,7 +196,7 @@ class PipelineEnds(abc.ABC):
             return carry.grads.replace(**{entry.chunk: tuple(buckets)})
 
     @abc.abstractmethod
-    def _drain_active(self) -> jax.Array | None:
+    def _drain_active(self) -> Predicate | None:
         """Where the drain's GEMMs run (``None``: every stage)."""
 
     # ------------------------------------------------------------------ the programs
@@ -325,7 +326,7 @@ class StageEnds(PipelineEnds):
     def after_forward_task(self, carry, microbatch, chunk, y, batch) -> PipelineCarry:
         """The last virtual stage: the loss and the head's backward now; its gradient for
         the layers' output waits in the gradient inbox for this stage's ``B``."""
-        return lax.cond(
+        return control.cond(
             self.context.is_last_virtual_stage(chunk),
             functools.partial(self._post_and_backward, y=y, batch=batch, microbatch=microbatch),
             lambda carry: carry,
@@ -337,7 +338,7 @@ class StageEnds(PipelineEnds):
 
     def after_backward_task(self, grads, microbatch, chunk, dx) -> GradState:
         """The first virtual stage: ``pre``'s backward."""
-        return lax.cond(
+        return control.cond(
             self.context.is_first_virtual_stage(chunk),
             lambda g: self._pre_backward(g, dx, self.context.batch(microbatch)),
             lambda g: g,
@@ -365,9 +366,9 @@ class StageEnds(PipelineEnds):
                     grads = accumulate(grads)
             return grads
 
-        return lax.cond(self.context.is_last_virtual_stage(chunk), output, lambda g: g, grads)
+        return control.cond(self.context.is_last_virtual_stage(chunk), output, lambda g: g, grads)
 
-    def _drain_active(self) -> jax.Array:
+    def _drain_active(self) -> Predicate:
         return self.context.is_last_stage
 
     def _output_pair_now(self, carry, entry, x, dy, microbatch):

@@ -6,7 +6,8 @@ and no model: it runs a :class:`~jax_wgrad.parallel.pipeline.program.StageProgra
 (``pre`` on the first stage, ``body`` everywhere, ``post`` on the last) and asks a
 :class:`~jax_wgrad.grads.sink.GradSink` where every weight gradient goes. Per tick a
 stage runs the ``F``, ``B`` and ``W`` task the table names for it (``lax.cond`` skips an
-idle one), optionally syncs its gradient buckets in the cooldown, and exchanges
+idle one; a task the table never leaves idle, :meth:`~.schedules.ScheduleTable.always_busy`,
+runs without one), optionally syncs its gradient buckets in the cooldown, and exchanges
 activations and gradients with its neighbours (:mod:`.transfer`).
 
 * **F** of microbatch ``f``: the stage input (``pre`` of its batch on the first stage,
@@ -65,6 +66,7 @@ from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import sync_stage_buckets
 from jax_wgrad.grads.sink import GradSink
 from jax_wgrad.grads.spec import EXPERTS, LAYERS, STAGE
+from jax_wgrad.parallel import control
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WeightPairs, zeros_of
 from jax_wgrad.parallel.pipeline.context import StageContext, TickRows
 from jax_wgrad.parallel.pipeline.ends import EndsTick, PipelineEnds, pipeline_ends
@@ -182,8 +184,8 @@ class ScheduleRun:
             activation_inbox_depth=table.inbox_depth("F"),
             gradient_inbox_depth=table.inbox_depth("B"),
             stage=stage,
-            is_first_stage=stage == 0,
-            is_last_stage=stage == setup.num_stages - 1,
+            is_first_stage=True if setup.num_stages == 1 else stage == 0,
+            is_last_stage=True if setup.num_stages == 1 else stage == setup.num_stages - 1,
             params=params,
             microbatches=setup.microbatches(batch, "stage_gradients"),
             zero_activation=setup.zero_activation(),
@@ -273,15 +275,22 @@ class ScheduleRun:
         f_chunk, b_chunk = here(rows.forward_chunk), here(rows.backward_chunk)
         w_chunk = here(rows.weight_chunk)
         ends = self.ends.begin_tick(rows)
+        runs = lambda task, microbatch: self.table.always_busy(task) or microbatch >= 0
         with jax.named_scope("forward"):
-            carry, y = lax.cond(f >= 0, self.forward, self._no_forward, carry, f, f_chunk, ends)
+            carry, y = control.cond(
+                runs("F", f), self.forward, self._no_forward, carry, f, f_chunk, ends
+            )
         carry = self.ends.after_forward_tick(carry, ends, y)
         with jax.named_scope("backward"):
-            carry, dx = lax.cond(b >= 0, self.backward, self._no_backward, carry, b, b_chunk)
+            carry, dx = control.cond(
+                runs("B", b), self.backward, self._no_backward, carry, b, b_chunk
+            )
         carry = self.ends.after_backward_tick(carry, ends, dx)
         if ctx.split_backward:
             with jax.named_scope("weight_gradients"):
-                carry = lax.cond(w >= 0, self.weight, lambda c, w, v: c, carry, w, w_chunk)
+                carry = control.cond(
+                    runs("W", w), self.weight, lambda c, w, v: c, carry, w, w_chunk
+                )
         if self.syncs_in_cooldown:
             carry = carry.replace(grads=self.cooldown(carry.grads, rows.tick))
         return self.exchange(carry, y, dx, rows), None
@@ -335,7 +344,7 @@ class ScheduleRun:
         received = lax.dynamic_index_in_dim(
             carry.activation_inbox, ctx.activation_slot(chunk, microbatch), 0, keepdims=False
         )
-        x = lax.cond(
+        x = control.cond(
             ctx.is_first_virtual_stage(chunk),
             lambda: self.ends.first_stage_input(ends, batch),
             lambda: received,

@@ -49,6 +49,7 @@ __all__ = [
     "IDLE",
     "ScheduleTable",
     "list_schedule",
+    "single_stage",
     "source_of",
     "one_f_one_b",
     "one_f_one_b_paired",
@@ -156,6 +157,11 @@ class ScheduleTable:
         return max(
             int(self.ticks(task, stage, v).max()) for task in tasks for v in range(self.num_chunks)
         )
+
+    def always_busy(self, task: Task) -> bool:
+        """Every stage runs ``task`` in every tick (one stage, :func:`single_stage`): the
+        executor calls it without a conditional."""
+        return bool((self._table(task) != IDLE).all())
 
     def sync_tick(self, stage: int) -> int:
         """Tick of ``stage``'s cooldown sync (its buckets' data-parallel collectives): the
@@ -353,10 +359,15 @@ def list_schedule(
 
     ``paired`` (not with ``split_backward``): a stage runs its ready ``B`` and, in the same
     tick, its next ``F`` if the input has arrived and fewer than ``2 (P - s)`` microbatches
-    are in flight on it (a ``B`` of this tick still holding its own; module docstring)."""
+    are in flight on it (a ``B`` of this tick still holding its own; module docstring).
+
+    With one stage there is no pipeline and no lock step: every schedule is ``F``, ``B``
+    (and ``W``) of microbatch ``m`` in tick ``m`` (:func:`single_stage`)."""
     p, m = _check(num_stages, num_microbatches)
     if paired and split_backward:
         raise ValueError(f"schedule {name!r}: paired ticks have no split-backward form")
+    if p == 1:
+        return single_stage(name, m, split_backward=split_backward)
     bound = [(2 if paired else 1) * (p - s) for s in range(p)]
     done = {k: np.full((p, m), -1, np.int64) for k in "FBW"}
     count = {k: [0] * p for k in "FBW"}
@@ -392,6 +403,17 @@ def list_schedule(
             for task, mb in tasks:
                 tables[task][tick, s] = mb
     return ScheduleTable(name, tables["F"], tables["B"], tables["W"], split_backward=split_backward)
+
+
+def single_stage(name: str, num_microbatches: int, *, split_backward: bool) -> ScheduleTable:
+    """The one-stage table of every schedule: tick ``m`` runs ``F(m)``, ``B(m)`` (and, with
+    ``split_backward``, ``W(m)``). It is 1F1B's and ZB-H1's order at ``P = 1`` in ``M``
+    ticks instead of ``2 M`` (``3 M``), one microbatch in flight, and no task is ever idle
+    (:meth:`ScheduleTable.always_busy`): the executor runs the tasks without conditionals."""
+    _, m = _check(1, num_microbatches)
+    ticks = np.arange(m, dtype=np.int32)[:, None]
+    weight = ticks if split_backward else np.full_like(ticks, IDLE)
+    return ScheduleTable(name, ticks, ticks, weight, split_backward=split_backward)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> ScheduleTable:
