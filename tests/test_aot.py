@@ -990,6 +990,23 @@ def test_llama3_8b_on_8_h100_fits_in_place():
     assert got["grads"] == pytest.approx(4, rel=0.05)  # fp32 buckets
 
 
+@aot
+def test_llama3_8b_without_pipeline_has_no_host_sync():
+    """Llama-3-8B TP4 DP2 (one pipeline stage), as the scale table compiles it for 8 H100s:
+    no conditional and no loop of unknown trip count on the host, so no host sync in the
+    step (it had 56: the task conditionals and the ends' branches of every tick)."""
+    if _subprocess_skip() is not None:
+        pytest.skip(_subprocess_skip())
+    from script_util import load_script
+
+    scale = load_script("benchmarks/scale_table.py")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    row = scale.run_layout(scale.BY_NAME["llama3-8b-tp4dp2-s8k"], "h100", env=env)
+    assert row["status"] == "fits", row.get("error", row["status"])
+    assert row["host_syncs_per_step"] == 0
+    assert row["fused_aliased"] == row["fused_calls"] > 0
+
+
 _GRAPH_COND = """\
 003: kWhile         [source | sink]
 condition:

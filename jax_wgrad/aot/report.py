@@ -393,7 +393,7 @@ class AotReport:
             lines.append("  launches per tick: unknown (no thunk sequence)")
         else:
             busy = _every_tick(lc.tasks)
-            parts = ", ".join(f"{k} {b}" for k, (_, b) in lc.tasks.items() if k in busy)
+            parts = "".join(f", {k} {b}" for k, (_, b) in lc.tasks.items() if k in busy)
             sync = [b for k, (_, b) in lc.tasks.items() if k not in busy]
             nested = ""
             if lc.nested_loops:
@@ -407,7 +407,7 @@ class AotReport:
                 )
             lines.append(
                 f"  launches per tick (a tick running every task): {lc.tick(*busy)} "
-                f"(loop {lc.overhead}, {parts}{nested})"
+                f"(loop {lc.overhead}{parts}{nested})"
                 + (f", the cooldown sync's tick +{sum(sync)}" if sync else "")
                 + f"; {lc.command_buffers} command buffers holding "
                 f"{lc.kernels_in_command_buffers} kernels, {lc.custom_calls_outside} custom "
