@@ -132,6 +132,16 @@ LAYOUTS: tuple[Layout, ...] = (
         "the first row with paired 1F1B ticks (a backward and a forward per tick)",
     ),
     Layout(
+        "llama3-8b-tp2pp2dp2-s4k-vp2-paired",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2)
+        + _seq(4096, 16)
+        + ("--overlap-grad-reduce", "--defer-embedding-wgrad-compute")
+        + ("--num-layers-per-virtual-pipeline-stage", "8", "--pipeline-schedule", "1f1b-paired"),
+        "the first row interleaved (2 model chunks of 8 layers per stage) with paired ticks",
+    ),
+    Layout(
         "llama3-8b-tp2pp2dp2-s4k-gb64-paired",
         "llama3-8b",
         8,

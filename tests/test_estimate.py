@@ -274,3 +274,24 @@ def test_report_figures_carry_the_estimate():
     r = dataclasses.replace(r, estimate=exposed)
     assert r.figures()["dp_sync_overlapped"] is False
     assert "data-parallel gradient sync: exposed: reduce-scatter rs.1 1.00 ms" in r.format()
+
+
+def test_the_ends_are_charged_in_the_ticks_that_run_them():
+    """``post`` (the loss head) runs in the last stage's F of the last chunk and ``pre``'s
+    backward in the first stage's B of chunk 0: the estimate charges them there, not with
+    every F or B (interleaved: half of the last stage's forwards have no head)."""
+    from jax_wgrad.aot.compile import table_busy
+    from jax_wgrad.parallel.pipeline.schedules import get_schedule
+
+    for t in (get_schedule("1f1b-paired", 2, 4, 2), get_schedule("1f1b", 4, 8)):
+        busy, last, v = table_busy(t), t.num_stages - 1, t.num_chunks
+        posts = pres = 0
+        for tick in range(t.num_ticks):
+            for s in range(t.num_stages):
+                f, fc = t.forward[tick, s], t.forward_chunk[tick, s]
+                b, bc = t.backward[tick, s], t.backward_chunk[tick, s]
+                assert busy("post", tick, s) == (s == last and f >= 0 and fc == v - 1)
+                assert busy("pre_backward", tick, s) == (s == 0 and b >= 0 and bc == 0)
+                posts += busy("post", tick, s)
+                pres += busy("pre_backward", tick, s)
+        assert posts == pres == t.num_microbatches

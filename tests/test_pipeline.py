@@ -578,14 +578,15 @@ def test_paired_1f1b_equals_single_device_jax_grad(dp, tp, pp, sp, m):
 
 
 def _interleaved_grid():
-    """The issue's matrix: V = 2, 3 on (1,1,4), (2,2,2)+SP, (1,2,4), M = P and 3P, both
-    schedules, fused with deferral and the cooldown sync. All -m slow (suite time): the
-    default run's interleaved schedule through the executor is
-    test_vocab_over_pipeline_equals_single_device_jax_grad[1-2-4-tied-interleaved-zb-h1]."""
+    """The issue's matrix: V = 2, 3 on (1,1,4), (2,2,2)+SP, (1,2,4), M = P and 3P, every
+    schedule (1f1b, 1f1b-paired, zb-h1), fused with deferral and the cooldown sync. All -m
+    slow (suite time): the default run's interleaved schedules through the executor are
+    test_vocab_over_pipeline_equals_single_device_jax_grad[1-2-4-tied-interleaved-zb-h1]
+    and test_paired_interleaved_equals_single_device_jax_grad."""
     for mesh in [(1, 1, 4), (2, 2, 2), (1, 2, 4)]:
         for v in (2, 3):
             for times in (1, 3):
-                for schedule in ("1f1b", "zb-h1"):
+                for schedule in ("1f1b", "1f1b-paired", "zb-h1"):
                     yield pytest.param(*mesh, v, times, schedule, marks=pytest.mark.slow)
 
 
@@ -608,6 +609,12 @@ def test_interleaved_equals_single_device_jax_grad(dp, tp, pp, v, times, schedul
         ddp=DDPConfig(overlap_grad_reduce=True),
     )
     _assert_equal_grads(*out)
+
+
+def test_paired_interleaved_equals_single_device_jax_grad():
+    """Megatron's interleaved order with a B and an F sharing ticks (V = 2 on (2, 2, 2) +
+    SP, M = P), fused with deferral and the cooldown sync; the rest of the grid: -m slow."""
+    test_interleaved_equals_single_device_jax_grad(2, 2, 2, 2, 1, "1f1b-paired")
 
 
 # interleaved by default: test_interleaved_equals_single_device_jax_grad[2-2-2-2-3-zb-h1]

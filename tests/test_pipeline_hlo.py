@@ -150,3 +150,18 @@ def test_one_stage_step_has_no_conditional(schedule):
     # Two stages idle in some ticks: their tasks stay conditional.
     two = _step(schedule, None, m=3, dp=2, pp=2, **options).as_text()
     assert two.count(" conditional(") >= 2
+
+
+def test_the_ends_are_scoped_for_the_estimate():
+    """The conditionals that run ``post`` inside F and ``pre``'s backward inside B carry
+    the scopes the step estimate charges separately (jax_wgrad.aot.hlo.END_SCOPES)."""
+    from jax_wgrad.aot import hlo
+
+    text = _step("1f1b", None).as_text()
+    scopes = {
+        (hlo.task_of(i.op_name), hlo.task_of(i.op_name, hlo.END_SCOPES))
+        for c in hlo.computations(text).values()
+        for i in hlo.instructions(c)
+        if i.opcode == "conditional"
+    }
+    assert ("forward", "post") in scopes and ("backward", "pre_backward") in scopes

@@ -145,18 +145,49 @@ def test_paired_1f1b_reaches_the_bubble_bound_with_twice_the_slots(p, m):
     assert [plain.in_flight(s) for s in range(p)] == [min(p - s, m) for s in range(p)]
 
 
-def test_paired_1f1b_has_no_interleaved_form():
-    with pytest.raises(ValueError, match="'1f1b-paired' has no interleaved form"):
-        get_schedule("1f1b-paired", 2, 4, num_chunks=2)
-    with pytest.raises(ValueError, match="'1f1b-paired' has no interleaved form"):
-        ParallelConfig(
-            pipeline_model_parallel_size=2,
-            virtual_pipeline_model_parallel_size=2,
-            pipeline_schedule="1f1b-paired",
-            global_batch_size=4,
-            micro_batch_size=1,
-            world_size=2,
-        )
+@pytest.mark.parametrize("p, m, v", [(2, 8, 2), (4, 8, 2), (2, 4, 2), (4, 16, 4), (3, 6, 3)])
+def test_paired_interleaved_reaches_the_bubble_bound_in_megatrons_order(p, m, v):
+    """1f1b-paired with model chunks: Megatron's interleaved order per stage, a B and an F
+    sharing a tick; under lock step the makespan is the bubble bound (M V + P - 1)(F + B)/V
+    (a chunk's task costing 1/V of the stage's), for one pair more in flight."""
+    paired, plain = get_schedule("1f1b-paired", p, m, v), get_schedule("1f1b", p, m, v)
+    assert paired.name == "interleaved-1f1b-paired" and paired.num_chunks == v
+
+    def order(t, s):
+        return [
+            (k, int(c[i, s]), int(ch[i, s]))
+            for i in range(t.num_ticks)
+            for k, c, ch in (("F", t.forward, t.forward_chunk), ("B", t.backward, t.backward_chunk))
+            if c[i, s] >= 0
+        ]
+
+    for f, b in [(1, 2), (1, 1)]:
+        assert paired.makespan(f / v, b / v, 0) == pytest.approx((m * v + p - 1) * (f + b) / v)
+        assert paired.makespan(f / v, b / v, 0) <= plain.makespan(f / v, b / v, 0) + 1e-9
+    # a backward twice a forward (no recompute): interleaved 1F1B loses ticks to lock step
+    assert paired.makespan(1 / v, 2 / v, 0) < plain.makespan(1 / v, 2 / v, 0)
+    for s in range(p):
+        # the same tasks in the same order, up to the F and B of a shared tick
+        assert sorted(order(paired, s)) == sorted(order(plain, s))
+        assert [x for x in order(paired, s) if x[0] == "B"] == [
+            x for x in order(plain, s) if x[0] == "B"
+        ]
+        assert paired.in_flight(s) <= plain.in_flight(s) + 1
+    ParallelConfig(
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_model_parallel_size=v,
+        pipeline_schedule="1f1b-paired",
+        global_batch_size=m,
+        micro_batch_size=1,
+        world_size=p,
+    )
+
+
+def test_paired_ticks_have_no_split_backward_form():
+    from jax_wgrad.parallel.pipeline.interleaved import interleaved_schedule
+
+    with pytest.raises(ValueError, match="paired ticks have no split-backward form"):
+        interleaved_schedule(2, 4, 2, split_backward=True, paired=True)
 
 
 def test_table_validation_of_w_tasks():

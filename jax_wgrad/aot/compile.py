@@ -437,17 +437,27 @@ def _per_microbatch(
 def table_busy(table) -> Callable[[str, int, int], bool]:
     """``busy(task, tick, stage)``: whether the schedule ``table`` runs the task named by
     its scope (:data:`~jax_wgrad.aot.hlo.TASK_SCOPES`) in that tick on that stage (the
-    cooldown sync: in the stage's ``table.sync_tick``; a conditional of no task: always)."""
+    cooldown sync: in the stage's ``table.sync_tick``; a conditional of no task: always),
+    or the end named by its scope (:data:`~jax_wgrad.aot.hlo.END_SCOPES`: ``post`` with
+    the last stage's ``F`` of chunk ``V - 1``, ``pre_backward`` with the first stage's
+    ``B`` of chunk 0)."""
     rows = {
         "forward": np.asarray(table.forward),
         "backward": np.asarray(table.backward),
         "weight_gradients": np.asarray(table.weight),
+    }
+    ends = {
+        "post": (rows["forward"], np.asarray(table.forward_chunk), table.num_stages - 1, -1),
+        "pre_backward": (rows["backward"], np.asarray(table.backward_chunk), 0, 0),
     }
     sync = [table.sync_tick(s) for s in range(table.num_stages)]
 
     def busy(key: str, t: int, s: int) -> bool:
         if key in rows:
             return bool(rows[key][t, s] >= 0)
+        if key in ends:
+            task, chunk, stage, which = ends[key]
+            return s == stage and task[t, s] >= 0 and chunk[t, s] == which % table.num_chunks
         if key == "grad_sync_in_cooldown":
             return t == sync[s]
         return True

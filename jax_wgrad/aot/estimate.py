@@ -662,14 +662,34 @@ def estimate_step(
     name, body = loop
     conds = [i for i in hlo.instructions(mc.comps.get(body, ())) if i.opcode == "conditional"]
     tasks: dict[str, tuple[Cost, Cost]] = {}
+
+    def sync_of(ins: hlo.Instruction) -> Cost:
+        syncs = mc.host_syncs.get(ins.name, 0)
+        return Cost(host_sync_s=peaks.host_sync_s * syncs, host_syncs=syncs)
+
+    # The ends nested in the tasks (hlo.END_SCOPES): a task is charged with their idle
+    # branch, and each end is a task of its own, busy (its heavier branch besides) where
+    # the table runs it.
+    ends: dict[str, Cost] = {}
+    for ins in conds:
+        inside = set().union(*(hlo.reachable(mc.comps, b) for b in hlo.branches(ins.line)))
+        for c in sorted(inside):
+            for nested in hlo.instructions(mc.comps.get(c, ())):
+                key = hlo.task_of(nested.op_name, hlo.END_SCOPES)
+                if nested.opcode != "conditional" or key not in hlo.END_SCOPES:
+                    continue
+                options = sorted(mc.branch_costs(nested, record=1), key=lambda c: c.seconds)
+                ends[nested.name] = options[0] + sync_of(nested)
+                tasks[key] = (Cost(), tasks.get(key, (Cost(), Cost()))[1] + options[-1])
     for ins in conds:
         key = hlo.task_of(ins.op_name, scopes)
         while key in tasks:
             key += "'"
-        syncs = mc.host_syncs.get(ins.name, 0)
-        sync = Cost(host_sync_s=peaks.host_sync_s * syncs, host_syncs=syncs)
-        options = sorted(mc.branch_costs(ins, record=1), key=lambda c: c.seconds)
-        tasks[key] = (options[0] + sync, options[-1] + sync)
+        branches = [mc.computation(b, record=1, replace=ends) for b in hlo.branches(ins.line)] or [
+            Cost()
+        ]
+        options = sorted(branches, key=lambda c: c.seconds)
+        tasks[key] = (options[0] + sync_of(ins), options[-1] + sync_of(ins))
     overhead = mc.computation(body, replace={i.name: Cost() for i in conds})
     loop_s, loop_cost = schedule_time(overhead, tasks, busy, num_ticks, num_stages)
     outside = mc.computation(mc.entry, replace={name: Cost()})

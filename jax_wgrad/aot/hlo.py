@@ -41,6 +41,7 @@ __all__ = [
     "trip_counts",
     "schedule_loop",
     "TASK_SCOPES",
+    "END_SCOPES",
     "task_of",
     "shape_bytes",
     "gemm_class",
@@ -440,6 +441,13 @@ def schedule_loop(hlo: str, carried_sizes: Sequence[int]) -> tuple[str, str] | N
 TASK_SCOPES: tuple[str, ...] = ("forward", "backward", "weight_gradients", "grad_sync_in_cooldown")
 """``op_name`` scopes (``jax.named_scope`` in the pipeline executor) of the conditionals
 that run one task of a schedule tick."""
+
+
+END_SCOPES: tuple[str, ...] = ("post", "pre_backward")
+"""``op_name`` scopes of the conditionals nested in a task that run one of the pipeline's
+ends there (:class:`~jax_wgrad.parallel.pipeline.ends.StageEnds`: ``post`` in the last
+virtual stage's ``F``, ``pre``'s backward in the first virtual stage's ``B``): the step
+estimate charges them in the ticks whose task runs that end, not with every task."""
 
 
 def task_of(op_name: str, scopes: Sequence[str] = TASK_SCOPES) -> str:

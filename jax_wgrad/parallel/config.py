@@ -62,15 +62,18 @@ class ParallelConfig:
     (Megatron's; stage ``s`` holds at most ``P - s`` microbatches), ``1f1b-paired`` (the
     same order, a stage running a backward and a forward in the same lock-step tick: in
     the steady state every tick is one of each on every stage, the makespan 1F1B's ideal
-    ``(M + P - 1) (F + B)``, for up to ``2 (P - s)`` microbatches in flight; no
-    interleaved form) or ``zb-h1`` (zero bubble: backward split into input- and
+    ``(M + P - 1) (F + B)``, for up to ``2 (P - s)`` microbatches in flight; with model
+    chunks, Megatron's interleaved order paired the same way: ``(M V + P - 1) (F + B) / V``
+    for one microbatch-chunk more in flight than interleaved 1F1B) or ``zb-h1`` (zero
+    bubble: backward split into input- and
     weight-gradient tasks, the weight-gradient GEMMs filling the bubbles; needs gradient
     accumulation fusion)."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Megatron's interleaved schedule: model chunks per pipeline stage (``V``; ``None``: 1,
     no interleaving). Stage ``s`` holds virtual stages ``s, P + s, ..., (V - 1) P + s`` of
     ``L / (P V)`` layers each; ``pipeline_schedule`` ``1f1b`` becomes Megatron's interleaved
-    1F1B and ``zb-h1`` the same order with split backwards
+    1F1B, ``1f1b-paired`` the same order with paired ticks and ``zb-h1`` the same order
+    with split backwards
     (:mod:`jax_wgrad.parallel.pipeline.interleaved`). The example also takes Megatron's
     ``--num-layers-per-virtual-pipeline-stage``."""
     microbatch_group_size_per_vp_stage: int | None = None

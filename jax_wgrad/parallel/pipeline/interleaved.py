@@ -20,6 +20,14 @@ variant, ``zb-h1`` with ``V > 1``) ``B`` computes input gradients only and a sta
 would wait runs its oldest pending ``W`` instead (and the rest after its last ``B``); as in
 ZB-H1 the activations stay within the non-split bound: a stage holding ``warmup + 1``
 microbatches from ``F`` to ``W`` runs a pending ``W`` before its next ``F``.
+
+**Paired ticks** (``1f1b-paired`` with ``V > 1``): the same order, and a stage that runs its
+next task runs the one after it in the same tick too when it is of the other kind and
+ready (its input arrived in an earlier tick), as :func:`~.schedules.one_f_one_b_paired`
+does for one chunk. Megatron's warm-up covers the lock step's round trips once a tick holds
+an ``F`` and a ``B``: under lock step the makespan is the bubble bound
+``(M V + P - 1) (F + B) / V`` (``F``, ``B``: a whole stage's forward and backward), with
+Megatron's activation bound plus at most one pair (the tick's ``B`` holds its own).
 """
 
 from __future__ import annotations
@@ -75,14 +83,19 @@ def interleaved_schedule(
     *,
     group_size: int | None = None,
     split_backward: bool = False,
+    paired: bool = False,
 ) -> ScheduleTable:
-    """The interleaved table (module docstring).
+    """The interleaved table (module docstring); ``paired``: a ``B`` and an ``F`` may share
+    a tick (not with ``split_backward``).
 
     Raises:
       ValueError: ``num_chunks < 2``, one stage, a group smaller than ``P``, or (default
-        group size) ``M`` not a multiple of ``P`` -- Megatron's rule and wording.
+        group size) ``M`` not a multiple of ``P`` -- Megatron's rule and wording; ``paired``
+        with ``split_backward``.
     """
     p, m, v = num_stages, num_microbatches, num_chunks
+    if paired and split_backward:
+        raise ValueError("interleaved schedule: paired ticks have no split-backward form")
     if v < 2:
         raise ValueError(
             f"an interleaved schedule needs at least 2 model chunks per stage, got {v}"
@@ -106,15 +119,14 @@ def interleaved_schedule(
         )
     orders = [interleaved_order(s, p, m, v, group_size) for s in range(p)]
     bound = [warmup_count(s, p, m, v, group_size) + 1 for s in range(p)]
-    rows = _run_orders(orders, p, m, v, split_backward, bound)
+    rows = _run_orders(orders, p, m, v, split_backward, bound, paired)
     tables = {k: np.full((len(rows), p), IDLE) for k in "FBW"}
     chunks = {k: np.zeros((len(rows), p), np.int32) for k in "FBW"}
     for t, row in enumerate(rows):
-        for s, task in enumerate(row):
-            if task is not None:
-                kind, mb, chunk = task
+        for s, tasks in enumerate(row):
+            for kind, mb, chunk in tasks:
                 tables[kind][t, s], chunks[kind][t, s] = mb, chunk
-    name = "interleaved-zb-h1" if split_backward else "interleaved-1f1b"
+    name = "interleaved-" + ("zb-h1" if split_backward else "1f1b-paired" if paired else "1f1b")
     return ScheduleTable(
         name,
         tables["F"],
@@ -128,43 +140,52 @@ def interleaved_schedule(
     )
 
 
-def _run_orders(orders, p: int, m: int, v: int, split_backward: bool, bound: list[int]):
-    """Ticks of the per-stage orders: a task runs when its inputs arrived in an earlier
-    tick (:meth:`ScheduleTable.source`); with ``split_backward`` an idle stage, or one
-    about to exceed ``bound[s]`` pairs from ``F`` to ``W``, runs its oldest pending ``W``."""
+def _run_orders(
+    orders, p: int, m: int, v: int, split_backward: bool, bound: list[int], paired: bool = False
+):
+    """Ticks of the per-stage orders, per tick and stage a list of tasks: a task runs when
+    its inputs arrived in an earlier tick (:meth:`ScheduleTable.source`); with
+    ``split_backward`` an idle stage, or one about to exceed ``bound[s]`` pairs from ``F``
+    to ``W``, runs its oldest pending ``W``; ``paired``: the task after a stage's running
+    one runs in the same tick too if it is of the other kind and ready."""
     done = {k: np.full((p, v, m), -1, np.int64) for k in "FB"}
     nxt = [0] * p
     pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     held = [0] * p  # F done, W not yet (split backward)
-    rows: list[list[tuple[str, int, int] | None]] = []
+    rows: list[list[list[tuple[str, int, int]]]] = []
     t = 0
     while any(nxt[s] < len(orders[s]) or pending[s] for s in range(p)):
-        row: list[tuple[str, int, int] | None] = []
+        row: list[list[tuple[str, int, int]]] = []
         for s in range(p):
             task = orders[s][nxt[s]] if nxt[s] < len(orders[s]) else None
             full = split_backward and task is not None and task[0] == "F" and held[s] >= bound[s]
             if task is not None and not (full and pending[s]) and _ready(task, s, done, p, v, t):
-                row.append(task)
+                tasks = [task]
+                after = orders[s][nxt[s] + 1] if nxt[s] + 1 < len(orders[s]) else None
+                if paired and after is not None and after[0] != task[0]:
+                    if _ready(after, s, done, p, v, t):
+                        tasks.append(after)
+                row.append(tasks)
             elif split_backward and pending[s]:
                 mb, chunk = pending[s].pop(0)
-                row.append(("W", mb, chunk))
+                row.append([("W", mb, chunk)])
                 held[s] -= 1
             else:
-                row.append(None)
-        if all(r is None for r in row):
+                row.append([])
+        if not any(row):
             raise RuntimeError(
                 f"interleaved schedule: no stage can run anything at tick {t} "
                 f"(next tasks {[o[n] if n < len(o) else None for o, n in zip(orders, nxt)]})"
             )
-        for s, task in enumerate(row):
-            if task is None or task[0] == "W":
-                continue
-            kind, mb, chunk = task
-            done[kind][s, chunk, mb] = t
-            nxt[s] += 1
-            held[s] += kind == "F" and split_backward
-            if kind == "B" and split_backward:
-                pending[s].append((mb, chunk))
+        for s, tasks in enumerate(row):
+            for kind, mb, chunk in tasks:
+                if kind == "W":
+                    continue
+                done[kind][s, chunk, mb] = t
+                nxt[s] += 1
+                held[s] += kind == "F" and split_backward
+                if kind == "B" and split_backward:
+                    pending[s].append((mb, chunk))
         rows.append(row)
         t += 1
     return rows

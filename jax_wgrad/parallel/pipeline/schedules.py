@@ -441,7 +441,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> ScheduleTable:
 SCHEDULES = {"1f1b": one_f_one_b, "1f1b-paired": one_f_one_b_paired, "zb-h1": zb_h1}
 """Schedules by name (``ParallelConfig.pipeline_schedule``'s values)."""
 
-INTERLEAVED_FORMS = ("1f1b", "zb-h1")
+INTERLEAVED_FORMS = ("1f1b", "1f1b-paired", "zb-h1")
 """The schedules with an interleaved form (``num_chunks > 1``,
 :mod:`~jax_wgrad.parallel.pipeline.interleaved`)."""
 
@@ -455,7 +455,8 @@ def get_schedule(
 ) -> ScheduleTable:
     """The table of schedule ``name``; with ``num_chunks > 1`` its interleaved form
     (:mod:`~jax_wgrad.parallel.pipeline.interleaved`: ``1f1b`` -> Megatron's interleaved
-    1F1B, ``zb-h1`` -> the same order with ``B`` and ``W`` split)."""
+    1F1B, ``1f1b-paired`` -> the same order with a ``B`` and an ``F`` sharing a tick,
+    ``zb-h1`` -> the same order with ``B`` and ``W`` split)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {sorted(SCHEDULES)}")
     if num_chunks == 1:
@@ -474,6 +475,7 @@ def get_schedule(
         num_chunks,
         group_size=group_size,
         split_backward=name == "zb-h1",
+        paired=name == "1f1b-paired",
     )
 
 
