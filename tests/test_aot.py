@@ -941,19 +941,27 @@ def _subprocess_skip() -> str | None:
     return None
 
 
-@aot
-def test_llama3_8b_on_8_h100_fits_in_place():
-    """Llama-3-8B TP2 PP2 DP2, seq 4096, --bf16, full recompute, fused, distributed
-    optimizer, as the scale table compiles it: the example in a process of its own,
-    without JAX_PLATFORMS (it sets itself up), writing --report-json. 40-60 s."""
+def _scale_row(name: str) -> dict:
+    """The scale table's row ``name`` compiled for H100s (skips where that cannot run): the
+    example in a process of its own, without JAX_PLATFORMS (it sets itself up), writing
+    --report-json; the row must fit."""
     if _subprocess_skip() is not None:
         pytest.skip(_subprocess_skip())
     from script_util import load_script
 
     scale = load_script("benchmarks/scale_table.py")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    row = scale.run_layout(scale.BY_NAME["llama3-8b-tp2pp2dp2-s4k-full"], "h100", env=env)
+    row = scale.run_layout(scale.BY_NAME[name], "h100", env=env)
     assert row["status"] == "fits", row.get("error", row["status"])
+    return row
+
+
+@aot
+def test_llama3_8b_on_8_h100_fits_in_place():
+    """Llama-3-8B TP2 PP2 DP2, seq 4096, --bf16, full recompute, fused, distributed
+    optimizer, as the scale table compiles it: the example in a process of its own,
+    without JAX_PLATFORMS (it sets itself up), writing --report-json. 40-60 s."""
+    row = _scale_row("llama3-8b-tp2pp2dp2-s4k-full")
     for key in (
         "peak_bytes",
         "budget_bytes",
@@ -995,14 +1003,7 @@ def test_llama3_8b_without_pipeline_has_no_host_sync():
     """Llama-3-8B TP4 DP2 (one pipeline stage), as the scale table compiles it for 8 H100s:
     no conditional and no loop of unknown trip count on the host, so no host sync in the
     step (it had 56: the task conditionals and the ends' branches of every tick)."""
-    if _subprocess_skip() is not None:
-        pytest.skip(_subprocess_skip())
-    from script_util import load_script
-
-    scale = load_script("benchmarks/scale_table.py")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    row = scale.run_layout(scale.BY_NAME["llama3-8b-tp4dp2-s8k"], "h100", env=env)
-    assert row["status"] == "fits", row.get("error", row["status"])
+    row = _scale_row("llama3-8b-tp4dp2-s8k")
     assert row["host_syncs_per_step"] == 0
     assert row["fused_aliased"] == row["fused_calls"] > 0
 
