@@ -182,6 +182,12 @@ MORE_RUNS = {
         "--pipeline-schedule",
         "zb-h1",
     ],
+    "interleaved-paired": [
+        "--virtual-pipeline-model-parallel-size",
+        "2",
+        "--pipeline-schedule",
+        "1f1b-paired",
+    ],
     "interleaved-vocab": [
         "--virtual-pipeline-model-parallel-size",
         "2",
@@ -249,8 +255,8 @@ def test_example_loss_curves_equal_1f1b(curves):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MORE_RUNS))
 def test_example_more_loss_curves_equal_1f1b(pretrain, curves, name):
-    """Interleaved with split backwards, and interleaved with the vocabulary over the
-    pipeline."""
+    """Interleaved with split backwards, with paired ticks, and with the vocabulary over
+    the pipeline."""
     d, fused, out = curves
     if name == "interleaved-zb" and not fused:
         pytest.skip("zb-h1 needs the fused weight-gradient GEMMs (CPU handler not built)")

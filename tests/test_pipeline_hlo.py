@@ -6,6 +6,7 @@ The model: one decoder layer per stage (pp = 4, 4 layers), fused linears.
 """
 
 import collections
+import functools
 import re
 
 import jax
@@ -33,6 +34,7 @@ pytestmark = [
 MODEL = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
 
 
+@functools.cache  # one compile per layout in this module (the tests share some)
 def _step(schedule, recompute, m=2, dp=2, pp=4, **options):
     par = ParallelConfig(
         pipeline_model_parallel_size=pp,
@@ -148,7 +150,7 @@ def test_one_stage_step_has_no_conditional(schedule):
     one = _step(schedule, None, m=3, dp=4, pp=1, **options).as_text()
     assert " conditional(" not in one
     # Two stages idle in some ticks: their tasks stay conditional.
-    two = _step(schedule, None, m=3, dp=2, pp=2, **options).as_text()
+    two = _step(schedule, None, m=2, dp=2, pp=2, **options).as_text()
     assert two.count(" conditional(") >= 2
 
 
@@ -157,7 +159,7 @@ def test_the_ends_are_scoped_for_the_estimate():
     the scopes the step estimate charges separately (jax_wgrad.aot.hlo.END_SCOPES)."""
     from jax_wgrad.aot import hlo
 
-    text = _step("1f1b", None).as_text()
+    text = _step("1f1b", None, m=4, dp=2).as_text()  # test_temp_memory_...'s compile
     scopes = {
         (hlo.task_of(i.op_name), hlo.task_of(i.op_name, hlo.END_SCOPES))
         for c in hlo.computations(text).values()
