@@ -149,9 +149,9 @@ def test_one_stage_step_has_no_conditional(schedule):
     options = dict(tensor_model_parallel_size=2, sequence_parallel=True)
     one = _step(schedule, None, m=3, dp=4, pp=1, **options).as_text()
     assert " conditional(" not in one
-    # Two stages idle in some ticks: their tasks stay conditional.
-    two = _step(schedule, None, m=2, dp=2, pp=2, **options).as_text()
-    assert two.count(" conditional(") >= 2
+    # Four stages idle in some ticks: their tasks stay conditional (test_temp_memory_...'s
+    # compile).
+    assert " conditional(" in _step("1f1b", None, m=4, dp=2).as_text()
 
 
 def test_the_ends_are_scoped_for_the_estimate():
