@@ -327,15 +327,12 @@ class StageEnds(PipelineEnds):
         """The last virtual stage: the loss and the head's backward now; its gradient for
         the layers' output waits in the gradient inbox for this stage's ``B``."""
         with jax.named_scope("post"):  # jax_wgrad.aot.hlo.END_SCOPES
-            return self._after_forward_task(carry, microbatch, chunk, y, batch)
-
-    def _after_forward_task(self, carry, microbatch, chunk, y, batch) -> PipelineCarry:
-        return control.cond(
-            self.context.is_last_virtual_stage(chunk),
-            functools.partial(self._post_and_backward, y=y, batch=batch, microbatch=microbatch),
-            lambda carry: carry,
-            carry,
-        )
+            return control.cond(
+                self.context.is_last_virtual_stage(chunk),
+                functools.partial(self._post_and_backward, y=y, batch=batch, microbatch=microbatch),
+                lambda carry: carry,
+                carry,
+            )
 
     def after_forward_tick(self, carry, tick, y) -> PipelineCarry:
         return carry
@@ -343,15 +340,12 @@ class StageEnds(PipelineEnds):
     def after_backward_task(self, grads, microbatch, chunk, dx) -> GradState:
         """The first virtual stage: ``pre``'s backward."""
         with jax.named_scope("pre_backward"):  # jax_wgrad.aot.hlo.END_SCOPES
-            return self._after_backward_task(grads, microbatch, chunk, dx)
-
-    def _after_backward_task(self, grads, microbatch, chunk, dx) -> GradState:
-        return control.cond(
-            self.context.is_first_virtual_stage(chunk),
-            lambda g: self._pre_backward(g, dx, self.context.batch(microbatch)),
-            lambda g: g,
-            grads,
-        )
+            return control.cond(
+                self.context.is_first_virtual_stage(chunk),
+                lambda g: self._pre_backward(g, dx, self.context.batch(microbatch)),
+                lambda g: g,
+                grads,
+            )
 
     def after_backward_tick(self, carry, tick, dx) -> PipelineCarry:
         return carry
