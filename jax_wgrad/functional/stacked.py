@@ -111,7 +111,9 @@ def scan_layers(
             return h, bks, jax.tree.map(lambda *r: jnp.stack(r), *records)
 
         if g.policy is not None:
-            iteration = jax.checkpoint(iteration, policy=g.policy, prevent_cse=False)
+            # The loop keeps XLA from merging the recomputation into the forward; a single
+            # iteration runs without one and needs the barrier (else no recompute at all).
+            iteration = jax.checkpoint(iteration, policy=g.policy, prevent_cse=g.count == 1)
 
         def step(carry, xs):
             h, bks = carry
