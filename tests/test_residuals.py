@@ -92,15 +92,18 @@ def test_residuals_are_activations_only(schedule):
     assert sizes[("full", "block", 4)] == uni[0]  # each layer's input, both ways
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_a_layer_recomputed_without_a_loop_keeps_its_recomputation(layers):
-    """``jax.checkpoint(prevent_cse=False)`` is only safe inside a loop (JAX's docs): a
-    run of layers checkpointed as ONE iteration (Megatron's block method over the first
-    layer, the remainder of the uniform method) is traced without a scan, and there the
-    recomputation must be fenced by an optimization barrier, or XLA may merge it into
-    the forward and keep the activations the user asked to recompute (an H100 compile of
-    Llama-3-8B TP4 with every layer run as one iteration: without the barrier ~10% of the
-    GEMM work, the recomputation, was gone and the peak memory 8 GiB higher)."""
+@pytest.mark.parametrize(
+    "layers, method, unroll", [(1, "block", 1), (3, "block", 1), (3, "uniform", 3)]
+)
+def test_layers_recomputed_without_a_loop_keep_their_recomputation(layers, method, unroll):
+    """``jax.checkpoint(prevent_cse=False)`` is only safe inside a loop (JAX's docs):
+    layers checkpointed without a scan around them -- a run of ONE iteration (Megatron's
+    block method over the first layer, the remainder of the uniform method) or a scan
+    unrolled whole (``--layer-scan-unroll``) -- need the recomputation fenced by an
+    optimization barrier, or XLA may merge it into the forward and keep the activations
+    the user asked to recompute (an H100 compile of Llama-3-8B TP4 with every layer run as
+    one iteration: without the barrier ~10% of the GEMM work, the recomputation, was gone
+    and the peak memory 8 GiB higher)."""
     from jax_wgrad.functional import scan_layers
     from jax_wgrad.functional.recompute import LayerRecompute
 
@@ -108,10 +111,12 @@ def test_a_layer_recomputed_without_a_loop_keeps_its_recomputation(layers):
         return jnp.tanh(h @ p["w"]), None
 
     params = {"w": jnp.ones((layers, 8, 8)) / 8}
-    full = LayerRecompute("full", "block", 1)  # layer 0 recomputed: a group of one
+    full = LayerRecompute("full", method, 1)
 
     def loss(p, x):
-        return scan_layers(layer, x, p, recompute=full)[0].sum()
+        return scan_layers(layer, x, p, recompute=full, unroll=unroll)[0].sum()
 
     text = jax.jit(jax.value_and_grad(loss)).lower(params, jnp.ones((4, 8))).as_text()
     assert "optimization_barrier" in text
+    if method == "uniform":
+        assert "while" not in text  # unrolled whole

@@ -111,9 +111,10 @@ def scan_layers(
             return h, bks, jax.tree.map(lambda *r: jnp.stack(r), *records)
 
         if g.policy is not None:
-            # The loop keeps XLA from merging the recomputation into the forward; a single
-            # iteration runs without one and needs the barrier (else no recompute at all).
-            iteration = jax.checkpoint(iteration, policy=g.policy, prevent_cse=g.count == 1)
+            # The loop keeps XLA from merging the recomputation into the forward; a group
+            # run without one (a single iteration, or unrolled whole) needs the barrier,
+            # else there is no recompute at all.
+            iteration = jax.checkpoint(iteration, policy=g.policy, prevent_cse=g.count <= unroll)
 
         def step(carry, xs):
             h, bks = carry
