@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from jax_wgrad import GPTConfig, GPTProgram, ParallelConfig, fusion_available
+from jax_wgrad.functional import scan_layers
+from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.parallel.pipeline.executor import ScheduleRun
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
@@ -104,8 +106,6 @@ def test_layers_recomputed_without_a_loop_keep_their_recomputation(layers, metho
     the user asked to recompute (an H100 compile of Llama-3-8B TP4 with every layer run as
     one iteration: without the barrier ~10% of the GEMM work, the recomputation, was gone
     and the peak memory 8 GiB higher)."""
-    from jax_wgrad.functional import scan_layers
-    from jax_wgrad.functional.recompute import LayerRecompute
 
     def layer(p, h):
         return jnp.tanh(h @ p["w"]), None
