@@ -65,6 +65,8 @@ from jax_wgrad import ops
 from jax_wgrad.ops.position import advance
 
 __all__ = [
+    "ChunkSync",
+    "RowPiece",
     "StackRoutes",
     "WgradRoutes",
     "active_routes",
@@ -258,6 +260,39 @@ class _ToBucket:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowPiece:
+    """Rows ``[rows[0], rows[1])`` of a stacked ``[n, ...]`` weight's gradient: one
+    contiguous block of bucket ``key`` from element ``offset`` on, row ``rows[0]``'s
+    block first (a gradient layout in layer groups,
+    :class:`~jax_wgrad.grads.SlotPiece`)."""
+
+    key: Hashable
+    offset: int
+    rows: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ToPieces:
+    """A stacked weight whose rows live in several buckets (only :func:`scan_layers`
+    reads it: each part of its scan adds its rows to its piece)."""
+
+    pieces: tuple[RowPiece, ...]
+    name: str
+
+    def piece(self, rows: tuple[int, int]) -> RowPiece:
+        for p in self.pieces:
+            if p.rows[0] <= rows[0] and rows[1] <= p.rows[1]:
+                return p
+        raise AssertionError(f"{self.name}: no piece holds rows {rows}")
+
+
+ChunkSync = Callable[[jax.Array, jax.Array], jax.Array]
+"""``sync(bucket_cotangent, i) -> bucket_cotangent``: the data-parallel sync of chunk
+``i`` (traced int32) of a completed bucket, in place (see :class:`WgradRoutes`'s
+``on_complete``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class _ToSplit:
     """Zero-bubble split backward: probe ``index`` (its gradient is the linear's ``dy``)."""
 
@@ -311,6 +346,18 @@ class WgradRoutes:
       the probe gives its ``dy`` while no weight-gradient GEMM runs (the ``W`` task later
       runs ``wgrad_accumulate(x, dy, ...)``).
 
+    * **to row pieces** (:meth:`to_pieces`; a gradient layout in layer groups): a weight
+      stacked ``[n, ...]`` whose rows live in several buckets, each group of rows a
+      bucket of its own; only :func:`~jax_wgrad.functional.scan_layers` reads it: it cuts
+      its scan at the pieces, each part threading its piece's bucket.
+
+    ``on_complete(key, k)`` (optional; the last backward of a step) asks, for the bucket
+    ``key`` of a layer group that :func:`~jax_wgrad.functional.scan_layers` has just
+    completed in the backward, for a :data:`ChunkSync` that syncs it in ``k`` chunks
+    while the backward runs the ``k`` iterations of the group below (``None``: leave
+    it): Megatron's reduce-scatter of a bucket as soon as its gradients are complete,
+    overlapped with the rest of the backward.
+
     A weight attached but never used by a fused linear would lose its gradient:
     :meth:`check_used` (called by the executor after each call) raises then.
     """
@@ -319,7 +366,10 @@ class WgradRoutes:
         self,
         buckets: Mapping[Hashable, jax.Array] | Sequence[jax.Array] = (),
         probes: Sequence[jax.Array | None] = (),
+        *,
+        on_complete: Callable[[Hashable, int], ChunkSync | None] | None = None,
     ):
+        self.on_complete = on_complete
         self._keyed = isinstance(buckets, Mapping)
         self._tokens: dict[Hashable, jax.Array] = (
             dict(buckets) if self._keyed else dict(enumerate(buckets))
@@ -328,7 +378,7 @@ class WgradRoutes:
         self.inputs: list[jax.Array | None] = [None] * len(self._probes)
         self.outputs: list[jax.Array | None] = [None] * len(self._probes)
         # id(weight) -> (weight, destination): the weight is held so its id stays unique.
-        self._routes: dict[int, tuple[jax.Array, _ToBucket | _ToSplit]] = {}
+        self._routes: dict[int, tuple[jax.Array, _ToBucket | _ToSplit | _ToPieces]] = {}
         self._used: set[int] = set()
 
     # -- attaching weights
@@ -354,7 +404,34 @@ class WgradRoutes:
             )
         self._attach(weight, _ToSplit(index, name or f"weight {weight.shape}"))
 
-    def _attach(self, weight: jax.Array, dest: _ToBucket | _ToSplit) -> None:
+    def to_pieces(self, weight: jax.Array, pieces: Sequence[RowPiece], *, name: str = "") -> None:
+        """``weight`` (stacked ``[n, ...]``) has its rows' gradients in several buckets:
+        ``pieces`` cover rows ``0 .. n`` in order (each piece's rows one block of its
+        bucket). Only :func:`~jax_wgrad.functional.scan_layers` can run such a weight."""
+        name = name or f"weight {weight.shape}"
+        pieces = tuple(pieces)
+        bounds = [p.rows for p in pieces]
+        n = weight.shape[0] if weight.ndim else 0
+        if (
+            not pieces
+            or bounds[0][0] != 0
+            or bounds[-1][1] != n
+            or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:]))
+            or any(r[0] >= r[1] for r in bounds)
+        ):
+            raise ValueError(
+                f"WgradRoutes.to_pieces: the pieces of {name} must cover its rows 0..{n} "
+                f"in order, got rows {bounds}"
+            )
+        for p in pieces:
+            if p.key not in self._tokens:
+                raise ValueError(
+                    f"WgradRoutes.to_pieces: bucket {p.key!r} out of range "
+                    f"(have {list(self._tokens)})"
+                )
+        self._attach(weight, _ToPieces(pieces, name))
+
+    def _attach(self, weight: jax.Array, dest: _ToBucket | _ToSplit | _ToPieces) -> None:
         if id(weight) in self._routes:
             raise ValueError(
                 f"WgradRoutes: {dest.name} is already attached (as "
@@ -394,7 +471,7 @@ class WgradRoutes:
 
     # -- what the fused linears call
 
-    def _find(self, weight: jax.Array) -> _ToBucket | _ToSplit | None:
+    def _find(self, weight: jax.Array) -> _ToBucket | _ToSplit | _ToPieces | None:
         hit = self._routes.get(id(weight))
         if hit is None or hit[0] is not weight:
             return None
@@ -436,23 +513,60 @@ class StackRoutes:
     """The routes of one ``lax.scan`` over stacked layers (made by
     :meth:`WgradRoutes.stack`; ``dests[k]``: leaf ``k``'s destination or ``None``).
 
-    ``carry``: the bucket tokens the scan carries; ``probes``: the stacked probes
-    ``[n, ...]`` of the split leaves (scan inputs). Per layer, :meth:`layer` makes the
-    routes of that layer's slices; after the scan, :meth:`finish` hands the carried
-    tokens and the stacked records back to the outer routes.
+    ``keys``: the bucket tokens every part of the scan carries; ``probes``: the stacked
+    probes ``[n, ...]`` of the split leaves (scan inputs). ``parts``: the row ranges at
+    which the scan is cut when some leaves' gradients live in row pieces (a layout in
+    layer groups; ``()``: one scan): part ``p`` carries :meth:`carried` ``(p)`` -- the
+    keys above, its pieces' buckets and the buckets of the part above it, which the
+    backward completes before it runs part ``p`` (:meth:`completed`). Per layer,
+    :meth:`layer` makes the routes of that layer's slices; after the scan,
+    :meth:`finish` hands the tokens and the stacked records back to the outer routes.
     """
 
-    def __init__(self, outer: WgradRoutes, dests: list[_ToBucket | _ToSplit | None]):
+    def __init__(self, outer: WgradRoutes, dests: list[_ToBucket | _ToSplit | _ToPieces | None]):
         self._outer = outer
         self._dests = dests
         self.keys: tuple[Hashable, ...] = tuple(
             dict.fromkeys(d.key for d in dests if isinstance(d, _ToBucket))
         )
         self._split = [(k, d) for k, d in enumerate(dests) if isinstance(d, _ToSplit)]
+        pieces = [d for d in dests if isinstance(d, _ToPieces)]
+        cuts = {tuple(p.rows for p in d.pieces) for d in pieces}
+        if len(cuts) > 1:
+            raise ValueError(
+                "scan_layers: the stacked weights laid out in row pieces must share one "
+                f"cut into groups of layers, got {sorted(cuts)}"
+            )
+        self.parts: tuple[tuple[int, int], ...] = cuts.pop() if cuts else ()
+        self._pieces = pieces
 
     @property
-    def carry(self) -> tuple[jax.Array, ...]:
-        return tuple(self._outer._tokens[k] for k in self.keys)
+    def on_complete(self) -> Callable[[Hashable, int], ChunkSync | None] | None:
+        """The outer routes' ``on_complete`` (:class:`WgradRoutes`)."""
+        return self._outer.on_complete
+
+    def part_keys(self, part: int) -> tuple[Hashable, ...]:
+        """The buckets of the row pieces of part ``part`` (``()`` past the last part)."""
+        if not 0 <= part < len(self.parts):
+            return ()
+        return tuple(dict.fromkeys(d.piece(self.parts[part]).key for d in self._pieces))
+
+    def completed(self, part: int) -> tuple[Hashable, ...]:
+        """The buckets complete in the backward when it reaches part ``part``: those of
+        the part above that no part from ``part`` down and no other weight of the scan
+        writes."""
+        below = set(self.keys).union(*(self.part_keys(q) for q in range(part + 1)))
+        return tuple(k for k in self.part_keys(part + 1) if k not in below)
+
+    def carried(self, part: int | None) -> tuple[Hashable, ...]:
+        """The tokens part ``part`` of the scan carries (``None``: the uncut scan)."""
+        if part is None:
+            return self.keys
+        return tuple(dict.fromkeys(self.keys + self.part_keys(part) + self.part_keys(part + 1)))
+
+    def tokens(self, keys: Sequence[Hashable]) -> tuple[jax.Array, ...]:
+        """The outer routes' current tokens of ``keys``."""
+        return tuple(self._outer._tokens[k] for k in keys)
 
     @property
     def probes(self) -> list[jax.Array | None]:
@@ -460,46 +574,81 @@ class StackRoutes:
 
     def layer(
         self,
+        keys: Sequence[Hashable],
         tokens: Sequence[jax.Array],
         layer_leaves: Sequence[jax.Array],
         index: jax.Array,
         probes: Sequence[jax.Array | None],
+        part: int | None = None,
     ) -> WgradRoutes:
-        """The routes of layer ``index`` (traced int32, of the FULL stacks):
-        ``layer_leaves[k]`` is leaf ``k``'s slice ``[...]``; its bucket block at
-        ``BlockOffset(offset, index, size)`` (exact at any bucket size); ``probes``: this
-        layer's probes of the split leaves."""
-        inner = WgradRoutes(dict(zip(self.keys, tokens)), probes)
+        """The routes of layer ``index`` (traced int32, of the FULL stacks) in part
+        ``part``: ``layer_leaves[k]`` is leaf ``k``'s slice ``[...]``; its bucket block at
+        ``BlockOffset(offset, index, size)`` (exact at any bucket size; a row piece's
+        offset counted from its first row); ``tokens``: the part's carried ``keys``;
+        ``probes``: this layer's probes of the split leaves."""
+        inner = WgradRoutes(dict(zip(keys, tokens)), probes)
         j = 0
         for leaf, dest in zip(layer_leaves, self._dests):
+            size = math.prod(leaf.shape)
             if isinstance(dest, _ToBucket):
-                offset = advance(dest.offset, index, math.prod(leaf.shape))
-                inner.to_bucket(leaf, dest.key, offset, name=dest.name)
+                inner.to_bucket(leaf, dest.key, advance(dest.offset, index, size), name=dest.name)
+            elif isinstance(dest, _ToPieces):
+                piece = dest.piece(self.parts[part])
+                base = piece.offset - piece.rows[0] * size
+                inner.to_bucket(leaf, piece.key, advance(base, index, size), name=dest.name)
             elif isinstance(dest, _ToSplit):
                 inner.to_split(leaf, j, name=dest.name)
                 j += 1
         return inner
 
     @staticmethod
-    def layer_result(routes: WgradRoutes, keys: tuple[Hashable, ...]):
+    def layer_result(routes: WgradRoutes, keys: Sequence[Hashable]):
         """``(tokens, inputs, outputs)`` of a layer's routes after the layer ran."""
         routes.check_used()
         return tuple(routes._tokens[k] for k in keys), routes.inputs, routes.outputs
 
-    def finish(self, tokens: Sequence[jax.Array], inputs, outputs) -> None:
-        """The scan's carried tokens and stacked records ``[k, ...]`` into the outer
-        routes."""
-        for key, token in zip(self.keys, tokens):
+    def put(self, keys: Sequence[Hashable], tokens: Sequence[jax.Array]) -> None:
+        """A part's carried tokens after its scan, into the outer routes."""
+        for key, token in zip(keys, tokens):
             self._outer._tokens[key] = token
+
+    def finish(self, inputs, outputs) -> None:
+        """The stacked records ``[k, ...]`` into the outer routes."""
         for j, (_, dest) in enumerate(self._split):
             self._outer.inputs[dest.index] = inputs[j]
             self._outer.outputs[dest.index] = outputs[j]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def sync_when_complete(sync: ChunkSync, token: jax.Array, i: jax.Array) -> jax.Array:
+    """``token`` unchanged; in the backward, its cotangent (a completed bucket) goes
+    through ``sync(ct, i)``: chunk ``i`` of the bucket synced, in place."""
+    return token
+
+
+def _sync_fwd(sync, token, i):
+    return token, i
+
+
+def _sync_bwd(sync, i, ct):
+    return sync(ct, i), None
+
+
+sync_when_complete.defvjp(_sync_fwd, _sync_bwd)
 
 
 def _destination(weight: jax.Array) -> tuple[WgradRoutes | None, _ToBucket | _ToSplit | None]:
     """The active routes and ``weight``'s destination there (``None`` when it has none)."""
     routes = active_routes()
     return routes, None if routes is None else routes._find(weight)
+
+
+def _pieces_outside_scan(dest: _ToPieces):
+    raise ValueError(
+        f"WgradRoutes: {dest.name} has its gradient in {len(dest.pieces)} row pieces (a "
+        "layout in layer groups); only scan_layers can run a weight stacked that way, "
+        "each layer's slice in its own iteration"
+    )
 
 
 def reshape_weight(weight: jax.Array, shape: Sequence[int]) -> jax.Array:
@@ -528,6 +677,8 @@ def through_bucket(
         return plain()
     if isinstance(dest, _ToSplit):
         raise ValueError(f"WgradRoutes: {dest.name} cannot be split for zero bubble here")
+    if isinstance(dest, _ToPieces):
+        _pieces_outside_scan(dest)
     return routes._thread(dest.key, lambda bk: into_bucket(bk, dest.offset))
 
 
@@ -572,6 +723,8 @@ def linear(
         return _forward(x, w, b, level)
     if isinstance(dest, _ToSplit):
         return routes._split_linear(dest, x, w, b, level)
+    if isinstance(dest, _ToPieces):
+        _pieces_outside_scan(dest)
     return routes._thread(
         dest.key,
         lambda bk: linear_into_bucket(x, w, b, bk, offset=dest.offset, precision=precision),

@@ -26,6 +26,7 @@ The layer function knows none of this: it calls the library's layers on its para
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_wgrad.functional.linear import StackRoutes, WgradRoutes, active_routes
+from jax_wgrad.functional.linear import (
+    StackRoutes,
+    WgradRoutes,
+    active_routes,
+    sync_when_complete,
+)
 from jax_wgrad.functional.recompute import LayerGroup, LayerRecompute
 
 __all__ = ["scan_layers"]
@@ -86,19 +92,23 @@ def scan_layers(
 
     outer = active_routes()
     stack: StackRoutes = (outer or WgradRoutes()).stack(leaves)
-    keys = stack.keys
     probes = stack.probes
+    if stack.parts and (rows is not None or stack.parts[-1][1] != n):
+        raise ValueError(
+            f"scan_layers: weights laid out in row pieces {stack.parts} need all {n} "
+            f"stacked layers run at once (rows={rows!r})"
+        )
 
-    def one_layer(h, bks, index, probe):
+    def one_layer(h, keys, bks, index, probe, part):
         """Layer ``index`` (traced, of the ``count`` run) on ``h``: ``(h, bks, records)``."""
         sliced = [lax.dynamic_index_in_dim(a, start + index, 0, False) for a in leaves]
-        routes = stack.layer(bks, sliced, start + index, probe)
+        routes = stack.layer(keys, bks, sliced, start + index, probe, part)
         with routes:
             h, aux = layer(jax.tree.unflatten(treedef, sliced), h)
         bks, inputs, outputs = StackRoutes.layer_result(routes, keys)
         return h, bks, (aux, inputs, outputs)
 
-    def run_group(g: LayerGroup):
+    def run_group(g: LayerGroup, keys, part, syncs, first_iteration):
         def iteration(h, bks, it, probe):
             # `size` layers from layer first + it * size on; probe leaves [size, ...], or
             # the layer's own for size 1 (None: record only).
@@ -106,7 +116,7 @@ def scan_layers(
             for j in range(g.size):
                 index = g.first + it * g.size + j
                 mine = [p if p is None or g.size == 1 else p[j] for p in probe]
-                h, bks, rec = one_layer(h, bks, index, mine)
+                h, bks, rec = one_layer(h, keys, bks, index, mine, part)
                 records.append(rec)
             return h, bks, jax.tree.map(lambda *r: jnp.stack(r), *records)
 
@@ -120,6 +130,12 @@ def scan_layers(
             h, bks = carry
             it, probe = xs
             h, bks, rec = iteration(h, bks, it, probe)
+            # The buckets of the part above are complete when the backward runs this
+            # iteration: its chunk of them is synced here, beside the layer's backward.
+            bks = tuple(
+                bk if sync is None else sync_when_complete(sync, bk, first_iteration + it)
+                for bk, sync in zip(bks, syncs)
+            )
             return (h, bks), rec
 
         def group_probes(p):
@@ -129,24 +145,56 @@ def scan_layers(
             # one probe per slot: zb-h1 with block or multi-layer uniform recompute).
             if p is None or (g.size == 1 and g.first == 0 and g.count == p.shape[0]):
                 return p
-            part = lax.slice_in_dim(p, g.first, g.first + g.size * g.count, axis=0)
-            return part if g.size == 1 else part.reshape(g.count, g.size, *p.shape[1:])
+            part_ = lax.slice_in_dim(p, g.first, g.first + g.size * g.count, axis=0)
+            return part_ if g.size == 1 else part_.reshape(g.count, g.size, *p.shape[1:])
 
         return step, (jnp.arange(g.count, dtype=jnp.int32), [group_probes(p) for p in probes])
 
-    carry = (x, stack.carry)
-    records = []
-    for g in groups:
-        step, xs = run_group(g)
-        if g.count == 1:  # no loop for a single iteration
-            carry, rec = step(carry, jax.tree.map(lambda a: a[0], xs))
-            rec = jax.tree.map(lambda a: a[None], rec)
-        else:
-            carry, rec = lax.scan(step, carry, xs, unroll=min(unroll, g.count))
-        records.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rec))
-    (y, bks) = carry
+    runs = [(None, groups)]
+    if stack.parts:
+        runs = [(p, _cut(groups, a, b)) for p, (a, b) in enumerate(stack.parts)]
+    h, records = x, []
+    for part, part_groups in runs:
+        keys = stack.carried(part)
+        iterations = sum(g.count for g in part_groups)
+        done = () if part is None else stack.completed(part)
+        syncs = tuple(
+            stack.on_complete(k, iterations) if k in done and stack.on_complete else None
+            for k in keys
+        )
+        carry, first_iteration = (h, stack.tokens(keys)), 0
+        for g in part_groups:
+            step, xs = run_group(g, keys, part, syncs, first_iteration)
+            if g.count == 1:  # no loop for a single iteration
+                carry, rec = step(carry, jax.tree.map(lambda a: a[0], xs))
+                rec = jax.tree.map(lambda a: a[None], rec)
+            else:
+                carry, rec = lax.scan(step, carry, xs, unroll=min(unroll, g.count))
+            records.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rec))
+            first_iteration += g.count
+        h, bks = carry
+        stack.put(keys, bks)
     aux, inputs, outputs = (
         records[0] if len(records) == 1 else jax.tree.map(lambda *r: jnp.concatenate(r), *records)
     )
-    stack.finish(bks, inputs, outputs)
-    return y, aux
+    stack.finish(inputs, outputs)
+    return h, aux
+
+
+def _cut(groups: tuple[LayerGroup, ...], a: int, b: int) -> tuple[LayerGroup, ...]:
+    """The checkpointed runs of ``groups`` within layers ``[a, b)`` (a part of a scan cut
+    at the row pieces of a layout in layer groups); a run of several layers must not
+    straddle a cut."""
+    out = []
+    for g in groups:
+        lo, hi = max(a, g.first), min(b, g.first + g.size * g.count)
+        if lo >= hi:
+            continue
+        if (lo - g.first) % g.size or (hi - g.first) % g.size:
+            raise ValueError(
+                f"scan_layers: the gradient layout's layer group {a}..{b} cuts through a "
+                f"run of {g.size} layers recomputed together (from layer {g.first} on); "
+                "the layer groups must be multiples of the recompute groups"
+            )
+        out.append(dataclasses.replace(g, first=lo, count=(hi - lo) // g.size))
+    return tuple(out)

@@ -1,0 +1,163 @@
+"""Stacked weights whose gradients live in layer groups (row pieces, one bucket per group):
+``scan_layers`` cuts its scan at the groups, each part adding its rows to its own bucket,
+and a completed group's bucket can be synced chunk by chunk inside the backward of the
+group below (``WgradRoutes(on_complete=...)``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jax_wgrad.functional import WgradRoutes, linear, scan_layers
+from jax_wgrad.functional.linear import RowPiece
+from jax_wgrad.functional.recompute import LayerRecompute
+
+N, H, F, T = 6, 8, 12, 5
+CUTS = ((0, 2), (2, 4), (4, 6))  # three groups of two layers
+
+
+def _params(seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    return {
+        "up": 0.3 * jax.random.normal(k1, (N, F, H), jnp.float32),
+        "down": 0.3 * jax.random.normal(k2, (N, H, F), jnp.float32),
+        "scale": 1.0 + 0.1 * jax.random.normal(k3, (N, H), jnp.float32),
+    }
+
+
+def _layer(p, h):
+    u = jax.nn.gelu(linear(h, p["up"]))
+    return h + linear(u, p["down"]) * p["scale"], ()
+
+
+def _loss_plain(params, x):
+    def body(h, p):
+        return _layer(p, h)[0], None
+
+    y, _ = lax.scan(body, x, params)
+    return jnp.sum(y**2)
+
+
+def _layout():
+    """Bucket g holds rows CUTS[-1 - g] of 'down' then 'up' (reverse order): group 0 the
+    top layers. Returns (bucket sizes, pieces per weight)."""
+    per_row = {"up": F * H, "down": H * F}
+    sizes, pieces = [], {"up": [], "down": []}
+    for g, (a, b) in enumerate(reversed(CUTS)):
+        offset = 0
+        for name in ("down", "up"):
+            pieces[name].append(RowPiece(g, offset, (a, b)))
+            offset += (b - a) * per_row[name]
+        sizes.append(offset + 4)  # some padding at the end
+    return sizes, {k: sorted(v, key=lambda p: p.rows) for k, v in pieces.items()}
+
+
+def _grads_from_buckets(buckets, pieces):
+    out = {}
+    for name, shape in (("up", (F, H)), ("down", (H, F))):
+        rows = []
+        for p in pieces[name]:
+            n = (p.rows[1] - p.rows[0]) * shape[0] * shape[1]
+            rows.append(buckets[p.key][p.offset : p.offset + n].reshape(-1, *shape))
+        out[name] = jnp.concatenate(rows)
+    return out
+
+
+def _run(params, x, buckets, pieces, *, recompute=None, on_complete=None):
+    """``(loss, buckets after the backward, scale's ordinary gradient)``."""
+
+    def f(params, buckets, x):
+        routes = WgradRoutes(dict(enumerate(buckets)), on_complete=on_complete)
+        for name in ("up", "down"):
+            routes.to_pieces(params[name], pieces[name], name=name)
+        with routes:
+            y, _ = scan_layers(_layer, x, params, recompute=recompute)
+        routes.check_used()
+        return jnp.sum(y**2), tuple(routes.buckets.values())
+
+    (loss, _), pullback = jax.vjp(f, params, tuple(buckets), x)
+    dparams, out, _ = pullback((jnp.float32(1.0), tuple(buckets)))
+    return loss, out, dparams["scale"]
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [None, LayerRecompute("selective"), LayerRecompute("full", "uniform", 2)],
+    ids=["none", "selective", "full-uniform-2"],
+)
+def test_row_pieces_equal_jax_grad(recompute):
+    params, x = _params(), jax.random.normal(jax.random.key(1), (T, H), jnp.float32)
+    sizes, pieces = _layout()
+    start = [jnp.zeros((n,), jnp.float32) for n in sizes]
+    loss, buckets, dscale = jax.jit(lambda p, x, b: _run(p, x, b, pieces, recompute=recompute))(
+        params, x, start
+    )
+    want_loss, want = jax.value_and_grad(_loss_plain)(params, x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    got = _grads_from_buckets(buckets, pieces)
+    for name in ("up", "down"):
+        np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(dscale, want["scale"], rtol=2e-5, atol=1e-6)
+    for b, n in zip(buckets, sizes):  # the padding is untouched
+        np.testing.assert_array_equal(b[n - 4 :], 0.0)
+
+
+def test_completed_bucket_synced_in_chunks_inside_the_group_below():
+    """A hook that doubles its chunk: every bucket but the lowest group's comes out as
+    exactly twice (what it held before + this backward's rows), chunk by chunk, so each
+    hook saw its bucket complete and each chunk was synced once."""
+    params, x = _params(2), jax.random.normal(jax.random.key(3), (T, H), jnp.float32)
+    sizes, pieces = _layout()
+    start = [
+        jax.random.normal(jax.random.key(10 + g), (n,), jnp.float32) for g, n in enumerate(sizes)
+    ]
+    asked = []
+
+    def on_complete(key, k):
+        asked.append((key, k))
+        n = sizes[key]
+        if n % k:
+            return None
+
+        def sync(ct, i):
+            c = n // k
+            chunk = lax.dynamic_slice_in_dim(ct, i * c, c)
+            return lax.dynamic_update_slice_in_dim(ct, 2.0 * chunk, i * c, 0)
+
+        return sync
+
+    plain = jax.jit(lambda p, x, b: _run(p, x, b, pieces))(params, x, start)[1]
+    hooked = jax.jit(lambda p, x, b: _run(p, x, b, pieces, on_complete=on_complete))(
+        params, x, start
+    )[1]
+    # Bucket 0 (top group) completes first, synced in group 1's two iterations; bucket 1
+    # in group 2's; bucket 2 (the lowest group) is never complete inside the scan.
+    assert sorted(asked) == [(0, 2), (1, 2)]
+    for g in range(3):
+        want = plain[g] if g == 2 else 2.0 * plain[g]
+        np.testing.assert_allclose(hooked[g], want, rtol=1e-6)
+
+
+def test_misaligned_recompute_groups_are_rejected():
+    params, x = _params(), jnp.ones((T, H), jnp.float32)
+    sizes, pieces = _layout()
+    start = [jnp.zeros((n,), jnp.float32) for n in sizes]
+    with pytest.raises(ValueError, match="cuts through a run of 3 layers"):
+        _run(params, x, start, pieces, recompute=LayerRecompute("full", "uniform", 3))
+
+
+def test_pieces_outside_scan_layers_are_rejected():
+    w = jnp.ones((2, 4), jnp.float32)  # rows 0..2 of a stacked [2, 4] used as a linear
+    routes = WgradRoutes({0: jnp.zeros((8,), jnp.float32)})
+    routes.to_pieces(w, [RowPiece(0, 0, (0, 2))], name="w")
+    with routes, pytest.raises(ValueError, match="only scan_layers"):
+        linear(jnp.ones((5, 4)), w)
+
+
+def test_pieces_must_cover_the_rows():
+    routes = WgradRoutes({0: jnp.zeros((24,), jnp.float32)})
+    with pytest.raises(ValueError, match="must cover its rows 0..2"):
+        routes.to_pieces(jnp.ones((2, 3, 4)), [RowPiece(0, 0, (0, 1))], name="w")
