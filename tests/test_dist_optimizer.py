@@ -54,8 +54,10 @@ def _reference(params, grads, clip):
     return params, np.array(norms), np.array(skipped)
 
 
-def _train(mesh, params, grads, *, dist, bucket_size, clip, tensor_split=False):
-    """STEPS optimizer steps inside one shard_map; returns per-data-rank params and infos."""
+def _train(mesh, params, grads, *, dist, bucket_size, clip, tensor_split=False, row_groups=None):
+    """STEPS optimizer steps inside one shard_map; returns per-data-rank params and infos.
+
+    ``row_groups``: lay the two leaves with 6 rows ("b", "w") out in these row groups."""
     names = mesh.axis_names
     dp = mesh.shape["data"]
     tp = "tensor" in names
@@ -68,9 +70,13 @@ def _train(mesh, params, grads, *, dist, bucket_size, clip, tensor_split=False):
         )
         for k, s in SHAPES.items()
     }
+    rows = {}
+    if row_groups is not None:
+        rows = dict(row_groups=row_groups, split_rows={k: k in ("b", "w") for k in SHAPES})
     buf = GradBuffer.create(
-        local, dp_size=dp, bucket_size=bucket_size, use_distributed_optimizer=dist
+        local, dp_size=dp, bucket_size=bucket_size, use_distributed_optimizer=dist, **rows
     )
+    assert buf.slot("['w']").split == (row_groups is not None)
     model_axes = ("tensor",) if tp else ()
     duplicated = {"tensor": {k: not (k == "w" and tensor_split) for k in SHAPES}} if tp else None
     opt = DistributedOptimizer.create(
@@ -170,6 +176,25 @@ def test_matches_single_device_adamw_data4_tensor2():
     _check(got, stats, ref, norms, skipped, 8)
 
 
+def test_matches_single_device_adamw_with_row_groups():
+    # "b" and "w" laid out in three row groups (3 buckets, each with rows of both; "w" split
+    # over tensor): sharding, weight-decay and duplicated masks, the step and the all-gather
+    # run over pieces of leaves.
+    params, grads = _data(4, 4)
+    ref, norms, skipped = _reference(params, grads, 0.5)
+    got, stats = _train(
+        _mesh((4, 2), ("data", "tensor")),
+        params,
+        grads,
+        dist=True,
+        bucket_size=40,
+        clip=0.5,
+        tensor_split=True,
+        row_groups=(0, 2, 5, 6),
+    )
+    _check(got, stats, ref, norms, skipped, 8)
+
+
 def test_non_finite_gradient_skips_the_step_and_training_continues():
     params, grads = _data(2, 8, nan_at=2)
     ref, norms, skipped = _reference(params, grads, 0.5)
@@ -201,6 +226,18 @@ def test_bad_inputs_raise_value_errors():
         DistributedOptimizer.create(buf, tx, duplicated={"tensor": DECAY})
     with pytest.raises(ValueError, match="must not contain"):
         DistributedOptimizer.create(buf, tx, model_axes=("data",))
+    rows = GradBuffer.create(
+        local,
+        dp_size=8,
+        bucket_size=None,
+        use_distributed_optimizer=True,
+        row_groups=(0, 3, 6),
+        split_rows={k: k in ("b", "w") for k in SHAPES},
+    )
+    with pytest.raises(ValueError, match=r"\['b'\] is laid out in row groups whose buckets"):
+        DistributedOptimizer.create(
+            rows, tx, data_axis=("data", "x"), bucket_axes=("data", ("data", "x"), "data")
+        )
     # Planned for dp=8, run on a 4-device data axis.
     opt = DistributedOptimizer.create(buf, tx)
     mesh = _mesh((4, 2), ("data", "tensor"))

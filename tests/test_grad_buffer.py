@@ -1,5 +1,6 @@
 """GradBuffer layout, packing, in-place accumulation and per-bucket gradient sync."""
 
+import math
 import re
 
 import jax
@@ -10,8 +11,15 @@ from hlo_util import compiled_text, copies_of, custom_calls
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad.grads import GradBuffer, flat_mask, local_mask, shard_buckets, sync_buckets
-from jax_wgrad.grads.plan import plan_buckets, shard_range
+from jax_wgrad.grads import (
+    GradBuffer,
+    SlotPiece,
+    flat_mask,
+    local_mask,
+    shard_buckets,
+    sync_buckets,
+)
+from jax_wgrad.grads.plan import bucket_end_divisor, plan_buckets, shard_range
 from jax_wgrad.ops import registry
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -293,6 +301,254 @@ def test_local_mask_matches_flat_mask():
     whole = local_mask(buf, flags, axis_name=None)
     for g, want in zip(whole, flat_mask(buf, flags)):
         np.testing.assert_array_equal(g, want.astype(bool))
+
+
+# ---------------------------------------------------------------------------- row groups
+
+ROWS = (0, 1, 3, 4)  # three row groups of the stacked [4, ...] leaves: rows 0..1, 1..3, 3..4
+# Flatten order (sorted keys); the flagged leaves are interleaved with unflagged ones (an
+# unflagged stacked [4, 5] among them, and one of another dtype).
+STACKED = {
+    "a_emb": ((7, 3), F32, False),
+    "b_w1": ((4, 3, 5), F32, True),
+    "c_head": ((9,), BF16, False),
+    "d_w2": ((4, 6), F32, True),
+    "e_ln": ((4, 5), F32, False),
+    "f_w3": ((4, 2, 2), F32, True),
+}
+SPLIT = {k: f for k, (_, _, f) in STACKED.items()}
+
+
+def _stacked_buffer(dp, dist, *, bucket_size=20, **kw):
+    params = {k: jax.ShapeDtypeStruct(shape, dt) for k, (shape, dt, _) in STACKED.items()}
+    return GradBuffer.create(
+        params,
+        dp_size=dp,
+        bucket_size=bucket_size,
+        use_distributed_optimizer=dist,
+        row_groups=ROWS,
+        split_rows=SPLIT,
+        **kw,
+    )
+
+
+def _buckets_ref(buf, tree):
+    """numpy buckets of ``tree``: every piece's rows, row-major, at its offset; zeros
+    elsewhere (built from the slots alone, without the buffer's packing code)."""
+    out = [np.zeros((n,), np.float32) for n in buf.bucket_numels]
+    for s, leaf in zip(buf.slots, jax.tree.leaves(tree)):
+        leaf = np.asarray(leaf, np.float32)
+        for p in s.pieces:
+            block = leaf if p.rows is None else leaf[p.rows[0] : p.rows[1]]
+            assert out[p.bucket][p.offset : p.offset + p.size].tolist() == [0.0] * p.size
+            out[p.bucket][p.offset : p.offset + p.size] = block.ravel()
+    return out
+
+
+@pytest.mark.parametrize("dist,dp", [(True, 2), (True, 4), (False, 2), (False, 4)])
+def test_row_group_layout_matches_plans(dist, dp):
+    buf = _stacked_buffer(dp, dist)
+    flagged, plain = [1, 3, 5], [0, 4]
+    shapes = [s.shape for s in buf.slots]
+    kw = dict(dp_size=dp, use_distributed_optimizer=dist)
+    # Bucket j = row group G-1-j (the backward finishes the last layers first), each one
+    # plan_buckets over the flagged leaves' row blocks, the last flagged leaf at offset 0.
+    for j, (start, stop) in enumerate([(3, 4), (1, 3), (0, 1)]):
+        plan = plan_buckets(
+            [(stop - start) * math.prod(shapes[k][1:]) for k in flagged], bucket_size=None, **kw
+        )
+        assert buf.groups[0].row_plans[j] == plan
+        assert buf.bucket_numels[j] == plan.numel
+        assert buf.bucket_leaves[j] == (5, 3, 1)
+        pieces = buf.bucket_pieces(j)
+        assert [k for k, _ in pieces] == [5, 3, 1] and pieces[0][1].offset == 0
+        for (_, piece), (lo, hi, bid) in zip(pieces, [plan.param_ranges[m] for m in (2, 1, 0)]):
+            assert (piece.bucket, piece.offset, piece.size, piece.rows) == (
+                j,
+                lo,
+                hi - lo,
+                (start, stop),
+            )
+            assert bid == 0
+    # The unflagged fp32 leaves follow, planned as without row groups (bucket_size 20: two
+    # buckets); then the bf16 group, unchanged.
+    plan = plan_buckets([21, 20], bucket_size=20, **kw)
+    assert len(plan.buckets) == 2 and buf.groups[0].plan == plan
+    assert buf.bucket_numels[3:5] == tuple(b.numel for b in plan.buckets)
+    for k, (lo, _, bid) in zip(plain, plan.param_ranges):
+        assert buf.offset_of(buf.slots[k].path) == (3 + bid, lo - plan.buckets[bid].offset)
+    assert buf.bucket_leaves[3:5] == tuple(
+        tuple(plain[m] for m in b.param_indices) for b in plan.buckets
+    )
+    assert (
+        buf.groups[1].plan == plan_buckets([9], bucket_size=20, **kw)
+        and buf.groups[1].row_plans == ()
+    )
+    assert [g.first_bucket for g in buf.groups] == [0, 5] and buf.num_buckets == 6
+    assert buf.groups[0].leaf_indices == (0, 1, 3, 4, 5)
+    assert buf.bucket_param_dtypes == (jnp.dtype(F32),) * 5 + (jnp.dtype(BF16),)
+    # Slots: pieces in row order, buckets 2, 1, 0; the whole leaf's size.
+    for k in flagged:
+        s = buf.slots[k]
+        assert s.split and [p.rows for p in s.pieces] == [(0, 1), (1, 3), (3, 4)]
+        assert [p.bucket for p in s.pieces] == [2, 1, 0]
+        assert s.size == sum(p.size for p in s.pieces) == math.prod(s.shape)
+    assert not any(buf.slots[k].split for k in (0, 2, 4))
+    assert buf.param_numel == sum(math.prod(shape) for shape, _, _ in STACKED.values())
+    if dist:
+        assert all(n % bucket_end_divisor(dp) == 0 for n in buf.bucket_numels)
+    text = buf.summary().splitlines()
+    assert [line.split(":")[0] for line in text if line.startswith("group")] == [
+        "group float32->float32, bucket 0",
+        "group float32->float32, bucket 1",
+        "group float32->float32, bucket 2",
+        "group float32->float32, buckets from 3",
+        "group bfloat16->float32, buckets from 5",
+    ]
+    assert "row group rows 3..4" in text[1] and "row group rows 0..1" in text[5]
+
+
+def test_row_groups_of_a_group_without_other_leaves():
+    # Every leaf of the fp32 group flagged: it has only the row-group buckets (plan None).
+    params = {"w": jax.ShapeDtypeStruct((4, 3), F32), "x": jax.ShapeDtypeStruct((2,), BF16)}
+    buf = GradBuffer.create(
+        params,
+        dp_size=2,
+        bucket_size=None,
+        use_distributed_optimizer=True,
+        row_groups=(0, 2, 4),
+        split_rows={"w": True, "x": False},
+    )
+    assert buf.groups[0].plan is None and len(buf.groups[0].row_plans) == 2
+    assert buf.num_buckets == 3 and buf.groups[1].first_bucket == 2
+    assert [p.rows for p in buf.slot("['w']").pieces] == [(0, 2), (2, 4)]
+    assert "buckets from" not in buf.summary().splitlines()[1]
+    tree = _random_tree(buf, 11)
+    jax.tree.map(np.testing.assert_array_equal, buf.to_tree(buf.from_tree(tree)), tree)
+
+
+@pytest.mark.parametrize("dist", [True, False])
+def test_row_groups_round_trip_exactly(dist):
+    buf = _stacked_buffer(4, dist)
+    tree = _random_tree(buf, 12)
+    buckets = jax.jit(buf.from_tree)(tree)
+    for got, want in zip(buckets, _buckets_ref(buf, tree)):
+        np.testing.assert_array_equal(got, want)  # blocks and zero padding
+    jax.tree.map(np.testing.assert_array_equal, jax.jit(buf.to_tree)(buckets), tree)
+    as_bf16 = jax.jit(lambda t: buf.to_tree(buf.from_tree(t, dtype=BF16)))(tree)
+    jax.tree.map(lambda g, t: np.testing.assert_array_equal(g, t.astype(BF16)), as_bf16, tree)
+
+
+def test_row_groups_add_tree_values_and_in_place():
+    buf = _stacked_buffer(2, True)
+    a, b = _random_tree(buf, 13), _random_tree(buf, 14)
+    where = {k: k not in ("d_w2", "e_ln") for k in STACKED}  # skips a split leaf too
+    add = lambda bk, t: buf.add_tree(bk, t, where=where)
+    got = jax.jit(add)(buf.from_tree(a), b)
+    want = {k: a[k] + b[k] if where[k] else a[k] for k in STACKED}
+    for g, w in zip(got, _buckets_ref(buf, want)):
+        np.testing.assert_array_equal(g, w)
+    # One in-place bucket_add per bucket touched; no bucket is copied.
+    hlo = compiled_text(add, buf.zeros(), b, donate_argnums=0)
+    assert all(copies_of(hlo, "f32", (n,)) == [] for n in set(buf.bucket_numels)), hlo
+    if registry.fusion_available("cpu"):  # buckets 0..2 (rows), 4 (a_emb), 5 (c_head)
+        assert len(custom_calls(hlo, registry.BUCKET_ADD_TARGET)) == buf.num_buckets - 1
+
+
+@needs8
+def test_row_groups_local_mask_matches_flat_mask():
+    mesh = _mesh((4,), ("data",))
+    buf = _stacked_buffer(4, True, bucket_size=None)
+    flags = {
+        "a_emb": False,
+        "b_w1": True,
+        "c_head": True,
+        "d_w2": False,
+        "e_ln": True,
+        "f_w3": True,
+    }
+    # flat_mask marks exactly the flagged leaves' pieces (packing a 0/1 tree).
+    ones = jax.tree.map(lambda x, f: jnp.full(x.shape, float(f)), _random_tree(buf, 0), flags)
+    masks = flat_mask(buf, flags)
+    for m, want in zip(masks, buf.from_tree(ones)):
+        np.testing.assert_array_equal(m, want)
+    f = lambda: tuple(m[None] for m in local_mask(buf, flags, axis_name="data"))
+    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(), out_specs=P("data")))()
+    for g, want in zip(got, masks):
+        np.testing.assert_array_equal(np.asarray(g).reshape(-1), want.astype(bool))
+
+
+def test_row_groups_concatenate_shifts_pieces():
+    split = _stacked_buffer(2, True)
+    plain = GradBuffer.create(_params(), dp_size=2, bucket_size=30, use_distributed_optimizer=True)
+    for parts in ((plain, split), (split, plain)):
+        ab = GradBuffer.concatenate(parts)
+        shift, first = (0, 0) if parts[0] is split else (plain.num_buckets, len(plain.slots))
+        moved = lambda p, d=shift: SlotPiece(p.bucket + d, p.offset, p.size, p.rows)
+        for s in split.slots:
+            assert ab.slots[first + s.index].pieces == tuple(map(moved, s.pieces))
+        for i in range(split.num_buckets):
+            assert ab.bucket_pieces(shift + i) == tuple(
+                (first + k, moved(p)) for k, p in split.bucket_pieces(i)
+            )
+        assert [g.first_bucket for g in ab.groups if g.row_plans] == [shift]
+        tree = tuple(_random_tree(b, 15 + n) for n, b in enumerate(parts))
+        jax.tree.map(np.testing.assert_array_equal, ab.to_tree(ab.from_tree(tree)), tree)
+        added = ab.to_tree(ab.add_tree(ab.from_tree(tree), tree))
+        jax.tree.map(lambda g, t: np.testing.assert_array_equal(g, 2 * t), added, tree)
+
+
+def test_row_group_errors():
+    sds = jax.ShapeDtypeStruct
+    params = {
+        "w": sds((4, 3), F32),
+        "v": sds((4,), F32),
+        "x": sds((3, 3), F32),
+        "y": sds((4, 2), BF16),
+    }
+    kw = dict(dp_size=2, bucket_size=None, use_distributed_optimizer=True)
+    only_w = {"w": True, "v": False, "x": False, "y": False}
+    for bad in ((1, 4), (0, 2, 2, 4), (0, 3, 2, 4), (0,), (0, 1.5, 4)):
+        with pytest.raises(ValueError, match=re.escape("row_groups must be")):
+            GradBuffer.create(params, row_groups=bad, split_rows=only_w, **kw)
+    with pytest.raises(ValueError, match=r"\['w'\].*shape \(4, 3\).*row_groups\[-1\] = 5"):
+        GradBuffer.create(params, row_groups=(0, 2, 5), split_rows=only_w, **kw)
+    with pytest.raises(ValueError, match=r"\['x'\].*shape \(3, 3\).*= 4 rows"):
+        GradBuffer.create(params, row_groups=(0, 2, 4), split_rows={**only_w, "x": True}, **kw)
+    with pytest.raises(
+        ValueError,
+        match=r"\['y'\].*bfloat16.*one group: \(param float32, grad float32\), that of \['w'\]",
+    ):
+        GradBuffer.create(params, row_groups=(0, 2, 4), split_rows={**only_w, "y": True}, **kw)
+    with pytest.raises(ValueError, match=r"\['v'\] is flagged both split_rows and shared_emb"):
+        GradBuffer.create(
+            params,
+            row_groups=(0, 2, 4),
+            split_rows={**only_w, "v": True},
+            shared_embedding={"w": False, "v": True, "x": False, "y": False},
+            **kw,
+        )
+    with pytest.raises(ValueError, match="flags no leaf"):
+        GradBuffer.create(params, row_groups=(0, 4), split_rows=dict.fromkeys(params, False), **kw)
+    with pytest.raises(ValueError, match="row_groups and split_rows go together"):
+        GradBuffer.create(params, row_groups=(0, 2, 4), **kw)
+    with pytest.raises(ValueError, match="row_groups and split_rows go together"):
+        GradBuffer.create(params, split_rows=only_w, **kw)
+    with pytest.raises(ValueError, match="split_rows must have the parameter tree"):
+        GradBuffer.create(params, row_groups=(0, 2, 4), split_rows={"w": True}, **kw)
+    buf = GradBuffer.create(params, row_groups=(0, 2, 4), split_rows=only_w, **kw)
+    msg = re.escape("['w'] is laid out in 2 row groups; read slot.pieces")
+    with pytest.raises(ValueError, match=msg):
+        _ = buf.slot("['w']").offset
+    with pytest.raises(ValueError, match=msg):
+        _ = buf.slot("['w']").bucket
+    with pytest.raises(ValueError, match=msg):
+        buf.offset_of("['w']")
+    assert buf.offset_of("['v']") == (buf.slot("['v']").bucket, buf.slot("['v']").offset)
+    with pytest.raises(ValueError, match="laid out in 2 row groups, not one block"):
+        buf.wgrad_accumulate(buf.zeros(), "['w']", jnp.zeros((2, 3)), jnp.zeros((2, 4)))
+    with pytest.raises(ValueError, match="bucket 9 not in"):
+        buf.bucket_pieces(9)
 
 
 # ---------------------------------------------------------------------------- errors

@@ -19,7 +19,7 @@ layers and the embedding/head parameters that are shared between stages and sync
 different time.
 """
 
-from jax_wgrad.grads.buffer import BufferGroup, GradBuffer, ParamSlot
+from jax_wgrad.grads.buffer import BufferGroup, GradBuffer, ParamSlot, SlotPiece
 from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import finalize_grads, sync_stage_buckets
@@ -54,6 +54,7 @@ __all__ = [
     "LAYERS",
     "OUTPUT",
     "ParamSlot",
+    "SlotPiece",
     "ROLES",
     "SHARED",
     "STAGE",

@@ -36,13 +36,15 @@ def flat_mask(
         flatten order (e.g. ``True`` where weight decay applies).
       dtype: dtype of the result (float32: 1.0 / 0.0).
     Returns:
-      Static numpy arrays, ``[bucket_numels[i]]`` each; padding is 0.
+      Static numpy arrays, ``[bucket_numels[i]]`` each; padding is 0. A flagged leaf laid
+      out in row groups is flagged in every one of its pieces.
     """
     values = buffer.flag_values(flags)
     out = [np.zeros((n,), dtype) for n in buffer.bucket_numels]
-    for s, v in zip(buffer.slots, values):
-        if v:
-            out[s.bucket][s.offset : s.offset + s.size] = 1
+    for i, mask in enumerate(out):
+        for k, p in buffer.bucket_pieces(i):
+            if values[k]:
+                mask[p.offset : p.offset + p.size] = 1
     return tuple(out)
 
 
@@ -91,15 +93,14 @@ def local_mask(
                 f"divisible by the {dp} ranks of {axis_name!r}"
             )
         size = n // dp
-        runs: list[list[int]] = []  # merged [start, end) of flagged slots, in order
-        for k in buffer.bucket_leaves[i]:
-            s = buffer.slots[k]
+        runs: list[list[int]] = []  # merged [start, end) of flagged pieces, in order
+        for k, p in buffer.bucket_pieces(i):
             if not values[k]:
                 continue
-            if runs and runs[-1][1] == s.offset:
-                runs[-1][1] = s.offset + s.size
+            if runs and runs[-1][1] == p.offset:
+                runs[-1][1] = p.offset + p.size
             else:
-                runs.append([s.offset, s.offset + s.size])
+                runs.append([p.offset, p.offset + p.size])
         if not runs:
             out.append(jnp.zeros((size,), bool))
             continue

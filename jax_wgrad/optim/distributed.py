@@ -188,7 +188,8 @@ class DistributedOptimizer:
           duplicated: ``{axis: tree of bools}``, see the class docstring; each axis must
             be in ``model_axes``.
         Raises:
-          ValueError: on a negative ``clip_grad``, mismatched trees or unknown axes.
+          ValueError: on a negative ``clip_grad``, mismatched trees, unknown axes or a
+            leaf laid out in row groups whose buckets have different ``bucket_axes``.
         """
         model_axes = tuple(model_axes)
         data_names = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
@@ -220,6 +221,14 @@ class DistributedOptimizer:
                     f"DistributedOptimizer: bucket axes {wrong} are not within "
                     f"the data axis {data_axis!r}"
                 )
+            for s in buffer.slots:  # a leaf in row groups: all its buckets alike
+                axes = {bucket_axes[p.bucket] for p in s.pieces}
+                if len(axes) > 1:
+                    raise ValueError(
+                        f"DistributedOptimizer: parameter {s.path} is laid out in row groups "
+                        f"whose buckets have different bucket_axes {sorted(map(str, axes))}; "
+                        "give all its buckets the same axes"
+                    )
         if not isinstance(tx, optax.GradientTransformationExtraArgs):
             tx = optax.with_extra_args_support(tx)
         return cls(
@@ -255,7 +264,10 @@ class DistributedOptimizer:
         for name in _names(self.data_axis):
             over = [name in _names(a) for a in axes]
             if not all(over):
-                out.append((name, tuple(over[s.bucket] for s in self.buffer.slots)))
+                # A leaf laid out in row groups has several buckets, all of one chunk and
+                # all with the same axes (checked by create): its first piece's bucket
+                # stands for all of them.
+                out.append((name, tuple(over[s.pieces[0].bucket] for s in self.buffer.slots)))
         return tuple(out)
 
     def _check_axis(self) -> None:

@@ -136,9 +136,12 @@ def bytes_per_parameter(optimizer: DistributedOptimizer) -> BytesPerParameter:
     state = optimizer.state_shapes()
     terms: dict[tuple[int, int, int, int], int] = defaultdict(int)
     for s in buf.slots:
-        d = buf.bucket_dp_sizes[s.bucket] if optimizer.distributed else 1
-        p, g, o = megatron_bytes_per_parameter(s.param_dtype, buf.bucket_dtypes[s.bucket], d)
-        terms[(p, g, o, d)] += s.size
+        for piece in s.pieces:  # a leaf laid out in row groups has a piece per bucket
+            d = buf.bucket_dp_sizes[piece.bucket] if optimizer.distributed else 1
+            p, g, o = megatron_bytes_per_parameter(
+                s.param_dtype, buf.bucket_dtypes[piece.bucket], d
+            )
+            terms[(p, g, o, d)] += piece.size
     megatron = sum(k * (p + g + o / d) for (p, g, o, d), k in terms.items()) / n
     text = lambda p, g, o, d: f"{p} + {g} + {o}" + (f"/{d}" if d > 1 else "")
     if len(terms) == 1:
