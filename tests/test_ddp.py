@@ -51,8 +51,8 @@ LR, WD, B1, B2, EPS = 1e-3, 0.1, 0.9, 0.95, 1e-4
 SMALL_BUCKET = 2000  # elements: several buckets per stage (needs overlap_grad_reduce)
 
 
-def _batch(i):
-    return DATA.batch(i, GBS, MODEL.seq_length, seed=SEED)
+def _batch(i, model=MODEL):
+    return DATA.batch(i, GBS, model.seq_length, seed=SEED)
 
 
 def _decay_mask(params):
@@ -65,7 +65,7 @@ def _decay_mask(params):
     )
 
 
-def _reference(params, clip, skip=()):
+def _reference(params, clip, skip=(), model=MODEL):
     """Single device: jax.grad of the plain-jnp GPT, Megatron's clipping coefficient,
     optax.adamw with the same hyperparameters and decay mask."""
     tx = optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, mask=_decay_mask(params))
@@ -73,7 +73,7 @@ def _reference(params, clip, skip=()):
     grad_fn = jax.jit(jax.value_and_grad(reference_loss), static_argnums=2)
     losses, norms = [], []
     for i in range(STEPS):
-        loss, g = grad_fn(params, jnp.asarray(_batch(i)), MODEL)
+        loss, g = grad_fn(params, jnp.asarray(_batch(i, model)), model)
         norm = optax.tree.norm(g)
         losses.append(float(loss))
         norms.append(float(norm))
@@ -87,7 +87,7 @@ def _reference(params, clip, skip=()):
     return params, np.array(losses), np.array(norms)
 
 
-def _setup(dp_tp_pp, ddp, *, fusion, sp, hook=None):
+def _setup(dp_tp_pp, ddp, *, fusion, sp, hook=None, model=MODEL):
     dp, tp, pp = dp_tp_pp
     if fusion and not fusion_available("cpu"):
         fusion = False
@@ -101,18 +101,18 @@ def _setup(dp_tp_pp, ddp, *, fusion, sp, hook=None):
     )
     mesh = make_mesh(par)
     opt = default_optimizer(LR, weight_decay=WD, b1=B1, b2=B2, eps=EPS)
-    plan = TrainPlan.create(MODEL, par, mesh, opt, ddp=ddp)
+    plan = TrainPlan.create(model, par, mesh, opt, ddp=ddp)
     state = init_train_state(plan, seed=SEED)
     step = build_train_step(plan, state, debug_grad_hook=hook)
     return plan, mesh, state, step
 
 
-def _train(dp_tp_pp, ddp, *, fusion, sp, hook=None):
-    par, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp, hook=hook)
+def _train(dp_tp_pp, ddp, *, fusion, sp, hook=None, model=MODEL):
+    plan, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp, hook=hook, model=model)
     init = jax.device_get(state.params)
     history = []
     for i in range(STEPS):
-        state, m = step(state, shard_batch(mesh, _batch(i)))
+        state, m = step(state, shard_batch(mesh, _batch(i, model)))
         history.append(
             (
                 jax.device_get(state.params),
@@ -204,6 +204,36 @@ def test_five_steps_equal_single_device_optax(mesh_shape, dist, buckets, clip):
         for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(init))
     )
     assert moved > 1e-3  # the steps did something (>> the 1e-5-relative tolerance)
+
+
+DEEP = dataclasses.replace(MODEL, num_layers=8)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, dist, model",
+    [
+        pytest.param((4, 1, 2), True, DEEP, id="(4, 1, 2)-dist"),
+        pytest.param((8, 1, 1), False, MODEL, id="(8, 1, 1)-repl", marks=pytest.mark.slow),
+        pytest.param((2, 2, 2), False, DEEP, id="(2, 2, 2)-repl", marks=pytest.mark.slow),
+    ],
+)
+def test_layer_groups_synced_in_the_last_backward_equal_single_device_optax(
+    mesh_shape, dist, model
+):
+    """overlap_grad_reduce with fusion lays the stage's fused layer weights out in layer
+    groups, a bucket each, and the stage's last backward syncs every group's bucket but
+    the lowest one's while it differentiates the group below (one stage: the last tick
+    after the loop; several: the backward's third branch): five steps equal single-device
+    optax."""
+    ddp = _ddp(dist, "small", 0.5)
+    plan, *_ = _setup(mesh_shape, ddp, fusion=True, sp=mesh_shape[1] > 1, model=model)
+    groups = plan.layout.layer_group_buckets
+    assert len(groups) == 2, plan.layout.stage.summary()
+    init, history = _train(mesh_shape, ddp, fusion=True, sp=mesh_shape[1] > 1, model=model)
+    ref, ref_losses, ref_norms = _reference(init, 0.5, model=model)
+    np.testing.assert_allclose([h[2]["loss"] for h in history], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose([h[2]["grad_norm"] for h in history], ref_norms, rtol=1e-5)
+    _assert_params_close(history[-1][0], ref, f"layer groups {mesh_shape} dist={dist}")
 
 
 # slow: a non-finite gradient skipping the step stays in the default run at the optimizer

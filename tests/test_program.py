@@ -107,6 +107,7 @@ class MLPStack:
     model: MLPStackConfig
     parallel: ParallelConfig
     ends_over_pipeline = False  # pre and post run on the first / last stage only
+    stacks_layers = False  # a Python loop over per-layer parameters
     fused_op_families = DENSE_FAMILIES  # fused linears only
 
     @property

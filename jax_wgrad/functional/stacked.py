@@ -157,9 +157,14 @@ def scan_layers(
     for part, part_groups in runs:
         keys = stack.carried(part)
         iterations = sum(g.count for g in part_groups)
+        # The buckets of the part above get a hook in every iteration, a no-op unless
+        # the routes sync them (the same residuals either way: a step traces its last
+        # backward with syncs and reads the residuals its other forwards stored).
         done = () if part is None else stack.completed(part)
         syncs = tuple(
-            stack.on_complete(k, iterations) if k in done and stack.on_complete else None
+            ((stack.on_complete and stack.on_complete(k, iterations)) or _unsynced)
+            if k in done
+            else None
             for k in keys
         )
         carry, first_iteration = (h, stack.tokens(keys)), 0
@@ -179,6 +184,10 @@ def scan_layers(
     )
     stack.finish(inputs, outputs)
     return h, aux
+
+
+def _unsynced(ct: jax.Array, i: jax.Array) -> jax.Array:
+    return ct
 
 
 def _cut(groups: tuple[LayerGroup, ...], a: int, b: int) -> tuple[LayerGroup, ...]:

@@ -23,7 +23,7 @@ from jax_wgrad.grads.buffer import BufferGroup, GradBuffer, ParamSlot, SlotPiece
 from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import finalize_grads, sync_stage_buckets
-from jax_wgrad.grads.layout import GradLayout
+from jax_wgrad.grads.layout import GradLayout, layer_group_bounds
 from jax_wgrad.grads.masks import flat_mask, local_mask
 from jax_wgrad.grads.plan import (
     BucketPlan,
@@ -45,6 +45,7 @@ __all__ = [
     "DeviceTree",
     "GradBuffer",
     "GradLayout",
+    "layer_group_bounds",
     "GradSink",
     "GradSpec",
     "GradState",

@@ -39,6 +39,8 @@ The norm / clipping / skip / update that follow are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -46,11 +48,25 @@ from jax import lax
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.layout import SYNC_AXES, GradLayout
 from jax_wgrad.grads.masks import flat_mask, local_mask
-from jax_wgrad.grads.spec import EXPERTS, SHARED, STAGE
-from jax_wgrad.grads.sync import axis_size, place_shards, shard_buckets, sync_buckets
+from jax_wgrad.grads.spec import EXPERTS, STAGE
+from jax_wgrad.grads.sync import (
+    axis_index,
+    axis_size,
+    place_shards,
+    shard_buckets,
+    sync_buckets,
+)
+from jax_wgrad.ops.position import INT32_MAX
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR
 
-__all__ = ["prescaled", "sync_chunk", "sync_stage_buckets", "finalize_grads"]
+__all__ = [
+    "prescaled",
+    "sync_chunk",
+    "sync_bucket_chunk",
+    "chunk_syncable",
+    "sync_stage_buckets",
+    "finalize_grads",
+]
 
 Buckets = tuple[jax.Array, ...]
 
@@ -78,6 +94,49 @@ def sync_chunk(buckets: Buckets, ddp: DDPConfig, chunk: str) -> Buckets:
         )[0]
 
     return tuple(one(b) for b in buckets)
+
+
+def chunk_syncable(numel: int, dp: int, num_chunks: int, ddp: DDPConfig) -> bool:
+    """Whether a bucket of ``numel`` elements can be synced in ``num_chunks`` equal
+    chunks by :func:`sync_bucket_chunk` (every rank's shard split evenly, int32 element
+    positions)."""
+    per = numel // dp if ddp.use_distributed_optimizer else numel
+    return numel % dp == 0 and per % num_chunks == 0 and numel <= INT32_MAX
+
+
+def sync_bucket_chunk(
+    bucket: jax.Array, i: jax.Array, num_chunks: int, ddp: DDPConfig, chunk: str
+) -> jax.Array:
+    """Chunk ``i`` (traced int32) of ``num_chunks`` of one bucket's data-parallel sync,
+    written back in place -- a bucket synced piece by piece while the backward runs
+    (layer groups, :class:`~jax_wgrad.grads.GradLayout`).
+
+    With the distributed optimizer the ``[numel]`` bucket is viewed ``[dp, numel / dp]``
+    (row ``r``: rank ``r``'s shard) and columns ``[i c, (i + 1) c)`` with ``c = numel /
+    dp / num_chunks`` are reduce-scattered: each rank receives its own shard's chunk and
+    writes it at its row (what :func:`sync_stage_buckets` leaves for the whole bucket);
+    without it elements ``[i c, (i + 1) c)``, ``c = numel / num_chunks``, are all-reduced.
+    Scaling as :func:`sync_chunk`. Needs :func:`chunk_syncable`."""
+    axis = SYNC_AXES[chunk]
+    dp, n = axis_size(axis), bucket.shape[0]
+    if not chunk_syncable(n, dp, num_chunks, ddp):
+        raise ValueError(
+            f"sync_bucket_chunk: a bucket of {n} elements cannot be synced in "
+            f"{num_chunks} chunks over {dp} ranks"
+        )
+    with jax.named_scope("grad_sync_in_backward"):
+        if not ddp.use_distributed_optimizer:
+            c = n // num_chunks
+            part = lax.dynamic_slice_in_dim(bucket, i * c, c)
+            return lax.dynamic_update_slice_in_dim(
+                bucket, sync_chunk((part,), ddp, chunk)[0], i * c, 0
+            )
+        c = n // dp // num_chunks
+        view = bucket.reshape(dp, n // dp)
+        slab = lax.dynamic_slice_in_dim(view, i * c, c, axis=1)  # [dp, c]: row r for rank r
+        mine = sync_chunk((slab.reshape(-1),), ddp, chunk)[0]  # [c]: this rank's row, reduced
+        view = lax.dynamic_update_slice(view, mine[None], (axis_index(axis), i * c))
+        return view.reshape(n)
 
 
 def prescaled(bucket: jax.Array) -> bool:
@@ -108,7 +167,7 @@ def finalize_grads(
     ddp: DDPConfig,
     buckets: Buckets,
     *,
-    stage_synced: bool,
+    synced_in_place: Sequence[bool],
     num_tokens: jax.Array,
     sequence_parallel: bool,
     pipeline_parallel: bool,
@@ -117,8 +176,11 @@ def finalize_grads(
 
     Args:
       buckets: this device's buckets (``layout.buffer``): local sums of token-loss
-        gradients; the stage and expert chunks already synced in place if
-        ``stage_synced``.
+        gradients, some already synced in place.
+      synced_in_place: per bucket of ``layout.buffer``: synced already, in place (the
+        stage and expert chunks in the pipeline cooldown, a layer group's bucket in the
+        last backward: :func:`sync_stage_buckets`' and :func:`sync_bucket_chunk`'s form);
+        only this rank's shard is taken out of it.
       num_tokens: fp32 scalar, tokens of this data rank's batch (summed over ``data``
         here, like Megatron's all-reduce of ``num_tokens``).
     Returns:
@@ -126,13 +188,23 @@ def finalize_grads(
       optimizer) or full ``[numel_i]`` buckets, one per bucket of ``layout.buffer``.
     """
     dist = ddp.use_distributed_optimizer
+    if len(synced_in_place) != len(buckets):
+        raise ValueError(
+            f"finalize_grads: synced_in_place has {len(synced_in_place)} flags for "
+            f"{len(buckets)} buckets"
+        )
+    done = layout.state(tuple(synced_in_place))
     state = layout.state(buckets)
     with jax.named_scope("data_parallel_sync"):
 
         def sync(name, bks):
-            if name != SHARED and stage_synced:
-                return shard_buckets(bks, axis_name=SYNC_AXES[name]) if dist else bks
-            return sync_chunk(bks, ddp, name)
+            axis = SYNC_AXES[name]
+            return tuple(
+                (shard_buckets((b,), axis_name=axis)[0] if dist else b)
+                if synced
+                else sync_chunk((b,), ddp, name)[0]
+                for b, synced in zip(bks, done[name])
+            )
 
         state = state.map(sync)
     synced = layout.concatenated(state)

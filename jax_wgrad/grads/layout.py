@@ -14,12 +14,21 @@ expert-data-parallel size and synced over
 distributed optimizer a tied word embedding gets a bucket of its own (Megatron's
 ``shared_embedding`` rule). Nothing here knows the model: every per-parameter decision
 reads a spec.
+
+**Layer groups** (``layer_groups``: Megatron's overlap of the data-parallel sync with the
+backward): the stage chunk's weights fused in :data:`LAYERS` (stacked ``[n, ...]``) are
+laid out in groups of consecutive layers, each group one bucket of its own, the last
+layers' first (:meth:`GradBuffer.create`'s row groups; :func:`layer_group_bounds`). The
+backward completes a group's bucket when it has passed the group's layers, so its sync
+can run while the layers below are differentiated; a bucket holding a whole stacked
+weight is complete only at the end of the backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,11 +36,11 @@ import jax
 from jax_wgrad.grads.buffer import GradBuffer
 from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
-from jax_wgrad.grads.spec import CHUNKS, EXPERTS, SHARED, STAGE, GradSpec
+from jax_wgrad.grads.spec import CHUNKS, EXPERTS, LAYERS, SHARED, STAGE, GradSpec
 from jax_wgrad.grads.sync import AxisName
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, EXPERT_DATA_PARALLEL
 
-__all__ = ["GradLayout", "SYNC_AXES"]
+__all__ = ["GradLayout", "SYNC_AXES", "layer_group_bounds"]
 
 SYNC_AXES: dict[str, AxisName] = {
     STAGE: DATA_PARALLEL,
@@ -45,6 +54,29 @@ Buckets = tuple[jax.Array, ...]
 
 def _is_spec(x) -> bool:
     return isinstance(x, GradSpec)
+
+
+def layer_group_bounds(
+    num_layers: int, fused_numel: int, bucket_size: int | None, *, align: int = 1
+) -> tuple[int, ...] | None:
+    """Where a stage's ``num_layers`` stacked layers are cut into layer groups, a bucket
+    each (the module docstring): ``(0, b_1, ..., num_layers)``, or ``None`` when fewer
+    than two groups result (nothing could be synced before the backward ends).
+
+    As many groups as Megatron's ``bucket_size`` asks for the ``fused_numel`` elements of
+    the stage's fused layer weights (``ceil(fused_numel / bucket_size)``), at most one per
+    two layers (each group is a loop of its own in the backward, and its bucket is synced
+    in the next group's iterations), the cuts at multiples of ``align`` (layers
+    recomputed together, Megatron's uniform ``recompute_num_layers``) and as even as
+    that allows.
+    """
+    if bucket_size is None or num_layers < 4:
+        return None
+    units = math.ceil(num_layers / align)
+    count = min(math.ceil(fused_numel / bucket_size), num_layers // 2, units)
+    if count < 2:
+        return None
+    return tuple(min(num_layers, (k * units // count) * align) for k in range(count + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +107,7 @@ class GradLayout:
         ddp: DDPConfig,
         fusion: bool,
         expert_dp_size: int | None = None,
+        layer_groups: Sequence[int] | None = None,
     ) -> GradLayout:
         """Lays out the buckets of a device tree.
 
@@ -86,7 +119,16 @@ class GradLayout:
           dp_size: data-parallel size; ddp: bucket options; fusion: as the attribute.
           expert_dp_size: the expert-data-parallel size the expert chunk is planned for
             (default ``dp_size``).
+          layer_groups: ``(0, b_1, ..., n)``: the stage chunk's weights fused in
+            :data:`LAYERS` (stacked ``[n, ...]``) laid out in these groups of layers, a
+            bucket each (the module docstring; :func:`layer_group_bounds`); needs
+            ``fusion``.
         """
+        if layer_groups is not None and not fusion:
+            raise ValueError(
+                "GradLayout.create: layer_groups lay out the fused layer weights; "
+                "gradient accumulation fusion is off"
+            )
         if not isinstance(shapes, Chunks) or not isinstance(specs, Chunks):
             raise ValueError(
                 f"GradLayout.create: shapes and specs must be DeviceTrees (one "
@@ -112,6 +154,14 @@ class GradLayout:
                 )
                 continue
             tied = jax.tree.map(lambda s: s.tied_embedding, spec_tree, is_leaf=_is_spec)
+            rows = {}
+            if name == STAGE and layer_groups is not None:
+                rows = dict(
+                    row_groups=tuple(layer_groups),
+                    split_rows=jax.tree.map(
+                        lambda s: s.fused_in == LAYERS, spec_tree, is_leaf=_is_spec
+                    ),
+                )
             parts[name] = GradBuffer.create(
                 shape_tree,
                 shared_embedding=tied,
@@ -119,6 +169,7 @@ class GradLayout:
                 bucket_size=ddp.effective_bucket_size(dp),
                 use_distributed_optimizer=ddp.use_distributed_optimizer,
                 pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw,
+                **rows,
             )
             flat_specs += chunk_specs
         parts = Chunks(**parts)
@@ -147,6 +198,16 @@ class GradLayout:
     def experts(self) -> GradBuffer:
         """The :data:`EXPERTS` chunk: this stage's expert weights (no buckets if dense)."""
         return self.parts.experts
+
+    @property
+    def layer_group_buckets(self) -> tuple[int, ...]:
+        """The stage chunk's layer-group buckets (indices among its buckets), the last
+        layers' first; ``()`` without layer groups."""
+        return tuple(
+            i
+            for i in range(self.stage.num_buckets)
+            if any(p.rows is not None for _, p in self.stage.bucket_pieces(i))
+        )
 
     @property
     def bucket_axes(self) -> tuple[AxisName, ...]:

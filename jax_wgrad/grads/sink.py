@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Literal
 
 import jax
 
 from jax_wgrad import ops
-from jax_wgrad.functional.linear import WgradRoutes
+from jax_wgrad.functional.linear import ChunkSync, RowPiece, WgradRoutes
 from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
 from jax_wgrad.grads.layout import GradLayout
 from jax_wgrad.grads.spec import LAYERS, OUTPUT, STACKED, STAGE
@@ -57,17 +57,22 @@ class SinkEntry:
       name: its key path in the device tree (``jax.tree_util.keystr``), e.g.
         ``".shared['head']['output']['weight']"``.
       chunk: the chunk holding it; role: the role whose backward produces its gradient.
-      bucket: its bucket among the chunk's buckets; offset: its first element there.
+      bucket: its bucket among the chunk's buckets; offset: its first element there
+        (``None`` for a weight laid out in layer groups).
       shape: the weight's per-device shape; policy: see the module docstring.
+      pieces: a stacked weight laid out in layer groups
+        (:class:`~jax_wgrad.grads.GradLayout`): its rows' blocks, keyed like the
+        :class:`Tape`'s buckets (``(chunk, bucket)``); ``()`` otherwise.
     """
 
     name: str
     chunk: str
     role: str
-    bucket: int
-    offset: int
+    bucket: int | None
+    offset: int | None
     shape: tuple[int, ...]
     policy: Policy
+    pieces: tuple[RowPiece, ...] = ()
 
     @property
     def probed(self) -> bool:
@@ -139,15 +144,31 @@ class GradSink:
                 or (spec.fused_in == LAYERS and spec.chunk == STAGE)
             ):
                 policy = "stash_w"
+            first = _first_bucket(layout, spec.chunk)
+            if slot.split:
+                if policy != "accumulate":
+                    raise ValueError(
+                        f"GradSink: {slot.path} is laid out in layer groups, which only "
+                        f"a backward that accumulates its gradient can fill (policy {policy!r})"
+                    )
+                place = dict(
+                    bucket=None,
+                    offset=None,
+                    pieces=tuple(
+                        RowPiece((spec.chunk, p.bucket - first), p.offset, p.rows)
+                        for p in slot.pieces
+                    ),
+                )
+            else:
+                place = dict(bucket=slot.bucket - first, offset=slot.offset)
             entries.append(
                 SinkEntry(
                     name=slot.path,
                     chunk=spec.chunk,
                     role=spec.fused_in,
-                    bucket=slot.bucket - _first_bucket(layout, spec.chunk),
-                    offset=slot.offset,
                     shape=tuple(slot.shape),
                     policy=policy,
+                    **place,
                 )
             )
         fused = tuple(e for e in entries if e is not None)
@@ -183,11 +204,14 @@ class GradSink:
         params: DeviceTree,
         state: GradState | None,
         probes: Mapping[str, jax.Array | None] | None = None,
+        on_complete: Callable[[Hashable, int], ChunkSync | None] | None = None,
     ) -> Tape:
         """A :class:`Tape` for one differentiated call of ``role`` (create it INSIDE the
         function being differentiated, from that function's ``params``, ``state`` and
-        ``probes``; run the program under ``with tape:``)."""
-        return Tape(self, role, params, state, probes)
+        ``probes``; run the program under ``with tape:``). ``on_complete``: the routes'
+        hook for a layer group's completed bucket, keyed ``(chunk, bucket)``
+        (:class:`~jax_wgrad.functional.WgradRoutes`)."""
+        return Tape(self, role, params, state, probes, on_complete)
 
     def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
         """``role``'s ordinary gradients into their blocks (:meth:`GradLayout.add`)."""
@@ -255,6 +279,7 @@ class Tape:
         params: DeviceTree,
         state: GradState | None,
         probes: Mapping[str, jax.Array | None] | None,
+        on_complete: Callable[[Hashable, int], ChunkSync | None] | None = None,
     ):
         self._state = state
         self._probed = sink.probed(role)
@@ -264,6 +289,7 @@ class Tape:
         routes = WgradRoutes(
             {(chunk, i): bk for chunk, bks in state.items() for i, bk in enumerate(bks)},
             [None if probes is None else probes[e.name] for e in self._probed],
+            on_complete=on_complete,
         )
         index = {e.name: i for i, e in enumerate(self._probed)}
         leaves = sink.layout.buffer.treedef.flatten_up_to(params)
@@ -272,6 +298,8 @@ class Tape:
                 continue
             if entry.probed:
                 routes.to_split(leaf, index[entry.name], name=entry.name)
+            elif entry.pieces:
+                routes.to_pieces(leaf, entry.pieces, name=entry.name)
             else:
                 routes.to_bucket(leaf, (entry.chunk, entry.bucket), entry.offset, name=entry.name)
         self._routes = routes

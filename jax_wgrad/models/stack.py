@@ -153,6 +153,7 @@ class LayerStackProgram:
     parallel: ParallelConfig
     platform: str | None = None
     ends_over_pipeline = False  # pre / post on the first / last stage only
+    stacks_layers = True  # body: one scan_layers over the stacked layers
     fused_op_families = DENSE_FAMILIES  # no expert layers
 
     def __post_init__(self) -> None:

@@ -153,6 +153,10 @@ class GPTProgram:
         """Expert-tensor-parallel size of the MoE layers (1 for a dense model)."""
         return self.parallel.expert_tensor_parallel_size if self.moe else 1
 
+    stacks_layers = True
+    """``body`` is one :func:`~jax_wgrad.functional.scan_layers` over the stage's stacked
+    periods of layers (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`)."""
+
     @property
     def ends_over_pipeline(self) -> bool:
         """``pre`` and ``post`` are collectives over ``pipeline`` (the vocabulary over the

@@ -35,6 +35,14 @@ activations and gradients with its neighbours (:mod:`.transfer`).
 * **Cooldown sync** (``overlap_grad_reduce``): at the stage's last ``B``/``W`` tick (from
   the table) its stage buckets are synced over the data-parallel ranks, and its expert
   buckets over the expert-data-parallel ranks, while earlier stages still compute.
+* **Layer groups** (a layout whose fused layer weights are in layer groups,
+  :class:`~jax_wgrad.grads.GradLayout`): the stage's last ``B`` syncs each group's
+  bucket while it differentiates the group below (chunk by chunk, inside that group's
+  loop: :func:`~jax_wgrad.grads.finalize.sync_bucket_chunk`), Megatron's overlap of
+  the data-parallel sync with the backward. That backward is traced apart, with the
+  syncs (:attr:`ScheduleRun.last_store`: the pullback of the same residuals): with one
+  stage the last tick runs after the loop over the others, with several a third branch
+  of the backward task runs it.
 
 **Interleaved** (``table.num_chunks = V > 1``): a task runs on the model chunk the table
 names: ``body`` gets its :class:`~jax_wgrad.grads.chunks.Window` of the stacked layers and
@@ -55,6 +63,7 @@ live there (:mod:`.ends`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -63,7 +72,7 @@ from jax import lax
 
 from jax_wgrad.grads.chunks import DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
-from jax_wgrad.grads.finalize import sync_stage_buckets
+from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
 from jax_wgrad.grads.sink import GradSink
 from jax_wgrad.grads.spec import EXPERTS, LAYERS, STAGE
 from jax_wgrad.parallel import control
@@ -93,7 +102,7 @@ def stage_gradients(
     table: ScheduleTable,
     params: DeviceTree,
     batch: jax.Array,
-) -> tuple[tuple[jax.Array, ...], jax.Array, Any]:
+) -> tuple[tuple[jax.Array, ...], jax.Array, Any, tuple[bool, ...]]:
     """Per-device body of the schedule (call inside ``shard_map`` over the mesh).
 
     Args:
@@ -106,15 +115,22 @@ def stage_gradients(
       params: this device's parameters (the device tree).
       batch: ``[M * mb, ...]`` this data rank's batch (``program.setup.batch_shape``).
     Returns:
-      ``(buckets, loss_sum, aux_sum)``: this device's buckets (``sink.layout.buffer``'s) of
-      token-loss-SUM gradients (stage chunk already synced when overlapping; nothing else
-      reduced), its sum of token losses, and its sums of ``body``'s aux.
+      ``(buckets, loss_sum, aux_sum, synced_in_place)``: this device's buckets
+      (``sink.layout.buffer``'s) of token-loss-SUM gradients, its sum of token losses,
+      its sums of ``body``'s aux, and per bucket whether it is synced already, in place
+      (the stage and expert chunks in the cooldown, layer groups' buckets in the last
+      backward: :attr:`ScheduleRun.synced_in_place`).
       :func:`jax_wgrad.grads.finalize_grads` does the rest.
     """
     run = ScheduleRun(program, sink, ddp, table, params, batch)
-    carry, _ = lax.scan(run.tick, run.init_carry(), run.tick_rows())
+    rows = run.tick_rows()
+    if run.peels_last_tick:
+        carry, _ = lax.scan(run.tick, run.init_carry(), jax.tree.map(lambda a: a[:-1], rows))
+        carry, _ = run.tick(carry, jax.tree.map(lambda a: a[-1], rows), last=True)
+    else:
+        carry, _ = lax.scan(run.tick, run.init_carry(), rows)
     grads = run.ends.drain(carry)
-    return sink.layout.concatenated(grads), carry.loss_sum, carry.aux_sum
+    return sink.layout.concatenated(grads), carry.loss_sum, carry.aux_sum, run.synced_in_place
 
 
 def initial_carry(
@@ -148,6 +164,11 @@ class ScheduleRun:
       body_probes: zero probes of the layers' split linears (none unless split).
       body_records: shapes of what ``body`` records: ``(inputs, outputs, aux)``.
       store: how the layers' residuals are kept in slots (:class:`~.residuals.ResidualStore`).
+      last_store: the layers' pullback as the stage's last ``B`` runs it, syncing the
+        layer groups' buckets as it completes them (the same residuals as ``store``);
+        ``None`` without layer groups.
+      synced_in_backward: the stage chunk's buckets that ``last_store`` syncs.
+      last_backward_tick: ``int32 [P]``, per stage the tick of its last ``B``.
     """
 
     def __init__(
@@ -209,6 +230,31 @@ class ScheduleRun:
             ctx.zero_activation,
             has_aux=True,
         )
+        self.last_store, self.synced_in_backward = None, ()
+        if ctx.fused and sink.layout.layer_group_buckets and ddp.overlap_grad_reduce:
+            if ctx.split_backward or ctx.num_chunks > 1:
+                raise ValueError(
+                    f"stage_gradients: schedule {table.name!r} "
+                    + ("splits the backward" if ctx.split_backward else "is interleaved")
+                    + "; a layout in layer groups needs one backward per microbatch and "
+                    "model chunk"
+                )
+            synced: list[int] = []
+            self.last_store = ResidualStore.create(
+                functools.partial(self._taped_body, on_complete=self._chunk_sync(synced)),
+                (*chunk0, self.body_probes, jnp.int32(0)),
+                ctx.zero_activation,
+                has_aux=True,
+            )
+            if (self.last_store.live_index, self.last_store.shapes) != (
+                self.store.live_index,
+                self.store.shapes,
+            ):
+                raise AssertionError("the last backward's residuals differ from the others'")
+            self.synced_in_backward = tuple(sorted(set(synced)))
+        self.last_backward_tick = jnp.asarray(
+            [table.last_grad_tick(s) for s in range(ctx.num_stages)]
+        )
         output_pair_slots = (
             table.live_count(ctx.num_stages - 1, "F", "W", ctx.num_chunks - 1)
             if ctx.split_backward
@@ -218,12 +264,50 @@ class ScheduleRun:
             program, sink, ctx, output_pair_slots=output_pair_slots
         )
 
-    def _taped_body(self, live, x):
+    @property
+    def peels_last_tick(self) -> bool:
+        """One stage with layer groups: the last tick (the last backward, with its syncs)
+        runs after the loop over the others."""
+        return self.last_store is not None and self.context.num_stages == 1
+
+    @property
+    def synced_in_place(self) -> tuple[bool, ...]:
+        """Per bucket of ``sink.layout.buffer``: synced in the schedule, in place (the
+        stage and expert chunks in the cooldown; the layer groups' buckets in the last
+        backward)."""
+        flags = self.sink.layout.parts.map(
+            lambda name, part: tuple(
+                (self.syncs_in_cooldown and name in (STAGE, EXPERTS))
+                or (name == STAGE and i in self.synced_in_backward)
+                for i in range(part.num_buckets)
+            )
+        )
+        return self.sink.layout.concatenated(flags)
+
+    def _chunk_sync(self, synced: list[int]):
+        """The routes' ``on_complete`` of the last backward: a layer group's bucket
+        (``(STAGE, i)``) is synced in ``k`` chunks when they divide it (recorded in
+        ``synced``); anything else is left to the cooldown or the finalization."""
+        stage, groups = self.sink.layout.stage, set(self.sink.layout.layer_group_buckets)
+
+        def on_complete(key, k: int):
+            chunk, i = key
+            if chunk != STAGE or i not in groups:
+                return None
+            if not chunk_syncable(stage.bucket_numels[i], stage.bucket_dp_sizes[i], k, self.ddp):
+                return None
+            synced.append(i)
+            return lambda ct, j: sync_bucket_chunk(ct, j, k, self.ddp, STAGE)
+
+        return on_complete
+
+    def _taped_body(self, live, x, on_complete=None):
         """``((params, grads, probes, chunk), x) -> ((y, grads), (recorded inputs,
         outputs, aux))`` of model chunk ``chunk``'s layers under the sink's ``LAYERS`` tape
-        (probes ``None``: records only, traced once for the shapes)."""
+        (probes ``None``: records only, traced once for the shapes); ``on_complete``: the
+        layer groups' syncs of the last backward (:meth:`_chunk_sync`)."""
         params, grads, probes, chunk = live
-        with self.sink.open(LAYERS, params, grads, probes) as tape:
+        with self.sink.open(LAYERS, params, grads, probes, on_complete=on_complete) as tape:
             y, aux = self.program.body(params, x, layers=self.context.window(chunk))
         grads, inputs, outputs = tape.close()
         return (y, grads), (inputs, outputs, aux)
@@ -266,9 +350,12 @@ class ScheduleRun:
         rows = (t.forward, t.backward, t.weight, t.forward_chunk, t.backward_chunk, t.weight_chunk)
         return TickRows(jnp.arange(t.num_ticks), *(jnp.asarray(a) for a in rows))
 
-    def tick(self, carry: PipelineCarry, rows: TickRows) -> tuple[PipelineCarry, None]:
+    def tick(
+        self, carry: PipelineCarry, rows: TickRows, last: bool = False
+    ) -> tuple[PipelineCarry, None]:
         """One tick: this stage's ``F``, ``B`` and ``W`` tasks (each skipped when idle)
-        with the ends' hooks around them, the cooldown sync, the exchange."""
+        with the ends' hooks around them, the cooldown sync, the exchange. ``last``: the
+        schedule's last tick, run after the loop (:attr:`peels_last_tick`)."""
         ctx = self.context
         here = lambda row: row[ctx.stage]
         f, b, w = here(rows.forward), here(rows.backward), here(rows.weight)
@@ -282,9 +369,21 @@ class ScheduleRun:
             )
         carry = self.ends.after_forward_tick(carry, ends, y)
         with jax.named_scope("backward"):
-            carry, dx = control.cond(
-                runs("B", b), self.backward, self._no_backward, carry, b, b_chunk
-            )
+            if self.last_store is not None and ctx.num_stages > 1:
+                # idle, a backward, or the stage's last one (with the layer groups' syncs)
+                which = jnp.where(
+                    b < 0, 0, jnp.where(rows.tick == self.last_backward_tick[ctx.stage], 2, 1)
+                )
+                carry, dx = lax.switch(
+                    which,
+                    [self._no_backward, self.backward, self._last_backward],
+                    carry,
+                    b,
+                    b_chunk,
+                )
+            else:
+                busy = self._last_backward if last else self.backward
+                carry, dx = control.cond(runs("B", b), busy, self._no_backward, carry, b, b_chunk)
         carry = self.ends.after_backward_tick(carry, ends, dx)
         if ctx.split_backward:
             with jax.named_scope("weight_gradients"):
@@ -320,10 +419,12 @@ class ScheduleRun:
         with jax.named_scope("grad_sync_in_cooldown"):
 
             def sync(own):
-                return (
-                    sync_stage_buckets(own[0], self.ddp, STAGE),
-                    sync_stage_buckets(own[1], self.ddp, EXPERTS),
-                )
+                done = self.synced_in_backward  # layer groups' buckets: synced already
+                stage = list(own[0])
+                rest = [i for i in range(len(stage)) if i not in done]
+                for i, b in zip(rest, sync_stage_buckets(tuple(stage[i] for i in rest), self.ddp)):
+                    stage[i] = b
+                return tuple(stage), sync_stage_buckets(own[1], self.ddp, EXPERTS)
 
             stage, experts = lax.cond(
                 tick == self.sync_tick[self.context.stage],
@@ -370,17 +471,17 @@ class ScheduleRun:
     def _no_forward(self, carry: PipelineCarry, microbatch, chunk, ends):
         return carry, self.context.zero_activation
 
-    def backward(self, carry: PipelineCarry, microbatch, chunk):
+    def backward(self, carry: PipelineCarry, microbatch, chunk, store=None):
         """``B``: the stored pullback seeded with the gradient received; the layers'
         gradients into their blocks (or, split, their output gradients kept for ``W``);
         then the ends' part (``pre``'s backward on the first virtual stage). Returns the
-        carry and the input gradient."""
+        carry and the input gradient. ``store``: whose pullback (default :attr:`store`)."""
         ctx = self.context
         dy = lax.dynamic_index_in_dim(
             carry.gradient_inbox, ctx.gradient_slot(chunk, microbatch), 0, keepdims=False
         )
         live = self._live(carry, chunk)
-        pullback = self.store.pullback(
+        pullback = (store or self.store).pullback(
             carry.residuals, self.residual_slot[ctx.stage, chunk, microbatch], live
         )
         (dparams, grads, dys, _), dx = pullback((dy, live[1]))
@@ -390,6 +491,10 @@ class ScheduleRun:
             pairs[name] = pairs[name].put_dy(self.weight_pair_slot[ctx.stage, chunk, microbatch], d)
         grads = self.ends.after_backward_task(grads, microbatch, chunk, dx)
         return carry.replace(grads=grads, weight_pairs=pairs), dx
+
+    def _last_backward(self, carry: PipelineCarry, microbatch, chunk):
+        """The stage's last ``B``: :meth:`backward` with the layer groups' syncs."""
+        return self.backward(carry, microbatch, chunk, store=self.last_store)
 
     def _no_backward(self, carry: PipelineCarry, microbatch, chunk):
         return carry, self.context.zero_activation

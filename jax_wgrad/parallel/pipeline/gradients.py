@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,16 +13,18 @@ from jax.sharding import PartitionSpec as P
 from jax_wgrad.grads.chunks import DeviceTree
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import finalize_grads
-from jax_wgrad.grads.layout import GradLayout
+from jax_wgrad.grads.layout import GradLayout, layer_group_bounds
 from jax_wgrad.grads.sink import GradSink
+from jax_wgrad.grads.spec import LAYERS, GradSpec
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, axis_sizes, local_shape
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry
-from jax_wgrad.parallel.pipeline.executor import cooldown_sync, initial_carry, stage_gradients
+from jax_wgrad.parallel.pipeline.executor import initial_carry, stage_gradients
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
 
 __all__ = [
     "grad_layout",
+    "layer_groups",
     "grad_sink",
     "schedule_of",
     "reduce_gradients",
@@ -42,13 +45,56 @@ def grad_layout(program: StageProgram, ddp: DDPConfig) -> GradLayout:
         program.param_specs(),
         is_leaf=lambda x: isinstance(x, P),
     )
+    tree, specs = program.device_tree(local), program.grad_specs()
     return GradLayout.create(
-        program.device_tree(local),
-        program.grad_specs(),
+        tree,
+        specs,
         dp_size=par.data_parallel_size,
         ddp=ddp,
         fusion=par.gradient_accumulation_fusion,
         expert_dp_size=par.expert_data_parallel_size,
+        layer_groups=layer_groups(program, ddp, tree, specs),
+    )
+
+
+def layer_groups(
+    program: StageProgram, ddp: DDPConfig, tree: DeviceTree, specs: DeviceTree
+) -> tuple[int, ...] | None:
+    """Where the stage's fused layer weights are cut into layer groups, a bucket each
+    (:func:`~jax_wgrad.grads.layer_group_bounds`), or ``None``: Megatron's overlap of
+    the data-parallel sync with the backward (``overlap_grad_reduce``), built when the
+    stage's last backward can sync a group's bucket as it completes it -- with gradient
+    accumulation fusion (the fused GEMMs write the groups' buckets inside the backward),
+    layers run by :func:`~jax_wgrad.functional.scan_layers`
+    (:attr:`StageProgram.stacks_layers`), more than one data-parallel rank, one model
+    chunk per stage and a backward that is not split (zero bubble's ``W`` tasks come
+    after it)."""
+    par = program.parallel
+    if not (
+        ddp.overlap_grad_reduce
+        and par.gradient_accumulation_fusion
+        and program.stacks_layers
+        and par.data_parallel_size > 1
+        and par.num_model_chunks == 1
+        and not schedule_of(program).split_backward
+    ):
+        return None
+    fused = [
+        leaf
+        for leaf, spec in zip(
+            jax.tree.leaves(tree.stage),
+            jax.tree.leaves(specs.stage, is_leaf=lambda x: isinstance(x, GradSpec)),
+        )
+        if spec.fused_in == LAYERS
+    ]
+    if not fused:
+        return None
+    align = par.recompute_num_layers if par.recompute_method == "uniform" else 1
+    return layer_group_bounds(
+        fused[0].shape[0],
+        sum(math.prod(a.shape) for a in fused),
+        ddp.effective_bucket_size(par.data_parallel_size),
+        align=align or 1,
     )
 
 
@@ -96,7 +142,9 @@ def reduce_gradients(
     program's (:meth:`StageProgram.metrics`; the GPT: its MoE figures, ``{}`` if dense).
     """
     par = program.parallel
-    buckets, loss_sum, aux = stage_gradients(program, sink, ddp, table, params, batch)
+    buckets, loss_sum, aux, synced_in_place = stage_gradients(
+        program, sink, ddp, table, params, batch
+    )
     if grad_hook is not None:
         buckets = tuple(grad_hook(buckets))
     setup = program.setup
@@ -104,7 +152,7 @@ def reduce_gradients(
         sink.layout,
         ddp,
         buckets,
-        stage_synced=cooldown_sync(ddp, par.pipeline_model_parallel_size),
+        synced_in_place=synced_in_place,
         num_tokens=jnp.float32(setup.num_tokens),
         sequence_parallel=par.sequence_parallel,
         pipeline_parallel=par.pipeline_model_parallel_size > 1,

@@ -63,6 +63,13 @@ class StageProgram(Protocol):
     last virtual stage needs them (:class:`~jax_wgrad.parallel.pipeline.ends.SpreadEnds`);
     ``post``'s loss and gradient count on the last stage, ``pre``'s backward is seeded with
     the first stage's input gradient (zeros on the others)."""
+    stacks_layers: bool
+    """``body`` runs the stage chunk's layers with
+    :func:`~jax_wgrad.functional.scan_layers` over their stacked ``[n, ...]`` leaves,
+    all ``n`` at once (one model chunk): their gradients can then be laid out in layer
+    groups, each group's bucket synced while the stage's last backward runs the layers
+    below (Megatron's ``overlap_grad_reduce``; :func:`~.gradients.layer_groups`).
+    ``False``: one bucket layout as ever, synced after the backward."""
     fused_op_families: tuple[str, ...]
     """The op families (:data:`~jax_wgrad.ops.registry.OP_FAMILIES`) its layers call with
     ``gradient_accumulation_fusion``: what :meth:`~jax_wgrad.training.TrainPlan.create`
