@@ -274,6 +274,26 @@ def test_report_figures_carry_the_estimate():
     r = dataclasses.replace(r, estimate=exposed)
     assert r.figures()["dp_sync_overlapped"] is False
     assert "data-parallel gradient sync: exposed: reduce-scatter rs.1 1.00 ms" in r.format()
+    # Layer groups: the verdict is about the syncs inside the last backward; the tail
+    # after it (Megatron's last buckets) is reported exposed beside it.
+    cc = est.CollectiveCost
+    groups = dataclasses.replace(
+        e,
+        collectives=(
+            cc("rs.2", "reduce-scatter", "x/grad_sync_in_backward/rs", 2, False, 1.0, 2e-3, 2e-3),
+            cc("rs.3", "reduce-scatter", "x/data_parallel_sync/rs", 2, False, 1.0, 1e-3, 0.0),
+        ),
+    )
+    r = dataclasses.replace(r, estimate=groups)
+    assert r.figures()["dp_sync_overlapped"] is True
+    assert (
+        "overlapped with the last backward: 1 collectives, 2.00 of 2.00 ms hidden; after it "
+        "(the buckets the backward completes last, as in Megatron): 1.00 ms exposed"
+    ) in r.format()
+    half = dataclasses.replace(
+        groups, collectives=(dataclasses.replace(groups.collectives[0], hidden_s=1e-3),)
+    )
+    assert dataclasses.replace(r, estimate=half).figures()["dp_sync_overlapped"] is False
 
 
 def test_the_ends_are_charged_in_the_ticks_that_run_them():
