@@ -23,9 +23,12 @@ class DDPConfig:
     """Shard fp32 master weights and optimizer state over ``data``: buckets are
     reduce-scattered, each rank updates its shard, parameters are all-gathered."""
     overlap_grad_reduce: bool = False
-    """Sync a pipeline stage's gradient buckets in the cooldown, in the tick after the
-    stage's last backward (inside the schedule, while the stages before it still run
-    theirs); otherwise after the schedule."""
+    """Overlap the data-parallel gradient sync with the backward. With gradient
+    accumulation fusion the stage's fused layer weights are laid out in layer groups, a
+    bucket each, and the stage's last backward syncs each group's bucket while it runs
+    the layers below; a pipeline stage syncs its other buckets in the cooldown, in the
+    tick after its last backward (while the stages before it still run theirs), one
+    stage after the schedule. Without it every bucket is synced after the schedule."""
     bucket_size: int | None = None
     """Approximate elements per bucket. As in Megatron: ``None`` means
     ``max(40_000_000, 1_000_000 * dp)`` with ``overlap_grad_reduce`` and is ignored (one
