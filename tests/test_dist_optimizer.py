@@ -159,10 +159,15 @@ def test_matches_single_device_adamw_dp8(dist, bucket_size, clip):
     _check(got, stats, ref, norms, skipped, 8)
 
 
-def test_matches_single_device_adamw_data4_tensor2():
+@pytest.mark.parametrize(
+    "seed, row_groups", [(1, None), (4, (0, 2, 5, 6))], ids=["buckets", "row-groups"]
+)
+def test_matches_single_device_adamw_data4_tensor2(seed, row_groups):
     # "w" is split over tensor (distinct halves); the others are replicated over tensor
-    # and must be counted once in the clipping norm.
-    params, grads = _data(1, 4)
+    # and must be counted once in the clipping norm. With row groups "b" and "w" are laid
+    # out in three row groups (3 buckets, each with rows of both): sharding, weight-decay
+    # and duplicated masks, the step and the all-gather run over pieces of leaves.
+    params, grads = _data(seed, 4)
     ref, norms, skipped = _reference(params, grads, 0.5)
     got, stats = _train(
         _mesh((4, 2), ("data", "tensor")),
@@ -172,25 +177,7 @@ def test_matches_single_device_adamw_data4_tensor2():
         bucket_size=40,
         clip=0.5,
         tensor_split=True,
-    )
-    _check(got, stats, ref, norms, skipped, 8)
-
-
-def test_matches_single_device_adamw_with_row_groups():
-    # "b" and "w" laid out in three row groups (3 buckets, each with rows of both; "w" split
-    # over tensor): sharding, weight-decay and duplicated masks, the step and the all-gather
-    # run over pieces of leaves.
-    params, grads = _data(4, 4)
-    ref, norms, skipped = _reference(params, grads, 0.5)
-    got, stats = _train(
-        _mesh((4, 2), ("data", "tensor")),
-        params,
-        grads,
-        dist=True,
-        bucket_size=40,
-        clip=0.5,
-        tensor_split=True,
-        row_groups=(0, 2, 5, 6),
+        row_groups=row_groups,
     )
     _check(got, stats, ref, norms, skipped, 8)
 
