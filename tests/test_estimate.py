@@ -172,6 +172,26 @@ def test_schedule_time_is_the_slowest_stage_per_tick():
     assert stage.seconds == pytest.approx(2 + 2 + 0.5)
 
 
+def test_a_switch_task_is_charged_the_branch_its_tick_runs():
+    """The backward of a step with layer groups is a switch (idle, busy, the stage's last
+    with the syncs): each tick is charged the branch the table runs, not the heaviest."""
+    idle, on, last = est.Cost(), est.Cost(compute_s=1.0), est.Cost(compute_s=1.5)
+    which = {(0, 0): 1, (1, 0): 1, (2, 0): 2, (0, 1): 0, (1, 1): 1, (2, 1): 2}
+    seconds, stage = est.schedule_time(
+        est.Cost(), {"backward": (idle, on, last)}, lambda k, t, s: which[t, s], 3, 2
+    )
+    assert seconds == pytest.approx(1.0 + 1.0 + 1.5)
+    assert stage.seconds == pytest.approx(1.0 + 1.0 + 1.5)
+    from jax_wgrad.aot.compile import table_busy
+    from jax_wgrad.parallel.pipeline.schedules import get_schedule
+
+    t = get_schedule("1f1b", 2, 4)
+    busy = table_busy(t)
+    for s in range(2):
+        ticks = [k for k in range(t.num_ticks) if busy("backward", k, s) == 2]
+        assert ticks == [t.last_grad_tick(s)]
+
+
 def test_flops_of_a_cpu_compiled_scan_of_matmuls():
     """The estimate counts a real compiled module's GEMMs: a scan of three matmuls."""
 

@@ -438,13 +438,15 @@ def _per_microbatch(
     return max(stages, key=size) * (1 / table.num_microbatches)
 
 
-def table_busy(table) -> Callable[[str, int, int], bool]:
+def table_busy(table) -> Callable[[str, int, int], bool | int]:
     """``busy(task, tick, stage)``: whether the schedule ``table`` runs the task named by
     its scope (:data:`~jax_wgrad.aot.hlo.TASK_SCOPES`) in that tick on that stage (the
     cooldown sync: in the stage's ``table.sync_tick``; a conditional of no task: always),
     or the end named by its scope (:data:`~jax_wgrad.aot.hlo.END_SCOPES`: ``post`` with
     the last stage's ``F`` of chunk ``V - 1``, ``pre_backward`` with the first stage's
-    ``B`` of chunk 0)."""
+    ``B`` of chunk 0). The backward is a branch index: 0 idle, 1 busy, 2 the stage's
+    last (with layer groups it is a switch of these three branches,
+    :class:`~jax_wgrad.parallel.pipeline.executor.ScheduleRun`)."""
     rows = {
         "forward": np.asarray(table.forward),
         "backward": np.asarray(table.backward),
@@ -455,8 +457,11 @@ def table_busy(table) -> Callable[[str, int, int], bool]:
         "pre_backward": (rows["backward"], np.asarray(table.backward_chunk), 0, 0),
     }
     sync = [table.sync_tick(s) for s in range(table.num_stages)]
+    last_backward = [table.last_grad_tick(s) for s in range(table.num_stages)]
 
-    def busy(key: str, t: int, s: int) -> bool:
+    def busy(key: str, t: int, s: int) -> bool | int:
+        if key == "backward" and rows[key][t, s] >= 0:
+            return 2 if t == last_backward[s] else 1
         if key in rows:
             return bool(rows[key][t, s] >= 0)
         if key in ends:

@@ -564,22 +564,28 @@ class ModuleCosts:
 
 def schedule_time(
     overhead: Cost,
-    tasks: Mapping[str, tuple[Cost, Cost]],
-    busy: Callable[[str, int, int], bool],
+    tasks: Mapping[str, tuple[Cost, ...]],
+    busy: Callable[[str, int, int], bool | int],
     num_ticks: int,
     num_stages: int,
 ) -> tuple[float, Cost]:
     """The schedule loop's time: each tick as long as its slowest stage (the ticks are
     chained by the pipeline's sends and receives), a stage's tick ``overhead`` plus each
-    task's ``(idle, busy)`` cost as ``busy(task, tick, stage)`` says. Returns ``(seconds,
-    the busiest stage's summed cost)``."""
+    task's ``(idle, busy)`` cost as ``busy(task, tick, stage)`` says (a task of more
+    branches, a switch: the branch of the index ``busy`` returns, e.g. the stage's last
+    backward with the layer groups' syncs). Returns ``(seconds, the busiest stage's
+    summed cost)``."""
     seconds, per_stage = 0.0, [Cost() for _ in range(num_stages)]
     for t in range(num_ticks):
         costs = []
         for s in range(num_stages):
             c = overhead
-            for key, (idle, on) in tasks.items():
-                c = c + (on if busy(key.rstrip("'"), t, s) else idle)
+            for key, options in tasks.items():
+                which = busy(key.rstrip("'"), t, s)
+                if len(options) > 2:
+                    c = c + options[min(int(which), len(options) - 1)]
+                else:
+                    c = c + (options[1] if which else options[0])
             costs.append(c)
             per_stage[s] = per_stage[s] + c
         seconds += max(c.seconds for c in costs)
@@ -661,7 +667,7 @@ def estimate_step(
         )
     name, body = loop
     conds = [i for i in hlo.instructions(mc.comps.get(body, ())) if i.opcode == "conditional"]
-    tasks: dict[str, tuple[Cost, Cost]] = {}
+    tasks: dict[str, tuple[Cost, ...]] = {}
 
     def sync_of(ins: hlo.Instruction) -> Cost:
         syncs = mc.host_syncs.get(ins.name, 0)
@@ -688,6 +694,9 @@ def estimate_step(
         branches = [mc.computation(b, record=1, replace=ends) for b in hlo.branches(ins.line)] or [
             Cost()
         ]
+        if len(branches) > 2:  # a switch: its branches in index order (``busy``'s index)
+            tasks[key] = tuple(b + sync_of(ins) for b in branches)
+            continue
         options = sorted(branches, key=lambda c: c.seconds)
         tasks[key] = (options[0] + sync_of(ins), options[-1] + sync_of(ins))
     overhead = mc.computation(body, replace={i.name: Cost() for i in conds})
