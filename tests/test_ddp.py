@@ -236,6 +236,28 @@ def test_layer_groups_synced_in_the_last_backward_equal_single_device_optax(
     _assert_params_close(history[-1][0], ref, f"layer groups {mesh_shape} dist={dist}")
 
 
+def test_hlo_layer_groups_are_reduce_scattered_inside_the_backward_layer_loop():
+    """The compiled structure of the overlap: the reduce-scatter of a completed layer
+    group's bucket sits inside the backward loop of the group below (where XLA:GPU's
+    scheduler overlaps it with that layer's GEMMs), not after it; the lowest group's and
+    the other buckets are reduce-scattered in the cooldown."""
+    layout, hlo = _compiled((4, 1, 2), _ddp(True, "small", 0.0), model=DEEP, text=True)
+    comps = computations(hlo)
+    bodies = {body: c for c in comps for _, body in while_bodies(comps, c)}
+    where = [
+        c
+        for c, lines in comps.items()
+        for line in lines
+        if " reduce-scatter(" in line and "grad_sync_in_backward" in line
+    ]
+    # two groups: the upper group's bucket, in the two iterations of the lower group's loop
+    assert len(layout.layer_group_buckets) == 2 and len(where) == 1, where
+    (body,) = where
+    assert body in bodies and "transpose(jvp(" in "\n".join(comps[body]), body
+    schedule = [b for b, c in bodies.items() if c == entry_name(hlo)]
+    assert any(body in reachable(comps, b) for b in schedule)
+
+
 # slow: a non-finite gradient skipping the step stays in the default run at the optimizer
 # (test_dist_optimizer.py::test_non_finite_gradient_skips_the_step_and_training_continues)
 @pytest.mark.slow
@@ -264,10 +286,12 @@ def test_non_finite_gradient_skips_the_step_and_training_continues(mesh_shape):
 # ---------------------------------------------------------------------------- HLO facts
 
 
-def _compiled(dp_tp_pp, ddp, fusion=True, sp=False):
-    plan, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp)
+def _compiled(dp_tp_pp, ddp, fusion=True, sp=False, model=MODEL, text=False):
+    plan, mesh, state, step = _setup(dp_tp_pp, ddp, fusion=fusion, sp=sp, model=model)
     layout = plan.layout
-    hlo = step.lower(state, shard_batch(mesh, _batch(0))).compile().as_text()
+    hlo = step.lower(state, shard_batch(mesh, _batch(0, model))).compile().as_text()
+    if text:
+        return layout, hlo
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)  # logical ids, (d, e, t, p)
     ranks = ids.reshape(ids.shape[0] * ids.shape[1], -1)  # data-parallel ranks x (t, p)
     data_groups = [ranks[:, j] for j in range(ranks.shape[1])]
