@@ -132,6 +132,16 @@ LAYOUTS: tuple[Layout, ...] = (
         "the first row with paired 1F1B ticks (a backward and a forward per tick)",
     ),
     Layout(
+        "llama3-8b-tp2pp2dp2-s4k-paired-groups",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2)
+        + _seq(4096, 16)
+        + ("--overlap-grad-reduce", "--defer-embedding-wgrad-compute")
+        + ("--pipeline-schedule", "1f1b-paired", "--overlap-grad-reduce-in-backward"),
+        "the paired row with the layer groups' sync in the last backward",
+    ),
+    Layout(
         "llama3-8b-tp2pp2dp2-s4k-vp2-paired",
         "llama3-8b",
         8,
@@ -174,6 +184,16 @@ LAYOUTS: tuple[Layout, ...] = (
         "TP4 DP2, seq 8192, selective recompute, grad reduce per bucket",
     ),
     Layout(
+        "llama3-8b-tp4dp2-s8k-groups",
+        "llama3-8b",
+        8,
+        _tp_pp(4)
+        + _seq(8192, 16)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
+        + ("--overlap-grad-reduce-in-backward",),
+        "the TP4 DP2 row with the layer groups' sync in the last backward",
+    ),
+    Layout(
         "llama3-8b-tp2dp4-s4k",
         "llama3-8b",
         8,
@@ -186,6 +206,16 @@ LAYOUTS: tuple[Layout, ...] = (
         64,
         _tp_pp(8, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
         "TP8 PP4 DP2 on 8 hosts, seq 4096, full recompute",
+    ),
+    Layout(
+        "llama3-70b-tp8pp4dp2-s4k-full-groups",
+        "llama3-70b",
+        64,
+        _tp_pp(8, 4)
+        + _seq(4096, 32)
+        + ("--overlap-grad-reduce", "--overlap-grad-reduce-in-backward")
+        + FULL_RECOMPUTE,
+        "the 70B row with the layer groups' sync (over the network) in the last backward",
     ),
     Layout(
         "mixtral-8x7b-tp2pp2ep4-s4k-full",

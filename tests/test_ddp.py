@@ -220,12 +220,12 @@ DEEP = dataclasses.replace(MODEL, num_layers=8)
 def test_layer_groups_synced_in_the_last_backward_equal_single_device_optax(
     mesh_shape, dist, model
 ):
-    """overlap_grad_reduce with fusion lays the stage's fused layer weights out in layer
+    """overlap_grad_reduce_in_backward lays the stage's fused layer weights out in layer
     groups, a bucket each, and the stage's last backward syncs every group's bucket but
     the lowest one's while it differentiates the group below (one stage: the last tick
     after the loop; several: the backward's third branch): five steps equal single-device
     optax."""
-    ddp = _ddp(dist, "small", 0.5)
+    ddp = _ddp(dist, "small", 0.5, overlap_grad_reduce_in_backward=True)
     plan, *_ = _setup(mesh_shape, ddp, fusion=True, sp=mesh_shape[1] > 1, model=model)
     groups = plan.layout.layer_group_buckets
     assert len(groups) == 2, plan.layout.stage.summary()
@@ -236,12 +236,26 @@ def test_layer_groups_synced_in_the_last_backward_equal_single_device_optax(
     _assert_params_close(history[-1][0], ref, f"layer groups {mesh_shape} dist={dist}")
 
 
+def test_layer_groups_fail_loudly_where_they_cannot_work():
+    with pytest.raises(ValueError, match="requires overlap_grad_reduce"):
+        DDPConfig(overlap_grad_reduce_in_backward=True)
+    ddp = _ddp(True, "small", 0.0, overlap_grad_reduce_in_backward=True)
+    with pytest.raises(ValueError, match="make fewer than two layer groups"):
+        _setup((4, 1, 2), ddp, fusion=True, sp=False)  # 2 layers per stage
+    with pytest.raises(ValueError, match=r"needs gradient accumulation fusion"):
+        _setup((4, 1, 2), ddp, fusion=False, sp=False, model=DEEP)
+    # without the option the layout is the one bucket plan per chunk, as ever
+    plan, *_ = _setup((4, 1, 2), _ddp(True, "small", 0.0), fusion=True, sp=False, model=DEEP)
+    assert plan.layout.layer_group_buckets == ()
+
+
 def test_hlo_layer_groups_are_reduce_scattered_inside_the_backward_layer_loop():
     """The compiled structure of the overlap: the reduce-scatter of a completed layer
     group's bucket sits inside the backward loop of the group below (where XLA:GPU's
     scheduler overlaps it with that layer's GEMMs), not after it; the lowest group's and
     the other buckets are reduce-scattered in the cooldown."""
-    layout, hlo = _compiled((4, 1, 2), _ddp(True, "small", 0.0), model=DEEP, text=True)
+    ddp = _ddp(True, "small", 0.0, overlap_grad_reduce_in_backward=True)
+    layout, hlo = _compiled((4, 1, 2), ddp, model=DEEP, text=True)
     comps = computations(hlo)
     bodies = {body: c for c in comps for _, body in while_bodies(comps, c)}
     where = [

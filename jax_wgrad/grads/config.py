@@ -16,19 +16,24 @@ class DDPConfig:
 
     Megatron's ``DistributedDataParallelConfig`` fields (same names and meaning) plus
     ``clip_grad`` (from Megatron's ``OptimizerConfig``), because this library's
-    optimizer step (:class:`jax_wgrad.optim.DistributedOptimizer`) owns clipping.
+    optimizer step (:class:`jax_wgrad.optim.DistributedOptimizer`) owns clipping, and
+    ``overlap_grad_reduce_in_backward`` (this library's: where Megatron's overlap of the
+    bucket syncs with the backward needs a layout of its own for stacked layers).
     """
 
     use_distributed_optimizer: bool = False
     """Shard fp32 master weights and optimizer state over ``data``: buckets are
     reduce-scattered, each rank updates its shard, parameters are all-gathered."""
     overlap_grad_reduce: bool = False
-    """Overlap the data-parallel gradient sync with the backward. With gradient
-    accumulation fusion the stage's fused layer weights are laid out in layer groups, a
-    bucket each, and the stage's last backward syncs each group's bucket while it runs
-    the layers below; a pipeline stage syncs its other buckets in the cooldown, in the
-    tick after its last backward (while the stages before it still run theirs), one
-    stage after the schedule. Without it every bucket is synced after the schedule."""
+    """Sync a pipeline stage's gradient buckets in the cooldown, in the tick after the
+    stage's last backward (inside the schedule, while the stages before it still run
+    theirs); otherwise after the schedule."""
+    overlap_grad_reduce_in_backward: bool = False
+    """With ``overlap_grad_reduce`` and gradient accumulation fusion: lay the stage's
+    fused layer weights out in layer groups, a bucket each, and sync each group's bucket
+    while the stage's last backward runs the layers below (Megatron's overlap of the
+    bucket reduce-scatters with the backward); the other buckets as above. Costs memory
+    traffic and compile time (one loop per group; docs/buckets.md)."""
     bucket_size: int | None = None
     """Approximate elements per bucket. As in Megatron: ``None`` means
     ``max(40_000_000, 1_000_000 * dp)`` with ``overlap_grad_reduce`` and is ignored (one
@@ -48,11 +53,17 @@ class DDPConfig:
         for name in (
             "use_distributed_optimizer",
             "overlap_grad_reduce",
+            "overlap_grad_reduce_in_backward",
             "average_in_collective",
             "pad_buckets_for_high_nccl_busbw",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.overlap_grad_reduce_in_backward and not self.overlap_grad_reduce:
+            raise ValueError(
+                "overlap_grad_reduce_in_backward requires overlap_grad_reduce "
+                "(--overlap-grad-reduce-in-backward requires --overlap-grad-reduce)"
+            )
         if self.bucket_size is not None:
             check_positive("bucket_size", self.bucket_size)
         clip = self.clip_grad

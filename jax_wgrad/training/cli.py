@@ -422,6 +422,11 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         (
             Flag("--use-distributed-optimizer", DDPConfig, "use_distributed_optimizer"),
             Flag("--overlap-grad-reduce", DDPConfig, "overlap_grad_reduce"),
+            Flag(
+                "--overlap-grad-reduce-in-backward",
+                DDPConfig,
+                "overlap_grad_reduce_in_backward",
+            ),
             Flag("--ddp-bucket-size", DDPConfig, "bucket_size"),
             Flag("--ddp-average-in-collective", DDPConfig, "average_in_collective"),
             Flag("--pad-buckets-for-high-nccl-busbw", DDPConfig, "pad_buckets_for_high_nccl_busbw"),

@@ -231,7 +231,7 @@ class ScheduleRun:
             has_aux=True,
         )
         self.last_store, self.synced_in_backward = None, ()
-        if ctx.fused and sink.layout.layer_group_buckets and ddp.overlap_grad_reduce:
+        if ctx.fused and sink.layout.layer_group_buckets and ddp.overlap_grad_reduce_in_backward:
             if ctx.split_backward or ctx.num_chunks > 1:
                 raise ValueError(
                     f"stage_gradients: schedule {table.name!r} "

@@ -61,24 +61,42 @@ def layer_groups(
     program: StageProgram, ddp: DDPConfig, tree: DeviceTree, specs: DeviceTree
 ) -> tuple[int, ...] | None:
     """Where the stage's fused layer weights are cut into layer groups, a bucket each
-    (:func:`~jax_wgrad.grads.layer_group_bounds`), or ``None``: Megatron's overlap of
-    the data-parallel sync with the backward (``overlap_grad_reduce``), built when the
-    stage's last backward can sync a group's bucket as it completes it -- with gradient
-    accumulation fusion (the fused GEMMs write the groups' buckets inside the backward),
-    layers run by :func:`~jax_wgrad.functional.scan_layers`
-    (:attr:`StageProgram.stacks_layers`), more than one data-parallel rank, one model
-    chunk per stage and a backward that is not split (zero bubble's ``W`` tasks come
-    after it)."""
-    par = program.parallel
-    if not (
-        ddp.overlap_grad_reduce
-        and par.gradient_accumulation_fusion
-        and program.stacks_layers
-        and par.data_parallel_size > 1
-        and par.num_model_chunks == 1
-        and not schedule_of(program).split_backward
-    ):
+    (:func:`~jax_wgrad.grads.layer_group_bounds`), with
+    ``ddp.overlap_grad_reduce_in_backward`` (else ``None``): the stage's last backward
+    syncs a group's bucket as it completes it. That needs gradient accumulation fusion
+    (the fused GEMMs write the groups' buckets inside the backward), layers run by
+    :func:`~jax_wgrad.functional.scan_layers` (:attr:`StageProgram.stacks_layers`), more
+    than one data-parallel rank, one model chunk per stage, a backward that is not split
+    (zero bubble's ``W`` tasks come after it) and at least two groups of two layers.
+
+    Raises:
+      ValueError: the option is on and one of these is missing (which one)."""
+    if not ddp.overlap_grad_reduce_in_backward:
         return None
+    par = program.parallel
+    needs = {
+        "gradient accumulation fusion (--gradient-accumulation-fusion)": (
+            par.gradient_accumulation_fusion
+        ),
+        f"a model whose layers run in one scan ({type(program).__name__}.stacks_layers)": (
+            program.stacks_layers
+        ),
+        f"more than one data-parallel rank (data_parallel_size={par.data_parallel_size})": (
+            par.data_parallel_size > 1
+        ),
+        f"one model chunk per stage (num_model_chunks={par.num_model_chunks})": (
+            par.num_model_chunks == 1
+        ),
+        f"a backward that is not split (pipeline schedule {par.pipeline_schedule!r})": (
+            not schedule_of(program).split_backward
+        ),
+    }
+    missing = [what for what, ok in needs.items() if not ok]
+    if missing:
+        raise ValueError(
+            "overlap_grad_reduce_in_backward (--overlap-grad-reduce-in-backward) needs "
+            + ", ".join(missing)
+        )
     fused = [
         leaf
         for leaf, spec in zip(
@@ -87,15 +105,29 @@ def layer_groups(
         )
         if spec.fused_in == LAYERS
     ]
-    if not fused:
-        return None
     align = par.recompute_num_layers if par.recompute_method == "uniform" else 1
-    return layer_group_bounds(
-        fused[0].shape[0],
-        sum(math.prod(a.shape) for a in fused),
-        ddp.effective_bucket_size(par.data_parallel_size),
-        align=align or 1,
+    bucket_size = ddp.effective_bucket_size(par.data_parallel_size)
+    bounds = (
+        layer_group_bounds(
+            fused[0].shape[0],
+            sum(math.prod(a.shape) for a in fused),
+            bucket_size,
+            align=align or 1,
+        )
+        if fused
+        else None
     )
+    if bounds is None:
+        n = fused[0].shape[0] if fused else 0
+        raise ValueError(
+            "overlap_grad_reduce_in_backward (--overlap-grad-reduce-in-backward): the "
+            f"stage's {n} stacked layers (their fused weights: "
+            f"{sum(math.prod(a.shape) for a in fused)} elements, bucket_size {bucket_size}, "
+            f"recomputed in runs of {align or 1}) make fewer than two layer groups of two "
+            "layers; at least four layers per stage and a bucket_size below half their "
+            "fused elements are needed"
+        )
+    return bounds
 
 
 def grad_sink(program: StageProgram, layout: GradLayout, table: ScheduleTable) -> GradSink:
