@@ -222,9 +222,8 @@ def test_layer_groups_synced_in_the_last_backward_equal_single_device_optax(
 ):
     """overlap_grad_reduce_in_backward lays the stage's fused layer weights out in layer
     groups, a bucket each, and the stage's last backward syncs every group's bucket but
-    the lowest one's while it differentiates the group below (one stage: the last tick
-    after the loop; several: the backward's third branch): five steps equal single-device
-    optax."""
+    the lowest one's while it differentiates the group below (the backward's third
+    branch, on one stage and on two): five steps equal single-device optax."""
     ddp = _ddp(dist, "small", 0.5, overlap_grad_reduce_in_backward=True)
     plan, *_ = _setup(mesh_shape, ddp, fusion=True, sp=mesh_shape[1] > 1, model=model)
     groups = plan.layout.layer_group_buckets

@@ -241,8 +241,8 @@ def estimate_compiled(
         if model_flops is None and flops_of is not None:
             model_flops = flops_of(plan.parallel.global_batch_size)
         loop = hlo.schedule_loop(text, _bucket_sizes(plan))
-        # The loop's own trip count: a step whose last tick runs after the loop (layer
-        # groups with one stage) loops over the others; that tick is charged outside.
+        # The loop's own trip count: the table's ticks, unless a step runs some of them
+        # outside the loop (charged there).
         trips = None if loop is None else hlo.trip_counts(text).get(loop[0])
         schedule = dict(
             loop=loop,

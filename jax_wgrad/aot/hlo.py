@@ -807,7 +807,9 @@ def loop_traffic(hlo: str, body: str, scopes: Sequence[str] = TASK_SCOPES) -> Ti
     ``body`` (e.g. :func:`schedule_loop`'s), split like
     :func:`jax_wgrad.aot.thunks.loop_launches`: the instructions outside conditionals, and
     per conditional (a task, named by :func:`task_of`) its lighter (idle) and heavier
-    (busy) branch. A conditional nested inside a task counts its heavier branch; a loop
+    (busy) branch (a switch of more branches, the executor's backward with layer
+    groups: its first two, idle and busy; the third runs once a step). A conditional
+    nested inside a task counts its heavier branch; a loop
     nested in the tick counts its body times its known trip count; the loop's own
     condition (a scalar compare, skipped by XLA:GPU for a loop of known trip count) is
     not counted. :func:`kernel_traffic` says what is counted, and its limits."""
@@ -819,13 +821,13 @@ def loop_traffic(hlo: str, body: str, scopes: Sequence[str] = TASK_SCOPES) -> Ti
             key = task_of(ins.op_name, scopes)
             while key in tasks:
                 key += "'"
-            options = sorted(
-                (
-                    computation_traffic(comps, b, trips=trips, shapes=shapes)
-                    for b in branches(ins.line)
-                ),
-                key=lambda o: o[0].total,
-            ) or [(Traffic(), 0)]
+            options = [
+                computation_traffic(comps, b, trips=trips, shapes=shapes)
+                for b in branches(ins.line)
+            ]
+            if len(options) > 2:  # a switch (idle, busy, once a step): its idle and busy
+                options = options[:2]
+            options = sorted(options, key=lambda o: o[0].total) or [(Traffic(), 0)]
             tasks[key] = (options[0][0], options[-1][0])
             unknown += options[-1][1]
         else:

@@ -209,7 +209,9 @@ def loop_launches(
     Conditionals are named by the first of ``scopes`` in their ``op_name``
     (:func:`jax_wgrad.aot.hlo.task_of`); the
     command-buffer and custom-call counts take every conditional's busier branch except
-    those of ``once`` (a task that is busy in one tick per step). A while nested in the
+    those of ``once`` (a task that is busy in one tick per step). A switch of more than
+    two branches (the executor's backward with layer groups: idle, busy, and the
+    stage's last, once a step) is counted by its first two. A while nested in the
     loop counts its body times its trip count where ``trips`` (``{while instruction name:
     known trip count or None}``, :func:`jax_wgrad.aot.hlo.trip_counts`) gives one, else
     once (:func:`launches`)."""
@@ -235,7 +237,11 @@ def loop_launches(
                 key = task_key(x)
                 if key.rstrip("'") in once:
                     once_ids.add(x.id)
-                tasks[key] = (count([x], busy=False), count([x], busy=True))
+                if len(x.nested) > 2:  # a switch (idle, busy, once a step): the first two
+                    idle, busy = (count(seq) for seq in list(x.nested.values())[:2])
+                    tasks[key] = (min(idle, busy), max(idle, busy))
+                else:
+                    tasks[key] = (count([x], busy=False), count([x], busy=True))
             elif x.kind == "kCommandBuffer" and any(y.kind == "kConditional" for y in x.walk()):
                 # A conditional captured in a command buffer (a CUDA graph's conditional
                 # node): the graph is one launch, busy or idle.

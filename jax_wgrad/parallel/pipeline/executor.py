@@ -40,9 +40,9 @@ activations and gradients with its neighbours (:mod:`.transfer`).
   bucket while it differentiates the group below (chunk by chunk, inside that group's
   loop: :func:`~jax_wgrad.grads.finalize.sync_bucket_chunk`), Megatron's overlap of
   the data-parallel sync with the backward. That backward is traced apart, with the
-  syncs (:attr:`ScheduleRun.last_store`: the pullback of the same residuals): with one
-  stage the last tick runs after the loop over the others, with several a third branch
-  of the backward task runs it.
+  syncs (:attr:`ScheduleRun.last_store`: the pullback of the same residuals), and run by
+  a third branch of the backward task (with one stage too, where the backward is
+  otherwise unconditional: one host synchronisation per tick).
 
 **Interleaved** (``table.num_chunks = V > 1``): a task runs on the model chunk the table
 names: ``body`` gets its :class:`~jax_wgrad.grads.chunks.Window` of the stacked layers and
@@ -123,12 +123,7 @@ def stage_gradients(
       :func:`jax_wgrad.grads.finalize_grads` does the rest.
     """
     run = ScheduleRun(program, sink, ddp, table, params, batch)
-    rows = run.tick_rows()
-    if run.peels_last_tick:
-        carry, _ = lax.scan(run.tick, run.init_carry(), jax.tree.map(lambda a: a[:-1], rows))
-        carry, _ = run.tick(carry, jax.tree.map(lambda a: a[-1], rows), last=True)
-    else:
-        carry, _ = lax.scan(run.tick, run.init_carry(), rows)
+    carry, _ = lax.scan(run.tick, run.init_carry(), run.tick_rows())
     grads = run.ends.drain(carry)
     return sink.layout.concatenated(grads), carry.loss_sum, carry.aux_sum, run.synced_in_place
 
@@ -265,12 +260,6 @@ class ScheduleRun:
         )
 
     @property
-    def peels_last_tick(self) -> bool:
-        """One stage with layer groups: the last tick (the last backward, with its syncs)
-        runs after the loop over the others."""
-        return self.last_store is not None and self.context.num_stages == 1
-
-    @property
     def synced_in_place(self) -> tuple[bool, ...]:
         """Per bucket of ``sink.layout.buffer``: synced in the schedule, in place (the
         stage and expert chunks in the cooldown; the layer groups' buckets in the last
@@ -350,12 +339,9 @@ class ScheduleRun:
         rows = (t.forward, t.backward, t.weight, t.forward_chunk, t.backward_chunk, t.weight_chunk)
         return TickRows(jnp.arange(t.num_ticks), *(jnp.asarray(a) for a in rows))
 
-    def tick(
-        self, carry: PipelineCarry, rows: TickRows, last: bool = False
-    ) -> tuple[PipelineCarry, None]:
+    def tick(self, carry: PipelineCarry, rows: TickRows) -> tuple[PipelineCarry, None]:
         """One tick: this stage's ``F``, ``B`` and ``W`` tasks (each skipped when idle)
-        with the ends' hooks around them, the cooldown sync, the exchange. ``last``: the
-        schedule's last tick, run after the loop (:attr:`peels_last_tick`)."""
+        with the ends' hooks around them, the cooldown sync, the exchange."""
         ctx = self.context
         here = lambda row: row[ctx.stage]
         f, b, w = here(rows.forward), here(rows.backward), here(rows.weight)
@@ -369,8 +355,11 @@ class ScheduleRun:
             )
         carry = self.ends.after_forward_tick(carry, ends, y)
         with jax.named_scope("backward"):
-            if self.last_store is not None and ctx.num_stages > 1:
-                # idle, a backward, or the stage's last one (with the layer groups' syncs)
+            if self.last_store is not None:
+                # idle, a backward, or the stage's last one (with the layer groups' syncs):
+                # a conditional even with one stage (a last tick traced after the loop
+                # instead kept its temporaries beside the loop's: 7.3 GiB more peak at
+                # Llama-3-8B TP4 DP2)
                 which = jnp.where(
                     b < 0, 0, jnp.where(rows.tick == self.last_backward_tick[ctx.stage], 2, 1)
                 )
@@ -382,8 +371,9 @@ class ScheduleRun:
                     b_chunk,
                 )
             else:
-                busy = self._last_backward if last else self.backward
-                carry, dx = control.cond(runs("B", b), busy, self._no_backward, carry, b, b_chunk)
+                carry, dx = control.cond(
+                    runs("B", b), self.backward, self._no_backward, carry, b, b_chunk
+                )
         carry = self.ends.after_backward_tick(carry, ends, dx)
         if ctx.split_backward:
             with jax.named_scope("weight_gradients"):
