@@ -60,10 +60,7 @@ class DDPConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_grad_reduce_in_backward and not self.overlap_grad_reduce:
-            raise ValueError(
-                "overlap_grad_reduce_in_backward requires overlap_grad_reduce "
-                "(--overlap-grad-reduce-in-backward requires --overlap-grad-reduce)"
-            )
+            raise ValueError("overlap_grad_reduce_in_backward requires overlap_grad_reduce")
         if self.bucket_size is not None:
             check_positive("bucket_size", self.bucket_size)
         clip = self.clip_grad

@@ -93,10 +93,7 @@ def layer_groups(
     }
     missing = [what for what, ok in needs.items() if not ok]
     if missing:
-        raise ValueError(
-            "overlap_grad_reduce_in_backward (--overlap-grad-reduce-in-backward) needs "
-            + ", ".join(missing)
-        )
+        raise ValueError("overlap_grad_reduce_in_backward needs " + ", ".join(missing))
     fused = [
         leaf
         for leaf, spec in zip(
@@ -118,11 +115,10 @@ def layer_groups(
         else None
     )
     if bounds is None:
-        n = fused[0].shape[0] if fused else 0
+        n, numel = (fused[0].shape[0] if fused else 0), sum(math.prod(a.shape) for a in fused)
         raise ValueError(
-            "overlap_grad_reduce_in_backward (--overlap-grad-reduce-in-backward): the "
-            f"stage's {n} stacked layers (their fused weights: "
-            f"{sum(math.prod(a.shape) for a in fused)} elements, bucket_size {bucket_size}, "
+            f"overlap_grad_reduce_in_backward: the stage's {n} stacked layers (their fused "
+            f"weights: {numel} elements, bucket_size {bucket_size}, "
             f"recomputed in runs of {align or 1}) make fewer than two layer groups of two "
             "layers; at least four layers per stage and a bucket_size below half their "
             "fused elements are needed"
