@@ -19,7 +19,12 @@ and the weight-gradient slots handed to the layer are rebuilt per iteration:
 * a stacked weight split for zero bubble takes its probe ``[n, ...]`` as a scan input and
   records the layer inputs as a scan output ``[n, ...]``: the ``W`` task's pair is then
   the stacked ``(x, dy)``, one grouped fused call
-  (:func:`jax_wgrad.ops.grouped_wgrad_accumulate`: ``n`` blocks back to back).
+  (:func:`jax_wgrad.ops.grouped_wgrad_accumulate`: ``n`` blocks back to back);
+* stacked weights whose rows live in several buckets (row pieces, a gradient layout in
+  layer groups: :meth:`~jax_wgrad.functional.WgradRoutes.to_pieces`) cut the scan into
+  one scan per group, each threading its group's bucket; the bucket of the group above
+  rides through the scan of the group below, whose backward iteration ``i`` can sync its
+  chunk ``i`` (the routes' ``on_complete``) beside that layer's backward.
 
 The layer function knows none of this: it calls the library's layers on its parameters.
 """
