@@ -161,3 +161,42 @@ def test_pieces_must_cover_the_rows():
     routes = WgradRoutes({0: jnp.zeros((24,), jnp.float32)})
     with pytest.raises(ValueError, match="must cover its rows 0..2"):
         routes.to_pieces(jnp.ones((2, 3, 4)), [RowPiece(0, 0, (0, 1))], name="w")
+
+
+@pytest.mark.parametrize("dist", [True, False], ids=["reduce-scatter", "all-reduce"])
+def test_a_bucket_synced_chunk_by_chunk_equals_the_whole_bucket_synced(dist):
+    """``sync_bucket_chunk`` over its ``k`` chunks leaves each rank what the cooldown's
+    whole-bucket sync leaves (its own shard of the sum in place, or the whole sum), over a
+    4-rank data axis; ``chunk_syncable`` says when the chunks divide the bucket."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jax_wgrad.grads import DDPConfig
+    from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
+    from jax_wgrad.grads.spec import STAGE
+    from jax_wgrad.parallel.mesh import DATA_PARALLEL
+
+    ddp = DDPConfig(use_distributed_optimizer=dist, overlap_grad_reduce=True)
+    dp, k, n = 4, 3, 4 * 3 * 5
+    assert chunk_syncable(n, dp, k, ddp) and not chunk_syncable(n + 4, dp, k, ddp)
+    local = jax.random.normal(jax.random.key(0), (dp, n), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:dp]).reshape(dp, 1), DATA_PARALLEL)  # data, expert
+
+    def chunked(b):
+        b = b[0]
+        for i in range(k):
+            b = sync_bucket_chunk(b, jnp.int32(i), k, ddp, STAGE)
+        return b[None]
+
+    def whole(b):
+        return sync_stage_buckets((b[0],), ddp, STAGE)[0][None]
+
+    run = lambda f: jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=P(DATA_PARALLEL), out_specs=P(DATA_PARALLEL))
+    )(local)
+    got, want = np.asarray(run(chunked)), np.asarray(run(whole))
+    total = np.asarray(local).sum(0)
+    for r in range(dp):
+        mine = slice(r * n // dp, (r + 1) * n // dp) if dist else slice(0, n)
+        np.testing.assert_allclose(got[r][mine], total[mine], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[r][mine], want[r][mine], rtol=1e-6, atol=1e-6)
