@@ -10,10 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.functional import WgradRoutes, linear, scan_layers
 from jax_wgrad.functional.linear import RowPiece
 from jax_wgrad.functional.recompute import LayerRecompute
+from jax_wgrad.grads import DDPConfig
+from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
+from jax_wgrad.grads.spec import STAGE
+from jax_wgrad.parallel.mesh import DATA_PARALLEL
 
 N, H, F, T = 6, 8, 12, 5
 CUTS = ((0, 2), (2, 4), (4, 6))  # three groups of two layers
@@ -168,14 +174,6 @@ def test_a_bucket_synced_chunk_by_chunk_equals_the_whole_bucket_synced(dist):
     """``sync_bucket_chunk`` over its ``k`` chunks leaves each rank what the cooldown's
     whole-bucket sync leaves (its own shard of the sum in place, or the whole sum), over a
     4-rank data axis; ``chunk_syncable`` says when the chunks divide the bucket."""
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
-    from jax_wgrad.grads import DDPConfig
-    from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
-    from jax_wgrad.grads.spec import STAGE
-    from jax_wgrad.parallel.mesh import DATA_PARALLEL
-
     ddp = DDPConfig(use_distributed_optimizer=dist, overlap_grad_reduce=True)
     dp, k, n = 4, 3, 4 * 3 * 5
     assert chunk_syncable(n, dp, k, ddp) and not chunk_syncable(n + 4, dp, k, ddp)
