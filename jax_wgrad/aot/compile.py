@@ -240,14 +240,10 @@ def estimate_compiled(
         flops_of = getattr(plan.model, "flops_per_step", None)
         if model_flops is None and flops_of is not None:
             model_flops = flops_of(plan.parallel.global_batch_size)
-        loop = hlo.schedule_loop(text, _bucket_sizes(plan))
-        # The loop's own trip count: the table's ticks, unless a step runs some of them
-        # outside the loop (charged there).
-        trips = None if loop is None else hlo.trip_counts(text).get(loop[0])
         schedule = dict(
-            loop=loop,
+            loop=hlo.schedule_loop(text, _bucket_sizes(plan)),
             busy=table_busy(plan.table),
-            num_ticks=plan.table.num_ticks if trips is None else trips,
+            num_ticks=plan.table.num_ticks,
             num_stages=plan.table.num_stages,
         )
     if hosts is None:

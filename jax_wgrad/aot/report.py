@@ -7,6 +7,7 @@ from typing import Any
 
 from jax_wgrad.aot import estimate as estimates
 from jax_wgrad.aot import hlo, thunks
+from jax_wgrad.grads.finalize import SYNC_IN_BACKWARD_SCOPE
 
 __all__ = [
     "AotReport",
@@ -29,7 +30,7 @@ FUSION_SKIPPED = "fused-handler check skipped (compile only: nothing is run)"
 
 # op_name scopes of the library's collectives (jax.named_scope in the executor)
 COLLECTIVE_GROUPS: dict[str, str] = {
-    "grad_sync_in_backward": "layer groups' syncs in the last backward (data-parallel)",
+    SYNC_IN_BACKWARD_SCOPE: "layer groups' syncs in the last backward (data-parallel)",
     "grad_sync_in_cooldown": "cooldown reduce-scatters (data-parallel grad sync)",
     "send_recv": "pipeline permutes",
     "deferred_wgrad_ring": "deferred-wgrad ring",
@@ -37,13 +38,12 @@ COLLECTIVE_GROUPS: dict[str, str] = {
 
 
 DP_SYNC_SCOPES: tuple[str, ...] = (
-    "grad_sync_in_backward",
+    SYNC_IN_BACKWARD_SCOPE,
     "grad_sync_in_cooldown",
     "data_parallel_sync",
 )
 """``op_name`` scopes of the data-parallel gradient collectives (in the stage's last
 backward: the layer groups' buckets; in the schedule's cooldown; after the schedule)."""
-IN_BACKWARD = DP_SYNC_SCOPES[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,8 +439,8 @@ class AotReport:
         """``(in the last backward, the others)``: the estimate's data-parallel gradient
         collectives (:data:`DP_SYNC_SCOPES`)."""
         dp = [c for c in self.estimate.collectives if any(s in c.op_name for s in DP_SYNC_SCOPES)]
-        inside = [c for c in dp if IN_BACKWARD in c.op_name]
-        return inside, [c for c in dp if IN_BACKWARD not in c.op_name]
+        inside = [c for c in dp if SYNC_IN_BACKWARD_SCOPE in c.op_name]
+        return inside, [c for c in dp if SYNC_IN_BACKWARD_SCOPE not in c.op_name]
 
     def dp_sync_overlapped(self) -> bool | None:
         """Whether the data-parallel gradient sync overlaps the backward in the estimate

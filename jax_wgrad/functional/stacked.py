@@ -166,12 +166,8 @@ def scan_layers(
         # the routes sync them (the same residuals either way: a step traces its last
         # backward with syncs and reads the residuals its other forwards stored).
         done = () if part is None else stack.completed(part)
-        syncs = tuple(
-            ((stack.on_complete and stack.on_complete(k, iterations)) or _unsynced)
-            if k in done
-            else None
-            for k in keys
-        )
+        ask = stack.on_complete or (lambda key, k: None)
+        syncs = tuple((ask(k, iterations) or _unsynced) if k in done else None for k in keys)
         carry, first_iteration = (h, stack.tokens(keys)), 0
         for g in part_groups:
             step, xs = run_group(g, keys, part, syncs, first_iteration)

@@ -60,6 +60,7 @@ from jax_wgrad.ops.position import INT32_MAX
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR
 
 __all__ = [
+    "SYNC_IN_BACKWARD_SCOPE",
     "prescaled",
     "sync_chunk",
     "sync_bucket_chunk",
@@ -69,6 +70,10 @@ __all__ = [
 ]
 
 Buckets = tuple[jax.Array, ...]
+
+SYNC_IN_BACKWARD_SCOPE = "grad_sync_in_backward"
+"""``jax.named_scope`` of :func:`sync_bucket_chunk`'s collectives (what the compile
+report counts as the data-parallel sync inside the last backward)."""
 
 
 def sync_chunk(buckets: Buckets, ddp: DDPConfig, chunk: str) -> Buckets:
@@ -124,7 +129,7 @@ def sync_bucket_chunk(
             f"sync_bucket_chunk: a bucket of {n} elements cannot be synced in "
             f"{num_chunks} chunks over {dp} ranks"
         )
-    with jax.named_scope("grad_sync_in_backward"):
+    with jax.named_scope(SYNC_IN_BACKWARD_SCOPE):
         if not ddp.use_distributed_optimizer:
             c = n // num_chunks
             part = lax.dynamic_slice_in_dim(bucket, i * c, c)
