@@ -146,6 +146,42 @@ def test_gemm_class_work_between_start_and_done_hides_the_collective():
     assert cost.hidden_comm_s == pytest.approx(gemm_s)
 
 
+_ALLOCATED = """\
+HloModule m, is_scheduled=true
+
+%ag (agp: f32[1000]) -> f32[2000] {
+  %agp = f32[1000]{0} parameter(0)
+  ROOT %g = f32[2000]{0} all-gather(%agp), replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main (v: f32[1000]) -> (f32[2000], bf16[8,1024,1024]) {
+  %v = f32[1000]{0} parameter(0)
+  %all-gather-start = ((f32[1000]{0}), f32[2000]{0}) async-start(%v), calls=%ag
+  %stack = bf16[8,1024,1024]{2,1,0} custom-call(), custom_call_target="AllocateBuffer"
+  %all-gather-done = f32[2000]{0} async-done(%all-gather-start)
+  ROOT %t = (f32[2000]{0}, bf16[8,1024,1024]{2,1,0}) tuple(%all-gather-done, %stack)
+}
+"""
+
+
+def test_an_allocated_buffer_is_no_kernel():
+    # XLA's DUS-accumulator zero-init elimination leaves AllocateBuffer where a loop's
+    # stacked output was zero-filled: no kernel, no bytes, nothing that hides a collective
+    from jax_wgrad.aot import hlo
+
+    mc = est.ModuleCosts(_ALLOCATED, PEAKS, hosts=(0, 0))
+    (stack,) = [i for i in hlo.instructions(mc.comps[mc.entry]) if i.name == "stack"]
+    assert stack.allocates_only
+    assert mc.kernel(stack) == est.Cost()
+    assert hlo.kernel_traffic(stack, mc.comps) is None
+    assert not hlo.gemm_class(stack, mc.comps)
+    cost = mc.computation(mc.entry)
+    assert cost.hbm_bytes == 0 and cost.launches == 0
+    assert cost.exposed_comm_s == pytest.approx(4000 / 1e8) and cost.hidden_comm_s == 0
+    (gather,) = hlo.async_collectives(mc.comps)
+    assert gather.compute_between == () and gather.gemms_between == ()
+
+
 def test_lighter_branch_and_network_bandwidth():
     mc = est.ModuleCosts(_MODULE, PEAKS, hosts=(0, 1))  # {0,1} spans two hosts
     idle = mc.computation(mc.entry, busy=False)

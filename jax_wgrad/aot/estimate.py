@@ -407,6 +407,8 @@ class ModuleCosts:
     def kernel(self, ins: hlo.Instruction) -> Cost:
         """The cost of the kernel ``ins`` launches (none for control flow, collectives,
         bitcasts, tuples, ...)."""
+        if ins.allocates_only:
+            return Cost()
         p = self.peaks
         launch = p.graph_kernel_s if ins.name in self.graphed else p.launch_s
         op = ins.opcode

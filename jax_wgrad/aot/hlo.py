@@ -121,6 +121,13 @@ class Instruction:
         m = re.search(r'op_name="([^"]*)"', self.line)
         return m.group(1) if m else ""
 
+    @property
+    def allocates_only(self) -> bool:
+        """A custom call XLA:GPU launches nothing for: ``AllocateBuffer``, an uninitialised
+        buffer (what ``--xla_gpu_enable_dus_accumulator_zero_init_elimination`` puts where
+        a loop's stacked output was zero-filled); buffer assignment is all it is."""
+        return self.opcode == "custom-call" and 'custom_call_target="AllocateBuffer"' in self.line
+
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(dtype, shape)`` of each array in the result type."""
         return [
@@ -320,14 +327,14 @@ def gemm_class(ins: Instruction, comps: dict[str, list[str]]) -> bool:
     Custom calls all count, memory-bound ones too (the library's ``bucket_add``): the
     text does not say what a custom call computes."""
     if ins.opcode in _GEMM_OPCODES:
-        return True
+        return not ins.allocates_only
     callees = _CALLEES.findall(ins.line)
     if ins.opcode == "conditional":
         callees += branches(ins.line)
     if ins.opcode not in ("fusion", "fusion-start", "while", "conditional", "call") or not callees:
         return False
     return any(
-        i.opcode in _GEMM_OPCODES
+        i.opcode in _GEMM_OPCODES and not i.allocates_only
         for c in callees
         for r in reachable(comps, c)
         for i in instructions(comps.get(r, ()))
@@ -354,7 +361,7 @@ def async_collectives(
                     rf"%{re.escape(ins.name)}\b", later.line
                 ):
                     break
-                if later.opcode in _COMPUTE:
+                if later.opcode in _COMPUTE and not later.allocates_only:
                     between.append(later)
             out.append(
                 AsyncCollective(
@@ -712,6 +719,7 @@ def kernel_traffic(
     op = ins.opcode
     if (
         op in _NO_TRAFFIC
+        or ins.allocates_only
         or op in ("while", "conditional", "call")
         or _collective(op)
         or op.endswith("-done")
