@@ -57,12 +57,17 @@ def local_mask(
 ) -> Buckets:
     """Per-element bool mask of this rank's shard of each bucket (or whole buckets).
 
-    The traced counterpart of :func:`flat_mask` for use inside ``shard_map``: built from
-    the flagged parameters' ``[start, end)`` runs with ``searchsorted`` over the shard's
-    element indices, so no bucket-sized constant enters the program. Positions are
-    relative to the rank's shard: one static table of runs per rank (Python ints cut at
-    the shard's bounds, each value below the shard size), the rank's row picked by its
-    traced index -- exact for buckets of any size whose shards fit int32.
+    The traced counterpart of :func:`flat_mask` for use inside ``shard_map``: an element
+    is flagged when its index lies in one of the flagged parameters' ``[start, end)``
+    runs, so no bucket-sized constant enters the program. XLA fuses the test against
+    every run (``R`` of them: a stacked parameter is one run however many layers it
+    holds) into one kernel that writes the mask and reads nothing bucket-sized;
+    ``jnp.searchsorted`` took ``log2(R)`` bucket-sized passes plus copies instead (46 ms a
+    step for the 872 M-element shard of Llama-3-8B TP2 PP2 DP2's one bucket, estimated on
+    H100s). Positions are relative to the rank's shard: one static table of runs per rank
+    (Python ints cut at the shard's bounds, each value below the shard size), the rank's
+    row picked by its traced index -- exact for buckets of any size whose shards fit
+    int32.
 
     Args:
       flags: as in :func:`flat_mask`.
@@ -115,10 +120,9 @@ def local_mask(
                 f"{INT32_MAX} are supported (more data-parallel ranks or smaller buckets)"
             )
         starts, ends = _rank_run_tables(runs, dp, size)
-        idx = lax.iota(jnp.int32, size)
+        idx = lax.iota(jnp.int32, size)[:, None]
         starts, ends = jnp.asarray(starts)[rank], jnp.asarray(ends)[rank]
-        pos = jnp.searchsorted(starts, idx, side="right") - 1
-        out.append((pos >= 0) & (idx < ends[jnp.maximum(pos, 0)]))
+        out.append(jnp.any((idx >= starts) & (idx < ends), axis=1))
     return tuple(out)
 
 
