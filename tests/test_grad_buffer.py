@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hlo_util import compiled_text, copies_of, custom_calls
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -16,6 +17,7 @@ from jax_wgrad.grads import (
     SlotPiece,
     flat_mask,
     local_mask,
+    psum_flagged,
     shard_buckets,
     sync_buckets,
 )
@@ -301,6 +303,55 @@ def test_local_mask_matches_flat_mask():
     whole = local_mask(buf, flags, axis_name=None)
     for g, want in zip(whole, flat_mask(buf, flags)):
         np.testing.assert_array_equal(g, want.astype(bool))
+
+
+# flatten order: alternating unflagged / flagged leaves whose runs cross the shard
+# bounds of 4 data ranks at different places on each rank
+_MIXED = {
+    f"{i}_{kind}": n
+    for i, (kind, n) in enumerate(
+        [("w", 100), ("ln", 90), ("w", 50), ("ln", 170), ("w", 20), ("ln", 9)]
+    )
+}
+
+
+@needs8
+@pytest.mark.parametrize("sharded", [True, False], ids=["shards", "whole"])
+@pytest.mark.parametrize("which", ["some", "all", "none"])
+def test_psum_flagged_sums_only_the_flagged_elements(sharded, which):
+    mesh = _mesh((4, 2), ("data", "tensor"))
+    params = {k: jax.ShapeDtypeStruct((n,), F32) for k, n in _MIXED.items()}
+    buf = GradBuffer.create(params, dp_size=4, bucket_size=None, use_distributed_optimizer=True)
+    flags = {k: {"some": "ln" in k, "all": True, "none": False}[which] for k in _MIXED}
+    axis = "data" if sharded else None
+    sizes = [n // 4 if sharded else n for n in buf.bucket_numels]
+    rng = np.random.default_rng(0)
+    grads = [jnp.asarray(rng.standard_normal((8, n)), F32) for n in sizes]
+    row = P(("data", "tensor"))
+
+    def f(*gs):
+        gs = [g[0] for g in gs]
+        got = psum_flagged(buf, gs, flags, "tensor", axis_name=axis)
+        masks = local_mask(buf, flags, axis_name=axis)
+        want = [
+            jnp.where(m, lax.psum(jnp.where(m, g, 0.0), "tensor"), g) for g, m in zip(gs, masks)
+        ]
+        return tuple(x[None] for x in (*got, *want))
+
+    specs = (row,) * len(grads)
+    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=row))(*grads)
+    got, want = out[: len(grads)], out[len(grads) :]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # the reference itself: flagged elements are the pair's sum, the others untouched
+    (g,), (x,), (m,) = got, grads, flat_mask(buf, flags)
+    g, x = np.asarray(g).reshape(4, 2, -1), np.asarray(x).reshape(4, 2, -1)
+    m = m.reshape(4, -1).astype(bool) if sharded else np.broadcast_to(m.astype(bool), (4, m.size))
+    summed = x.sum(axis=1)
+    for t in range(2):
+        np.testing.assert_array_equal(g[:, t][m], summed[m])
+        np.testing.assert_array_equal(g[:, t][~m], x[:, t][~m])
+    assert m.any() == (which != "none")
 
 
 # ---------------------------------------------------------------------------- row groups

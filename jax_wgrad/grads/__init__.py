@@ -24,7 +24,7 @@ from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import finalize_grads, sync_stage_buckets
 from jax_wgrad.grads.layout import GradLayout, layer_group_bounds
-from jax_wgrad.grads.masks import flat_mask, local_mask
+from jax_wgrad.grads.masks import flat_mask, local_mask, psum_flagged
 from jax_wgrad.grads.plan import (
     BucketPlan,
     bucket_end_divisor,
@@ -65,6 +65,7 @@ __all__ = [
     "local_mask",
     "param_shards",
     "plan_buckets",
+    "psum_flagged",
     "shard_buckets",
     "shard_range",
     "sync_buckets",

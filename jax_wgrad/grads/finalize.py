@@ -47,7 +47,7 @@ from jax import lax
 
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.layout import SYNC_AXES, GradLayout
-from jax_wgrad.grads.masks import flat_mask, local_mask
+from jax_wgrad.grads.masks import psum_flagged
 from jax_wgrad.grads.spec import EXPERTS, STAGE
 from jax_wgrad.grads.sync import (
     axis_index,
@@ -215,14 +215,13 @@ def finalize_grads(
     synced = layout.concatenated(state)
     if sequence_parallel:
         with jax.named_scope("sequence_parallel_grads_all_reduce"):
-            rep = layout.tensor_replicated_flags
-            masks = local_mask(
-                layout.buffer, rep, axis_name=None, bucket_axes=layout.bucket_axes if dist else None
-            )
-            has = flat_mask(layout.buffer, rep)
-            synced = tuple(
-                jnp.where(m, lax.psum(jnp.where(m, g, 0.0), TENSOR), g) if h.any() else g
-                for g, m, h in zip(synced, masks, has)
+            synced = psum_flagged(
+                layout.buffer,
+                synced,
+                layout.tensor_replicated_flags,
+                TENSOR,
+                axis_name=None,
+                bucket_axes=layout.bucket_axes if dist else None,
             )
     if pipeline_parallel:
         with jax.named_scope("embedding_grads_all_reduce"):
@@ -238,24 +237,14 @@ def finalize_grads(
 
 def _sum_over_pipeline(layout: GradLayout, synced: Buckets, dist: bool) -> Buckets:
     """The pipeline-replicated parameters' gradients (:attr:`GradSpec.pipeline_shared`)
-    summed over ``pipeline``: a bucket of only those whole, one that also holds
-    pipeline-sharded ones masked, the others untouched."""
-    flags = tuple(spec.pipeline_shared for spec in layout.specs)
-    masks, out = None, []
-    for i, g in enumerate(synced):
-        which = [flags[k] for k in layout.buffer.bucket_leaves[i]]
-        if not any(which):
-            out.append(g)
-        elif all(which):
-            out.append(lax.psum(g, PIPELINE))
-        else:
-            if masks is None:
-                masks = local_mask(
-                    layout.buffer,
-                    flags,
-                    axis_name=None,
-                    bucket_axes=layout.bucket_axes if dist else None,
-                )
-            m = masks[i]
-            out.append(jnp.where(m, lax.psum(jnp.where(m, g, 0.0), PIPELINE), g))
-    return tuple(out)
+    summed over ``pipeline`` (:func:`~jax_wgrad.grads.masks.psum_flagged`: a bucket of
+    only those whole, one that also holds pipeline-sharded ones by its flagged runs, the
+    others untouched)."""
+    return psum_flagged(
+        layout.buffer,
+        synced,
+        tuple(spec.pipeline_shared for spec in layout.specs),
+        PIPELINE,
+        axis_name=None,
+        bucket_axes=layout.bucket_axes if dist else None,
+    )

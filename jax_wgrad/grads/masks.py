@@ -3,11 +3,13 @@
 The distributed optimizer and the gradient finalization act on whole buckets or on a
 rank's shard of them, which cut through parameters; a per-parameter flag (weight decay,
 tensor-replicated, pipeline-shared) becomes a per-element mask: :func:`flat_mask` as static
-numpy arrays, :func:`local_mask` traced inside ``shard_map`` for the rank's shard.
+numpy arrays, :func:`local_mask` traced inside ``shard_map`` for the rank's shard; and
+:func:`psum_flagged` sums only the flagged elements over a mesh axis.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ from jax_wgrad.grads.buffer import GradBuffer
 from jax_wgrad.grads.sync import AxisName, axis_index, axis_size
 from jax_wgrad.ops.position import INT32_MAX
 
-__all__ = ["flat_mask", "local_mask"]
+__all__ = ["flat_mask", "local_mask", "psum_flagged"]
 
 PyTree = Any
 Buckets = tuple[jax.Array, ...]
@@ -82,6 +84,106 @@ def local_mask(
         shard (the whole bucket without an axis) has more than ``2**31 - 1`` elements
         (int32 element indices).
     """
+    out = []
+    for runs in _shard_runs(buffer, flags, axis_name, bucket_axes, "local_mask"):
+        if runs.flagged == "none":
+            out.append(jnp.zeros((runs.size,), bool))
+        elif runs.flagged == "all":
+            out.append(jnp.ones((runs.size,), bool))
+        else:
+            idx = lax.iota(jnp.int32, runs.size)[:, None]
+            out.append(jnp.any((idx >= runs.starts) & (idx < runs.ends), axis=1))
+    return tuple(out)
+
+
+def psum_flagged(
+    buffer: GradBuffer,
+    buckets: Sequence[jax.Array],
+    flags: PyTree | Sequence[bool],
+    reduce_axis: AxisName,
+    *,
+    axis_name: AxisName | None,
+    bucket_axes: Sequence[AxisName] | None = None,
+) -> Buckets:
+    """Each bucket with its flagged parameters' elements summed over ``reduce_axis`` (the
+    rest untouched): Megatron's all-reduce of only those parameters' gradients (the
+    sequence-parallel LayerNorms' over ``tensor``, the tied embedding's over
+    ``pipeline``).
+
+    Only the flagged runs travel: per run of this rank's shard (its table of runs as in
+    :func:`local_mask`; the ranks of ``reduce_axis`` share the shard and so the table), a
+    slice as long as that run is on any rank, at the rank's traced start (moved back
+    where it would pass the shard's end), with the elements outside the run masked; one
+    ``psum`` of the slices concatenated, each run's elements written back in place. A
+    wholly flagged bucket is summed whole; a bucket without flags is not touched.
+    (Masking whole buckets and summing them sent every bucket-sized shard over
+    ``reduce_axis``: 0.8 GB over ``tensor`` a step at Llama-3-8B TP2 PP2 DP2.)
+
+    Args:
+      buckets: this device's buckets, ``[shard_numels[i]]`` (with ``axis_name`` or
+        ``bucket_axes``) or ``[bucket_numels[i]]``.
+      flags: as in :func:`flat_mask`.
+      reduce_axis: the mesh axis (or axes) to sum over.
+      axis_name, bucket_axes: whose shards ``buckets`` are, as in :func:`local_mask`.
+    Returns:
+      The buckets, flagged elements summed.
+    """
+    out = []
+    tables = _shard_runs(buffer, flags, axis_name, bucket_axes, "psum_flagged")
+    for g, runs in zip(buckets, tables, strict=True):
+        if runs.flagged == "none":
+            out.append(g)
+            continue
+        if runs.flagged == "all":
+            out.append(lax.psum(g, reduce_axis))
+            continue
+        pieces = []
+        for k, length in enumerate(runs.max_lengths):
+            if length == 0:
+                continue
+            begin = jnp.minimum(runs.starts[k], runs.size - length)
+            pos = begin + lax.iota(jnp.int32, length)
+            inside = (pos >= runs.starts[k]) & (pos < runs.ends[k])
+            pieces.append((begin, inside, lax.dynamic_slice_in_dim(g, begin, length)))
+        summed = lax.psum(
+            jnp.concatenate([jnp.where(inside, x, 0) for _, inside, x in pieces]), reduce_axis
+        )
+        at = 0
+        for begin, inside, x in pieces:
+            # slices moved back may overlap a run written already: read what is there now
+            now = lax.dynamic_slice_in_dim(g, begin, x.shape[0])
+            part = lax.slice_in_dim(summed, at, at + x.shape[0])
+            g = lax.dynamic_update_slice_in_dim(g, jnp.where(inside, part, now), begin, 0)
+            at += x.shape[0]
+        out.append(g)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardRuns:
+    """One bucket's flagged runs in this rank's shard."""
+
+    size: int
+    """Elements of the shard (the whole bucket without an axis)."""
+    flagged: str
+    """``"none"``, ``"all"`` or ``"some"``."""
+    starts: jax.Array | None = None
+    """``int32 [R]``: this rank's runs' starts (traced row of the static per-rank table;
+    padded runs start at ``size``); ``"some"`` only."""
+    ends: jax.Array | None = None
+    """``int32 [R]``: their ends."""
+    max_lengths: tuple[int, ...] = ()
+    """Per run column, its longest length over the ranks (static)."""
+
+
+def _shard_runs(
+    buffer: GradBuffer,
+    flags: PyTree | Sequence[bool],
+    axis_name: AxisName | None,
+    bucket_axes: Sequence[AxisName] | None,
+    caller: str,
+) -> list[_ShardRuns]:
+    """Per bucket, the flagged runs of this rank's shard (see :func:`local_mask`)."""
     values = buffer.flag_values(flags)
     if bucket_axes is None:
         bucket_axes = [axis_name] * buffer.num_buckets
@@ -94,7 +196,7 @@ def local_mask(
             dp, rank = axis_size(axis_name), axis_index(axis_name)
         if n % dp:
             raise ValueError(
-                f"local_mask: bucket {i} ({n} elements) is not "
+                f"{caller}: bucket {i} ({n} elements) is not "
                 f"divisible by the {dp} ranks of {axis_name!r}"
             )
         size = n // dp
@@ -107,23 +209,24 @@ def local_mask(
             else:
                 runs.append([p.offset, p.offset + p.size])
         if not runs:
-            out.append(jnp.zeros((size,), bool))
+            out.append(_ShardRuns(size, "none"))
             continue
         if runs == [[0, n]]:
-            out.append(jnp.ones((size,), bool))
+            out.append(_ShardRuns(size, "all"))
             continue
         if size > INT32_MAX:
             raise ValueError(
-                f"local_mask: bucket {i} is partly flagged and its "
+                f"{caller}: bucket {i} is partly flagged and its "
                 + ("whole bucket" if axis_name is None else f"shard over {axis_name!r}")
                 + f" has {size} elements; element indices are int32, so at most "
                 f"{INT32_MAX} are supported (more data-parallel ranks or smaller buckets)"
             )
         starts, ends = _rank_run_tables(runs, dp, size)
-        idx = lax.iota(jnp.int32, size)[:, None]
-        starts, ends = jnp.asarray(starts)[rank], jnp.asarray(ends)[rank]
-        out.append(jnp.any((idx >= starts) & (idx < ends), axis=1))
-    return tuple(out)
+        lengths = tuple(int(x) for x in (ends - starts).max(axis=0))
+        out.append(
+            _ShardRuns(size, "some", jnp.asarray(starts)[rank], jnp.asarray(ends)[rank], lengths)
+        )
+    return out
 
 
 def _rank_run_tables(
