@@ -793,3 +793,22 @@ def test_megatron_recompute_methods_equal_jax_grad(schedule, recompute):
             arch=dict(LLAMA, num_layers=6),
         )
     )
+
+
+def test_residual_slots_are_allocated_not_zero_filled_on_a_gpu():
+    # a slot is read only by the B of the microbatch whose F wrote it, so the buffers are
+    # lax.empty: XLA:GPU's AllocateBuffer (no kernel), zeros where the backend has no
+    # uninitialised allocation (CPU: what every test here runs on)
+    from jax_wgrad.parallel.pipeline.residuals import ResidualStore
+
+    store = ResidualStore.create(
+        lambda live, x: jnp.tanh(x @ live), jnp.ones((4, 4)), jnp.ones((2, 4))
+    )
+    assert store.shapes, "tanh's residuals are stored"
+    lowered = lambda platform: jax.export.export(
+        jax.jit(lambda: store.buffers(3)), platforms=[platform]
+    )().mlir_module()
+    assert lowered("cuda").count("custom_call @AllocateBuffer") == len(store.shapes)
+    assert "AllocateBuffer" not in lowered("cpu")
+    assert all(np.all(np.asarray(b) == 0) for b in store.buffers(3))
+    assert [b.shape for b in store.buffers(3)] == [(3, *s.shape) for s in store.shapes]

@@ -72,8 +72,12 @@ class ResidualStore:
         return sum(x.size * x.dtype.itemsize for x in self.shapes)
 
     def buffers(self, num_slots: int) -> tuple[jax.Array, ...]:
-        """Fresh ``[num_slots, ...]`` buffers, one per stored residual."""
-        return tuple(jax.numpy.zeros((num_slots, *x.shape), x.dtype) for x in self.shapes)
+        """Fresh ``[num_slots, ...]`` buffers, one per stored residual, uninitialised
+        (``lax.empty``: on a GPU an allocation and no kernel, elsewhere zeros): a slot is
+        read only by the ``B`` of the microbatch whose ``F`` wrote it (the schedule
+        table's slot map), so nothing reads what was there before. Zero-filling them cost
+        4.5 ms a step at Llama-3-8B TP2 PP2 DP2 paired (estimated on H100s)."""
+        return tuple(lax.empty((num_slots, *x.shape), x.dtype) for x in self.shapes)
 
     def forward(self, buffers: Sequence[jax.Array], slot, live, *args):
         """Runs ``fn`` and stores its residuals at ``slot``: ``(out[, aux], buffers)``."""
