@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -165,8 +165,8 @@ class _ShardRuns:
 
     size: int
     """Elements of the shard (the whole bucket without an axis)."""
-    flagged: str
-    """``"none"``, ``"all"`` or ``"some"``."""
+    flagged: Literal["none", "all", "some"]
+    """Whether no element, every element or some of the shard is flagged."""
     starts: jax.Array | None = None
     """``int32 [R]``: this rank's runs' starts (traced row of the static per-rank table;
     padded runs start at ``size``); ``"some"`` only."""
