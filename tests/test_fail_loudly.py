@@ -546,21 +546,6 @@ print(os.environ.get("JAX_PLATFORMS"))
 """
 
 
-def _a_cuda_plugin_is_installed() -> bool:
-    """Whether one of the CUDA plugin modules the launcher looks for is importable."""
-    import importlib.util
-
-    from script_util import load_script
-
-    def installed(name: str) -> bool:
-        try:
-            return importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            return False
-
-    return any(map(installed, load_script("jax_wgrad/pretrain/launch.py").CUDA_PLUGINS))
-
-
 @pytest.mark.skipif(
     bool(__import__("glob").glob("/dev/nvidia[0-9]*")), reason="this machine has an NVIDIA device"
 )
@@ -572,7 +557,10 @@ def test_an_installed_cuda_plugin_without_a_gpu_stays_quiet(tmp_path, plugin, wa
     import subprocess
     import sys
 
-    if not plugin and _a_cuda_plugin_is_installed():
+    from script_util import load_script
+
+    launch = load_script("jax_wgrad/pretrain/launch.py")
+    if not plugin and launch.cuda_plugin_installed():
         pytest.skip("jax's CUDA plugin is installed here: 'without the plugin' cannot be staged")
     if plugin:  # a stand-in for jax[cuda13]'s plugin module (never imported here)
         (tmp_path / "jax_plugins" / "xla_cuda13").mkdir(parents=True)

@@ -354,6 +354,17 @@ def test_psum_flagged_sums_only_the_flagged_elements(sharded, which):
     assert m.any() == (which != "none")
 
 
+def test_psum_flagged_names_buckets_of_the_wrong_size():
+    params = {k: jax.ShapeDtypeStruct((n,), F32) for k, n in _MIXED.items()}
+    buf = GradBuffer.create(params, dp_size=4, bucket_size=None, use_distributed_optimizer=True)
+    flags = {k: "ln" in k for k in _MIXED}
+    (n,) = buf.bucket_numels
+    with pytest.raises(ValueError, match=rf"psum_flagged.*\[\({n},\)\], got \[\({n - 1},\)\]"):
+        psum_flagged(buf, [jnp.zeros((n - 1,))], flags, "tensor", axis_name=None)
+    with pytest.raises(ValueError, match=r"psum_flagged.*expected 1 bucket"):
+        psum_flagged(buf, [], flags, "tensor", axis_name=None)
+
+
 # ---------------------------------------------------------------------------- row groups
 
 ROWS = (0, 1, 3, 4)  # three row groups of the stacked [4, ...] leaves: rows 0..1, 1..3, 3..4

@@ -127,10 +127,14 @@ def psum_flagged(
       axis_name, bucket_axes: whose shards ``buckets`` are, as in :func:`local_mask`.
     Returns:
       The buckets, flagged elements summed.
+    Raises:
+      ValueError: ``buckets`` are not one array per bucket of the shard (or bucket)
+        sizes; as :func:`local_mask` for the layout.
     """
-    out = []
     tables = _shard_runs(buffer, flags, axis_name, bucket_axes, "psum_flagged")
-    for g, runs in zip(buckets, tables, strict=True):
+    buffer._check_buckets(buckets, "psum_flagged (buckets)", [runs.size for runs in tables])
+    out = []
+    for g, runs in zip(buckets, tables):
         if runs.flagged == "none":
             out.append(g)
             continue

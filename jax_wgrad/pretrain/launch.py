@@ -18,6 +18,7 @@ from typing import NoReturn
 
 __all__ = [
     "CUDA_PLUGINS",
+    "cuda_plugin_installed",
     "interrupted",
     "interrupts_redelivered",
     "resume_point",
@@ -150,6 +151,12 @@ def start_jax_on_cpu_without_gpu() -> None:
         return
     if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg"):
         return
+    if cuda_plugin_installed():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether one of :data:`CUDA_PLUGINS` is importable (found, not imported)."""
 
     def installed(name: str) -> bool:
         try:
@@ -157,5 +164,4 @@ def start_jax_on_cpu_without_gpu() -> None:
         except (ImportError, ValueError):
             return False
 
-    if any(installed(name) for name in CUDA_PLUGINS):
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    return any(installed(name) for name in CUDA_PLUGINS)
