@@ -110,11 +110,15 @@ def drain(
 
     ``active`` (traced bool, e.g. "this is the last stage", or a Python bool, static:
     :func:`jax_wgrad.parallel.control.cond`): only where it is true are the GEMMs
-    computed. Without sequence parallelism the whole drain is one ``lax.cond``. With
-    it, the ring's permutes run on EVERY device and only the GEMMs are conditional: the
-    XLA:CPU collective-permute is one rendezvous of all devices of the program (its pairs
-    span all groups), so a permute inside a branch that other pipeline stages skip hangs.
-    Non-last stages hold a zero stash, so they forward zeros.
+    computed. The loop over the stash, the ring's permutes and the slicing of each item
+    run on EVERY device; a conditional holds only the GEMMs of one item's chunk (and, in
+    recompute mode, the rebuild of its ``dy``). Two reasons: the XLA:CPU
+    collective-permute is one rendezvous of all devices of the program (its pairs span
+    all groups), so a permute inside a branch that other pipeline stages skip hangs; and
+    XLA:GPU captures a conditional in a CUDA graph (a conditional node: no predicate
+    read back on the host) only when its branch holds nothing it cannot capture -- a
+    slice at a traced position is an asynchronous copy it cannot
+    (``docs/design/aot.md``). Non-last stages hold a zero stash, so they forward zeros.
     """
     if active is None:
         active = True
@@ -126,40 +130,40 @@ def drain(
             + " recompute"
         )
 
-    def dy_of(item, x, start, length):
-        if recompute is not None:
-            extras = tuple(lax.dynamic_slice_in_dim(a, start, length, axis=1) for a in item[1:])
-            return recompute(x, extras)
-        return lax.dynamic_slice_in_dim(item[1], start, length, axis=1)
+    def accumulate(bk, x, sliced, scope):
+        """``dy^T x`` of one chunk into ``bk`` where ``active``: ``sliced`` is ``(dy,)``
+        or, in recompute mode, the extras sliced to ``x``'s tokens."""
+        dy_of = (lambda x, s: recompute(x, s)) if recompute is not None else (lambda x, s: s[0])
+        with jax.named_scope(scope):
+            return control.cond(
+                active,
+                lambda bk, x, s: ops.wgrad_accumulate(x, dy_of(x, s), bk, offset=offset),
+                lambda bk, x, s: bk,
+                bk,
+                x,
+                sliced,
+            )
 
     def one(bk, item):
         x = item[0]
         if not sp:
-            with jax.named_scope("deferred_wgrad"):
-                return ops.wgrad_accumulate(
-                    x, dy_of(item, x, 0, x.shape[1]), bk, offset=offset
-                ), None
+            return accumulate(bk, x, item[1:], "deferred_wgrad"), None
         chunk = x.shape[1]
         rank = lax.axis_index(axis_name)
         cur = x
         for k in range(tp):
-            with jax.named_scope(f"deferred_wgrad_ring{k}"):
+            scope = f"deferred_wgrad_ring{k}"
+            with jax.named_scope(scope):
                 # Forward the chunk we hold while computing with it: the GEMM below does not
                 # depend on this transfer, only the next step's does.
                 nxt = ring_shift(cur, tp, axis_name) if k < tp - 1 else None
                 src = (rank - k) % tp  # the rank this chunk's tokens belong to
-                bk = control.cond(
-                    active,
-                    lambda bk, cur=cur, src=src: ops.wgrad_accumulate(
-                        cur, dy_of(item, cur, src * chunk, chunk), bk, offset=offset
-                    ),
-                    lambda bk: bk,
-                    bk,
+                sliced = tuple(
+                    lax.dynamic_slice_in_dim(a, src * chunk, chunk, axis=1) for a in item[1:]
                 )
-                cur = nxt
+            bk = accumulate(bk, cur, sliced, scope)
+            cur = nxt
         return bk, None
 
-    if not sp:
-        return control.cond(active, lambda bk: lax.scan(one, bk, stash)[0], lambda bk: bk, bucket)
     bucket, _ = lax.scan(one, bucket, stash)
     return bucket
