@@ -59,6 +59,9 @@ FULL_RECOMPUTE: tuple[str, ...] = (
 )
 """Megatron's full activation recompute, one layer per checkpoint."""
 
+FULL_ITERATION_GRAPHS: tuple[str, ...] = ("--cuda-graph-scope", "full_iteration")
+"""The whole step as CUDA graphs (needs the layer loop unrolled: ``--layer-scan-unroll``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -142,6 +145,18 @@ LAYOUTS: tuple[Layout, ...] = (
         "the paired row with the layer groups' sync in the last backward",
     ),
     Layout(
+        "llama3-8b-tp2pp2dp2-s4k-paired-graphs",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2)
+        + _seq(4096, 16)
+        + ("--overlap-grad-reduce", "--defer-embedding-wgrad-compute")
+        + ("--pipeline-schedule", "1f1b-paired")
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "16"),
+        "the paired row as CUDA graphs with conditional and while nodes (layers unrolled)",
+    ),
+    Layout(
         "llama3-8b-tp2pp2dp2-s4k-vp2-paired",
         "llama3-8b",
         8,
@@ -194,6 +209,17 @@ LAYOUTS: tuple[Layout, ...] = (
         "the TP4 DP2 row with the layer groups' sync in the last backward",
     ),
     Layout(
+        "llama3-8b-tp4dp2-s8k-graphs",
+        "llama3-8b",
+        8,
+        _tp_pp(4)
+        + _seq(8192, 16)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "32"),
+        "the TP4 DP2 row as CUDA graphs with conditional and while nodes (layers unrolled)",
+    ),
+    Layout(
         "llama3-8b-tp2dp4-s4k",
         "llama3-8b",
         8,
@@ -216,6 +242,18 @@ LAYOUTS: tuple[Layout, ...] = (
         + ("--overlap-grad-reduce", "--overlap-grad-reduce-in-backward")
         + FULL_RECOMPUTE,
         "the 70B row with the layer groups' sync (over the network) in the last backward",
+    ),
+    Layout(
+        "llama3-70b-tp8pp4dp2-s4k-full-graphs",
+        "llama3-70b",
+        64,
+        _tp_pp(8, 4)
+        + _seq(4096, 32)
+        + ("--overlap-grad-reduce",)
+        + FULL_RECOMPUTE
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "20"),
+        "the 70B row as CUDA graphs with conditional and while nodes (layers unrolled)",
     ),
     Layout(
         "mixtral-8x7b-tp2pp2ep4-s4k-full",

@@ -1063,6 +1063,80 @@ def test_conditional_captured_in_a_command_buffer_is_one_launch():
     ) == (1, 2, 0)
 
 
+# --cuda-graph-scope full_iteration: the schedule loop itself is a CUDA graph's while node
+# (as in the H100 compile of Llama-3-8B TP2 PP2 with the layers unrolled), its task
+# conditionals graph conditional nodes.
+_LOOP_IN_GRAPH = """\
+000: kCommandBuffer [source | next=030 (1)]
+    001: kCustomKernel [source | sink] loop_broadcast_fusion \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    003: kWhile         [prev=001 (1) | sink]
+    condition:
+        004: kCustomKernel [source | sink] loop_compare_fusion \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        008: kConditional  [source | next=012 (1)]
+          false_branch:
+            009: kCustomKernel [source | sink] fusion_a \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+            011: kCustomCall    [prev=009 (1) | sink] kCustomCall
+          true_branch:
+            No thunks.
+        012: kCustomKernel [prev=008 (1) | sink] fusion_b \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+030: kCustomKernel [prev=000 (1) | sink] after \
+grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+"""
+
+
+def test_a_schedule_loop_inside_a_command_buffer_launches_nothing_per_tick():
+    seq, names = thunks.parse_thunks(_LOOP_IN_GRAPH), thunks.thunk_names(_META)
+    assert thunks.in_command_buffer(seq, 3) and thunks.in_command_buffer(seq, 8)
+    assert not thunks.in_command_buffer(seq, 30)
+    count = thunks.loop_launches(
+        seq, names, "while.1", {"cond.1": "jit(step)/while/body/backward/cond"}
+    )
+    assert count.in_command_buffer and count.tick() == 0 and count.conditionals == 0
+    assert count.kernels_in_command_buffers == 3  # the busy branch's 2, fusion_b
+    assert thunks.host_syncs(seq, names, {"while.1": 11}) == {}
+    assert thunks.launches(seq) == 2  # the graph, then the kernel after it
+    text = _report(count).format()
+    assert "launches per tick: 0, the schedule loop runs inside a command buffer" in text
+    assert "a tick running every task holds 3 kernels" in text
+
+
+def test_full_iteration_command_buffer_types_are_ones_xla_takes():
+    """Every type of ``--cuda-graph-scope full_iteration`` is a name this jaxlib's
+    ``xla_gpu_enable_command_buffer`` takes (the flag is parsed on any backend), and a
+    name it does not know is refused, so the check can fail."""
+    from jax_wgrad.training.gpu import FULL_ITERATION_COMMAND_BUFFERS, gpu_xla_flags
+
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+    flags = gpu_xla_flags("full_iteration")
+    value = flags["--xla_gpu_enable_command_buffer"]
+    assert value == FULL_ITERATION_COMMAND_BUFFERS
+    assert {"CONDITIONAL", "WHILE", "COLLECTIVES", "CUSTOM_CALL"} <= set(value.split(","))
+    lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": value})
+    with pytest.raises(Exception, match="NOT_A_TYPE"):
+        lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": value + ",NOT_A_TYPE"})
+    assert "--xla_gpu_enable_command_buffer" not in gpu_xla_flags("kernels")
+    with pytest.raises(ValueError, match="'everything'"):
+        gpu_xla_flags("everything")
+
+
+@aot
+def test_llama3_8b_paired_as_cuda_graphs_has_no_host_sync():
+    """Llama-3-8B TP2 PP2 DP2 paired with ``--cuda-graph-scope full_iteration`` and the
+    layers unrolled, as the scale table compiles it for 8 H100s: the schedule loop and its
+    task conditionals are captured in a CUDA graph, and the deferral drain's conditionals
+    hold only their GEMMs, so nothing reads a predicate back (65 host syncs without)."""
+    row = _scale_row("llama3-8b-tp2pp2dp2-s4k-paired-graphs")
+    assert row["host_syncs_per_step"] == 0
+    assert row["launches_per_tick"] == 0 and row["launches_per_microbatch"] == 0
+    assert any("CONDITIONAL" in f for f in row["xla_flags"])
+    assert row["fused_aliased"] == row["fused_calls"] > 0
+
+
 def test_example_compile_only_without_plugin_is_a_clear_error(pretrain, capsys):
     if _plugin_error() is None:
         pytest.skip("jax's CUDA plugin is here: the compile would run (see the aot tests)")

@@ -5,6 +5,7 @@ and the compiled drain's tensor-ring structure."""
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from jax_wgrad import (
     pipeline_gradients,
 )
 from jax_wgrad.models.gpt import validate
+from jax_wgrad.parallel import deferred
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -282,3 +284,70 @@ def test_drain_ring_overlaps_gemms_with_permutes():
         n_perm = sum(1 for a in ancestors(g) if a in permutes)
         assert n_perm == 2 * ring, (g, ring, n_perm)
     assert order.index(gemms[0]) < order.index(permutes[-1])
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive of ``jaxpr`` and of the jaxprs nested in it."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out |= _primitives(sub)
+    return out
+
+
+def _conds(jaxpr) -> list:
+    """The ``cond`` equations of ``jaxpr`` and of the jaxprs nested in it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _conds(sub)
+    return out
+
+
+@needs_fusion
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+@pytest.mark.parametrize("mode", ["stash", "recompute"])
+def test_drain_conditionals_hold_only_the_gemm_work(sp, mode):
+    """The drain's conditionals on ``active`` (the last stage) hold the fused GEMM (and,
+    recomputing, the rebuild of ``dy``) but no slice at a traced position: XLA:GPU makes
+    such a slice an asynchronous copy, which keeps the conditional out of a CUDA graph
+    (a host sync per item and ring step). The loop and the slices run on every device."""
+    tp, m, mb, s, h, v = 2, 3, 1, 8, 4, 6
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=2,
+        micro_batch_size=mb,
+        global_batch_size=m,
+        sequence_parallel=sp,
+        gradient_accumulation_fusion=True,
+        defer_embedding_wgrad_compute=True,
+        defer_mode=mode,
+        world_size=tp * 2,
+    )
+    tokens = s // tp if sp else s
+    x = jnp.zeros((m, mb, tokens, h), jnp.bfloat16)
+    if mode == "stash":
+        stash, recompute = (x, jnp.zeros((m, mb, s, v), jnp.bfloat16)), None
+    else:
+        stash = (x, jnp.zeros((m, mb, s), jnp.float32), jnp.zeros((m, mb, s), jnp.int32))
+        recompute = lambda x, extras: (extras[0][..., None] + jnp.zeros(v)).astype(x.dtype)
+
+    def per_device(bucket, *stash):
+        active = jax.lax.axis_index("tensor") == 0  # traced, as "the last stage" is
+        return deferred.drain(par, stash, bucket, 0, recompute, active=active)
+
+    mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=P(), out_specs=P("tensor"), check_vma=False)
+    jaxpr = jax.make_jaxpr(fn)(jnp.zeros(v * h, jnp.float32), *stash).jaxpr
+    conds = _conds(jaxpr)
+    assert len(conds) == (tp if sp else 1)
+    for eqn in conds:
+        idle, busy = (_primitives(b.jaxpr) for b in eqn.params["branches"])
+        assert "dynamic_slice" not in idle | busy, busy
+        assert any("wgrad" in p for p in busy), busy
+    # the loop over the stash runs outside the conditionals
+    assert "scan" in {e.primitive.name for e in jaxpr.eqns} or "scan" in _primitives(jaxpr)
+    assert not any("scan" in _primitives(b.jaxpr) for e in conds for b in e.params["branches"])

@@ -99,6 +99,11 @@ def test_numeric_range(pretrain, capsys, argv, message):
             "--rope-scaling-factor 32.0 needs --use-rope-scaling",
         ),
         (["--profile-steps", "2"], "--profile-steps 2 needs --profile-dir"),
+        (
+            ["--cuda-graph-scope", "full_iteration"],
+            "--cuda-graph-scope full_iteration needs a CUDA GPU or --compile-only "
+            "(XLA:CPU has no CUDA graphs)",
+        ),
         (["--process-id", "0"], "--process-id 0 needs --distributed"),
         (
             ["--coordinator-address", "localhost:1234"],
@@ -122,6 +127,28 @@ def test_flag_needs_partner(pretrain, capsys, monkeypatch, argv, message):
     for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     usage_error(pretrain, capsys, SMALL + argv, message)
+
+
+def test_cuda_graphs_of_the_whole_iteration_need_the_layers_unrolled(pretrain, capsys):
+    """``--cuda-graph-scope full_iteration`` with a layer loop left: refused, naming the
+    unroll it needs (the 4 layers of a stage of 2, then the 2 of a model chunk of 2),
+    before anything is compiled (no CUDA plugin needed)."""
+    base = SMALL[:1] + ["8"] + SMALL[2:] + ["--compile-only", "--target-gpus", "8"]
+    base += ["--pipeline-model-parallel-size", "2", "--cuda-graph-scope", "full_iteration"]
+    usage_error(
+        pretrain,
+        capsys,
+        base + ["--layer-scan-unroll", "3"],
+        "--cuda-graph-scope full_iteration needs a model chunk's 4 iterations of its layer "
+        "loop unrolled (--layer-scan-unroll 4), got --layer-scan-unroll 3",
+    )
+    usage_error(
+        pretrain,
+        capsys,
+        base + ["--num-layers-per-virtual-pipeline-stage", "2"],
+        "--cuda-graph-scope full_iteration needs a model chunk's 2 iterations of its layer "
+        "loop unrolled (--layer-scan-unroll 2), got --layer-scan-unroll 1",
+    )
 
 
 def test_distributed_needs_a_coordinator(pretrain, capsys, monkeypatch):

@@ -105,13 +105,15 @@ def _param_facts(params) -> tuple[int, int, int]:
     return total, experts, max(by_size, key=by_size.get) if by_size else 4
 
 
-def _xla_options(extra: dict[str, Any] | None) -> dict[str, Any]:
-    from jax_wgrad.training.gpu import GPU_XLA_FLAGS
+def _xla_options(extra: dict[str, Any] | None, cuda_graph_scope: str = "kernels") -> dict[str, Any]:
+    """The GPU run's flags (:func:`~jax_wgrad.training.gpu.gpu_xla_flags`) not set in
+    ``XLA_FLAGS``, then ``extra``, as compile options."""
+    from jax_wgrad.training.gpu import gpu_xla_flags
 
     env = os.environ.get("XLA_FLAGS", "")
     opts = {
         k.lstrip("-"): (v == "true" if v in ("true", "false") else v)
-        for k, v in GPU_XLA_FLAGS.items()
+        for k, v in gpu_xla_flags(cuda_graph_scope).items()
         if k not in env
     }
     opts.update(extra or {})
@@ -191,7 +193,9 @@ def compile_program(
             for t in top.walk()
             if t.kind == "kWhile" and loop_trips is not None and by_id.get(t.id) == loop_trips
         ]
-        if loops:
+        if loops and thunks.in_command_buffer(parsed, loops[0].id):
+            loop_n = 0  # a CUDA graph's while node: launched with its graph
+        elif loops:
             per = thunks.launches([loops[0]], trips=by_id)
             loop_n = per // loop_trips
     est = estimate_compiled(
@@ -287,6 +291,7 @@ def compile_plan(
     hosts: int = 1,
     xla_options: dict[str, Any] | None = None,
     fusion: str | None = None,
+    cuda_graph_scope: str = "kernels",
 ) -> AotReport:
     """Compiles ``plan``'s train step (the plan's mesh must be of compile-only devices of
     ``target``, :func:`~jax_wgrad.aot.target_devices`) and reports on it.
@@ -296,6 +301,8 @@ def compile_plan(
         ``{"xla_gpu_enable_command_buffer": ""}``), on top of the GPU run's flags.
       fusion: the line that says how the fused path was checked (default: skipped when
         fusion is on).
+      cuda_graph_scope: ``"kernels"`` or ``"full_iteration"`` (every command-buffer
+        type: :func:`~jax_wgrad.training.gpu.gpu_xla_flags`).
     """
     from jax_wgrad.ops import registry
     from jax_wgrad.parallel.mesh import DATA_PARALLEL
@@ -315,7 +322,7 @@ def compile_plan(
     step = build_train_step(plan, state)
     lowered = step.trace(state, tokens).lower()
     t1 = time.perf_counter()
-    opts = _xla_options(xla_options)
+    opts = _xla_options(xla_options, cuda_graph_scope)
     compiled, thunk_text, meta_text = _compile_dumped(lowered, opts)
     t2 = time.perf_counter()
     text = compiled.as_text()
@@ -480,6 +487,7 @@ def compile_for_target(
     hosts: int = 1,
     tx=None,
     xla_options: dict[str, Any] | None = None,
+    cuda_graph_scope: str = "kernels",
 ) -> AotReport:
     """Compiles the train step of ``model`` laid out as ``parallel`` for ``hosts`` hosts
     of ``gpus_per_host`` GPUs ``target`` each, without a GPU, and reports on it.
@@ -489,7 +497,7 @@ def compile_for_target(
         target's GPU count).
       target: ``"h100"``, ``"h200"`` or a :class:`~jax_wgrad.aot.GpuTarget`.
       tx: the optax transformation (default: Megatron's AdamW, lr 1e-4).
-      xla_options: see :func:`compile_plan`.
+      xla_options, cuda_graph_scope: see :func:`compile_plan`.
     Raises:
       RuntimeError: jax's CUDA plugin is missing, or the fused path cannot be lowered
         (the CUDA handler was not built or could not be imported; the message says why).
@@ -512,5 +520,10 @@ def compile_for_target(
         check_fusion=False,
     )
     return compile_plan(
-        plan, target, gpus_per_host=gpus_per_host, hosts=hosts, xla_options=xla_options
+        plan,
+        target,
+        gpus_per_host=gpus_per_host,
+        hosts=hosts,
+        xla_options=xla_options,
+        cuda_graph_scope=cuda_graph_scope,
     )

@@ -397,6 +397,13 @@ class AotReport:
         lc = self.launches
         if lc is None:
             lines.append("  launches per tick: unknown (no thunk sequence)")
+        elif lc.in_command_buffer:
+            lines.append(
+                "  launches per tick: 0, the schedule loop runs inside a command buffer (a "
+                "CUDA graph's while node, launched with its graph once a step); a tick "
+                f"running every task holds {lc.kernels_in_command_buffers} kernels"
+            )
+            lines.append("  launches per microbatch: 0 (the schedule loop is in a CUDA graph)")
         else:
             busy = _every_tick(lc.tasks)
             parts = "".join(f", {k} {b}" for k, (_, b) in lc.tasks.items() if k in busy)

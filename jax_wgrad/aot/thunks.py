@@ -23,6 +23,7 @@ __all__ = [
     "parse_thunks",
     "thunk_names",
     "find_thunk",
+    "in_command_buffer",
     "launches",
     "LaunchCount",
     "loop_launches",
@@ -111,6 +112,25 @@ def find_thunk(thunks: Sequence[Thunk], id_: int) -> Thunk | None:
     return None
 
 
+def in_command_buffer(thunks: Sequence[Thunk], id_: int) -> bool:
+    """Whether the thunk ``id_`` runs inside a command buffer (a CUDA graph: a loop or a
+    conditional captured whole becomes a graph's while or conditional node, which the
+    host launches with the graph, once)."""
+
+    def visit(t: Thunk, inside: bool) -> bool | None:
+        if t.id == id_ and t.kind != "kCommandBuffer":
+            return inside
+        inside = inside or t.kind == "kCommandBuffer"
+        for seq in t.nested.values():
+            for x in seq:
+                found = visit(x, inside)
+                if found is not None:
+                    return found
+        return None
+
+    return any(visit(top, False) for top in thunks)
+
+
 _NO_LAUNCH = {"kAsyncDone", "kWaitForStreams", "kPartitionId", "kReplicaId"}
 _CONTAINERS = {"kAsyncStart", "kSequential", "kDynamicSliceFusion"}
 
@@ -187,6 +207,10 @@ class LaunchCount:
     unknown_trip_loops: int = 0
     """Nested while loops (at any depth) in that tick with no known trip count: counted as
     one iteration."""
+    in_command_buffer: bool = False
+    """The loop itself runs inside a command buffer (a CUDA graph's while node): its ticks
+    launch nothing from the host (every count above 0, but
+    :attr:`kernels_in_command_buffers`: the kernels of a tick running every task)."""
 
     def tick(self, *busy_tasks: str) -> int:
         """Launches of a tick running ``busy_tasks`` (the others idle)."""
@@ -221,6 +245,17 @@ def loop_launches(
         return None
     trips_by_id = {i: trips[n] for i, n in names.items() if trips and trips.get(n) is not None}
     count = functools.partial(launches, trips=trips_by_id)
+    if in_command_buffer(thunks, t.id):
+        body = [seq for label, seq in t.nested.items() if label != "condition"]
+        return LaunchCount(
+            overhead=0,
+            tasks={},
+            command_buffers=0,
+            kernels_in_command_buffers=sum(count(seq) for seq in body),
+            custom_calls_outside=0,
+            conditionals=0,
+            in_command_buffer=True,
+        )
     overhead, tasks, conds, once_ids, in_graphs = 0, {}, 0, set(), []
     seqs = list(t.nested.values())
 

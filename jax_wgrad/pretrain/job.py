@@ -111,6 +111,7 @@ def compile_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
             hosts=args.target_hosts,
             gpus_per_host=args.target_gpus_per_host,
             tx=default_optimizer(learning_rate(args), weight_decay=args.weight_decay),
+            cuda_graph_scope=args.cuda_graph_scope,
         )
     except (RuntimeError, ValueError) as exc:  # no plugin or handler; a bad layout
         cli.usage_error(parser, exc)
@@ -128,7 +129,7 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
     """The run of :func:`main` once the flags are checked."""
     if args.compile_only:  # compile for GPUs that are not here; nothing is run
         return compile_only(parser, args)
-    gpu_flags = apply_gpu_xla_flags()  # before jax initialises its backends
+    gpu_flags = apply_gpu_xla_flags(args.cuda_graph_scope)  # before jax initialises its backends
     use_virtual_cpu_devices(args.num_cpu_devices)
     if args.distributed:
         initialize_distributed(

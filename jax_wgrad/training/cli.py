@@ -36,8 +36,10 @@ from typing import Any, Literal, NoReturn
 
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.models.gpt.config import RUN_OPTIONS, GPTConfig
+from jax_wgrad.models.gpt.params import layer_loop_length
 from jax_wgrad.models.gpt.presets import PRESETS
 from jax_wgrad.parallel.config import ParallelConfig
+from jax_wgrad.training.gpu import CUDA_GRAPH_SCOPES, check_cuda_graph_scope, cuda_gpu_usable
 from jax_wgrad.training.loop import LoopOptions
 
 __all__ = [
@@ -349,6 +351,18 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                 type=nonnegative_int,
                 help="this process's rank in a --distributed launch (absent: from the "
                 "cluster's environment)",
+            ),
+            Flag(
+                "--cuda-graph-scope",
+                choices=CUDA_GRAPH_SCOPES,
+                default="kernels",
+                help="what XLA:GPU runs as CUDA graphs (Megatron's flag; on a GPU, and "
+                "with --compile-only): 'kernels', XLA's default command buffers (runs of "
+                "kernels, cuBLAS and cuDNN calls, the fused FFI handlers; control flow "
+                "and collectives from the host, each conditional reading its predicate "
+                "back); 'full_iteration', every command-buffer type (conditionals, loops "
+                "and collectives too): with the layers unrolled (--layer-scan-unroll, "
+                "required) the step has no host synchronisation",
             ),
             Flag(
                 "--verbose-collectives",
@@ -792,6 +806,9 @@ def build_configs(
         vpp = {"virtual_pipeline_model_parallel_size": virtual_stages(args)}
         parallel = ParallelConfig(**(kwargs[ParallelConfig] | vpp))
         ddp = DDPConfig(**kwargs[DDPConfig])
+        check_cuda_graph_scope(
+            args.cuda_graph_scope, model.layer_scan_unroll, layer_loop_length(model, parallel)
+        )
     except ValueError as exc:
         usage_error(parser, exc)
     return model, parallel, ddp
@@ -1006,6 +1023,11 @@ def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
             "--use-rope-scaling",
         ),
         ("profile_steps", args.profile_dir is not None, "--profile-dir"),
+        (
+            "cuda_graph_scope",
+            args.compile_only or args.cuda_graph_scope == "kernels" or cuda_gpu_usable(),
+            "a CUDA GPU or --compile-only (XLA:CPU has no CUDA graphs)",
+        ),
         ("coordinator_address", args.distributed, "--distributed"),
         ("num_processes", args.distributed, "--distributed"),
         ("process_id", args.distributed, "--distributed"),

@@ -12,6 +12,16 @@ estimated on H100s; ``docs/design/aot.md``). XLA's pass proves the rows are all 
 first, so results do not change. Flags are read when
 jax initialises its backends, so :func:`apply_gpu_xla_flags` must run before the first jax
 computation; flags already present in ``XLA_FLAGS`` are left as the user set them.
+
+**CUDA graphs** (``cuda_graph_scope``, Megatron's ``--cuda-graph-scope``): XLA:GPU runs
+runs of kernels, cuBLAS/cuDNN calls and command-buffer-compatible FFI handlers as CUDA
+graphs by default (``kernels``); control flow and collectives run from the host, and
+every conditional outside a graph copies its predicate to the host and waits
+(``docs/design/aot.md``: 65 per Llama-3-8B TP2 PP2 step). ``full_iteration`` adds
+every other command-buffer type XLA has (:data:`FULL_ITERATION_COMMAND_BUFFERS`:
+conditionals, loops and collectives become graph nodes), so that a step whose layer
+loops are unrolled (:func:`check_cuda_graph_scope`) runs as a few CUDA graphs with no
+host synchronisation.
 """
 
 from __future__ import annotations
@@ -20,7 +30,15 @@ import os
 
 from jax_wgrad._cuda_probe import cuda_gpu_usable
 
-__all__ = ["GPU_XLA_FLAGS", "apply_gpu_xla_flags", "cuda_gpu_usable"]
+__all__ = [
+    "CUDA_GRAPH_SCOPES",
+    "FULL_ITERATION_COMMAND_BUFFERS",
+    "GPU_XLA_FLAGS",
+    "apply_gpu_xla_flags",
+    "check_cuda_graph_scope",
+    "cuda_gpu_usable",
+    "gpu_xla_flags",
+]
 
 GPU_XLA_FLAGS: dict[str, str] = {
     "--xla_gpu_enable_latency_hiding_scheduler": "true",
@@ -28,14 +46,58 @@ GPU_XLA_FLAGS: dict[str, str] = {
 }
 """Flag -> value added to ``XLA_FLAGS`` on a GPU."""
 
+CUDA_GRAPH_SCOPES = ("kernels", "full_iteration")
+"""``--cuda-graph-scope`` values: XLA's default command buffers, or every type."""
 
-def apply_gpu_xla_flags() -> list[str]:
-    """Adds :data:`GPU_XLA_FLAGS` to ``XLA_FLAGS`` when a CUDA GPU is usable (and the user
+FULL_ITERATION_COMMAND_BUFFERS = (
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION"
+)
+"""``xla_gpu_enable_command_buffer`` for ``full_iteration``: every type the flag takes
+(jaxlib 0.10.2 and 0.12 name them all; 0.12 refuses the enum's one other name,
+``DYNAMIC_SLICE_COPY_FUSION``)."""
+
+
+def gpu_xla_flags(cuda_graph_scope: str = "kernels") -> dict[str, str]:
+    """Flag -> value of a GPU run: :data:`GPU_XLA_FLAGS`, and for ``cuda_graph_scope``
+    ``"full_iteration"`` every command-buffer type."""
+    if cuda_graph_scope not in CUDA_GRAPH_SCOPES:
+        raise ValueError(
+            f"cuda_graph_scope {cuda_graph_scope!r}: expected one of {CUDA_GRAPH_SCOPES}"
+        )
+    flags = dict(GPU_XLA_FLAGS)
+    if cuda_graph_scope == "full_iteration":
+        flags["--xla_gpu_enable_command_buffer"] = FULL_ITERATION_COMMAND_BUFFERS
+    return flags
+
+
+def check_cuda_graph_scope(cuda_graph_scope: str, layer_scan_unroll: int, loop_length: int) -> None:
+    """``full_iteration`` needs a stage's layers unrolled: XLA:GPU makes every copy at a
+    traced position in a loop (a layer's weights sliced from the stacked ones, the saved
+    activations written back) asynchronous, and captures no asynchronous copy, so a task
+    whose layers are a loop stays a conditional on the host. ``loop_length``: the
+    iterations of a model chunk's layer loop (its periods of layers).
+
+    Raises:
+      ValueError: naming both flags, when ``layer_scan_unroll < loop_length``.
+    """
+    if cuda_graph_scope == "full_iteration" and layer_scan_unroll < loop_length:
+        raise ValueError(
+            f"--cuda-graph-scope full_iteration needs a model chunk's {loop_length} "
+            f"iterations of its layer loop unrolled (--layer-scan-unroll {loop_length}), "
+            f"got --layer-scan-unroll {layer_scan_unroll}: XLA:GPU captures no "
+            "asynchronous copy of a loop in a CUDA graph, and the tasks holding the loop "
+            "would stay conditionals on the host"
+        )
+
+
+def apply_gpu_xla_flags(cuda_graph_scope: str = "kernels") -> list[str]:
+    """Adds :func:`gpu_xla_flags` to ``XLA_FLAGS`` when a CUDA GPU is usable (and the user
     did not set the flag); returns the flags added."""
     if not cuda_gpu_usable():
         return []
     current = os.environ.get("XLA_FLAGS", "")
-    added = [f"{k}={v}" for k, v in GPU_XLA_FLAGS.items() if k not in current]
+    flags = gpu_xla_flags(cuda_graph_scope)
+    added = [f"{k}={v}" for k, v in flags.items() if k not in current]
     if added:
         os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return added

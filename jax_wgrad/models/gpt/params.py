@@ -62,6 +62,7 @@ __all__ = [
     "from_forward_order",
     "grad_specs",
     "init_params",
+    "layer_loop_length",
     "module_orders",
     "param_specs",
     "period_pattern",
@@ -103,6 +104,15 @@ def period_pattern(cfg: GPTConfig) -> tuple[bool, ...]:
     first one MoE (Megatron's pattern). Every stage holds whole periods
     (``GPTConfig``'s checks)."""
     return cfg.moe_layer_pattern[: cfg.moe_layer_freq if cfg.num_moe_experts else 1]
+
+
+def layer_loop_length(cfg: GPTConfig, parallel) -> int:
+    """Iterations of a model chunk's loop over its layers (its periods of layers,
+    :func:`period_pattern`): ``L / (P V)`` layers over the period's length, for a
+    :class:`~jax_wgrad.parallel.ParallelConfig` ``parallel`` of ``P`` stages and ``V``
+    model chunks per stage."""
+    chunks = parallel.pipeline_model_parallel_size * parallel.num_model_chunks
+    return cfg.num_layers // chunks // len(period_pattern(cfg))
 
 
 def _position(a, count: int, k: int):
