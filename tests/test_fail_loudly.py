@@ -151,6 +151,19 @@ def test_cuda_graphs_of_the_whole_iteration_need_the_layers_unrolled(pretrain, c
     )
 
 
+def test_cuda_graph_scope_and_xla_flags_setting_the_same_flag(pretrain, capsys, monkeypatch):
+    """``XLA_FLAGS`` naming the command-buffer types wins over the library's flags: with
+    ``--cuda-graph-scope full_iteration`` that would silently ignore the option."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+    usage_error(
+        pretrain,
+        capsys,
+        SMALL + ["--compile-only", "--cuda-graph-scope", "full_iteration"],
+        "--cuda-graph-scope full_iteration sets --xla_gpu_enable_command_buffer, which "
+        "XLA_FLAGS sets already (use one or the other)",
+    )
+
+
 def test_distributed_needs_a_coordinator(pretrain, capsys, monkeypatch):
     for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

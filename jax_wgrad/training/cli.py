@@ -39,7 +39,12 @@ from jax_wgrad.models.gpt.config import RUN_OPTIONS, GPTConfig
 from jax_wgrad.models.gpt.params import layer_loop_length
 from jax_wgrad.models.gpt.presets import PRESETS
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.training.gpu import CUDA_GRAPH_SCOPES, check_cuda_graph_scope, cuda_gpu_usable
+from jax_wgrad.training.gpu import (
+    COMMAND_BUFFER_FLAG,
+    CUDA_GRAPH_SCOPES,
+    check_cuda_graph_scope,
+    cuda_gpu_usable,
+)
 from jax_wgrad.training.loop import LoopOptions
 
 __all__ = [
@@ -1052,6 +1057,13 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, given
         parser.error(
             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --train-iters "
             f"({args.train_iters}), the steps of the --min-lr decay"
+        )
+    if args.cuda_graph_scope != "kernels" and COMMAND_BUFFER_FLAG in os.environ.get(
+        "XLA_FLAGS", ""
+    ):
+        parser.error(
+            f"--cuda-graph-scope {args.cuda_graph_scope} sets {COMMAND_BUFFER_FLAG}, which "
+            "XLA_FLAGS sets already (use one or the other)"
         )
     if args.distributed:
         if args.coordinator_address is None and not any(v in os.environ for v in CLUSTER_ENV):

@@ -31,6 +31,7 @@ import os
 from jax_wgrad._cuda_probe import cuda_gpu_usable
 
 __all__ = [
+    "COMMAND_BUFFER_FLAG",
     "CUDA_GRAPH_SCOPES",
     "FULL_ITERATION_COMMAND_BUFFERS",
     "GPU_XLA_FLAGS",
@@ -49,6 +50,9 @@ GPU_XLA_FLAGS: dict[str, str] = {
 CUDA_GRAPH_SCOPES = ("kernels", "full_iteration")
 """``--cuda-graph-scope`` values: XLA's default command buffers, or every type."""
 
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
+"""The XLA flag naming what XLA:GPU captures in command buffers (CUDA graphs)."""
+
 FULL_ITERATION_COMMAND_BUFFERS = (
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION"
 )
@@ -66,7 +70,7 @@ def gpu_xla_flags(cuda_graph_scope: str = "kernels") -> dict[str, str]:
         )
     flags = dict(GPU_XLA_FLAGS)
     if cuda_graph_scope == "full_iteration":
-        flags["--xla_gpu_enable_command_buffer"] = FULL_ITERATION_COMMAND_BUFFERS
+        flags[COMMAND_BUFFER_FLAG] = FULL_ITERATION_COMMAND_BUFFERS
     return flags
 
 
