@@ -38,6 +38,10 @@ datasheet, else the measured GEMM and copy bandwidth) and its error (``estimate_
 (``JAX_PLATFORMS=cpu`` with jax's CUDA plugin) and prints, instead of times, each step's
 estimated time and MFU (:mod:`jax_wgrad.aot.estimate`), launches per microbatch, host
 syncs and peak memory, with ``estimated_fused_over_plain`` and the other ratios.
+
+On a GPU, and compiled for one, all three steps get the example's XLA flags
+(:func:`jax_wgrad.training.gpu.gpu_xla_flags`); ``--layer-scan-unroll`` and
+``--cuda-graph-scope`` apply to all three alike.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from jax_wgrad import (
     shard_batch,
 )
 from jax_wgrad.functional import causal_attention
+from jax_wgrad.training.gpu import CUDA_GRAPH_SCOPES, apply_gpu_xla_flags, check_cuda_graph_scope
 
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP = 1e-4, 0.9, 0.95, 1e-8, 0.01, 1.0
 
@@ -107,7 +112,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(jax_wgrad.aot.estimate) and launches instead of measured ones",
     )
     p.add_argument("--target", choices=("h100", "h200"), default="h100")
+    p.add_argument(
+        "--layer-scan-unroll",
+        type=int,
+        default=1,
+        help="layers per iteration of the layer loop, in all three steps (lax.scan's unroll; "
+        "the layer count: straight-line code)",
+    )
+    p.add_argument(
+        "--cuda-graph-scope",
+        choices=CUDA_GRAPH_SCOPES,
+        default="kernels",
+        help="what XLA:GPU runs as CUDA graphs, for all three steps (the example's flag; "
+        "'full_iteration' needs --layer-scan-unroll = --num-layers)",
+    )
     args = p.parse_args(argv)
+    try:
+        check_cuda_graph_scope(args.cuda_graph_scope, args.layer_scan_unroll, args.num_layers)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         p.error(
             f"--steps ({args.steps}), --rounds ({args.rounds}) and --warmup "
@@ -149,7 +172,7 @@ def plain_loss(params, tokens, cfg: GPTConfig, attention: str):
         h = jax.nn.gelu(_dense(_layer_norm(x, p["ln2"], eps), p["fc1"]), approximate=False)
         return x + _dense(h, p["fc2"]), None
 
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+    x, _ = jax.lax.scan(layer, x, params["layers"], unroll=cfg.layer_scan_unroll)
     x = _layer_norm(x, params["head"]["final_norm"], eps)
     w = (
         params["head"]["output"]["weight"]
@@ -308,6 +331,7 @@ def _config(args) -> GPTConfig:
         seq_length=args.seq_length,
         attention_backend=args.attention_backend,
         compute_dtype="bfloat16" if args.bf16 else "float32",
+        layer_scan_unroll=args.layer_scan_unroll,
     )
 
 
@@ -358,7 +382,7 @@ def compile_only(args) -> dict:
         tx = default_optimizer(LR, weight_decay=WEIGHT_DECAY, b1=B1, b2=B2, eps=EPS)
         ddp = DDPConfig(clip_grad=CLIP)
         plan = TrainPlan.create(cfg, par, mesh, tx, ddp=ddp, check_fusion=False)
-        report = aot.compile_plan(plan, args.target)
+        report = aot.compile_plan(plan, args.target, cuda_graph_scope=args.cuda_graph_scope)
         steps[name] = (
             report.estimate,
             report.launches_per_microbatch,
@@ -378,7 +402,9 @@ def compile_only(args) -> dict:
     )
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=one)
     lowered = plain_step_fn(cfg, num_micro, attention, tx).trace((params, opt_state), batch).lower()
-    plain = aot.compile_program(lowered, args.target, loop_trips=num_micro)
+    plain = aot.compile_program(
+        lowered, args.target, loop_trips=num_micro, cuda_graph_scope=args.cuda_graph_scope
+    )
     mem = plain.compiled.memory_analysis()
     steps["plain"] = (
         plain.estimate,
@@ -413,6 +439,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.compile_only:
         return compile_only(args)
+    apply_gpu_xla_flags(args.cuda_graph_scope)  # the example's flags, before jax's backends
     device = jax.devices()[0]
     cfg = _config(args)
     attention = cfg.attention_implementation(device.platform)

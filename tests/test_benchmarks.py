@@ -14,10 +14,13 @@ def _load(name):
 
 @pytest.mark.slow  # a full fused and plain train step compile (suite time)
 @pytest.mark.skipif(not fusion_available("cpu"), reason="the fused step needs the CPU handler")
-def test_step_vs_plain_jax_prints_one_json_line(capsys):
+@pytest.mark.parametrize("unroll", ["1", "2"])
+def test_step_vs_plain_jax_prints_one_json_line(capsys, unroll):
     bench = _load("step_vs_plain_jax")
     bench.main(
         [
+            "--layer-scan-unroll",
+            unroll,
             "--num-layers",
             "2",
             "--hidden-size",
@@ -52,6 +55,18 @@ def test_step_vs_plain_jax_prints_one_json_line(capsys):
     # Same parameters and batch: the three steps' first losses agree.
     assert abs(row["fused_first_loss"] - row["plain_first_loss"]) < 1e-5
     assert abs(row["unfused_first_loss"] - row["plain_first_loss"]) < 1e-5
+
+
+def test_step_vs_plain_jax_cuda_graphs_need_the_layers_unrolled(capsys):
+    bench = _load("step_vs_plain_jax")
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--num-layers", "4", "--cuda-graph-scope", "full_iteration"])
+    assert exc.value.code == 2
+    assert "(--layer-scan-unroll 4), got --layer-scan-unroll 1" in capsys.readouterr().err
+    args = bench.parse_args(
+        ["--num-layers", "4", "--cuda-graph-scope", "full_iteration", "--layer-scan-unroll", "4"]
+    )
+    assert bench._config(args).layer_scan_unroll == 4
 
 
 def test_model_flops_formula():

@@ -171,15 +171,19 @@ def compile_program(
     model_flops: float | None = None,
     xla_options: dict[str, Any] | None = None,
     loop_trips: int | None = None,
+    cuda_graph_scope: str = "kernels",
 ) -> CompiledProgram:
     """Compiles a lowered program (``jax.jit(f).trace(*abstract).lower()`` on compile-only
     devices of ``target``: :func:`~jax_wgrad.aot.target_devices`) with the GPU run's XLA
     flags and estimates one run of it: any program, e.g. a plain-JAX train step beside
     the library's (``benchmarks/step_vs_plain_jax.py --compile-only``). ``hosts``: the
     host of each device of its device assignment (:class:`~jax_wgrad.aot.estimate.ModuleCosts`);
-    ``loop_trips``: count one iteration of the outermost loop of that many iterations."""
+    ``loop_trips``: count one iteration of the outermost loop of that many iterations;
+    ``cuda_graph_scope``: as :func:`compile_plan`'s."""
     target = gpu_target(target) if isinstance(target, str) else target
-    compiled, thunk_text, meta_text = _compile_dumped(lowered, _xla_options(xla_options))
+    compiled, thunk_text, meta_text = _compile_dumped(
+        lowered, _xla_options(xla_options, cuda_graph_scope)
+    )
     text = compiled.as_text()
     trips = hlo.trip_counts(text)
     n, loop_n = None, None
