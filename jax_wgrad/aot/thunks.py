@@ -238,7 +238,8 @@ def loop_launches(
     stage's last, once a step) is counted by its first two. A while nested in the
     loop counts its body times its trip count where ``trips`` (``{while instruction name:
     known trip count or None}``, :func:`jax_wgrad.aot.hlo.trip_counts`) gives one, else
-    once (:func:`launches`)."""
+    once (:func:`launches`). A loop that runs inside a command buffer itself (a CUDA
+    graph's while node) launches nothing per tick (:attr:`LaunchCount.in_command_buffer`)."""
     ids = [i for i, n in names.items() if n == loop]
     t = find_thunk(thunks, ids[0]) if ids else None
     if t is None or t.kind != "kWhile":
