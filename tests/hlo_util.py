@@ -1,4 +1,4 @@
-"""Helpers to check structural claims in compiled HLO text."""
+"""Helpers to check structural claims in compiled HLO text (and in jaxprs)."""
 
 import re
 
@@ -101,3 +101,14 @@ def ancestors(graph: dict[str, set[str]], name: str) -> set[str]:
             seen.add(n)
             todo += graph[n]
     return seen
+
+
+def jaxpr_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)

@@ -5,11 +5,10 @@ and the compiled drain's tensor-ring structure."""
 import re
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hlo_util import computations
+from hlo_util import computations, jaxpr_eqns
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -288,23 +287,7 @@ def test_drain_ring_overlaps_gemms_with_permutes():
 
 def _primitives(jaxpr) -> set[str]:
     """Every primitive of ``jaxpr`` and of the jaxprs nested in it."""
-    out = set()
-    for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out |= _primitives(sub)
-    return out
-
-
-def _conds(jaxpr) -> list:
-    """The ``cond`` equations of ``jaxpr`` and of the jaxprs nested in it."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            out.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out += _conds(sub)
-    return out
+    return {e.primitive.name for e in jaxpr_eqns(jaxpr)}
 
 
 @needs_fusion
@@ -342,7 +325,7 @@ def test_drain_conditionals_hold_only_the_gemm_work(sp, mode):
     mesh = jax.make_mesh((tp,), ("tensor",), devices=jax.devices()[:tp])
     fn = jax.shard_map(per_device, mesh=mesh, in_specs=P(), out_specs=P("tensor"), check_vma=False)
     jaxpr = jax.make_jaxpr(fn)(jnp.zeros(v * h, jnp.float32), *stash).jaxpr
-    conds = _conds(jaxpr)
+    conds = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name == "cond"]
     assert len(conds) == (tp if sp else 1)
     for eqn in conds:
         idle, busy = (_primitives(b.jaxpr) for b in eqn.params["branches"])

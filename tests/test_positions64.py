@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_util import jaxpr_eqns
 from jax import lax
 from jax.extend.core import Literal
 from jax.sharding import Mesh
@@ -238,21 +239,10 @@ def test_ragged_wgrad_past_2_31():
 
 
 # ---------------------------------------------- 4. trace level at production sizes
-def _eqns(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
-
 def _fused_positions(jaxpr) -> list[tuple[str, int, int]]:
     return [
         (e.primitive.name, e.params["base"], e.params["stride"])
-        for e in _eqns(jaxpr)
+        for e in jaxpr_eqns(jaxpr)
         if e.primitive.name in ("wgrad_accumulate_at", "ragged_wgrad_accumulate")
     ]
 
@@ -260,7 +250,7 @@ def _fused_positions(jaxpr) -> list[tuple[str, int, int]]:
 def _int32_products(jaxpr, factors: set[int]) -> list:
     """``mul`` equations of an int32 value by one of ``factors`` (the old wrapping form)."""
     found = []
-    for e in _eqns(jaxpr):
+    for e in jaxpr_eqns(jaxpr):
         if e.primitive.name == "mul" and e.outvars[0].aval.dtype == jnp.int32:
             for v in e.invars:
                 if isinstance(v, Literal) and int(v.val) in factors:
@@ -312,7 +302,7 @@ def test_llama3_8b_layer_scan_writes_every_block_where_the_plan_puts_it():
     jaxpr = jax.make_jaxpr(backward)(
         params["layers"], (SDS((numel,), F32),), SDS((8, H), BF16), SDS((8, H), BF16)
     ).jaxpr
-    scans = [e.params["length"] for e in _eqns(jaxpr) if e.primitive.name == "scan"]
+    scans = [e.params["length"] for e in jaxpr_eqns(jaxpr) if e.primitive.name == "scan"]
     assert scans and set(scans) == {LAYERS_8B}
     got = sorted(_fused_positions(jaxpr))
     want = []
