@@ -57,7 +57,7 @@ FULL_ITERATION_COMMAND_BUFFERS = (
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION"
 )
 """``xla_gpu_enable_command_buffer`` for ``full_iteration``: every type the flag takes
-(jaxlib 0.10.2, 0.11.2 and 0.12 accept the list as a compile option; 0.11.2 and 0.12
+(jaxlib 0.10.2, 0.11.2 and 0.12 accept the list as a compile option, and
 refuse the enum's one other name, ``DYNAMIC_SLICE_COPY_FUSION``)."""
 
 
