@@ -130,10 +130,11 @@ def drain(
             + " recompute"
         )
 
+    dy_of = recompute if recompute is not None else (lambda x, sliced: sliced[0])
+
     def accumulate(bk, x, sliced, scope):
         """``dy^T x`` of one chunk into ``bk`` where ``active``: ``sliced`` is ``(dy,)``
         or, in recompute mode, the extras sliced to ``x``'s tokens."""
-        dy_of = (lambda x, s: recompute(x, s)) if recompute is not None else (lambda x, s: s[0])
         with jax.named_scope(scope):
             return control.cond(
                 active,
