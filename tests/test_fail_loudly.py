@@ -104,6 +104,11 @@ def test_numeric_range(pretrain, capsys, argv, message):
             "--cuda-graph-scope full_iteration needs a CUDA GPU or --compile-only "
             "(XLA:CPU has no CUDA graphs)",
         ),
+        (
+            ["--cuda-graph-scope", "kernels"],
+            "--cuda-graph-scope kernels needs a CUDA GPU or --compile-only "
+            "(XLA:CPU has no CUDA graphs)",
+        ),
         (["--process-id", "0"], "--process-id 0 needs --distributed"),
         (
             ["--coordinator-address", "localhost:1234"],

@@ -1030,7 +1030,7 @@ def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
         ("profile_steps", args.profile_dir is not None, "--profile-dir"),
         (
             "cuda_graph_scope",
-            args.compile_only or args.cuda_graph_scope == "kernels" or cuda_gpu_usable(),
+            args.compile_only or cuda_gpu_usable(),
             "a CUDA GPU or --compile-only (XLA:CPU has no CUDA graphs)",
         ),
         ("coordinator_address", args.distributed, "--distributed"),
