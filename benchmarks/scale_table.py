@@ -157,6 +157,18 @@ LAYOUTS: tuple[Layout, ...] = (
         "the paired row as CUDA graphs with conditional and while nodes (layers unrolled)",
     ),
     Layout(
+        "llama3-8b-tp2pp2dp2-s4k-paired-groups-graphs",
+        "llama3-8b",
+        8,
+        _tp_pp(2, 2)
+        + _seq(4096, 16)
+        + ("--overlap-grad-reduce", "--defer-embedding-wgrad-compute")
+        + ("--pipeline-schedule", "1f1b-paired", "--overlap-grad-reduce-in-backward")
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "16"),
+        "the paired row with layer groups and as CUDA graphs (sync overlapped, no host sync)",
+    ),
+    Layout(
         "llama3-8b-tp2pp2dp2-s4k-vp2-paired",
         "llama3-8b",
         8,
@@ -218,6 +230,18 @@ LAYOUTS: tuple[Layout, ...] = (
         + FULL_ITERATION_GRAPHS
         + ("--layer-scan-unroll", "32"),
         "the TP4 DP2 row as CUDA graphs with conditional and while nodes (layers unrolled)",
+    ),
+    Layout(
+        "llama3-8b-tp4dp2-s8k-groups-graphs",
+        "llama3-8b",
+        8,
+        _tp_pp(4)
+        + _seq(8192, 16)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
+        + ("--overlap-grad-reduce-in-backward",)
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "32"),
+        "the TP4 DP2 row with layer groups and as CUDA graphs",
     ),
     Layout(
         "llama3-8b-tp2dp4-s4k",

@@ -207,12 +207,15 @@ def test_five_steps_equal_single_device_optax(mesh_shape, dist, buckets, clip):
 
 
 DEEP = dataclasses.replace(MODEL, num_layers=8)
+UNROLLED = dataclasses.replace(DEEP, layer_scan_unroll=8)
 
 
 @pytest.mark.parametrize(
     "mesh_shape, dist, model",
     [
         pytest.param((4, 1, 2), True, DEEP, id="(4, 1, 2)-dist"),
+        # straight-line layers (what --cuda-graph-scope full_iteration compiles)
+        pytest.param((2, 2, 2), True, UNROLLED, id="(2, 2, 2)-dist-unrolled"),
         pytest.param((8, 1, 1), False, MODEL, id="(8, 1, 1)-repl", marks=pytest.mark.slow),
         pytest.param((2, 2, 2), False, DEEP, id="(2, 2, 2)-repl", marks=pytest.mark.slow),
     ],

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_util import jaxpr_eqns
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -157,6 +158,49 @@ def test_completed_bucket_synced_in_chunks_inside_the_group_below():
     for g in range(3):
         want = plain[g] if g == 2 else 2.0 * plain[g]
         np.testing.assert_allclose(hooked[g], want, rtol=1e-6)
+
+
+def test_a_chunk_is_cut_after_the_data_gradient_and_written_back_after_the_weight_gradients():
+    """Where the backward puts a chunk's sync (``sync_when_complete``): the chunk is cut
+    from the bucket joined (optimization barrier) with the layer's data gradient
+    ``[T, H]``, and the synced bucket is joined with the group's own bucket before it
+    goes on -- so on XLA:GPU the collective runs beside that layer's weight-gradient
+    GEMMs. In the backward that does not sync, no barrier."""
+    params, x = _params(2), jnp.ones((T, H), jnp.float32)
+    sizes, pieces = _layout()
+    start = [jnp.zeros((n,), jnp.float32) for n in sizes]
+
+    def on_complete(key, k):
+        c = sizes[key] // k
+
+        def sync(ct, i):
+            chunk = lax.dynamic_slice_in_dim(ct, i * c, c)
+            return lax.dynamic_update_slice_in_dim(ct, 2.0 * chunk, i * c, 0)
+
+        return sync
+
+    def eqns(hook):
+        jaxpr = jax.make_jaxpr(lambda p, x, b: _run(p, x, b, pieces, on_complete=hook))
+        return list(jaxpr_eqns(jaxpr(params, x, start).jaxpr))
+
+    assert not [e for e in eqns(None) if e.primitive.name == "optimization_barrier"]
+    found = eqns(on_complete)
+    barriers = [e for e in found if e.primitive.name == "optimization_barrier"]
+    made_by = {id(v): e for e in barriers for v in e.outvars}
+    is_bucket = lambda v: v.aval.ndim == 1 and v.aval.shape[0] in sizes
+    cuts = [e for e in found if e.primitive.name == "dynamic_slice" and is_bucket(e.invars[0])]
+    writes = [
+        e for e in found if e.primitive.name == "dynamic_update_slice" and is_bucket(e.invars[0])
+    ]
+    # the two upper groups' buckets, each synced in the scan body of the group below
+    assert len(cuts) == len(writes) == 2, (cuts, writes)
+    for cut in cuts:
+        joined = made_by[id(cut.invars[0])]
+        assert [v.aval.shape for v in joined.invars] == [cut.invars[0].aval.shape, (T, H)]
+    for write in writes:
+        (joined,) = [e for e in barriers if any(v is write.outvars[0] for v in e.invars)]
+        other = [v for v in joined.invars if v is not write.outvars[0]]
+        assert len(other) == 1 and is_bucket(other[0]), joined
 
 
 def test_misaligned_recompute_groups_are_rejected():

@@ -620,18 +620,46 @@ class StackRoutes:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def sync_when_complete(sync: ChunkSync, token: jax.Array, i: jax.Array) -> jax.Array:
-    """``token`` unchanged; in the backward, its cotangent (a completed bucket) goes
-    through ``sync(ct, i)``: chunk ``i`` of the bucket synced, in place."""
-    return token
+def sync_when_complete(
+    sync: ChunkSync | None, token: jax.Array, own: jax.Array, h: jax.Array, i: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(token, own, h)`` unchanged, applied to the inputs of a layer (or of a group of
+    layers run as one iteration); the backward reaches it when their backward is done,
+    and syncs chunk ``i`` (traced int32) of ``token``'s cotangent -- a completed bucket
+    -- in place by ``sync(ct, i)``, beside the layers' weight gradients:
+
+    * the chunk is cut after the data gradient (``h``'s cotangent; the two are joined by
+      an optimization barrier first), so its collective is issued once the layers'
+      tensor-parallel collectives are;
+    * the synced bucket is joined with ``own``'s cotangent (the bucket the layers'
+      weight gradients are added to, complete for them), so the chunk's write-back waits
+      for those GEMMs and XLA:GPU's scheduler keeps the collective in flight over them.
+
+    Why there: XLA:GPU runs every asynchronous collective on one communication stream
+    and its scheduler keeps one in flight at a time
+    (``--xla_gpu_experimental_parallel_collective_overlap_limit``, default 1), and the
+    data gradient's GEMMs already hide the tensor-parallel collectives; the weight
+    gradients' GEMMs are what a data-parallel collective can run beside. Issued before
+    the layers' backward instead, straight-line code (an unrolled layer loop) left half
+    of the chunks with only memory-bound kernels between start and done.
+
+    ``sync`` ``None``: a backward that does not sync (the residuals are the same), the
+    cotangents pass unchanged.
+    """
+    return token, own, h
 
 
-def _sync_fwd(sync, token, i):
-    return token, i
+def _sync_fwd(sync, token, own, h, i):
+    return (token, own, h), i
 
 
-def _sync_bwd(sync, i, ct):
-    return sync(ct, i), None
+def _sync_bwd(sync, i, cts):
+    ct, ct_own, ct_h = cts
+    if sync is None:
+        return ct, ct_own, ct_h, None
+    ct, ct_h = jax.lax.optimization_barrier((ct, ct_h))
+    ct, ct_own = jax.lax.optimization_barrier((sync(ct, i), ct_own))
+    return ct, ct_own, ct_h, None
 
 
 sync_when_complete.defvjp(_sync_fwd, _sync_bwd)

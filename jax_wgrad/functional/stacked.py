@@ -113,7 +113,12 @@ def scan_layers(
         bks, inputs, outputs = StackRoutes.layer_result(routes, keys)
         return h, bks, (aux, inputs, outputs)
 
-    def run_group(g: LayerGroup, keys, part, syncs, first_iteration):
+    def run_group(g: LayerGroup, keys, part, hooks, first_iteration):
+        # hooks: per carried key, None or the completed bucket's sync (None inside: this
+        # backward does not sync it). The part's own bucket (its row pieces, never a
+        # completed one) is what a chunk synced beside its layers waits for.
+        own = keys.index(stack.part_keys(part)[0]) if part is not None else None
+
         def iteration(h, bks, it, probe):
             # `size` layers from layer first + it * size on; probe leaves [size, ...], or
             # the layer's own for size 1 (None: record only).
@@ -134,13 +139,16 @@ def scan_layers(
         def step(carry, xs):
             h, bks = carry
             it, probe = xs
-            h, bks, rec = iteration(h, bks, it, probe)
             # The buckets of the part above are complete when the backward runs this
-            # iteration: its chunk of them is synced here, beside the layer's backward.
-            bks = tuple(
-                bk if sync is None else sync_when_complete(sync, bk, first_iteration + it)
-                for bk, sync in zip(bks, syncs)
-            )
+            # iteration: its chunk of them is synced beside the layer's weight gradients
+            # (sync_when_complete says how), which go to the part's own bucket.
+            bks = list(bks)
+            for j, hook in enumerate(hooks):
+                if hook is not None:
+                    bks[j], bks[own], h = sync_when_complete(
+                        hook[0], bks[j], bks[own], h, first_iteration + it
+                    )
+            h, bks, rec = iteration(h, tuple(bks), it, probe)
             return (h, bks), rec
 
         def group_probes(p):
@@ -167,10 +175,10 @@ def scan_layers(
         # backward with syncs and reads the residuals its other forwards stored).
         done = () if part is None else stack.completed(part)
         ask = stack.on_complete or (lambda key, k: None)
-        syncs = tuple((ask(k, iterations) or _unsynced) if k in done else None for k in keys)
+        hooks = tuple((ask(k, iterations),) if k in done else None for k in keys)
         carry, first_iteration = (h, stack.tokens(keys)), 0
         for g in part_groups:
-            step, xs = run_group(g, keys, part, syncs, first_iteration)
+            step, xs = run_group(g, keys, part, hooks, first_iteration)
             if g.count == 1:  # no loop for a single iteration
                 carry, rec = step(carry, jax.tree.map(lambda a: a[0], xs))
                 rec = jax.tree.map(lambda a: a[None], rec)
@@ -185,10 +193,6 @@ def scan_layers(
     )
     stack.finish(inputs, outputs)
     return h, aux
-
-
-def _unsynced(ct: jax.Array, i: jax.Array) -> jax.Array:
-    return ct
 
 
 def _cut(groups: tuple[LayerGroup, ...], a: int, b: int) -> tuple[LayerGroup, ...]:
