@@ -81,7 +81,7 @@ def _grads_from_buckets(buckets, pieces):
     return out
 
 
-def _run(params, x, buckets, pieces, *, recompute=None, on_complete=None):
+def _run(params, x, buckets, pieces, *, recompute=None, on_complete=None, unroll=1):
     """``(loss, buckets after the backward, scale's ordinary gradient)``."""
 
     def f(params, buckets, x):
@@ -89,7 +89,7 @@ def _run(params, x, buckets, pieces, *, recompute=None, on_complete=None):
         for name in ("up", "down"):
             routes.to_pieces(params[name], pieces[name], name=name)
         with routes:
-            y, _ = scan_layers(_layer, x, params, recompute=recompute)
+            y, _ = scan_layers(_layer, x, params, recompute=recompute, unroll=unroll)
         routes.check_used()
         return jnp.sum(y**2), tuple(routes.buckets.values())
 
@@ -98,18 +98,22 @@ def _run(params, x, buckets, pieces, *, recompute=None, on_complete=None):
     return loss, out, dparams["scale"]
 
 
+@pytest.mark.parametrize("unroll", [1, N], ids=["scans", "unrolled"])
 @pytest.mark.parametrize(
     "recompute",
     [None, LayerRecompute("selective"), LayerRecompute("full", "uniform", 2)],
     ids=["none", "selective", "full-uniform-2"],
 )
-def test_row_pieces_equal_jax_grad(recompute):
+def test_row_pieces_equal_jax_grad(recompute, unroll):
     params, x = _params(), jax.random.normal(jax.random.key(1), (T, H), jnp.float32)
     sizes, pieces = _layout()
     start = [jnp.zeros((n,), jnp.float32) for n in sizes]
-    loss, buckets, dscale = jax.jit(lambda p, x, b: _run(p, x, b, pieces, recompute=recompute))(
-        params, x, start
-    )
+    run = lambda p, x, b: _run(p, x, b, pieces, recompute=recompute, unroll=unroll)
+    loss, buckets, dscale = jax.jit(run)(params, x, start)
+    if unroll == N:  # each layer traced on its own: no loop, no residual stacked per group
+        assert "scan" not in {
+            e.primitive.name for e in jaxpr_eqns(jax.make_jaxpr(run)(params, x, start).jaxpr)
+        }
     want_loss, want = jax.value_and_grad(_loss_plain)(params, x)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     got = {**_grads_from_buckets(buckets, pieces), "scale": dscale}

@@ -179,9 +179,12 @@ def scan_layers(
         carry, first_iteration = (h, stack.tokens(keys)), 0
         for g in part_groups:
             step, xs = run_group(g, keys, part, hooks, first_iteration)
-            if g.count == 1:  # no loop for a single iteration
-                carry, rec = step(carry, jax.tree.map(lambda a: a[0], xs))
-                rec = jax.tree.map(lambda a: a[None], rec)
+            if g.count <= unroll:  # no loop: each iteration traced on its own
+                recs = []
+                for k in range(g.count):
+                    carry, rec = step(carry, jax.tree.map(lambda a, k=k: a[k], xs))
+                    recs.append(rec)
+                rec = jax.tree.map(lambda *r: jnp.stack(r), *recs)
             else:
                 carry, rec = lax.scan(step, carry, xs, unroll=min(unroll, g.count))
             records.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rec))
