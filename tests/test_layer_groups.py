@@ -167,9 +167,9 @@ def test_completed_bucket_synced_in_chunks_inside_the_group_below():
 def test_a_chunk_is_cut_after_the_data_gradient_and_written_back_after_the_weight_gradients():
     """Where the backward puts a chunk's sync (``sync_when_complete``): the chunk is cut
     from the bucket joined (optimization barrier) with the layer's data gradient
-    ``[T, H]``, and the synced bucket is joined with the group's own bucket before it
-    goes on -- so on XLA:GPU the collective runs beside that layer's weight-gradient
-    GEMMs. In the backward that does not sync, no barrier."""
+    ``[T, H]``, and the synced bucket is joined with the group's own bucket and the data
+    gradient before either goes on -- so on XLA:GPU the collective runs beside that
+    layer's weight-gradient GEMMs. In the backward that does not sync, no barrier."""
     params, x = _params(2), jnp.ones((T, H), jnp.float32)
     sizes, pieces = _layout()
     start = [jnp.zeros((n,), jnp.float32) for n in sizes]
@@ -203,8 +203,8 @@ def test_a_chunk_is_cut_after_the_data_gradient_and_written_back_after_the_weigh
         assert [v.aval.shape for v in joined.invars] == [cut.invars[0].aval.shape, (T, H)]
     for write in writes:
         (joined,) = [e for e in barriers if any(v is write.outvars[0] for v in e.invars)]
-        other = [v for v in joined.invars if v is not write.outvars[0]]
-        assert len(other) == 1 and is_bucket(other[0]), joined
+        own, h = [v for v in joined.invars if v is not write.outvars[0]]
+        assert is_bucket(own) and h.aval.shape == (T, H), joined
 
 
 def test_misaligned_recompute_groups_are_rejected():

@@ -632,8 +632,12 @@ def sync_when_complete(
       an optimization barrier first), so its collective is issued once the layers'
       tensor-parallel collectives are;
     * the synced bucket is joined with ``own``'s cotangent (the bucket the layers'
-      weight gradients are added to, complete for them), so the chunk's write-back waits
-      for those GEMMs and XLA:GPU's scheduler keeps the collective in flight over them.
+      weight gradients are added to, complete for them) and with the data gradient, so
+      the chunk's write-back waits for those GEMMs and the layers below wait for the
+      write-back: XLA:GPU's scheduler keeps the collective in flight over the weight
+      gradients' GEMMs (without the data gradient in that join it put the last layer's
+      GEMMs after the write-back, beside nothing but memory-bound kernels). A chunk
+      slower than the weight gradients beside it delays the layers below.
 
     Why there: XLA:GPU runs every asynchronous collective on one communication stream
     and its scheduler keeps one in flight at a time
@@ -658,7 +662,7 @@ def _sync_bwd(sync, i, cts):
     if sync is None:
         return ct, ct_own, ct_h, None
     ct, ct_h = jax.lax.optimization_barrier((ct, ct_h))
-    ct, ct_own = jax.lax.optimization_barrier((sync(ct, i), ct_own))
+    ct, ct_own, ct_h = jax.lax.optimization_barrier((sync(ct, i), ct_own, ct_h))
     return ct, ct_own, ct_h, None
 
 
