@@ -24,7 +24,8 @@ and the weight-gradient slots handed to the layer are rebuilt per iteration:
   layer groups: :meth:`~jax_wgrad.functional.WgradRoutes.to_pieces`) cut the scan into
   one scan per group, each threading its group's bucket; the bucket of the group above
   rides through the scan of the group below, whose backward iteration ``i`` can sync its
-  chunk ``i`` (the routes' ``on_complete``) beside that layer's backward.
+  chunk ``i`` (the routes' ``on_complete``) beside that layer's weight gradients
+  (:func:`~jax_wgrad.functional.linear.sync_when_complete`).
 
 The layer function knows none of this: it calls the library's layers on its parameters.
 """
@@ -70,8 +71,10 @@ def scan_layers(
         :class:`~jax_wgrad.functional.WgradRoutes` may send a leaf's gradient to a bucket
         (its layer-0 block; a probe ``[k, ...]`` for the ``k`` layers run when split).
       unroll: iterations per step of the loop (``lax.scan``'s ``unroll``; an iteration is
-        one layer, or one group of layers recomputed together); ``n``: no loop
-        (straight-line code, the offsets constant; compile time grows with ``n``).
+        one layer, or one group of layers recomputed together); ``n`` (or at least a
+        layer group's iterations): no loop, each iteration traced on its own
+        (straight-line code, the offsets constant, no residual stacked; compile time
+        grows with ``n``).
       rows: ``(start, k)``: run only layers ``start .. start + k - 1`` (``start`` may be
         traced: a model chunk of an interleaved stage), read from the full stacks inside
         the loop (no copy of the chunk's weights); default: all ``n``.
