@@ -116,11 +116,11 @@ def scan_layers(
         bks, inputs, outputs = StackRoutes.layer_result(routes, keys)
         return h, bks, (aux, inputs, outputs)
 
-    def run_group(g: LayerGroup, keys, part, hooks, first_iteration):
-        # hooks: per carried key, None or the completed bucket's sync (None inside: this
-        # backward does not sync it). The part's own bucket (its row pieces, never a
+    def run_group(g: LayerGroup, keys, part, syncs, first_iteration):
+        # syncs: {position in keys of a completed bucket: its ChunkSync, or None where
+        # this backward does not sync it}. The part's own bucket (its row pieces, never a
         # completed one) is what a chunk synced beside its layers waits for.
-        own = keys.index(stack.part_keys(part)[0]) if part is not None else None
+        own = keys.index(stack.part_keys(part)[0]) if syncs else None
 
         def iteration(h, bks, it, probe):
             # `size` layers from layer first + it * size on; probe leaves [size, ...], or
@@ -146,11 +146,10 @@ def scan_layers(
             # iteration: its chunk of them is synced beside the layer's weight gradients
             # (sync_when_complete says how), which go to the part's own bucket.
             bks = list(bks)
-            for j, hook in enumerate(hooks):
-                if hook is not None:
-                    bks[j], bks[own], h = sync_when_complete(
-                        hook[0], bks[j], bks[own], h, first_iteration + it
-                    )
+            for j, sync in syncs.items():
+                bks[j], bks[own], h = sync_when_complete(
+                    sync, bks[j], bks[own], h, first_iteration + it
+                )
             h, bks, rec = iteration(h, tuple(bks), it, probe)
             return (h, bks), rec
 
@@ -178,10 +177,10 @@ def scan_layers(
         # backward with syncs and reads the residuals its other forwards stored).
         done = () if part is None else stack.completed(part)
         ask = stack.on_complete or (lambda key, k: None)
-        hooks = tuple((ask(k, iterations),) if k in done else None for k in keys)
+        syncs = {j: ask(k, iterations) for j, k in enumerate(keys) if k in done}
         carry, first_iteration = (h, stack.tokens(keys)), 0
         for g in part_groups:
-            step, xs = run_group(g, keys, part, hooks, first_iteration)
+            step, xs = run_group(g, keys, part, syncs, first_iteration)
             if g.count <= unroll:  # no loop: each iteration traced on its own
                 recs = []
                 for k in range(g.count):
