@@ -39,6 +39,9 @@ datasheet, else the measured GEMM and copy bandwidth) and its error (``estimate_
 estimated time and MFU (:mod:`jax_wgrad.aot.estimate`), launches per microbatch, host
 syncs and peak memory, with ``estimated_fused_over_plain`` and the other ratios.
 
+``--variants`` times only some of the three (each holds its parameters and optimizer state
+on the device: at 1.6 B an 80 GB H100 holds two, ``--variants fused plain``).
+
 On a GPU, and compiled for one, all three steps get the example's XLA flags
 (:func:`jax_wgrad.training.gpu.gpu_xla_flags`); ``--layer-scan-unroll`` and
 ``--cuda-graph-scope`` apply to all three alike.
@@ -73,6 +76,8 @@ from jax_wgrad.functional import causal_attention
 from jax_wgrad.training.gpu import CUDA_GRAPH_SCOPES, apply_gpu_xla_flags, check_cuda_graph_scope
 
 LR, B1, B2, EPS, WEIGHT_DECAY, CLIP = 1e-4, 0.9, 0.95, 1e-8, 0.01, 1.0
+VARIANTS = ("fused", "unfused", "plain")
+RATIOS = (("fused", "plain"), ("unfused", "plain"), ("fused", "unfused"))
 
 # Dense (no sparsity) datasheet peaks, TFLOP/s: (16-bit, TF32) tensor-core throughput.
 GPU_PEAKS = {"H100": (989.0, 494.7), "H200": (989.0, 494.7), "A100": (312.0, 156.0)}
@@ -111,6 +116,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "JAX_PLATFORMS=cpu and jax's CUDA plugin) and print their estimated times "
         "(jax_wgrad.aot.estimate) and launches instead of measured ones",
     )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="the steps to time, all in one process (each holds its own parameters and "
+        "optimizer state on the device: at 1.6 B on an 80 GB H100 two fit, three do not); "
+        "ratios are printed for the pairs timed",
+    )
     p.add_argument("--target", choices=("h100", "h200"), default="h100")
     p.add_argument(
         "--layer-scan-unroll",
@@ -131,6 +145,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         check_cuda_graph_scope(args.cuda_graph_scope, args.layer_scan_unroll, args.num_layers)
     except ValueError as exc:
         p.error(str(exc))
+    if args.compile_only and sorted(args.variants) != sorted(VARIANTS):
+        p.error(
+            f"--variants {' '.join(args.variants)}: --compile-only compiles all three steps "
+            "(nothing is held on a device); leave --variants out"
+        )
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         p.error(
             f"--steps ({args.steps}), --rounds ({args.rounds}) and --warmup "
@@ -429,7 +448,7 @@ def compile_only(args) -> dict:
                 f"{name}_peak_bytes": peak_bytes,
             }
         )
-    for a, b in (("fused", "plain"), ("unfused", "plain"), ("fused", "unfused")):
+    for a, b in RATIOS:
         result[f"estimated_{a}_over_{b}"] = round(steps[a][0].seconds / steps[b][0].seconds, 4)
     print(json.dumps(result), flush=True)
     return result
@@ -458,7 +477,10 @@ def main(argv=None) -> dict:
 
     variants: dict[str, _Timed] = {}
     plans: dict[str, TrainPlan | None] = {"plain": None}
+    num_micro = _parallel(args, True).num_microbatches
     for name, fusion in (("fused", True), ("unfused", False)):
+        if name not in args.variants:
+            continue
         par = _parallel(args, fusion)
         mesh = make_mesh(par, devices=[device])
         tx = default_optimizer(LR, weight_decay=WEIGHT_DECAY, b1=B1, b2=B2, eps=EPS)
@@ -467,15 +489,15 @@ def main(argv=None) -> dict:
         state = init_train_state(plan, args.seed)
         step = build_train_step(plan, state)
         variants[name] = _Timed(step, state, [shard_batch(mesh, b) for b in batches])
-        num_micro = par.num_microbatches
 
-    params = jax.device_put(init_params(cfg, args.seed), device)
-    tx = plain_optimizer(params)
-    variants["plain"] = _Timed(
-        plain_step_fn(cfg, num_micro, attention, tx),
-        (params, tx.init(params)),
-        [jax.device_put(b, device) for b in batches],
-    )
+    if "plain" in args.variants:
+        params = jax.device_put(init_params(cfg, args.seed), device)
+        tx = plain_optimizer(params)
+        variants["plain"] = _Timed(
+            plain_step_fn(cfg, num_micro, attention, tx),
+            (params, tx.init(params)),
+            [jax.device_put(b, device) for b in batches],
+        )
 
     per_round = _time_interleaved(variants, args.warmup, args.steps, args.rounds)
     for name, v in variants.items():
@@ -498,20 +520,15 @@ def main(argv=None) -> dict:
         result[f"estimated_{name}_ms"] = round(e.seconds * 1e3, 3)
         result[f"estimate_error_{name}"] = round(e.seconds * 1e3 / result[f"{name}_ms"] - 1, 4)
     result["estimate_peaks"] = peaks.name
-    result.update(
-        {
-            "steps": args.steps,
-            "rounds": args.rounds,
-            "fused_over_plain": ratio("fused", "plain"),
-            "unfused_over_plain": ratio("unfused", "plain"),
-            "fused_over_unfused": ratio("fused", "unfused"),
-            "model_tflop_per_step": round(flops / 1e12, 4),
-            "mfu": round(flops / (result["fused_ms"] * 1e-3) / (peak * 1e12), 4),
-            "mfu_plain": round(flops / (result["plain_ms"] * 1e-3) / (peak * 1e12), 4),
-            "peak_tflops": round(peak, 2),
-            "peak_source": source,
-        }
-    )
+    result.update({"steps": args.steps, "rounds": args.rounds})
+    for a, b in RATIOS:
+        if a in variants and b in variants:
+            result[f"{a}_over_{b}"] = ratio(a, b)
+    result["model_tflop_per_step"] = round(flops / 1e12, 4)
+    for name, key in (("fused", "mfu"), ("unfused", "mfu_unfused"), ("plain", "mfu_plain")):
+        if name in variants:
+            result[key] = round(flops / (result[f"{name}_ms"] * 1e-3) / (peak * 1e12), 4)
+    result.update({"peak_tflops": round(peak, 2), "peak_source": source})
     print(json.dumps(result), flush=True)
     return result
 

@@ -14,11 +14,12 @@ def _load(name):
 
 @pytest.mark.slow  # a full fused and plain train step compile (suite time)
 @pytest.mark.skipif(not fusion_available("cpu"), reason="the fused step needs the CPU handler")
-@pytest.mark.parametrize("unroll", ["1", "2"])
-def test_step_vs_plain_jax_prints_one_json_line(capsys, unroll):
+@pytest.mark.parametrize("unroll, variants", [("1", None), ("2", None), ("1", ["fused", "plain"])])
+def test_step_vs_plain_jax_prints_one_json_line(capsys, unroll, variants):
     bench = _load("step_vs_plain_jax")
     bench.main(
-        [
+        (["--variants", *variants] if variants else [])
+        + [
             "--layer-scan-unroll",
             unroll,
             "--num-layers",
@@ -41,20 +42,24 @@ def test_step_vs_plain_jax_prints_one_json_line(capsys, unroll):
     )
     (line,) = capsys.readouterr().out.strip().splitlines()
     row = json.loads(line)
-    for key in (
-        "plain_ms",
-        "fused_ms",
-        "unfused_ms",
-        "fused_over_plain",
-        "mfu",
-        "peak_tflops",
-        "peak_source",
-    ):
+    for key in ("plain_ms", "fused_ms", "fused_over_plain", "mfu", "peak_tflops", "peak_source"):
         assert key in row, key
     assert row["peak_source"] == "--peak-tflops" and row["fused_ms"] > 0
-    # Same parameters and batch: the three steps' first losses agree.
+    # Same parameters and batch: the steps' first losses agree.
     assert abs(row["fused_first_loss"] - row["plain_first_loss"]) < 1e-5
-    assert abs(row["unfused_first_loss"] - row["plain_first_loss"]) < 1e-5
+    if variants:  # only the steps asked for are built and timed
+        assert not any(k.startswith("unfused") or k.endswith("_unfused") for k in row), row
+    else:
+        assert abs(row["unfused_first_loss"] - row["plain_first_loss"]) < 1e-5
+        assert {"unfused_ms", "unfused_over_plain", "fused_over_unfused"} <= set(row)
+
+
+def test_step_vs_plain_jax_variants_are_for_measured_runs(capsys):
+    bench = _load("step_vs_plain_jax")
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--compile-only", "--variants", "fused", "plain"])
+    assert exc.value.code == 2
+    assert "--variants fused plain: --compile-only compiles all three" in capsys.readouterr().err
 
 
 def test_step_vs_plain_jax_cuda_graphs_need_the_layers_unrolled(capsys):
