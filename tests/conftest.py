@@ -21,8 +21,14 @@ def _cuda_gpu_usable() -> bool:
     return module.cuda_gpu_usable()
 
 
+CPU_FIRST_MARK = "JAX_WGRAD_TESTS_PUT_CPU_FIRST"
+"""Set (to "1") beside ``JAX_PLATFORMS`` when this file put the CPU first, so that a test
+running a GPU command in a subprocess can give it the platforms the user had
+(``tests/test_readme.py``): inherited, ``cpu,cuda`` would run it on the CPU."""
+
 if "JAX_PLATFORMS" not in os.environ and _cuda_gpu_usable():
     os.environ["JAX_PLATFORMS"] = "cpu,cuda"
+    os.environ[CPU_FIRST_MARK] = "1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

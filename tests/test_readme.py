@@ -21,6 +21,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import CPU_FIRST_MARK
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -108,12 +109,23 @@ def as_run_here(line: str) -> str:
     return re.sub(r"(?<![\w/.-])python(?=\s)", python, line)
 
 
+def command_env(kind: str, environ: dict[str, str]) -> dict[str, str]:
+    """The environment a README command runs in: the test session's, less what the session
+    set for itself -- ``XLA_FLAGS`` (the commands set their own device count) and, for a
+    GPU command, the ``JAX_PLATFORMS=cpu,cuda`` that ``conftest.py`` put there (inherited,
+    it made the CPU jax's default backend, and the GPU benchmark ran there for hours)."""
+    env = dict(environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    if env.pop(CPU_FIRST_MARK, None) and kind == "gpu":
+        env.pop("JAX_PLATFORMS", None)
+    return env
+
+
 @pytest.mark.parametrize("block", _params())
 def test_readme_command_runs_as_printed(block, tmp_path):
     for name in ("examples", "tools", "benchmarks", "docs", "tests"):
         (tmp_path / name).symlink_to(ROOT / name)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)  # the commands set their own device count
+    env = command_env(_kind(block), dict(os.environ))
     # a command continued over several lines (a trailing backslash) is one line to bash
     for line in re.sub(r"\\\n\s*", " ", block.strip()).splitlines():
         cmd = as_run_here(line)
@@ -122,6 +134,18 @@ def test_readme_command_runs_as_printed(block, tmp_path):
         )
         assert run.returncode == 0, (line, run.stdout[-2000:], run.stderr[-3000:])
         assert "Traceback" not in run.stderr, (line, run.stderr[-3000:])
+
+
+def test_a_gpu_command_gets_the_users_platforms():
+    session = {"JAX_PLATFORMS": "cpu,cuda", CPU_FIRST_MARK: "1", "XLA_FLAGS": "x", "A": "b"}
+    assert command_env("gpu", session) == {"A": "b", "PYTHONUNBUFFERED": "1"}
+    assert command_env("slow", session) == {
+        "JAX_PLATFORMS": "cpu,cuda",
+        "A": "b",
+        "PYTHONUNBUFFERED": "1",
+    }
+    # the user's own JAX_PLATFORMS stays, also for a GPU command
+    assert command_env("gpu", {"JAX_PLATFORMS": "cuda"})["JAX_PLATFORMS"] == "cuda"
 
 
 def test_readme_command_rewrite():
