@@ -271,9 +271,19 @@ def _time_interleaved(
     variants: dict[str, _Timed], warmup: int, steps: int, rounds: int
 ) -> dict[str, list[float]]:
     """Warms every variant up, then ``rounds`` rounds of ``steps`` timed steps each, the
-    variants' order rotated per round. Returns each variant's per-round medians (ms)."""
-    for v in variants.values():
-        v.run(warmup, record=False)
+    variants' order rotated per round. Returns each variant's per-round medians (ms).
+    Running out of device memory with several variants' states held says to time fewer."""
+    try:
+        for v in variants.values():
+            v.run(warmup, record=False)
+    except jax.errors.JaxRuntimeError as exc:
+        if "RESOURCE_EXHAUSTED" not in str(exc) or len(variants) < 2:
+            raise
+        raise SystemExit(
+            f"out of device memory with the states of {len(variants)} steps "
+            f"({', '.join(variants)}) on the device at once; time fewer of them per run "
+            f"with --variants (e.g. --variants fused plain): {str(exc).splitlines()[0]}"
+        ) from exc
     names = list(variants)
     per_round = {n: [] for n in names}
     for r in range(rounds):

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 from script_util import load_script
 
@@ -72,6 +73,21 @@ def test_step_vs_plain_jax_cuda_graphs_need_the_layers_unrolled(capsys):
         ["--num-layers", "4", "--cuda-graph-scope", "full_iteration", "--layer-scan-unroll", "4"]
     )
     assert bench._config(args).layer_scan_unroll == 4
+
+
+def test_step_vs_plain_jax_out_of_memory_says_to_time_fewer_steps():
+    bench = _load("step_vs_plain_jax")
+
+    class OutOfMemory:
+        def run(self, n, record):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9.37GiB")
+
+    with pytest.raises(SystemExit, match=r"3 steps \(fused, unfused, plain\).*--variants"):
+        bench._time_interleaved(
+            dict.fromkeys(("fused", "unfused", "plain"), OutOfMemory()), 1, 1, 1
+        )
+    with pytest.raises(jax.errors.JaxRuntimeError):  # one step alone: nothing to drop
+        bench._time_interleaved({"fused": OutOfMemory()}, 1, 1, 1)
 
 
 def test_model_flops_formula():
