@@ -11,10 +11,10 @@ zero-filling and copying the stacks) before the transposed scan starts.
 Per layer, what is saved for the backward:
 
 * ``granularity=None`` (Megatron's default, no recomputation): every GEMM output
-  (``dots_saveable``), the outputs of the library's custom-call GEMMs and token exchanges
-  (checkpoint name :data:`~jax_wgrad.functional.saved.SAVED`) and of the cuDNN attention
-  forward (its output and softmax statistics); only elementwise ops, norms and casts are
-  recomputed, inside the layer's backward;
+  (``dots_saveable``), the outputs of the library's custom-call GEMMs, token exchanges and
+  row-parallel reductions (checkpoint name :data:`~jax_wgrad.functional.saved.SAVED`) and
+  of the cuDNN attention forward (its output and softmax statistics); only elementwise
+  ops, norms and casts are recomputed, inside the layer's backward;
 * ``"selective"``: the linear layers' outputs (``dots_with_no_batch_dims_saveable``) and the
   named activations; the attention core (its batched ``QK^T`` and ``PV`` GEMMs, the softmax,
   a cuDNN attention forward) is recomputed -- Megatron's selective recomputation;

@@ -1,8 +1,9 @@
 """The ``jax.ad_checkpoint.checkpoint_name`` of activations the pipeline's default
 recompute policies keep although ``jax.checkpoint``'s ``dots_saveable`` cannot see them:
-outputs of the library's custom-call GEMMs (the ragged expert GEMMs) and of the MoE
-layer's token exchanges (so the backward neither recomputes the forward's expert GEMMs nor
-repeats its all-to-alls). The per-layer recompute policies
+outputs of the library's custom-call GEMMs (the ragged expert GEMMs), of the MoE
+layer's token exchanges and of a row-parallel linear's tensor-parallel reduction (so the
+backward neither recomputes the forward's expert GEMMs nor repeats its all-to-alls or
+reduce-scatters). The per-layer recompute policies
 (:mod:`jax_wgrad.functional.recompute`) save this name unless the layer is recomputed
 (``recompute_granularity="full"``)."""
 

@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_wgrad.functional.collectives import (
     SEQ_DIM,
@@ -39,6 +40,7 @@ from jax_wgrad.functional.collectives import (
 )
 from jax_wgrad.functional.cross_entropy import vocab_shard_index
 from jax_wgrad.functional.linear import linear, reshape_weight
+from jax_wgrad.functional.saved import SAVED
 from jax_wgrad.nn.facts import param_facts
 from jax_wgrad.ops import PrecisionLike
 from jax_wgrad.parallel.mesh import PIPELINE, TENSOR
@@ -188,6 +190,11 @@ class RowParallelLinear(nnx.Module):
                     y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name, SEQ_DIM)
                 else:
                     y = reduce_from_tensor_parallel_region(y, self.axis_name)
+                # Kept for the backward unless the layer is recomputed in full: otherwise a
+                # backward that needs it (the attention's output, under the MLP's norm)
+                # recomputes the reduction -- a collective Megatron never repeats -- from
+                # the saved partial product, which is tp times larger with SP.
+                y = checkpoint_name(y, SAVED)
             if self.bias is not None:
                 y = y + self.bias[...].astype(y.dtype)
             return y
