@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hlo_util import jaxpr_eqns
 from jax.test_util import check_grads
 
 import jax_wgrad
@@ -265,3 +266,66 @@ def test_linear_into_bucket_bad_input():
         linear_into_bucket(x, w, None, jnp.zeros(64, jnp.bfloat16), offset=0)
     with pytest.raises(ValueError, match="out of range"):
         WgradRoutes((jnp.zeros(64),)).to_bucket(w, 1, 0)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (virtual) devices")
+@pytest.mark.parametrize("async_tp", [True, False])
+def test_sequence_parallel_column_linear_into_a_bucket(async_tp):
+    """``linear(x, w, gather_axis=...)`` into a bucket, TP 2: Megatron's asynchronous
+    column-parallel backward (the shard re-gathered beside the data-gradient GEMM, ``dx``
+    reduce-scattered beside the weight-gradient GEMM, each tied by an optimization
+    barrier), or, with ``async_tp=False`` (a backward that syncs layer groups' chunks), the
+    gather and the linear composed as two ops -- the same values, against float64."""
+    _needs_handler()
+    tp, b, s, n_in, n_out, off = 2, 3, 8, 5, 7, 8
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tensor",))
+    P = jax.sharding.PartitionSpec
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (b, s, n_in))
+    w = jax.random.normal(k[1], (tp, n_out, n_in))
+    dy = jax.random.normal(k[2], (b, s, tp * n_out))
+
+    def per_device(x, w, dy, bucket):
+        w0 = w[0]
+
+        def fwd(x, bk):
+            routes = WgradRoutes((bk,), async_tp=async_tp)
+            routes.to_bucket(w0, 0, off)
+            with routes:
+                y = linear(x, w0, gather_axis="tensor")
+            routes.check_used()
+            return y, routes.buckets[0]
+
+        (y, _), vjp_fn = jax.vjp(fwd, x, bucket)
+        dx, new_bucket = vjp_fn((dy, bucket))
+        return y, dx, new_bucket
+
+    run = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P(None, "tensor"), P("tensor"), P(None, None, "tensor"), P("tensor")),
+            out_specs=(P(None, None, "tensor"), P(None, "tensor"), P("tensor")),
+            check_vma=False,
+        )
+    )
+    args = (x, w, dy, jnp.zeros(tp * 64))
+    y, dx, bucket = run(*args)
+
+    x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+    dy_r = dy64.reshape(b, s, tp, n_out)
+    np.testing.assert_allclose(
+        y, np.concatenate([x64 @ w64[r].T for r in range(tp)], -1), 1e-5, 1e-5
+    )
+    np.testing.assert_allclose(dx, sum(dy_r[:, :, r] @ w64[r] for r in range(tp)), 1e-5, 1e-5)
+    for r in range(tp):
+        block = np.asarray(bucket[r * 64 + off : r * 64 + off + n_out * n_in])
+        np.testing.assert_allclose(
+            block, np.einsum("bso,bsi->oi", dy_r[:, :, r], x64).reshape(-1), 1e-5, 1e-5
+        )
+
+    eqns = [e.primitive.name for e in jaxpr_eqns(jax.make_jaxpr(run)(*args).jaxpr)]
+    assert eqns.count("optimization_barrier") == (2 if async_tp else 0), eqns
+    # asynchronous: only the shard is saved, and the backward gathers it again
+    assert eqns.count("all_gather") == (2 if async_tp else 1), eqns
+    assert eqns.count("reduce_scatter") == 1, eqns

@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_wgrad import ops
+from jax_wgrad.functional.collectives import SEQ_DIM, gather_from_sequence_parallel_region
 from jax_wgrad.ops.position import advance
 
 __all__ = [
@@ -130,44 +131,65 @@ _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
 # regular integer argument, saved as a residual, whose cotangent is None (float0 zeros).
 
 
-def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision):
+def _gathered(x: jax.Array, axis: str | None) -> jax.Array:
+    """``x``, or its sequence-parallel shards all-gathered along :data:`SEQ_DIM`."""
+    return x if axis is None else jax.lax.all_gather(x, axis, axis=SEQ_DIM, tiled=True)
+
+
+def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis):
     """``(dx, None, db, bucket)``: ``ct_bucket`` is the bucket with every downstream block
-    already added; this weight's block is added to it, in place."""
+    already added; this weight's block is added to it, in place.
+
+    With ``gather_axis`` (``x`` a sequence-parallel shard), Megatron's column-parallel
+    backward (``LinearWithGradAccumulationAndAsyncCommunication``): the input is
+    re-gathered beside the data-gradient GEMM, and ``dx`` reduce-scattered beside the
+    weight-gradient GEMM. Two optimization barriers say so to XLA's scheduler, which
+    otherwise left both collectives with nothing between start and done and every weight
+    gradient of a layer after its whole data-gradient chain (Llama-3-8B TP4 on H100s,
+    docs/design/aot.md)."""
+    x_full = _gathered(x, gather_axis)
     dx, db = _dgrad_bgrad(x, w, b, dy, precision)
-    return dx, None, db, ops.wgrad_accumulate(x, dy, ct_bucket, offset=offset, precision=precision)
+    if gather_axis is not None:
+        dx, x_full = jax.lax.optimization_barrier((dx, x_full))
+        dx = jax.lax.psum_scatter(dx, gather_axis, scatter_dimension=SEQ_DIM, tiled=True)
+    bucket = ops.wgrad_accumulate(x_full, dy, ct_bucket, offset=offset, precision=precision)
+    if gather_axis is not None:
+        dx, bucket = jax.lax.optimization_barrier((dx, bucket))
+    return dx, None, db, bucket
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _threaded_linear(x, w, b, bucket, offset, precision):
-    return _forward(x, w, b, precision), bucket
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _threaded_linear(x, w, b, bucket, offset, precision, gather_axis):
+    return _forward(_gathered(x, gather_axis), w, b, precision), bucket
 
 
-def _threaded_linear_fwd(x, w, b, bucket, offset, precision):
-    # Only x, w (and b for its dtype) are saved: the bucket is NOT a residual.
-    return (_forward(x, w, b, precision), bucket), (x, w, b)
+def _threaded_linear_fwd(x, w, b, bucket, offset, precision, gather_axis):
+    # Only x (this rank's shard when gathered), w (and b for its dtype) are saved: the
+    # bucket is NOT a residual.
+    return (_forward(_gathered(x, gather_axis), w, b, precision), bucket), (x, w, b)
 
 
-def _threaded_linear_bwd(offset, precision, res, cts):
+def _threaded_linear_bwd(offset, precision, gather_axis, res, cts):
     x, w, b = res
-    return _threaded_bwd(x, w, b, *cts, offset, precision)
+    return _threaded_bwd(x, w, b, *cts, offset, precision, gather_axis)
 
 
 _threaded_linear.defvjp(_threaded_linear_fwd, _threaded_linear_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _threaded_linear_at(x, w, b, bucket, offset, precision):
-    return _forward(x, w, b, precision), bucket
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _threaded_linear_at(x, w, b, bucket, offset, precision, gather_axis):
+    return _forward(_gathered(x, gather_axis), w, b, precision), bucket
 
 
-def _threaded_linear_at_fwd(x, w, b, bucket, offset, precision):
+def _threaded_linear_at_fwd(x, w, b, bucket, offset, precision, gather_axis):
     # x, w, b and the offset's int32 index are saved; the bucket is NOT a residual.
-    return (_forward(x, w, b, precision), bucket), (x, w, b, offset)
+    return (_forward(_gathered(x, gather_axis), w, b, precision), bucket), (x, w, b, offset)
 
 
-def _threaded_linear_at_bwd(precision, res, cts):
+def _threaded_linear_at_bwd(precision, gather_axis, res, cts):
     x, w, b, offset = res
-    return (*_threaded_bwd(x, w, b, *cts, offset, precision), None)
+    return (*_threaded_bwd(x, w, b, *cts, offset, precision, gather_axis), None)
 
 
 _threaded_linear_at.defvjp(_threaded_linear_at_fwd, _threaded_linear_at_bwd)
@@ -207,6 +229,7 @@ def linear_into_bucket(
     *,
     offset: ops.Offset,
     precision: ops.PrecisionLike = None,
+    gather_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(x @ w.T + b, bucket)``: a linear whose weight gradient goes into a flat bucket.
 
@@ -226,6 +249,8 @@ def linear_into_bucket(
         ``lax.dynamic_update_slice``).
       precision: matmul precision of all three GEMMs (``jnp.dot``'s meaning and default,
         :func:`jax_wgrad.ops.matmul_precision`).
+      gather_axis: ``x`` is this rank's sequence-parallel shard, all-gathered over this
+        mesh axis before the GEMM (see :func:`linear`).
     Returns:
       ``(y [..., out] in x.dtype, bucket)``.
     """
@@ -238,8 +263,8 @@ def linear_into_bucket(
         w.shape[0] * w.shape[1],
         f"[out, in] = {list(w.shape)} block",
     ):
-        return _threaded_linear_at(x, w, b, bucket, offset, level)
-    return _threaded_linear(x, w, b, bucket, offset, level)
+        return _threaded_linear_at(x, w, b, bucket, offset, level, gather_axis)
+    return _threaded_linear(x, w, b, bucket, offset, level, gather_axis)
 
 
 # ----------------------------------------------------------------------------- routes
@@ -358,6 +383,14 @@ class WgradRoutes:
     it): Megatron's reduce-scatter of a bucket as soon as its gradients are complete,
     overlapped with the rest of the backward.
 
+    ``async_tp`` (default: without ``on_complete``): a sequence-parallel column-parallel
+    linear into a bucket runs Megatron's asynchronous backward (:func:`linear`'s
+    ``gather_axis``), its collectives beside its GEMMs. A backward that syncs layer groups'
+    chunks leaves them composed as before: XLA:GPU keeps one collective in flight, and the
+    chunk runs beside the layer's weight-gradient GEMMs once the layer's data gradient is
+    done, which the asynchronous backward would hold back until the last weight gradient
+    (the H100 compiles of the ``-groups-graphs`` rows lost their overlapped sync).
+
     A weight attached but never used by a fused linear would lose its gradient:
     :meth:`check_used` (called by the executor after each call) raises then.
     """
@@ -368,8 +401,10 @@ class WgradRoutes:
         probes: Sequence[jax.Array | None] = (),
         *,
         on_complete: Callable[[Hashable, int], ChunkSync | None] | None = None,
+        async_tp: bool | None = None,
     ):
         self.on_complete = on_complete
+        self.async_tp = on_complete is None if async_tp is None else async_tp
         self._keyed = isinstance(buckets, Mapping)
         self._tokens: dict[Hashable, jax.Array] = (
             dict(buckets) if self._keyed else dict(enumerate(buckets))
@@ -586,7 +621,7 @@ class StackRoutes:
         ``BlockOffset(offset, index, size)`` (exact at any bucket size; a row piece's
         offset counted from its first row); ``tokens``: the part's carried ``keys``;
         ``probes``: this layer's probes of the split leaves."""
-        inner = WgradRoutes(dict(zip(keys, tokens)), probes)
+        inner = WgradRoutes(dict(zip(keys, tokens)), probes, async_tp=self._outer.async_tp)
         j = 0
         for leaf, dest in zip(layer_leaves, self._dests):
             size = math.prod(leaf.shape)
@@ -721,6 +756,7 @@ def linear(
     *,
     main_grad: jax.Array | None = None,
     precision: ops.PrecisionLike = None,
+    gather_axis: str | None = None,
 ) -> jax.Array:
     """``y = x @ w.T + b``.
 
@@ -739,18 +775,31 @@ def linear(
         GEMMs, with ``jnp.dot``'s meaning and default (``jax.default_matmul_precision``;
         see :func:`jax_wgrad.ops.matmul_precision`): on a GPU float32 uses TF32 unless
         ``"highest"``, fused or not.
+      gather_axis: Megatron's sequence-parallel column-parallel input: ``x`` is this
+        rank's ``[b, s / tp, in]`` shard of the sequence, all-gathered over this mesh
+        axis before the GEMM (its backward reduce-scatters ``dx``, as
+        :func:`~jax_wgrad.functional.gather_from_sequence_parallel_region`). Into a
+        bucket, the backward saves only the shard and runs Megatron's asynchronous
+        column-parallel backward (``_threaded_bwd``; unless the routes say otherwise,
+        :class:`WgradRoutes`'s ``async_tp``); elsewhere the gather and the linear are
+        composed as two ops.
     Returns:
       ``[..., out]`` output in ``x.dtype``.
     """
     _check(x, w, b)
     level = ops.matmul_precision(precision)
+    routes, dest = (None, None) if main_grad is not None else _destination(w)
+    if gather_axis is not None and not (
+        isinstance(dest, (_ToBucket, _ToPieces)) and routes.async_tp
+    ):
+        x = gather_from_sequence_parallel_region(x, gather_axis, SEQ_DIM)
+        gather_axis = None
     if main_grad is not None:
         if main_grad.shape != w.shape:
             raise ValueError(
                 f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"
             )
         return _fused_linear(x, w, b, main_grad, level)
-    routes, dest = _destination(w)
     if dest is None:
         return _forward(x, w, b, level)
     if isinstance(dest, _ToSplit):
@@ -759,5 +808,7 @@ def linear(
         _pieces_outside_scan(dest)
     return routes._thread(
         dest.key,
-        lambda bk: linear_into_bucket(x, w, b, bk, offset=dest.offset, precision=precision),
+        lambda bk: linear_into_bucket(
+            x, w, b, bk, offset=dest.offset, precision=precision, gather_axis=gather_axis
+        ),
     )

@@ -33,7 +33,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_wgrad.functional.collectives import (
     SEQ_DIM,
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_last_dim,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -127,14 +126,12 @@ class ColumnParallelLinear(nnx.Module):
                 if self.weight is None:
                     raise ValueError("ColumnParallelLinear: weight was not allocated; pass it")
                 weight = self.weight[...]
-            if self.tp_size > 1:
-                if self.sequence_parallel:
-                    x = gather_from_sequence_parallel_region(x, self.axis_name, SEQ_DIM)
-                else:
-                    x = copy_to_tensor_parallel_region(x, self.axis_name)
+            gather = self.axis_name if self.sequence_parallel else None  # inside linear
+            if self.tp_size > 1 and not self.sequence_parallel:
+                x = copy_to_tensor_parallel_region(x, self.axis_name)
             bias = None if self.bias is None else self.bias[...].reshape(-1)
             w = reshape_weight(weight, (-1, weight.shape[-1]))  # gated: [2 F/tp, in]
-            y = linear(x, w, bias, precision=self.precision)
+            y = linear(x, w, bias, precision=self.precision, gather_axis=gather)
             if self.gather_output and self.tp_size > 1:
                 y = gather_last_dim(y, self.axis_name)
             return y
