@@ -21,6 +21,8 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "gather_last_dim",
+    "all_gather_tiled",
+    "reduce_scatter_tiled",
 ]
 
 SEQ_DIM = 1
@@ -61,11 +63,16 @@ def _reduce_bwd(axis_name, _, g):
 reduce_from_tensor_parallel_region.defvjp(_reduce_fwd, _reduce_bwd)
 
 
-def _all_gather(x, axis_name, dim):
+def all_gather_tiled(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
+    """The tensor-parallel all-gather along ``dim`` (the shards concatenated), no custom
+    gradient: the region functions below and the fused column-parallel backward
+    (:mod:`jax_wgrad.functional.linear`) use it."""
     return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
 
 
-def _reduce_scatter(x, axis_name, dim):
+def reduce_scatter_tiled(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
+    """The tensor-parallel reduce-scatter along ``dim`` (each rank keeps its summed
+    shard), no custom gradient."""
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
 
 
@@ -81,12 +88,12 @@ def gather_from_sequence_parallel_region(
     x: jax.Array, axis_name: str, dim: int = SEQ_DIM
 ) -> jax.Array:
     """All-gather along ``dim`` forward, reduce-scatter backward."""
-    return _all_gather(x, axis_name, dim)
+    return all_gather_tiled(x, axis_name, dim)
 
 
 gather_from_sequence_parallel_region.defvjp(
-    lambda x, a, d: (_all_gather(x, a, d), None),
-    lambda a, d, _, g: (_reduce_scatter(g, a, d),),
+    lambda x, a, d: (all_gather_tiled(x, a, d), None),
+    lambda a, d, _, g: (reduce_scatter_tiled(g, a, d),),
 )
 
 
@@ -95,12 +102,12 @@ def reduce_scatter_to_sequence_parallel_region(
     x: jax.Array, axis_name: str, dim: int = SEQ_DIM
 ) -> jax.Array:
     """Reduce-scatter along ``dim`` forward, all-gather backward."""
-    return _reduce_scatter(x, axis_name, dim)
+    return reduce_scatter_tiled(x, axis_name, dim)
 
 
 reduce_scatter_to_sequence_parallel_region.defvjp(
-    lambda x, a, d: (_reduce_scatter(x, a, d), None),
-    lambda a, d, _, g: (_all_gather(g, a, d),),
+    lambda x, a, d: (reduce_scatter_tiled(x, a, d), None),
+    lambda a, d, _, g: (all_gather_tiled(g, a, d),),
 )
 
 
@@ -114,7 +121,7 @@ def scatter_to_sequence_parallel_region(
 
 scatter_to_sequence_parallel_region.defvjp(
     lambda x, a, d: (_split(x, a, d), None),
-    lambda a, d, _, g: (_all_gather(g, a, d),),
+    lambda a, d, _, g: (all_gather_tiled(g, a, d),),
 )
 
 
@@ -122,10 +129,10 @@ scatter_to_sequence_parallel_region.defvjp(
 def gather_last_dim(x, axis_name):
     """All-gather along the last dim forward (Megatron's ``gather_output``), keep this
     rank's chunk backward."""
-    return _all_gather(x, axis_name, x.ndim - 1)
+    return all_gather_tiled(x, axis_name, x.ndim - 1)
 
 
 gather_last_dim.defvjp(
-    lambda x, a: (_all_gather(x, a, x.ndim - 1), None),
+    lambda x, a: (all_gather_tiled(x, a, x.ndim - 1), None),
     lambda a, _, g: (_split(g, a, g.ndim - 1),),
 )

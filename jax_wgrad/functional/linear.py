@@ -62,7 +62,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_wgrad import ops
-from jax_wgrad.functional.collectives import SEQ_DIM, gather_from_sequence_parallel_region
+from jax_wgrad.functional.collectives import (
+    SEQ_DIM,
+    all_gather_tiled,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_tiled,
+)
 from jax_wgrad.ops.position import advance
 
 __all__ = [
@@ -133,7 +138,7 @@ _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
 
 def _gathered(x: jax.Array, axis: str | None) -> jax.Array:
     """``x``, or its sequence-parallel shards all-gathered along :data:`SEQ_DIM`."""
-    return x if axis is None else jax.lax.all_gather(x, axis, axis=SEQ_DIM, tiled=True)
+    return x if axis is None else all_gather_tiled(x, axis, SEQ_DIM)
 
 
 def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis):
@@ -151,7 +156,7 @@ def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis):
     dx, db = _dgrad_bgrad(x, w, b, dy, precision)
     if gather_axis is not None:
         dx, x_full = jax.lax.optimization_barrier((dx, x_full))
-        dx = jax.lax.psum_scatter(dx, gather_axis, scatter_dimension=SEQ_DIM, tiled=True)
+        dx = reduce_scatter_tiled(dx, gather_axis, SEQ_DIM)
     bucket = ops.wgrad_accumulate(x_full, dy, ct_bucket, offset=offset, precision=precision)
     if gather_axis is not None:
         dx, bucket = jax.lax.optimization_barrier((dx, bucket))
