@@ -181,6 +181,19 @@ def test_distributed_needs_a_coordinator(pretrain, capsys, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("flag", sorted(cli.NOT_BUILT))
+def test_megatron_flags_not_built_say_what_is_done_instead(pretrain, capsys, flag):
+    err = usage_error(pretrain, capsys, SMALL + [flag], f"{flag} (Megatron) is not built")
+    assert cli.NOT_BUILT[flag] in err and "leave the flag out" in err
+    assert flag not in pretrain_help(pretrain, capsys)  # not offered as an option
+
+
+def pretrain_help(pretrain, capsys) -> str:
+    with pytest.raises(SystemExit):
+        pretrain.main(["--help"])
+    return capsys.readouterr().out
+
+
 def test_no_abbreviations(pretrain, capsys):
     usage_error(pretrain, capsys, SMALL + ["--hidden", "48"], "unrecognized arguments: --hidden")
 

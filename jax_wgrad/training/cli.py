@@ -54,6 +54,7 @@ __all__ = [
     "SECTIONS",
     "FLAGS",
     "HelpFormatter",
+    "NOT_BUILT",
     "apply_preset",
     "build_configs",
     "check_flags",
@@ -713,6 +714,23 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
 
 FLAGS: tuple[Flag, ...] = tuple(flag for _, flags in SECTIONS for flag in flags)
 
+NOT_BUILT: dict[str, str] = {
+    "--overlap-param-gather": (
+        "the distributed optimizer all-gathers each bucket's parameters right after that "
+        "bucket's update, in the same step (beside the next bucket's update); overlapping "
+        "the gather with the next step's forward would need that forward outside the "
+        "schedule loop, since XLA keeps no collective in flight into a while loop "
+        "(docs/design/aot.md, Findings)"
+    ),
+    "--tp-comm-overlap": (
+        "the tensor-parallel collectives are XLA's; the column-parallel backward overlaps "
+        "its all-gather and reduce-scatter with the GEMMs beside them, as Megatron's "
+        "default asynchronous backward does (docs/design/aot.md, Findings)"
+    ),
+}
+"""Megatron flags whose features jax_wgrad does not build, each with what it does instead:
+given, they end the run with that explanation (never silently ignored)."""
+
 _BY_FIELD: dict[tuple[type, str], Flag] = {
     (flag.config, flag.field[0]): flag
     for flag in FLAGS
@@ -736,6 +754,21 @@ checkpoint is an error, unless DIR is also the --save directory (Megatron's "res
 there": the run then starts from scratch and says so). A damaged newest checkpoint is an
 error naming the step and the damage; --load-fallback-to-intact loads the newest intact one
 instead."""
+
+
+class _NotBuilt(argparse.Action):
+    """A :data:`NOT_BUILT` flag: an argparse error saying what is done instead."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(
+            option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            f"{option_string} (Megatron) is not built in jax_wgrad: "
+            f"{NOT_BUILT[option_string]}; leave the flag out"
+        )
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -776,6 +809,8 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
                     exclusive[flag.exclusive] = group.add_mutually_exclusive_group()
                 target = exclusive[flag.exclusive]
             target.add_argument(*flag.option_strings, **flag.argparse_kwargs())
+    for name in NOT_BUILT:
+        p.add_argument(name, action=_NotBuilt, dest=f"not_built_{name[2:].replace('-', '_')}")
     return p
 
 
