@@ -192,7 +192,7 @@ metadata={op_name="jit(step)/while/body/grad_sync_in_cooldown/cond"}
 
 
 def test_reduce_scatters_beside_memory_bound_kernels_are_not_overlapped():
-    from jax_wgrad.aot.report import collectives
+    from jax_wgrad.aot.report import COLLECTIVE_GROUPS, collectives
 
     comps = hlo.computations(_COOLDOWN)
     found = {c.start.name: c for c in hlo.async_collectives(comps)}
@@ -202,7 +202,7 @@ def test_reduce_scatters_beside_memory_bound_kernels_are_not_overlapped():
     permute = found["collective-permute-start"]
     assert permute.gemms_between == ("gemm_fusion",) and permute.overlapped
     groups = {c.group: c for c in collectives(comps)}
-    sync = groups["cooldown reduce-scatters (data-parallel grad sync)"]
+    sync = groups[COLLECTIVE_GROUPS["grad_sync_in_cooldown"]]
     assert (sync.total, sync.asynchronous, sync.overlapped, sync.memory_bound_only) == (2, 2, 0, 1)
     assert sync.format().endswith(
         "not overlapped with compute: only memory-bound kernels run while they are in flight"
@@ -882,6 +882,8 @@ def test_does_not_fit_verdict(plugin):
 
 @aot
 def test_example_compile_only_on_8_h100(plugin, pretrain, capsys):
+    from jax_wgrad.aot.report import COLLECTIVE_GROUPS
+
     argv = [
         "--compile-only",
         "--target",
@@ -917,8 +919,8 @@ def test_example_compile_only_on_8_h100(plugin, pretrain, capsys):
     groups = {c.group: c for c in report.collectives}
     assert groups["pipeline permutes"].total > 0
     assert groups["deferred-wgrad ring"].total > 0
-    assert groups["cooldown reduce-scatters (data-parallel grad sync)"].total > 0
-    for line in ("pipeline permutes:", "deferred-wgrad ring:", "cooldown reduce-scatters"):
+    assert groups[COLLECTIVE_GROUPS["grad_sync_in_cooldown"]].total > 0
+    for line in ("pipeline permutes:", "deferred-wgrad ring:", "cooldown data-parallel grad sync"):
         assert line in out
     # 2 layers per stage, scanned inside each tick: the schedule loop is the tick loop
     # (the outermost that carries the buckets), its layer loops counted per iteration

@@ -31,7 +31,10 @@ FUSION_SKIPPED = "fused-handler check skipped (compile only: nothing is run)"
 # op_name scopes of the library's collectives (jax.named_scope in the executor)
 COLLECTIVE_GROUPS: dict[str, str] = {
     SYNC_IN_BACKWARD_SCOPE: "layer groups' syncs in the last backward (data-parallel)",
-    "grad_sync_in_cooldown": "cooldown reduce-scatters (data-parallel grad sync)",
+    "grad_sync_in_cooldown": (
+        "cooldown data-parallel grad sync (reduce-scatters; all-reduces without the "
+        "distributed optimizer)"
+    ),
     "send_recv": "pipeline permutes",
     "deferred_wgrad_ring": "deferred-wgrad ring",
 }
