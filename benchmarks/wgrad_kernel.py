@@ -11,10 +11,18 @@ For each (dtype, T, out, in) case -- or (dtype, E, T, out, in) for expert weight
            batched dot (einsum) over the experts
   unfused  dW = dot(dy.T, x) in one call, acc + dW in another (acc donated)
   gemm     the plain GEMM dot(dy.T, x) alone (the lower bound)
+and, for a dense case, the same update of the second [out, in] block of a flat bucket of
+two at a position traced from a jit argument, as a scan over stacked layers gives it:
+  fused_at jax_wgrad.wgrad_accumulate(..., offset=BlockOffset(0, index, out * in)) (the
+           _at handler: on a GPU the position stays on the device, a set-up kernel writes
+           the pointer arrays of one cublasGemmBatchedEx)
+  xla_at   XLA's own: dynamic_slice of the block + dot, dynamic_update_slice back
 and prints one JSON line per case:
   platform, dtype, precision, E (grouped only), T, out, in, fused_ms, xla_ms, unfused_ms, gemm_ms,
-  fused_over_xla, fused_over_gemm, rel_diff (fused vs xla, checked against the tolerance
-  of the precision used) (and tflops on GPU, blas_core on CPU).
+  fused_at_ms, xla_at_ms (dense only), fused_over_xla, fused_over_gemm, fused_at_over_xla_at,
+  fused_at_over_fused (dense only), rel_diff (the largest of fused vs xla and fused_at vs
+  xla_at, checked against the tolerance of the precision used) (and tflops on GPU, of the
+  fused and fused_at calls; blas_core on CPU).
 
 On CPU the handler's speed depends on the OpenBLAS kernel family (``blas_core``): an
 ``OPENBLAS_CORETYPE`` set in the environment (e.g. Haswell on an AVX-512 machine) forces
@@ -36,6 +44,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 import jax_wgrad
 
@@ -54,6 +63,8 @@ GPU_CASES = [
     (16384, 8192, 8192),
     (32768, 4096, 4096),
     (8192, 12288, 4096),
+    (4096, 16384, 4096),  # the MLP weights of the 1.6 B step of step_vs_plain_jax.py
+    (4096, 4096, 16384),
     (8, 2048, 4096, 1024),
     (8, 2048, 1024, 4096),
     (64, 512, 2048, 1024),
@@ -151,6 +162,8 @@ def bench_case(
     # Same answer from both fused paths (a benchmark of a wrong kernel is worthless).
     a, b = fused(x, dy, zeros()), xla(x, dy, zeros())
     err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+    if experts is None:
+        err = max(err, _bench_traced_position(result, x, dy, dw, precision, warmup, iters))
     result["rel_diff"] = err
     if err > tolerance(dtype, precision):
         raise AssertionError(
@@ -164,9 +177,43 @@ def bench_case(
     if result["platform"] == "gpu":
         flops = 2 * (experts or 1) * T * n_out * n_in
         result["tflops"] = round(flops / (result["fused_ms"] * 1e-3) / 1e12, 2)
-    for key in ("fused_ms", "xla_ms", "unfused_ms", "gemm_ms"):
-        result[key] = round(result[key], 4)
+        if experts is None:
+            result["tflops_at"] = round(flops / (result["fused_at_ms"] * 1e-3) / 1e12, 2)
+    for key in ("fused_ms", "xla_ms", "unfused_ms", "gemm_ms", "fused_at_ms", "xla_at_ms"):
+        if key in result:
+            result[key] = round(result[key], 4)
     return result
+
+
+def _bench_traced_position(result: dict, x, dy, dw, precision, warmup: int, iters: int) -> float:
+    """Adds ``fused_at_ms``, ``xla_at_ms`` and their ratios to ``result``: the block
+    ``[out, in]`` at position ``index * out * in`` (``index`` = 1, a jit argument, so
+    traced) of a flat fp32 bucket of two blocks, donated. Returns the relative difference
+    between the two updated buckets."""
+    n_out, n_in = dy.shape[-1], x.shape[-1]
+    block = n_out * n_in
+    index = jnp.int32(1)
+
+    def fused_at(x, dy, bucket, i):
+        offset = jax_wgrad.ops.BlockOffset(0, i, block)
+        return jax_wgrad.wgrad_accumulate(x, dy, bucket, offset=offset, precision=precision)
+
+    def xla_at(x, dy, bucket, i):
+        start = i * block
+        old = lax.dynamic_slice(bucket, (start,), (block,))
+        return lax.dynamic_update_slice(bucket, old + dw(x, dy).reshape(-1), (start,))
+
+    zeros = lambda: jnp.zeros((2 * block,), jnp.float32)
+    args = lambda prev: (x, dy, zeros() if prev is None else prev, index)
+    fused_at, xla_at = (jax.jit(f, donate_argnums=2) for f in (fused_at, xla_at))
+    result["fused_at_ms"] = _time(fused_at, args, warmup, iters)
+    result["xla_at_ms"] = _time(xla_at, args, warmup, iters)
+    result["fused_at_over_xla_at"] = round(result["fused_at_ms"] / result["xla_at_ms"], 4)
+    result["fused_at_over_fused"] = round(result["fused_at_ms"] / result["fused_ms"], 4)
+    a, b = fused_at(*args(None)), xla_at(*args(None))
+    if float(jnp.max(jnp.abs(a[:block]))) != 0.0:
+        raise AssertionError("the traced-position call wrote outside its block")
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
 def _parse_case(text: str) -> tuple[int, ...]:

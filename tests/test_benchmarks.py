@@ -129,6 +129,9 @@ def test_wgrad_kernel_prints_rows(capsys):
     assert [r["dtype"] for r in rows] == ["float32"] * 2 + ["bfloat16"] * 2
     assert [r.get("E") for r in rows] == [None, 4] * 2  # the grouped (expert) case
     assert all(r["rel_diff"] <= 1e-4 and r["precision"] == "default" for r in rows)
+    for r in rows:  # the traced-position (_at) call beside XLA's own, dense cases only
+        at = {"fused_at_ms", "xla_at_ms", "fused_at_over_xla_at", "fused_at_over_fused"}
+        assert at <= set(r) if r.get("E") is None else not at & set(r), r
 
 
 def test_wgrad_kernel_bad_case():
