@@ -723,9 +723,10 @@ NOT_BUILT: dict[str, str] = {
         "(docs/design/aot.md, Findings)"
     ),
     "--tp-comm-overlap": (
-        "the tensor-parallel collectives are XLA's; the column-parallel backward overlaps "
-        "its all-gather and reduce-scatter with the GEMMs beside them, as Megatron's "
-        "default asynchronous backward does (docs/design/aot.md, Findings)"
+        "the tensor-parallel collectives are XLA's, not split into chunks between GEMMs; "
+        "with --sequence-parallel and --gradient-accumulation-fusion the column-parallel "
+        "backward overlaps its all-gather and reduce-scatter with the GEMMs beside them, "
+        "as Megatron's default asynchronous backward does (docs/design/aot.md, Findings)"
     ),
 }
 """Megatron flags whose features jax_wgrad does not build, each with what it does instead:
