@@ -199,8 +199,9 @@ class TransformerLayer(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[b, s(/tp), H]`` -> same shape.
 
-        An MoE layer sows its :class:`~jax_wgrad.functional.MoEStats` as the
-        ``nnx.Intermediate`` ``moe_stats`` (read it back with :func:`moe_stats_of`).
+        An MoE layer records its :class:`~jax_wgrad.functional.MoEStats` in the
+        ``nnx.Intermediate`` ``moe_stats``, one per call (read them back with
+        :func:`moe_stats_of`).
         """
         with jax.named_scope("attention"):
             x = x + self.proj(self._attention(self.ln1(x)))
@@ -252,14 +253,17 @@ class TransformerLayer(nnx.Module):
                 expert_tensor_axis=TENSOR if self.etp_size > 1 else None,
                 sequence_axis=TENSOR if self.sequence_parallel else None,
             )
-            self.sow(nnx.Intermediate, "moe_stats", stats)
+            # What Module.sow did, without it: flax 0.12.6 deprecates sow outside
+            # nnx.capture, which flax 0.12.0-0.12.5 do not have.
+            before = self.moe_stats.get_value() if hasattr(self, "moe_stats") else ()
+            self.moe_stats = nnx.Intermediate((*before, stats))
             tokens = b * s * (self.tp_size if self.sequence_parallel else 1)
             return attach_aux_loss(y, stats.aux_loss, float(tokens)).reshape(b, s, hid)
 
 
 def moe_stats_of(layer: nnx.Module) -> tuple:
-    """The :class:`~jax_wgrad.functional.MoEStats` an MoE layer sowed in its calls since
-    the last read (``()`` for none), removed from the layer."""
+    """The :class:`~jax_wgrad.functional.MoEStats` an MoE layer recorded in its calls
+    since the last read (``()`` for none), removed from the layer."""
     if not hasattr(layer, "moe_stats"):
         return ()
     stats = layer.moe_stats.get_value()
