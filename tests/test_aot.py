@@ -868,6 +868,58 @@ def test_the_layer_scan_saved_activations_are_not_zero_filled(plugin):
 
 
 @aot
+@pytest.mark.parametrize("inner", [None, "psum"])
+def test_a_collective_stays_in_flight_across_a_loop_only_if_the_loop_holds_none(plugin, inner):
+    """The XLA:GPU fact the parameter all-gather's place rests on (docs/design/aot.md,
+    ``--overlap-param-gather``): a data-parallel all-gather issued before a loop of GEMMs
+    whose result only the code after the loop reads stays in flight across the loop (its
+    GEMMs hide it) when the loop holds no collective, and is synchronous when the loop
+    holds one (a tensor-parallel psum). 8 compile-only H100s, (data 4, tensor 2)."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_wgrad.aot import target_devices
+    from jax_wgrad.aot.compile import compile_program
+
+    mesh = Mesh(np.array(target_devices("h100", 8)).reshape(4, 2), ("data", "tensor"))
+    layers, tokens, hidden, shard = 4, 4096, 2048, 1 << 22
+
+    def f(params_shard, x, w):
+        gathered = lax.all_gather(params_shard, "data", tiled=True)
+
+        def body(c, wl):
+            y = c @ wl
+            return jnp.tanh(y if inner is None else lax.psum(y, "tensor")), None
+
+        return lax.scan(body, x, w)[0], gathered
+
+    spec = lambda *a: NamedSharding(mesh, P(*a))
+    args = (
+        jax.ShapeDtypeStruct((4 * shard,), jnp.bfloat16, sharding=spec("data")),
+        jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16, sharding=spec()),
+        jax.ShapeDtypeStruct((layers, hidden, hidden), jnp.bfloat16, sharding=spec()),
+    )
+    step = jax.shard_map(
+        f, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=(P(), P()), check_vma=False
+    )
+    prog = compile_program(jax.jit(step).trace(*args).lower(), "h100")
+    entry = hlo.computations(prog.compiled.as_text())[hlo.entry_name(prog.compiled.as_text())]
+    order = [
+        op
+        for line in entry
+        for op in ("all-gather-start", "while", "all-gather-done")
+        if f" {op}(" in line
+    ]
+    (gather,) = [c for c in prog.estimate.collectives if c.kind == "all-gather"]
+    if inner is None:
+        assert order == ["all-gather-start", "while", "all-gather-done"]
+        assert gather.hidden_s > 0
+    else:
+        assert "all-gather-start" not in order and gather.hidden_s == 0
+
+
+@aot
 def test_does_not_fit_verdict(plugin):
     from jax_wgrad.aot import compile_for_target
 

@@ -717,9 +717,9 @@ FLAGS: tuple[Flag, ...] = tuple(flag for _, flags in SECTIONS for flag in flags)
 NOT_BUILT: dict[str, str] = {
     "--overlap-param-gather": (
         "the distributed optimizer all-gathers each bucket's parameters right after that "
-        "bucket's update, in the same step (beside the next bucket's update); overlapping "
-        "the gather with the next step's forward would need that forward outside the "
-        "schedule loop, since XLA keeps no collective in flight into a while loop "
+        "bucket's update, in the same step (beside the next bucket's update); the next "
+        "step's forward reads them inside the schedule loop, so overlapping the gather "
+        "with it would need that forward run before the loop "
         "(docs/design/aot.md, Findings)"
     ),
     "--tp-comm-overlap": (
