@@ -118,12 +118,28 @@ def test_the_example_runs_and_learns(example):
 
 
 def test_a_weight_that_misses_its_linear_fails_loudly():
-    # A destination attached to a weight no library linear uses: the gradient would be
-    # lost, so the call fails naming it (here: the layer casts the weight first).
+    # A routed weight whose variable no library linear receives: the gradient would be
+    # lost, so the call fails naming it (here: the layer casts the weight's VALUE and
+    # hands that array to the linear).
     w, x = jnp.ones((3, 4)), jnp.ones((2, 4))
     routes = WgradRoutes((jnp.zeros(12),))
-    routes.to_bucket(w, 0, 0, name="['layer']['weight']")
-    with routes:
-        linear(x, w.astype(jnp.bfloat16))
+    w = routes.to_bucket(w, 0, 0, name="['layer']['weight']")
+    linear(x, w[...].astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"\['layer'\]\['weight'\].*would be lost"):
-        routes.check_used()
+        routes.close()
+
+
+def test_a_cast_of_the_variable_keeps_its_route():
+    # Mixed precision done to the variable (a pytree whose metadata rides along) keeps the
+    # destination: the bucket gets dy^T x of the bf16 weight's GEMM.
+    w, x = jnp.arange(12.0).reshape(3, 4), jnp.ones((2, 4))
+
+    def f(bucket):
+        routes = WgradRoutes((bucket,))
+        v = routes.to_bucket(w, 0, 0, name="w")
+        y = linear(x, jax.tree.map(lambda a: a.astype(jnp.bfloat16), v))
+        return jnp.sum(y), routes.close()[0]
+
+    (_, _), vjp = jax.vjp(f, jnp.zeros(12))
+    (bucket,) = vjp((jnp.float32(1.0), jnp.zeros(12)))
+    np.testing.assert_array_equal(bucket, np.full(12, 2.0))  # dy^T x: ones [2, 3]^T ones

@@ -15,8 +15,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.functional import WgradRoutes, linear, scan_layers
-from jax_wgrad.functional.linear import RowPiece
 from jax_wgrad.functional.recompute import LayerRecompute
+from jax_wgrad.functional.routes import RowPiece
 from jax_wgrad.grads import DDPConfig
 from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
 from jax_wgrad.grads.spec import STAGE
@@ -86,12 +86,12 @@ def _run(params, x, buckets, pieces, *, recompute=None, on_complete=None, unroll
 
     def f(params, buckets, x):
         routes = WgradRoutes(dict(enumerate(buckets)), on_complete=on_complete)
-        for name in ("up", "down"):
-            routes.to_pieces(params[name], pieces[name], name=name)
-        with routes:
-            y, _ = scan_layers(_layer, x, params, recompute=recompute, unroll=unroll)
-        routes.check_used()
-        return jnp.sum(y**2), tuple(routes.buckets.values())
+        params = {
+            **params,
+            **{name: routes.to_pieces(params[name], pieces[name], name=name) for name in pieces},
+        }
+        y, _ = scan_layers(_layer, x, params, recompute=recompute, unroll=unroll)
+        return jnp.sum(y**2), tuple(routes.close().values())
 
     (loss, _), pullback = jax.vjp(f, params, tuple(buckets), x)
     dparams, out, _ = pullback((jnp.float32(1.0), tuple(buckets)))
@@ -218,8 +218,8 @@ def test_misaligned_recompute_groups_are_rejected():
 def test_pieces_outside_scan_layers_are_rejected():
     w = jnp.ones((2, 4), jnp.float32)  # rows 0..2 of a stacked [2, 4] used as a linear
     routes = WgradRoutes({0: jnp.zeros((8,), jnp.float32)})
-    routes.to_pieces(w, [RowPiece(0, 0, (0, 2))], name="w")
-    with routes, pytest.raises(ValueError, match="only scan_layers"):
+    w = routes.to_pieces(w, [RowPiece(0, 0, (0, 2))], name="w")
+    with pytest.raises(ValueError, match="only scan_layers"):
         linear(jnp.ones((5, 4)), w)
 
 

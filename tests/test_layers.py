@@ -85,16 +85,16 @@ def test_column_row_mlp(mesh, sp, fusion):
 
     def local(p, mg, x, dy):
         def f(p, mg, x):
-            col, row = nnx.merge(col_def, p["col"]), nnx.merge(row_def, p["row"])
             # Fused: each weight's gradient goes to its accumulator (a one-block bucket).
             routes = WgradRoutes({k: a.reshape(-1) for k, a in mg.items()})
             if fusion:
-                for k in ("col", "row"):
-                    routes.to_bucket(p[k]["weight"], k, 0, name=k)
-            with routes:
-                y = row(jax.nn.gelu(col(x)))
-            routes.check_used()
-            return y, {k: b.reshape(mg[k].shape) for k, b in routes.buckets.items()}
+                p = {
+                    k: {**p[k], "weight": routes.to_bucket(p[k]["weight"], k, 0, name=k)}
+                    for k in ("col", "row")
+                }
+            col, row = nnx.merge(col_def, p["col"]), nnx.merge(row_def, p["row"])
+            y = row(jax.nn.gelu(col(x)))
+            return y, {k: b.reshape(mg[k].shape) for k, b in routes.close().items()}
 
         (y, _), f_vjp = jax.vjp(f, p, mg, x)
         g, new_mg, dx = f_vjp((dy, mg))

@@ -172,13 +172,11 @@ def _needs_handler():
 def _two_layer_threaded(x, w1, b1, w2, bucket, offsets):
     """Two fused linears writing into ONE flat bucket, threaded: f(x, bucket) -> (y, bucket)."""
     routes = WgradRoutes((bucket,))
-    routes.to_bucket(w1, 0, offsets[0])
-    routes.to_bucket(w2, 0, offsets[1])
-    with routes:
-        h = jax.nn.gelu(linear(x, w1, b1))
-        y = linear(h, w2)
-    routes.check_used()
-    return y, routes.buckets[0]
+    w1 = routes.to_bucket(w1, 0, offsets[0])
+    w2 = routes.to_bucket(w2, 0, offsets[1])
+    h = jax.nn.gelu(linear(x, w1, b1))
+    y = linear(h, w2)
+    return y, routes.close()[0]
 
 
 def test_threaded_linears_share_one_bucket_and_add_each_block_once():
@@ -290,11 +288,8 @@ def test_sequence_parallel_column_linear_into_a_bucket(async_tp):
 
         def fwd(x, bk):
             routes = WgradRoutes((bk,), async_tp=async_tp)
-            routes.to_bucket(w0, 0, off)
-            with routes:
-                y = linear(x, w0, gather_axis="tensor")
-            routes.check_used()
-            return y, routes.buckets[0]
+            y = linear(x, routes.to_bucket(w0, 0, off), gather_axis="tensor")
+            return y, routes.close()[0]
 
         (y, _), vjp_fn = jax.vjp(fwd, x, bucket)
         dx, new_bucket = vjp_fn((dy, bucket))

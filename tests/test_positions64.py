@@ -290,11 +290,12 @@ def test_llama3_8b_layer_scan_writes_every_block_where_the_plan_puts_it():
     def backward(layers, buckets, x, dy):
         def stage(layers, buckets, x):
             routes = WgradRoutes(buckets)
-            for k in LLAMA_LAYERS:
-                routes.to_bucket(layers[k], *buf.offset_of(f"['layers']['{k}']"))
-            with routes:
-                y, _ = scan_layers(_llama_layer, x, layers)
-            return y, routes.buckets
+            layers = {
+                k: routes.to_bucket(layers[k], *buf.offset_of(f"['layers']['{k}']"))
+                for k in LLAMA_LAYERS
+            }
+            y, _ = scan_layers(_llama_layer, x, layers)
+            return y, routes.close()
 
         _, vjp_fn = jax.vjp(stage, layers, buckets, x)
         return vjp_fn((dy, buckets))[1]

@@ -122,9 +122,7 @@ def test_linear_gemms_all_use_the_precision(precision, fused):
         if fused == "accumulator":
             return jnp.sum(linear(x, w, b, main_grad=acc, precision=precision))
         routes = WgradRoutes((acc.reshape(-1),))
-        routes.to_bucket(w, 0, 0)
-        with routes:
-            return jnp.sum(linear(x, w, b, precision=precision))
+        return jnp.sum(linear(x, routes.to_bucket(w, 0, 0), b, precision=precision))
 
     text = _cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, w, jnp.zeros((3, 4)))
     level = ops.matmul_precision(precision)

@@ -1,7 +1,8 @@
 """Tier 2: pure functions over arrays -- the custom_vjp linears that route weight
-gradients into fp32 main grads or flat buckets, Megatron's conjugate collectives, the
-vocab-parallel cross entropy, the attention core and the expert-parallel MoE MLP. No
-modules, no parameters."""
+gradients into fp32 main grads or flat buckets (a weight's destination rides on its NNX
+variable as metadata: :mod:`~jax_wgrad.functional.routes`), Megatron's conjugate
+collectives, the vocab-parallel cross entropy, the attention core and the expert-parallel
+MoE MLP. No modules: a function takes arrays, or the variables holding them."""
 
 from jax_wgrad.functional.attention import (
     RopeScaling,
@@ -25,17 +26,10 @@ from jax_wgrad.functional.cross_entropy import (
     vocab_shard_index,
 )
 from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
-from jax_wgrad.functional.linear import (
-    StackRoutes,
-    WgradRoutes,
-    active_routes,
-    linear,
-    linear_into_bucket,
-    reshape_weight,
-    through_bucket,
-)
+from jax_wgrad.functional.linear import linear, linear_into_bucket
 from jax_wgrad.functional.moe import MoEConfig, MoEStats, moe_mlp
 from jax_wgrad.functional.recompute import LayerRecompute
+from jax_wgrad.functional.routes import Route, RowPiece, WgradRoutes, route_of, value_of
 from jax_wgrad.functional.stacked import scan_layers
 
 __all__ = [
@@ -43,7 +37,8 @@ __all__ = [
     "LayerRecompute",
     "MoEConfig",
     "MoEStats",
-    "StackRoutes",
+    "Route",
+    "RowPiece",
     "WgradRoutes",
     "causal_attention",
     "rotary_embedding",
@@ -57,9 +52,8 @@ __all__ = [
     "linear",
     "linear_into_bucket",
     "scan_layers",
-    "active_routes",
-    "reshape_weight",
-    "through_bucket",
+    "route_of",
+    "value_of",
     "logits_grad",
     "moe_mlp",
     "reduce_from_tensor_parallel_region",

@@ -24,9 +24,10 @@ downstream -- and returns ``wgrad_accumulate(x, dy, ct, offset=offset)``: the sa
 with this weight's ``[out, in]`` block added once, in place. Chained through all fused
 linears of a function ``f(params, buckets, x) -> (y, buckets)``, ``vjp((dy, carried))``
 returns the carried buckets with every block added exactly once. A model's layers do
-not thread anything themselves: the caller that owns the buckets attaches each weight to
-its block with a :class:`WgradRoutes` context, and :func:`linear` looks its weight up
-there (see :class:`WgradRoutes`; the model calls plain ``linear(x, w, b)``).
+not thread anything themselves: the caller that owns the buckets routes each weight to its
+block (:class:`~jax_wgrad.functional.WgradRoutes`: the weight's NNX variable then carries
+its destination as metadata), and the layer hands the variable to :func:`linear`
+(``linear(x, self.weight)``; :mod:`jax_wgrad.functional.routes`).
 
 **Traced offsets: stacked layers in a scan.** ``offset`` may also be a traced position
 :class:`~jax_wgrad.ops.BlockOffset` ``(base, i, out * in)`` -- layer ``i`` of a
@@ -51,15 +52,11 @@ iteration's fused call adds its layer's block in place (the traced-offset form o
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jax_wgrad import ops
 from jax_wgrad.functional.collectives import (
@@ -68,19 +65,9 @@ from jax_wgrad.functional.collectives import (
     gather_from_sequence_parallel_region,
     reduce_scatter_tiled,
 )
-from jax_wgrad.ops.position import advance
+from jax_wgrad.functional.routes import Route, ToBucket, ToPieces, ToSplit, route_of, value_of
 
-__all__ = [
-    "ChunkSync",
-    "RowPiece",
-    "StackRoutes",
-    "WgradRoutes",
-    "active_routes",
-    "linear",
-    "linear_into_bucket",
-    "reshape_weight",
-    "through_bucket",
-]
+__all__ = ["check_bucket_block", "linear", "linear_into_bucket"]
 
 
 def _check(x: jax.Array, w: jax.Array, b: jax.Array | None) -> None:
@@ -272,492 +259,26 @@ def linear_into_bucket(
     return _threaded_linear(x, w, b, bucket, offset, level, gather_axis)
 
 
-# ----------------------------------------------------------------------------- routes
-# Where each weight's gradient goes is attached to the weight by the caller that owns the
-# gradient buckets (the pipeline executor, a test), not passed through the model: a
-# WgradRoutes context, active while the model runs, maps weight ARRAYS (by identity, the
-# very array objects the caller hands to the model) to a destination, and every fused
-# linear of this module looks its weight up. This module alone touches the routes' state.
-
-
-@dataclasses.dataclass(frozen=True)
-class _ToBucket:
-    """The weight's ``[out, in]`` block at ``offset`` of threaded bucket ``key``."""
-
-    key: Hashable
-    offset: ops.Offset
-    name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class RowPiece:
-    """Rows ``[rows[0], rows[1])`` of a stacked ``[n, ...]`` weight's gradient: one
-    contiguous block of bucket ``key`` from element ``offset`` on, row ``rows[0]``'s
-    block first (a gradient layout in layer groups,
-    :class:`~jax_wgrad.grads.SlotPiece`)."""
-
-    key: Hashable
-    offset: int
-    rows: tuple[int, int]
-
-
-@dataclasses.dataclass(frozen=True)
-class _ToPieces:
-    """A stacked weight whose rows live in several buckets (only :func:`scan_layers`
-    reads it: each part of its scan adds its rows to its piece)."""
-
-    pieces: tuple[RowPiece, ...]
-    name: str
-
-    def piece(self, rows: tuple[int, int]) -> RowPiece:
-        for p in self.pieces:
-            if p.rows[0] <= rows[0] and rows[1] <= p.rows[1]:
-                return p
-        raise AssertionError(f"{self.name}: no piece holds rows {rows}")
-
-
-ChunkSync = Callable[[jax.Array, jax.Array], jax.Array]
-"""``sync(bucket_cotangent, i) -> bucket_cotangent``: the data-parallel sync of chunk
-``i`` (traced int32) of a completed bucket, in place (see :class:`WgradRoutes`'s
-``on_complete``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _ToSplit:
-    """Zero-bubble split backward: probe ``index`` (its gradient is the linear's ``dy``)."""
-
-    index: int
-    name: str
-
-
-_LOCAL = threading.local()  # per tracing thread: the active routes, innermost last
-
-
-def _active() -> list[WgradRoutes]:
-    if not hasattr(_LOCAL, "stack"):
-        _LOCAL.stack = []
-    return _LOCAL.stack
-
-
-def active_routes() -> WgradRoutes | None:
-    """The innermost active :class:`WgradRoutes` (``with routes:``) of this thread, or
-    ``None``."""
-    stack = _active()
-    return stack[-1] if stack else None
-
-
-class WgradRoutes:
-    """Where the weight gradients of one differentiated call go (a trace-time context).
-
-    Create it INSIDE the function being differentiated, from that function's bucket and
-    probe arguments; attach weights with :meth:`to_bucket` / :meth:`to_split` (the array
-    objects the model will hand to :func:`linear`, matched by identity); run the model
-    under ``with routes:``; return :attr:`buckets` (and :attr:`inputs` for a split
-    backward) from the function. A model's layers never see a bucket::
-
-        def stage(params, buckets, x):
-            routes = WgradRoutes(buckets)
-            routes.to_bucket(params["w1"], 0, offset=128)
-            routes.to_bucket(params["w2"], 0, offset=0)
-            with routes:
-                y = model(params, x)          # plain linear(x, w) calls
-            return y, routes.buckets
-
-        y, vjp_fn = jax.vjp(stage, params, buckets, x)
-        dparams, buckets, dx = vjp_fn((dy, buckets))   # buckets += both blocks
-
-    * **to a bucket** (Megatron's gradient accumulation fusion): the weight's linear
-      threads the bucket like a token (:func:`linear_into_bucket`): its backward adds
-      ``dy^T x`` to the weight's block in place; each use of the weight adds once;
-    * **to a split probe** (zero bubble, ``probes[index]``, a zero array shaped like the
-      linear's output; ``None``: only record, e.g. under ``jax.eval_shape``): the linear
-      computes ``x @ stop_gradient(w).T + b + probe`` and records its input in
-      :attr:`inputs` and its output in :attr:`outputs`; differentiating with respect to
-      the probe gives its ``dy`` while no weight-gradient GEMM runs (the ``W`` task later
-      runs ``wgrad_accumulate(x, dy, ...)``).
-
-    * **to row pieces** (:meth:`to_pieces`; a gradient layout in layer groups): a weight
-      stacked ``[n, ...]`` whose rows live in several buckets, each group of rows a
-      bucket of its own; only :func:`~jax_wgrad.functional.scan_layers` reads it: it cuts
-      its scan at the pieces, each part threading its piece's bucket.
-
-    ``on_complete(key, k)`` (optional; the last backward of a step) asks, for the bucket
-    ``key`` of a layer group that :func:`~jax_wgrad.functional.scan_layers` has just
-    completed in the backward, for a :data:`ChunkSync` that syncs it in ``k`` chunks
-    while the backward runs the ``k`` iterations of the group below (``None``: leave
-    it): Megatron's reduce-scatter of a bucket as soon as its gradients are complete,
-    overlapped with the rest of the backward.
-
-    ``async_tp`` (default: without ``on_complete``): a sequence-parallel column-parallel
-    linear into a bucket runs Megatron's asynchronous backward (:func:`linear`'s
-    ``gather_axis``), its collectives beside its GEMMs. A backward that syncs layer groups'
-    chunks leaves them composed as before: XLA:GPU keeps one collective in flight, and the
-    chunk runs beside the layer's weight-gradient GEMMs once the layer's data gradient is
-    done, which the asynchronous backward would hold back until the last weight gradient
-    (the H100 compiles of the ``-groups-graphs`` rows lost their overlapped sync).
-
-    A weight attached but never used by a fused linear would lose its gradient:
-    :meth:`check_used` (called by the executor after each call) raises then.
-    """
-
-    def __init__(
-        self,
-        buckets: Mapping[Hashable, jax.Array] | Sequence[jax.Array] = (),
-        probes: Sequence[jax.Array | None] = (),
-        *,
-        on_complete: Callable[[Hashable, int], ChunkSync | None] | None = None,
-        async_tp: bool | None = None,
-    ):
-        self.on_complete = on_complete
-        self.async_tp = on_complete is None if async_tp is None else async_tp
-        self._keyed = isinstance(buckets, Mapping)
-        self._tokens: dict[Hashable, jax.Array] = (
-            dict(buckets) if self._keyed else dict(enumerate(buckets))
-        )
-        self._probes = list(probes)
-        self.inputs: list[jax.Array | None] = [None] * len(self._probes)
-        self.outputs: list[jax.Array | None] = [None] * len(self._probes)
-        # id(weight) -> (weight, destination): the weight is held so its id stays unique.
-        self._routes: dict[int, tuple[jax.Array, _ToBucket | _ToSplit | _ToPieces]] = {}
-        self._used: set[int] = set()
-
-    # -- attaching weights
-
-    def to_bucket(
-        self, weight: jax.Array, bucket: Hashable, offset: ops.Offset, *, name: str = ""
-    ) -> None:
-        """``weight``'s gradient is added to ``buckets[bucket]`` from element ``offset`` on
-        (a Python int, or a traced :class:`~jax_wgrad.ops.BlockOffset` / int32 scalar, see
-        :func:`linear_into_bucket`); ``name`` is for error messages."""
-        if bucket not in self._tokens:
+def _split_linear(route: Route, x, w, b, precision: int) -> jax.Array:
+    """Zero bubble's split linear (:class:`~jax_wgrad.functional.routes.ToSplit`):
+    ``x @ stop_gradient(w).T + b + probe``, its input and output recorded."""
+    probe = route.routes.probe(route)
+    y = _forward(x, jax.lax.stop_gradient(w), b, precision)
+    if probe is not None:  # None: only record (to learn the shapes)
+        if probe.shape != y.shape:
             raise ValueError(
-                f"WgradRoutes.to_bucket: bucket {bucket!r} out of range (have {list(self._tokens)})"
+                f"WgradRoutes: the probe of {route.name} has shape {probe.shape}, the "
+                f"linear's output {y.shape}"
             )
-        self._attach(weight, _ToBucket(bucket, offset, name or f"weight {weight.shape}"))
-
-    def to_split(self, weight: jax.Array, index: int, *, name: str = "") -> None:
-        """``weight``'s linear is split for zero bubble with probe ``probes[index]``."""
-        if not 0 <= index < len(self._probes):
-            raise ValueError(
-                f"WgradRoutes.to_split: probe {index} out of range "
-                f"(have {len(self._probes)} probes)"
-            )
-        self._attach(weight, _ToSplit(index, name or f"weight {weight.shape}"))
-
-    def to_pieces(self, weight: jax.Array, pieces: Sequence[RowPiece], *, name: str = "") -> None:
-        """``weight`` (stacked ``[n, ...]``) has its rows' gradients in several buckets:
-        ``pieces`` cover rows ``0 .. n`` in order (each piece's rows one block of its
-        bucket). Only :func:`~jax_wgrad.functional.scan_layers` can run such a weight."""
-        name = name or f"weight {weight.shape}"
-        pieces = tuple(pieces)
-        bounds = [p.rows for p in pieces]
-        n = weight.shape[0] if weight.ndim else 0
-        if (
-            not pieces
-            or bounds[0][0] != 0
-            or bounds[-1][1] != n
-            or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:]))
-            or any(r[0] >= r[1] for r in bounds)
-        ):
-            raise ValueError(
-                f"WgradRoutes.to_pieces: the pieces of {name} must cover its rows 0..{n} "
-                f"in order, got rows {bounds}"
-            )
-        for p in pieces:
-            if p.key not in self._tokens:
-                raise ValueError(
-                    f"WgradRoutes.to_pieces: bucket {p.key!r} out of range "
-                    f"(have {list(self._tokens)})"
-                )
-        self._attach(weight, _ToPieces(pieces, name))
-
-    def _attach(self, weight: jax.Array, dest: _ToBucket | _ToSplit | _ToPieces) -> None:
-        if id(weight) in self._routes:
-            raise ValueError(
-                f"WgradRoutes: {dest.name} is already attached (as "
-                f"{self._routes[id(weight)][1].name}); one destination per weight array"
-            )
-        self._routes[id(weight)] = (weight, dest)
-
-    # -- the context
-
-    def __enter__(self) -> WgradRoutes:
-        _active().append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        stack = _active()
-        if not stack or stack[-1] is not self:
-            raise RuntimeError("WgradRoutes: contexts exited out of order")
-        stack.pop()
-
-    # -- results
-
-    @property
-    def buckets(self) -> tuple[jax.Array, ...] | dict[Hashable, jax.Array]:
-        """The current bucket tokens, in the form given (a tuple, or a dict by key)."""
-        return dict(self._tokens) if self._keyed else tuple(self._tokens.values())
-
-    def check_used(self) -> None:
-        """Raises ``ValueError`` naming every attached weight no fused linear used."""
-        unused = [d.name for i, (_, d) in self._routes.items() if i not in self._used]
-        if unused:
-            raise ValueError(
-                f"WgradRoutes: {', '.join(unused)} had a gradient destination but no "
-                "jax_wgrad linear used the array (a weight must reach the layer unchanged: "
-                "a cast, reshape or copy before the linear is a different array); its "
-                "gradient would be lost"
-            )
-
-    # -- what the fused linears call
-
-    def _find(self, weight: jax.Array) -> _ToBucket | _ToSplit | _ToPieces | None:
-        hit = self._routes.get(id(weight))
-        if hit is None or hit[0] is not weight:
-            return None
-        self._used.add(id(weight))
-        return hit[1]
-
-    def _thread(self, key: Hashable, fn: Callable[[jax.Array], tuple[Any, jax.Array]]):
-        out, self._tokens[key] = fn(self._tokens[key])
-        return out
-
-    def _split_linear(self, dest: _ToSplit, x, w, b, precision: int) -> jax.Array:
-        probe = self._probes[dest.index]
-        y = _forward(x, jax.lax.stop_gradient(w), b, precision)
-        if probe is not None:  # None: only record (to learn the shapes)
-            if probe.shape != y.shape:
-                raise ValueError(
-                    f"WgradRoutes: the probe of {dest.name} has shape {probe.shape}, the "
-                    f"linear's output {y.shape}"
-                )
-            y = y + probe.astype(y.dtype)
-        if self.inputs[dest.index] is not None:
-            raise ValueError(
-                f"WgradRoutes: {dest.name} is split for zero bubble and used twice in one "
-                "call (its W task keeps one (x, dy) pair)"
-            )
-        self.inputs[dest.index], self.outputs[dest.index] = x, y
-        return y
-
-    # -- stacked layers (scan_layers)
-
-    def stack(self, leaves: Sequence[jax.Array]) -> StackRoutes:
-        """The routes of weights stacked ``[n, ...]`` over the layers of a ``lax.scan``
-        (:func:`~jax_wgrad.functional.scan_layers`): their buckets ride in the scan's
-        carry, each layer's block at a traced :class:`~jax_wgrad.ops.BlockOffset`."""
-        return StackRoutes(self, [self._find(a) for a in leaves])
-
-
-class StackRoutes:
-    """The routes of one ``lax.scan`` over stacked layers (made by
-    :meth:`WgradRoutes.stack`; ``dests[k]``: leaf ``k``'s destination or ``None``).
-
-    ``keys``: the bucket tokens every part of the scan carries; ``probes``: the stacked
-    probes ``[n, ...]`` of the split leaves (scan inputs). ``parts``: the row ranges at
-    which the scan is cut when some leaves' gradients live in row pieces (a layout in
-    layer groups; ``()``: one scan): part ``p`` carries :meth:`carried` ``(p)`` -- the
-    keys above, its pieces' buckets and the buckets of the part above it, which the
-    backward completes before it runs part ``p`` (:meth:`completed`). Per layer,
-    :meth:`layer` makes the routes of that layer's slices; after the scan,
-    :meth:`finish` hands the tokens and the stacked records back to the outer routes.
-    """
-
-    def __init__(self, outer: WgradRoutes, dests: list[_ToBucket | _ToSplit | _ToPieces | None]):
-        self._outer = outer
-        self._dests = dests
-        self.keys: tuple[Hashable, ...] = tuple(
-            dict.fromkeys(d.key for d in dests if isinstance(d, _ToBucket))
-        )
-        self._split = [(k, d) for k, d in enumerate(dests) if isinstance(d, _ToSplit)]
-        pieces = [d for d in dests if isinstance(d, _ToPieces)]
-        cuts = {tuple(p.rows for p in d.pieces) for d in pieces}
-        if len(cuts) > 1:
-            raise ValueError(
-                "scan_layers: the stacked weights laid out in row pieces must share one "
-                f"cut into groups of layers, got {sorted(cuts)}"
-            )
-        self.parts: tuple[tuple[int, int], ...] = cuts.pop() if cuts else ()
-        self._pieces = pieces
-
-    @property
-    def on_complete(self) -> Callable[[Hashable, int], ChunkSync | None] | None:
-        """The outer routes' ``on_complete`` (:class:`WgradRoutes`)."""
-        return self._outer.on_complete
-
-    def part_keys(self, part: int) -> tuple[Hashable, ...]:
-        """The buckets of the row pieces of part ``part`` (``()`` past the last part)."""
-        if not 0 <= part < len(self.parts):
-            return ()
-        return tuple(dict.fromkeys(d.piece(self.parts[part]).key for d in self._pieces))
-
-    def completed(self, part: int) -> tuple[Hashable, ...]:
-        """The buckets complete in the backward when it reaches part ``part``: those of
-        the part above that no part from ``part`` down and no other weight of the scan
-        writes."""
-        below = set(self.keys).union(*(self.part_keys(q) for q in range(part + 1)))
-        return tuple(k for k in self.part_keys(part + 1) if k not in below)
-
-    def carried(self, part: int | None) -> tuple[Hashable, ...]:
-        """The tokens part ``part`` of the scan carries (``None``: the uncut scan)."""
-        if part is None:
-            return self.keys
-        return tuple(dict.fromkeys(self.keys + self.part_keys(part) + self.part_keys(part + 1)))
-
-    def tokens(self, keys: Sequence[Hashable]) -> tuple[jax.Array, ...]:
-        """The outer routes' current tokens of ``keys``."""
-        return tuple(self._outer._tokens[k] for k in keys)
-
-    @property
-    def probes(self) -> list[jax.Array | None]:
-        return [self._outer._probes[d.index] for _, d in self._split]
-
-    def layer(
-        self,
-        keys: Sequence[Hashable],
-        tokens: Sequence[jax.Array],
-        layer_leaves: Sequence[jax.Array],
-        index: jax.Array,
-        probes: Sequence[jax.Array | None],
-        part: int | None = None,
-    ) -> WgradRoutes:
-        """The routes of layer ``index`` (traced int32, of the FULL stacks) in part
-        ``part``: ``layer_leaves[k]`` is leaf ``k``'s slice ``[...]``; its bucket block at
-        ``BlockOffset(offset, index, size)`` (exact at any bucket size; a row piece's
-        offset counted from its first row); ``tokens``: the part's carried ``keys``;
-        ``probes``: this layer's probes of the split leaves."""
-        inner = WgradRoutes(dict(zip(keys, tokens)), probes, async_tp=self._outer.async_tp)
-        j = 0
-        for leaf, dest in zip(layer_leaves, self._dests):
-            size = math.prod(leaf.shape)
-            if isinstance(dest, _ToBucket):
-                inner.to_bucket(leaf, dest.key, advance(dest.offset, index, size), name=dest.name)
-            elif isinstance(dest, _ToPieces):
-                piece = dest.piece(self.parts[part])
-                base = piece.offset - piece.rows[0] * size
-                inner.to_bucket(leaf, piece.key, advance(base, index, size), name=dest.name)
-            elif isinstance(dest, _ToSplit):
-                inner.to_split(leaf, j, name=dest.name)
-                j += 1
-        return inner
-
-    @staticmethod
-    def layer_result(routes: WgradRoutes, keys: Sequence[Hashable]):
-        """``(tokens, inputs, outputs)`` of a layer's routes after the layer ran."""
-        routes.check_used()
-        return tuple(routes._tokens[k] for k in keys), routes.inputs, routes.outputs
-
-    def put(self, keys: Sequence[Hashable], tokens: Sequence[jax.Array]) -> None:
-        """A part's carried tokens after its scan, into the outer routes."""
-        for key, token in zip(keys, tokens):
-            self._outer._tokens[key] = token
-
-    def finish(self, inputs, outputs) -> None:
-        """The stacked records ``[k, ...]`` into the outer routes."""
-        for j, (_, dest) in enumerate(self._split):
-            self._outer.inputs[dest.index] = inputs[j]
-            self._outer.outputs[dest.index] = outputs[j]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def sync_when_complete(
-    sync: ChunkSync | None, token: jax.Array, own: jax.Array, h: jax.Array, i: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(token, own, h)`` unchanged, applied to the inputs of a layer (or of a group of
-    layers run as one iteration); the backward reaches it when their backward is done,
-    and syncs chunk ``i`` (traced int32) of ``token``'s cotangent -- a completed bucket
-    -- in place by ``sync(ct, i)``, beside the layers' weight gradients:
-
-    * the chunk is cut after the data gradient (``h``'s cotangent; the two are joined by
-      an optimization barrier first), so its collective is issued once the layers'
-      tensor-parallel collectives are;
-    * the synced bucket is joined with ``own``'s cotangent (the bucket the layers'
-      weight gradients are added to, complete for them) and with the data gradient, so
-      the chunk's write-back waits for those GEMMs and the layers below wait for the
-      write-back: XLA:GPU's scheduler keeps the collective in flight over the weight
-      gradients' GEMMs (without the data gradient in that join it put the last layer's
-      GEMMs after the write-back, beside nothing but memory-bound kernels). A chunk
-      slower than the weight gradients beside it delays the layers below.
-
-    Why there: XLA:GPU runs every asynchronous collective on one communication stream
-    and its scheduler keeps one in flight at a time
-    (``--xla_gpu_experimental_parallel_collective_overlap_limit``, default 1), and the
-    data gradient's GEMMs already hide the tensor-parallel collectives; the weight
-    gradients' GEMMs are what a data-parallel collective can run beside. Issued before
-    the layers' backward instead, straight-line code (an unrolled layer loop) left half
-    of the chunks with only memory-bound kernels between start and done.
-
-    ``sync`` ``None``: a backward that does not sync (the residuals are the same), the
-    cotangents pass unchanged.
-    """
-    return token, own, h
-
-
-def _sync_fwd(sync, token, own, h, i):
-    return (token, own, h), i
-
-
-def _sync_bwd(sync, i, cts):
-    ct, ct_own, ct_h = cts
-    if sync is None:
-        return ct, ct_own, ct_h, None
-    ct, ct_h = jax.lax.optimization_barrier((ct, ct_h))
-    ct, ct_own, ct_h = jax.lax.optimization_barrier((sync(ct, i), ct_own, ct_h))
-    return ct, ct_own, ct_h, None
-
-
-sync_when_complete.defvjp(_sync_fwd, _sync_bwd)
-
-
-def _destination(weight: jax.Array) -> tuple[WgradRoutes | None, _ToBucket | _ToSplit | None]:
-    """The active routes and ``weight``'s destination there (``None`` when it has none)."""
-    routes = active_routes()
-    return routes, None if routes is None else routes._find(weight)
-
-
-def _pieces_outside_scan(dest: _ToPieces):
-    raise ValueError(
-        f"WgradRoutes: {dest.name} has its gradient in {len(dest.pieces)} row pieces (a "
-        "layout in layer groups); only scan_layers can run a weight stacked that way, "
-        "each layer's slice in its own iteration"
-    )
-
-
-def reshape_weight(weight: jax.Array, shape: Sequence[int]) -> jax.Array:
-    """``weight.reshape(shape)`` with ``weight``'s gradient destination (a reshape keeps the
-    row-major block): what a layer uses to hand a reshaped weight to :func:`linear`."""
-    out = weight.reshape(shape)
-    if out is not weight:
-        routes, dest = _destination(weight)
-        if dest is not None:
-            routes._attach(out, dest)
-    return out
-
-
-def through_bucket(
-    weight: jax.Array,
-    plain: Callable[[], Any],
-    into_bucket: Callable[[jax.Array, ops.Offset], tuple[Any, jax.Array]],
-) -> Any:
-    """For fused layers other than :func:`linear` (the expert linears): ``into_bucket(
-    bucket, offset)`` with the active routes' bucket of ``weight`` (threaded: it returns
-    ``(out, new bucket)``, ``out`` is returned), or ``plain()`` when ``weight`` has no
-    destination. Raises ``ValueError`` for a weight split for zero bubble (only
-    :func:`linear` splits)."""
-    routes, dest = _destination(weight)
-    if dest is None:
-        return plain()
-    if isinstance(dest, _ToSplit):
-        raise ValueError(f"WgradRoutes: {dest.name} cannot be split for zero bubble here")
-    if isinstance(dest, _ToPieces):
-        _pieces_outside_scan(dest)
-    return routes._thread(dest.key, lambda bk: into_bucket(bk, dest.offset))
+        y = y + probe.astype(y.dtype)
+    route.routes.record(route, x, y)
+    return y
 
 
 def linear(
     x: jax.Array,
-    w: jax.Array,
-    b: jax.Array | None = None,
+    w: jax.Array | nnx.Variable,
+    b: jax.Array | nnx.Variable | None = None,
     *,
     main_grad: jax.Array | None = None,
     precision: ops.PrecisionLike = None,
@@ -765,14 +286,17 @@ def linear(
 ) -> jax.Array:
     """``y = x @ w.T + b``.
 
-    Where ``w``'s gradient goes: with ``main_grad`` into that array; else where the
-    active :class:`WgradRoutes` attach ``w`` (the array object itself: a bucket block,
-    or a zero-bubble split); else to ``w``'s ordinary cotangent (a plain linear).
+    Where ``w``'s gradient goes: with ``main_grad`` into that array; else where ``w``'s
+    route says when ``w`` is an NNX variable carrying one (its ``wgrad`` metadata,
+    :mod:`jax_wgrad.functional.routes`: a bucket block, or a zero-bubble split); else to
+    ``w``'s ordinary cotangent (a plain linear).
 
     Args:
       x: ``[..., in]`` input.
-      w: ``[out, in]`` weight (Megatron/PyTorch layout).
-      b: optional ``[out]`` bias.
+      w: ``[out, in]`` weight (Megatron/PyTorch layout): an array, or the NNX variable
+        holding it (``self.weight``; a ``jax.tree.map`` of it to cast or reshape the value
+        keeps its route).
+      b: optional ``[out]`` bias (an array or a variable).
       main_grad: optional ``[out, in]`` fp32 (or input-dtype) accumulator. When given,
         the backward accumulates ``dy^T x`` into it through the fused op and returns the
         updated buffer as its cotangent; ``w`` then receives a zero gradient.
@@ -786,16 +310,23 @@ def linear(
         :func:`~jax_wgrad.functional.gather_from_sequence_parallel_region`). Into a
         bucket, the backward saves only the shard and runs Megatron's asynchronous
         column-parallel backward (``_threaded_bwd``; unless the routes say otherwise,
-        :class:`WgradRoutes`'s ``async_tp``); elsewhere the gather and the linear are
-        composed as two ops.
+        :class:`~jax_wgrad.functional.WgradRoutes`' ``async_tp``); elsewhere the gather
+        and the linear are composed as two ops.
     Returns:
       ``[..., out]`` output in ``x.dtype``.
     """
+    route = route_of(w)
+    w, b = value_of(w), value_of(b)
     _check(x, w, b)
     level = ops.matmul_precision(precision)
-    routes, dest = (None, None) if main_grad is not None else _destination(w)
+    if main_grad is not None and route is not None:
+        raise ValueError(
+            f"linear: {route.name} has a route (a variable carrying its gradient "
+            "destination) and a main_grad; give one"
+        )
+    dest = None if route is None else route.dest
     if gather_axis is not None and not (
-        isinstance(dest, (_ToBucket, _ToPieces)) and routes.async_tp
+        isinstance(dest, (ToBucket, ToPieces)) and route.routes.async_tp
     ):
         x = gather_from_sequence_parallel_region(x, gather_axis, SEQ_DIM)
         gather_axis = None
@@ -805,15 +336,12 @@ def linear(
                 f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"
             )
         return _fused_linear(x, w, b, main_grad, level)
-    if dest is None:
+    if route is None:
         return _forward(x, w, b, level)
-    if isinstance(dest, _ToSplit):
-        return routes._split_linear(dest, x, w, b, level)
-    if isinstance(dest, _ToPieces):
-        _pieces_outside_scan(dest)
-    return routes._thread(
-        dest.key,
-        lambda bk: linear_into_bucket(
-            x, w, b, bk, offset=dest.offset, precision=precision, gather_axis=gather_axis
-        ),
+    if isinstance(dest, ToSplit):
+        return _split_linear(route, x, w, b, level)
+    return route.into_bucket(
+        lambda bk, offset: linear_into_bucket(
+            x, w, b, bk, offset=offset, precision=precision, gather_axis=gather_axis
+        )
     )

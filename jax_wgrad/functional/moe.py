@@ -50,8 +50,8 @@ import jax.numpy as jnp
 from jax_wgrad import ops
 from jax_wgrad._validation import check_positive
 from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
-from jax_wgrad.functional.linear import WgradRoutes, through_bucket
 from jax_wgrad.functional.moe_dispatch import CapacityDispatch, DroplessDispatch, dispatch_slots
+from jax_wgrad.functional.routes import WgradRoutes, route_of, value_of
 
 __all__ = [
     "MoEConfig",
@@ -323,28 +323,30 @@ def moe_mlp(
         sequence parallelism over it: each tensor rank routes its own tokens).
       buckets: optional ``(bucket, fc1 offset, fc2 offset)``: expert weight gradients go
         into that flat fp32 bucket (threaded, see :func:`grouped_linear`). Without it,
-        ``fc1``/``fc2`` go where the active :class:`~jax_wgrad.functional.WgradRoutes`
-        send those arrays (one fused call per expert linear), else to their cotangents.
+        ``fc1``/``fc2`` (arrays or NNX variables) go where their routes send them
+        (:mod:`jax_wgrad.functional.routes`; one fused call per expert linear), else to
+        their cotangents.
     Returns:
       ``(y [T, H], stats)``, or ``((y, bucket), stats)`` with ``buckets``; ``stats``: a
       :class:`MoEStats`.
     """
     if buckets is not None:  # explicit bucket: routes of its own
         routes = WgradRoutes((buckets[0],))
-        routes.to_bucket(params["fc1"], 0, buckets[1], name="fc1")
-        routes.to_bucket(params["fc2"], 0, buckets[2], name="fc2")
-        with routes:
-            y, stats = moe_mlp(
-                params,
-                x,
-                cfg,
-                expert_axis=expert_axis,
-                sequence_axis=sequence_axis,
-                expert_tensor_axis=expert_tensor_axis,
-                precision=precision,
-            )
-        routes.check_used()
-        return (y, routes.buckets[0]), stats
+        params = {
+            **params,
+            "fc1": routes.to_bucket(params["fc1"], 0, buckets[1], name="fc1"),
+            "fc2": routes.to_bucket(params["fc2"], 0, buckets[2], name="fc2"),
+        }
+        y, stats = moe_mlp(
+            params,
+            x,
+            cfg,
+            expert_axis=expert_axis,
+            sequence_axis=sequence_axis,
+            expert_tensor_axis=expert_tensor_axis,
+            precision=precision,
+        )
+        return (y, routes.close()[0]), stats
     e, k = cfg.num_experts, cfg.topk
     ep = 1 if expert_axis is None else jax.lax.axis_size(expert_axis)
     etp = 1 if expert_tensor_axis is None else jax.lax.axis_size(expert_tensor_axis)
@@ -352,7 +354,7 @@ def moe_mlp(
     t, h = x.shape
     probs, experts, gates = route(
         x,
-        params["router"],
+        value_of(params["router"]),
         k,
         pre_softmax=cfg.pre_softmax,
         scaling_factor=cfg.topk_scaling_factor,
@@ -368,17 +370,19 @@ def moe_mlp(
     group = {} if sizes is None else {"group_sizes": sizes}
     expert_linear = grouped_linear if sizes is None else ragged_linear
 
-    def linear(a: jax.Array, param: jax.Array, w: jax.Array) -> jax.Array:
-        """``a`` through expert weight ``w`` (``param`` itself, or its reshape), whose
-        gradient goes where ``param``'s is routed."""
-        return through_bucket(
-            param,
-            lambda: expert_linear(a, w, **group, **opts),
-            lambda bk, off: expert_linear(a, w, **group, bucket=bk, offset=off, **opts),
+    def linear(a: jax.Array, param: Any) -> jax.Array:
+        """``a`` through expert weight ``param`` (``[E, out, in]``; SwiGLU's ``[E, 2, F,
+        H]`` as ``[E, 2F, H]``: gate rows, then up rows), its gradient where its route
+        sends it."""
+        w, route = value_of(param), route_of(param)
+        w = w.reshape(w.shape[0], -1, w.shape[-1])
+        if route is None:
+            return expert_linear(a, w, **group, **opts)
+        return route.into_bucket(
+            lambda bk, off: expert_linear(a, w, **group, bucket=bk, offset=off, **opts)
         )
 
-    fc1 = params["fc1"].reshape(params["fc1"].shape[0], -1, h)  # SwiGLU: gate, up rows
-    out = linear(cfg.activation(linear(rows, params["fc1"], fc1)), params["fc2"], params["fc2"])
+    out = linear(cfg.activation(linear(rows, params["fc1"])), params["fc2"])
     y = dispatcher.combine(out, gates, state)
     tokens_per_expert = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))
     counts, total = tokens_per_expert, t

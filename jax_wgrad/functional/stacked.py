@@ -10,10 +10,11 @@ compile time does not grow with ``n`` (``unroll`` trades it back for straight-li
 each iteration reads its layer's parameters from the full stacks (no copy of the stacks),
 and the weight-gradient slots handed to the layer are rebuilt per iteration:
 
-* a stacked weight the active :class:`~jax_wgrad.functional.WgradRoutes` send to a bucket
-  has layer ``i``'s slice sent to layer ``i``'s block, at the TRACED position
-  ``BlockOffset(offset, i, size)`` (the fused op's traced-offset form: ``offset + i * size``
-  computed in 64 bits by the handler, exact in buckets past ``2**31`` elements), and the
+* a stacked weight routed to a bucket (an NNX variable whose ``wgrad`` metadata says so,
+  :mod:`jax_wgrad.functional.routes`) has layer ``i``'s slice routed to layer ``i``'s
+  block, at the TRACED position ``BlockOffset(offset, i, size)`` (the fused op's
+  traced-offset form: ``offset + i * size`` computed in 64 bits by the handler, exact in
+  buckets past ``2**31`` elements), and the
   buckets it writes ride in the scan's carry -- so the scan's backward carries their
   cotangent and each iteration adds its layer's block in place;
 * a stacked weight split for zero bubble takes its probe ``[n, ...]`` as a scan input and
@@ -25,30 +26,28 @@ and the weight-gradient slots handed to the layer are rebuilt per iteration:
   one scan per group, each threading its group's bucket; the bucket of the group above
   rides through the scan of the group below, whose backward iteration ``i`` can sync its
   chunk ``i`` (the routes' ``on_complete``) beside that layer's weight gradients
-  (:func:`~jax_wgrad.functional.linear.sync_when_complete`).
+  (:func:`sync_when_complete`).
 
-The layer function knows none of this: it calls the library's layers on its parameters.
+The layer function knows none of this: it hands its parameters (variables, routed or not)
+to the library's layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
-from jax_wgrad.functional.linear import (
-    StackRoutes,
-    WgradRoutes,
-    active_routes,
-    sync_when_complete,
-)
 from jax_wgrad.functional.recompute import LayerGroup, LayerRecompute
+from jax_wgrad.functional.routes import ChunkSync, StackRoutes, value_of
 
-__all__ = ["scan_layers"]
+__all__ = ["scan_layers", "sync_when_complete"]
 
 PyTree = Any
 
@@ -67,9 +66,10 @@ def scan_layers(
     Args:
       layer: ``(params of one layer, x) -> (x, aux)``.
       x: the first layer's input (the scan carry).
-      params: the layers' parameters, every leaf stacked ``[n, ...]``; the active
-        :class:`~jax_wgrad.functional.WgradRoutes` may send a leaf's gradient to a bucket
-        (its layer-0 block; a probe ``[k, ...]`` for the ``k`` layers run when split).
+      params: the layers' parameters, every leaf (an array or an NNX variable) stacked
+        ``[n, ...]``; a variable's route (:mod:`jax_wgrad.functional.routes`) may send its
+        gradient to a bucket (its layer-0 block; a probe ``[k, ...]`` for the ``k`` layers
+        run when split); each layer gets its slices as variables routed to its blocks.
       unroll: iterations per step of the loop (``lax.scan``'s ``unroll``; an iteration is
         one layer, or one group of layers recomputed together); ``n`` (or at least a
         layer group's iterations): no loop, each iteration traced on its own
@@ -83,23 +83,23 @@ def scan_layers(
         per layer or per group of layers, inside the scan); ``None``: no checkpoint (what
         JAX's autodiff saves by itself).
     Returns:
-      ``(x after the layers, aux stacked [k, ...])``. The active routes' buckets and
-      split records are updated as if each layer had been called.
+      ``(x after the layers, aux stacked [k, ...])``. The routes' buckets and split
+      records are updated as if each layer had been called.
     """
-    leaves, treedef = jax.tree.flatten(params)
-    n = leaves[0].shape[0]
-    if any(a.shape[:1] != (n,) for a in leaves):
+    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda a: isinstance(a, nnx.Variable))
+    shapes = [value_of(a).shape for a in leaves]
+    n = shapes[0][0]
+    if any(s[:1] != (n,) for s in shapes):
         raise ValueError(
             f"scan_layers: every parameter must be stacked [n, ...] with one n; "
-            f"got {[tuple(a.shape) for a in leaves]}"
+            f"got {[tuple(s) for s in shapes]}"
         )
     start, count = (jnp.int32(0), n) if rows is None else (jnp.asarray(rows[0], jnp.int32), rows[1])
     if rows is not None and not 0 < count <= n:
         raise ValueError(f"scan_layers: rows {rows!r} outside the {n} stacked layers")
     groups = (LayerGroup(0, 1, count, None),) if recompute is None else recompute.groups(count)
 
-    outer = active_routes()
-    stack: StackRoutes = (outer or WgradRoutes()).stack(leaves)
+    stack = StackRoutes(leaves)
     probes = stack.probes
     if stack.parts and (rows is not None or stack.parts[-1][1] != n):
         raise ValueError(
@@ -109,10 +109,10 @@ def scan_layers(
 
     def one_layer(h, keys, bks, index, probe, part):
         """Layer ``index`` (traced, of the ``count`` run) on ``h``: ``(h, bks, records)``."""
-        sliced = [lax.dynamic_index_in_dim(a, start + index, 0, False) for a in leaves]
-        routes = stack.layer(keys, bks, sliced, start + index, probe, part)
-        with routes:
-            h, aux = layer(jax.tree.unflatten(treedef, sliced), h)
+        take = lambda a: lax.dynamic_index_in_dim(a, start + index, 0, False)
+        sliced = [jax.tree.map(take, a) for a in leaves]  # a variable keeps its metadata
+        routes, sliced = stack.layer(keys, bks, sliced, start + index, probe, part)
+        h, aux = layer(jax.tree.unflatten(treedef, sliced), h)
         bks, inputs, outputs = StackRoutes.layer_result(routes, keys)
         return h, bks, (aux, inputs, outputs)
 
@@ -217,3 +217,53 @@ def _cut(groups: tuple[LayerGroup, ...], a: int, b: int) -> tuple[LayerGroup, ..
             )
         out.append(dataclasses.replace(g, first=lo, count=(hi - lo) // g.size))
     return tuple(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def sync_when_complete(
+    sync: ChunkSync | None, token: jax.Array, own: jax.Array, h: jax.Array, i: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(token, own, h)`` unchanged, applied to the inputs of a layer (or of a group of
+    layers run as one iteration); the backward reaches it when their backward is done,
+    and syncs chunk ``i`` (traced int32) of ``token``'s cotangent -- a completed bucket
+    -- in place by ``sync(ct, i)``, beside the layers' weight gradients:
+
+    * the chunk is cut after the data gradient (``h``'s cotangent; the two are joined by
+      an optimization barrier first), so its collective is issued once the layers'
+      tensor-parallel collectives are;
+    * the synced bucket is joined with ``own``'s cotangent (the bucket the layers'
+      weight gradients are added to, complete for them) and with the data gradient, so
+      the chunk's write-back waits for those GEMMs and the layers below wait for the
+      write-back: XLA:GPU's scheduler keeps the collective in flight over the weight
+      gradients' GEMMs (without the data gradient in that join it put the last layer's
+      GEMMs after the write-back, beside nothing but memory-bound kernels). A chunk
+      slower than the weight gradients beside it delays the layers below.
+
+    Why there: XLA:GPU runs every asynchronous collective on one communication stream
+    and its scheduler keeps one in flight at a time
+    (``--xla_gpu_experimental_parallel_collective_overlap_limit``, default 1), and the
+    data gradient's GEMMs already hide the tensor-parallel collectives; the weight
+    gradients' GEMMs are what a data-parallel collective can run beside. Issued before
+    the layers' backward instead, straight-line code (an unrolled layer loop) left half
+    of the chunks with only memory-bound kernels between start and done.
+
+    ``sync`` ``None``: a backward that does not sync (the residuals are the same), the
+    cotangents pass unchanged.
+    """
+    return token, own, h
+
+
+def _sync_fwd(sync, token, own, h, i):
+    return (token, own, h), i
+
+
+def _sync_bwd(sync, i, cts):
+    ct, ct_own, ct_h = cts
+    if sync is None:
+        return ct, ct_own, ct_h, None
+    ct, ct_h = jax.lax.optimization_barrier((ct, ct_h))
+    ct, ct_own, ct_h = jax.lax.optimization_barrier((sync(ct, i), ct_own, ct_h))
+    return ct, ct_own, ct_h, None
+
+
+sync_when_complete.defvjp(_sync_fwd, _sync_bwd)

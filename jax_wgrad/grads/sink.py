@@ -9,7 +9,7 @@ it:
   the backward (:func:`~jax_wgrad.functional.linear_into_bucket`; the buckets thread
   through the differentiated function);
 * ``"stash_w"``: split backward (zero bubble): the backward computes the linear's output
-  gradient only (split probes of :class:`~jax_wgrad.functional.WgradRoutes`) and the pair
+  gradient only (split probes, :class:`~jax_wgrad.functional.WgradRoutes`) and the pair
   ``(x, dy)`` waits for the microbatch's ``W`` task;
 * ``"defer"``: the output layer's weight under ``defer_embedding_wgrad_compute``
   (Megatron's deferral): its pair is stashed for the drain after the schedule (deferred
@@ -17,9 +17,10 @@ it:
 
 Every other gradient is an ordinary array added to its block by
 :meth:`GradLayout.add`. A model's stage programs never see buckets: a :class:`Tape`
-attaches the role's fused weights (the device tree's leaves themselves) to their
-destinations in a :class:`~jax_wgrad.functional.WgradRoutes` context, active while the
-program runs, and the library's linears look their weights up there.
+routes the role's fused weights to their destinations -- in the device tree it hands the
+program, each such leaf is an NNX variable whose ``wgrad`` metadata is its route
+(:mod:`jax_wgrad.functional.routes`) -- and the library's linears read the route from the
+variable the layer hands them.
 
 Which weights get which policy (nothing here knows a model): a weight fused in the
 ``OUTPUT`` role is deferred when microbatches are deferred; with a split backward the
@@ -39,7 +40,7 @@ from typing import Literal
 import jax
 
 from jax_wgrad import ops
-from jax_wgrad.functional.linear import ChunkSync, RowPiece, WgradRoutes
+from jax_wgrad.functional.routes import ChunkSync, RowPiece, WgradRoutes
 from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
 from jax_wgrad.grads.layout import GradLayout
 from jax_wgrad.grads.spec import LAYERS, OUTPUT, STACKED, STAGE
@@ -208,9 +209,9 @@ class GradSink:
     ) -> Tape:
         """A :class:`Tape` for one differentiated call of ``role`` (create it INSIDE the
         function being differentiated, from that function's ``params``, ``state`` and
-        ``probes``; run the program under ``with tape:``). ``on_complete``: the routes'
-        hook for a layer group's completed bucket, keyed ``(chunk, bucket)``
-        (:class:`~jax_wgrad.functional.WgradRoutes`)."""
+        ``probes``; run the program on :attr:`Tape.params`, then :meth:`Tape.close`).
+        ``on_complete``: the routes' hook for a layer group's completed bucket, keyed
+        ``(chunk, bucket)`` (:class:`~jax_wgrad.functional.WgradRoutes`)."""
         return Tape(self, role, params, state, probes, on_complete)
 
     def add(self, state: GradState, role: str, grads: DeviceTree) -> GradState:
@@ -261,15 +262,19 @@ def _first_bucket(layout: GradLayout, chunk: str) -> int:
 
 
 class Tape:
-    """One differentiated call's view of the sink (made by :meth:`GradSink.open`); a
-    context manager: the program runs under ``with tape:``.
+    """One differentiated call's view of the sink (made by :meth:`GradSink.open`).
 
-    Attaches each weight fused in the role -- the leaf of ``params`` itself -- to its
-    destination in a :class:`~jax_wgrad.functional.WgradRoutes`: its bucket block (policy
-    ``accumulate``: the bucket threads through the call) or a split probe (``stash_w``,
+    Routes each weight fused in the role to its destination in one
+    :class:`~jax_wgrad.functional.WgradRoutes` (the call's bucket tokens, probes and
+    records): its bucket block (policy ``accumulate``: the bucket threads through the
+    call), its row pieces (a layout in layer groups) or a split probe (``stash_w``,
     ``defer``: the call adds probe ``probes[name]`` to the linear's output and records its
-    input); nothing when ``state`` is ``None`` (no fusion: a forward-only call).
-    :meth:`close` returns the threaded buckets and the records.
+    input). :attr:`params` is the device tree with those leaves as routed variables: run
+    the program on it, then :meth:`close`. With ``state`` ``None`` (no fusion: a
+    forward-only call) nothing is routed and :attr:`params` is the device tree given.
+
+    Attributes:
+      params: the device tree the program runs on.
     """
 
     def __init__(
@@ -284,6 +289,7 @@ class Tape:
         self._state = state
         self._probed = sink.probed(role)
         self._routes: WgradRoutes | None = None
+        self.params = params
         if state is None:
             return
         routes = WgradRoutes(
@@ -292,39 +298,33 @@ class Tape:
             on_complete=on_complete,
         )
         index = {e.name: i for i, e in enumerate(self._probed)}
-        leaves = sink.layout.buffer.treedef.flatten_up_to(params)
-        for leaf, entry in zip(leaves, sink.leaf_entries):
+        treedef = sink.layout.buffer.treedef
+        leaves = treedef.flatten_up_to(params)
+        for k, (leaf, entry) in enumerate(zip(leaves, sink.leaf_entries)):
             if entry is None or entry.role != role:
                 continue
             if entry.probed:
-                routes.to_split(leaf, index[entry.name], name=entry.name)
+                leaves[k] = routes.to_split(leaf, index[entry.name], name=entry.name)
             elif entry.pieces:
-                routes.to_pieces(leaf, entry.pieces, name=entry.name)
+                leaves[k] = routes.to_pieces(leaf, entry.pieces, name=entry.name)
             else:
-                routes.to_bucket(leaf, (entry.chunk, entry.bucket), entry.offset, name=entry.name)
+                leaves[k] = routes.to_bucket(
+                    leaf, (entry.chunk, entry.bucket), entry.offset, name=entry.name
+                )
         self._routes = routes
-
-    def __enter__(self) -> Tape:
-        if self._routes is not None:
-            self._routes.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._routes is not None:
-            self._routes.__exit__(*exc)
+        self.params = treedef.unflatten(leaves)
 
     def close(self) -> tuple[GradState | None, dict[str, jax.Array], dict[str, jax.Array]]:
         """``(buckets after the call's fused linears, inputs, outputs)``: the records are
         by entry name, for the probed entries of the role.
 
         Raises:
-          ValueError: a fused weight of the role that no library linear used (its gradient
-            would be lost; :meth:`~jax_wgrad.functional.WgradRoutes.check_used`).
+          ValueError: a fused weight of the role whose variable no library linear received
+            (its gradient would be lost; :meth:`~jax_wgrad.functional.WgradRoutes.close`).
         """
         if self._routes is None:
             return None, {}, {}
-        self._routes.check_used()
-        tokens = self._routes.buckets
+        tokens = self._routes.close()
         state = self._state.map(lambda chunk, bks: tuple(tokens[chunk, i] for i in range(len(bks))))
         names = [e.name for e in self._probed]
         inputs, outputs = self._routes.inputs, self._routes.outputs

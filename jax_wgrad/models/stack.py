@@ -18,11 +18,11 @@ the module itself:
   (:func:`~jax_wgrad.functional.scan_layers`, Megatron's recompute options applied per
   layer).
 
-Where each fused weight's gradient goes is attached by the executor (a
-:class:`~jax_wgrad.functional.WgradRoutes` context): the model never sees a bucket, and the
-same module computes the single-device loss. ``examples/custom_model.py`` is a Llama built
-this way. What the stack does not do (the GPT does): tied embeddings, MoE layers, the
-vocabulary split over the pipeline, and deferral's ``recompute`` mode.
+Where each fused weight's gradient goes rides on the weight's variable (its ``wgrad``
+metadata, set by the executor: :mod:`jax_wgrad.functional.routes`): the model never sees a
+bucket, and the same module computes the single-device loss. ``examples/custom_model.py``
+is a Llama built this way. What the stack does not do (the GPT does): tied embeddings, MoE
+layers, the vocabulary split over the pipeline, and deferral's ``recompute`` mode.
 """
 
 from __future__ import annotations

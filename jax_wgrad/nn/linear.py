@@ -1,17 +1,25 @@
 """Flax NNX modules built on the fused-accumulation linear.
 
 A module created with ``gradient_accumulation_fusion=True`` owns a :class:`MainGrad`
-variable (fp32 ``[out, in]``) next to its ``weight``. Split the model into
-``nnx.Param`` and ``MainGrad`` states and differentiate with respect to both: the
-gradient of the ``MainGrad`` state is the updated accumulator (see
-:mod:`jax_wgrad.functional.linear`), the weight's own gradient is zero::
+variable (fp32 ``[out, in]``, Megatron's ``weight.main_grad``) next to its ``weight``.
+Like every layer of the library it hands its weight *variable* to
+:func:`~jax_wgrad.functional.linear`, so its weight gradient goes where the variable's
+route sends it (:mod:`jax_wgrad.functional.routes`). On one device
+:func:`jax_wgrad.training.accumulate_gradients` routes each such weight to its
+``MainGrad`` over a scan of microbatches (the fused GEMM adds ``dy^T x`` to it in place);
+differentiated otherwise the layer is a plain linear. By hand, the same as one microbatch
+of ``accumulate_gradients``::
 
     graphdef, params, main_grads, rest = nnx.split(model, nnx.Param, MainGrad, ...)
-    def loss(params, main_grads):
-        return loss_fn(nnx.merge(graphdef, params, main_grads, rest), batch)
-    g_params, new_main_grads = jax.grad(loss, argnums=(0, 1))(params, main_grads)
-
-:func:`jax_wgrad.training.accumulate_gradients` does this over microbatches.
+    def loss(params, buckets):
+        routes = WgradRoutes(buckets)
+        flat = dict(nnx.to_flat_state(params))
+        flat[("fc1", "weight")] = routes.to_bucket(flat[("fc1", "weight")], 0, offset=0)
+        model = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+        return loss_fn(model, batch), routes.close()
+    buckets = (main_grads["fc1"]["main_grad"][...].reshape(-1),)
+    (value, _), vjp = jax.vjp(loss, params, buckets)
+    g_params, buckets = vjp((1.0, buckets))      # buckets[0]: main_grad + dW, flat
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ class Linear(nnx.Module):
       weight: ``[out_features, in_features]`` (Megatron/PyTorch layout).
       bias: ``[out_features]`` or None.
       main_grad: ``[out_features, in_features]`` fp32 :class:`MainGrad` when
-        ``gradient_accumulation_fusion`` is on, else None.
+        ``gradient_accumulation_fusion`` is on (the accumulator
+        :func:`~jax_wgrad.training.accumulate_gradients` routes the weight's gradient
+        to), else None.
     """
 
     def __init__(
@@ -85,10 +95,4 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[..., in_features]`` -> ``[..., out_features]`` in ``x.dtype``."""
         with jax.named_scope("linear"):
-            return linear(
-                x,
-                self.weight[...],
-                None if self.bias is None else self.bias[...],
-                main_grad=None if self.main_grad is None else self.main_grad[...],
-                precision=self.precision,
-            )
+            return linear(x, self.weight, self.bias, precision=self.precision)

@@ -10,11 +10,11 @@ Activations are ``[batch, seq, hidden]``. With sequence parallelism the activati
 between blocks are ``[batch, seq / tp, hidden]``: column-parallel layers all-gather the
 sequence before their GEMM and row-parallel layers reduce-scatter after theirs.
 
-A linear layer's weight gradient goes where the active
-:class:`jax_wgrad.functional.WgradRoutes` send its weight (gradient accumulation fusion
-into a bucket block, or a zero-bubble split; set up by whoever owns the buckets, e.g. the
-pipeline executor), else to the weight's ordinary gradient; the layers take no gradient
-argument.
+A linear layer's weight gradient goes where its weight variable's route sends it (its
+``wgrad`` metadata, :mod:`jax_wgrad.functional.routes`: gradient accumulation fusion into
+a bucket block, or a zero-bubble split; set by whoever owns the buckets, e.g. the pipeline
+executor), else to the weight's ordinary gradient: the layers hand their weight
+*variables* to :func:`~jax_wgrad.functional.linear` and take no gradient argument.
 
 Every parameter carries its facts as NNX variable metadata (:func:`param_facts`): the
 dim split over ``tensor`` (``tensor_axis``), whether weight decay applies, and whether its
@@ -38,7 +38,7 @@ from jax_wgrad.functional.collectives import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from jax_wgrad.functional.cross_entropy import vocab_shard_index
-from jax_wgrad.functional.linear import linear, reshape_weight
+from jax_wgrad.functional.linear import linear
 from jax_wgrad.functional.saved import SAVED
 from jax_wgrad.nn.facts import param_facts
 from jax_wgrad.ops import PrecisionLike
@@ -114,23 +114,25 @@ class ColumnParallelLinear(nnx.Module):
             else None
         )
 
-    def __call__(self, x: jax.Array, weight: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, weight: nnx.Variable | jax.Array | None = None) -> jax.Array:
         """``x``: ``[b, s(/tp), in]`` -> ``[b, s, out / tp]`` (or ``out``).
 
         Args:
-          weight: overrides the layer's own weight (Megatron's tied output layer);
-            required when built with ``skip_weight_param_allocation``.
+          weight: overrides the layer's own weight (Megatron's tied output layer: the
+            word embedding's variable, whose route it keeps); required when built with
+            ``skip_weight_param_allocation``.
         """
         with jax.named_scope("column_parallel_linear"):
             if weight is None:
                 if self.weight is None:
                     raise ValueError("ColumnParallelLinear: weight was not allocated; pass it")
-                weight = self.weight[...]
+                weight = self.weight
             gather = self.axis_name if self.sequence_parallel else None  # inside linear
             if self.tp_size > 1 and not self.sequence_parallel:
                 x = copy_to_tensor_parallel_region(x, self.axis_name)
             bias = None if self.bias is None else self.bias[...].reshape(-1)
-            w = reshape_weight(weight, (-1, weight.shape[-1]))  # gated: [2 F/tp, in]
+            # gated: [2 F/tp, in]; a mapped variable keeps its route (row-major block)
+            w = jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), weight)
             y = linear(x, w, bias, precision=self.precision, gather_axis=gather)
             if self.gather_output and self.tp_size > 1:
                 y = gather_last_dim(y, self.axis_name)
@@ -181,7 +183,7 @@ class RowParallelLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``."""
         with jax.named_scope("row_parallel_linear"):
-            y = linear(x, self.weight[...], None, precision=self.precision)
+            y = linear(x, self.weight, None, precision=self.precision)
             if self.tp_size > 1:
                 if self.sequence_parallel:
                     y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name, SEQ_DIM)

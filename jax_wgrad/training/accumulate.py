@@ -2,10 +2,11 @@
 
 The one-device version of what the pipeline schedule does per stage: a ``lax.scan``
 over microbatches whose carry holds fp32 gradient accumulators. Weights of modules
-built with ``gradient_accumulation_fusion=True`` accumulate through
-:func:`jax_wgrad.ops.wgrad_accumulate` directly into their :class:`~jax_wgrad.MainGrad`
-buffer (in place: the buffer is a scan carry); every other parameter's gradient is
-added to an fp32 carry.
+built with ``gradient_accumulation_fusion=True`` are routed to their
+:class:`~jax_wgrad.MainGrad` buffer (:class:`~jax_wgrad.functional.WgradRoutes`, the
+mechanism the pipeline uses for its buckets) and accumulate through
+:func:`jax_wgrad.ops.wgrad_accumulate` directly into it (in place: the buffer is a scan
+carry); every other parameter's gradient is added to an fp32 carry.
 """
 
 from __future__ import annotations
@@ -17,19 +18,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_wgrad.functional.routes import WgradRoutes
 from jax_wgrad.nn import MainGrad
 
 __all__ = ["accumulate_gradients"]
 
 
-def _merge_main_grads(grads: nnx.State, main_grads: nnx.State) -> nnx.State:
-    """Replaces each fused weight's (zero) gradient by its accumulator."""
+def _merge_main_grads(grads: nnx.State, weight_of: dict, buckets: dict) -> nnx.State:
+    """Replaces each fused weight's (zero) gradient by its accumulator (a flat bucket)."""
     flat = dict(nnx.to_flat_state(grads))
-    for path, acc in nnx.to_flat_state(main_grads):
-        weight_path = path[:-1] + ("weight",)
-        if weight_path not in flat:
-            raise ValueError(f"MainGrad at {path} has no sibling 'weight' parameter")
-        flat[weight_path] = flat[weight_path].replace(acc[...])
+    for path, weight_path in weight_of.items():
+        weight = flat[weight_path]
+        flat[weight_path] = weight.replace(buckets[path].reshape(weight.shape))
     return nnx.from_flat_state(flat)
 
 
@@ -61,17 +61,34 @@ def accumulate_gradients(
         )
     graphdef, params, main_grads, rest = nnx.split(model, nnx.Param, MainGrad, ...)
     scale = 1.0 / num_micro
+    # Each MainGrad is the flat bucket its sibling weight is routed to.
+    weight_of = {path: path[:-1] + ("weight",) for path, _ in nnx.to_flat_state(main_grads)}
+    known = {path for path, _ in nnx.to_flat_state(params)}
+    for path, weight_path in weight_of.items():
+        if weight_path not in known:
+            raise ValueError(f"MainGrad at {path} has no sibling 'weight' parameter")
 
-    def micro_loss(p, mg, batch):
-        return loss_fn(nnx.merge(graphdef, p, mg, rest), batch) * scale
+    def micro_loss(p, buckets, batch):
+        routes = WgradRoutes(buckets)
+        flat = dict(nnx.to_flat_state(p))
+        for path, weight_path in weight_of.items():
+            flat[weight_path] = routes.to_bucket(
+                flat[weight_path], path, 0, name="/".join(map(str, weight_path))
+            )
+        model = nnx.merge(graphdef, nnx.from_flat_state(flat), main_grads, rest)
+        return loss_fn(model, batch) * scale, routes.close()
 
     def body(carry, batch):
-        loss_sum, grad_acc, mg = carry
-        loss, (g, mg) = jax.value_and_grad(micro_loss, argnums=(0, 1))(params, mg, batch)
+        loss_sum, grad_acc, buckets = carry
+        (loss, _), vjp = jax.vjp(lambda p, b: micro_loss(p, b, batch), params, buckets)
+        g, buckets = vjp((jnp.ones_like(loss), buckets))
         grad_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grad_acc, g)
-        return (loss_sum + loss, grad_acc, mg), None
+        return (loss_sum + loss, grad_acc, buckets), None
 
     zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)
-    init = (jnp.zeros((), jnp.float32), zeros(params), zeros(main_grads))
-    (loss, grads, main_grads), _ = jax.lax.scan(body, init, microbatches)
-    return loss, _merge_main_grads(grads, main_grads)
+    buckets = {
+        path: jnp.zeros(v[...].size, jnp.float32) for path, v in nnx.to_flat_state(main_grads)
+    }
+    init = (jnp.zeros((), jnp.float32), zeros(params), buckets)
+    (loss, grads, buckets), _ = jax.lax.scan(body, init, microbatches)
+    return loss, _merge_main_grads(grads, weight_of, buckets)

@@ -242,8 +242,8 @@ class TransformerLayer(nnx.Module):
         with jax.named_scope("moe"):
             params = {
                 "router": self.router[...],
-                "fc1": self.experts.fc1[...],
-                "fc2": self.experts.fc2[...],
+                "fc1": self.experts.fc1,  # the variables: their routes
+                "fc2": self.experts.fc2,
             }
             y, stats = moe_mlp(
                 params,
@@ -370,7 +370,7 @@ class GPTHead(nnx.Module):
         x: jax.Array,
         labels: jax.Array,
         *,
-        weight: jax.Array | None = None,
+        weight: nnx.Variable | jax.Array | None = None,
         with_lse: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``x``: ``[b, s(/tp), H]``, ``labels``: int ``[b, s]`` -> fp32 scalar SUM of the
@@ -392,7 +392,7 @@ class GPTHead(nnx.Module):
         )  # kept, never differentiated
         return jnp.sum(losses), lse
 
-    def logits(self, x: jax.Array, weight: jax.Array | None = None) -> jax.Array:
+    def logits(self, x: jax.Array, weight: nnx.Variable | jax.Array | None = None) -> jax.Array:
         """The final norm and output layer of ``x`` ``[b, s(/tp), H]`` (already the last
         stage's on every stage with the vocabulary over the pipeline): ``[b, s, V / (P
         tp)]``, this device's vocabulary shard, the padding rows' columns ``-inf``

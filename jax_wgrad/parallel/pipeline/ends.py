@@ -203,18 +203,18 @@ class PipelineEnds(abc.ABC):
 
     def _taped_pre(self, params, grads, batch):
         """``pre`` under the sink's ``INPUT`` tape: ``(x, grads)``."""
-        with self.sink.open(INPUT, params, grads) as tape:
-            x, _ = self.program.pre(params, batch)
+        tape = self.sink.open(INPUT, params, grads)
+        x, _ = self.program.pre(tape.params, batch)
         grads, _, _ = tape.close()
         return x, grads
 
     def _taped_post(self, params, grads, probes, y, batch):
         """``post`` under the sink's ``OUTPUT`` tape: ``((loss, grads), (recorded inputs,
         outputs, aux))``."""
-        with self.sink.open(OUTPUT, params, grads, probes) as tape:
-            loss, aux = self.program.post(
-                params, y, batch, output_grad_extras=self.wants_output_grad_extras
-            )
+        tape = self.sink.open(OUTPUT, params, grads, probes)
+        loss, aux = self.program.post(
+            tape.params, y, batch, output_grad_extras=self.wants_output_grad_extras
+        )
         grads, inputs, outputs = tape.close()
         return (loss, grads), (inputs, outputs, aux)
 

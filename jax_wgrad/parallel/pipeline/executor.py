@@ -296,8 +296,8 @@ class ScheduleRun:
         (probes ``None``: records only, traced once for the shapes); ``on_complete``: the
         layer groups' syncs of the last backward (:meth:`_chunk_sync`)."""
         params, grads, probes, chunk = live
-        with self.sink.open(LAYERS, params, grads, probes, on_complete=on_complete) as tape:
-            y, aux = self.program.body(params, x, layers=self.context.window(chunk))
+        tape = self.sink.open(LAYERS, params, grads, probes, on_complete=on_complete)
+        y, aux = self.program.body(tape.params, x, layers=self.context.window(chunk))
         grads, inputs, outputs = tape.close()
         return (y, grads), (inputs, outputs, aux)
 

@@ -20,12 +20,12 @@ two more: :meth:`StageProgram.defer_extras` (what the stash keeps beside ``x``) 
 :meth:`StageProgram.recompute_output_grad` (``dy`` rebuilt from them in the drain). A
 model reads no deferral option: the executor asks for what it needs.
 
-The programs never see a gradient bucket: where each fused weight's gradient goes is
-attached to the weight array itself by the executor (a
-:class:`~jax_wgrad.functional.WgradRoutes` context, active while a program runs), so a
-program only has to hand each parameter leaf of ``params`` unchanged to the library's
-layers (:mod:`jax_wgrad.nn`; a weight reshaped first goes through
-:func:`~jax_wgrad.functional.reshape_weight`).
+The programs never see a gradient bucket: where each fused weight's gradient goes is a
+property of the parameter -- in the ``params`` the executor hands a program, each fused
+weight is an NNX variable whose ``wgrad`` metadata is its route
+(:mod:`jax_wgrad.functional.routes`) -- so a program merges its modules from ``params``
+and its layers hand their weight variables to the library's linears
+(:mod:`jax_wgrad.nn`).
 
 A model also gives its layout facts: the device tree's per-device shapes and its
 :class:`~jax_wgrad.grads.GradSpec`\\ s (:meth:`StageProgram.grad_specs`), the conversion
