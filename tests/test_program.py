@@ -324,3 +324,32 @@ def test_train_plan_trains_a_model_that_is_not_the_gpt():
         np.testing.assert_allclose(
             np.asarray(got), np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
         )
+
+
+class _Counted(MLPStack):
+    """:class:`MLPStack` counting how often its ``body`` is traced."""
+
+    def body(self, params, x, layers=None):
+        self.traces.append(1)
+        return super().body(params, x, layers)
+
+
+@pytest.mark.parametrize("schedule, traces", [("1f1b", 2), ("zb-h1", 3)])
+def test_the_stage_body_is_traced_once_for_its_shapes(schedule, traces):
+    """Building the step traces the layers once for their shapes (the residual layout,
+    records and aux together) besides the real trace; a split backward once more, for its
+    probes' shapes (the probes are inputs of the traced function)."""
+    par = ParallelConfig(
+        pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=4,
+        gradient_accumulation_fusion=True,
+        pipeline_schedule=schedule,
+    )
+    program = _Counted(CFG, par)
+    object.__setattr__(program, "traces", [])
+    mesh = make_mesh(par)
+    params = jax.eval_shape(lambda: init_params(CFG, 0))
+    batch = jax.ShapeDtypeStruct(_batch(par).shape, jnp.float32)
+    jax.jit(lambda p, b: pipeline_gradients(program, mesh, p, b)).trace(params, batch)
+    assert len(program.traces) == traces

@@ -34,6 +34,7 @@ from jax_wgrad.aot import estimate, hlo, thunks
 from jax_wgrad.aot.report import DEFAULT_MEM_FRACTION, FUSION_SKIPPED, AotReport, collectives
 from jax_wgrad.aot.targets import GpuTarget, gpu_target, target_devices
 from jax_wgrad.parallel.mesh import mesh_shape
+from jax_wgrad.parallel.pipeline import scopes
 
 __all__ = [
     "CompiledProgram",
@@ -275,7 +276,7 @@ def _loop_facts(text: str, comps, sizes) -> tuple[tuple[str, str] | None, list[s
         return None, [], []
     cooldown: set[str] = set()
     for ins in hlo.instructions(comps[loop[1]]):
-        if ins.opcode == "conditional" and "/grad_sync_in_cooldown" in ins.op_name:
+        if ins.opcode == "conditional" and f"/{scopes.COOLDOWN_SYNC}" in ins.op_name:
             for b in hlo.branches(ins.line):
                 cooldown |= hlo.reachable(comps, b)
     every_tick = hlo.reachable(comps, loop[1]) - cooldown
@@ -455,26 +456,31 @@ def table_busy(table) -> Callable[[str, int, int], bool | int]:
     last (with layer groups it is a switch of these three branches,
     :class:`~jax_wgrad.parallel.pipeline.executor.ScheduleRun`)."""
     rows = {
-        "forward": np.asarray(table.forward),
-        "backward": np.asarray(table.backward),
-        "weight_gradients": np.asarray(table.weight),
+        scopes.FORWARD: np.asarray(table.forward),
+        scopes.BACKWARD: np.asarray(table.backward),
+        scopes.WEIGHT: np.asarray(table.weight),
     }
     ends = {
-        "post": (rows["forward"], np.asarray(table.forward_chunk), table.num_stages - 1, -1),
-        "pre_backward": (rows["backward"], np.asarray(table.backward_chunk), 0, 0),
+        scopes.POST: (
+            rows[scopes.FORWARD],
+            np.asarray(table.forward_chunk),
+            table.num_stages - 1,
+            -1,
+        ),
+        scopes.PRE_BACKWARD: (rows[scopes.BACKWARD], np.asarray(table.backward_chunk), 0, 0),
     }
     sync = [table.sync_tick(s) for s in range(table.num_stages)]
     last_backward = [table.last_grad_tick(s) for s in range(table.num_stages)]
 
     def busy(key: str, t: int, s: int) -> bool | int:
-        if key == "backward" and rows[key][t, s] >= 0:
+        if key == scopes.BACKWARD and rows[key][t, s] >= 0:
             return 2 if t == last_backward[s] else 1
         if key in rows:
             return bool(rows[key][t, s] >= 0)
         if key in ends:
             task, chunk, stage, which = ends[key]
             return s == stage and task[t, s] >= 0 and chunk[t, s] == which % table.num_chunks
-        if key == "grad_sync_in_cooldown":
+        if key == scopes.COOLDOWN_SYNC:
             return t == sync[s]
         return True
 

@@ -21,6 +21,8 @@ import functools
 import re
 from collections.abc import Iterable, Sequence
 
+from jax_wgrad.parallel.pipeline.executor import END_SCOPES, TASK_SCOPES
+
 __all__ = [
     "computations",
     "reachable",
@@ -445,16 +447,8 @@ def schedule_loop(hlo: str, carried_sizes: Sequence[int]) -> tuple[str, str] | N
 
 # ------------------------------------------------------- tasks of the schedule loop
 
-TASK_SCOPES: tuple[str, ...] = ("forward", "backward", "weight_gradients", "grad_sync_in_cooldown")
-"""``op_name`` scopes (``jax.named_scope`` in the pipeline executor) of the conditionals
-that run one task of a schedule tick."""
-
-
-END_SCOPES: tuple[str, ...] = ("post", "pre_backward")
-"""``op_name`` scopes of the conditionals nested in a task that run one of the pipeline's
-ends there (:class:`~jax_wgrad.parallel.pipeline.ends.StageEnds`: ``post`` in the last
-virtual stage's ``F``, ``pre``'s backward in the first virtual stage's ``B``): the step
-estimate charges them in the ticks whose task runs that end, not with every task."""
+# TASK_SCOPES, END_SCOPES: the executor's scope names (imported above), what the analyses
+# below look for in op_name.
 
 
 def task_of(op_name: str, scopes: Sequence[str] = TASK_SCOPES) -> str:

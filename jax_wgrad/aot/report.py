@@ -7,7 +7,8 @@ from typing import Any
 
 from jax_wgrad.aot import estimate as estimates
 from jax_wgrad.aot import hlo, thunks
-from jax_wgrad.grads.finalize import SYNC_IN_BACKWARD_SCOPE
+from jax_wgrad.grads.finalize import DATA_PARALLEL_SYNC_SCOPE, SYNC_IN_BACKWARD_SCOPE
+from jax_wgrad.parallel.pipeline import scopes
 
 __all__ = [
     "AotReport",
@@ -31,19 +32,19 @@ FUSION_SKIPPED = "fused-handler check skipped (compile only: nothing is run)"
 # op_name scopes of the library's collectives (jax.named_scope in the executor)
 COLLECTIVE_GROUPS: dict[str, str] = {
     SYNC_IN_BACKWARD_SCOPE: "layer groups' syncs in the last backward (data-parallel)",
-    "grad_sync_in_cooldown": (
+    scopes.COOLDOWN_SYNC: (
         "cooldown data-parallel grad sync (reduce-scatters; all-reduces without the "
         "distributed optimizer)"
     ),
-    "send_recv": "pipeline permutes",
-    "deferred_wgrad_ring": "deferred-wgrad ring",
+    scopes.SEND_RECV: "pipeline permutes",
+    scopes.DEFERRED_RING: "deferred-wgrad ring",
 }
 
 
 DP_SYNC_SCOPES: tuple[str, ...] = (
     SYNC_IN_BACKWARD_SCOPE,
-    "grad_sync_in_cooldown",
-    "data_parallel_sync",
+    scopes.COOLDOWN_SYNC,
+    DATA_PARALLEL_SYNC_SCOPE,
 )
 """``op_name`` scopes of the data-parallel gradient collectives (in the stage's last
 backward: the layer groups' buckets; in the schedule's cooldown; after the schedule)."""

@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from jax_wgrad.aot import hlo
+from jax_wgrad.parallel.pipeline import scopes
 
 __all__ = [
     "Thunk",
@@ -223,7 +224,7 @@ def loop_launches(
     loop: str,
     op_names: dict[str, str],
     scopes: Sequence[str] = hlo.TASK_SCOPES,
-    once: Sequence[str] = ("grad_sync_in_cooldown",),
+    once: Sequence[str] = (scopes.COOLDOWN_SYNC,),
     trips: Mapping[str, int | None] | None = None,
 ) -> LaunchCount | None:
     """Launch counts of one iteration of the while loop named ``loop`` (an HLO

@@ -60,6 +60,7 @@ from jax_wgrad.ops.position import INT32_MAX
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR
 
 __all__ = [
+    "DATA_PARALLEL_SYNC_SCOPE",
     "SYNC_IN_BACKWARD_SCOPE",
     "prescaled",
     "sync_chunk",
@@ -74,6 +75,10 @@ Buckets = tuple[jax.Array, ...]
 SYNC_IN_BACKWARD_SCOPE = "grad_sync_in_backward"
 """``jax.named_scope`` of :func:`sync_bucket_chunk`'s collectives (what the compile
 report counts as the data-parallel sync inside the last backward)."""
+
+DATA_PARALLEL_SYNC_SCOPE = "data_parallel_sync"
+"""``jax.named_scope`` of the data-parallel sync after the schedule (buckets the cooldown
+and the last backward did not sync)."""
 
 
 def sync_chunk(buckets: Buckets, ddp: DDPConfig, chunk: str) -> Buckets:
@@ -200,7 +205,7 @@ def finalize_grads(
         )
     done = layout.state(tuple(synced_in_place))
     state = layout.state(buckets)
-    with jax.named_scope("data_parallel_sync"):
+    with jax.named_scope(DATA_PARALLEL_SYNC_SCOPE):
 
         def sync(name, bks):
             axis = SYNC_AXES[name]

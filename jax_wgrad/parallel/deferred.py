@@ -39,6 +39,7 @@ from jax_wgrad import ops
 from jax_wgrad.parallel import control
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import TENSOR
+from jax_wgrad.parallel.pipeline.scopes import DEFERRED_RING
 
 __all__ = ["stash_items", "stash_put", "stash_bytes", "is_deferred", "ring_shift", "drain"]
 
@@ -153,7 +154,7 @@ def drain(
         rank = lax.axis_index(axis_name)
         cur = x
         for k in range(tp):
-            scope = f"deferred_wgrad_ring{k}"
+            scope = f"{DEFERRED_RING}{k}"
             with jax.named_scope(scope):
                 # Forward the chunk we hold while computing with it: the GEMM below does not
                 # depend on this transfer, only the next step's does.

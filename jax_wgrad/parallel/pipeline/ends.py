@@ -51,6 +51,7 @@ from jax_wgrad.parallel.control import Predicate
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WeightPairs, zeros_of
 from jax_wgrad.parallel.pipeline.context import StageContext, TickRows
 from jax_wgrad.parallel.pipeline.program import StageProgram
+from jax_wgrad.parallel.pipeline.scopes import DEFERRED_DRAIN, POST, PRE_BACKWARD
 
 __all__ = ["EndsTick", "PipelineEnds", "SpreadEnds", "StageEnds", "pipeline_ends"]
 
@@ -183,7 +184,7 @@ class PipelineEnds(abc.ABC):
         if par.defer_mode == "recompute":
             weight = self.sink.leaf(self.context.params, entry)
             recompute = lambda x, extras: self.program.recompute_output_grad(x, extras, weight)
-        with jax.named_scope("deferred_wgrad_drain"):
+        with jax.named_scope(DEFERRED_DRAIN):
             buckets = list(carry.grads[entry.chunk])
             buckets[entry.bucket] = deferred.drain(
                 par,
@@ -326,7 +327,7 @@ class StageEnds(PipelineEnds):
     def after_forward_task(self, carry, microbatch, chunk, y, batch) -> PipelineCarry:
         """The last virtual stage: the loss and the head's backward now; its gradient for
         the layers' output waits in the gradient inbox for this stage's ``B``."""
-        with jax.named_scope("post"):  # jax_wgrad.aot.hlo.END_SCOPES
+        with jax.named_scope(POST):
             return control.cond(
                 self.context.is_last_virtual_stage(chunk),
                 functools.partial(self._post_and_backward, y=y, batch=batch, microbatch=microbatch),
@@ -339,7 +340,7 @@ class StageEnds(PipelineEnds):
 
     def after_backward_task(self, grads, microbatch, chunk, dx) -> GradState:
         """The first virtual stage: ``pre``'s backward."""
-        with jax.named_scope("pre_backward"):  # jax_wgrad.aot.hlo.END_SCOPES
+        with jax.named_scope(PRE_BACKWARD):
             return control.cond(
                 self.context.is_first_virtual_stage(chunk),
                 lambda g: self._pre_backward(g, dx, self.context.batch(microbatch)),

@@ -82,9 +82,24 @@ from jax_wgrad.parallel.pipeline.ends import EndsTick, PipelineEnds, pipeline_en
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
 from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
+from jax_wgrad.parallel.pipeline.scopes import (
+    BACKWARD,
+    COOLDOWN_SYNC,
+    END_SCOPES,
+    FORWARD,
+    TASK_SCOPES,
+    WEIGHT,
+)
 from jax_wgrad.parallel.pipeline.transfer import exchange
 
-__all__ = ["ScheduleRun", "cooldown_sync", "initial_carry", "stage_gradients"]
+__all__ = [
+    "END_SCOPES",
+    "TASK_SCOPES",
+    "ScheduleRun",
+    "cooldown_sync",
+    "initial_carry",
+    "stage_gradients",
+]
 
 
 def cooldown_sync(ddp: DDPConfig, num_stages: int) -> bool:
@@ -212,19 +227,24 @@ class ScheduleRun:
         self.weight_pair_slot = (
             jnp.asarray(table.slot_map("F", "W")) if ctx.split_backward else None
         )
-        # The layers' probed inputs/outputs and aux: shapes learned by tracing, once.
+        # The layers' residual layout, probed inputs/outputs and aux: shapes learned by
+        # tracing them once (with a split backward the probes' shapes first, from a trace
+        # that records only: they are inputs of the traced function).
         buckets = sink.layout.zeros() if ctx.fused else None
         chunk0 = (params, buckets)
-        self.body_records = jax.eval_shape(
-            self._taped_body, (*chunk0, None, jnp.int32(0)), ctx.zero_activation
-        )[1]
-        self.body_probes = zeros_of(self.body_records[1])
+        self.body_probes = {}
+        if sink.probed(LAYERS):
+            recorded = jax.eval_shape(
+                self._taped_body, (*chunk0, None, jnp.int32(0)), ctx.zero_activation
+            )[1]
+            self.body_probes = zeros_of(recorded[1])
         self.store = ResidualStore.create(
             self._taped_body,
             (*chunk0, self.body_probes, jnp.int32(0)),
             ctx.zero_activation,
             has_aux=True,
         )
+        self.body_records = self.store.aux
         self.last_store, self.synced_in_backward = None, ()
         if ctx.fused and sink.layout.layer_group_buckets and ddp.overlap_grad_reduce_in_backward:
             if ctx.split_backward or ctx.num_chunks > 1:
@@ -349,12 +369,12 @@ class ScheduleRun:
         w_chunk = here(rows.weight_chunk)
         ends = self.ends.begin_tick(rows)
         runs = lambda task, microbatch: self.table.always_busy(task) or microbatch >= 0
-        with jax.named_scope("forward"):
+        with jax.named_scope(FORWARD):
             carry, y = control.cond(
                 runs("F", f), self.forward, self._no_forward, carry, f, f_chunk, ends
             )
         carry = self.ends.after_forward_tick(carry, ends, y)
-        with jax.named_scope("backward"):
+        with jax.named_scope(BACKWARD):
             if self.last_store is not None:
                 # idle, a backward, or the stage's last one (with the layer groups' syncs):
                 # a conditional even with one stage (a last tick traced after the loop
@@ -376,7 +396,7 @@ class ScheduleRun:
                 )
         carry = self.ends.after_backward_tick(carry, ends, dx)
         if ctx.split_backward:
-            with jax.named_scope("weight_gradients"):
+            with jax.named_scope(WEIGHT):
                 carry = control.cond(
                     runs("W", w), self.weight, lambda c, w, v: c, carry, w, w_chunk
                 )
@@ -406,7 +426,7 @@ class ScheduleRun:
         """This stage's gradients are complete: sync its buckets in its sync tick (in the
         loop; the tick after its last gradient task,
         :meth:`~.schedules.ScheduleTable.sync_tick`)."""
-        with jax.named_scope("grad_sync_in_cooldown"):
+        with jax.named_scope(COOLDOWN_SYNC):
 
             def sync(own):
                 done = self.synced_in_backward  # layer groups' buckets: synced already

@@ -38,6 +38,7 @@ class ResidualStore:
       live_index: per residual leaf, its index in ``jax.tree.leaves(live)`` or ``None``
         (stored).
       shapes: the stored residuals' shapes and dtypes.
+      out: the shapes of ``fn``'s output; aux: of its aux (``None`` without ``has_aux``).
     """
 
     fn: Callable
@@ -45,25 +46,30 @@ class ResidualStore:
     treedef: Any
     live_index: tuple[int | None, ...]
     shapes: tuple[jax.ShapeDtypeStruct, ...]
+    out: Any = None
+    aux: Any = None
 
     @classmethod
     def create(cls, fn: Callable, live, *args, has_aux: bool = False) -> ResidualStore:
-        """Traces ``fn(live, *args)`` once (shapes only) to lay its residuals out."""
+        """Traces ``fn(live, *args)`` once (shapes only) to lay its residuals out; the
+        same trace gives the shapes of its output and aux (:attr:`out`, :attr:`aux`)."""
         found = {}
 
         def probe(live, *args):
-            _, pullback, *_ = jax.vjp(fn, live, *args, has_aux=has_aux)
+            out, pullback, *aux = jax.vjp(fn, live, *args, has_aux=has_aux)
             leaves, found["treedef"] = jax.tree.flatten(pullback)
             found["live"] = _live_index(leaves, live)
-            return [x for x, k in zip(leaves, found["live"]) if k is None]
+            return [x for x, k in zip(leaves, found["live"]) if k is None], out, aux
 
-        shapes = jax.eval_shape(probe, live, *args)
+        shapes, out, aux = jax.eval_shape(probe, live, *args)
         return cls(
             fn,
             has_aux,
             found["treedef"],
             tuple(found["live"]),
             tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes),
+            out,
+            aux[0] if has_aux else None,
         )
 
     @property

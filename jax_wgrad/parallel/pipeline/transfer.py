@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad.parallel.mesh import PIPELINE
+from jax_wgrad.parallel.pipeline.scopes import SEND_RECV
 
 __all__ = ["exchange", "inbox_index"]
 
@@ -52,7 +53,7 @@ def exchange(
     """
     pp, nv = num_stages, num_chunks
     is_first, is_last = stage == 0, stage == pp - 1
-    with jax.named_scope("send_recv"):
+    with jax.named_scope(SEND_RECV):
         x_recv = lax.ppermute(y, PIPELINE, [(i, i + 1) for i in range(pp - 1)])
         g_recv = lax.ppermute(dx, PIPELINE, [(i + 1, i) for i in range(pp - 1)])
         if nv > 1:
