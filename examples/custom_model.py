@@ -2,15 +2,19 @@
 
 The model below is ordinary Flax NNX built from jax_wgrad's tensor-parallel layers: on one
 device ``Llama(cfg, rngs=nnx.Rngs(0))(tokens)`` is its loss, and ``nnx.grad`` its
-gradients. Nothing in it knows about gradient buckets: when the pipeline runs it, the
-executor attaches every fused weight's gradient destination (a bucket block, a zero-bubble
-W task, a deferred output-layer GEMM) to the weight itself. Its config subclasses
-``LayerStackConfig``, which derives the stage split, the sharding and the gradient layout
-from the module (``jax_wgrad.models.stack``).
+gradients. Nothing in it knows about gradient buckets: when the pipeline runs it, every
+fused weight's gradient destination (a bucket block, a zero-bubble W task, a deferred
+output-layer GEMM) rides on the weight's ``nnx.Param`` as metadata, so whatever the model
+does to its variables on the way keeps it -- ``--cast-weights bf16`` casts each layer's
+weights to bf16 before its GEMMs, as mixed-precision code does, and the weight gradients
+still accumulate in fp32 in the fused GEMMs. Its config subclasses ``LayerStackConfig``,
+which derives the stage split, the sharding and the gradient layout from the module
+(``jax_wgrad.models.stack``).
 
-    python examples/custom_model.py                      # 8 CPU devices: DP2 TP2 PP2 + SP
-    python examples/custom_model.py --tp 2 --pp 4 --dp 1 --schedule interleaved
-    python examples/custom_model.py --schedule zb-h1 --steps 20
+    .venv/bin/python examples/custom_model.py              # 8 CPU devices: DP2 TP2 PP2 + SP
+    .venv/bin/python examples/custom_model.py --tp 2 --pp 4 --dp 1 --num-layers 8 \
+        --schedule interleaved
+    .venv/bin/python examples/custom_model.py --schedule zb-h1 --steps 20 --cast-weights bf16
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class LlamaConfig(LayerStackConfig):
     seq_length: int = 32
     rope_base: float = 10000.0
     init_std: float = 0.02
+    cast_weights: str | None = None  # "bfloat16": each block's weights cast before use
 
     def build(self, *, tp_size: int = 1, sequence_parallel: bool = False, rngs: nnx.Rngs):
         return Llama(self, tp_size=tp_size, sequence_parallel=sequence_parallel, rngs=rngs)
@@ -92,14 +97,27 @@ class MLP(nnx.Module):
         return self.fc2(jax.nn.silu(gate) * up)
 
 
+def cast(module: nnx.Module, dtype: str | None) -> nnx.Module:
+    """Mixed precision: ``module`` with its weights (parameters of two or more dims) in
+    ``dtype``, its norms' scales kept in fp32. The cast is mapped over the variables, which
+    keep their metadata -- a fused weight its gradient destination."""
+    if dtype is None:
+        return module
+    graphdef, state = nnx.split(module)
+    weights = lambda a: a.astype(dtype) if a.ndim >= 2 else a
+    return nnx.merge(graphdef, jax.tree.map(weights, state))
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, tp: dict, rngs: nnx.Rngs):
+        self.cast_weights = cfg.cast_weights
         self.ln1, self.attn = RMSNorm(cfg.hidden_size), Attention(cfg, tp, rngs)
         self.ln2, self.mlp = RMSNorm(cfg.hidden_size), MLP(cfg, tp, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        block = cast(self, self.cast_weights)
+        x = x + block.attn(block.ln1(x))
+        return x + block.mlp(block.ln2(x))
 
 
 class Embed(nnx.Module):
@@ -150,7 +168,10 @@ class Llama(nnx.Module):
 
 def _plan(args) -> tuple[TrainPlan, jax.sharding.Mesh]:
     """The run's plan: LlamaConfig on the layout the flags ask for."""
-    cfg = LlamaConfig(num_layers=args.num_layers)
+    cfg = LlamaConfig(
+        num_layers=args.num_layers,
+        cast_weights=None if args.cast_weights == "none" else "bfloat16",
+    )
     par = ParallelConfig(
         world_size=args.dp * args.tp * args.pp,
         tensor_model_parallel_size=args.tp,
@@ -179,6 +200,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--cast-weights",
+        choices=("none", "bf16"),
+        default="none",
+        help="cast each layer's weights to bf16 before its GEMMs (mixed precision); "
+        "their fused gradients still go into the fp32 buckets",
+    )
     args = parser.parse_args(argv)
 
     parallel.use_virtual_cpu_devices(max(args.dp * args.tp * args.pp, 8))  # CPU; before jax
@@ -186,6 +214,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         plan, mesh = _plan(args)
     except ValueError as exc:  # a layout the model or the devices do not allow: one line
         parser.error(str(exc))
+    fused = [e.name for e in plan.sink.entries]
+    print(
+        f"{len(fused)} weight tensors' gradients fused into the buckets (each GEMM adds dy^T x in "
+        f"place), layer weights {'cast to bf16' if plan.model.cast_weights else 'in fp32'}",
+        flush=True,
+    )
     state = training.init_train_state(plan, seed=0)
     step = training.build_train_step(plan, state)
     cfg, batch = plan.model, plan.parallel.global_batch_size

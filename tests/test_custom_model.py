@@ -111,6 +111,56 @@ def test_one_step_equals_single_device_nnx_grad(example, layout, sp, schedule):
 
 
 @needs_fusion
+def test_weights_cast_to_bf16_keep_their_fused_gradients(example):
+    """``--cast-weights bf16``: each block casts its weights to bf16 before its GEMMs,
+    mapping the cast over its variables, and the fused weights keep their routes (the step
+    refuses to lose one: ``WgradRoutes.close``). The pipeline's gradients on (2, 2, 2)
+    with sequence parallelism equal ``nnx.grad`` of the same model: to fp32 rounding for
+    every parameter but the fused weights, whose fp32 buckets hold ``dy^T x`` unrounded
+    where ``nnx.grad`` rounds a bf16 weight's gradient to bf16 -- within half a bf16 ulp of
+    it (2**-8 relative)."""
+    from jax_wgrad.parallel.pipeline.gradients import pipeline_gradients
+
+    cfg = example.LlamaConfig(num_layers=4, cast_weights="bfloat16")
+    par = ParallelConfig(
+        world_size=8,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        sequence_parallel=True,
+        micro_batch_size=1,
+        global_batch_size=8,
+        gradient_accumulation_fusion=True,
+        defer_embedding_wgrad_compute=True,
+    )
+    mesh = make_mesh(par)
+    program = cfg.program(par)
+    tokens = _tokens(cfg, par.global_batch_size)
+    params = jax.tree.map(
+        lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)),
+        program.init_params(0),
+        program.param_specs(),
+    )
+    grads, _ = jax.jit(lambda p, t: pipeline_gradients(program, mesh, p, t))(
+        params, shard_batch(mesh, tokens)
+    )
+    got = program.to_canonical(grads)
+
+    model = cfg.build(tp_size=1, sequence_parallel=False, rngs=nnx.Rngs(0))
+    n = tokens.shape[0] * cfg.seq_length
+    want = cfg.canonical_params(nnx.grad(lambda m: m(jnp.asarray(tokens)) / n)(model))
+    fused = {"['layers']['attn']['qkv']['weight']", "['layers']['attn']['proj']['weight']"}
+    fused |= {"['layers']['mlp']['fc1']['weight']", "['layers']['mlp']['fc2']['weight']"}
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        name = jax.tree_util.keystr(path)
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if name in fused:
+            assert np.all(np.abs(g - w) <= 2**-8 * np.abs(w) + 1e-7), name
+            assert not np.array_equal(g, w), name  # the buckets' are not bf16-rounded
+        else:
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6, err_msg=name)
+
+
+@needs_fusion
 @pytest.mark.slow  # its layout's step is compiled and checked by the (2, 2, 2) case above
 def test_the_example_runs_and_learns(example):
     losses = example.main(["--steps", "6"])
