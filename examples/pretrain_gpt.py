@@ -17,24 +17,11 @@ The same ``--seed`` gives the same initial parameters and batches for every layo
 
 The job is :func:`jax_wgrad.pretrain.main` (call it in a process of your own:
 ``main(["--train-iters", "10"])`` returns the run's summary); its flags are derived from
-the config dataclasses in :mod:`jax_wgrad.training.cli`.
+the config dataclasses in :mod:`jax_wgrad.pretrain.cli`. Installed, the same program is
+the ``jax-wgrad-pretrain`` console script (:func:`jax_wgrad.pretrain.launch.script`).
 """
 
-import importlib.util
-import os
-import sys
-
-
-def launcher():
-    """``jax_wgrad/pretrain/launch.py``, loaded by its path: it chooses jax's platforms,
-    which must happen before jax is imported, and importing it the usual way would import
-    the package and jax with it."""
-    package = importlib.util.find_spec("jax_wgrad")  # found, not imported
-    path = os.path.join(os.path.dirname(package.origin), "pretrain", "launch.py")
-    spec = importlib.util.spec_from_file_location("_jax_wgrad_pretrain_launch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from jax_wgrad.pretrain.launch import script  # the standard library only: jax comes later
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -46,4 +33,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    launcher().run_script(sys.argv[1:])
+    script()

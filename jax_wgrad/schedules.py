@@ -1,6 +1,6 @@
 """Pipeline schedule simulator: ``python -m jax_wgrad.schedules``.
 
-Builds a schedule's table (:mod:`jax_wgrad.parallel.pipeline.schedules`) and reports what
+Builds a schedule's table (:mod:`jax_wgrad.parallel.schedules`) and reports what
 the executor will do with it under its lock-step tick semantics (a tick lasts as long as
 the longest work any stage does in it)::
 
@@ -28,7 +28,7 @@ import argparse
 import json
 import sys
 
-from jax_wgrad.parallel.pipeline.schedules import (
+from jax_wgrad.parallel.schedules import (
     INTERLEAVED_FORMS,
     SCHEDULES,
     ScheduleTable,

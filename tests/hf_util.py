@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.interop.hf import shard_files
+from jax_wgrad.layout import lay_out
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -76,7 +77,7 @@ def pipeline_loss(cfg, params, tokens, dp, tp, pp, sp) -> float:
         sequence_parallel=sp,
     )
     assert par.data_parallel_size == dp, (par.data_parallel_size, dp)
-    mesh, program = make_mesh(par), GPTProgram(cfg, par)
+    mesh, program = make_mesh(par), lay_out(GPTProgram(cfg, par))
     specs = program.param_specs()
     fn = jax.shard_map(
         lambda p, t: eval_loss(program, program.device_tree(p), t),

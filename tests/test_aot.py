@@ -405,7 +405,7 @@ def test_non_gemm_traffic_of_a_cpu_compiled_scan():
 
 def test_per_microbatch_cost_of_the_busiest_stage():
     from jax_wgrad.aot.compile import _per_microbatch
-    from jax_wgrad.parallel.pipeline.schedules import one_f_one_b
+    from jax_wgrad.parallel.schedules import one_f_one_b
 
     table = one_f_one_b(2, 4)  # 2 stages, 4 microbatches
     t = table.num_ticks

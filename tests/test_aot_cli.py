@@ -10,7 +10,7 @@ import sys
 import pytest
 from script_util import ROOT, load_script
 
-from jax_wgrad.training import cli
+from jax_wgrad.pretrain import cli
 
 # ------------------------------------------------------------ --report-json validation
 
@@ -61,11 +61,11 @@ def test_report_json_path_must_be_writable(pretrain, capsys, tmp_path):
 
 _PLATFORMS = """
 import os, sys
-sys.path.insert(0, "tests")
 if sys.argv[1] == "jax-first":
     import jax
-from script_util import load_script
-load_script("jax_wgrad/pretrain/launch.py").start_jax_on_cpu_to_compile_only(sys.argv[2:])
+from jax_wgrad.pretrain.launch import start_jax_on_cpu_to_compile_only
+assert sys.argv[1] == "jax-first" or "jax" not in sys.modules  # the launcher imports no jax
+start_jax_on_cpu_to_compile_only(sys.argv[2:])
 print(os.environ.get("JAX_PLATFORMS"))
 """
 

@@ -38,11 +38,13 @@ from jax_wgrad import (
     shard_batch,
 )
 from jax_wgrad.grads import GradBuffer
+from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt.config import RUN_OPTIONS
 from jax_wgrad.models.gpt.presets import preset
 from jax_wgrad.optim import DistributedOptimizer, adamw, bytes_per_parameter
+from jax_wgrad.pretrain import cli
 from jax_wgrad.testing.reference import reference_logits, reference_loss
-from jax_wgrad.training import Checkpointer, cli, init_optimizer_state
+from jax_wgrad.training import Checkpointer, init_optimizer_state
 from jax_wgrad.training.checkpoint import canonical_state
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -283,7 +285,7 @@ def test_bf16_params_gradients_as_close_as_a_single_device_bf16_model(arch):
         gradient_accumulation_fusion=FUSION,
     )
     mesh = make_mesh(par)
-    program = GPTProgram(cfg, par)
+    program = lay_out(GPTProgram(cfg, par))
     params = init_params(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, 64)
     shardings = jax.tree.map(

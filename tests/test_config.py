@@ -286,7 +286,7 @@ def test_mesh_shape_has_one_derivation():
 
 
 def test_stage_setup():
-    from jax_wgrad.parallel.pipeline.setup import StageSetup
+    from jax_wgrad.layout.setup import StageSetup
 
     par = ParallelConfig(
         tensor_model_parallel_size=2,
@@ -343,8 +343,7 @@ def test_train_plan_validates_once(monkeypatch):
         TrainPlan.create(GPTConfig(), bad, make_mesh(bad), optax.sgd(0.1))
     import inspect
 
-    from jax_wgrad.pretrain import job, launch
-    from jax_wgrad.training import cli
+    from jax_wgrad.pretrain import cli, job, launch
 
     root = Path(__file__).resolve().parents[1]
     for source in [(root / "examples" / "pretrain_gpt.py").read_text()] + [

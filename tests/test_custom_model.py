@@ -22,6 +22,7 @@ from flax import nnx
 
 from jax_wgrad import DDPConfig, ParallelConfig, TrainPlan, fusion_available
 from jax_wgrad.functional import WgradRoutes, linear
+from jax_wgrad.layout import StageModel, lay_out
 from jax_wgrad.models import LayerStackProgram
 from jax_wgrad.parallel.mesh import make_mesh
 from jax_wgrad.parallel.pipeline.program import StageProgram
@@ -51,7 +52,9 @@ def test_the_model_is_plain_nnx_and_its_program_a_stage_program(example):
     model = cfg.build(tp_size=1, sequence_parallel=False, rngs=nnx.Rngs(0))
     loss = model(jnp.asarray(_tokens(cfg, 2)))
     assert loss.shape == () and np.isfinite(float(loss))
-    assert isinstance(LayerStackProgram(cfg, ParallelConfig()), StageProgram)
+    model = LayerStackProgram(cfg, ParallelConfig())
+    assert isinstance(model, StageModel) and not hasattr(model, "device_tree")
+    assert isinstance(lay_out(model), StageProgram)  # the library lays it out
     params = cfg.init_params(0)
     assert params["layers"]["mlp"]["fc1"]["weight"].shape == (cfg.num_layers, 2, 128, 64)
 
@@ -133,7 +136,7 @@ def test_weights_cast_to_bf16_keep_their_fused_gradients(example):
         defer_embedding_wgrad_compute=True,
     )
     mesh = make_mesh(par)
-    program = cfg.program(par)
+    program = lay_out(cfg.program(par))
     tokens = _tokens(cfg, par.global_batch_size)
     params = jax.tree.map(
         lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)),

@@ -22,6 +22,7 @@ from jax_wgrad import (
     param_specs,
     pipeline_gradients,
 )
+from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt import validate
 from jax_wgrad.parallel import deferred
 from jax_wgrad.testing import reference_loss
@@ -129,7 +130,7 @@ def _run(m, *, sp, tied, defer, limit=0, mode="stash", mesh=(2, 2, 2)):
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh_, s), param_specs(cfg), is_leaf=lambda x: isinstance(x, P)
     )
-    stages = GPTProgram(cfg, par)
+    stages = lay_out(GPTProgram(cfg, par))
     grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh_, p, t))(
         jax.device_put(params, shardings), jax.device_put(tokens, NamedSharding(mesh_, P("data")))
     )
@@ -232,7 +233,7 @@ def test_drain_ring_overlaps_gemms_with_permutes():
         defer_embedding_wgrad_compute=True,
     )
     mesh = make_mesh(par)
-    stages = GPTProgram(cfg, par)
+    stages = lay_out(GPTProgram(cfg, par))
     params = jax.eval_shape(lambda: init_params(cfg, 0))
     sh = jax.tree.map(
         lambda s: NamedSharding(mesh, s), param_specs(cfg), is_leaf=lambda x: isinstance(x, P)

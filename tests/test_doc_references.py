@@ -164,7 +164,7 @@ def test_prose_is_docstrings_and_comments_only():
 
 def test_the_cli_reference_is_the_help_text(monkeypatch):
     """docs/cli.md prints ``examples/pretrain_gpt.py --help`` at 80 columns, as it is."""
-    from jax_wgrad.training import cli
+    from jax_wgrad.pretrain import cli
 
     monkeypatch.setenv("COLUMNS", "80")
     page = (ROOT / "docs" / "cli.md").read_text()

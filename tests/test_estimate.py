@@ -219,7 +219,7 @@ def test_a_switch_task_is_charged_the_branch_its_tick_runs():
     assert seconds == pytest.approx(1.0 + 1.0 + 1.5)
     assert stage.seconds == pytest.approx(1.0 + 1.0 + 1.5)
     from jax_wgrad.aot.compile import table_busy
-    from jax_wgrad.parallel.pipeline.schedules import get_schedule
+    from jax_wgrad.parallel.schedules import get_schedule
 
     t = get_schedule("1f1b", 2, 4)
     busy = table_busy(t)
@@ -357,7 +357,7 @@ def test_the_ends_are_charged_in_the_ticks_that_run_them():
     backward in the first stage's B of chunk 0: the estimate charges them there, not with
     every F or B (interleaved: half of the last stage's forwards have no head)."""
     from jax_wgrad.aot.compile import table_busy
-    from jax_wgrad.parallel.pipeline.schedules import get_schedule
+    from jax_wgrad.parallel.schedules import get_schedule
 
     for t in (get_schedule("1f1b-paired", 2, 4, 2), get_schedule("1f1b", 4, 8)):
         busy, last, v = table_busy(t), t.num_stages - 1, t.num_chunks

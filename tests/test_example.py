@@ -8,7 +8,7 @@ import pytest
 from script_util import SMALL_GPT
 
 from jax_wgrad import fusion_available
-from jax_wgrad.training import cli
+from jax_wgrad.pretrain import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

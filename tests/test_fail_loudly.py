@@ -6,7 +6,7 @@ coefficient, the exported context) and the log's preset line."""
 import jax
 import pytest
 
-from jax_wgrad.training import cli
+from jax_wgrad.pretrain import cli
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -597,9 +597,9 @@ def test_export_keeps_the_templates_max_position_embeddings(tmp_path):
 
 _PLATFORMS = """
 import os, sys
-sys.path.insert(0, "tests")
-from script_util import load_script
-load_script("jax_wgrad/pretrain/launch.py").start_jax_on_cpu_without_gpu()
+from jax_wgrad.pretrain.launch import start_jax_on_cpu_without_gpu
+assert "jax" not in sys.modules  # the launcher imports no jax
+start_jax_on_cpu_without_gpu()
 print(os.environ.get("JAX_PLATFORMS"))
 """
 
@@ -615,9 +615,8 @@ def test_an_installed_cuda_plugin_without_a_gpu_stays_quiet(tmp_path, plugin, wa
     import subprocess
     import sys
 
-    from script_util import load_script
+    from jax_wgrad.pretrain import launch
 
-    launch = load_script("jax_wgrad/pretrain/launch.py")
     if not plugin and launch.cuda_plugin_installed():
         pytest.skip("jax's CUDA plugin is installed here: 'without the plugin' cannot be staged")
     if plugin:  # a stand-in for jax[cuda13]'s plugin module (never imported here)

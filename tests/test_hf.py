@@ -470,9 +470,9 @@ def test_the_example_starts_from_a_hf_directory(pretrain, tmp_path, capsys):
     save_params_checkpoint(
         tmp_path / "ckpt", cfg, params, source="a test", required_fields=("layernorm_epsilon",)
     )
-    from jax_wgrad.interop import megatron_flags
+    from jax_wgrad.pretrain.cli import model_flags
 
-    converted = pretrain.main(run + megatron_flags(cfg) + ["--load", str(tmp_path / "ckpt")])
+    converted = pretrain.main(run + model_flags(cfg) + ["--load", str(tmp_path / "ckpt")])
     assert direct["first_loss"] == converted["first_loss"]
     with pytest.raises(SystemExit):
         pretrain.main(run + ["--load-hf", str(FIXTURES / "llama"), "--hidden-size", "32"])

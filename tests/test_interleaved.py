@@ -8,9 +8,9 @@ from script_util import SMALL_GPT
 
 from jax_wgrad import ParallelConfig
 from jax_wgrad import schedules as sim
-from jax_wgrad.parallel.pipeline import get_schedule
-from jax_wgrad.parallel.pipeline.interleaved import interleaved_order, virtual_microbatches
-from jax_wgrad.parallel.pipeline.schedules import IDLE, ScheduleTable
+from jax_wgrad.layout import lay_out
+from jax_wgrad.parallel.interleaved import interleaved_order, virtual_microbatches
+from jax_wgrad.parallel.schedules import IDLE, ScheduleTable, get_schedule
 
 CASES = [(4, 8, 2), (4, 4, 2), (2, 6, 3), (4, 12, 3), (2, 2, 2), (4, 8, 4)]
 
@@ -324,7 +324,7 @@ def test_compiled_ring_edge_is_its_own_acyclic_permute():
         world_size=4,
     )
     mesh = make_mesh(par, jax.devices()[:4])
-    program = GPTProgram(cfg, par)
+    program = lay_out(GPTProgram(cfg, par))
     params = jax.eval_shape(program.init_params)
     shard = lambda tree, specs: jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),

@@ -38,6 +38,7 @@ from jax_wgrad import (
     pipeline_gradients,
     shard_batch,
 )
+from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt.config import validate
 from jax_wgrad.parallel.mesh import DATA_PARALLEL
 from jax_wgrad.testing import reference_loss
@@ -227,7 +228,7 @@ def _check_gradients(ep, tp, pp, fusion, freq, arch=None, **par_kw):
         params, tokens, cfg, micro_batch_size=par.micro_batch_size
     )
 
-    stages = GPTProgram(cfg, par)
+    stages = lay_out(GPTProgram(cfg, par))
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), stages.param_specs(), is_leaf=lambda x: isinstance(x, P)
     )

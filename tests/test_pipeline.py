@@ -21,8 +21,9 @@ from jax_wgrad import (
     param_specs,
     pipeline_gradients,
 )
+from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt import validate
-from jax_wgrad.parallel.pipeline import IDLE, ScheduleTable, get_schedule, one_f_one_b
+from jax_wgrad.parallel.schedules import IDLE, ScheduleTable, get_schedule, one_f_one_b
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -140,7 +141,7 @@ def _check_gradients(
     tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, tokens, cfg)
 
-    stages = GPTProgram(cfg, par)
+    stages = lay_out(GPTProgram(cfg, par))
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), stages.param_specs(), is_leaf=lambda x: isinstance(x, P)
     )
@@ -362,7 +363,7 @@ def test_unrolled_layer_loop_equals_the_scan(schedule):
     )
     out = {}
     for unroll in (1, 2):
-        program = GPTProgram(dataclasses.replace(cfg, layer_scan_unroll=unroll), par)
+        program = lay_out(GPTProgram(dataclasses.replace(cfg, layer_scan_unroll=unroll), par))
         out[unroll] = jax.jit(functools.partial(pipeline_gradients, program, mesh))(*args)
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, tokens, cfg)
     for grads, loss in out.values():
@@ -393,7 +394,7 @@ def test_fused_pipeline_calls_the_fused_op():
         gradient_accumulation_fusion=True,
     )
     mesh = make_mesh(par)
-    stages = GPTProgram(cfg, par)
+    stages = lay_out(GPTProgram(cfg, par))
     params = jax.eval_shape(lambda: init_params(cfg, 0))
     tokens = jax.ShapeDtypeStruct((4, 9), jnp.int32)
     shardings = jax.tree.map(
@@ -733,7 +734,7 @@ def test_vocab_over_pipeline_shards_and_checks():
         pipeline_model_parallel_size=4,
         vocab_parallel_over_pipeline=True,
     )
-    specs = GPTProgram(cfg, par).param_specs()
+    specs = lay_out(GPTProgram(cfg, par)).param_specs()
     assert specs["embedding"]["word"]["embedding"] == P(("pipeline", "tensor"), None)
     assert specs["head"]["output"]["weight"] == P(("pipeline", "tensor"), None)
     assert specs["embedding"]["position"] == P(None, None)  # replicated: summed over pipeline

@@ -27,11 +27,11 @@ from jax_wgrad.functional import linear
 from jax_wgrad.grads import GradSpec
 from jax_wgrad.grads.chunks import Chunks
 from jax_wgrad.grads.spec import INPUT, LAYERS, OUTPUT, SHARED, STAGE
+from jax_wgrad.layout.setup import StageSetup
 from jax_wgrad.ops import DENSE_FAMILIES
 from jax_wgrad.parallel.mesh import PIPELINE, make_mesh
 from jax_wgrad.parallel.pipeline.gradients import pipeline_gradients
 from jax_wgrad.parallel.pipeline.program import StageProgram
-from jax_wgrad.parallel.pipeline.setup import StageSetup
 from jax_wgrad.training import build_train_step, init_train_state, shard_batch
 from jax_wgrad.training.plan import ModelConfig
 
@@ -107,6 +107,11 @@ class MLPStack:
     model: MLPStackConfig
     parallel: ParallelConfig
     ends_over_pipeline = False  # pre and post run on the first / last stage only
+
+    @property
+    def output_grad_recompute(self) -> MLPStack:
+        return self  # it rebuilds its output projection's gradient itself
+
     stacks_layers = False  # a Python loop over per-layer parameters
     fused_op_families = DENSE_FAMILIES  # fused linears only
 

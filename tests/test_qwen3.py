@@ -371,7 +371,7 @@ def test_router_options_against_numpy(pre_softmax, scale):
     ],
 )
 def test_router_flags(argv, message, capsys):
-    from jax_wgrad.training.cli import build_configs, make_parser
+    from jax_wgrad.pretrain.cli import build_configs, make_parser
 
     parser = make_parser("pretrain_gpt.py")
     base = ["--num-experts", "4", "--swiglu"]

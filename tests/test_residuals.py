@@ -23,6 +23,7 @@ from jax_wgrad import (
 from jax_wgrad.functional import scan_layers
 from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.grads.config import DDPConfig
+from jax_wgrad.layout import lay_out
 from jax_wgrad.parallel.pipeline.executor import ScheduleRun
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
 
@@ -48,7 +49,7 @@ def _store(recompute, schedule="1f1b", method=None, num_layers=None):
         recompute_num_layers=num_layers,
         pipeline_schedule=schedule,
     )
-    program = GPTProgram(MODEL, par, platform="cpu")
+    program = lay_out(GPTProgram(MODEL, par, platform="cpu"))
     layout, table = grad_layout(program, DDPConfig()), schedule_of(program)
     params = program.device_tree(program.init_params(0))
     run = ScheduleRun(

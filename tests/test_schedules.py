@@ -7,8 +7,7 @@ import pytest
 
 from jax_wgrad import schedules as sim
 from jax_wgrad.parallel import ParallelConfig
-from jax_wgrad.parallel.pipeline import IDLE, ScheduleTable, one_f_one_b
-from jax_wgrad.parallel.pipeline.schedules import get_schedule, zb_h1
+from jax_wgrad.parallel.schedules import IDLE, ScheduleTable, get_schedule, one_f_one_b, zb_h1
 
 
 def _walk(table: ScheduleTable, cf=1.0, cb=1.0, cw=1.0):
@@ -184,7 +183,7 @@ def test_paired_interleaved_reaches_the_bubble_bound_in_megatrons_order(p, m, v)
 
 
 def test_paired_ticks_have_no_split_backward_form():
-    from jax_wgrad.parallel.pipeline.interleaved import interleaved_schedule
+    from jax_wgrad.parallel.interleaved import interleaved_schedule
 
     with pytest.raises(ValueError, match="paired ticks have no split-backward form"):
         interleaved_schedule(2, 4, 2, split_backward=True, paired=True)

@@ -29,9 +29,10 @@ from jax_wgrad import (
 )
 from jax_wgrad.functional import causal_attention
 from jax_wgrad.interop import UnsupportedHFConfig, config_from_hf, hf_config_from, import_hf
+from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt import validate
+from jax_wgrad.pretrain import cli
 from jax_wgrad.testing import reference_logits, reference_loss
-from jax_wgrad.training import cli
 
 MULTI = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -187,7 +188,7 @@ def _pipeline_grads(cfg, dp, tp, pp, **par_kw):
         jax.random.key(1), (par.global_batch_size, cfg.seq_length + 1), 0, 64
     )
     ref = jax.value_and_grad(reference_loss)(params, tokens, cfg)
-    program = GPTProgram(cfg, par)
+    program = lay_out(GPTProgram(cfg, par))
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), program.param_specs(), is_leaf=lambda x: isinstance(x, P)
     )

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from script_util import SMALL_GPT
 
-from jax_wgrad.training import cli
+from jax_wgrad.pretrain import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad import GPTConfig, GPTProgram, ParallelConfig, make_mesh, pipeline_gradients
+from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt import validate
 from jax_wgrad.models.gpt.config import vocab_size_with_padding
 from jax_wgrad.testing import reference_loss
@@ -56,7 +57,7 @@ def _padded_params(params, cfg):
 def _layout_grads(cfg, par, params, tokens):
     validate(par, cfg)
     mesh = make_mesh(par, jax.devices()[: par.world_size])
-    program = GPTProgram(cfg, par)
+    program = lay_out(GPTProgram(cfg, par))
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s),
         program.param_specs(),
@@ -391,7 +392,8 @@ def test_a_padded_checkpoint_resumes_on_another_layout(pretrain, hf_32001, tmp_p
 def _model_flags(directory) -> list[str]:
     """The model flags of the directory padded as the run pads (what the convert tool
     prints)."""
-    from jax_wgrad.interop import config_from_hf, megatron_flags, read_hf_config
+    from jax_wgrad.interop import config_from_hf, read_hf_config
+    from jax_wgrad.pretrain.cli import model_flags
 
     hf = read_hf_config(directory)
-    return megatron_flags(config_from_hf(hf, seq_length=16, make_vocab_size_divisible_by=128))
+    return model_flags(config_from_hf(hf, seq_length=16, make_vocab_size_divisible_by=128))

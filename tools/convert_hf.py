@@ -39,7 +39,8 @@ TOKENIZER_FILES = (
 def import_to_checkpoint(
     hf_dir: str, out: str, seq_length: int | None, make_vocab_size_divisible_by: int = 128
 ) -> dict:
-    from jax_wgrad.interop import import_hf, megatron_flags
+    from jax_wgrad.interop import import_hf
+    from jax_wgrad.pretrain.cli import model_flags
     from jax_wgrad.training.checkpoint import save_params_checkpoint
 
     t0 = time.perf_counter()
@@ -53,7 +54,7 @@ def import_to_checkpoint(
     return {
         "checkpoint": out,
         "seconds": round(time.perf_counter() - t0, 2),
-        "flags": " ".join(megatron_flags(cfg)),
+        "flags": " ".join(model_flags(cfg)),
     }
 
 

@@ -1,5 +1,6 @@
 """Checkpoints of other libraries in and out: :mod:`jax_wgrad.interop.hf` (Hugging Face
-Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE directories)."""
+Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE directories), and a train state started
+from one (:func:`train_state_from_hf`, :mod:`jax_wgrad.interop.train_state`)."""
 
 from jax_wgrad.interop.hf import (
     canonical_arrays,
@@ -15,12 +16,14 @@ from jax_wgrad.interop.hf_config import (
     config_from_hf,
     hf_config_from,
     hf_to_megatron_aux_loss_coeff,
-    megatron_flags,
     megatron_to_hf_aux_loss_coeff,
 )
+from jax_wgrad.interop.logits import single_device_logits
+from jax_wgrad.interop.train_state import train_state_from_hf
 
 __all__ = [
     "FAMILIES",
+    "single_device_logits",
     "UnsupportedHFConfig",
     "canonical_arrays",
     "config_from_hf",
@@ -29,8 +32,8 @@ __all__ = [
     "hf_tensors",
     "hf_to_megatron_aux_loss_coeff",
     "import_hf",
-    "megatron_flags",
     "megatron_to_hf_aux_loss_coeff",
     "read_hf_config",
     "read_hf_tensors",
+    "train_state_from_hf",
 ]

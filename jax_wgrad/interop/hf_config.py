@@ -25,7 +25,6 @@ __all__ = [
     "hf_config_from",
     "head_dim",
     "hf_to_megatron_aux_loss_coeff",
-    "megatron_flags",
     "megatron_to_hf_aux_loss_coeff",
 ]
 
@@ -518,12 +517,3 @@ def hf_config_from(cfg: GPTConfig, *, family: str | None = None, dtype: str = "f
             output_router_logits=cfg.moe_aux_loss_coeff > 0,
         )
     return out
-
-
-def megatron_flags(cfg: GPTConfig) -> list[str]:
-    """The ``examples/pretrain_gpt.py`` model flags (Megatron's names) of ``cfg``: the run
-    that loads a converted checkpoint (``--load``) passes these
-    (:func:`jax_wgrad.training.cli.model_flags`, from the CLI's one flag table)."""
-    from jax_wgrad.training.cli import model_flags
-
-    return model_flags(cfg)

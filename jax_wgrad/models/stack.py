@@ -10,13 +10,13 @@ the module itself:
   ``layers`` (an ``nnx.List`` of ``num_layers`` layers built alike, ``[b, s(/tp), H]`` to
   the same) and ``head`` (``(x, labels [b, s]) -> fp32 SUM of the token losses``);
 * the canonical parameters are ``{"embed": ..., "layers": ... stacked [L, ...], "head":
-  ...}`` (:meth:`LayerStackConfig.canonical_params`), split over ``tensor`` / ``pipeline`` as
-  the layers' parameter metadata says (:func:`~jax_wgrad.models.trees.specs_of`);
-* the gradient layout (stage chunk: the stacked layers; shared chunk: embed and head), which
-  weights are fused, decayed or tensor-replicated: from the same metadata
-  (:func:`~jax_wgrad.models.trees.grad_spec_of`); the layers run as one ``lax.scan``
-  (:func:`~jax_wgrad.functional.scan_layers`, Megatron's recompute options applied per
-  layer).
+  ...}`` (:meth:`LayerStackConfig.canonical_params`); the program hands the library's
+  layout these three parts (:meth:`LayerStackProgram.parts`), which derives their sharding
+  over ``tensor`` / ``pipeline`` and the gradient layout (stage chunk: the stacked layers;
+  shared chunk: embed and head; which weights are fused, decayed or tensor-replicated) from
+  the layers' parameter metadata (:class:`~jax_wgrad.layout.StageLayout`); the layers run as
+  one ``lax.scan`` (:func:`~jax_wgrad.functional.scan_layers`, Megatron's recompute options
+  applied per layer).
 
 Where each fused weight's gradient goes rides on the weight's variable (its ``wgrad``
 metadata, set by the executor: :mod:`jax_wgrad.functional.routes`): the model never sees a
@@ -27,7 +27,6 @@ layers, the vocabulary split over the pipeline, and deferral's ``recompute`` mod
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any
 
@@ -35,29 +34,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import jax_wgrad.parallel.pipeline.virtual as virtual
 from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.functional.stacked import scan_layers
-from jax_wgrad.grads.chunks import Chunks, DeviceTree, Window
-from jax_wgrad.grads.spec import INPUT, LAYERS, OUTPUT, SHARED, STAGE
-from jax_wgrad.models.trees import (
-    forward_order,
-    from_forward_order,
-    grad_spec_of,
-    pure_dict,
-    registration_order,
-    specs_of,
-    walk_variables,
-)
+from jax_wgrad.grads.chunks import DeviceTree, Window
+from jax_wgrad.models.parts import LayerKind, ModelParts
 from jax_wgrad.ops.registry import DENSE_FAMILIES
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.parallel.mesh import PIPELINE
-from jax_wgrad.parallel.pipeline.setup import StageSetup
 
 __all__ = ["LayerStackConfig", "LayerStackProgram"]
 
 Params = dict[str, Any]
-PARTS = ("embed", "layers", "head")
 
 
 class LayerStackConfig:
@@ -87,20 +73,11 @@ class LayerStackConfig:
                 f"{name}: num_layers ({self.num_layers}) must be divisible by "
                 f"pipeline_model_parallel_size x virtual pipeline stages ({stages})"
             )
-        unsupported = {
-            "expert_model_parallel_size > 1 (the stack has no MoE layers)": (
-                parallel.expert_model_parallel_size > 1
-            ),
-            "vocab_parallel_over_pipeline (the head runs on the last stage only)": (
-                parallel.vocab_parallel_over_pipeline
-            ),
-            "defer_mode='recompute' (needs the model's output-gradient recompute; use "
-            "'stash')": parallel.defer_embedding_wgrad_compute
-            and parallel.defer_mode == "recompute",
-        }
-        for what, bad in unsupported.items():
-            if bad:
-                raise ValueError(f"{name}: a layer stack does not support {what}")
+        if parallel.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"{name}: a layer stack does not support expert_model_parallel_size > 1 "
+                "(the stack has no MoE layers)"
+            )
         parallel.local_seq_length(self.seq_length)  # sequence parallelism divides it
 
     def program(self, parallel: ParallelConfig, platform: str | None = None) -> LayerStackProgram:
@@ -119,7 +96,7 @@ class LayerStackConfig:
         """A built model's parameters in the canonical form: ``{"embed", "layers" stacked
         [L, ...], "head"}`` (also how its gradients, e.g. ``nnx.grad``'s, are compared)."""
         if isinstance(model, nnx.Module):
-            state = pure_dict(model)
+            state = nnx.to_pure_dict(nnx.split(model)[1])
         elif isinstance(model, nnx.State):  # e.g. nnx.grad's gradients
             state = nnx.to_pure_dict(model)
         else:
@@ -144,16 +121,17 @@ class LayerStackConfig:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LayerStackProgram:
-    """A :class:`LayerStackConfig` model's stage programs
-    (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`): ``pre`` runs ``embed`` on
-    ``batch[:, :-1]``, ``body`` this stage's layers as one scan, ``post`` the ``head`` on
-    the labels ``batch[:, 1:]``."""
+    """A :class:`LayerStackConfig` model's stage programs (a
+    :class:`~jax_wgrad.layout.program.StageModel`; the library lays it out with
+    :func:`~jax_wgrad.layout.lay_out`): ``pre`` runs ``embed`` on ``batch[:, :-1]``,
+    ``body`` this stage's layers as one scan, ``post`` the ``head`` on the labels
+    ``batch[:, 1:]``. It has none of the optional capabilities (a tied output weight, the
+    vocabulary over the pipeline, the deferral's recompute mode): the layout refuses the
+    options that need them."""
 
     model: LayerStackConfig
     parallel: ParallelConfig
     platform: str | None = None
-    ends_over_pipeline = False  # pre / post on the first / last stage only
-    stacks_layers = True  # body: one scan_layers over the stacked layers
     fused_op_families = DENSE_FAMILIES  # no expert layers
 
     def __post_init__(self) -> None:
@@ -163,90 +141,34 @@ class LayerStackProgram:
             lambda: build(par.tensor_model_parallel_size, par.sequence_parallel)
         )
         full = nnx.eval_shape(lambda: build(1, False))
-        parts = {"embed": sharded.embed, "layers": sharded.layers[0], "head": sharded.head}
         set_ = lambda name, value: object.__setattr__(self, name, value)
-        set_("_defs", {k: nnx.split(m)[0] for k, m in parts.items()})
-        set_("_states", {k: nnx.split(m)[1] for k, m in parts.items()})
-        set_(  # read from the abstract model built above (no rebuild)
-            "_orders",
-            {
-                "embed": registration_order(lambda: full.embed),
-                "layers": registration_order(lambda: full.layers[0]),
-                "head": registration_order(lambda: full.head),
-            },
-        )
-        set_(
-            "_canonical_specs",
-            {
-                "embed": specs_of(full.embed),
-                "layers": specs_of(full.layers[0], (PIPELINE,)),
-                "head": specs_of(full.head),
-            },
-        )
-        set_(
-            "setup",
-            StageSetup.create(
-                par,
-                seq_length=self.model.seq_length,
-                hidden_size=self.model.hidden_size,
-                dtype=self.model.compute_dtype,
-            ),
-        )
+        defs = {"embed": sharded.embed, "layers": sharded.layers[0], "head": sharded.head}
+        set_("_defs", {k: nnx.split(m)[0] for k, m in defs.items()})
+        set_("_full", full)
 
-    # -- parameters and the device tree
-
-    @property
-    def _chunks(self) -> int:
-        return self.parallel.num_model_chunks
+    def parts(self) -> ModelParts:
+        """``embed``, one layer kind ``layers`` (``num_layers`` of it, a period of one),
+        ``head``: the single-device model's modules."""
+        cfg, full = self.model, self._full
+        return ModelParts(
+            embed=("embed", full.embed),
+            kinds=(LayerKind("layers", full.layers[0]),),
+            pattern=(0,) * cfg.num_layers,
+            period=(0,),
+            head=("head", full.head),
+            seq_length=cfg.seq_length,
+            hidden_size=cfg.hidden_size,
+            compute_dtype=cfg.compute_dtype,
+        )
 
     def init_params(self, seed: int = 0) -> Params:
-        return self.from_canonical(self.model.init_params(seed))
-
-    def canonical_specs(self) -> Params:
-        return self._canonical_specs
-
-    def param_specs(self) -> Params:
-        return virtual.layout_specs(self._canonical_specs, self._chunks)
-
-    def to_canonical(self, params: Params) -> Params:
-        return virtual.to_canonical(params, self._canonical_specs, self._chunks)
-
-    def from_canonical(self, params: Params) -> Params:
-        return virtual.from_canonical(params, self._canonical_specs, self._chunks)
-
-    def device_tree(self, params: Params) -> DeviceTree:
-        """Per-device layout params -> ``Chunks(stage=[the stacked layers], experts=[],
-        shared={embed, head})``, each in forward order."""
-        local = virtual.local_stack(params, self._canonical_specs, self._chunks)
-        order = lambda k: forward_order(local[k], self._orders[k])
-        shared = collections.OrderedDict(embed=order("embed"), head=order("head"))
-        return Chunks(stage=[order("layers")], experts=[], shared=shared)
-
-    def canonical_tree(self, tree: DeviceTree) -> Params:
-        params = {
-            "embed": from_forward_order(tree.shared["embed"]),
-            "layers": from_forward_order(tree.stage[0]),
-            "head": from_forward_order(tree.shared["head"]),
-        }
-        return virtual.local_chunks(params, self._canonical_specs, self._chunks)
-
-    def grad_specs(self) -> DeviceTree:
-        """Layers in the stage chunk (fused in ``LAYERS``), ``embed`` produced by ``INPUT``
-        and ``head`` by ``OUTPUT`` in the shared chunk; fused, decayed and
-        tensor-replicated as their parameters' metadata says."""
-        spec = lambda part, chunk, role: forward_order(
-            walk_variables(self._states[part], lambda v: grad_spec_of(v, chunk, {role}, role)),
-            self._orders[part],
-        )
-        shared = collections.OrderedDict(
-            embed=spec("embed", SHARED, INPUT), head=spec("head", SHARED, OUTPUT)
-        )
-        return Chunks(stage=[spec("layers", STAGE, LAYERS)], experts=[], shared=shared)
+        """Full canonical parameters from ``seed`` (:meth:`LayerStackConfig.init_params`)."""
+        return self.model.init_params(seed)
 
     # -- the stage programs
 
     def _module(self, part: str, params: Any) -> nnx.Module:
-        return nnx.merge(self._defs[part], from_forward_order(params))
+        return nnx.merge(self._defs[part], params)
 
     def pre(self, params: DeviceTree, batch: jax.Array) -> tuple[jax.Array, tuple]:
         """Tokens ``[mb, S + 1]`` -> ``embed(batch[:, :-1])``."""
@@ -279,23 +201,7 @@ class LayerStackProgram:
         self, params: DeviceTree, y: jax.Array, batch: jax.Array, *, output_grad_extras=False
     ) -> tuple[jax.Array, tuple]:
         """``head(y, batch[:, 1:])``: the fp32 sum of the microbatch's token losses."""
-        if output_grad_extras:
-            self._no_recompute_deferral()
         return self._module("head", params.shared["head"])(y, batch[:, 1:]), ()
 
     def metrics(self, aux_sum) -> dict[str, jax.Array]:
         return {}
-
-    # -- deferral's recompute mode: not for a layer stack (its head is the user's)
-
-    def _no_recompute_deferral(self):
-        raise ValueError(
-            f"{type(self.model).__name__}: a layer stack does not support "
-            "defer_mode='recompute' (use 'stash')"
-        )
-
-    def defer_extras(self, post_aux, batch: jax.Array) -> tuple[jax.Array, ...]:
-        self._no_recompute_deferral()
-
-    def recompute_output_grad(self, x: jax.Array, extras, weight: jax.Array) -> jax.Array:
-        self._no_recompute_deferral()

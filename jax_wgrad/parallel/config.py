@@ -7,7 +7,7 @@ import warnings
 from typing import Literal
 
 from jax_wgrad._validation import check_positive, check_recompute
-from jax_wgrad.parallel.pipeline.schedules import INTERLEAVED_FORMS, SCHEDULES
+from jax_wgrad.parallel.schedules import INTERLEAVED_FORMS, SCHEDULES
 
 __all__ = ["ParallelConfig"]
 
@@ -58,7 +58,7 @@ class ParallelConfig:
     ``[T, V/tp]``). ``recompute``: keep ``(x, logsumexp, labels)`` and rebuild ``dy``
     chunk by chunk in the drain (``O(T H)`` instead of ``O(T V/tp)``; one extra GEMM)."""
     pipeline_schedule: Literal["1f1b", "1f1b-paired", "zb-h1"] = "1f1b"
-    """The pipeline schedule (:data:`jax_wgrad.parallel.pipeline.SCHEDULES`): ``1f1b``
+    """The pipeline schedule (:data:`jax_wgrad.parallel.schedules.SCHEDULES`): ``1f1b``
     (Megatron's; stage ``s`` holds at most ``P - s`` microbatches), ``1f1b-paired`` (the
     same order, a stage running a backward and a forward in the same lock-step tick: in
     the steady state every tick is one of each on every stage, the makespan 1F1B's ideal
@@ -74,7 +74,7 @@ class ParallelConfig:
     ``L / (P V)`` layers each; ``pipeline_schedule`` ``1f1b`` becomes Megatron's interleaved
     1F1B, ``1f1b-paired`` the same order with paired ticks and ``zb-h1`` the same order
     with split backwards
-    (:mod:`jax_wgrad.parallel.pipeline.interleaved`). The example also takes Megatron's
+    (:mod:`jax_wgrad.parallel.interleaved`). The example also takes Megatron's
     ``--num-layers-per-virtual-pipeline-stage``."""
     microbatch_group_size_per_vp_stage: int | None = None
     """Megatron's option: microbatches each virtual stage runs back to back before the

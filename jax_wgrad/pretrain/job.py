@@ -13,16 +13,11 @@ import numpy as np
 import optax
 
 from jax_wgrad import aot
+from jax_wgrad.interop.train_state import train_state_from_hf
 from jax_wgrad.parallel import initialize_distributed, make_mesh, use_virtual_cpu_devices
-from jax_wgrad.pretrain.launch import interrupted, interrupts_redelivered
-from jax_wgrad.training import (
-    TrainPlan,
-    TrainState,
-    cli,
-    default_optimizer,
-    init_train_state,
-    train_state_from_hf,
-)
+from jax_wgrad.pretrain import cli
+from jax_wgrad.pretrain._interrupts import interrupted, interrupts_redelivered
+from jax_wgrad.training import TrainPlan, TrainState, default_optimizer, init_train_state
 from jax_wgrad.training.checkpoint import quiet_failed_restores
 from jax_wgrad.training.console import LineFilter
 from jax_wgrad.training.data import load_data as load_datasets
@@ -87,7 +82,7 @@ def run_job(argv: list[str], prog: str | None = None) -> dict:
 
 
 def start_from_hf(parser: argparse.ArgumentParser, directory: str, plan: TrainPlan) -> TrainState:
-    """``--load-hf``: :func:`jax_wgrad.training.train_state_from_hf`, its refusals (an
+    """``--load-hf``: :func:`jax_wgrad.interop.train_state_from_hf`, its refusals (an
     unsupported config, damaged shards, a model the flags change) as usage errors."""
     try:
         return train_state_from_hf(plan, directory)

@@ -1,31 +1,38 @@
-"""What ``python examples/pretrain_gpt.py`` does around the job, before and after jax.
+"""What the pretraining program does around the job, before and after jax:
+``python examples/pretrain_gpt.py`` and the ``jax-wgrad-pretrain`` console script both run
+:func:`script`.
 
 This module imports nothing but the standard library until :func:`run_script` imports the
-job: the script loads it by its path (importing it the usual way would import the package,
-and with it jax, before jax's platforms are chosen). :func:`jax_wgrad.pretrain.main` uses
-its Ctrl-C handling too.
+job (the package and :mod:`jax_wgrad.pretrain` resolve their names lazily), so jax's
+platforms are chosen before jax is imported. The Ctrl-C handling it shares with
+:func:`jax_wgrad.pretrain.main` is :mod:`jax_wgrad.pretrain._interrupts`'.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import glob
 import importlib.util
 import os
 import sys
-from typing import NoReturn
+
+from jax_wgrad.pretrain._interrupts import flush_stdio, interrupted, interrupts_redelivered
 
 __all__ = [
     "CUDA_PLUGINS",
     "cuda_plugin_installed",
-    "interrupted",
-    "interrupts_redelivered",
-    "resume_point",
     "run_script",
+    "script",
     "start_jax_on_cpu_to_compile_only",
     "start_jax_on_cpu_without_gpu",
 ]
+
+
+def script(argv: list[str] | None = None) -> None:
+    """The pretraining program (``examples/pretrain_gpt.py``, the ``jax-wgrad-pretrain``
+    console script): :func:`run_script` of ``argv`` (default ``sys.argv[1:]``). Returns
+    when the run is done (exit status 0); ends the process as the job does otherwise
+    (``SystemExit``: 2 for a bad flag, 130 after a Ctrl-C)."""
+    run_script(sys.argv[1:] if argv is None else list(argv))
 
 
 def run_script(argv: list[str], prog: str | None = None) -> None:
@@ -45,80 +52,13 @@ def run_script(argv: list[str], prog: str | None = None) -> None:
             interrupted(prog, argv)
         main(argv, prog=prog)
     except KeyboardInterrupt:  # a Ctrl-C re-sent (see interrupts_redelivered) after main
-        _flush_stdio()
+        flush_stdio()
         os._exit(130)
     except SystemExit as exc:
         if exc.code != 130:
             raise
-        _flush_stdio()
+        flush_stdio()
         os._exit(130)
-
-
-def interrupted(prog: str, argv: list[str]) -> NoReturn:
-    """Ends an interrupted run of ``argv``: one line on stderr saying what to resume from,
-    exit status 130."""
-    _flush_stdio()
-    sys.stderr.write(f"{prog}: interrupted; {resume_point(argv)}\n")
-    raise SystemExit(130) from None
-
-
-def resume_point(argv: list[str]) -> str:
-    """What an interrupted run of ``argv`` resumes from: the newest checkpoint step in its
-    ``--save`` directory (else its ``--load`` one), read from the directory names alone."""
-    bare = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # imports nothing:
-    bare.add_argument("--save")  # an interrupted import must not be re-run here
-    bare.add_argument("--load")
-    try:
-        args, _ = bare.parse_known_args(argv)
-    except SystemExit:
-        return "nothing was saved"
-    for flag, directory in (("--save", args.save), ("--load", args.load)):
-        if directory and os.path.isdir(directory):
-            steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
-            if steps:
-                return (
-                    f"the newest checkpoint is step {max(steps)} in {flag} {directory} "
-                    f"(resume with --load {directory})"
-                )
-    return "no checkpoint was written" + (
-        f" to --save {args.save}" if args.save else " (no --save)"
-    )
-
-
-@contextlib.contextmanager
-def interrupts_redelivered():
-    """A scope whose ``sys.unraisablehook`` re-sends a Ctrl-C Python swallowed: the
-    KeyboardInterrupt can be raised inside a callback whose exceptions are only reported
-    (jax's garbage-collection callback), and the run would go on as if nothing was
-    pressed. Other reports go to the hook there was before, which is back on exit. The
-    interrupt is re-sent from a timer thread a moment later: sent from inside the hook it
-    would land in the hook itself, where it is swallowed again."""
-    import _thread
-    import threading
-
-    previous = sys.unraisablehook
-
-    def hook(args) -> None:
-        if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
-            timer = threading.Timer(0.05, _thread.interrupt_main)
-            timer.daemon = True
-            timer.start()
-        else:
-            previous(args)
-
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        sys.unraisablehook = previous
-
-
-def _flush_stdio() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
 
 
 def start_jax_on_cpu_to_compile_only(argv: list[str]) -> None:

@@ -13,7 +13,6 @@ from jax_wgrad.training.step import (
     init_optimizer_state,
     init_train_state,
     shard_batch,
-    train_state_from_hf,
 )
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "default_optimizer",
     "init_optimizer_state",
     "init_train_state",
-    "train_state_from_hf",
     "load_data",
     "mesh_shape",
     "shard_batch",

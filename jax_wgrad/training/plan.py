@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.layout import GradLayout
 from jax_wgrad.grads.sink import GradSink
+from jax_wgrad.layout.program import StageModel, lay_out
 from jax_wgrad.ops import require_fusion
 from jax_wgrad.ops.registry import load_error
 from jax_wgrad.optim.distributed import DistributedOptimizer
@@ -21,7 +22,7 @@ from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR, mesh_shape
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
 from jax_wgrad.parallel.pipeline.program import StageProgram
-from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
+from jax_wgrad.parallel.schedules import ScheduleTable
 
 __all__ = ["ModelConfig", "TrainPlan", "mesh_shape"]
 
@@ -36,8 +37,13 @@ class ModelConfig(Protocol):
     def validate(self, parallel: ParallelConfig) -> None:
         """Raises ``ValueError`` if the layout does not divide the model."""
 
-    def program(self, parallel: ParallelConfig, platform: str | None = None) -> StageProgram:
-        """The model's :class:`StageProgram` for ``parallel`` on ``platform``."""
+    def program(
+        self, parallel: ParallelConfig, platform: str | None = None
+    ) -> StageModel | StageProgram:
+        """The model's stage functions for ``parallel`` on ``platform``: a
+        :class:`~jax_wgrad.layout.program.StageModel` (its NNX modules and ``pre`` /
+        ``body`` / ``post``; the library lays it out), or a whole :class:`StageProgram`
+        that lays out its own parameters."""
 
     def shape_differences(self, saved: dict[str, Any]) -> list[tuple[str, Any, Any]]:
         """``(field, saved, this)`` for every field that fixes the parameters' shapes on
@@ -56,7 +62,9 @@ class TrainPlan:
       model, parallel, ddp: the three configs (validated against each other); ``model``
         is any :class:`ModelConfig`.
       mesh: the ``(data, expert, tensor, pipeline)`` mesh.
-      program: the model's stage programs for this layout and platform.
+      program: the model's stage program for this layout and platform (a
+        :class:`~jax_wgrad.layout.program.StageModel` laid out by
+        :func:`~jax_wgrad.layout.lay_out`).
       layout: where every device's gradients live (flat buckets per chunk).
       sink: where each weight gradient goes during the schedule.
       optimizer: the distributed (or replicated) optimizer over those buckets.
@@ -117,7 +125,7 @@ class TrainPlan:
                 f"gradient_accumulation_fusion: the fused path cannot be "
                 f"lowered for platform '{platform}': {load_error(platform)}"
             )
-        program = model.program(parallel, platform)
+        program = lay_out(model.program(parallel, platform))
         if fusion and check_fusion:  # the op families the program's layers call
             require_fusion(
                 platform, who="gradient_accumulation_fusion", families=program.fused_op_families

@@ -23,8 +23,6 @@ is stored as global arrays with a leading device axis (``PartitionSpec(AXES)``).
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -46,7 +44,6 @@ __all__ = [
     "default_optimizer",
     "init_optimizer_state",
     "init_train_state",
-    "train_state_from_hf",
     "shard_batch",
     "build_train_step",
     "build_eval_step",
@@ -103,39 +100,6 @@ def init_train_state(plan: TrainPlan, seed: int) -> TrainState:
     """Full parameters from ``seed`` (identical for every layout), created sharded, and
     each device's optimizer state (:func:`init_optimizer_state`)."""
     params = jax.jit(lambda: plan.program.init_params(seed), out_shardings=plan.param_shardings)()
-    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(plan.mesh, P()))
-    return TrainState(step, params, init_optimizer_state(plan, params))
-
-
-def train_state_from_hf(plan: TrainPlan, directory: str | os.PathLike) -> TrainState:
-    """A train state at step 0 with the weights of the Hugging Face model in ``directory``
-    (its safetensors read shard by shard, :func:`jax_wgrad.interop.import_hf`), cast to
-    the plan's parameter dtype and sharded as the plan's, and a fresh optimizer state for
-    them: what ``examples/pretrain_gpt.py --load-hf`` starts from.
-
-    Raises:
-      ValueError: the directory's config is unsupported or its shards are missing or
-        damaged (the message names the field or file), or the plan's model differs from
-        the directory's in a shape field (every differing field named with both values).
-    """
-    from jax_wgrad.interop.hf import import_hf  # late: the interop imports the models
-
-    cfg, params = import_hf(  # padded as the run pads (the directory has no padding)
-        directory,
-        seq_length=plan.model.seq_length,
-        make_vocab_size_divisible_by=plan.model.make_vocab_size_divisible_by,
-    )
-    diff = plan.model.shape_differences(dataclasses.asdict(cfg))
-    if diff:
-        raise ValueError(
-            "the run's model differs from the directory's: "
-            + "; ".join(f"{k}={a!r} in the directory, {b!r} in this run" for k, a, b in diff)
-        )
-    like = jax.eval_shape(lambda: plan.program.init_params(0))  # the run's dtypes
-    params = jax.tree.map(
-        lambda a, l: np.asarray(a, l.dtype), plan.program.from_canonical(params), like
-    )
-    params = jax.device_put(params, plan.param_shardings)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(plan.mesh, P()))
     return TrainState(step, params, init_optimizer_state(plan, params))
 

@@ -3,19 +3,8 @@ Megatron's Llama-family options: RMSNorm, RoPE, SwiGLU, grouped-query attention,
 its config, NNX modules, canonical parameters and stage programs."""
 
 from jax_wgrad.models.gpt.config import GPTConfig, validate
-from jax_wgrad.models.gpt.logits import single_device_logits
 from jax_wgrad.models.gpt.modules import GPTEmbedding, GPTHead, TransformerLayer
-from jax_wgrad.models.gpt.params import (
-    canonical_tree,
-    device_tree,
-    forward_order,
-    grad_specs,
-    init_params,
-    module_orders,
-    param_specs,
-    period_pattern,
-    registration_order,
-)
+from jax_wgrad.models.gpt.params import init_params, model_parts, period_pattern
 from jax_wgrad.models.gpt.program import GPTProgram
 
 __all__ = [
@@ -24,15 +13,8 @@ __all__ = [
     "GPTHead",
     "GPTProgram",
     "TransformerLayer",
-    "canonical_tree",
-    "device_tree",
-    "forward_order",
-    "grad_specs",
     "init_params",
-    "module_orders",
-    "param_specs",
+    "model_parts",
     "period_pattern",
-    "registration_order",
-    "single_device_logits",
     "validate",
 ]

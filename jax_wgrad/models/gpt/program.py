@@ -1,5 +1,6 @@
-"""The GPT as a :class:`~jax_wgrad.parallel.pipeline.program.StageProgram`: pure functions
-of one device's parameter shards for the pipeline executor."""
+"""The GPT as a :class:`~jax_wgrad.layout.program.StageModel`: its modules for the
+library's layout, and pure functions of one device's parameter shards for the pipeline
+executor."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-import jax_wgrad.parallel.pipeline.virtual as virtual
 from jax_wgrad.functional.cross_entropy import recompute_dy
 from jax_wgrad.functional.moe import MoEStats
 from jax_wgrad.functional.recompute import LayerRecompute
@@ -21,19 +21,15 @@ from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.modules import moe_stats_of
 from jax_wgrad.models.gpt.params import (
     abstract_modules,
-    canonical_tree,
-    device_tree,
-    from_forward_order,
-    grad_specs,
     init_params,
-    param_specs,
+    model_parts,
     period_pattern,
 )
+from jax_wgrad.models.parts import ModelParts
 from jax_wgrad.nn.tensor_parallel import vocab_axes
 from jax_wgrad.ops.registry import DENSE_FAMILIES
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import AXES, TENSOR
-from jax_wgrad.parallel.pipeline.setup import StageSetup
 
 __all__ = ["GPTProgram"]
 
@@ -42,17 +38,25 @@ Params = dict[str, Any]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GPTProgram:
-    """The GPT's stage programs (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`).
+    """The GPT's stage programs (a :class:`~jax_wgrad.layout.program.StageModel`; the
+    library lays it out with :func:`~jax_wgrad.layout.lay_out`).
 
-    The device tree (:func:`~jax_wgrad.models.gpt.params.device_tree`): ``stage`` holds
-    this stage's layers stacked over its periods (one tree per layer of the period),
-    ``experts`` the stacked expert weights of its MoE layers (empty for a dense model),
-    ``shared`` the ``{embedding, head}`` tree every stage holds. ``pre`` embeds the tokens
+    Its parts (:meth:`parts`, :func:`~jax_wgrad.models.gpt.params.model_parts`): the
+    ``embedding``, the dense and MoE layer kinds in a period of ``moe_layer_freq`` layers,
+    the ``head``. In the device tree the layout hands it, ``stage`` holds this stage's
+    layers stacked over its periods (one tree per layer of the period), ``experts`` the
+    stacked expert weights of its MoE layers (empty for a dense model), ``shared`` the
+    ``{embedding, head}`` tree every stage holds. ``pre`` embeds the tokens
     ``batch[:, :-1]``, ``body`` runs the stage's layers (``aux``: the MoE statistics summed
     over them, ``()`` for a dense model), ``post`` the head on the labels ``batch[:, 1:]``
     (``aux``: the per-token logsumexp when asked for the output gradient's extras, which
     the executor does when the deferred output-layer wgrad recomputes its gradient, else
     ``()``).
+
+    Its optional capabilities (:mod:`jax_wgrad.layout.program`): a tied output weight
+    (:meth:`tied_output_weight`), the vocabulary over the pipeline
+    (:meth:`vocab_over_pipeline`) and the deferral's recompute mode
+    (:meth:`defer_extras`, :meth:`recompute_output_grad`).
 
     ``platform``: the jax platform the programs run on (default: jax's default backend),
     which resolves ``model.attention_backend``.
@@ -80,16 +84,6 @@ class GPTProgram:
             self, "_moe_layer_def", None if moe_layer is None else nnx.split(moe_layer)[0]
         )
         object.__setattr__(self, "_head_def", nnx.split(head)[0])
-        object.__setattr__(
-            self,
-            "setup",
-            StageSetup.create(
-                self.parallel,
-                seq_length=self.model.seq_length,
-                hidden_size=self.model.hidden_size,
-                dtype=self.model.compute_dtype,
-            ),
-        )
 
     @property
     def tied(self) -> bool:
@@ -137,11 +131,7 @@ class GPTProgram:
             return (*DENSE_FAMILIES, "ragged")
         return (*DENSE_FAMILIES, "grouped") if self.model.moe_grouped_gemm else DENSE_FAMILIES
 
-    # -- parameters and the device tree
-
-    @property
-    def _chunks(self) -> int:
-        return self.parallel.num_model_chunks
+    # -- the parts and the capabilities the layout reads
 
     @property
     def _vocab_pp(self) -> int:
@@ -153,58 +143,31 @@ class GPTProgram:
         """Expert-tensor-parallel size of the MoE layers (1 for a dense model)."""
         return self.parallel.expert_tensor_parallel_size if self.moe else 1
 
-    stacks_layers = True
-    """``body`` is one :func:`~jax_wgrad.functional.scan_layers` over the stage's stacked
-    periods of layers (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`)."""
-
-    @property
-    def ends_over_pipeline(self) -> bool:
-        """``pre`` and ``post`` are collectives over ``pipeline`` (the vocabulary over the
-        pipeline): every stage runs them
-        (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`)."""
-        return self._vocab_pp > 1
+    def parts(self) -> ModelParts:
+        """The GPT's modules for the layout (:func:`~jax_wgrad.models.gpt.params.model_parts`)."""
+        return model_parts(self.model, self._etp)
 
     def init_params(self, seed: int = 0) -> Params:
-        """Full parameters from ``seed`` (:func:`~jax_wgrad.models.gpt.init_params`) in the
-        layout (:mod:`~jax_wgrad.parallel.pipeline.virtual`: canonical unless interleaved)."""
-        return self.from_canonical(init_params(self.model, seed))
+        """Full canonical parameters from ``seed`` (:func:`~jax_wgrad.models.gpt.init_params`)."""
+        return init_params(self.model, seed)
 
-    def canonical_specs(self) -> Params:
-        """``PartitionSpec`` of every canonical parameter on the mesh."""
-        return param_specs(self.model, self._vocab_pp > 1, self._etp)
+    def tied_output_weight(self) -> tuple[str, ...] | None:
+        """The word embedding is the output layer's weight unless untied."""
+        return ("embedding", "word", "embedding") if self.tied else None
 
-    def param_specs(self) -> Params:
-        """``PartitionSpec`` of every parameter of the layout on the mesh."""
-        return virtual.layout_specs(self.canonical_specs(), self._chunks)
-
-    def to_canonical(self, params: Params) -> Params:
-        """Layout parameters (global) -> canonical ones (checkpoints, Hugging Face)."""
-        return virtual.to_canonical(params, self.canonical_specs(), self._chunks)
-
-    def from_canonical(self, params: Params) -> Params:
-        """Canonical parameters (global) -> the layout."""
-        return virtual.from_canonical(params, self.canonical_specs(), self._chunks)
-
-    def device_tree(self, params: Params) -> DeviceTree:
-        """Per-device layout params -> the device tree."""
-        local = virtual.local_stack(params, self.canonical_specs(), self._chunks)
-        return device_tree(local, self.model)
-
-    def canonical_tree(self, tree: DeviceTree) -> Params:
-        """Inverse of :meth:`device_tree`."""
-        return virtual.local_chunks(
-            canonical_tree(tree, self.model), self.canonical_specs(), self._chunks
-        )
-
-    def grad_specs(self) -> DeviceTree:
-        """:class:`~jax_wgrad.grads.GradSpec` of every leaf of the device tree."""
-        return grad_specs(self.model, self._vocab_pp > 1, self._etp)
+    def vocab_over_pipeline(self) -> tuple[tuple[str, ...], ...]:
+        """With ``vocab_parallel_over_pipeline``: the word embedding and (untied) the output
+        layer's weight, split over ``(pipeline, tensor)``."""
+        if self._vocab_pp == 1:
+            return ()
+        word = ("embedding", "word", "embedding")
+        return (word,) if self.tied else (word, ("head", "output", "weight"))
 
     # -- the stage programs
 
     def pre(self, params: DeviceTree, batch: jax.Array) -> tuple[jax.Array, tuple]:
         """Tokens ``[mb, S + 1]`` -> the embedding of ``batch[:, :-1]``, ``[mb, s(/tp), H]``."""
-        emb = nnx.merge(self._emb_def, from_forward_order(params.shared["embedding"]))
+        emb = nnx.merge(self._emb_def, params.shared["embedding"])
         return emb(batch[:, :-1]), ()
 
     def body(self, params: DeviceTree, x: jax.Array, layers: Window | None = None):
@@ -237,9 +200,9 @@ class GPTProgram:
         experts = iter(p["experts"])
         stats: list = []
         for j, moe in enumerate(self.period):
-            lp = from_forward_order(p["stage"][j])
+            lp = dict(p["stage"][j])
             if moe:
-                lp["experts"] = from_forward_order(next(experts))
+                lp["experts"] = next(experts)
             layer = nnx.merge(self._moe_layer_def if moe else self._layer_def, lp)
             x = layer(x)
             stats.extend(moe_stats_of(layer))
@@ -274,7 +237,7 @@ class GPTProgram:
         """Sum of the per-token losses of ``y`` ``[mb, s(/tp), H]`` against
         ``batch[:, 1:]`` (the output layer's weight: the word embedding's when tied); with
         ``output_grad_extras`` its aux is the per-token logsumexp ``[mb, S]`` (fp32)."""
-        head = nnx.merge(self._head_def, from_forward_order(params.shared["head"]))
+        head = nnx.merge(self._head_def, params.shared["head"])
         out = head(
             y,
             batch[:, 1:],
@@ -289,7 +252,7 @@ class GPTProgram:
         device's share of the (padded) vocabulary, in the compute dtype, the padding
         rows' columns ``-inf``. Inside ``shard_map`` on the last stage (every stage with
         the vocabulary over the pipeline)."""
-        head = nnx.merge(self._head_def, from_forward_order(params.shared["head"]))
+        head = nnx.merge(self._head_def, params.shared["head"])
         return head.logits(y, self._output_weight(params))
 
     def _output_weight(self, params: DeviceTree) -> jax.Array | None:

@@ -27,10 +27,10 @@ leaves the others as the identity. An end receives what it needs explicitly: the
 the gradient sink and the run's :class:`~.context.StageContext`.
 
 **The model's part** (:class:`~.program.StageProgram`): under recompute-mode deferral
-``post`` is asked for its output-gradient extras (``output_grad_extras=True``),
-:meth:`~.program.StageProgram.defer_extras` turns them into what the stash keeps, and
-:meth:`~.program.StageProgram.recompute_output_grad` rebuilds the output layer's gradient
-in the drain.
+``post`` is asked for its output-gradient extras (``output_grad_extras=True``), and the
+program's :attr:`~.program.StageProgram.output_grad_recompute`
+(:class:`~jax_wgrad.layout.program.OutputGradRecompute`) turns them into what the stash
+keeps and rebuilds the output layer's gradient in the drain.
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ class PipelineEnds(abc.ABC):
         recompute = None
         if par.defer_mode == "recompute":
             weight = self.sink.leaf(self.context.params, entry)
-            recompute = lambda x, extras: self.program.recompute_output_grad(x, extras, weight)
+            model = self.program.output_grad_recompute
+            recompute = lambda x, extras: model.recompute_output_grad(x, extras, weight)
         with jax.named_scope(DEFERRED_DRAIN):
             buckets = list(carry.grads[entry.chunk])
             buckets[entry.bucket] = deferred.drain(
@@ -288,7 +289,10 @@ class PipelineEnds(abc.ABC):
 
     def _defer_items(self, x, dy, aux, batch) -> tuple[jax.Array, ...]:
         return deferred.stash_items(
-            self.program.parallel, x, dy, lambda: self.program.defer_extras(aux, batch)
+            self.program.parallel,
+            x,
+            dy,
+            lambda: self.program.output_grad_recompute.defer_extras(aux, batch),
         )
 
 

@@ -23,7 +23,7 @@ from jax import lax
 from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.parallel.mesh import PIPELINE
 from jax_wgrad.parallel.pipeline.program import StageProgram
-from jax_wgrad.parallel.pipeline.schedules import IDLE
+from jax_wgrad.parallel.schedules import IDLE
 
 __all__ = ["forward_table", "eval_loss"]
 

@@ -1,6 +1,6 @@
 """Runs a pipeline schedule table as ONE ``lax.scan`` over ticks inside ``shard_map``.
 
-The executor reads the :class:`~jax_wgrad.parallel.pipeline.schedules.ScheduleTable` (as
+The executor reads the :class:`~jax_wgrad.parallel.schedules.ScheduleTable` (as
 arrays indexed by the scan's tick and this device's stage) and knows no schedule formula
 and no model: it runs a :class:`~jax_wgrad.parallel.pipeline.program.StageProgram`
 (``pre`` on the first stage, ``body`` everywhere, ``post`` on the last) and asks a
@@ -81,7 +81,6 @@ from jax_wgrad.parallel.pipeline.context import StageContext, TickRows
 from jax_wgrad.parallel.pipeline.ends import EndsTick, PipelineEnds, pipeline_ends
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
-from jax_wgrad.parallel.pipeline.schedules import ScheduleTable
 from jax_wgrad.parallel.pipeline.scopes import (
     BACKWARD,
     COOLDOWN_SYNC,
@@ -91,6 +90,7 @@ from jax_wgrad.parallel.pipeline.scopes import (
     WEIGHT,
 )
 from jax_wgrad.parallel.pipeline.transfer import exchange
+from jax_wgrad.parallel.schedules import ScheduleTable
 
 __all__ = [
     "END_SCOPES",

@@ -20,7 +20,7 @@ from jax_wgrad.parallel.mesh import DATA_PARALLEL, axis_sizes, local_shape
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry
 from jax_wgrad.parallel.pipeline.executor import initial_carry, stage_gradients
 from jax_wgrad.parallel.pipeline.program import StageProgram
-from jax_wgrad.parallel.pipeline.schedules import ScheduleTable, get_schedule
+from jax_wgrad.parallel.schedules import ScheduleTable, get_schedule
 
 __all__ = [
     "grad_layout",

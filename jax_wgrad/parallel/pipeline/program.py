@@ -1,7 +1,7 @@
-"""What the pipeline executor asks of a model: its stage programs (:class:`StageProgram`).
+"""What the pipeline executor runs: a stage program (:class:`StageProgram`).
 
 The executor (:mod:`.executor`) and the forward-only evaluation (:mod:`.evaluate`) know no
-vocabulary, embedding, head or MoE. A model hands them three pure functions of one
+vocabulary, embedding, head or MoE. A program hands them three pure functions of one
 device's parameters (a :class:`~jax_wgrad.grads.chunks.DeviceTree`), each returning
 ``(output, aux)``:
 
@@ -16,9 +16,10 @@ device's parameters (a :class:`~jax_wgrad.grads.chunks.DeviceTree`), each return
 
 The deferred output-layer wgrad in recompute mode (Megatron's deferral keeps ``(x, dy)``;
 ``ParallelConfig.defer_mode == "recompute"`` keeps ``x`` and what rebuilds ``dy``) needs
-two more: :meth:`StageProgram.defer_extras` (what the stash keeps beside ``x``) and
-:meth:`StageProgram.recompute_output_grad` (``dy`` rebuilt from them in the drain). A
-model reads no deferral option: the executor asks for what it needs.
+the program's :attr:`StageProgram.output_grad_recompute`
+(:class:`~jax_wgrad.layout.program.OutputGradRecompute`: what the stash keeps beside ``x``,
+and ``dy`` rebuilt from it in the drain). A model reads no deferral option: the executor
+asks for what it needs.
 
 The programs never see a gradient bucket: where each fused weight's gradient goes is a
 property of the parameter -- in the ``params`` the executor hands a program, each fused
@@ -27,12 +28,14 @@ weight is an NNX variable whose ``wgrad`` metadata is its route
 and its layers hand their weight variables to the library's linears
 (:mod:`jax_wgrad.nn`).
 
-A model also gives its layout facts: the device tree's per-device shapes and its
+A program also gives its layout facts: the device tree's per-device shapes and its
 :class:`~jax_wgrad.grads.GradSpec`\\ s (:meth:`StageProgram.grad_specs`), the conversion
 between its canonical parameters and the device tree, and the per-step
-:class:`~jax_wgrad.parallel.pipeline.setup.StageSetup` (microbatch shapes, activation,
-loss normalization). :class:`~jax_wgrad.models.gpt.GPTProgram` is one implementation; the
-tests run the executor on a model defined in the test.
+:class:`~jax_wgrad.layout.setup.StageSetup` (microbatch shapes, activation, loss
+normalization). For a model of NNX modules the library derives all of these
+(:class:`~jax_wgrad.layout.LaidOutProgram`: the GPT, a
+:class:`~jax_wgrad.models.LayerStackConfig` model); the tests also run the executor on a
+program of plain arrays that lays out its parameters itself.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from jax_wgrad.grads.chunks import DeviceTree, Window
+from jax_wgrad.layout.program import OutputGradRecompute
+from jax_wgrad.layout.setup import StageSetup
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.parallel.pipeline.setup import StageSetup
 
 __all__ = ["StageProgram"]
 
@@ -102,35 +106,24 @@ class StageProgram(Protocol):
     ) -> tuple[jax.Array, PyTree]:
         """Last stage: ``(fp32 scalar sum of the microbatch's token losses, aux)``. ``aux``
         is ``()`` unless ``output_grad_extras`` (the executor asks under recompute-mode
-        deferral only), then what :meth:`defer_extras` turns into the stash's extras, never
-        differentiated (the GPT: the per-token logsumexp of the logits ``[mb, S]``)."""
+        deferral only), then what :attr:`output_grad_recompute`'s ``defer_extras`` turns
+        into the stash's extras, never differentiated (the GPT: the per-token logsumexp of
+        the logits ``[mb, S]``)."""
 
     def metrics(self, aux_sum: PyTree) -> dict[str, jax.Array]:
         """The step's figures from this device's sums of ``body``'s aux over its
         microbatches (inside ``shard_map``: reduce over the mesh here); ``{}`` if none."""
 
-    # -- the deferred output-layer wgrad in recompute mode
-
-    def defer_extras(self, post_aux: PyTree, batch: jax.Array) -> tuple[jax.Array, ...]:
-        """What the recompute-mode stash keeps of one microbatch beside the output layer's
-        input ``x``, from ``post``'s aux (asked with ``output_grad_extras=True``) and the
-        microbatch: arrays ``[mb, S, ...]`` by token (the drain slices them on dim 1 as it
-        slices ``x``; the GPT: the logsumexp and the labels)."""
-
-    def recompute_output_grad(
-        self, x: jax.Array, extras: tuple[jax.Array, ...], weight: jax.Array
-    ) -> jax.Array:
-        """The output layer's output gradient ``dy`` (of the token-loss SUM) for its input
-        ``x`` ``[mb, s, H]``, rebuilt from :meth:`defer_extras`' arrays sliced to the same
-        tokens and the output layer's ``weight`` (this device's shard): what the drain's
-        fused GEMM accumulates ``dy^T x`` of."""
+    output_grad_recompute: OutputGradRecompute | None
+    """What rebuilds the output layer's gradient in the deferral drain (recompute mode),
+    or ``None`` when the program cannot."""
 
     # -- parameters and their layout
 
     def init_params(self, seed: int = 0) -> PyTree:
         """Full parameters from ``seed`` in the program's layout (the same values for
         every layout; with interleaving the layer stacks are split by model chunk:
-        :mod:`~jax_wgrad.parallel.pipeline.virtual`)."""
+        :mod:`~jax_wgrad.layout.virtual`)."""
 
     def param_specs(self) -> PyTree:
         """``PartitionSpec`` of every parameter of the layout on the mesh."""

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_wgrad.layout.program import lay_out
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.program import GPTProgram
 from jax_wgrad.parallel.config import ParallelConfig
@@ -52,7 +53,7 @@ def single_device_logits(
         )
     device = device if device is not None else jax.devices()[0]
     parallel = ParallelConfig(micro_batch_size=b, global_batch_size=b, world_size=1)
-    program = GPTProgram(cfg, parallel, platform=device.platform)
+    program = lay_out(GPTProgram(cfg, parallel, platform=device.platform))
     mesh = Mesh(np.array([device]).reshape((1,) * len(AXES)), AXES)
     tree = program.device_tree(program.from_canonical(params))
 
@@ -61,7 +62,7 @@ def single_device_logits(
         x, _ = program.pre(tree, batch)
         y, _ = program.body(tree, x)
         # the true vocabulary's columns (a padded one's padding rows are no tokens)
-        return program.logits(tree, y)[..., : cfg.vocab_size].astype(jnp.float32)
+        return program.model.logits(tree, y)[..., : cfg.vocab_size].astype(jnp.float32)
 
     run = jax.shard_map(forward, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
     return jax.jit(run)(tree, jax.device_put(ids, device))

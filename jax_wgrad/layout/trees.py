@@ -26,6 +26,7 @@ __all__ = [
     "forward_order",
     "from_forward_order",
     "grad_spec_of",
+    "module_order",
     "pure_dict",
     "registration_order",
     "specs_of",
@@ -53,6 +54,12 @@ def registration_order(make: Callable[[], nnx.Module]) -> Order:
 
     jax.eval_shape(build)
     return found["order"]
+
+
+def module_order(module: nnx.Module) -> Order:
+    """The parameter names of an already built (e.g. abstract) ``module`` in the order its
+    ``__init__`` assigned them (what :func:`registration_order` reads)."""
+    return _order(module)
 
 
 def _order(node: Any) -> Order | None:

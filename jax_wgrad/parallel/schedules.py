@@ -443,7 +443,7 @@ SCHEDULES = {"1f1b": one_f_one_b, "1f1b-paired": one_f_one_b_paired, "zb-h1": zb
 
 INTERLEAVED_FORMS = ("1f1b", "1f1b-paired", "zb-h1")
 """The schedules with an interleaved form (``num_chunks > 1``,
-:mod:`~jax_wgrad.parallel.pipeline.interleaved`)."""
+:mod:`~jax_wgrad.parallel.interleaved`)."""
 
 
 def get_schedule(
@@ -454,7 +454,7 @@ def get_schedule(
     group_size: int | None = None,
 ) -> ScheduleTable:
     """The table of schedule ``name``; with ``num_chunks > 1`` its interleaved form
-    (:mod:`~jax_wgrad.parallel.pipeline.interleaved`: ``1f1b`` -> Megatron's interleaved
+    (:mod:`~jax_wgrad.parallel.interleaved`: ``1f1b`` -> Megatron's interleaved
     1F1B, ``1f1b-paired`` -> the same order with a ``B`` and an ``F`` sharing a tick,
     ``zb-h1`` -> the same order with ``B`` and ``W`` split)."""
     if name not in SCHEDULES:
@@ -466,7 +466,7 @@ def get_schedule(
             f"pipeline schedule {name!r} has no interleaved form (num_chunks "
             f"{num_chunks}); those with one: {list(INTERLEAVED_FORMS)}"
         )
-    from jax_wgrad.parallel.pipeline.interleaved import interleaved_schedule
+    from jax_wgrad.parallel.interleaved import interleaved_schedule
 
     _check(num_stages, num_microbatches)
     return interleaved_schedule(

@@ -13,7 +13,7 @@ Each stage runs its tasks in Megatron's order
   then one forward one backward, then the cool-down backwards.
 
 The ticks come from running those per-stage orders under the executor's rules
-(:mod:`~jax_wgrad.parallel.pipeline.schedules`): in each tick a stage runs its next task
+(:mod:`~jax_wgrad.parallel.schedules`): in each tick a stage runs its next task
 if what it consumes arrived in an earlier tick, else waits. So the order is Megatron's
 and the ticks are the lock-step executor's. With ``split_backward`` (the zero-bubble
 variant, ``zb-h1`` with ``V > 1``) ``B`` computes input gradients only and a stage that
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_wgrad.parallel.pipeline.schedules import IDLE, ScheduleTable, source_of
+from jax_wgrad.parallel.schedules import IDLE, ScheduleTable, source_of
 
 __all__ = ["interleaved_order", "interleaved_schedule", "virtual_microbatches", "warmup_count"]
 

@@ -1,0 +1,256 @@
+"""What a model supplies (:class:`StageModel` and its optional capabilities) and the
+library's stage program built from it (:class:`LaidOutProgram`, :func:`lay_out`).
+
+A model supplies its NNX modules (:meth:`StageModel.parts`: what the layout reads) and
+four pure functions of one device's parameters (a
+:class:`~jax_wgrad.grads.chunks.DeviceTree`), each returning ``(output, aux)``:
+``pre(params, batch)``, ``body(params, x, layers=None)``, ``post(params, y, batch, *,
+output_grad_extras=False)`` and ``metrics(aux_sum)``
+(:class:`~jax_wgrad.parallel.pipeline.program.StageProgram` says what each does). In the
+``params`` the executor hands them, every fused weight is an NNX variable carrying its
+gradient's route (:mod:`jax_wgrad.functional.routes`): they merge their modules from it and
+never see a bucket.
+
+Capabilities only some models have are small protocols, detected with ``isinstance``:
+
+* :class:`TiedOutputWeight` -- the head's output layer uses an ``embed`` parameter (the
+  GPT's tied word embedding);
+* :class:`VocabOverPipeline` -- parameters whose vocabulary is split over
+  ``(pipeline, tensor)``: ``pre`` and ``post`` are collectives over the pipeline, run by
+  every stage;
+* :class:`OutputGradRecompute` -- the deferred output-layer weight gradient's ``recompute``
+  mode (the drain rebuilds the output layer's ``dy`` from what ``post`` reports).
+
+:class:`LaidOutProgram` joins a model and its :class:`~jax_wgrad.layout.StageLayout` into
+the program the executor runs; :func:`lay_out` builds it (and passes through a program
+that lays its parameters out itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from jax_wgrad.grads.chunks import DeviceTree, Window
+from jax_wgrad.layout.setup import StageSetup
+from jax_wgrad.layout.stage import StageLayout
+from jax_wgrad.models.parts import ModelParts
+from jax_wgrad.parallel.config import ParallelConfig
+
+__all__ = [
+    "LaidOutProgram",
+    "OutputGradRecompute",
+    "StageModel",
+    "TiedOutputWeight",
+    "VocabOverPipeline",
+    "lay_out",
+    "param_specs",
+]
+
+PyTree = Any
+
+
+@runtime_checkable
+class StageModel(Protocol):
+    """A model as the library lays it out and pipelines it (module docstring).
+
+    Attributes: ``parallel`` (the layout it is built for) and ``fused_op_families`` (the
+    op families, :data:`~jax_wgrad.ops.registry.OP_FAMILIES`, its layers call with
+    gradient accumulation fusion: what the training plan requires to work)."""
+
+    parallel: ParallelConfig
+    fused_op_families: tuple[str, ...]
+
+    def parts(self) -> ModelParts:
+        """Its modules and how they are placed (:class:`~jax_wgrad.models.parts.ModelParts`)."""
+
+    def init_params(self, seed: int = 0) -> PyTree:
+        """Full CANONICAL parameters from ``seed`` (the same for every parallel layout)."""
+
+    def pre(self, params: DeviceTree, batch: jax.Array) -> tuple[jax.Array, PyTree]: ...
+
+    def body(
+        self, params: DeviceTree, x: jax.Array, layers: Window | None = None
+    ) -> tuple[jax.Array, PyTree]: ...
+
+    def post(
+        self, params: DeviceTree, y: jax.Array, batch: jax.Array, *, output_grad_extras=False
+    ) -> tuple[jax.Array, PyTree]: ...
+
+    def metrics(self, aux_sum: PyTree) -> dict[str, jax.Array]: ...
+
+
+@runtime_checkable
+class TiedOutputWeight(Protocol):
+    """A model whose head may use an ``embed`` parameter as its output layer's weight."""
+
+    def tied_output_weight(self) -> tuple[str, ...] | None:
+        """That parameter's canonical path (e.g. ``("embedding", "word", "embedding")``),
+        or ``None`` when this configuration unties them."""
+
+
+@runtime_checkable
+class VocabOverPipeline(Protocol):
+    """A model that may split its vocabulary over ``(pipeline, tensor)``."""
+
+    def vocab_over_pipeline(self) -> tuple[tuple[str, ...], ...]:
+        """The canonical paths of the parameters whose vocabulary dim (their first, split
+        over ``tensor``) is split over ``(pipeline, tensor)`` in this configuration (then
+        ``pre`` and ``post`` are collectives over the pipeline: every stage runs them);
+        ``()``: the vocabulary is not split over the pipeline."""
+
+
+@runtime_checkable
+class OutputGradRecompute(Protocol):
+    """A model that can rebuild its output layer's gradient in the deferral drain
+    (``ParallelConfig.defer_mode == "recompute"``: Megatron's deferral keeps ``(x, dy)``;
+    this keeps ``x`` and what rebuilds ``dy``). ``post`` is then asked for
+    ``output_grad_extras``."""
+
+    def defer_extras(self, post_aux: PyTree, batch: jax.Array) -> tuple[jax.Array, ...]:
+        """What the stash keeps of one microbatch beside the output layer's input ``x``,
+        from ``post``'s aux and the microbatch: arrays ``[mb, S, ...]`` by token (the GPT:
+        the logsumexp and the labels)."""
+
+    def recompute_output_grad(
+        self, x: jax.Array, extras: tuple[jax.Array, ...], weight: jax.Array
+    ) -> jax.Array:
+        """The output layer's output gradient ``dy`` (of the token-loss SUM) for its input
+        ``x`` ``[mb, s, H]``, from :meth:`defer_extras`' arrays sliced to the same tokens
+        and the output layer's ``weight`` (this device's shard)."""
+
+
+class LaidOutProgram:
+    """A :class:`StageModel` with its :class:`~jax_wgrad.layout.StageLayout`: the stage
+    program (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`) the executor and
+    the training plan run. The model's functions and capabilities are its own; every
+    parameter form, the gradient specs and the stage set-up are the layout's.
+
+    Attributes:
+      model: the model; layout: its layout on ``model.parallel``.
+      output_grad_recompute: the model when it can rebuild its output layer's gradient
+        (:class:`OutputGradRecompute`), else ``None``.
+    """
+
+    def __init__(self, model: StageModel):
+        self.model = model
+        self.layout = StageLayout(
+            model.parts(),
+            model.parallel,
+            tied_output_weight=(
+                model.tied_output_weight() if isinstance(model, TiedOutputWeight) else None
+            ),
+            vocab_over_pipeline=(
+                model.vocab_over_pipeline() if isinstance(model, VocabOverPipeline) else ()
+            ),
+        )
+        self.output_grad_recompute = model if isinstance(model, OutputGradRecompute) else None
+        par, name = model.parallel, type(model).__name__
+        if par.vocab_parallel_over_pipeline and not self.layout.vocab_over_pipeline:
+            raise ValueError(
+                f"{name} does not support vocab_parallel_over_pipeline: it splits no "
+                "vocabulary over the pipeline (VocabOverPipeline), its head runs on the last "
+                "stage only"
+            )
+        if (
+            par.defer_embedding_wgrad_compute
+            and par.defer_mode == "recompute"
+            and self.output_grad_recompute is None
+        ):
+            raise ValueError(
+                f"{name} does not support defer_mode='recompute': it cannot rebuild its "
+                "output layer's gradient (OutputGradRecompute: defer_extras, "
+                "recompute_output_grad); use 'stash'"
+            )
+
+    def __repr__(self) -> str:
+        return f"LaidOutProgram({self.model!r})"
+
+    # -- the model's
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.model.parallel
+
+    @property
+    def fused_op_families(self) -> tuple[str, ...]:
+        return self.model.fused_op_families
+
+    @property
+    def ends_over_pipeline(self) -> bool:
+        """``pre`` and ``post`` are collectives over the pipeline (the vocabulary split
+        over it): every stage runs them."""
+        return bool(self.layout.vocab_over_pipeline)
+
+    def pre(self, params: DeviceTree, batch: jax.Array):
+        return self.model.pre(params, batch)
+
+    def body(self, params: DeviceTree, x: jax.Array, layers: Window | None = None):
+        return self.model.body(params, x, layers)
+
+    def post(self, params: DeviceTree, y: jax.Array, batch: jax.Array, *, output_grad_extras=False):
+        return self.model.post(params, y, batch, output_grad_extras=output_grad_extras)
+
+    def metrics(self, aux_sum: PyTree) -> dict[str, jax.Array]:
+        return self.model.metrics(aux_sum)
+
+    def init_params(self, seed: int = 0) -> PyTree:
+        """Full parameters from ``seed`` in the layout (the model's canonical ones)."""
+        return self.layout.from_canonical(self.model.init_params(seed))
+
+    # -- the layout's
+
+    @property
+    def setup(self) -> StageSetup:
+        return self.layout.setup
+
+    @property
+    def stacks_layers(self) -> bool:
+        return self.layout.stacks_layers
+
+    def canonical_specs(self) -> PyTree:
+        return self.layout.canonical_specs()
+
+    def param_specs(self) -> PyTree:
+        return self.layout.param_specs()
+
+    def to_canonical(self, params: PyTree) -> PyTree:
+        return self.layout.to_canonical(params)
+
+    def from_canonical(self, params: PyTree) -> PyTree:
+        return self.layout.from_canonical(params)
+
+    def device_tree(self, params: PyTree) -> DeviceTree:
+        return self.layout.device_tree(params)
+
+    def canonical_tree(self, tree: DeviceTree) -> PyTree:
+        return self.layout.canonical_tree(tree)
+
+    def grad_specs(self) -> DeviceTree:
+        return self.layout.grad_specs()
+
+
+def lay_out(program: StageModel | Any) -> Any:
+    """The stage program the executor runs for ``program``: a :class:`StageModel` laid
+    out (:class:`LaidOutProgram`), or ``program`` itself when it already lays its
+    parameters out (it has ``device_tree``: a hand-written
+    :class:`~jax_wgrad.parallel.pipeline.program.StageProgram`, e.g. a model of plain
+    arrays without NNX modules)."""
+    if hasattr(program, "device_tree"):
+        return program
+    if not isinstance(program, StageModel):
+        raise TypeError(
+            f"lay_out: {type(program).__name__} is neither a StageModel (parts, init_params, "
+            "pre, body, post, metrics) nor a StageProgram (its own device_tree)"
+        )
+    return LaidOutProgram(program)
+
+
+def param_specs(model: Any, parallel: ParallelConfig | None = None) -> PyTree:
+    """``PartitionSpec`` of every CANONICAL parameter of the model config ``model`` (e.g. a
+    :class:`~jax_wgrad.GPTConfig`) on the ``(data, expert, tensor, pipeline)`` mesh of
+    ``parallel`` (default: one device's): what :func:`~jax_wgrad.models.gpt.init_params`'s
+    parameters are sharded as (layers over ``pipeline`` on their stacked dim, a parameter
+    over ``tensor`` / ``expert`` where its metadata says)."""
+    return lay_out(model.program(parallel or ParallelConfig())).canonical_specs()
