@@ -6,19 +6,15 @@ imported), so it is jax's default backend, while tests marked ``gpu`` place thei
 on ``jax.devices("gpu")`` explicitly.
 """
 
-import importlib.util
 import os
-from pathlib import Path
 
 
 def _cuda_gpu_usable() -> bool:
-    # jax_wgrad/_cuda_probe.py by path: importing the package would import jax, whose
-    # platform order must be chosen first.
-    path = Path(__file__).resolve().parents[1] / "jax_wgrad" / "_cuda_probe.py"
-    spec = importlib.util.spec_from_file_location("_jax_wgrad_cuda_probe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.cuda_gpu_usable()
+    # The package resolves its names lazily: importing the probe does not import jax,
+    # whose platform order must be chosen first.
+    from jax_wgrad._cuda_probe import cuda_gpu_usable
+
+    return cuda_gpu_usable()
 
 
 CPU_FIRST_MARK = "JAX_WGRAD_TESTS_PUT_CPU_FIRST"
