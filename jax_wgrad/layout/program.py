@@ -56,7 +56,7 @@ class StageModel(Protocol):
     """A model as the library lays it out and pipelines it (module docstring).
 
     Attributes: ``parallel`` (the layout it is built for) and ``fused_op_families`` (the
-    op families, :data:`~jax_wgrad.ops.registry.OP_FAMILIES`, its layers call with
+    op families, :data:`~jax_wgrad.ops.OP_FAMILIES`, its layers call with
     gradient accumulation fusion: what the training plan requires to work)."""
 
     parallel: ParallelConfig
@@ -129,6 +129,7 @@ class LaidOutProgram:
 
     Attributes:
       model: the model; layout: its layout on ``model.parallel``.
+      pre, body, post, metrics: the model's functions.
       output_grad_recompute: the model when it can rebuild its output layer's gradient
         (:class:`OutputGradRecompute`), else ``None``.
     """
@@ -146,6 +147,13 @@ class LaidOutProgram:
             ),
         )
         self.output_grad_recompute = model if isinstance(model, OutputGradRecompute) else None
+        # The model's own functions, bound: the executor calls them directly.
+        self.pre, self.body, self.post, self.metrics = (
+            model.pre,
+            model.body,
+            model.post,
+            model.metrics,
+        )
         par, name = model.parallel, type(model).__name__
         if par.vocab_parallel_over_pipeline and not self.layout.vocab_over_pipeline:
             raise ValueError(
@@ -182,18 +190,6 @@ class LaidOutProgram:
         """``pre`` and ``post`` are collectives over the pipeline (the vocabulary split
         over it): every stage runs them."""
         return bool(self.layout.vocab_over_pipeline)
-
-    def pre(self, params: DeviceTree, batch: jax.Array):
-        return self.model.pre(params, batch)
-
-    def body(self, params: DeviceTree, x: jax.Array, layers: Window | None = None):
-        return self.model.body(params, x, layers)
-
-    def post(self, params: DeviceTree, y: jax.Array, batch: jax.Array, *, output_grad_extras=False):
-        return self.model.post(params, y, batch, output_grad_extras=output_grad_extras)
-
-    def metrics(self, aux_sum: PyTree) -> dict[str, jax.Array]:
-        return self.model.metrics(aux_sum)
 
     def init_params(self, seed: int = 0) -> PyTree:
         """Full parameters from ``seed`` in the layout (the model's canonical ones)."""
