@@ -51,7 +51,7 @@ from jax_wgrad.layout.trees import (
     forward_order,
     from_forward_order,
     grad_spec_of,
-    module_order,
+    registration_order,
     specs_of,
     walk_variables,
 )
@@ -108,22 +108,29 @@ class StageLayout:
     # -------------------------------------------------------------------- the modules
 
     @functools.cached_property
+    def _builders(self) -> dict:
+        """Each part's constructor, by canonical key."""
+        parts = self.parts
+        return {parts.embed[0]: parts.embed[1], **{k.key: k.build for k in parts.kinds}} | {
+            parts.head[0]: parts.head[1]
+        }
+
+    @functools.cached_property
+    def _modules(self) -> dict[str, nnx.Module]:
+        """Each part as an abstract module (``nnx.eval_shape``), by canonical key."""
+        return {key: nnx.eval_shape(build) for key, build in self._builders.items()}
+
+    @functools.cached_property
     def _states(self) -> dict[str, nnx.State]:
         """Each part's abstract parameter state, by canonical key."""
-        parts = self.parts
-        out = {parts.embed[0]: nnx.split(parts.embed[1])[1]}
-        out.update({k.key: nnx.split(k.module)[1] for k in parts.kinds})
-        out[parts.head[0]] = nnx.split(parts.head[1])[1]
-        return out
+        return {key: nnx.split(m)[1] for key, m in self._modules.items()}
 
     @functools.cached_property
     def _orders(self) -> dict[str, Order]:
-        """Each part's parameter names in registration order, by canonical key."""
-        parts = self.parts
-        out = {parts.embed[0]: module_order(parts.embed[1])}
-        out.update({k.key: module_order(k.module) for k in parts.kinds})
-        out[parts.head[0]] = module_order(parts.head[1])
-        return out
+        """Each part's parameter names in the order its ``__init__`` registers them
+        (Megatron's order), by canonical key: read from a real construction under
+        ``jax.eval_shape`` (an abstract module's attributes are sorted)."""
+        return {key: registration_order(build) for key, build in self._builders.items()}
 
     @property
     def _num_chunks(self) -> int:
@@ -138,11 +145,11 @@ class StageLayout:
 
     @functools.cached_property
     def _canonical_specs(self) -> Params:
-        parts = self.parts
-        out = {parts.embed[0]: specs_of(parts.embed[1])}
+        parts, modules = self.parts, self._modules
+        out = {parts.embed[0]: specs_of(modules[parts.embed[0]])}
         for kind in parts.present:
-            out[kind.key] = specs_of(kind.module, (PIPELINE,))
-        out[parts.head[0]] = specs_of(parts.head[1])
+            out[kind.key] = specs_of(modules[kind.key], (PIPELINE,))
+        out[parts.head[0]] = specs_of(modules[parts.head[0]])
         for path in self.vocab_over_pipeline:
             spec = _at(out, path)
             if len(spec) == 0 or spec[0] != TENSOR:

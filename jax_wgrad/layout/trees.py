@@ -26,8 +26,6 @@ __all__ = [
     "forward_order",
     "from_forward_order",
     "grad_spec_of",
-    "module_order",
-    "pure_dict",
     "registration_order",
     "specs_of",
     "walk_variables",
@@ -54,12 +52,6 @@ def registration_order(make: Callable[[], nnx.Module]) -> Order:
 
     jax.eval_shape(build)
     return found["order"]
-
-
-def module_order(module: nnx.Module) -> Order:
-    """The parameter names of an already built (e.g. abstract) ``module`` in the order its
-    ``__init__`` assigned them (what :func:`registration_order` reads)."""
-    return _order(module)
 
 
 def _order(node: Any) -> Order | None:
@@ -93,11 +85,6 @@ def forward_order(tree: Mapping[str, Any], order: Order) -> collections.OrderedD
 def from_forward_order(tree: Mapping[str, Any]) -> Params:
     """Inverse of :func:`forward_order`: plain nested dicts."""
     return {k: from_forward_order(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
-
-
-def pure_dict(module: nnx.Module) -> Params:
-    """The module's parameters (and other state) as plain nested dicts of arrays."""
-    return nnx.to_pure_dict(nnx.split(module)[1])
 
 
 def walk_variables(node: Any, fn: Callable[[nnx.Variable], Any]) -> Any:

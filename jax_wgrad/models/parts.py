@@ -5,9 +5,11 @@ A model built as ``embed -> layers -> head`` names, for the library's layout
 (:class:`jax_wgrad.layout.StageLayout`), everything the layout cannot read from the
 modules themselves:
 
-* its three parts as abstract NNX modules (``nnx.eval_shape``: shapes and variable
-  metadata, no arrays) built for ONE tensor rank, each with the key of its parameters in
-  the canonical form (what checkpoints and Hugging Face files hold);
+* its three parts as NNX module constructors (zero-argument callables the layout calls
+  only abstractly, under ``nnx.eval_shape`` / ``jax.eval_shape``: shapes, variable metadata
+  and the order ``__init__`` registers the parameters in, no arrays), each building the
+  part for ONE tensor rank, with the key of its parameters in the canonical form (what
+  checkpoints and Hugging Face files hold);
 * its layer kinds (:class:`LayerKind`: a dense and an MoE layer, say), which kind each
   layer is, and the period of layer kinds a pipeline stage holds whole copies of;
 * the activation between stages (its width and dtype) and the sequence length.
@@ -25,6 +27,7 @@ optional protocols of :mod:`jax_wgrad.layout.program`, detected by ``isinstance`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from flax import nnx
 
@@ -34,18 +37,18 @@ __all__ = ["LayerKind", "ModelParts"]
 @dataclasses.dataclass(frozen=True, eq=False)
 class LayerKind:
     """One kind of layer: its stack's key in the canonical form (all layers of the kind,
-    stacked ``[n, ...]`` in model order) and an abstract module of one such layer.
+    stacked ``[n, ...]`` in model order) and how to build one such layer.
 
     Attributes:
       key: e.g. ``"layers"``, ``"moe_layers"``.
-      module: one layer, abstract (``nnx.eval_shape``), built for one tensor rank.
+      build: builds one layer for one tensor rank (called abstractly only).
       experts: the attribute of the layer whose parameters are expert weights (an MoE
         layer's ``"experts"``): they go to the ``experts`` gradient chunk, synced over the
         expert-data-parallel ranks; ``None``: none.
     """
 
     key: str
-    module: nnx.Module
+    build: Callable[[], nnx.Module]
     experts: str | None = None
 
 
@@ -54,7 +57,7 @@ class ModelParts:
     """A model's modules as the layout places them (module docstring).
 
     Attributes:
-      embed: ``(canonical key, abstract module)`` of the first stage's input part (held by
+      embed: ``(canonical key, constructor)`` of the first stage's input part (held by
         every stage in the shared gradient chunk; its gradient produced by ``pre``'s
         backward).
       kinds: the layer kinds.
@@ -62,7 +65,7 @@ class ModelParts:
       period: the kinds of the layers a stage holds whole copies of, in order (``(0,)``
         for a model of one kind): a stage's layers are ``L / (P V len(period))`` periods,
         each leaf of the device tree stacked over them.
-      head: ``(canonical key, abstract module)`` of the last stage's loss part (shared
+      head: ``(canonical key, constructor)`` of the last stage's loss part (shared
         chunk; its gradient produced by ``post``'s backward, its linear weights fused
         there).
       seq_length: tokens per sequence; hidden_size: the activation's width between
@@ -71,11 +74,11 @@ class ModelParts:
         tokens: the inputs and the shifted labels); sample_dtype: its dtype.
     """
 
-    embed: tuple[str, nnx.Module]
+    embed: tuple[str, Callable[[], nnx.Module]]
     kinds: tuple[LayerKind, ...]
     pattern: tuple[int, ...]
     period: tuple[int, ...]
-    head: tuple[str, nnx.Module]
+    head: tuple[str, Callable[[], nnx.Module]]
     seq_length: int
     hidden_size: int
     compute_dtype: str = "float32"

@@ -38,7 +38,7 @@ from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.functional.stacked import scan_layers
 from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.models.parts import LayerKind, ModelParts
-from jax_wgrad.ops.registry import DENSE_FAMILIES
+from jax_wgrad.ops.handlers import DENSE_FAMILIES
 from jax_wgrad.parallel.config import ParallelConfig
 
 __all__ = ["LayerStackConfig", "LayerStackProgram"]
@@ -140,22 +140,20 @@ class LayerStackProgram:
         sharded = nnx.eval_shape(
             lambda: build(par.tensor_model_parallel_size, par.sequence_parallel)
         )
-        full = nnx.eval_shape(lambda: build(1, False))
-        set_ = lambda name, value: object.__setattr__(self, name, value)
         defs = {"embed": sharded.embed, "layers": sharded.layers[0], "head": sharded.head}
-        set_("_defs", {k: nnx.split(m)[0] for k, m in defs.items()})
-        set_("_full", full)
+        object.__setattr__(self, "_defs", {k: nnx.split(m)[0] for k, m in defs.items()})
 
     def parts(self) -> ModelParts:
         """``embed``, one layer kind ``layers`` (``num_layers`` of it, a period of one),
         ``head``: the single-device model's modules."""
-        cfg, full = self.model, self._full
+        cfg = self.model
+        full = lambda: cfg.build(tp_size=1, sequence_parallel=False, rngs=nnx.Rngs(0))
         return ModelParts(
-            embed=("embed", full.embed),
-            kinds=(LayerKind("layers", full.layers[0]),),
+            embed=("embed", lambda: full().embed),
+            kinds=(LayerKind("layers", lambda: full().layers[0]),),
             pattern=(0,) * cfg.num_layers,
             period=(0,),
-            head=("head", full.head),
+            head=("head", lambda: full().head),
             seq_length=cfg.seq_length,
             hidden_size=cfg.hidden_size,
             compute_dtype=cfg.compute_dtype,

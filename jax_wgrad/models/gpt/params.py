@@ -122,16 +122,16 @@ def model_parts(cfg: GPTConfig, etp: int = 1) -> ModelParts:
     latter's ``experts`` in the expert chunk) in the order of ``cfg.moe_layer_pattern``,
     one :func:`period_pattern` per period; built for one tensor rank (``etp``: the expert
     tensor-parallel size, which says how the expert weights are split)."""
-    emb, layer, moe_layer, head = abstract_modules(cfg, etp=etp)
-    kinds = [LayerKind("layers", layer)]
-    if moe_layer is not None:
-        kinds.append(LayerKind("moe_layers", moe_layer, experts="experts"))
+    layer = lambda moe: lambda: TransformerLayer(cfg, moe=moe, etp_size=etp, rngs=nnx.Rngs(0))
+    kinds = [LayerKind("layers", layer(False))]
+    if cfg.num_moe_experts is not None:
+        kinds.append(LayerKind("moe_layers", layer(True), experts="experts"))
     return ModelParts(
-        embed=("embedding", emb),
+        embed=("embedding", lambda: GPTEmbedding(cfg, rngs=nnx.Rngs(0))),
         kinds=tuple(kinds),
         pattern=tuple(int(m) for m in cfg.moe_layer_pattern),
         period=tuple(int(m) for m in period_pattern(cfg)),
-        head=("head", head),
+        head=("head", lambda: GPTHead(cfg, rngs=nnx.Rngs(0))),
         seq_length=cfg.seq_length,
         hidden_size=cfg.hidden_size,
         compute_dtype=cfg.compute_dtype,
