@@ -50,7 +50,7 @@ from jax_wgrad.aot import hlo, thunks
 from jax_wgrad.aot.compile import read_largest_dump
 from jax_wgrad.aot.targets import target_devices
 from jax_wgrad.functional import MoEConfig, moe_mlp
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 from jax_wgrad.parallel.mesh import EXPERT
 
 AXIS = EXPERT  # the mesh axis the experts are split over
@@ -70,10 +70,10 @@ _BYTES = {
     "u64": 8,
 }
 _WGRAD_TARGETS = (
-    registry.RAGGED_MATMUL_TARGET,
-    registry.RAGGED_WGRAD_TARGET,
-    registry.TARGET,
-    registry.TARGET_AT,
+    handlers.RAGGED_MATMUL_TARGET,
+    handlers.RAGGED_WGRAD_TARGET,
+    handlers.TARGET,
+    handlers.TARGET_AT,
 )
 
 
@@ -319,7 +319,7 @@ def _call_flops(call: dict) -> int:
     """FLOPs of a jax_wgrad GEMM call if it computed every row of its operands (the
     ragged calls compute only the rows in groups: the routed tokens)."""
     x, other = _dims(call["operands"][0]), _dims(call["operands"][1])
-    if call["target"] == registry.RAGGED_MATMUL_TARGET:  # x [R, K], w [G, ., .]
+    if call["target"] == handlers.RAGGED_MATMUL_TARGET:  # x [R, K], w [G, ., .]
         return 2 * x[0] * x[1] * _dims(call["result"])[-1]
     return 2 * math.prod(x) * other[-1]  # wgrad: x [.., in], dy [.., out]
 
@@ -425,7 +425,7 @@ def mlp_report(gpus, e, variant, t, h, f, k, swiglu, cublas) -> dict:
     dense_calls = sum(
         c["flops_over_all_rows"]
         for c in calls
-        if c["target"] in (registry.TARGET, registry.TARGET_AT)
+        if c["target"] in (handlers.TARGET, handlers.TARGET_AT)
     )
     expert_flops = sum(g["flops"] for g in gs if g["part"] == "expert") + dense_calls
     ragged_rows = sorted(
@@ -589,7 +589,7 @@ def scan_report(layers, e, t, h, f, k, bucket_elems, keep_dump: str | None = Non
     lowering = [
         re.search(r"output_operand_aliases = \[.*?>\]", l).group(0)
         for l in stablehlo.splitlines()
-        if f"@{registry.RAGGED_WGRAD_TARGET}" in l and "output_operand_aliases" in l
+        if f"@{handlers.RAGGED_WGRAD_TARGET}" in l and "output_operand_aliases" in l
     ]
     with tempfile.TemporaryDirectory(prefix="moe_aot_") as tmp:
         dump = keep_dump or tmp

@@ -65,7 +65,7 @@ from jax_wgrad.aot.hlo import computations, entry_name, instructions  # noqa: E4
 from jax_wgrad.functional import MoEConfig, moe_mlp  # noqa: E402
 from jax_wgrad.functional.moe import route  # noqa: E402
 from jax_wgrad.functional.moe_dispatch import DroplessDispatch  # noqa: E402
-from jax_wgrad.ops import registry  # noqa: E402
+from jax_wgrad.ops import handlers  # noqa: E402
 from jax_wgrad.parallel.mesh import EXPERT  # noqa: E402
 
 
@@ -350,7 +350,7 @@ class ExpertCall(NamedTuple):
 
     def flops(self, rows: float | None = None) -> float:
         """``2 groups rows in out`` (a ragged call: ``rows`` = its groups' total)."""
-        if self.target == registry.TARGET or self.target == registry.TARGET_AT:
+        if self.target == handlers.TARGET or self.target == handlers.TARGET_AT:
             return 2 * self.groups * self.rows * self.d_in * self.d_out
         return 2 * (self.rows if rows is None else rows) * self.d_in * self.d_out
 
@@ -368,15 +368,15 @@ def expert_calls(hlo: str) -> list[ExpertCall]:
             continue
         target = target.group(1)
         if target not in (
-            registry.RAGGED_MATMUL_TARGET,
-            registry.RAGGED_WGRAD_TARGET,
-            registry.TARGET,
-            registry.TARGET_AT,
+            handlers.RAGGED_MATMUL_TARGET,
+            handlers.RAGGED_WGRAD_TARGET,
+            handlers.TARGET,
+            handlers.TARGET_AT,
         ):
             continue
         layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, [a-z_]+=", ins.line)
         shapes = [_dims(s) for s in re.findall(r"[a-z]+\d*\[[\d,]*\]", layouts.group(1))]
-        if target == registry.RAGGED_MATMUL_TARGET:
+        if target == handlers.RAGGED_MATMUL_TARGET:
             (rows, k), (g, a, b) = shapes[0], shapes[1]
             transpose = int(re.search(r"transpose_rhs = (\d)", ins.line).group(1))
             n = a if transpose else b
@@ -385,10 +385,10 @@ def expert_calls(hlo: str) -> list[ExpertCall]:
             out.append(
                 ExpertCall(ins.name, target, "fwd" if transpose else "dgrad", g, rows, d_in, d_out)
             )
-        elif target == registry.RAGGED_WGRAD_TARGET:
+        elif target == handlers.RAGGED_WGRAD_TARGET:
             (rows, d_in), (_, d_out), (g,) = shapes[0], shapes[1], shapes[2]
             out.append(ExpertCall(ins.name, target, "wgrad", g, rows, d_in, d_out))
-        elif target in (registry.TARGET, registry.TARGET_AT) and len(shapes[0]) == 3:
+        elif target in (handlers.TARGET, handlers.TARGET_AT) and len(shapes[0]) == 3:
             (g, rows, d_in), (_, _, d_out) = shapes[0], shapes[1]
             out.append(ExpertCall(ins.name, target, "wgrad", g, rows, d_in, d_out))
     return out
@@ -398,7 +398,7 @@ def ragged_calls(hlo: str) -> list[ExpertCall]:
     return [
         c
         for c in expert_calls(hlo)
-        if c.target in (registry.RAGGED_MATMUL_TARGET, registry.RAGGED_WGRAD_TARGET)
+        if c.target in (handlers.RAGGED_MATMUL_TARGET, handlers.RAGGED_WGRAD_TARGET)
     ]
 
 

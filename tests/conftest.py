@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import jax_wgrad  # noqa: E402
-from jax_wgrad.ops import registry  # noqa: E402
+from jax_wgrad.ops import handlers  # noqa: E402
 
 jax_wgrad.use_virtual_cpu_devices(8)
 
@@ -47,7 +47,7 @@ HAS_GPU = _has_gpu()
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to jax here")
-    cuda_handler = registry.load_error("cuda")  # None: built, imported and registered
+    cuda_handler = handlers.load_error("cuda")  # None: built, imported and registered
     skip_handler = pytest.mark.skip(
         reason=f"needs the CUDA handler importable (no GPU needed): {cuda_handler}"
     )

@@ -27,7 +27,7 @@ from jax_wgrad import (
     wgrad_accumulate,
 )
 from jax_wgrad.aot import gpu_target, hlo, thunks
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 
 # --------------------------------------------------------------- everywhere (text analyses)
 
@@ -56,7 +56,7 @@ def test_schedule_loop_and_custom_call_aliasing_on_cpu_hlo():
     )
     name, body = hlo.schedule_loop(text, [N])
     assert name and body in hlo.computations(text)
-    calls = hlo.custom_calls(text, registry.TARGET)
+    calls = hlo.custom_calls(text, handlers.TARGET)
     assert calls and all(hlo.aliased(c) for c in calls)
     assert hlo.schedule_loop(text, [N + 1]) is None  # no loop carries such an array
 
@@ -749,7 +749,7 @@ def test_plan_without_fusion_check(monkeypatch):
     monkeypatch.setattr(plan_module, "require_fusion", must_not_run)
     TrainPlan.create(MODEL, par, mesh, default_optimizer(1e-3), check_fusion=False)
     # A handler that is not loaded cannot be lowered: said at once, with the reason.
-    monkeypatch.setitem(registry._LOADED, "cpu", "the module is missing (test)")
+    monkeypatch.setitem(handlers._LOADED, "cpu", "the module is missing (test)")
     with pytest.raises(RuntimeError, match="cannot be lowered.*missing \\(test\\)"):
         TrainPlan.create(MODEL, par, mesh, default_optimizer(1e-3), check_fusion=False)
 
@@ -802,8 +802,8 @@ def _plugin_error() -> str | None:
         target_devices("h100", 1)
     except Exception as exc:
         return str(exc)
-    if registry.load_error("cuda") is not None:
-        return f"the CUDA handler is not loaded: {registry.load_error('cuda')}"
+    if handlers.load_error("cuda") is not None:
+        return f"the CUDA handler is not loaded: {handlers.load_error('cuda')}"
     return None
 
 
@@ -1012,8 +1012,8 @@ def _subprocess_skip() -> str | None:
 
     if cuda_plugin() is None:
         return "jax's CUDA plugin is not installed (e.g. pip install 'jax[cuda13]')"
-    if registry.load_error("cuda") is not None:
-        return f"the CUDA handler is not loaded: {registry.load_error('cuda')}"
+    if handlers.load_error("cuda") is not None:
+        return f"the CUDA handler is not loaded: {handlers.load_error('cuda')}"
     return None
 
 

@@ -9,7 +9,7 @@ import pytest
 from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
 
 from jax_wgrad import ops
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
@@ -64,7 +64,7 @@ def test_in_place_under_donated_jit():
         lambda b, g0, g1: ops.bucket_add(b, [g0, g1], [0, 1024]), bucket, *grads, donate_argnums=0
     )
     assert entry_aliases_param(hlo, 0)
-    calls = custom_calls(hlo, registry.BUCKET_ADD_TARGET)
+    calls = custom_calls(hlo, handlers.BUCKET_ADD_TARGET)
     assert len(calls) == 1 and "output_to_operand_aliasing={{}: (0, {})}" in calls[0]
     assert copies_of(hlo, "f32", (1 << 12,)) == []
 
@@ -83,7 +83,7 @@ def test_in_place_as_scan_carry_with_many_blocks():
         return jax.lax.scan(body, bucket, grads)[0]
 
     hlo = compiled_text(run, jnp.zeros(n), grads, donate_argnums=0)
-    assert len(custom_calls(hlo, registry.BUCKET_ADD_TARGET)) == 1
+    assert len(custom_calls(hlo, handlers.BUCKET_ADD_TARGET)) == 1
     assert copies_of(hlo, "f32", (n,)) == []
     assert not [l for l in hlo.splitlines() if f"f32[{n}]" in l and "dynamic-update-slice(" in l]
     got = np.asarray(jax.jit(run)(jnp.zeros(n), grads))

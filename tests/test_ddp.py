@@ -33,7 +33,7 @@ from jax_wgrad import (
     make_mesh,
     shard_batch,
 )
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -350,8 +350,8 @@ def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
         # (the layers' at traced offsets inside the scan over layers)
         assert (
             len(
-                custom_calls("\n".join(in_loop), registry.TARGET)
-                + custom_calls("\n".join(in_loop), registry.TARGET_AT)
+                custom_calls("\n".join(in_loop), handlers.TARGET)
+                + custom_calls("\n".join(in_loop), handlers.TARGET_AT)
             )
             >= 4 + 1
         )
@@ -361,7 +361,7 @@ def test_hlo_buckets_are_updated_in_place_no_copy_per_microbatch(dist):
     # in the loop are the distributed optimizer's write-back of each stage bucket's
     # reduce-scattered shard in the cooldown, at the rank's (traced) offset: the rank's row
     # of the bucket viewed as [dp, numel / dp] (exact past 2^31 elements, grads/sync.py).
-    assert custom_calls("\n".join(in_loop), registry.BUCKET_ADD_TARGET)
+    assert custom_calls("\n".join(in_loop), handlers.BUCKET_ADD_TARGET)
     dp = 2  # of the (2, 1, 4) layout
     dus = [
         re.search(rf"= f32\[(?:{n}|{dp},{n // dp})\]\S* dynamic-update-slice\(([^)]*)\)", line)

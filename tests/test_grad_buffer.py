@@ -22,7 +22,7 @@ from jax_wgrad.grads import (
     sync_buckets,
 )
 from jax_wgrad.grads.plan import bucket_end_divisor, plan_buckets, shard_range
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers, status
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -130,7 +130,7 @@ def test_add_tree_in_place_when_donated():
 
 
 def test_fused_wgrad_and_add_tree_into_bucket_in_scan_are_in_place():
-    if not registry.fusion_available("cpu"):
+    if not status.fusion_available("cpu"):
         pytest.skip("CPU handler not built")
     buf = GradBuffer.create(_params(), dp_size=2, bucket_size=None, use_distributed_optimizer=True)
     (n,) = buf.bucket_numels
@@ -153,7 +153,7 @@ def test_fused_wgrad_and_add_tree_into_bucket_in_scan_are_in_place():
     args = (buf.zeros(), *xs, jnp.asarray(small["b_bias"], F32), jnp.asarray(small["d_ln"], F32))
     hlo = compiled_text(run, *args, donate_argnums=0)
     assert copies_of(hlo, "f32", (n,)) == [], hlo
-    assert len(custom_calls(hlo, registry.TARGET)) == 2
+    assert len(custom_calls(hlo, handlers.TARGET)) == 2
     got = buf.to_tree(jax.jit(run)(*args))
     np.testing.assert_allclose(got["a_w"], np.einsum("mto,mti->oi", dya, xa), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["c_w"], np.einsum("mto,mti->oi", dyc, xc), rtol=1e-5, atol=1e-5)
@@ -513,8 +513,8 @@ def test_row_groups_add_tree_values_and_in_place():
     # One in-place bucket_add per bucket touched; no bucket is copied.
     hlo = compiled_text(add, buf.zeros(), b, donate_argnums=0)
     assert all(copies_of(hlo, "f32", (n,)) == [] for n in set(buf.bucket_numels)), hlo
-    if registry.fusion_available("cpu"):  # buckets 0..2 (rows), 4 (a_emb), 5 (c_head)
-        assert len(custom_calls(hlo, registry.BUCKET_ADD_TARGET)) == buf.num_buckets - 1
+    if status.fusion_available("cpu"):  # buckets 0..2 (rows), 4 (a_emb), 5 (c_head)
+        assert len(custom_calls(hlo, handlers.BUCKET_ADD_TARGET)) == buf.num_buckets - 1
 
 
 @needs8

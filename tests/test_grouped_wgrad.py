@@ -10,7 +10,7 @@ import pytest
 from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
 
 from jax_wgrad import ops
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPE_COMBOS = [(F32, F32), (BF16, F32), (F16, F32), (BF16, BF16), (F16, F16)]
@@ -82,7 +82,7 @@ def test_in_place_one_call_under_donated_jit():
     fn = functools.partial(ops.grouped_wgrad_accumulate, offset=7)
     hlo = compiled_text(fn, x, dy, bucket, donate_argnums=2)
     assert entry_aliases_param(hlo, 2), hlo.splitlines()[0]
-    calls = custom_calls(hlo, registry.TARGET)
+    calls = custom_calls(hlo, handlers.TARGET)
     assert len(calls) == 1 and "output_to_operand_aliasing={{}: (2, {})}" in calls[0]
     assert "bf16[8,64,48]" in calls[0] and copies_of(hlo, "f32", bucket.shape) == []
 
@@ -94,7 +94,7 @@ def test_in_place_as_scan_carry():
         lambda a, b: (ops.grouped_wgrad_accumulate(*b, a, offset=0), None), acc, (xs, dys)
     )[0]
     hlo = compiled_text(run, jnp.zeros(4 * 5 * 8), xs, dys, donate_argnums=0)
-    assert entry_aliases_param(hlo, 0) and len(custom_calls(hlo, registry.TARGET)) == 1
+    assert entry_aliases_param(hlo, 0) and len(custom_calls(hlo, handlers.TARGET)) == 1
     assert copies_of(hlo, "f32", (160,)) == []
     np.testing.assert_array_equal(
         np.asarray(jax.jit(run)(jnp.zeros(160), xs, dys)), np.full(160, 3 * 16.0)

@@ -16,11 +16,11 @@ from flax import nnx
 
 import jax_wgrad
 from jax_wgrad import ops
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers, status, wgrad
 
 
 def _loaded_platforms() -> list[str]:
-    return [p for p in registry.PLATFORMS if registry.load_error(p) is None]
+    return [p for p in handlers.PLATFORMS if handlers.load_error(p) is None]
 
 
 # ---- 1. handlers that load into every supported jax ----------------------------------
@@ -29,25 +29,25 @@ def _loaded_platforms() -> list[str]:
 def test_built_handlers_declare_the_oldest_supported_api():
     # Asked the way XLA asks at registration (a metadata call frame): every handler must
     # declare an FFI API that jax 0.10.2 (0.3) accepts -- XLA rejects newer handlers.
-    assert registry.OLDEST_SUPPORTED_FFI_API == (0, 3)
+    assert handlers.OLDEST_SUPPORTED_FFI_API == (0, 3)
     assert "cpu" in _loaded_platforms()
     for platform in _loaded_platforms():
-        module = importlib.import_module(registry._MODULES[platform][0])
+        module = importlib.import_module(handlers._MODULES[platform][0])
         if module.built_for_newer_ffi_api:
             pytest.skip(
                 f"the {platform} handlers were built with "
                 "JAX_WGRAD_ALLOW_NEWER_FFI_API=ON (they load into that jax and newer)"
             )
-        metadata = registry.handler_metadata(platform)
+        metadata = handlers.handler_metadata(platform)
         assert set(metadata) == {
-            registry.TARGET,
-            registry.TARGET_AT,
-            registry.BUCKET_ADD_TARGET,
-            registry.RAGGED_MATMUL_TARGET,
-            registry.RAGGED_WGRAD_TARGET,
+            handlers.TARGET,
+            handlers.TARGET_AT,
+            handlers.BUCKET_ADD_TARGET,
+            handlers.RAGGED_MATMUL_TARGET,
+            handlers.RAGGED_WGRAD_TARGET,
         }, platform
         for name, meta in metadata.items():
-            assert tuple(meta["api_version"]) <= registry.OLDEST_SUPPORTED_FFI_API, (
+            assert tuple(meta["api_version"]) <= handlers.OLDEST_SUPPORTED_FFI_API, (
                 platform,
                 name,
                 meta,
@@ -55,8 +55,8 @@ def test_built_handlers_declare_the_oldest_supported_api():
 
 
 def test_runtime_ffi_api_is_read_from_the_running_jaxlib():
-    runtime = registry.runtime_ffi_api()
-    assert runtime is not None and runtime >= registry.OLDEST_SUPPORTED_FFI_API
+    runtime = handlers.runtime_ffi_api()
+    assert runtime is not None and runtime >= handlers.OLDEST_SUPPORTED_FFI_API
     if jax.__version__ == "0.10.2":
         assert runtime == (0, 3)
 
@@ -103,8 +103,8 @@ class _FakeModule:
 def test_newer_handler_api_is_a_status_not_a_broken_backend(monkeypatch):
     fake = _FakeModule(version=(0, 99))
     _importing(monkeypatch, "jax_wgrad._fake", fake)
-    monkeypatch.setattr(registry, "_METADATA", {})
-    reason = registry._register_module("cpu", "jax_wgrad._fake", "cpu")
+    monkeypatch.setattr(handlers, "_METADATA", {})
+    reason = handlers._register_module("cpu", "jax_wgrad._fake", "cpu")
     assert "built against XLA FFI API 0.99, newer than this jaxlib's" in reason
     assert "Rebuild jax_wgrad" in reason
     assert not fake.registered  # nothing reached XLA
@@ -115,8 +115,8 @@ def test_newer_handler_api_is_a_status_not_a_broken_backend(monkeypatch):
 def test_registration_error_is_a_status(monkeypatch):
     fake = _FakeModule(version=(0, 1), registrations=None)
     _importing(monkeypatch, "jax_wgrad._fake", fake)
-    monkeypatch.setattr(registry, "_METADATA", {})
-    reason = registry._register_module("cuda", "jax_wgrad._fake", "CUDA")
+    monkeypatch.setattr(handlers, "_METADATA", {})
+    reason = handlers._register_module("cuda", "jax_wgrad._fake", "CUDA")
     assert reason.startswith("registering the handlers of jax_wgrad._fake failed: ")
     assert "duplicate registration" in reason
 
@@ -127,7 +127,7 @@ def test_import_error_is_a_status(monkeypatch):
         "jax_wgrad._wgrad_ffi_cuda",
         ImportError("libcublas.so.13: cannot open shared object file"),
     )
-    reason = registry._register_module("cuda", "jax_wgrad._wgrad_ffi_cuda", "CUDA")
+    reason = handlers._register_module("cuda", "jax_wgrad._wgrad_ffi_cuda", "CUDA")
     assert "could not be imported: libcublas.so.13" in reason
 
 
@@ -137,7 +137,7 @@ def test_import_error_is_a_status(monkeypatch):
 @pytest.fixture
 def fresh_status(monkeypatch):
     """No status remembered (of any ``(platform, family)``): the next query probes again."""
-    monkeypatch.setattr(registry, "_VERIFIED", {})
+    monkeypatch.setattr(status, "_VERIFIED", {})
 
 
 def test_status_asked_while_tracing_is_not_a_failure(fresh_status):
@@ -150,8 +150,8 @@ def test_status_asked_while_tracing_is_not_a_failure(fresh_status):
     jax.jit(f)(1.0)
     jax.eval_shape(f, jax.ShapeDtypeStruct((2,), jnp.float32))
     assert seen == [None, None]
-    assert registry._VERIFIED["cpu", "dense"] is None
-    assert registry._VERIFIED["cpu", "bucket_add"] is None
+    assert status._VERIFIED["cpu", "dense"] is None
+    assert status._VERIFIED["cpu", "bucket_add"] is None
 
 
 def test_fused_linear_built_inside_nnx_eval_shape(fresh_status):
@@ -169,7 +169,7 @@ def test_probe_runs_on_a_device_of_this_process(fresh_status, monkeypatch):
         raise AssertionError("the probe must not pick a device from jax.devices()")
 
     monkeypatch.setattr(jax, "devices", no_global_devices)
-    assert registry._status("cpu") is None
+    assert status._status("cpu") is None
 
 
 def test_transient_failure_is_not_remembered(fresh_status, monkeypatch):
@@ -179,27 +179,27 @@ def test_transient_failure_is_not_remembered(fresh_status, monkeypatch):
         raise RuntimeError("Unknown backend cpu")
 
     monkeypatch.setattr(jax, "local_devices", none_yet)
-    assert "jax sees no cpu device of this process" in registry._status("cpu")
+    assert "jax sees no cpu device of this process" in status._status("cpu")
     assert "jax sees no cpu device of this process" in ops.op_status("cpu")["ragged"]
-    assert registry._VERIFIED == {}
+    assert status._VERIFIED == {}
     monkeypatch.setattr(jax, "local_devices", real)
-    assert registry._status("cpu") is None and registry._VERIFIED["cpu", "dense"] is None
+    assert status._status("cpu") is None and status._VERIFIED["cpu", "dense"] is None
 
 
 def test_out_of_memory_is_not_remembered(fresh_status, monkeypatch):
     def oom(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
 
-    monkeypatch.setattr(ops, "wgrad_accumulate", oom)
-    assert "RESOURCE_EXHAUSTED" in registry._status("cpu")
-    assert ("cpu", "dense") not in registry._VERIFIED
+    monkeypatch.setattr(wgrad, "wgrad_accumulate", oom)
+    assert "RESOURCE_EXHAUSTED" in status._status("cpu")
+    assert ("cpu", "dense") not in status._VERIFIED
 
 
 def _break(monkeypatch, op: str) -> None:
     """``ops.<op>`` returns its accumulator (or input) unchanged: a kernel that runs but
-    computes nothing, as the probe calls it."""
+    computes nothing, as the probe calls it (from the module that defines it)."""
     monkeypatch.setattr(
-        ops,
+        importlib.import_module(getattr(ops, op).__module__),
         op,
         lambda *args, **kwargs: args[2] if op == "grouped_wgrad_accumulate" else args[0],
     )
@@ -217,12 +217,12 @@ def _break(monkeypatch, op: str) -> None:
 )
 def test_probe_checks_every_kernel_variant(fresh_status, monkeypatch, broken, family, case):
     _break(monkeypatch, broken)
-    status = ops.op_status("cpu")
-    assert status[family].endswith(f"returned wrong values ({case})"), status
+    per_family = ops.op_status("cpu")
+    assert per_family[family].endswith(f"returned wrong values ({case})"), per_family
     # Every other family has its own program: unaffected.
-    assert {f for f, reason in status.items() if reason is not None} == {family}
+    assert {f for f, reason in per_family.items() if reason is not None} == {family}
     # The dense model's view: only its families count; a reason names the family.
-    dense = registry._status("cpu")
+    dense = status._status("cpu")
     if family in ops.DENSE_FAMILIES:
         assert dense.startswith(f"op family '{family}': ") and dense.endswith(f"({case})")
     else:
@@ -230,7 +230,7 @@ def test_probe_checks_every_kernel_variant(fresh_status, monkeypatch, broken, fa
 
 
 def test_probe_cases_cover_the_variants():
-    cases = [(c.name, c.family) for c in registry._probe_cases()]
+    cases = [(c.name, c.family) for c in status._probe_cases()]
     assert cases == [
         ("float32 default", "dense"),
         ("float32 highest", "dense"),
@@ -256,11 +256,11 @@ def test_probe_cases_cover_the_variants():
         ("ragged_wgrad_accumulate bfloat16 into float32, out = in = 8", "ragged"),
         ("ragged_wgrad_accumulate at a 64-bit position base + index * stride", "ragged"),
     ]
-    assert registry.OP_FAMILIES == ("dense", "bucket_add", "grouped", "ragged")
-    assert registry.DENSE_FAMILIES == ("dense", "bucket_add")
-    assert {c.family for c in registry._probe_cases()} == set(registry.OP_FAMILIES)
-    for family in registry.OP_FAMILIES:
-        assert [c.family for c in registry._probe_cases(family)] == [
+    assert handlers.OP_FAMILIES == ("dense", "bucket_add", "grouped", "ragged")
+    assert handlers.DENSE_FAMILIES == ("dense", "bucket_add")
+    assert {c.family for c in status._probe_cases()} == set(handlers.OP_FAMILIES)
+    for family in handlers.OP_FAMILIES:
+        assert [c.family for c in status._probe_cases(family)] == [
             f for _, f in cases if f == family
         ]
 
@@ -272,8 +272,8 @@ def test_families_are_probed_in_order(fresh_status):
     # Asking for the ragged family first still runs the dense program first (a sticky
     # CUDA error left by a later family cannot hide the dense result), one per family.
     ops.require_fusion("cpu", families=("ragged",))
-    assert list(registry._VERIFIED) == [("cpu", f) for f in registry.OP_FAMILIES]
-    assert ops.op_status("cpu") == dict.fromkeys(registry.OP_FAMILIES)
+    assert list(status._VERIFIED) == [("cpu", f) for f in handlers.OP_FAMILIES]
+    assert ops.op_status("cpu") == dict.fromkeys(handlers.OP_FAMILIES)
     assert ops.op_status() == ops.op_status("cpu")  # jax's default backend: the CPU here
     with pytest.raises(ValueError, match="unknown op families \\['moe'\\]"):
         ops.fusion_status(families=("dense", "moe"))
@@ -289,9 +289,9 @@ def test_a_broken_ragged_kernel_leaves_dense_fusion_usable(fresh_status, monkeyp
     layer = jax_wgrad.Linear(4, 3, gradient_accumulation_fusion=True, rngs=nnx.Rngs(0))
     assert layer.main_grad.get_value().shape == (3, 4)
     # ... while the ragged family is reported broken, naming the case ...
-    status = ops.op_status("cpu")
-    assert status["ragged"].endswith(f"returned wrong values ({case})"), status
-    assert status["dense"] is status["bucket_add"] is status["grouped"] is None
+    per_family = ops.op_status("cpu")
+    assert per_family["ragged"].endswith(f"returned wrong values ({case})"), per_family
+    assert per_family["dense"] is per_family["bucket_add"] is per_family["grouped"] is None
     assert not ops.fusion_available("cpu", families=("dense", "ragged"))
     assert ops.fusion_status(families="ragged")["cpu"].startswith("op family 'ragged': ")
     # ... and refused where asked for, in Megatron's words naming the family.
@@ -388,13 +388,13 @@ def test_cuda_library_holds_sm80_sm90_sm100_code_and_ptx():
 
 @pytest.mark.cuda_handler
 def test_cuda_handlers_may_be_captured_into_cuda_graphs():
-    metadata = registry.handler_metadata("cuda")
-    for name in (registry.TARGET, registry.TARGET_AT, registry.BUCKET_ADD_TARGET):
+    metadata = handlers.handler_metadata("cuda")
+    for name in (handlers.TARGET, handlers.TARGET_AT, handlers.BUCKET_ADD_TARGET):
         assert metadata[name]["command_buffer_compatible"], metadata
     # The wgrad targets are bundles: their initialize stage creates the cuBLAS handle before
     # any capture, so the execute stage only enqueues stream work.
     module = importlib.import_module("jax_wgrad._wgrad_ffi_cuda")
-    for name in (registry.TARGET, registry.TARGET_AT):
+    for name in (handlers.TARGET, handlers.TARGET_AT):
         assert set(module.registrations()[name]) == {"initialize", "execute"}
 
 

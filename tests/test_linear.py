@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 import jax_wgrad
 from jax_wgrad import Linear, MainGrad, accumulate_gradients, linear
 from jax_wgrad.functional import WgradRoutes, linear_into_bucket
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 
 
 def _ref_linear(x, w, b):
@@ -240,7 +240,7 @@ def test_threaded_bucket_in_place_in_a_scan_over_microbatches():
         return jax.lax.scan(body, bucket, (x, dys))[0]
 
     hlo = compiled_text(accumulate, jnp.zeros(n), x, dys, donate_argnums=0)
-    assert len(custom_calls(hlo, registry.TARGET)) == 2
+    assert len(custom_calls(hlo, handlers.TARGET)) == 2
     assert copies_of(hlo, "f32", (n,)) == [], hlo
     got = jax.jit(accumulate)(jnp.zeros(n), x, dys)
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.functional import MoEConfig, moe_mlp
 from jax_wgrad.functional.moe import dispatch_slots
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 from jax_wgrad.parallel.mesh import EXPERT
 from jax_wgrad.testing import reference_moe_mlp
 
@@ -206,7 +206,7 @@ def _backward_graph(overlap, compiled):
     graph = dataflow(lines)
     name = lambda l: INSTRUCTION.match(l).group(1)
     a2a = [name(l) for l in lines if re.search(r" all-to-all(-start)?\(", l)]
-    wgrads = [name(l) for l in lines if f'custom_call_target="{registry.TARGET}"' in l]
+    wgrads = [name(l) for l in lines if f'custom_call_target="{handlers.TARGET}"' in l]
     kinds = {name(l): l for l in lines if INSTRUCTION.match(l)}
     # dispatch, combine, and their transposes: the dispatch backward needs two others
     # (dispatch forward, combine backward); the combine forward needs the dispatch.

@@ -418,7 +418,7 @@ def test_hlo_delayed_ragged_wgrad_frees_the_dispatch_backward(overlap):
     depends on them and each updates the bucket in place."""
     from hlo_util import INSTRUCTION, ancestors, dataflow
 
-    from jax_wgrad.ops import registry
+    from jax_wgrad.ops import handlers
 
     cfg = MoEConfig(
         num_experts=E, ffn_hidden_size=F, topk=2, aux_loss_coeff=1e-2, overlap_wgrad=overlap
@@ -439,7 +439,7 @@ def test_hlo_delayed_ragged_wgrad_frees_the_dispatch_backward(overlap):
             for l in lines
             if INSTRUCTION.match(l) and re.search(r" all-to-all(-start)?\(", l)
         ]
-        wgrads = [l for l in lines if f'custom_call_target="{registry.RAGGED_WGRAD_TARGET}"' in l]
+        wgrads = [l for l in lines if f'custom_call_target="{handlers.RAGGED_WGRAD_TARGET}"' in l]
         assert len(wgrads) == 2 and len(a2a) >= 5  # rows, counts, combine; 2 transposes
         waits = [any(name(w) in ancestors(graph, a) for a in a2a) for w in wgrads]
         assert waits == [not overlap] * 2

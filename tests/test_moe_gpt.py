@@ -550,7 +550,7 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
         while_bodies,
     )
 
-    from jax_wgrad.ops import registry
+    from jax_wgrad.ops import handlers
 
     cfg = _model(overlap_dispatch_backward_with_experts_wgrad=True)
     par = _par(2, 1, 1, gradient_accumulation_fusion=True)
@@ -606,14 +606,14 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
     in_layers = reachable(comps, layer_loop[1])
     grouped = [
         c
-        for c in custom_calls(hlo, registry.RAGGED_WGRAD_TARGET)
+        for c in custom_calls(hlo, handlers.RAGGED_WGRAD_TARGET)
         if re.search(rf"= {re.escape(bucket)}\S* custom-call\(", c)
         and any(c in [x.strip() for x in comps[n]] for n in in_layers)
     ]
     assert len(grouped) == 2  # fc1 and fc2 in the body, run once per layer
     # The ragged forward GEMMs' outputs are saved (checkpoint name), not recomputed: the
     # program has fc1 and fc2 forward and input-gradient calls only (4, not 6).
-    assert len(custom_calls(hlo, registry.RAGGED_MATMUL_TARGET)) == 4
+    assert len(custom_calls(hlo, handlers.RAGGED_MATMUL_TARGET)) == 4
     assert all("output_to_operand_aliasing" in c for c in grouped)
     graph = dataflow(comps[entry])
     loop_name = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", loop[0]).group(1)

@@ -13,7 +13,7 @@ from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad import ops
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers, status, wgrad
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # (input dtype, main_grad dtype): every combination apex supports.
@@ -130,7 +130,7 @@ def test_in_place_under_donated_jit():
     x, dy, acc = _data(4, (64,), 48, 40, BF16, F32)
     hlo = compiled_text(ops.wgrad_accumulate, x, dy, acc, donate_argnums=2)
     assert entry_aliases_param(hlo, 2), hlo.splitlines()[0]
-    calls = custom_calls(hlo, registry.TARGET)
+    calls = custom_calls(hlo, handlers.TARGET)
     assert len(calls) == 1 and "output_to_operand_aliasing={{}: (2, {})}" in calls[0]
     assert calls[0].startswith("ROOT %wgrad_accumulate") or "%wgrad_accumulate" in calls[0]
     assert copies_of(hlo, "f32", (40, 48)) == []
@@ -154,7 +154,7 @@ def test_in_place_as_scan_carry():
 
     hlo = compiled_text(run, acc, xs, dys, donate_argnums=0)
     assert entry_aliases_param(hlo, 0)
-    assert "while(" in hlo and len(custom_calls(hlo, registry.TARGET)) == 1
+    assert "while(" in hlo and len(custom_calls(hlo, handlers.TARGET)) == 1
     assert copies_of(hlo, "f32", (40, 24)) == []
 
 
@@ -190,7 +190,7 @@ def test_in_shard_map_per_shard():
     )
     got = jax.jit(fn)(x, dy, accs)
     assert (
-        len(custom_calls(jax.jit(fn).lower(x, dy, accs).compile().as_text(), registry.TARGET)) == 1
+        len(custom_calls(jax.jit(fn).lower(x, dy, accs).compile().as_text(), handlers.TARGET)) == 1
     )
     for i in range(8):
         sl, ac = slice(5 * i, 5 * i + 5), slice(4 * i, 4 * i + 4)
@@ -201,7 +201,7 @@ def test_visible_as_named_custom_call_in_profile(tmp_path):
     x, dy, acc = _data(10, (32,), 16, 8, F32, F32)
     fn = jax.jit(ops.wgrad_accumulate)
     hlo = fn.lower(x, dy, acc).compile().as_text()
-    assert any("%wgrad_accumulate" in c for c in custom_calls(hlo, registry.TARGET))
+    assert any("%wgrad_accumulate" in c for c in custom_calls(hlo, handlers.TARGET))
     fn(x, dy, acc).block_until_ready()
     with jax.profiler.trace(str(tmp_path)):
         fn(x, dy, acc).block_until_ready()
@@ -257,13 +257,13 @@ def test_handler_rejects_bad_operands_itself():
 
 def test_unavailable_platform_error(monkeypatch):
     monkeypatch.setitem(
-        registry._LOADED, "cuda", "jax_wgrad._wgrad_ffi_cuda could not be imported: x"
+        handlers._LOADED, "cuda", "jax_wgrad._wgrad_ffi_cuda could not be imported: x"
     )
     assert not ops.fusion_available("gpu")
     with pytest.raises(RuntimeError, match="you must turn off gradient accumulation fusion"):
-        registry.require_fusion("cuda")
+        status.require_fusion("cuda")
     with pytest.raises(RuntimeError, match="no handler for platform 'tpu'"):
-        registry.require_fusion("tpu")
+        status.require_fusion("tpu")
 
 
 def test_cpu_handler_is_built():
@@ -278,33 +278,33 @@ def test_cuda_handler_is_built_in_ci():
     import importlib.util
 
     assert importlib.util.find_spec("jax_wgrad._wgrad_ffi_cuda") is not None
-    status = ops.fusion_status().get("cuda")
-    assert status is None or "libcublas" in status or "no cuda device" in status, status
+    cuda = ops.fusion_status().get("cuda")
+    assert cuda is None or "libcublas" in cuda or "no cuda device" in cuda, cuda
 
 
 def test_fusion_status_is_shown_by_a_call(monkeypatch):
-    assert ops.fusion_status()["cpu"] is None and registry._VERIFIED["cpu", "dense"] is None
+    assert ops.fusion_status()["cpu"] is None and status._VERIFIED["cpu", "dense"] is None
     assert not ops.fusion_available("tpu")
     # A handler that runs but is wrong, or fails, is reported as unavailable, with why.
-    monkeypatch.setattr(registry, "_VERIFIED", {})
-    monkeypatch.setattr(ops, "wgrad_accumulate", lambda x, dy, acc, **kw: acc)
+    monkeypatch.setattr(status, "_VERIFIED", {})
+    monkeypatch.setattr(wgrad, "wgrad_accumulate", lambda x, dy, acc, **kw: acc)
     assert not ops.fusion_available("cpu")
     assert "returned wrong values" in ops.fusion_status()["cpu"]
     with pytest.raises(RuntimeError, match="returned wrong values.*turn off gradient"):
-        registry.require_fusion("cpu")
+        status.require_fusion("cpu")
 
     def broken(*args, **kw):
         raise RuntimeError("INTERNAL: handler exploded")
 
-    monkeypatch.setattr(registry, "_VERIFIED", {})
-    monkeypatch.setattr(ops, "wgrad_accumulate", broken)
+    monkeypatch.setattr(status, "_VERIFIED", {})
+    monkeypatch.setattr(wgrad, "wgrad_accumulate", broken)
     assert "failed: RuntimeError: INTERNAL: handler exploded" in ops.fusion_status()["cpu"]
 
 
 def test_cuda_registered_under_the_plugin_platform_name():
     # XLA's CUDA plugin flushes pending registrations keyed "CUDA" only
     # (docs/design/h100_findings.md, section 3).
-    assert registry._MODULES["cuda"][1] == "CUDA"
+    assert handlers._MODULES["cuda"][1] == "CUDA"
 
 
 # ---- GPU -----------------------------------------------------------------------------
@@ -452,7 +452,7 @@ def test_flat_buffer_two_params_in_place_in_scan():
 
     bucket = jnp.zeros((128,), F32)
     hlo = compiled_text(run, bucket, xs1, dys1, xs2, dys2, donate_argnums=0)
-    assert copies_of(hlo, "f32", (128,)) == [] and len(custom_calls(hlo, registry.TARGET)) == 2
+    assert copies_of(hlo, "f32", (128,)) == [] and len(custom_calls(hlo, handlers.TARGET)) == 2
     got = jax.jit(run)(bucket, xs1, dys1, xs2, dys2)
     _check_against_float64(got[64:88].reshape(6, 4), xs1, dys1, jnp.zeros((6, 4)))
     _check_against_float64(got[:30].reshape(5, 6), xs2, dys2, jnp.zeros((5, 6)))

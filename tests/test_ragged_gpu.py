@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from jax_wgrad import ops
-from jax_wgrad.ops import ragged, registry
+from jax_wgrad.ops import handlers, ragged
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 U = {jnp.dtype(F32): 2.0**-24, jnp.dtype(BF16): 2.0**-8, jnp.dtype(F16): 2.0**-11}
@@ -391,9 +391,9 @@ def test_cutlass_wgrad_in_a_donated_scan_matches_float64_and_wmma(dtype, case):
 # ------------------------------------------------------- declaration and lowering, no GPU
 @pytest.mark.cuda_handler
 def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
-    metadata = registry.handler_metadata("cuda")
+    metadata = handlers.handler_metadata("cuda")
     module = importlib.import_module("jax_wgrad._wgrad_ffi_cuda")
-    for name in (registry.RAGGED_MATMUL_TARGET, registry.RAGGED_WGRAD_TARGET):
+    for name in (handlers.RAGGED_MATMUL_TARGET, handlers.RAGGED_WGRAD_TARGET):
         assert metadata[name]["command_buffer_compatible"], metadata[name]
         # Bundles: the initialize stage queries the device and readies CUTLASS's kernels.
         assert set(module.registrations()[name]) == {"initialize", "execute"}
@@ -401,7 +401,7 @@ def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
     text = (
         jax.jit(ops.ragged_matmul).trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
     )
-    calls = [l for l in text.splitlines() if f"@{registry.RAGGED_MATMUL_TARGET}(" in l]
+    calls = [l for l in text.splitlines() if f"@{handlers.RAGGED_MATMUL_TARGET}(" in l]
     assert len(calls) == 1 and "transpose_rhs = 1" in calls[0], text
     # float32: an empty scratch result (CUTLASS runs 16-bit data only).
     assert calls[0].rstrip().endswith("-> (tensor<10x5xf32>, tensor<0xui8>)"), calls[0]
@@ -415,7 +415,7 @@ def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
             .lower(lowering_platforms=("cuda",))
             .as_text()
         )
-        call = next(l for l in text.splitlines() if f"@{registry.RAGGED_MATMUL_TARGET}(" in l)
+        call = next(l for l in text.splitlines() if f"@{handlers.RAGGED_MATMUL_TARGET}(" in l)
         assert call.rstrip().endswith(f"-> (tensor<10x5x{t}>, tensor<{scratch}xui8>)"), call
     dy, bucket = jnp.ones((10, 5)), jnp.zeros(100)
     text = (
@@ -424,7 +424,7 @@ def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
-    calls = [l for l in text.splitlines() if f"@{registry.RAGGED_WGRAD_TARGET}(" in l]
+    calls = [l for l in text.splitlines() if f"@{handlers.RAGGED_WGRAD_TARGET}(" in l]
     assert len(calls) == 1, text
     assert "output_tuple_indices = [0], operand_index = 3" in calls[0], calls[0]
     # The handler allocates nothing: float32 data gets an empty scratch result, bf16 data
@@ -441,7 +441,7 @@ def test_cuda_handlers_are_graph_capturable_and_lower_to_one_call():
             .lower(lowering_platforms=("cuda",))
             .as_text()
         )
-        call = next(l for l in text.splitlines() if f"@{registry.RAGGED_WGRAD_TARGET}(" in l)
+        call = next(l for l in text.splitlines() if f"@{handlers.RAGGED_WGRAD_TARGET}(" in l)
         assert f"tensor<{want}xui8>)" in call, call
 
 

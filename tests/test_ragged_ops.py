@@ -11,7 +11,7 @@ import pytest
 from hlo_util import compiled_text, copies_of, custom_calls, entry_aliases_param
 
 from jax_wgrad import ops
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 
 pytestmark = pytest.mark.skipif(
     not ops.fusion_available("cpu", families="ragged"), reason="needs the CPU handler"
@@ -200,7 +200,7 @@ def test_wgrad_in_place_under_donated_jit():
     sizes = jnp.asarray(SIZES["short"], jnp.int32)
     hlo = compiled_text(ops.ragged_wgrad_accumulate, x, dy, sizes, acc, donate_argnums=3)
     assert entry_aliases_param(hlo, 3), hlo.splitlines()[0]
-    calls = custom_calls(hlo, registry.RAGGED_WGRAD_TARGET)
+    calls = custom_calls(hlo, handlers.RAGGED_WGRAD_TARGET)
     assert len(calls) == 1 and "output_to_operand_aliasing={{}: (3, {})}" in calls[0]
     assert copies_of(hlo, "f32", (4, 20, 24)) == []
 
@@ -233,7 +233,7 @@ def test_no_routed_rows_no_work(dtype):
 def test_named_custom_calls_in_hlo():
     x, w = _data(12, [(R, 8), (4, 6, 8)], F32)
     hlo = jax.jit(ops.ragged_matmul).lower(x, w, SIZES["even"]).as_text()
-    assert "ragged_matmul" in hlo and registry.RAGGED_MATMUL_TARGET in hlo
+    assert "ragged_matmul" in hlo and handlers.RAGGED_MATMUL_TARGET in hlo
 
 
 # ---- errors ----------------------------------------------------------------------------
@@ -278,9 +278,9 @@ def test_handler_rejects_bad_operands_itself():
 
 def test_unbuilt_target_is_a_compile_time_error(monkeypatch):
     # A handler module built without the target: compiling says so, naming the platform.
-    metadata = registry.handler_metadata("cpu")
-    del metadata[registry.RAGGED_MATMUL_TARGET]
-    monkeypatch.setitem(registry._METADATA, "cpu", metadata)
+    metadata = handlers.handler_metadata("cpu")
+    del metadata[handlers.RAGGED_MATMUL_TARGET]
+    monkeypatch.setitem(handlers._METADATA, "cpu", metadata)
     x, w, sizes = jnp.zeros((5, 7)), jnp.zeros((2, 3, 7)), jnp.asarray([2, 3], jnp.int32)
     with pytest.raises(
         RuntimeError,

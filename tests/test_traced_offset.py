@@ -17,7 +17,7 @@ import pytest
 from jax_wgrad import ops
 from jax_wgrad.aot import hlo
 from jax_wgrad.functional import grouped_linear, linear_into_bucket
-from jax_wgrad.ops import registry
+from jax_wgrad.ops import handlers
 
 pytestmark = pytest.mark.skipif(not ops.fusion_available("cpu"), reason="needs the CPU handler")
 
@@ -176,7 +176,7 @@ def test_hlo_scan_backward_accumulates_in_place_inside_the_loop(stacked_run):
     comps = hlo.computations(text)
     bodies = [body for _, body in hlo.while_bodies(comps, hlo.entry_name(text))]
     calls = {
-        c: [l for l in comps[c] if f'custom_call_target="{registry.TARGET_AT}"' in l] for c in comps
+        c: [l for l in comps[c] if f'custom_call_target="{handlers.TARGET_AT}"' in l] for c in comps
     }
     with_calls = [c for c, lines in calls.items() if lines]
     # The fused call runs once per layer inside the backward loop's body, not unrolled.
@@ -186,7 +186,7 @@ def test_hlo_scan_backward_accumulates_in_place_inside_the_loop(stacked_run):
     assert "output_to_operand_aliasing={{}: (2, {})}" in calls[with_calls[0]][0]
     # No bucket-sized copy or kernel in the loop; the static-offset target is not used.
     assert hlo.sized_ops(comps, hlo.reachable(comps, loop), [NB]) == []
-    assert not hlo.custom_calls(text, registry.TARGET)
+    assert not hlo.custom_calls(text, handlers.TARGET)
     # The donated bucket is updated in place across the whole program.
     assert hlo.sized_ops(comps, hlo.reachable(comps, hlo.entry_name(text)), [NB]) == []
 
@@ -235,7 +235,7 @@ def test_cuda_lowering_passes_the_offset_as_an_operand():
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )
-    (call,) = [l for l in text.splitlines() if f"@{registry.TARGET_AT}" in l]
+    (call,) = [l for l in text.splitlines() if f"@{handlers.TARGET_AT}" in l]
     assert "output_tuple_indices = [0], operand_index = 2" in call
     assert "tensor<i32>" in call  # the offset operand
     # Results: the bucket, the cuBLAS workspace, 4 * 3 GEMM pointer slots, the staging

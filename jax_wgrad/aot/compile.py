@@ -68,7 +68,7 @@ def abstract_train_state(plan) -> Any:
         mesh=mesh,
         in_specs=(program.param_specs(),),
         out_specs=P(AXES),
-        check_vma=False,
+        check_vma=True,
     )
     per_device = NamedSharding(mesh, P(AXES))
     opt_state = jax.tree.map(
@@ -309,7 +309,7 @@ def compile_plan(
       cuda_graph_scope: ``"kernels"`` or ``"full_iteration"`` (every command-buffer
         type: :func:`~jax_wgrad.training.gpu.gpu_xla_flags`).
     """
-    from jax_wgrad.ops import registry
+    from jax_wgrad.ops import handlers
     from jax_wgrad.parallel.mesh import DATA_PARALLEL
     from jax_wgrad.training.step import build_train_step
 
@@ -340,8 +340,8 @@ def compile_plan(
     sizes = _bucket_sizes(plan)
     comps = hlo.computations(text)
     loop, loop_ops, cooldown_ops = _loop_facts(text, comps, sizes)
-    wgrad = [c for t in registry.WGRAD_TARGETS for c in hlo.custom_calls(text, t)]
-    badd = hlo.custom_calls(text, registry.BUCKET_ADD_TARGET)
+    wgrad = [c for t in handlers.WGRAD_TARGETS for c in hlo.custom_calls(text, t)]
+    badd = hlo.custom_calls(text, handlers.BUCKET_ADD_TARGET)
 
     launches = None
     if loop is not None and thunk_text and meta_text:

@@ -64,5 +64,5 @@ def single_device_logits(
         # the true vocabulary's columns (a padded one's padding rows are no tokens)
         return program.model.logits(tree, y)[..., : cfg.vocab_size].astype(jnp.float32)
 
-    run = jax.shard_map(forward, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    run = jax.shard_map(forward, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=True)
     return jax.jit(run)(tree, jax.device_put(ids, device))

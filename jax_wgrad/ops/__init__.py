@@ -1,4 +1,10 @@
-"""Tier 1: the XLA FFI ops and their registry.
+"""Tier 1: the XLA FFI ops, the handlers they call, and whether those work.
+
+Three floors, each importing only those below it: :mod:`~jax_wgrad.ops.handlers` loads
+and registers the compiled handlers (target names, op families, platforms);
+:mod:`~jax_wgrad.ops.primitive` and the op modules (:mod:`~jax_wgrad.ops.wgrad`,
+:mod:`~jax_wgrad.ops.bucket_add`, :mod:`~jax_wgrad.ops.ragged`) declare the ops on them;
+:mod:`~jax_wgrad.ops.status` runs them to show that they work.
 
 * :func:`wgrad_accumulate`: ``main_grad += dy^T x`` as one GEMM with beta = 1, in place
   (optionally into a flat bucket at an offset: a static int of any size, or a traced
@@ -13,12 +19,12 @@
 * :func:`fusion_status` / :func:`fusion_available` / :func:`require_fusion`: whether the
   handlers of some op families (:data:`OP_FAMILIES`; by default :data:`DENSE_FAMILIES`,
   what a dense model's fused path needs) were shown to work on a platform;
-  :func:`op_status`: per op family (:mod:`jax_wgrad.ops.registry`).
+  :func:`op_status`: per op family (:mod:`jax_wgrad.ops.status`).
 * :func:`matmul_precision`: ``jnp.dot``'s ``precision`` as the handlers' number.
 """
 
 from jax_wgrad.ops.bucket_add import bucket_add, bucket_add_p, bucket_add_ref
-from jax_wgrad.ops.grouped import grouped_wgrad_accumulate, grouped_wgrad_accumulate_ref
+from jax_wgrad.ops.handlers import DENSE_FAMILIES, OP_FAMILIES
 from jax_wgrad.ops.position import BlockOffset, Offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 from jax_wgrad.ops.ragged import (
@@ -29,16 +35,11 @@ from jax_wgrad.ops.ragged import (
     ragged_wgrad_accumulate_p,
     ragged_wgrad_accumulate_ref,
 )
-from jax_wgrad.ops.registry import (
-    DENSE_FAMILIES,
-    OP_FAMILIES,
-    fusion_available,
-    fusion_status,
-    op_status,
-    require_fusion,
-)
+from jax_wgrad.ops.status import fusion_available, fusion_status, op_status, require_fusion
 from jax_wgrad.ops.wgrad import (
     WORKSPACE_BYTES,
+    grouped_wgrad_accumulate,
+    grouped_wgrad_accumulate_ref,
     is_traced_offset,
     wgrad_accumulate,
     wgrad_accumulate_at_p,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_wgrad.ops import registry
+from jax_wgrad.ops.handlers import BUCKET_ADD_TARGET
 from jax_wgrad.ops.position import INT32_MAX
 from jax_wgrad.ops.primitive import FfiPrimitive, ProbeCase
 from jax_wgrad.ops.wgrad import FLOAT_DTYPES, added
@@ -48,7 +48,6 @@ def _bucket_add_xla(bucket, *grads, offsets):
 
 def _self_check(rng) -> list[ProbeCase]:
     """Several blocks, a 16-bit gradient into a float32 bucket."""
-    from jax_wgrad import ops  # late: the public function, as a user calls it
 
     flat = rng.integers(-8, 9, size=40).astype(np.float32)
     g1 = np.arange(1, 4, dtype=np.float32)
@@ -56,7 +55,7 @@ def _self_check(rng) -> list[ProbeCase]:
     return [
         ProbeCase(
             "bucket_add of several blocks",
-            lambda b, g1, g2: ops.bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
+            lambda b, g1, g2: bucket_add(b, [g1, g2.astype(jnp.bfloat16)], [2, 30]),
             (flat, g1, g2),
             added(added(flat, 2, g1), 30, g2),
         )
@@ -65,7 +64,7 @@ def _self_check(rng) -> list[ProbeCase]:
 
 BUCKET_ADD = FfiPrimitive(
     name="bucket_add",
-    target=registry.BUCKET_ADD_TARGET,
+    target=BUCKET_ADD_TARGET,
     attributes={"offsets": np.int64},
     aliases={0: 0},
     vmap_method=None,
@@ -134,7 +133,7 @@ def bucket_add(bucket: jax.Array, grads, offsets) -> jax.Array:
     keep = [(g, o) for g, o in zip(grads, offsets) if g.size]
     if not keep:
         return bucket
-    return bucket_add_p.bind(bucket, *(g for g, _ in keep), offsets=tuple(o for _, o in keep))
+    return BUCKET_ADD.bind(bucket, *(g for g, _ in keep), offsets=tuple(o for _, o in keep))
 
 
 def bucket_add_ref(bucket: jax.Array, grads, offsets) -> jax.Array:

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_wgrad.ops import registry
-from jax_wgrad.ops.position import Offset, as_block_offset
+from jax_wgrad.ops.handlers import RAGGED_MATMUL_TARGET, RAGGED_WGRAD_TARGET
+from jax_wgrad.ops.position import BlockOffset, Offset, as_block_offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 from jax_wgrad.ops.primitive import FfiPrimitive, ProbeCase
 from jax_wgrad.ops.wgrad import FLOAT_DTYPES, add_to_block, added, check_block, check_dtypes
@@ -121,7 +121,6 @@ _SHORT, _LONG = np.array([2, 0, 3], np.int32), np.array([4, 0, 9], np.int32)
 
 def _matmul_self_check(rng) -> list[ProbeCase]:
     """Both ``w`` layouts, 16-bit data, short and clamped sizes."""
-    from jax_wgrad import ops  # late: the public functions, as a user calls them
 
     x = rng.integers(-3, 4, size=(7, 4)).astype(np.float32)
     w = rng.integers(-3, 4, size=(3, 3, 4)).astype(np.float32)  # [G, N, K]
@@ -133,17 +132,17 @@ def _matmul_self_check(rng) -> list[ProbeCase]:
         cases.append(
             ProbeCase(
                 f"ragged_matmul {jnp.dtype(dt).name} transpose_rhs={int(transpose)}",
-                lambda x, w, s, t=transpose, d=dt: ops.ragged_matmul(
+                lambda x, w, s, t=transpose, d=dt: ragged_matmul(
                     x.astype(d), w.astype(d), s, transpose_rhs=t
                 ),
                 (x, w if transpose else np.swapaxes(w, 1, 2), sizes),
                 y,
             )
         )
-    return cases + _aligned_matmul_self_check(rng, ops)
+    return cases + _aligned_matmul_self_check(rng)
 
 
-def _aligned_matmul_self_check(rng, ops) -> list[ProbeCase]:
+def _aligned_matmul_self_check(rng) -> list[ProbeCase]:
     """bf16 with K = N = 8, shapes the CUDA handlers give to CUTLASS on a Hopper GPU when
     it is chosen (the default ``auto``), so that the self-check verifies the
     kernels that will run: both ``w`` layouts, a group of zero rows, rows past the groups."""
@@ -156,7 +155,7 @@ def _aligned_matmul_self_check(rng, ops) -> list[ProbeCase]:
     return [
         ProbeCase(
             f"ragged_matmul bfloat16 K = N = 8 transpose_rhs={int(transpose)}",
-            lambda x, w, s, t=transpose: ops.ragged_matmul(
+            lambda x, w, s, t=transpose: ragged_matmul(
                 x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), s, transpose_rhs=t
             ),
             (x, w if transpose else np.swapaxes(w, 1, 2), sizes),
@@ -169,7 +168,6 @@ def _aligned_matmul_self_check(rng, ops) -> list[ProbeCase]:
 def _wgrad_self_check(rng) -> list[ProbeCase]:
     """16-bit data and accumulator, a flat bucket at a static offset, at a traced, clamped
     offset and at a 64-bit position ``base + index * stride``."""
-    from jax_wgrad import ops
 
     x = rng.integers(-3, 4, size=(7, 4)).astype(np.float32)
     dy = rng.integers(-3, 4, size=(7, 3)).astype(np.float32)
@@ -182,13 +180,13 @@ def _wgrad_self_check(rng) -> list[ProbeCase]:
     return [
         ProbeCase(
             "ragged_wgrad_accumulate float32",
-            ops.ragged_wgrad_accumulate,
+            ragged_wgrad_accumulate,
             (x, dy, _SHORT, acc),
             acc + short,
         ),
         ProbeCase(
             "ragged_wgrad_accumulate bfloat16 into bfloat16",
-            lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
+            lambda x, dy, s, a: ragged_wgrad_accumulate(
                 x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s, a.astype(jnp.bfloat16)
             ),
             (x, dy, _LONG, acc),
@@ -196,7 +194,7 @@ def _wgrad_self_check(rng) -> list[ProbeCase]:
         ),
         ProbeCase(
             "ragged_wgrad_accumulate float16 into a bucket",
-            lambda x, dy, s, b: ops.ragged_wgrad_accumulate(
+            lambda x, dy, s, b: ragged_wgrad_accumulate(
                 x.astype(jnp.float16), dy.astype(jnp.float16), s, b, offset=5
             ),
             (x, dy, _SHORT, bucket),
@@ -204,13 +202,13 @@ def _wgrad_self_check(rng) -> list[ProbeCase]:
         ),
         ProbeCase(
             "ragged_wgrad_accumulate at a traced, clamped offset",  # 30 clamped to 40 - 36
-            lambda x, dy, s, b, o: ops.ragged_wgrad_accumulate(x, dy, s, b, offset=o),
+            lambda x, dy, s, b, o: ragged_wgrad_accumulate(x, dy, s, b, offset=o),
             (x, dy, _LONG, flat, np.int32(30)),
             added(flat, 4, long),
         ),
         ProbeCase(  # shapes CUTLASS takes on a Hopper GPU when chosen (out = in = 8)
             "ragged_wgrad_accumulate bfloat16 into float32, out = in = 8",
-            lambda x, dy, s, a: ops.ragged_wgrad_accumulate(
+            lambda x, dy, s, a: ragged_wgrad_accumulate(
                 x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), s, a
             ),
             (x8, dy8, _SHORT, acc8),
@@ -218,8 +216,8 @@ def _wgrad_self_check(rng) -> list[ProbeCase]:
         ),
         ProbeCase(
             "ragged_wgrad_accumulate at a 64-bit position base + index * stride",
-            lambda x, dy, s, b, i: ops.ragged_wgrad_accumulate(
-                x, dy, s, b, offset=ops.BlockOffset(2**33 + 5, i, 2**31)
+            lambda x, dy, s, b, i: ragged_wgrad_accumulate(
+                x, dy, s, b, offset=BlockOffset(2**33 + 5, i, 2**31)
             ),
             (x, dy, _SHORT, bucket, np.int32(-4)),
             added(bucket, 5, short),
@@ -312,7 +310,7 @@ def cuda_kernel_launches() -> dict[str, int]:
 # loop over the batch (lax.map); an unbatched accumulator gets one copy per example.
 RAGGED_MATMUL = FfiPrimitive(
     name="ragged_matmul",
-    target=registry.RAGGED_MATMUL_TARGET,
+    target=RAGGED_MATMUL_TARGET,
     attributes={"transpose_rhs": np.int32, "precision": np.int32},
     abstract=lambda x, w, group_sizes, *, transpose_rhs, precision: x.update(
         shape=(x.shape[0], w.shape[1] if transpose_rhs else w.shape[2])
@@ -325,7 +323,7 @@ RAGGED_MATMUL = FfiPrimitive(
 """``ragged_matmul(x, w, group_sizes, *, transpose_rhs, precision) -> y``."""
 RAGGED_WGRAD_ACCUMULATE = FfiPrimitive(
     name="ragged_wgrad_accumulate",
-    target=registry.RAGGED_WGRAD_TARGET,
+    target=RAGGED_WGRAD_TARGET,
     attributes={"base": np.int64, "stride": np.int64, "precision": np.int32},
     aliases={3: 0},
     vmap_method="sequential",
@@ -431,7 +429,7 @@ def ragged_matmul(
     n = w.shape[1] if transpose_rhs else w.shape[2]
     if 0 in (x.shape[0], x.shape[1], n, w.shape[0]):
         return jnp.zeros((x.shape[0], n), x.dtype)
-    return ragged_matmul_p.bind(
+    return RAGGED_MATMUL.bind(
         x, w, group_sizes, transpose_rhs=int(bool(transpose_rhs)), precision=level
     )
 
@@ -496,7 +494,7 @@ def ragged_wgrad_accumulate(
     if 0 in (x.shape[0], x.shape[1], dy.shape[1], group_sizes.shape[0]):
         return main_grad
     index, position = _position_operands(offset)
-    return ragged_wgrad_accumulate_p.bind(
+    return RAGGED_WGRAD_ACCUMULATE.bind(
         x, dy, group_sizes, main_grad, index, **position, precision=level
     )
 

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
-from jax_wgrad.ops import bucket_add, ragged, wgrad
+from jax_wgrad.ops.bucket_add import BUCKET_ADD
 from jax_wgrad.ops.handlers import (
     DENSE_FAMILIES,
     OP_FAMILIES,
@@ -57,15 +57,17 @@ from jax_wgrad.ops.handlers import (
     normalize_platform,
 )
 from jax_wgrad.ops.primitive import FfiPrimitive, ProbeCase
+from jax_wgrad.ops.ragged import RAGGED_MATMUL, RAGGED_WGRAD_ACCUMULATE
+from jax_wgrad.ops.wgrad import WGRAD_ACCUMULATE, WGRAD_ACCUMULATE_AT
 
 __all__ = ["OPS", "fusion_status", "op_status", "fusion_available", "require_fusion"]
 
 OPS: tuple[FfiPrimitive, ...] = (
-    wgrad.WGRAD_ACCUMULATE,
-    wgrad.WGRAD_ACCUMULATE_AT,
-    bucket_add.BUCKET_ADD,
-    ragged.RAGGED_MATMUL,
-    ragged.RAGGED_WGRAD_ACCUMULATE,
+    WGRAD_ACCUMULATE,
+    WGRAD_ACCUMULATE_AT,
+    BUCKET_ADD,
+    RAGGED_MATMUL,
+    RAGGED_WGRAD_ACCUMULATE,
 )
 """Every op of the library, in the order their ``self_check`` cases are probed."""
 

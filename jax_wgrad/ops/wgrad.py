@@ -7,6 +7,14 @@ Megatron's ``gradient_accumulation_fusion``. :func:`wgrad_accumulate` binds the
 Inside ``jit`` with the accumulator donated, or as a ``scan`` carry, XLA updates the
 buffer in place: one GEMM with beta = 1, no temporary ``dW``.
 
+**Grouped experts.** :func:`grouped_wgrad_accumulate` does ``main_grad[e] += dy[e]^T @
+x[e]`` for every expert ``e`` of expert weights ``[E, out, in]`` in ONE call of the same
+primitives (the same FFI targets, told apart by ranks): on a GPU one strided-batched cuBLAS
+GEMM with beta = 1 over the experts, on the CPU one BLAS GEMM per expert. The accumulator
+is either the ``[E, out, in]`` array itself or a flat gradient bucket whose ``E``
+row-major ``[out, in]`` blocks lie back to back from ``offset`` on -- the layout of an
+expert weight's slice of a bucket.
+
 Both primitives are :class:`~jax_wgrad.ops.primitive.FfiPrimitive` specs (named, so the op
 shows up as ``wgrad_accumulate`` in compiled HLO and in profiler traces).
 
@@ -35,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_wgrad.ops import registry
+from jax_wgrad.ops.handlers import TARGET, TARGET_AT, fusion_error
 from jax_wgrad.ops.position import (
     INT32_MAX,
     BlockOffset,
@@ -53,6 +61,8 @@ __all__ = [
     "wgrad_accumulate_p",
     "wgrad_accumulate_at_p",
     "wgrad_accumulate_ref",
+    "grouped_wgrad_accumulate",
+    "grouped_wgrad_accumulate_ref",
     "FLOAT_DTYPES",
     "is_traced_offset",
 ]
@@ -127,7 +137,7 @@ def _scratch_at(platform, x, dy, acc, index, *, base, stride, precision):
 
 
 def _fusion_error(platform: str, reason: str) -> str:
-    return registry.fusion_error(platform, reason, who="wgrad_accumulate")
+    return fusion_error(platform, reason, who="wgrad_accumulate")
 
 
 # ---- the handlers' self-check (ops.fusion_status) ---------------------------------------
@@ -153,14 +163,12 @@ def added(flat: np.ndarray, start: int, update: np.ndarray) -> np.ndarray:
 def _self_check(rng) -> list[ProbeCase]:
     """Every dtype pair and precision, an offset block; grouped experts into a bucket
     (family ``"grouped"``)."""
-    from jax_wgrad import ops  # late: the public functions, as a user calls them
-
     x, dy, gx, gdy, flat, update, grouped = _probe_data(rng)
     acc = rng.integers(-8, 9, size=(3, 4)).astype(np.float32)
     cases = [
         ProbeCase(
             f"float32 {p}",  # TF32 on GPUs unless highest
-            lambda x, dy, a, p=p: ops.wgrad_accumulate(x, dy, a, precision=p),
+            lambda x, dy, a, p=p: wgrad_accumulate(x, dy, a, precision=p),
             (x, dy, acc),
             acc + update,
         )
@@ -169,24 +177,24 @@ def _self_check(rng) -> list[ProbeCase]:
     for dt in (jnp.bfloat16, jnp.float16):
         name, xd, dyd = jnp.dtype(dt).name, x.astype(dt), dy.astype(dt)
         cases.append(
-            ProbeCase(f"{name} into float32", ops.wgrad_accumulate, (xd, dyd, acc), acc + update)
+            ProbeCase(f"{name} into float32", wgrad_accumulate, (xd, dyd, acc), acc + update)
         )
         cases.append(
             ProbeCase(
-                f"{name} into {name}", ops.wgrad_accumulate, (xd, dyd, acc.astype(dt)), acc + update
+                f"{name} into {name}", wgrad_accumulate, (xd, dyd, acc.astype(dt)), acc + update
             )
         )
     return [
         *cases,
         ProbeCase(
             "offset block of a flat bucket",
-            lambda x, dy, b: ops.wgrad_accumulate(x, dy, b, offset=7),
+            lambda x, dy, b: wgrad_accumulate(x, dy, b, offset=7),
             (x, dy, flat),
             added(flat, 7, update),
         ),
         ProbeCase(
             "grouped experts into a bucket",
-            lambda x, dy, b: ops.grouped_wgrad_accumulate(x, dy, b, offset=4),
+            lambda x, dy, b: grouped_wgrad_accumulate(x, dy, b, offset=4),
             (gx, gdy, flat),
             added(flat, 4, grouped),
             family="grouped",
@@ -197,8 +205,6 @@ def _self_check(rng) -> list[ProbeCase]:
 def _self_check_at(rng) -> list[ProbeCase]:
     """Traced offsets (operands of the program), clamped; 64-bit positions; the grouped
     experts' cases of family ``"grouped"``."""
-    from jax_wgrad import ops
-
     x, dy, gx, gdy, flat, update, grouped = _probe_data(rng)
     # 30 for the grouped blocks is clamped to 40 - 24 = 16, as lax.dynamic_update_slice
     # clamps. Positions base + index * stride are combined in 64 bits: (2**32 + 7) - 2 *
@@ -207,30 +213,26 @@ def _self_check_at(rng) -> list[ProbeCase]:
     return [
         ProbeCase(
             "traced offset block of a flat bucket",
-            lambda x, dy, b, o: ops.wgrad_accumulate(x, dy, b, offset=o),
+            lambda x, dy, b, o: wgrad_accumulate(x, dy, b, offset=o),
             (x, dy, flat, np.int32(7)),
             added(flat, 7, update),
         ),
         ProbeCase(
             "grouped experts at a traced, clamped offset",
-            lambda x, dy, b, o: ops.grouped_wgrad_accumulate(x, dy, b, offset=o),
+            lambda x, dy, b, o: grouped_wgrad_accumulate(x, dy, b, offset=o),
             (gx, gdy, flat, np.int32(30)),
             added(flat, 16, grouped),
             family="grouped",
         ),
         ProbeCase(
             "block at a 64-bit position base + index * stride",
-            lambda x, dy, b, i: ops.wgrad_accumulate(
-                x, dy, b, offset=ops.BlockOffset(2**32 + 7, i, 2**31)
-            ),
+            lambda x, dy, b, i: wgrad_accumulate(x, dy, b, offset=BlockOffset(2**32 + 7, i, 2**31)),
             (x, dy, flat, np.int32(-2)),
             added(flat, 7, update),
         ),
         ProbeCase(
             "grouped experts at an aligned position base + index * stride",
-            lambda x, dy, b, i: ops.grouped_wgrad_accumulate(
-                x, dy, b, offset=ops.BlockOffset(4, i, 4)
-            ),
+            lambda x, dy, b, i: grouped_wgrad_accumulate(x, dy, b, offset=BlockOffset(4, i, 4)),
             (gx, gdy, flat, np.int32(3)),
             added(flat, 16, grouped),
             family="grouped",
@@ -242,7 +244,7 @@ def _self_check_at(rng) -> list[ProbeCase]:
 
 WGRAD_ACCUMULATE = FfiPrimitive(
     name="wgrad_accumulate",
-    target=registry.TARGET,
+    target=TARGET,
     attributes={"offset": np.int64, "precision": np.int32},
     aliases={2: 0},
     # broadcast_all: the result is a per-example accumulator, so an unbatched main_grad
@@ -257,7 +259,7 @@ WGRAD_ACCUMULATE = FfiPrimitive(
 ``offset`` (0: all of ``main_grad``)."""
 WGRAD_ACCUMULATE_AT = FfiPrimitive(
     name="wgrad_accumulate_at",
-    target=registry.TARGET_AT,
+    target=TARGET_AT,
     attributes={"base": np.int64, "stride": np.int64, "precision": np.int32},
     aliases={2: 0},
     # The index gets the batch dim too: one block position per batch element, one
@@ -379,7 +381,7 @@ def bind(
     for a :class:`BlockOffset` or an int32 scalar array."""
     position = as_block_offset(offset)
     if position is not None:
-        return wgrad_accumulate_at_p.bind(
+        return WGRAD_ACCUMULATE_AT.bind(
             x,
             dy,
             main_grad,
@@ -388,7 +390,7 @@ def bind(
             stride=position.stride,
             precision=precision,
         )
-    return wgrad_accumulate_p.bind(
+    return WGRAD_ACCUMULATE.bind(
         x, dy, main_grad, offset=0 if offset is None else offset, precision=precision
     )
 
@@ -451,6 +453,94 @@ def wgrad_accumulate_ref(
     upd = jnp.dot(
         dy2.T,
         x2,
+        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision(matmul_precision(precision)),
+    )
+    return add_to_block(main_grad, upd, offset)
+
+
+# ---- grouped experts ----------------------------------------------------------------------
+
+
+def _validate_grouped(x: jax.Array, dy: jax.Array, main_grad: jax.Array, offset) -> None:
+    shapes = (
+        f"x {x.dtype}{list(x.shape)}, dy {dy.dtype}{list(dy.shape)}, "
+        f"main_grad {main_grad.dtype}{list(main_grad.shape)}"
+    )
+    if x.ndim != 3 or dy.ndim != 3 or x.shape[:2] != dy.shape[:2]:
+        raise ValueError(
+            "grouped_wgrad_accumulate: x and dy must be [E, T, in] and [E, T, out] with the "
+            f"same E and T; got {shapes}"
+        )
+    e, _, d_in = x.shape
+    d_out = dy.shape[2]
+    if offset is None and main_grad.shape != (e, d_out, d_in):
+        raise ValueError(
+            f"grouped_wgrad_accumulate: main_grad must have shape [E, out, in] = "
+            f"[{e}, {d_out}, {d_in}]; got {shapes}"
+        )
+    if offset is not None:
+        check_block(
+            "grouped_wgrad_accumulate",
+            main_grad,
+            offset,
+            e * d_out * d_in,
+            "[E, out, in] blocks",
+            shapes,
+        )
+    check_dtypes("grouped_wgrad_accumulate", x, dy, main_grad, shapes)
+
+
+def grouped_wgrad_accumulate(
+    x: jax.Array,
+    dy: jax.Array,
+    main_grad: jax.Array,
+    *,
+    offset: Offset | None = None,
+    precision: PrecisionLike = None,
+) -> jax.Array:
+    """Returns ``main_grad`` with ``dy[e]^T @ x[e]`` added to every expert's block.
+
+    Args:
+      x: ``[E, T, in]`` expert inputs (f32, bf16 or f16), ``T`` tokens per expert (its
+        capacity).
+      dy: ``[E, T, out]`` gradients of the expert outputs, same dtype.
+      main_grad: ``[E, out, in]`` accumulator (f32, or the 16-bit dtype of the inputs), or
+        with ``offset`` a flat ``[N]`` buffer holding the ``E`` blocks back to back at
+        ``[offset, offset + E * out * in)``; the rest is left as it is.
+      offset: element offset of expert 0's block in a flat ``main_grad``: a Python int
+        (static, any size, checked to fit), a :class:`~jax_wgrad.ops.BlockOffset` or an
+        int32 scalar array (may be traced; the exact value is clamped into
+        ``[0, N - E * out * in]`` like ``lax.dynamic_update_slice`` with
+        ``allow_negative_indices=False``).
+      precision: ``jnp.dot``'s meaning and default (:func:`matmul_precision`).
+    Returns:
+      The updated accumulator, shape and dtype of ``main_grad``.
+    Raises:
+      ValueError: on ranks, shapes, dtypes or a bad precision.
+      RuntimeError: at compile time, on a platform whose handler was not built.
+    """
+    _validate_grouped(x, dy, main_grad, offset)
+    level = matmul_precision(precision)
+    if x.shape[0] * x.shape[1] == 0:
+        return main_grad
+    return bind(x, dy, main_grad, offset, level)
+
+
+def grouped_wgrad_accumulate_ref(
+    x: jax.Array,
+    dy: jax.Array,
+    main_grad: jax.Array,
+    *,
+    offset: Offset | None = None,
+    precision: PrecisionLike = None,
+) -> jax.Array:
+    """Plain-XLA reference of :func:`grouped_wgrad_accumulate` (same rounding)."""
+    _validate_grouped(x, dy, main_grad, offset)
+    upd = jnp.einsum(
+        "eto,eti->eoi",
+        dy,
+        x,
         preferred_element_type=jnp.float32,
         precision=jax.lax.Precision(matmul_precision(precision)),
     )

@@ -107,6 +107,9 @@ def canonical_state(plan: TrainPlan, state: TrainState) -> dict[str, Any]:
         mesh=plan.mesh,
         in_specs=(program.param_specs(), P(AXES)),
         out_specs=out_opt,
+        # Off: each device's optimizer state comes in stacked under P(AXES), so the tensor
+        # ranks' copies of a replicated parameter are typed as varying, which only a
+        # collective could disprove (pinned by tests/test_check_vma.py).
         check_vma=False,
     )
     opt_tree = jax.jit(fn)(state.params, state.opt_state)
@@ -132,7 +135,7 @@ def state_from_canonical(plan: TrainPlan, template: TrainState, opt, step: int) 
         state = optimizer.map_param_parts(program.device_tree, opt_state)
         return jax.tree.map(lambda x: x[None], optimizer.state_from_tree(state))
 
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(in_opt,), out_specs=P(AXES), check_vma=False)
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(in_opt,), out_specs=P(AXES), check_vma=True)
     shardings = jax.tree.map(
         lambda s: NamedSharding(plan.mesh, s), in_opt, is_leaf=lambda x: isinstance(x, P)
     )

@@ -15,7 +15,7 @@ from jax_wgrad.grads.layout import GradLayout
 from jax_wgrad.grads.sink import GradSink
 from jax_wgrad.layout.program import StageModel, lay_out
 from jax_wgrad.ops import require_fusion
-from jax_wgrad.ops.registry import load_error
+from jax_wgrad.ops.handlers import load_error
 from jax_wgrad.optim.distributed import DistributedOptimizer
 from jax_wgrad.optim.memory import BytesPerParameter, bytes_per_parameter
 from jax_wgrad.parallel.config import ParallelConfig

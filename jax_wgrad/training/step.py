@@ -91,7 +91,7 @@ def init_optimizer_state(plan: TrainPlan, params) -> Any:
         mesh=plan.mesh,
         in_specs=(program.param_specs(),),
         out_specs=P(AXES),
-        check_vma=False,
+        check_vma=True,
     )
     return jax.jit(init)(params)
 
@@ -149,6 +149,9 @@ def build_train_step(
         mesh=plan.mesh,
         in_specs=(specs, P(AXES), P(DATA_PARALLEL), P()),
         out_specs=(specs, P(AXES), P()),
+        # Not yet: the pipeline's loop state is not typed by mesh axes (the layer scan's
+        # activation carry starts invariant and comes back varying over tensor and
+        # pipeline; pinned by tests/test_check_vma.py).
         check_vma=False,
     )
 
@@ -168,6 +171,9 @@ def build_eval_step(plan: TrainPlan) -> Callable[[dict[str, Any], jax.Array], ja
         mesh=plan.mesh,
         in_specs=(program.param_specs(), P(DATA_PARALLEL)),
         out_specs=P(),
+        # Not yet: the tick loop's received activation starts invariant while the first
+        # stage's embedded input varies, and lax.cond needs both alike (pinned by
+        # tests/test_check_vma.py).
         check_vma=False,
     )
     return jax.jit(fn)

@@ -27,7 +27,7 @@ from jax_wgrad.models.gpt.params import (
 )
 from jax_wgrad.models.parts import ModelParts
 from jax_wgrad.nn.tensor_parallel import vocab_axes
-from jax_wgrad.ops.registry import DENSE_FAMILIES
+from jax_wgrad.ops.handlers import DENSE_FAMILIES
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import AXES, TENSOR
 
@@ -119,8 +119,8 @@ class GPTProgram:
     @property
     def fused_op_families(self) -> tuple[str, ...]:
         """The op families the layers call with ``gradient_accumulation_fusion``
-        (:data:`~jax_wgrad.ops.registry.OP_FAMILIES`): a dense model's
-        (:data:`~jax_wgrad.ops.registry.DENSE_FAMILIES`), and for an MoE model its expert
+        (:data:`~jax_wgrad.ops.OP_FAMILIES`): a dense model's
+        (:data:`~jax_wgrad.ops.DENSE_FAMILIES`), and for an MoE model its expert
         linears': ``"ragged"`` when dropless (``moe_expert_capacity_factor`` None: the
         ragged GEMMs, forward and backward), else ``"grouped"`` when ``moe_grouped_gemm``
         fuses the expert weight gradients (without it the capacity buffers' GEMMs are

@@ -204,6 +204,9 @@ def carry_shapes(
         mesh=mesh,
         in_specs=(program.param_specs(), P(DATA_PARALLEL)),
         out_specs=P(),
+        # Off: the pipeline's loop state is not typed by mesh axes yet (pinned by
+        # tests/test_check_vma.py), and this per-device carry, returned under P() for its
+        # shapes alone, is not replicated anyway.
         check_vma=False,
     )
     return jax.eval_shape(fn, jax.eval_shape(program.init_params), batch)
@@ -242,6 +245,12 @@ def pipeline_gradients(
         return program.canonical_tree(layout.buffer.to_tree(synced)), loss
 
     fn = jax.shard_map(
-        body, mesh=mesh, in_specs=(specs, P(DATA_PARALLEL)), out_specs=(specs, P()), check_vma=False
+        body,
+        mesh=mesh,
+        in_specs=(specs, P(DATA_PARALLEL)),
+        out_specs=(specs, P()),
+        # Not yet: the pipeline's loop state is not typed by mesh axes (the layer scan's
+        # activation carry; pinned by tests/test_check_vma.py).
+        check_vma=False,
     )
     return fn(params, batch)

@@ -75,10 +75,10 @@ class StageProgram(Protocol):
     below (Megatron's ``overlap_grad_reduce``; :func:`~.gradients.layer_groups`).
     ``False``: one bucket layout as ever, synced after the backward."""
     fused_op_families: tuple[str, ...]
-    """The op families (:data:`~jax_wgrad.ops.registry.OP_FAMILIES`) its layers call with
+    """The op families (:data:`~jax_wgrad.ops.OP_FAMILIES`) its layers call with
     ``gradient_accumulation_fusion``: what :meth:`~jax_wgrad.training.TrainPlan.create`
     requires to work (:func:`~jax_wgrad.ops.require_fusion`) before it builds a fused
-    plan. A dense model: :data:`~jax_wgrad.ops.registry.DENSE_FAMILIES`; an MoE model adds
+    plan. A dense model: :data:`~jax_wgrad.ops.DENSE_FAMILIES`; an MoE model adds
     its experts' (``"ragged"`` dropless, ``"grouped"`` with capacity buffers)."""
 
     # -- the stage programs
