@@ -15,8 +15,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_wgrad.functional import WgradRoutes, linear, scan_layers
-from jax_wgrad.functional.recompute import LayerRecompute
 from jax_wgrad.functional.routes import RowPiece
+from jax_wgrad.functional.stacked import LayerRecompute
 from jax_wgrad.grads import DDPConfig
 from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
 from jax_wgrad.grads.spec import STAGE

@@ -21,7 +21,7 @@ from jax_wgrad import (
     shard_batch,
 )
 from jax_wgrad.functional import scan_layers
-from jax_wgrad.functional.recompute import LayerRecompute
+from jax_wgrad.functional.stacked import LayerRecompute
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.layout import lay_out
 from jax_wgrad.parallel.pipeline.executor import ScheduleRun

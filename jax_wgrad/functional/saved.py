@@ -4,7 +4,7 @@ outputs of the library's custom-call GEMMs (the ragged expert GEMMs), of the MoE
 layer's token exchanges and of a row-parallel linear's tensor-parallel reduction (so the
 backward neither recomputes the forward's expert GEMMs nor repeats its all-to-alls or
 reduce-scatters). The per-layer recompute policies
-(:mod:`jax_wgrad.functional.recompute`) save this name unless the layer is recomputed
+(:mod:`jax_wgrad.functional.stacked`) save this name unless the layer is recomputed
 (``recompute_granularity="full"``)."""
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from jax_wgrad.grads.chunks import DeviceTree, Window
-from jax_wgrad.layout.setup import StageSetup
 from jax_wgrad.layout.stage import StageLayout
 from jax_wgrad.models.parts import ModelParts
 from jax_wgrad.parallel.config import ParallelConfig
@@ -130,6 +129,9 @@ class LaidOutProgram:
     Attributes:
       model: the model; layout: its layout on ``model.parallel``.
       pre, body, post, metrics: the model's functions.
+      setup, stacks_layers, canonical_specs, param_specs, to_canonical, from_canonical,
+        device_tree, canonical_tree, grad_specs: the layout's
+        (:class:`~jax_wgrad.layout.StageLayout`).
       output_grad_recompute: the model when it can rebuild its output layer's gradient
         (:class:`OutputGradRecompute`), else ``None``.
     """
@@ -147,13 +149,19 @@ class LaidOutProgram:
             ),
         )
         self.output_grad_recompute = model if isinstance(model, OutputGradRecompute) else None
-        # The model's own functions, bound: the executor calls them directly.
+        # The model's own functions and the layout's, bound: called directly.
         self.pre, self.body, self.post, self.metrics = (
             model.pre,
             model.body,
             model.post,
             model.metrics,
         )
+        layout = self.layout
+        self.setup, self.stacks_layers = layout.setup, layout.stacks_layers
+        self.canonical_specs, self.param_specs = layout.canonical_specs, layout.param_specs
+        self.to_canonical, self.from_canonical = layout.to_canonical, layout.from_canonical
+        self.device_tree, self.canonical_tree = layout.device_tree, layout.canonical_tree
+        self.grad_specs = layout.grad_specs
         par, name = model.parallel, type(model).__name__
         if par.vocab_parallel_over_pipeline and not self.layout.vocab_over_pipeline:
             raise ValueError(
@@ -194,37 +202,6 @@ class LaidOutProgram:
     def init_params(self, seed: int = 0) -> PyTree:
         """Full parameters from ``seed`` in the layout (the model's canonical ones)."""
         return self.layout.from_canonical(self.model.init_params(seed))
-
-    # -- the layout's
-
-    @property
-    def setup(self) -> StageSetup:
-        return self.layout.setup
-
-    @property
-    def stacks_layers(self) -> bool:
-        return self.layout.stacks_layers
-
-    def canonical_specs(self) -> PyTree:
-        return self.layout.canonical_specs()
-
-    def param_specs(self) -> PyTree:
-        return self.layout.param_specs()
-
-    def to_canonical(self, params: PyTree) -> PyTree:
-        return self.layout.to_canonical(params)
-
-    def from_canonical(self, params: PyTree) -> PyTree:
-        return self.layout.from_canonical(params)
-
-    def device_tree(self, params: PyTree) -> DeviceTree:
-        return self.layout.device_tree(params)
-
-    def canonical_tree(self, tree: DeviceTree) -> PyTree:
-        return self.layout.canonical_tree(tree)
-
-    def grad_specs(self) -> DeviceTree:
-        return self.layout.grad_specs()
 
 
 def lay_out(program: StageModel | Any) -> Any:

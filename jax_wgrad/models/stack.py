@@ -34,8 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_wgrad.functional.recompute import LayerRecompute
-from jax_wgrad.functional.stacked import scan_layers
+from jax_wgrad.functional.stacked import LayerRecompute, scan_layers
 from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.models.parts import LayerKind, ModelParts
 from jax_wgrad.ops.handlers import DENSE_FAMILIES

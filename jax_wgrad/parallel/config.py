@@ -88,7 +88,7 @@ class ParallelConfig:
     ticks where the first / last virtual stage needs them."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Megatron's activation recomputation, per transformer layer
-    (:mod:`jax_wgrad.functional.recompute`): ``None`` (the backward uses what its forward
+    (:mod:`jax_wgrad.functional.stacked`): ``None`` (the backward uses what its forward
     saved: no GEMM and no attention is recomputed), ``"selective"`` (save the linear layers'
     outputs, recompute the attention core) or ``"full"`` (save the input of the layers
     ``recompute_method`` names, recompute them in the backward)."""

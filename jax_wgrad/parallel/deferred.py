@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad import ops
-from jax_wgrad.parallel import control
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import TENSOR
+from jax_wgrad.parallel.pipeline.context import Predicate, cond
 from jax_wgrad.parallel.pipeline.scopes import DEFERRED_RING
 
 __all__ = ["stash_items", "stash_put", "stash_bytes", "is_deferred", "ring_shift", "drain"]
@@ -97,7 +97,7 @@ def drain(
     offset: int,
     recompute: Callable[[jax.Array, tuple], jax.Array] | None = None,
     *,
-    active: control.Predicate | None = None,
+    active: Predicate | None = None,
     axis_name: str = TENSOR,
 ) -> jax.Array:
     """Accumulates every stashed microbatch's ``dy^T x`` into the output layer's block
@@ -110,7 +110,7 @@ def drain(
     :func:`jax_wgrad.functional.cross_entropy.recompute_dy`).
 
     ``active`` (traced bool, e.g. "this is the last stage", or a Python bool, static:
-    :func:`jax_wgrad.parallel.control.cond`): only where it is true are the GEMMs
+    :func:`jax_wgrad.parallel.pipeline.context.cond`): only where it is true are the GEMMs
     computed. The loop over the stash, the ring's permutes and the slicing of each item
     run on EVERY device; a conditional holds only the GEMMs of one item's chunk (and, in
     recompute mode, the rebuild of its ``dy``). Two reasons: the XLA:CPU
@@ -137,7 +137,7 @@ def drain(
         """``dy^T x`` of one chunk into ``bk`` where ``active``: ``sliced`` is ``(dy,)``
         or, in recompute mode, the extras sliced to ``x``'s tokens."""
         with jax.named_scope(scope):
-            return control.cond(
+            return cond(
                 active,
                 lambda bk, x, s: ops.wgrad_accumulate(x, dy_of(x, s), bk, offset=offset),
                 lambda bk, x, s: bk,

@@ -14,8 +14,7 @@ from jax import lax
 
 from jax_wgrad.functional.cross_entropy import recompute_dy
 from jax_wgrad.functional.moe import MoEStats
-from jax_wgrad.functional.recompute import LayerRecompute
-from jax_wgrad.functional.stacked import scan_layers
+from jax_wgrad.functional.stacked import LayerRecompute, scan_layers
 from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.modules import moe_stats_of
@@ -92,7 +91,7 @@ class GPTProgram:
     @property
     def _recompute(self) -> LayerRecompute:
         """Megatron's recompute options of the parallel config, applied inside the layer
-        scan (:mod:`jax_wgrad.functional.recompute`), whose iterations are periods of
+        scan (:mod:`jax_wgrad.functional.stacked`), whose iterations are periods of
         layers (:attr:`period`): ``recompute_num_layers`` counts layers."""
         par, k = self.parallel, len(self.period)
         n = par.recompute_num_layers

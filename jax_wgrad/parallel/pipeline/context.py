@@ -1,24 +1,45 @@
 """What the parts of one device's schedule run share: its :class:`StageContext` (the static
-facts of the run and this step's inputs) and one tick of the table (:class:`TickRows`).
+facts of the run and this step's inputs), one tick of the table (:class:`TickRows`), and
+:func:`cond`, how they branch on a fact of the layout.
 
 The executor (:mod:`.executor`) builds the context once per traced step and hands it to
 the pipeline's ends (:mod:`.ends`); neither reads the other's attributes.
+
+**Branches on facts that are static in some layouts and traced in others** (:func:`cond`).
+Inside ``shard_map`` a device's pipeline stage is ``lax.axis_index`` (traced) when there
+are several stages, and a Python constant when there is one; "this is the last stage" is
+then ``True``. :func:`cond` runs the branch itself for a Python ``bool``: no conditional
+in the program, so nothing for XLA:GPU to read back on the host (a ``ConditionalThunk``
+outside a CUDA graph copies its predicate to the host and waits, ``docs/design/aot.md``),
+and a traced predicate gets ``lax.cond`` as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad.grads.chunks import DeviceTree, GradState, Window
-from jax_wgrad.parallel.control import Predicate
 from jax_wgrad.parallel.pipeline.transfer import inbox_index
 
-__all__ = ["StageContext", "TickRows"]
+__all__ = ["Predicate", "StageContext", "TickRows", "cond"]
+
+
+Predicate = bool | jax.Array
+"""A Python ``bool`` (static: known when the program is traced) or a traced ``bool``."""
+
+
+def cond(pred: Predicate, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
+    """``lax.cond(pred, true_fn, false_fn, *operands)``, or the branch ``pred`` names when
+    it is a Python ``bool`` (the other branch is never traced)."""
+    if isinstance(pred, bool):
+        return (true_fn if pred else false_fn)(*operands)
+    return lax.cond(pred, true_fn, false_fn, *operands)
 
 
 class TickRows(NamedTuple):
@@ -62,7 +83,7 @@ class StageContext:
       stage: this device's pipeline stage (traced ``int32``; ``0`` when ``P == 1``);
         is_first_stage, is_last_stage: whether it is stage ``0`` / ``P - 1`` (traced
         ``bool``; Python ``True`` when ``P == 1``: branches on them are then no
-        conditionals, :func:`jax_wgrad.parallel.control.cond`).
+        conditionals, :func:`jax_wgrad.parallel.pipeline.context.cond`).
       params: this device's parameters (the device tree).
       microbatches: ``[M, mb, ...]`` this data rank's batch by microbatch.
       zero_activation: ``[mb, s(/tp), H]`` zeros (what an idle task sends).

@@ -46,10 +46,9 @@ from jax import lax
 from jax_wgrad.grads.chunks import GradState
 from jax_wgrad.grads.sink import GradSink, SinkEntry
 from jax_wgrad.grads.spec import INPUT, OUTPUT
-from jax_wgrad.parallel import control, deferred
-from jax_wgrad.parallel.control import Predicate
+from jax_wgrad.parallel import deferred
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WeightPairs, zeros_of
-from jax_wgrad.parallel.pipeline.context import StageContext, TickRows
+from jax_wgrad.parallel.pipeline.context import Predicate, StageContext, TickRows, cond
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.scopes import DEFERRED_DRAIN, POST, PRE_BACKWARD
 
@@ -332,7 +331,7 @@ class StageEnds(PipelineEnds):
         """The last virtual stage: the loss and the head's backward now; its gradient for
         the layers' output waits in the gradient inbox for this stage's ``B``."""
         with jax.named_scope(POST):
-            return control.cond(
+            return cond(
                 self.context.is_last_virtual_stage(chunk),
                 functools.partial(self._post_and_backward, y=y, batch=batch, microbatch=microbatch),
                 lambda carry: carry,
@@ -345,7 +344,7 @@ class StageEnds(PipelineEnds):
     def after_backward_task(self, grads, microbatch, chunk, dx) -> GradState:
         """The first virtual stage: ``pre``'s backward."""
         with jax.named_scope(PRE_BACKWARD):
-            return control.cond(
+            return cond(
                 self.context.is_first_virtual_stage(chunk),
                 lambda g: self._pre_backward(g, dx, self.context.batch(microbatch)),
                 lambda g: g,
@@ -373,7 +372,7 @@ class StageEnds(PipelineEnds):
                     grads = accumulate(grads)
             return grads
 
-        return control.cond(self.context.is_last_virtual_stage(chunk), output, lambda g: g, grads)
+        return cond(self.context.is_last_virtual_stage(chunk), output, lambda g: g, grads)
 
     def _drain_active(self) -> Predicate:
         return self.context.is_last_stage

@@ -75,9 +75,8 @@ from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
 from jax_wgrad.grads.sink import GradSink
 from jax_wgrad.grads.spec import EXPERTS, LAYERS, STAGE
-from jax_wgrad.parallel import control
 from jax_wgrad.parallel.pipeline.carry import PipelineCarry, WeightPairs, zeros_of
-from jax_wgrad.parallel.pipeline.context import StageContext, TickRows
+from jax_wgrad.parallel.pipeline.context import StageContext, TickRows, cond
 from jax_wgrad.parallel.pipeline.ends import EndsTick, PipelineEnds, pipeline_ends
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.pipeline.residuals import ResidualStore
@@ -370,9 +369,7 @@ class ScheduleRun:
         ends = self.ends.begin_tick(rows)
         runs = lambda task, microbatch: self.table.always_busy(task) or microbatch >= 0
         with jax.named_scope(FORWARD):
-            carry, y = control.cond(
-                runs("F", f), self.forward, self._no_forward, carry, f, f_chunk, ends
-            )
+            carry, y = cond(runs("F", f), self.forward, self._no_forward, carry, f, f_chunk, ends)
         carry = self.ends.after_forward_tick(carry, ends, y)
         with jax.named_scope(BACKWARD):
             if self.last_store is not None:
@@ -391,15 +388,11 @@ class ScheduleRun:
                     b_chunk,
                 )
             else:
-                carry, dx = control.cond(
-                    runs("B", b), self.backward, self._no_backward, carry, b, b_chunk
-                )
+                carry, dx = cond(runs("B", b), self.backward, self._no_backward, carry, b, b_chunk)
         carry = self.ends.after_backward_tick(carry, ends, dx)
         if ctx.split_backward:
             with jax.named_scope(WEIGHT):
-                carry = control.cond(
-                    runs("W", w), self.weight, lambda c, w, v: c, carry, w, w_chunk
-                )
+                carry = cond(runs("W", w), self.weight, lambda c, w, v: c, carry, w, w_chunk)
         if self.syncs_in_cooldown:
             carry = carry.replace(grads=self.cooldown(carry.grads, rows.tick))
         return self.exchange(carry, y, dx, rows), None
@@ -455,7 +448,7 @@ class ScheduleRun:
         received = lax.dynamic_index_in_dim(
             carry.activation_inbox, ctx.activation_slot(chunk, microbatch), 0, keepdims=False
         )
-        x = control.cond(
+        x = cond(
             ctx.is_first_virtual_stage(chunk),
             lambda: self.ends.first_stage_input(ends, batch),
             lambda: received,

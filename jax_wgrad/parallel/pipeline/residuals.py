@@ -3,7 +3,7 @@ carry and turned back into the pullback by the backward task.
 
 What the residuals are is the stage program's business: the GPT checkpoints its layers
 inside its layer scan with Megatron's recompute options
-(:class:`~jax_wgrad.functional.recompute.LayerRecompute`), so the residuals are what each
+(:class:`~jax_wgrad.functional.stacked.LayerRecompute`), so the residuals are what each
 layer's policy saves, stacked over the layers, plus the function's inputs. (A checkpoint
 around the whole stage would make the backward re-run the forward scan over all layers
 first, stacking every recomputed activation; it is not used.) Inputs that are *live* --
