@@ -128,7 +128,9 @@ class LaidOutProgram:
 
     Attributes:
       model: the model; layout: its layout on ``model.parallel``.
-      pre, body, post, metrics: the model's functions.
+      parallel, fused_op_families, pre, body, post, metrics: the model's.
+      ends_over_pipeline: ``pre`` and ``post`` are collectives over the pipeline (the
+        model splits its vocabulary over it, :class:`VocabOverPipeline`).
       setup, stacks_layers, canonical_specs, param_specs, to_canonical, from_canonical,
         device_tree, canonical_tree, grad_specs: the layout's
         (:class:`~jax_wgrad.layout.StageLayout`).
@@ -156,7 +158,11 @@ class LaidOutProgram:
             model.post,
             model.metrics,
         )
+        self.parallel, self.fused_op_families = model.parallel, model.fused_op_families
         layout = self.layout
+        # pre and post are collectives over the pipeline (the vocabulary split over it):
+        # every stage runs them.
+        self.ends_over_pipeline = bool(layout.vocab_over_pipeline)
         self.setup, self.stacks_layers = layout.setup, layout.stacks_layers
         self.canonical_specs, self.param_specs = layout.canonical_specs, layout.param_specs
         self.to_canonical, self.from_canonical = layout.to_canonical, layout.from_canonical
@@ -182,22 +188,6 @@ class LaidOutProgram:
 
     def __repr__(self) -> str:
         return f"LaidOutProgram({self.model!r})"
-
-    # -- the model's
-
-    @property
-    def parallel(self) -> ParallelConfig:
-        return self.model.parallel
-
-    @property
-    def fused_op_families(self) -> tuple[str, ...]:
-        return self.model.fused_op_families
-
-    @property
-    def ends_over_pipeline(self) -> bool:
-        """``pre`` and ``post`` are collectives over the pipeline (the vocabulary split
-        over it): every stage runs them."""
-        return bool(self.layout.vocab_over_pipeline)
 
     def init_params(self, seed: int = 0) -> PyTree:
         """Full parameters from ``seed`` in the layout (the model's canonical ones)."""
