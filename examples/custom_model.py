@@ -21,15 +21,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import NoReturn
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
+from jax_wgrad.pretrain.launch import start_jax_on_cpu_without_gpu  # no jax imported
 
-from jax_wgrad import DDPConfig, ParallelConfig, TrainPlan, parallel, training
-from jax_wgrad.functional import causal_attention, rotary_embedding, vocab_parallel_cross_entropy
-from jax_wgrad.models import LayerStackConfig
-from jax_wgrad.nn import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+# jax's CUDA plugin installed on a machine without a GPU: jax on the CPU, chosen before jax
+# is imported (otherwise every run opens with the plugin's initialisation traceback).
+start_jax_on_cpu_without_gpu()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jax_wgrad import DDPConfig, ParallelConfig, TrainPlan, parallel, training  # noqa: E402
+from jax_wgrad._validation import check_positive  # noqa: E402
+from jax_wgrad.functional import (  # noqa: E402
+    causal_attention,
+    rotary_embedding,
+    vocab_parallel_cross_entropy,
+)
+from jax_wgrad.models import LayerStackConfig  # noqa: E402
+from jax_wgrad.nn import (  # noqa: E402
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from jax_wgrad.pretrain import cli  # noqa: E402
+from jax_wgrad.training.loop import LoopOptions  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +64,56 @@ class LlamaConfig(LayerStackConfig):
     init_std: float = 0.02
     cast_weights: str | None = None  # "bfloat16": each block's weights cast before use
 
+    def __post_init__(self) -> None:  # Megatron's checks and wording (GPTConfig's)
+        for name in (
+            *("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers"),
+            *("num_heads", "num_kv_heads", "seq_length"),
+        ):
+            check_positive(name, getattr(self, name))
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
     def build(self, *, tp_size: int = 1, sequence_parallel: bool = False, rngs: nnx.Rngs):
         return Llama(self, tp_size=tp_size, sequence_parallel=sequence_parallel, rngs=rngs)
+
+    def validate(self, parallel: ParallelConfig) -> None:
+        """The layouts this model splits into (Megatron's rules and wording): whole KV
+        groups per tensor rank, whole layers per pipeline stage and per model chunk; then
+        the layer stack's own checks."""
+        kv_groups_per_rank(self, parallel.tensor_model_parallel_size)
+        pp, chunks = parallel.pipeline_model_parallel_size, parallel.num_model_chunks
+        if self.num_layers % pp:
+            raise ValueError(
+                f"num_layers ({self.num_layers}) must be divisible by "
+                f"pipeline_model_parallel_size ({pp})"
+            )
+        if (self.num_layers // pp) % chunks:
+            raise ValueError(
+                f"number of layers per pipeline stage ({self.num_layers // pp}) must be "
+                f"divisible by virtual_pipeline_model_parallel_size ({chunks})"
+            )
+        super().validate(parallel)
+
+
+def kv_groups_per_rank(cfg: LlamaConfig, tp_size: int) -> int:
+    """The KV groups (a KV head and its query heads) each of ``tp_size`` tensor ranks holds;
+    ``ValueError`` unless ``tp_size`` divides ``cfg.num_kv_heads`` (Megatron's rule for
+    ``num_query_groups``: a group is never split over ranks)."""
+    if cfg.num_kv_heads % tp_size:
+        raise ValueError(
+            f"num_kv_heads ({cfg.num_kv_heads}) must be a multiple of "
+            f"tensor_model_parallel_size ({tp_size}): each tensor rank holds whole KV groups "
+            "(Megatron's num_query_groups rule)"
+        )
+    return cfg.num_kv_heads // tp_size
 
 
 class Attention(nnx.Module):
@@ -54,7 +121,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, tp: dict, rngs: nnx.Rngs):
         d = cfg.hidden_size // cfg.num_heads
-        self.groups = cfg.num_kv_heads // tp["tp_size"]
+        self.groups = kv_groups_per_rank(cfg, tp["tp_size"])
         self.per_group, self.head_dim, self.base = (
             cfg.num_heads // cfg.num_kv_heads,
             d,
@@ -166,40 +233,43 @@ class Llama(nnx.Module):
 # ---------------------------------------------------------------------------- training
 
 
-def _plan(args) -> tuple[TrainPlan, jax.sharding.Mesh]:
-    """The run's plan: LlamaConfig on the layout the flags ask for."""
-    cfg = LlamaConfig(
-        num_layers=args.num_layers,
-        cast_weights=None if args.cast_weights == "none" else "bfloat16",
-    )
-    par = ParallelConfig(
-        world_size=args.dp * args.tp * args.pp,
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        sequence_parallel=not args.no_sequence_parallel and args.tp > 1,
-        micro_batch_size=2,
-        global_batch_size=8 * args.dp,
-        gradient_accumulation_fusion=True,  # fused wgrad into the Megatron buckets
-        defer_embedding_wgrad_compute=args.schedule != "zb-h1",  # output-layer deferral
-        pipeline_schedule="zb-h1" if args.schedule == "zb-h1" else "1f1b",
-        virtual_pipeline_model_parallel_size=2 if args.schedule == "interleaved" else None,
-    )
-    ddp = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)  # cooldown sync
-    mesh = parallel.make_mesh(par)
-    plan = TrainPlan.create(cfg, par, mesh, training.default_optimizer(args.lr), ddp=ddp)
-    return plan, mesh
-
-
-def main(argv: list[str] | None = None) -> list[float]:
+def make_parser() -> argparse.ArgumentParser:
+    """The flags. A flag whose value a config checks has the config field's name as its
+    ``dest`` (``--tp``: ``tensor_model_parallel_size``), so the config's error message
+    names the flag (:func:`jax_wgrad.pretrain.cli.flag_names`), as pretrain_gpt's do."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
+    positive = cli.int_at_least(1)
+    parser.add_argument("--dp", type=positive, default=2, help="data-parallel size")
+    parser.add_argument(
+        "--tp",
+        dest="tensor_model_parallel_size",
+        metavar="TP",
+        type=positive,
+        default=2,
+        help="tensor-parallel size (it must divide the model's 2 KV heads)",
+    )
+    parser.add_argument(
+        "--pp",
+        dest="pipeline_model_parallel_size",
+        metavar="PP",
+        type=positive,
+        default=2,
+        help="pipeline-parallel size (it must divide --num-layers)",
+    )
     parser.add_argument("--no-sequence-parallel", action="store_true")
-    parser.add_argument("--schedule", choices=("1f1b", "interleaved", "zb-h1"), default="1f1b")
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--schedule",
+        choices=("1f1b", "interleaved", "zb-h1"),
+        default="1f1b",
+        help="interleaved: 2 model chunks per stage (--num-layers a multiple of 2 x --pp)",
+    )
+    parser.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    parser.add_argument(
+        "--steps", dest="train_iters", metavar="STEPS", type=int, default=10, help="train steps"
+    )
+    parser.add_argument(
+        "--lr", type=cli.float_above(0.0, inclusive=True), default=3e-3, help="learning rate"
+    )
     parser.add_argument(
         "--cast-weights",
         choices=("none", "bf16"),
@@ -207,13 +277,82 @@ def main(argv: list[str] | None = None) -> list[float]:
         help="cast each layer's weights to bf16 before its GEMMs (mixed precision); "
         "their fused gradients still go into the fp32 buckets",
     )
-    args = parser.parse_args(argv)
+    return parser
 
-    parallel.use_virtual_cpu_devices(max(args.dp * args.tp * args.pp, 8))  # CPU; before jax
+
+def usage_error(parser: argparse.ArgumentParser, args, exc: Exception) -> NoReturn:
+    """Ends the program as argparse does (exit 2) with ``exc``'s one line, the config
+    fields it names spelled as this script's flags."""
+    message = cli.flag_names(parser, str(exc))
+    if args.schedule == "interleaved" and "virtual_pipeline_model_parallel_size" in message:
+        message += " (--schedule interleaved: 2 model chunks per stage)"
+    parser.error(message)
+
+
+def configs(parser: argparse.ArgumentParser, args) -> tuple[LlamaConfig, ParallelConfig]:
+    """The model and the layout the flags ask for, checked; a usage error (exit 2) naming
+    the flag otherwise."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    microbatches = pp * -(-4 // pp)  # 4, or a multiple of pp (the interleaved schedule's rule)
     try:
-        plan, mesh = _plan(args)
+        LoopOptions(train_iters=args.train_iters)  # the training loop's check of the steps
+        cfg = LlamaConfig(
+            num_layers=args.num_layers,
+            cast_weights=None if args.cast_weights == "none" else "bfloat16",
+        )
+        par = ParallelConfig(
+            world_size=args.dp * tp * pp,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            sequence_parallel=not args.no_sequence_parallel and tp > 1,
+            micro_batch_size=2,
+            global_batch_size=2 * microbatches * args.dp,
+            gradient_accumulation_fusion=True,  # fused wgrad into the Megatron buckets
+            # output-layer deferral (it needs a pipeline; zb-h1 runs those wgrads as W tasks)
+            defer_embedding_wgrad_compute=args.schedule != "zb-h1" and pp > 1,
+            pipeline_schedule="zb-h1" if args.schedule == "zb-h1" else "1f1b",
+            virtual_pipeline_model_parallel_size=2 if args.schedule == "interleaved" else None,
+        )
+        cfg.validate(par)
+    except ValueError as exc:
+        usage_error(parser, args, exc)
+    return cfg, par
+
+
+def devices(parser: argparse.ArgumentParser, args) -> list[jax.Device]:
+    """The first ``--dp x --tp x --pp`` devices: on the CPU this many virtual devices
+    (unless jax already started in this process); a usage error when there are fewer."""
+    sizes = (args.dp, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    world_size = sizes[0] * sizes[1] * sizes[2]
+    try:
+        parallel.use_virtual_cpu_devices(world_size)  # before the first jax computation
+    except ValueError:  # jax started already (a caller's process): the devices it has
+        pass
+    have = jax.devices()
+    if len(have) < world_size:
+        parser.error(
+            f"--dp x --tp x --pp ({' x '.join(map(str, sizes))} = {world_size}) is more "
+            f"than the {len(have)} {have[0].platform} devices jax has"
+        )
+    return have[:world_size]
+
+
+def plan_of(parser: argparse.ArgumentParser, args) -> tuple[TrainPlan, jax.sharding.Mesh]:
+    """The run's plan: :func:`configs` on the mesh of :func:`devices`."""
+    cfg, par = configs(parser, args)
+    ddp = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)  # cooldown sync
+    mesh = parallel.make_mesh(par, devices(parser, args))
+    try:
+        plan = TrainPlan.create(cfg, par, mesh, training.default_optimizer(args.lr), ddp=ddp)
     except ValueError as exc:  # a layout the model or the devices do not allow: one line
-        parser.error(str(exc))
+        usage_error(parser, args, exc)
+    return plan, mesh
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    plan, mesh = plan_of(parser, args)
     fused = [e.name for e in plan.sink.entries]
     print(
         f"{len(fused)} weight tensors' gradients fused into the buckets (each GEMM adds dy^T x in "
@@ -226,7 +365,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     # A learnable toy language: each token is the previous one plus one (mod vocab).
     rng = jax.random.key(1)
     losses = []
-    for i in range(args.steps):
+    for i in range(args.train_iters):
         start = jax.random.randint(jax.random.fold_in(rng, i), (batch, 1), 0, cfg.vocab_size)
         tokens = (start + jnp.arange(cfg.seq_length + 1)) % cfg.vocab_size
         state, metrics = step(state, training.shard_batch(mesh, jax.device_get(tokens)))

@@ -106,6 +106,22 @@ class LayerStackConfig:
                 f"num_layers is {self.num_layers}"
             )
         layers = [state["layers"][i] for i in range(self.num_layers)]
+        shapes = [
+            {jax.tree_util.keystr(k): jnp.shape(a) for k, a in jax.tree.leaves_with_path(layer)}
+            for layer in layers
+        ]
+        for i, layer in enumerate(shapes[1:], 1):  # stacked into one scan: built alike
+            for path in sorted(shapes[0].keys() | layer.keys()):
+                if layer.get(path) != shapes[0].get(path):
+                    have, want = (
+                        f"shape {s[path]}" if path in s else "no such parameter"
+                        for s in (layer, shapes[0])
+                    )
+                    raise ValueError(
+                        f"{type(self).__name__}: layer {i}'s parameter {path} has {have}, "
+                        f"layer 0's {want}: every layer must be built alike (the layers "
+                        "of a stage run as one scan over their stacked parameters)"
+                    )
         return {
             "embed": state["embed"],
             "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers),
