@@ -262,13 +262,17 @@ def test_hf_config_not_json(pretrain, capsys, tmp_path):
 
 
 def test_hf_config_missing_a_key(pretrain, capsys, tmp_path):
+    # transformers' MistralConfig default (4096) is used, as transformers would; the
+    # shards' shapes then disagree, and the refusal names the key left out
     d = _copy("mistral", tmp_path)
     _edit_config(d, hidden_size=None)
     usage_error(
         pretrain,
         capsys,
         SMALL + ["--load-hf", str(d)],
-        f"--load-hf {d}: config.json has no 'hidden_size'",
+        f"--load-hf {d}: {d / 'model.safetensors'}: tensor 'lm_head.weight' has shape "
+        "(128, 64), the config makes it (128, 4096) (config.json leaves out hidden_size "
+        "(default 4096): transformers' MistralConfig defaults used)",
     )
 
 

@@ -39,7 +39,13 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jax_wgrad.interop.hf_config import config_from_hf, expert_family, head_dim, hf_config_from
+from jax_wgrad.interop.hf_config import (
+    config_from_hf,
+    expert_family,
+    head_dim,
+    hf_config_from,
+    hf_defaults_note,
+)
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.models.gpt.params import init_params
 
@@ -50,6 +56,7 @@ __all__ = [
     "hf_tensors",
     "import_hf",
     "check_shards",
+    "checked_hf_config",
     "read_hf_config",
     "read_hf_tensors",
     "read_json",
@@ -320,9 +327,11 @@ def shard_files(directory: str | os.PathLike) -> list[Path]:
     )
 
 
-def check_shards(directory: str | os.PathLike) -> list[Path]:
+def check_shards(directory: str | os.PathLike, cfg: GPTConfig | None = None) -> list[Path]:
     """:func:`shard_files`, each file's header read (cheap: no tensor is loaded), so that a
-    missing, truncated or foreign shard is refused before anything is built.
+    missing, truncated or foreign shard is refused before anything is built; with ``cfg``
+    also every tensor's name and shape against :func:`hf_tensors` (e.g. a config whose
+    left-out sizes got transformers' defaults, which the weights do not have).
 
     Raises:
       ValueError: naming the directory or the file and what is wrong.
@@ -330,13 +339,39 @@ def check_shards(directory: str | os.PathLike) -> list[Path]:
     from safetensors import SafetensorError, safe_open
 
     files = shard_files(directory)
+    table = None if cfg is None else {t.name: t for t in hf_tensors(cfg, aliases=True)}
     for path in files:
         try:
             with safe_open(path, framework="numpy") as f:
-                f.keys()
+                for name in f.keys():
+                    if table is not None:
+                        _table_entry(path, name, tuple(f.get_slice(name).get_shape()), table, cfg)
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
     return files
+
+
+def _table_entry(path: Path, name: str, shape: tuple, table: dict, cfg) -> HFTensor | None:
+    """The table's entry of a file's tensor ``name`` of ``shape``; ``None``: one that is
+    skipped (recomputed buffers, a tied model's ``lm_head``).
+
+    Raises:
+      ValueError: the tensor has no place in the model, or another shape (named).
+    """
+    tied = not cfg.untie_embeddings_and_output_weights
+    if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        return None
+    entry = table.get(name)
+    if entry is None:
+        raise ValueError(
+            f"{path}: tensor {name!r} has no place in this model "
+            "(a different architecture or an option not mapped)"
+        )
+    if tuple(shape) != entry.shape:
+        raise ValueError(
+            f"{path}: tensor {name!r} has shape {tuple(shape)}, the config makes it {entry.shape}"
+        )
+    return entry
 
 
 def import_hf(directory: str | os.PathLike, **overrides) -> tuple[GPTConfig, dict]:
@@ -347,9 +382,26 @@ def import_hf(directory: str | os.PathLike, **overrides) -> tuple[GPTConfig, dic
       ValueError: a config the GPT cannot represent; a tensor of the wrong shape, one
         with no place in the model, or missing ones (named).
     """
-    d = Path(directory)
-    cfg = config_from_hf(read_hf_config(d), **overrides)
-    return cfg, read_hf_tensors(d, cfg, canonical_arrays(cfg))
+    cfg = checked_hf_config(directory, **overrides)
+    return cfg, read_hf_tensors(directory, cfg, canonical_arrays(cfg))
+
+
+def checked_hf_config(directory: str | os.PathLike, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of an HF directory's ``config.json``
+    (:func:`~jax_wgrad.interop.config_from_hf`), every shard's header checked against it
+    (:func:`check_shards`: names and shapes, no tensor loaded, nothing allocated).
+
+    Raises:
+      ValueError: as :func:`~jax_wgrad.interop.config_from_hf` and :func:`check_shards`; a
+        shape that differs ends naming the keys config.json left out and their defaults.
+    """
+    hf = read_hf_config(directory)
+    cfg = config_from_hf(hf, **overrides)
+    try:
+        check_shards(directory, cfg)
+    except ValueError as exc:  # e.g. a size config.json left out: transformers' default
+        raise ValueError(f"{exc}{hf_defaults_note(hf)}") from None
+    return cfg
 
 
 def read_hf_tensors(directory: str | os.PathLike, cfg: GPTConfig, params: dict) -> dict:
@@ -392,23 +444,12 @@ def _read_shard(path: Path, table: dict, params: dict, written: dict, cfg) -> No
 def _read_shard_tensors(path: Path, table: dict, params: dict, written: dict, cfg) -> None:
     from safetensors import safe_open
 
-    tied = not cfg.untie_embeddings_and_output_weights
     with safe_open(path, framework="numpy") as f:
         for name in f.keys():
-            if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                continue
-            entry = table.get(name)
+            entry = _table_entry(path, name, f.get_slice(name).get_shape(), table, cfg)
             if entry is None:
-                raise ValueError(
-                    f"{path}: tensor {name!r} has no place in this model "
-                    "(a different architecture or an option not mapped)"
-                )
+                continue
             tensor = f.get_tensor(name)
-            if tuple(tensor.shape) != entry.shape:
-                raise ValueError(
-                    f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the config makes it {entry.shape}"
-                )
             view = entry.view(params)
             view[...] = tensor.reshape(view.shape)
             written[entry.leaf] += tensor.size
@@ -433,9 +474,17 @@ def export_hf(
     ``extra_config``, e.g. token ids), safetensors shards of at most ``max_shard_bytes``
     (one tensor bigger than that gets a shard of its own) with their index, or one
     ``model.safetensors``; ``generation_config.json`` only when ``extra_config`` gives
-    token ids. Returns the files written."""
+    token ids. Returns the files written.
+
+    Raises:
+      ValueError: ``max_shard_bytes`` below 1, or ``directory`` is a file.
+    """
     from safetensors.numpy import save_file
 
+    if max_shard_bytes < 1:
+        raise ValueError(f"export_hf: max_shard_bytes must be positive, got {max_shard_bytes!r}")
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(f"export_hf: {directory} is a file, not a directory")
     hf = {**hf_config_from(cfg, family=family, dtype=dtype), **(extra_config or {})}
     np_dtype = _DTYPES[dtype]
     params = jax.tree.map(np.asarray, params)

@@ -35,7 +35,7 @@ import typing
 from typing import Any, Literal, NoReturn
 
 from jax_wgrad.grads.config import DDPConfig
-from jax_wgrad.interop.hf import check_shards, config_from_hf, read_hf_config
+from jax_wgrad.interop.hf import checked_hf_config
 from jax_wgrad.models.gpt.config import RUN_OPTIONS, GPTConfig
 from jax_wgrad.models.gpt.params import layer_loop_length
 from jax_wgrad.models.gpt.presets import PRESETS
@@ -1003,8 +1003,8 @@ def hf_model_fields(parser: argparse.ArgumentParser, directory: str, seq_length:
     """The ``GPTConfig`` fields of a Hugging Face directory's ``config.json`` that flags
     exist for; an unreadable or unsupported config is a usage error naming it."""
     try:  # the run's --seq-length (not max_position_embeddings) meets the sliding window
-        cfg = config_from_hf(read_hf_config(directory), seq_length=seq_length)
-        check_shards(directory)  # missing, truncated: refused before anything is built
+        # missing, truncated, of other shapes: refused before anything is built
+        cfg = checked_hf_config(directory, seq_length=seq_length)
     except ValueError as exc:
         parser.error(f"--load-hf {directory}: {exc}")
     # seq_length: the training sequence length is this run's choice (RoPE takes any);
