@@ -15,7 +15,8 @@ class DDPConfig:
     """Gradient buffers, their data-parallel sync, and the optimizer step.
 
     Megatron's ``DistributedDataParallelConfig`` fields (same names and meaning) plus
-    ``clip_grad`` (from Megatron's ``OptimizerConfig``), because this library's
+    ``clip_grad``, ``use_precision_aware_optimizer`` and ``store_param_remainders`` (from
+    Megatron's ``OptimizerConfig``), because this library's
     optimizer step (:class:`jax_wgrad.optim.DistributedOptimizer`) owns clipping, and
     ``overlap_grad_reduce_in_backward`` (this library's: where Megatron's overlap of the
     bucket syncs with the backward needs a layout of its own for stacked layers).
@@ -48,6 +49,16 @@ class DDPConfig:
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (Megatron's
     ``--clip-grad``, default 1.0)."""
+    use_precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer (TransformerEngine's ``FusedAdam``): with it,
+    ``store_param_remainders`` acts and Adam's moments may be stored in bf16
+    (:func:`jax_wgrad.optim.adamw`'s ``exp_avg_dtype`` / ``exp_avg_sq_dtype``). Needs
+    ``use_distributed_optimizer``, as in Megatron."""
+    store_param_remainders: bool = True
+    """With ``use_precision_aware_optimizer``: bf16 parameters keep an int16 remainder
+    instead of an fp32 main copy (exact; :class:`jax_wgrad.optim.DistributedOptimizer`),
+    2 bytes per parameter less on the distributed optimizer's shard (Megatron's default,
+    TransformerEngine >= 2.1)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -56,11 +67,17 @@ class DDPConfig:
             "overlap_grad_reduce_in_backward",
             "average_in_collective",
             "pad_buckets_for_high_nccl_busbw",
+            "use_precision_aware_optimizer",
+            "store_param_remainders",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_grad_reduce_in_backward and not self.overlap_grad_reduce:
             raise ValueError("overlap_grad_reduce_in_backward requires overlap_grad_reduce")
+        if self.use_precision_aware_optimizer and not self.use_distributed_optimizer:
+            raise ValueError(  # Megatron's words (core/optimizer/__init__.py)
+                "--use-precision-aware-optimizer only supported with distributed optimizer"
+            )
         if self.bucket_size is not None:
             check_positive("bucket_size", self.bucket_size)
         clip = self.clip_grad

@@ -71,9 +71,10 @@ class BytesPerParameter:
       params: the parameters (2: bf16, 4: fp32).
       grads: the flat gradient buckets, padding included (4: fp32).
       master: the optimizer's fp32 copy of 16-bit parameters (``4/DP`` with the
-        distributed optimizer, 4 without; 0 for fp32 parameters: they are their own main
-        parameters).
-      moments: the optax state (Adam: ``8/DP``, or 8).
+        distributed optimizer, 4 without; ``2/DP`` as int16 remainders of bf16 parameters,
+        ``DDPConfig.store_param_remainders``; 0 for fp32 parameters: they are their own
+        main parameters).
+      moments: the optax state (Adam: ``8/DP``, or 8; ``4/DP`` with bf16 moments).
       megatron: Megatron's figure (Adam) for the same parameter/gradient dtypes and
         data-parallel sizes, weighted by the parameters of each bucket (no padding).
       formula: Megatron's formula with its numbers, e.g. ``"2 + 4 + 12/2"``; terms of
@@ -103,13 +104,13 @@ class BytesPerParameter:
 
     def summary(self) -> str:
         """One line, e.g. ``bytes per parameter on a device: params 2.00 + grads 4.00 +
-        optimizer 6.00 (fp32 main params 2.00, optax 4.00) = 12.00; Megatron
+        optimizer 6.00 (main params 2.00, optax 4.00) = 12.00; Megatron
         (distributed optimizer): 2 + 4 + 12/2 = 12.00``."""
         mode = "distributed optimizer" if self.distributed else "no distributed optimizer"
         return (
             f"bytes per parameter on a device ({self.num_params:,} parameters): params "
             f"{self.params:.2f} + grads {self.grads:.2f} + optimizer {self.optimizer:.2f} "
-            f"(fp32 main params {self.master:.2f}, optax {self.moments:.2f}) = "
+            f"(main params {self.master:.2f}, optax {self.moments:.2f}) = "
             f"{self.total:.2f}; Megatron ({mode}, Adam): {self.formula} = "
             f"{self.megatron:.2f}"
         )

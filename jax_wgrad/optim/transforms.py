@@ -17,7 +17,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-__all__ = ["add_decayed_weights", "adamw", "clip_by_total_norm", "global_grad_norm"]
+__all__ = [
+    "MOMENT_DTYPES",
+    "add_decayed_weights",
+    "adamw",
+    "clip_by_total_norm",
+    "global_grad_norm",
+    "scale_by_adam",
+]
 
 PyTree = Any
 
@@ -53,6 +60,58 @@ def add_decayed_weights(weight_decay: float) -> optax.GradientTransformationExtr
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+MOMENT_DTYPES = (jnp.float32, jnp.bfloat16)
+"""The dtypes Adam's moments may be stored in (:func:`scale_by_adam`): Megatron's
+``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` ``fp32`` and ``bf16``. (Megatron's ``fp16`` and
+``fp8`` store scaled moments, TransformerEngine's per-tensor scales, which are not built.)"""
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    exp_avg_dtype: Any = None,
+    exp_avg_sq_dtype: Any = None,
+) -> optax.GradientTransformation:
+    """:func:`optax.scale_by_adam` whose moments are *stored* in ``exp_avg_dtype`` (first)
+    and ``exp_avg_sq_dtype`` (second) but computed in fp32, as Megatron's precision-aware
+    optimizer (TransformerEngine's ``FusedAdam``) does: each step reads the stored moments,
+    updates them and computes the update in fp32, and rounds the new moments to their
+    dtype (to nearest) for storage. ``None`` (both): exactly :func:`optax.scale_by_adam`.
+
+    Args:
+      exp_avg_dtype, exp_avg_sq_dtype: one of :data:`MOMENT_DTYPES` or ``None`` (the
+        main parameters' dtype, fp32).
+    Raises:
+      ValueError: another dtype.
+    """
+    for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+        if dtype is not None and jnp.dtype(dtype) not in map(jnp.dtype, MOMENT_DTYPES):
+            allowed = ", ".join(jnp.dtype(d).name for d in MOMENT_DTYPES)
+            raise ValueError(f"scale_by_adam: {name} must be one of {allowed}, got {dtype!r}")
+    inner = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+    if exp_avg_dtype is None and exp_avg_sq_dtype is None:
+        return inner
+    stored = lambda tree, dtype: jax.tree.map(lambda x: x.astype(dtype or jnp.float32), tree)
+
+    def init_fn(params):
+        state = inner.init(params)
+        return state._replace(
+            mu=stored(state.mu, exp_avg_dtype), nu=stored(state.nu, exp_avg_sq_dtype)
+        )
+
+    def update_fn(updates, state, params=None):  # fp32 moments in, stored ones out
+        wide = state._replace(mu=stored(state.mu, None), nu=stored(state.nu, None))
+        updates, new = inner.update(updates, wide, params)
+        return updates, new._replace(
+            mu=stored(new.mu, exp_avg_dtype), nu=stored(new.nu, exp_avg_sq_dtype)
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def adamw(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -60,14 +119,25 @@ def adamw(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     weight_decay: float = 1e-4,
+    *,
+    exp_avg_dtype: Any = None,
+    exp_avg_sq_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """:func:`optax.adamw` whose weight-decay mask is the ``weight_decay_mask`` extra arg.
 
     The same chain as optax (``scale_by_adam`` -> decay -> ``scale_by_learning_rate``), so
-    results equal ``optax.adamw(..., mask=tree)`` on the full tree.
+    results equal ``optax.adamw(..., mask=tree)`` on the full tree. ``exp_avg_dtype``,
+    ``exp_avg_sq_dtype``: the moments' storage dtypes (:func:`scale_by_adam`).
     """
     return optax.chain(
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
+        scale_by_adam(
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            eps_root=eps_root,
+            exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype,
+        ),
         add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -124,12 +124,15 @@ def state_from_canonical(plan: TrainPlan, template: TrainState, opt, step: int) 
     """The plan's :class:`TrainState` from the canonical optimizer state ``opt`` (as
     :func:`canonical_state` gives it): the parameters are its fp32 main parameters cast to
     the plan's parameter dtypes (Megatron's model parameters are always the cast of its
-    main parameters), the optimizer state its re-sharded form. ``template``: a state of
-    the plan (shapes and dtypes)."""
+    main parameters; :meth:`~jax_wgrad.optim.DistributedOptimizer.to_param_dtype`), the
+    optimizer state its re-sharded form. ``template``: a state of the plan (shapes and
+    dtypes)."""
     program, optimizer = plan.program, plan.optimizer
     in_opt = _opt_specs(plan, _unstacked_abstract(plan, template))
     opt = optimizer.map_param_parts(program.from_canonical, opt)
-    params = jax.tree.map(lambda m, t: m.astype(t.dtype), opt.master, template.params)
+    params = jax.tree.map(
+        lambda m, t: optimizer.to_param_dtype(m, t.dtype), opt.master, template.params
+    )
 
     def body(opt_state):
         state = optimizer.map_param_parts(program.device_tree, opt_state)

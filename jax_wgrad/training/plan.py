@@ -140,6 +140,7 @@ class TrainPlan:
             clip_grad=ddp.clip_grad or None,
             weight_decay_mask=layout.weight_decay_flags(),
             duplicated={TENSOR: layout.tensor_replicated(), PIPELINE: layout.shared_flags()},
+            store_param_remainders=ddp.use_precision_aware_optimizer and ddp.store_param_remainders,
         )
         table = schedule_of(program)
         return cls(

@@ -65,12 +65,23 @@ def default_optimizer(
     b1: float = 0.9,
     b2: float = 0.95,
     eps: float = 1e-8,
+    exp_avg_dtype: Any = None,
+    exp_avg_sq_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Megatron's defaults: AdamW, decay only where the parameters' specs say so (weights
     and the word embedding; not biases, LayerNorms, positions). The decay mask is applied
     per element by the train step (:func:`jax_wgrad.optim.adamw`); clipping is
-    ``DDPConfig.clip_grad``."""
-    return transforms.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    ``DDPConfig.clip_grad``. ``exp_avg_dtype`` / ``exp_avg_sq_dtype``: the moments' storage
+    dtypes (Megatron's precision-aware optimizer; :func:`jax_wgrad.optim.scale_by_adam`)."""
+    return transforms.adamw(
+        lr,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        exp_avg_dtype=exp_avg_dtype,
+        exp_avg_sq_dtype=exp_avg_sq_dtype,
+    )
 
 
 def _stack(tree):
