@@ -23,18 +23,28 @@ step loop goes on while orbax writes) and atomic (orbax writes into a temporary 
 and renames it when complete, so a save killed half-way never becomes the latest
 checkpoint). A checkpoint of a differently shaped model fails to load with a message
 naming the mismatch.
+
+A directory is written by one run at a time: a saving checkpointer holds an exclusive
+``flock`` on it (:meth:`Checkpointer.lock`) until it is closed or its process ends, and a
+second one is refused in one line (:class:`CheckpointWriteError`). Each save first checks
+that the checkpoint fits in the free space; a write the file system refuses all the same
+(full, a quota) is one :class:`CheckpointWriteError` too, its half-written step removed and
+the complete steps before it intact.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import errno
 import gc
 import inspect
 import json
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import warnings
@@ -42,6 +52,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
@@ -52,9 +63,15 @@ from jax_wgrad.parallel.mesh import AXES
 from jax_wgrad.training.plan import TrainPlan
 from jax_wgrad.training.step import TrainState, init_optimizer_state
 
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): directories are not locked
+    fcntl = None
+
 __all__ = [
     "Checkpointer",
     "CheckpointError",
+    "CheckpointWriteError",
     "canonical_state",
     "state_from_canonical",
     "model_differences",
@@ -69,6 +86,16 @@ class CheckpointError(ValueError):
     def __init__(self, directory: str, step: int, damage: str):
         self.directory, self.step, self.damage = directory, step, damage
         super().__init__(f"checkpoint {directory} step {step} is damaged: {damage}")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that cannot be written: the directory is another run's, or the file
+    system refused the write (full, a quota); ``reason`` says which, in one line. The
+    complete steps written before are intact."""
+
+    def __init__(self, directory: str, reason: str):
+        self.directory, self.reason = directory, reason
+        super().__init__(f"checkpoint directory {directory}: {reason}")
 
 
 def _opt_specs(plan: TrainPlan, per_device_state, specs=None) -> OptimizerState:
@@ -164,6 +191,11 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, create: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
         self._create = create
+        self._lock: _DirectoryLock | None = None
+        self._locked = False  # lock() succeeded (on process 0: self._lock is held)
+        self._saving: int | None = None  # the step of the save under way
+        self._last_need = 0  # bytes the last space check asked for
+        self._closed = False
         self.manager = self._manager()
 
     def _manager(self) -> ocp.CheckpointManager:
@@ -180,12 +212,68 @@ class Checkpointer:
         """The newest complete checkpoint's step, or ``None``."""
         return self.manager.latest_step()
 
+    def lock(self) -> None:
+        """Makes this checkpointer the directory's only writer until :meth:`close` (or the
+        end of the process: the OS drops the lock of a process that dies): an exclusive
+        ``flock`` on the directory (on a file system that cannot lock a directory, on a
+        ``.jax_wgrad-save.lock`` file in it), taken by process 0 of a multi-process run.
+        :meth:`save` takes it too.
+
+        Raises:
+          CheckpointWriteError: another checkpointer (of this or another process) holds it.
+        """
+        if self._locked:
+            return
+        refused = None
+        if jax.process_index() == 0:
+            try:
+                self._lock = _DirectoryLock(self.directory)
+            except CheckpointWriteError as exc:
+                refused = exc
+        if _process_0s(int(refused is not None)):  # every process stops, or none
+            raise refused or CheckpointWriteError(
+                self.directory, "another run is saving checkpoints there (process 0 says)"
+            )
+        self._locked = True
+
+    def space_needed(self, arrays) -> int:
+        """Bytes a checkpoint of ``arrays`` (arrays or ``ShapeDtypeStruct`` s) may take
+        here: their bytes plus 10% and 1 MiB for orbax's metadata (orbax compresses, so
+        this bounds the arrays' share), or the newest complete step's size on disk when
+        that is more."""
+        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(arrays))
+        latest = self.manager.latest_step()
+        on_disk = 0 if latest is None else _disk_bytes(os.path.join(self.directory, str(latest)))
+        return max(int(nbytes * 1.1) + (1 << 20), on_disk)
+
+    def check_space(self, arrays, step: int) -> None:
+        """Raises :class:`CheckpointWriteError` when the checkpoint of ``arrays`` at
+        ``step`` may not fit in the directory's free space (:meth:`space_needed`)."""
+        need = self._last_need = self.space_needed(arrays)
+        free = _process_0s(shutil.disk_usage(self.directory).free)  # one verdict for all
+        if free < need:
+            raise CheckpointWriteError(
+                self.directory,
+                f"{_size(free)} free, the checkpoint of step {step} needs up to {_size(need)} "
+                f"({need:,} bytes); {self._intact()}",
+            )
+
     def save(
         self, plan: TrainPlan, state: TrainState, *, step: int, data_step: int, seed: int
     ) -> None:
         """Starts an asynchronous save of ``state`` at ``step`` (returns when the arrays
-        are copied; :meth:`wait` for completion)."""
+        are copied; :meth:`wait` for completion), after the save under way is complete and
+        the space is checked (:meth:`check_space`).
+
+        Raises:
+          CheckpointWriteError: the directory is another run's (:meth:`lock`), too full
+            for this step, or the file system refused a write of this save or the one
+            before it.
+        """
+        self.lock()
+        self.wait()
         canon = canonical_state(plan, state)
+        self.check_space(canon, step)
         meta = {
             "step": step,
             "data_step": data_step,
@@ -195,14 +283,19 @@ class Checkpointer:
             "parallel": dataclasses.asdict(plan.parallel),
             "ddp": dataclasses.asdict(plan.ddp),
         }
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(canon["params"]),
-                opt=ocp.args.StandardSave(canon["opt"]),
-                meta=ocp.args.JsonSave(json.loads(json.dumps(meta, default=str))),
-            ),
-        )
+        _ORBAX_QUIET.enter()  # until the save is complete (wait)
+        self._saving = step
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(canon["params"]),
+                    opt=ocp.args.StandardSave(canon["opt"]),
+                    meta=ocp.args.JsonSave(json.loads(json.dumps(meta, default=str))),
+                ),
+            )
+        except Exception as exc:
+            raise self._write_failed(exc) from None
 
     def restore(
         self,
@@ -301,7 +394,8 @@ class Checkpointer:
         """``read()``, with any failure of the files (orbax, tensorstore, the OS) turned into
         a one-line :class:`CheckpointError` naming the step."""
         try:
-            return read()
+            with _ORBAX_QUIET:
+                return read()
         except Exception as exc:
             if _QUIET_SCOPES:  # the reports that come later, until the scope ends
                 _QUIET_SCOPES[-1].arm()
@@ -311,12 +405,255 @@ class Checkpointer:
             raise CheckpointError(self.directory, step, _damage(exc)) from exc
 
     def wait(self) -> None:
-        """Blocks until every started save is complete."""
-        self.manager.wait_until_finished()
+        """Blocks until every started save is complete.
+
+        Raises:
+          CheckpointWriteError: the file system refused a write of the save (its
+            half-written step is removed).
+        """
+        if self._saving is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as exc:
+            raise self._write_failed(exc) from None
+        finally:
+            if self._saving is not None:
+                self._saving = None
+                _ORBAX_QUIET.exit()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for the save under way, then lets go of the directory (also when the
+        save failed: its :class:`CheckpointWriteError` is raised after). Closing again does
+        nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+            self._locked = False
+
+    def _write_failed(self, exc: BaseException) -> CheckpointWriteError:
+        """The one-line error of a save that failed with ``exc``; the step's half-written
+        files are removed (by process 0), so only complete steps remain."""
+        step = self._saving
+        if jax.process_index() == 0 and step is not None:
+            with contextlib.suppress(Exception):
+                self.manager.wait_until_finished()  # nothing may still write in there
+            for tmp in _unfinished(self.directory, step):
+                shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            self.manager.reload()  # the steps on disk now
+        code = _os_error_code(exc)
+        what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            need = self._last_need
+            reason = (
+                ("the disk quota is exceeded" if code == errno.EDQUOT else "no space left")
+                + f" for {what} ({_size(shutil.disk_usage(self.directory).free)} free now"
+                + (f", it needs up to {_size(need)} ({need:,} bytes)" if need else "")
+                + f"); {self._intact()}"
+            )
+        else:
+            reason = f"writing {what} failed: {_damage(exc)}; {self._intact()}"
+        return CheckpointWriteError(self.directory, reason)
+
+    def _intact(self) -> str:
+        latest = self.manager.latest_step()
+        return (
+            f"the newest complete checkpoint, step {latest}, is intact"
+            if latest is not None
+            else "no complete checkpoint is there"
+        )
+
+
+class _OrbaxQuiet:
+    """While a checkpointer reads or writes (entered per restore, and from the start of a
+    save to its end): orbax's event loops finish every task before they close, and orbax's
+    own error log lines are dropped (each failure reaches the caller as one exception,
+    which the checkpointer turns into one line).
+
+    orbax runs a save's or restore's tensorstore operations in an event loop it closes as
+    soon as the work returns or raises (``asyncio_utils._run_sync_via_new_loop``): when one
+    operation fails, the others, still under way in tensorstore's threads, finish later and
+    report into the closed loop ("Event loop is closed", one traceback each, often after
+    the run's refusal). Counted: nested and concurrent users share one installation, and
+    the last one out puts orbax back as it was. An orbax without that function keeps its
+    own loops."""
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._guard = threading.Lock()
+        self._undo: list = []
+
+    def __enter__(self) -> None:
+        self.enter()
+
+    def __exit__(self, *exc) -> None:
+        self.exit()
+
+    def enter(self) -> None:
+        with self._guard:
+            self._users += 1
+            if self._users == 1:
+                self._install()
+
+    def exit(self) -> None:
+        with self._guard:
+            self._users -= 1
+            if self._users == 0:
+                while self._undo:
+                    self._undo.pop()()
+
+    def _install(self) -> None:
+        try:
+            from orbax.checkpoint._src import asyncio_utils
+        except ImportError:  # another orbax layout: its loops as they are
+            asyncio_utils = None
+        original = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
+        if original is not None:
+            asyncio_utils._run_sync_via_new_loop = _run_to_the_end
+            self._undo.append(lambda: setattr(asyncio_utils, "_run_sync_via_new_loop", original))
+        logger = logging.getLogger("absl")  # orbax logs through absl's logger
+        logger.addFilter(_not_an_orbax_error)
+        self._undo.append(lambda: logger.removeFilter(_not_an_orbax_error))
+
+
+def _not_an_orbax_error(record: logging.LogRecord) -> bool:
+    return not (
+        record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in (record.pathname or "")
+    )
+
+
+_ORBAX_QUIET = _OrbaxQuiet()
+
+
+def _run_to_the_end(coro):
+    """``coro`` in a new event loop, closed only when no task of it is left (a failure
+    waits, up to a minute, for the tasks still running, and reads their errors)."""
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        try:
+            return loop.run_until_complete(coro)
+        except Exception:
+            pending = asyncio.all_tasks(loop)
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=60))
+            for task in pending:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: no "never retrieved" report at exit
+            raise
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+class _DirectoryLock:
+    """An exclusive, non-blocking ``flock`` on ``directory`` (see :meth:`Checkpointer.lock`),
+    held until :meth:`release` or the end of the process."""
+
+    FILE = ".jax_wgrad-save.lock"
+    """The lock file of a file system that cannot lock a directory (NFS)."""
+
+    def __init__(self, directory: str):
+        self.fd = None
+        if fcntl is None:
+            return
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointWriteError(
+                directory,
+                "another run is saving checkpoints there (it holds the directory's lock "
+                "until it ends); wait for it to end, or save to another directory",
+            ) from None
+        except OSError:  # a directory this file system cannot lock: a lock file in it
+            os.close(fd)
+            fd = os.open(os.path.join(directory, self.FILE), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise CheckpointWriteError(
+                    directory,
+                    f"another run is saving checkpoints there (it holds {self.FILE} there "
+                    "until it ends); wait for it to end, or save to another directory",
+                ) from None
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the lock
+            self.fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _process_0s(value: int) -> int:
+    """``value`` as process 0 has it (the same on every process of a multi-process run, so
+    a decision taken on it is the same everywhere)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    halves = np.array([value >> 31, value & (2**31 - 1)], np.int32)  # int32 without x64
+    high, low = (int(v) for v in multihost_utils.broadcast_one_to_all(halves))
+    return (high << 31) | low
+
+
+def _disk_bytes(path: str) -> int:
+    """Bytes of the files under ``path``."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in KiB, MiB or GiB, one decimal."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+def _unfinished(directory: str, step: int) -> list[str]:
+    """The temporary directories orbax writes ``step`` into before renaming it."""
+    prefix = f"{step}.orbax-checkpoint-tmp"
+    with contextlib.suppress(OSError):
+        return [
+            os.path.join(directory, name)
+            for name in os.listdir(directory)
+            if name.startswith(prefix)
+        ]
+    return []
+
+
+def _os_error_code(exc: BaseException) -> int | None:
+    """The ``errno`` of the OS error behind ``exc``: an ``OSError`` in its chain, or the
+    ``os_error_code`` tensorstore puts in its messages."""
+    e, seen = exc, 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        found = re.search(r"os_error_code='?(\d+)", str(e))  # [os_error_code='28']
+        if found:
+            return int(found.group(1))
+        if re.search(r"No space left on device", str(e)):
+            return errno.ENOSPC
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def canonical_abstract(plan: TrainPlan, state: TrainState) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jax_wgrad.training.checkpoint import Checkpointer, canonical_abstract
+from jax_wgrad.training.checkpoint import Checkpointer, CheckpointWriteError, canonical_abstract
 from jax_wgrad.training.metrics import MetricsWriter
 from jax_wgrad.training.plan import TrainPlan
 from jax_wgrad.training.step import TrainState, build_eval_step, build_train_step, shard_batch
@@ -44,6 +44,7 @@ __all__ = [
     "LoopOptions",
     "DispatchOverflowError",
     "OutOfMemoryError",
+    "SaveError",
     "check_paths",
     "evaluate",
     "is_out_of_memory",
@@ -155,10 +156,13 @@ def check_paths(opts: LoopOptions) -> None:
             ) from None
 
 
-def _check_free_space(plan: TrainPlan, state: TrainState, opts: LoopOptions) -> None:
-    """A checkpoint must fit in ``opts.save``'s file system (orbax compresses, so the
-    uncompressed size is an upper bound; one step is written at a time)."""
-    need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(canonical_abstract(plan, state)))
+def _check_free_space(
+    ckpt: Checkpointer, plan: TrainPlan, state: TrainState, opts: LoopOptions
+) -> None:
+    """A checkpoint must fit in ``opts.save``'s file system before the first step
+    (:meth:`Checkpointer.space_needed`; one step is written at a time, and each save checks
+    again)."""
+    need = ckpt.space_needed(canonical_abstract(plan, state))
     free = shutil.disk_usage(opts.save).free
     if free < need:
         raise ValueError(
@@ -167,24 +171,31 @@ def _check_free_space(plan: TrainPlan, state: TrainState, opts: LoopOptions) -> 
         )
 
 
-def _resume(plan: TrainPlan, state: TrainState, opts: LoopOptions, log) -> tuple[TrainState, int]:
+def _resume(
+    plan: TrainPlan, state: TrainState, opts: LoopOptions, log, saving: Checkpointer | None
+) -> tuple[TrainState, int]:
+    """The state and data position to start from: ``opts.load``'s newest checkpoint, read
+    through ``saving`` (the run's own, locked checkpointer) when it is the save directory."""
     if not opts.load:
         return state, 0
-    ckpt = Checkpointer(opts.load, create=False) if os.path.isdir(opts.load) else None
-    if ckpt is None or not ckpt.all_steps():
-        if _same_dir(opts.load, opts.save):
-            log(
-                f"no checkpoint in {opts.load} yet: starting from scratch (--load is the "
-                "--save directory)"
-            )
-            return state, 0
-        raise ValueError(f"--load {opts.load}: no checkpoint in this directory")
-    try:
+    if saving is not None and _same_dir(opts.load, opts.save):
+        reader = contextlib.nullcontext(saving)
+    elif os.path.isdir(opts.load):
+        reader = contextlib.closing(Checkpointer(opts.load, create=False))
+    else:
+        reader = contextlib.nullcontext(None)
+    with reader as ckpt:
+        if ckpt is None or not ckpt.all_steps():
+            if _same_dir(opts.load, opts.save):
+                log(
+                    f"no checkpoint in {opts.load} yet: starting from scratch (--load is the "
+                    "--save directory)"
+                )
+                return state, 0
+            raise ValueError(f"--load {opts.load}: no checkpoint in this directory")
         state, meta = ckpt.restore_latest(
             plan, state, load_optim=opts.load_optim, fallback=opts.load_fallback, log=log
         )
-    finally:
-        ckpt.close()
     if meta.get("params_only"):
         source = meta.get("source", "a parameters-only checkpoint")
         log(f"starting from the parameters in {opts.load} ({source}): step 0, fresh optimizer")
@@ -227,20 +238,42 @@ def run(
         checkpoint, a checkpoint of another model (one line each).
       OutOfMemoryError: the first step does not fit in device memory.
       DispatchOverflowError: a step overflowed the dropless MoE receive buffers.
+      SaveError: another run saves checkpoints in ``opts.save`` (refused before anything
+        is read or written), or a save did not fit or was refused by the file system.
       KeyboardInterrupt: after the checkpoint writes under way are complete.
+
+    Whatever ends it, the checkpoint saves under way are complete, the save directory is
+    let go of and the metrics outputs are closed before it returns or raises.
     """
     metrics = metrics or MetricsWriter()
     check_paths(opts)
-    state, start = _resume(plan, state, opts, log)
-    metrics.start(start)
+    with _as_save_error(opts), contextlib.ExitStack() as scope:
+        ckpt = None
+        if opts.save:  # this run's directory until it ends (a second run is refused)
+            ckpt = Checkpointer(opts.save)
+            scope.push(_closing(ckpt))
+            ckpt.lock()
+        state, start = _resume(plan, state, opts, log, ckpt)
+        if ckpt:
+            _check_free_space(ckpt, plan, state, opts)
+        metrics.start(start)
+        scope.callback(metrics.close)
+        summary = _train(plan, state, train_data, valid_data, opts, start, ckpt, metrics, log)
+    steps = len(summary["losses"])
+    if steps and summary["skipped_steps"] == steps:
+        log(
+            f"warning: all {steps} steps were skipped (non-finite gradients): the parameters "
+            "did not change"
+        )
+    return summary
+
+
+def _train(plan, state, train_data, valid_data, opts, start, ckpt, metrics, log) -> dict:
+    """:func:`run` from its resume point ``start``: compile, steps, evaluations, saves."""
     gb, seq = plan.parallel.global_batch_size, plan.program.setup.seq_length
     batch = lambda i: shard_batch(plan.mesh, train_data.batch(i, gb, seq, opts.seed))
     compiled, compile_s = None, 0.0
     eval_step = build_eval_step(plan) if opts.eval_interval else None
-    ckpt = None
-    if opts.save:
-        _check_free_space(plan, state, opts)
-        ckpt = Checkpointer(opts.save)
     summary = {"losses": [], "times": [], "skipped_steps": 0, "valid": [], "start_step": start}
     if start < opts.train_iters:
         t0 = time.perf_counter()
@@ -277,8 +310,12 @@ def run(
                 ckpt.save(plan, state, step=done, data_step=done, seed=opts.seed)
     except KeyboardInterrupt:
         bar.close()
+        _stop_an_unfinished_profile(opts, profile, done)
         if ckpt:
-            ckpt.close()  # let the saves under way finish: they are the resume point
+            try:
+                ckpt.close()  # let the saves under way finish: they are the resume point
+            except CheckpointWriteError as exc:
+                log(f"--save {opts.save}: {exc.reason}")
         metrics.close()
         latest = ckpt.latest_step() if ckpt else None
         log(
@@ -291,21 +328,57 @@ def run(
             )
         )
         raise
+    except BaseException:
+        bar.close()
+        _stop_an_unfinished_profile(opts, profile, done)
+        raise
     if ckpt:
         end = max(start, opts.train_iters)
         if ckpt.latest_step() != end and opts.train_iters > start:
             ckpt.save(plan, state, step=end, data_step=end, seed=opts.seed)
         ckpt.close()
         log(f"checkpoint of step {end} in {opts.save}")
-    metrics.close()
-    steps = len(summary["losses"])
-    if steps and summary["skipped_steps"] == steps:
-        log(
-            f"warning: all {steps} steps were skipped (non-finite gradients): the parameters "
-            "did not change"
-        )
     summary["state"] = state
     return summary
+
+
+class SaveError(RuntimeError):
+    """A checkpoint of ``--save`` could not be written: another run saves there, or the
+    file system is full or refused a write (one line; the checkpoints before are intact)."""
+
+
+@contextlib.contextmanager
+def _as_save_error(opts: LoopOptions):
+    """:class:`CheckpointWriteError` inside, raised as a :class:`SaveError` naming the flag."""
+    try:
+        yield
+    except CheckpointWriteError as exc:
+        raise SaveError(f"--save {opts.save}: {exc.reason}") from None
+
+
+def _closing(ckpt: Checkpointer):
+    """An exit callback closing ``ckpt`` (the saves under way finish first: they are the
+    resume point); when the block already ends by an exception, a failure of the close
+    does not replace it."""
+
+    def close(kind, exc, tb) -> bool:
+        if exc is None:
+            ckpt.close()
+        else:
+            with contextlib.suppress(CheckpointWriteError):
+                ckpt.close()
+        return False
+
+    return close
+
+
+def _stop_an_unfinished_profile(opts: LoopOptions, profile: tuple[int, int], done: int) -> None:
+    """Writes the trace of a run that stops (an error, Ctrl-C) while its profile of steps
+    ``profile[0]..`` is recording, and ends the recording."""
+    end = min(profile[0] + profile[1], opts.train_iters)
+    if opts.profile_dir and profile[0] <= done < end:
+        with contextlib.suppress(Exception):
+            jax.profiler.stop_trace()
 
 
 def _above_the_bar(log: Callable[[str], None]) -> Callable[[str], None]:

@@ -4,6 +4,11 @@ One record per training step (``step, loss, grad_norm, skipped, step_time_s,
 tokens_per_s``) and per evaluation (``step, valid_loss, valid_ppl``). TensorBoard scalars
 are written with ``tensorboardX`` (a small writer with no framework dependency) under
 ``train/<name>`` and ``valid/<name>``; ``examples/plot_metrics.py`` draws the JSON lines.
+
+The metrics file is opened and appended to, as Megatron's loggers do, never replaced: a
+path that is not a regular file (``/dev/null``, a FIFO, a directory) or a file holding
+lines that are not metrics records is refused (:func:`metrics_file_problem`), so nothing
+that was there is lost.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import json
 import math
 import os
 import pathlib
+import stat
 
-__all__ = ["MetricsWriter"]
+__all__ = ["MetricsWriter", "check_metrics_file", "metrics_file_problem", "not_a_regular_file"]
 
 
 class MetricsWriter:
@@ -36,22 +42,29 @@ class MetricsWriter:
     def start(self, step: int = 0) -> None:
         """Opens the outputs for a run that continues after ``step`` (0: a fresh run).
 
-        A fresh run truncates the metrics file; a resumed one keeps the file's records of
-        steps ``<= step`` and drops the later ones (written by a run that went on past its
-        last checkpoint, e.g. killed or interrupted: they are about to be redone), so every
-        step appears once. TensorBoard purges its events after ``step`` the same way.
+        The metrics file is appended to (created if missing), never replaced: a fresh
+        run's records follow the ones already there (an earlier run's). A resumed run first
+        cuts the file's last records of steps after ``step`` (written by a run that went on
+        past its last checkpoint, e.g. killed or interrupted: they are about to be redone),
+        so every step of the resumed run appears once; a last line cut short by a killed
+        run is dropped either way. TensorBoard purges its events after ``step`` the same way.
+
+        Raises:
+          ValueError: the metrics file is not a regular file or holds lines that are not
+            metrics records (:func:`metrics_file_problem`; one line, nothing written).
         """
         if self._started:
             return
-        self._started = True
         if self.metrics_file:
+            problem = metrics_file_problem(self.metrics_file)
+            if problem:
+                raise ValueError(f"metrics file {self.metrics_file}: {problem}")
             path = pathlib.Path(self.metrics_file)
             path.parent.mkdir(parents=True, exist_ok=True)
-            kept = _records_up_to(path, step) if step > 0 and path.exists() else []
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
-            self._file = open(path, "a")
+            # created if missing; appended to, never replaced (the same file, inode and all)
+            self._file = open(path, "a", encoding="utf-8")
+            _keep_records_up_to(path, step if step > 0 else None)
+        self._started = True
         if self.tensorboard_dir:
             from tensorboardX import SummaryWriter
 
@@ -86,15 +99,84 @@ class MetricsWriter:
             self._tb = None
 
 
-def _records_up_to(path: pathlib.Path, step: int) -> list[str]:
-    """Lines of a JSON-lines metrics file whose ``step`` is ``<= step`` (a torn last line of
-    a killed run is dropped)."""
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and int(record.get("step", step + 1)) <= step:
-            kept.append(line + "\n")
-    return kept
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_a_regular_file(path: str | os.PathLike) -> str | None:
+    """Why an output file cannot be ``path`` because of what is there: ``None`` when
+    nothing is there or a regular file (a symbolic link to one is followed), else e.g.
+    ``"is a FIFO, not a regular file"`` (``/dev/null`` is a character device)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # nothing there
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return f"is {kind}, not a regular file"
+
+
+def metrics_file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot take a run's metrics records (``None``: it can). It must be
+    missing, or a regular file (a symbolic link to one is followed) whose lines are all
+    metrics records -- JSON objects with a ``step`` -- but for a last line cut short."""
+    problem = not_a_regular_file(path)
+    if problem:
+        return f"{problem}: the records are appended to a regular file (name a new one)"
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    for n, line in enumerate(lines[:-1], 1):  # lines[-1]: after the last newline
+        if line.strip() and _step(line) is None:
+            shown = line[:60].decode("utf-8", "replace")
+            return (
+                f"line {n} ({shown!r}) is not a metrics record (a JSON object with a step): "
+                "the records are appended to a metrics file of an earlier run or a new file "
+                "(name another)"
+            )
+    return None
+
+
+def check_metrics_file(path: str | None, flag: str = "--metrics-file") -> None:
+    """Raises ``ValueError`` naming ``flag`` when ``path`` cannot take the metrics records
+    (:func:`metrics_file_problem`); checked before anything is built."""
+    problem = None if path is None else metrics_file_problem(path)
+    if problem:
+        raise ValueError(f"{flag} {path}: {problem}")
+
+
+def _step(line: bytes) -> int | None:
+    """The ``step`` of a metrics record, ``None`` for any other line."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _keep_records_up_to(path: pathlib.Path, step: int | None) -> None:
+    """Cuts the metrics file ``path`` short, in place (the same file), of a last line cut
+    short (no newline) and, when ``step`` is given, of the records of steps after ``step``
+    at its end (the steps a resumed run redoes; records of an earlier run before them are
+    kept whatever their steps)."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")[:-1]  # complete lines: after the last one is torn
+    end = len(lines)
+    while step is not None and end and (_step(lines[end - 1]) or 0) > step:
+        end -= 1
+    size = sum(len(ln) + 1 for ln in lines[:end])
+    if size != path.stat().st_size:
+        os.truncate(path, size)
