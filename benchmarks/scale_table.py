@@ -18,7 +18,9 @@ in place, and the compile time::
 
 Needs jax's CUDA plugin (``pip install "jax[cuda13]"``) and jax_wgrad built with its CUDA
 handler; no GPU (the example starts jax on the CPU itself). Each compile takes 30-90 s and
-several GB of host memory.
+several GB of host memory. The exit status is 1 when a layout failed to compile or timed
+out (the table still printed, those layouts named on stderr in one line), 0 otherwise (a
+layout that compiles and does not fit is a result of the table: its row says so).
 """
 
 import argparse
@@ -581,8 +583,26 @@ def main(
     text = "\n\n".join([made, markdown_table(rows), legend()]) + "\n"
     print(text, end="")
     _write(args.out, text)
+    bad = failed_rows(rows)
+    if bad:
+        print(
+            f"{parser.prog}: {len(bad)} of {len(rows)} layouts failed: "
+            + "; ".join(
+                f"{r['name']} ({r['status']}" + (f": {r['error']})" if r.get("error") else ")")
+                for r in bad
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
+def failed_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows whose layout did not compile (``"failed"``, ``"timed out"``): the command
+    line's exit status is 1 when there is one (``"does not fit"`` is a compiled layout's
+    verdict, a result)."""
+    return [r for r in rows if r.get("status") in ("failed", "timed out")]
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if failed_rows(main()) else 0)

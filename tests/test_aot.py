@@ -816,6 +816,28 @@ def plugin():
 aot = pytest.mark.aot
 
 
+def _older_jax() -> bool:
+    from jax_wgrad.aot import older_jax_note
+
+    return older_jax_note() is not None
+
+
+def _figures_jax() -> str:
+    from jax_wgrad.aot import FIGURES_JAX_VERSION
+
+    return FIGURES_JAX_VERSION
+
+
+needs_the_figures_jax = pytest.mark.skipif(
+    _older_jax(),
+    reason=f"checks the structure jax >= {_figures_jax()}'s XLA:GPU compiles (the documented "
+    f"figures); jax {jax.__version__} here compiles it differently "
+    "(docs/performance.md#jax-versions)",
+)
+"""The ``aot`` tests that fail with an older jax's CUDA plugin (jax 0.10.2: more memory,
+bucket-sized copies in the schedule loop, host syncs, a collective left in flight)."""
+
+
 @aot
 def test_single_h100_step_structure(plugin):
     from jax_wgrad.aot import compile_for_target
@@ -869,6 +891,7 @@ def test_the_layer_scan_saved_activations_are_not_zero_filled(plugin):
 
 @aot
 @pytest.mark.parametrize("inner", [None, "psum"])
+@needs_the_figures_jax
 def test_a_collective_stays_in_flight_across_a_loop_only_if_the_loop_holds_none(plugin, inner):
     """The XLA:GPU fact the parameter all-gather's place rests on (docs/design/aot.md,
     ``--overlap-param-gather``): a data-parallel all-gather issued before a loop of GEMMs
@@ -933,6 +956,7 @@ def test_does_not_fit_verdict(plugin):
 
 
 @aot
+@needs_the_figures_jax
 def test_example_compile_only_on_8_h100(plugin, pretrain, capsys):
     from jax_wgrad.aot.report import COLLECTIVE_GROUPS
 
@@ -1033,6 +1057,7 @@ def _scale_row(name: str) -> dict:
 
 
 @aot
+@needs_the_figures_jax
 def test_llama3_8b_on_8_h100_fits_in_place():
     """Llama-3-8B TP2 PP2 DP2, seq 4096, --bf16, full recompute, fused, distributed
     optimizer, as the scale table compiles it: the example in a process of its own,
@@ -1179,6 +1204,7 @@ def test_full_iteration_command_buffer_types_are_ones_xla_takes():
 
 
 @aot
+@needs_the_figures_jax
 def test_llama3_8b_paired_as_cuda_graphs_has_no_host_sync():
     """Llama-3-8B TP2 PP2 DP2 paired with ``--cuda-graph-scope full_iteration`` and the
     layers unrolled, as the scale table compiles it for 8 H100s: the schedule loop and its
@@ -1195,6 +1221,7 @@ def test_llama3_8b_paired_as_cuda_graphs_has_no_host_sync():
 @pytest.mark.parametrize(
     "name", ["llama3-8b-tp2pp2dp2-s4k-paired-groups-graphs", "llama3-8b-tp4dp2-s8k-groups-graphs"]
 )
+@needs_the_figures_jax
 def test_llama3_8b_groups_as_cuda_graphs_overlap_the_sync_without_host_sync(name):
     """Llama-3-8B TP2 PP2 DP2 paired and TP4 DP2 with layer groups and
     ``--cuda-graph-scope full_iteration`` (layers unrolled), as the scale table compiles

@@ -170,6 +170,6 @@ def test_the_cli_reference_is_the_help_text(monkeypatch):
     page = (ROOT / "docs" / "cli.md").read_text()
     printed = re.search(r"```text\n(.*?)```", page, re.S).group(1)
     assert printed == cli.make_parser("pretrain_gpt.py").format_help(), (
-        "docs/cli.md is out of date: paste `COLUMNS=80 python examples/pretrain_gpt.py "
+        "docs/cli.md is out of date: paste `COLUMNS=80 .venv/bin/python examples/pretrain_gpt.py "
         "--help` into its text block"
     )

@@ -21,20 +21,26 @@ sets it itself). The CUDA handler must be built for the fused path to lower.
 
 from jax_wgrad.aot import estimate, hlo, thunks
 from jax_wgrad.aot.compile import (
+    FIGURES_JAX_VERSION,
     CompiledProgram,
+    GemmTilingError,
     abstract_train_state,
     compile_for_target,
     compile_plan,
     compile_program,
     estimate_compiled,
+    gemm_tiling_error,
+    older_jax_note,
 )
 from jax_wgrad.aot.report import AotReport, Collectives
 from jax_wgrad.aot.targets import TARGETS, GpuTarget, cuda_plugin, gpu_target, target_devices
 
 __all__ = [
+    "FIGURES_JAX_VERSION",
     "AotReport",
     "Collectives",
     "CompiledProgram",
+    "GemmTilingError",
     "GpuTarget",
     "TARGETS",
     "abstract_train_state",
@@ -44,8 +50,10 @@ __all__ = [
     "cuda_plugin",
     "estimate",
     "estimate_compiled",
+    "gemm_tiling_error",
     "gpu_target",
     "hlo",
+    "older_jax_note",
     "target_devices",
     "thunks",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,15 +38,75 @@ from jax_wgrad.parallel.mesh import mesh_shape
 from jax_wgrad.parallel.pipeline import scopes
 
 __all__ = [
+    "FIGURES_JAX_VERSION",
     "CompiledProgram",
+    "GemmTilingError",
     "abstract_train_state",
     "compile_for_target",
     "compile_plan",
     "compile_program",
     "estimate_compiled",
+    "gemm_tiling_error",
+    "older_jax_note",
 ]
 
 T = TypeVar("T")
+
+FIGURES_JAX_VERSION = "0.12.0.1"
+"""The jax (and CUDA plugin) version the compiled-step figures of the docs were made with
+(docs/performance.md, docs/design/aot.md): older supported versions compile the same
+step differently (more memory, bucket-sized ops in the loop, more host syncs)."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0].split("rc")[0])[:4])
+
+
+def older_jax_note(version: str | None = None) -> str | None:
+    """The warning a ``--compile-only`` run logs when the running jax (``version``,
+    default ``jax.__version__``) is older than :data:`FIGURES_JAX_VERSION`; ``None``
+    otherwise."""
+    version = version or jax.__version__
+    if _version(version) >= _version(FIGURES_JAX_VERSION):
+        return None
+    return (
+        f"warning: jax {version} compiles the step differently from jax "
+        f"{FIGURES_JAX_VERSION}, which the documented figures were made with (more memory "
+        "and host syncs, bucket-sized ops in the schedule loop: docs/performance.md, 'jax "
+        f"versions'); install jax[cuda13]>={FIGURES_JAX_VERSION} (Python >= 3.12) for them"
+    )
+
+
+class GemmTilingError(RuntimeError):
+    """XLA:GPU found no Triton tiling for a matrix multiply it compiles without a GPU to
+    autotune on (:func:`gemm_tiling_error`); the message says what to change."""
+
+
+_NO_TILING = "Couldn't find output tile sizes"
+
+
+def gemm_tiling_error(exc: BaseException) -> GemmTilingError | None:
+    """``exc`` (XLA's ``INTERNAL: Couldn't find output tile sizes that satisfy hlo: ...``,
+    dozens of lines) as one line naming the matrix multiply and what to change; ``None``
+    for any other error. XLA:GPU of jax before 0.12 meets it compiling small GEMMs (a
+    --hidden-size of 16 to 48, or 80) without a GPU: the default Triton tiles do not fit
+    them, and there is no device to autotune other tiles or cuBLAS on."""
+    text = str(exc)
+    if _NO_TILING not in text:
+        return None
+    dot = re.search(r"= (\w+\[[\d,]*\])(?:\{[^}]*\})? dot\(", text)
+    op = re.search(r'op_name="([^"]+)"', text)
+    where = "/".join(op.group(1).split("/")[-3:]) if op else None
+    what = " ".join(x for x in (dot.group(1) if dot else None, where and f"({where})") if x)
+    older = _version(jax.__version__) < _version(FIGURES_JAX_VERSION)
+    return GemmTilingError(
+        f"XLA:GPU of jax {jax.__version__} found no Triton tiling for the matrix multiply "
+        f"{what or '(unnamed)'} without a GPU to autotune on; set "
+        "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (GEMMs through cuBLAS), "
+        + (f"install jax[cuda13]>={FIGURES_JAX_VERSION}, " if older else "")
+        + "or give the model larger dimensions (e.g. --hidden-size 64 or more, a "
+        "multiple of 32)"
+    )
 
 
 def _with_shardings(tree, shardings):
@@ -134,9 +195,19 @@ def read_largest_dump(dump: str, *patterns: str) -> str | None:
 
 def _compile_dumped(lowered, opts: dict[str, Any]):
     """``(compiled, thunk sequence text, thunk metadata text)``: compiled with ``opts``
-    and a dump into a temporary directory (removed) for XLA:GPU's thunk sequence."""
+    and a dump into a temporary directory (removed) for XLA:GPU's thunk sequence.
+
+    Raises:
+      GemmTilingError: XLA found no Triton tiling for a GEMM (:func:`gemm_tiling_error`).
+    """
     with tempfile.TemporaryDirectory(prefix="jax_wgrad_aot_") as dump:
-        compiled = lowered.compile({**opts, "xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        try:
+            compiled = lowered.compile({**opts, "xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        except Exception as exc:  # jax's XlaRuntimeError; one kind said in one line
+            tiling = gemm_tiling_error(exc)
+            if tiling is None:
+                raise
+            raise tiling from None
         return (
             compiled,
             read_largest_dump(
@@ -288,6 +359,28 @@ def _loop_facts(text: str, comps, sizes) -> tuple[tuple[str, str] | None, list[s
     )
 
 
+def mem_fraction() -> float:
+    """``XLA_PYTHON_CLIENT_MEM_FRACTION``: the share of a GPU's memory jax's allocator may
+    take (default :data:`~jax_wgrad.aot.report.DEFAULT_MEM_FRACTION`).
+
+    Raises:
+      ValueError: the variable is set to something other than a number in (0, 1].
+    """
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if text is None:
+        return DEFAULT_MEM_FRACTION
+    try:
+        frac = float(text)
+    except ValueError:
+        frac = float("nan")
+    if not 0 < frac <= 1:  # NaN too
+        raise ValueError(
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={text}: must be a number in (0, 1], the share "
+            f"of the GPU's memory jax may use (unset: {DEFAULT_MEM_FRACTION})"
+        )
+    return frac
+
+
 def compile_plan(
     plan,
     target: GpuTarget | str = "h100",
@@ -313,6 +406,8 @@ def compile_plan(
     from jax_wgrad.parallel.mesh import DATA_PARALLEL
     from jax_wgrad.training.step import build_train_step
 
+    # jax's GPU allocator is capped at this share whether it preallocates or not.
+    frac = mem_fraction()  # before the compile: a value outside (0, 1] is refused
     target = gpu_target(target) if isinstance(target, str) else target
     devices = plan.mesh.devices.size
     gpus_per_host = gpus_per_host or devices // hosts
@@ -364,8 +459,6 @@ def compile_plan(
     traffic = None if loop is None else hlo.loop_traffic(text, loop[1])
     params_per_device, expert_params, itemsize = _param_facts(state.params)
 
-    # jax's GPU allocator is capped at this share whether it preallocates or not.
-    frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
     return AotReport(
         target=target.description,
         gpus_per_host=gpus_per_host,
@@ -511,13 +604,15 @@ def compile_for_target(
     Raises:
       RuntimeError: jax's CUDA plugin is missing, or the fused path cannot be lowered
         (the CUDA handler was not built or could not be imported; the message says why).
-      ValueError: a layout that does not fit the GPU count or the model.
+      ValueError: a layout that does not fit the GPU count or the model, or
+        ``XLA_PYTHON_CLIENT_MEM_FRACTION`` not in (0, 1] (:func:`mem_fraction`).
     """
     from jax_wgrad.grads.config import DDPConfig
     from jax_wgrad.parallel.mesh import make_mesh
     from jax_wgrad.training.plan import TrainPlan
     from jax_wgrad.training.step import default_optimizer
 
+    mem_fraction()  # checked before anything is built
     target = gpu_target(target) if isinstance(target, str) else target
     devices = target_devices(target, gpus_per_host, hosts)
     parallel = dataclasses.replace(parallel, world_size=len(devices))

@@ -36,7 +36,7 @@ from typing import Any, Literal, NoReturn
 
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.interop.hf import checked_hf_config
-from jax_wgrad.models.gpt.config import RUN_OPTIONS, GPTConfig
+from jax_wgrad.models.gpt.config import RUN_OPTIONS, GPTConfig, check_window_size
 from jax_wgrad.models.gpt.params import layer_loop_length
 from jax_wgrad.models.gpt.presets import PRESETS
 from jax_wgrad.parallel.config import ParallelConfig
@@ -55,7 +55,12 @@ __all__ = [
     "SECTIONS",
     "FLAGS",
     "HelpFormatter",
+    "NEGATIVE_VALUE",
+    "MEGATRON_MOMENT_DTYPES",
+    "MOMENT_DTYPES",
     "NOT_BUILT",
+    "NOT_BUILT_DTYPES",
+    "NOT_FLAGS",
     "apply_preset",
     "build_configs",
     "check_flags",
@@ -123,9 +128,13 @@ def float_above(minimum: float, inclusive: bool):
     return parse
 
 
-def window_size_type(text: str) -> tuple[int, ...]:
+def window_size_type(text: str) -> tuple[int, int] | None:
     """argparse type of ``--window-size``: Megatron's ``tuple_type``, ``LEFT,RIGHT`` (or
-    ``(LEFT,RIGHT)``) integers; the ranges are :class:`GPTConfig`'s checks."""
+    ``(LEFT,RIGHT)``) integers, negative ones too (the parser reads ``-1,0`` as a value,
+    :data:`NEGATIVE_VALUE`). ``-1,0`` is Megatron's (Transformer Engine's) causal
+    attention with an unlimited window, i.e. no sliding window: ``None``, the same as
+    leaving the flag out (it overrides a preset's window). Other pairs are checked by
+    :func:`~jax_wgrad.models.gpt.config.check_window_size` (the ranges a GPT allows)."""
     try:
         pair = tuple(int(part) for part in text.strip().strip("()").split(","))
     except ValueError:
@@ -133,10 +142,32 @@ def window_size_type(text: str) -> tuple[int, ...]:
     if len(pair) != 2:
         raise argparse.ArgumentTypeError(
             f"expected LEFT,RIGHT (Megatron's tuple, e.g. 4095,0: a Hugging Face "
-            f"sliding_window of 4096), got {text!r}"
+            f"sliding_window of 4096; -1,0: no sliding window), got {text!r}"
         )
+    if pair == (-1, 0):  # Megatron's unlimited left window: no sliding window
+        return None
+    if pair[0] < -1:
+        raise argparse.ArgumentTypeError(
+            f"{text}: the left window must be >= 0, or -1 (Megatron's unlimited window: no "
+            f"sliding window), got {pair[0]}"
+        )
+    try:
+        check_window_size(pair)
+    except ValueError as exc:
+        why = str(exc).split(": ", 1)[-1].replace("window_size", "--window-size")
+        raise argparse.ArgumentTypeError(f"{text}: {why}") from None
     return pair
 
+
+NEGATIVE_VALUE = re.compile(r"^-\.?\d")
+"""What the parser reads as a value although it starts with ``-`` (Python 3.13's rule):
+a negative number (``-1``, ``-.5``, ``-1e-3``) or Megatron's tuple (``--window-size
+-1,0``); argparse before 3.13 takes ``-1,0`` and ``-1e-3`` for flags and says "expected
+one argument". No flag of the parser starts with ``-`` and a digit."""
+
+
+MEGATRON_MOMENT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+"""Megatron's choices of ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``."""
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
@@ -442,6 +473,36 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         "gradient buffers and data-parallel sync",
         (
             Flag("--use-distributed-optimizer", DDPConfig, "use_distributed_optimizer"),
+            Flag("--use-precision-aware-optimizer", DDPConfig, "use_precision_aware_optimizer"),
+            Flag(
+                "--main-grads-dtype",
+                choices=("fp32", "bf16"),
+                default="fp32",
+                help="dtype of the main gradients with --use-precision-aware-optimizer "
+                "(Megatron's; fp32 only: the gradient buckets accumulate in fp32)",
+            ),
+            Flag(
+                "--main-params-dtype",
+                choices=("fp32", "fp16"),
+                default="fp32",
+                help="dtype of the main parameters with --use-precision-aware-optimizer "
+                "(Megatron's; fp32 only: bf16 parameters keep exact int16 remainders of "
+                "them, 2 bytes, DDPConfig.store_param_remainders)",
+            ),
+            Flag(
+                "--exp-avg-dtype",
+                choices=MEGATRON_MOMENT_DTYPES,
+                default="fp32",
+                help="dtype Adam's first moment is stored in with "
+                "--use-precision-aware-optimizer (computed in fp32 either way); fp32 or bf16",
+            ),
+            Flag(
+                "--exp-avg-sq-dtype",
+                choices=MEGATRON_MOMENT_DTYPES,
+                default="fp32",
+                help="dtype Adam's second moment is stored in with "
+                "--use-precision-aware-optimizer (computed in fp32 either way); fp32 or bf16",
+            ),
             Flag("--overlap-grad-reduce", DDPConfig, "overlap_grad_reduce"),
             Flag(
                 "--overlap-grad-reduce-in-backward",
@@ -450,7 +511,12 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             ),
             Flag("--ddp-bucket-size", DDPConfig, "bucket_size"),
             Flag("--ddp-average-in-collective", DDPConfig, "average_in_collective"),
-            Flag("--pad-buckets-for-high-nccl-busbw", DDPConfig, "pad_buckets_for_high_nccl_busbw"),
+            Flag(
+                "--pad-buckets-for-high-nccl-busbw",
+                DDPConfig,
+                "pad_buckets_for_high_nccl_busbw",
+                aliases=("--ddp-pad-buckets-for-high-nccl-busbw",),  # Megatron's spelling
+            ),
         ),
     ),
     (
@@ -504,6 +570,12 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                 "window_size",
                 type=window_size_type,
                 metavar="LEFT,RIGHT",
+                help="Sliding-window attention, Megatron's (left, right) window size "
+                "(Transformer Engine's): each token attends to itself and the left tokens "
+                "before it; right must be 0 (the model is causal). Hugging Face's "
+                "sliding_window W (Mistral, Qwen2) is W-1,0: 4096 is 4095,0. A left of "
+                "--seq-length - 1 or more changes nothing. -1,0 (Megatron's unlimited "
+                "window) is no sliding window, as is leaving the flag out (default: none)",
             ),
             Flag("--init-method-std", GPTConfig, "init_method_std"),
             Flag("--layer-scan-unroll", GPTConfig, "layer_scan_unroll"),
@@ -723,6 +795,12 @@ NOT_BUILT: dict[str, str] = {
         "with it would need that forward run before the loop "
         "(docs/design/aot.md, Findings)"
     ),
+    "--fp16": (
+        "fp16 training needs loss scaling (Megatron's dynamic loss scaler, --loss-scale), "
+        "which is not built; --bf16 gives 16-bit parameters, activations and GEMMs without "
+        "it (bfloat16 has float32's exponent range), with fp32 gradient buckets and fp32 "
+        "main parameters as Megatron's --bf16"
+    ),
     "--tp-comm-overlap": (
         "the tensor-parallel collectives are XLA's, not split into chunks between GEMMs; "
         "with --sequence-parallel and --gradient-accumulation-fusion the column-parallel "
@@ -732,6 +810,40 @@ NOT_BUILT: dict[str, str] = {
 }
 """Megatron flags whose features jax_wgrad does not build, each with what it does instead:
 given, they end the run with that explanation (never silently ignored)."""
+
+MOMENT_DTYPES: dict[str, str | None] = {"fp32": None, "bf16": "bfloat16"}
+"""The moment dtypes built (:func:`jax_wgrad.optim.scale_by_adam`; ``None``: fp32, optax's
+own Adam), by Megatron's name."""
+
+NOT_BUILT_DTYPES: dict[tuple[str, str], str] = {
+    **{
+        (flag, kind): (
+            f"{kind} moments are stored with per-tensor scales in TransformerEngine's FusedAdam, "
+            "which is not built; fp32 or bf16 (bf16 has fp32's exponent range: no scale)"
+        )
+        for flag in ("exp_avg_dtype", "exp_avg_sq_dtype")
+        for kind in ("fp16", "fp8")
+    },
+    ("main_grads_dtype", "bf16"): (
+        "the gradient buckets accumulate and reduce in fp32 (Megatron's "
+        "--accumulate-allreduce-grads-in-fp32 for --bf16); bf16 buckets are not built"
+    ),
+    ("main_params_dtype", "fp16"): (
+        "fp16 main parameters are not built; bf16 parameters keep exact int16 remainders "
+        "of fp32 main parameters (2 bytes a parameter) with --use-precision-aware-optimizer"
+    ),
+}
+"""Megatron's precision-aware optimizer dtypes that are not built, with what is."""
+
+NOT_FLAGS: dict[str, str] = {
+    "--params-dtype": (
+        "the parameters' dtype follows the precision flag, as in Megatron (which has no "
+        "such flag either): --bf16 for bfloat16 parameters (fp32 main parameters in the "
+        "optimizer), --fp32 (the default) for float32"
+    ),
+}
+"""Flags people try that neither Megatron nor jax_wgrad has, each with the flag to use:
+given (with or without a value), they end the run saying so."""
 
 _BY_FIELD: dict[tuple[type, str], Flag] = {
     (flag.config, flag.field[0]): flag
@@ -759,14 +871,17 @@ instead."""
 
 
 class _NotBuilt(argparse.Action):
-    """A :data:`NOT_BUILT` flag: an argparse error saying what is done instead."""
+    """A :data:`NOT_BUILT` or :data:`NOT_FLAGS` flag: an argparse error saying what is
+    done instead (the values after it, if any, are taken with it)."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(
-            option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+            option_strings, dest, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in NOT_FLAGS:
+            parser.error(f"{option_string} is not a flag: {NOT_FLAGS[option_string]}")
         parser.error(
             f"{option_string} (Megatron) is not built in jax_wgrad: "
             f"{NOT_BUILT[option_string]}; leave the flag out"
@@ -801,6 +916,7 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
         usage="%(prog)s [flags] (all flags: --help)",
         formatter_class=HelpFormatter,
     )
+    p._negative_number_matcher = NEGATIVE_VALUE  # -1,0 is a value (argparse < 3.13 only knew -1)
     for title, flags in SECTIONS:
         group = p.add_argument_group(title)
         exclusive: dict[str, Any] = {}
@@ -811,7 +927,7 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
                     exclusive[flag.exclusive] = group.add_mutually_exclusive_group()
                 target = exclusive[flag.exclusive]
             target.add_argument(*flag.option_strings, **flag.argparse_kwargs())
-    for name in NOT_BUILT:
+    for name in (*NOT_BUILT, *NOT_FLAGS):
         p.add_argument(name, action=_NotBuilt, dest=f"not_built_{name[2:].replace('-', '_')}")
     return p
 
@@ -983,8 +1099,9 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> set
 def preset_line(
     parser: argparse.ArgumentParser, args: argparse.Namespace, preset: set[str]
 ) -> str | None:
-    """The log line naming the model preset in use and the flags that override it
-    (``None`` without ``--model``/``--load-hf``)."""
+    """The log line naming the model preset in use and the flags that override it: the
+    flags it sets and every other model flag given (``None`` without
+    ``--model``/``--load-hf``)."""
     if args.model is None and args.load_hf is None:
         return None
     source = (
@@ -993,7 +1110,14 @@ def preset_line(
         else f"the config.json of --load-hf {args.load_hf}"
     )
     flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
-    overrides = sorted(flags[d] for d in preset & args.given_flags)
+    # a model flag given changes the preset's model whether or not the preset sets its
+    # field (--num-experts on a dense preset): as Megatron's flags would
+    model = {
+        flag.dest
+        for flag in FLAGS
+        if flag.config is GPTConfig and not set(flag.field) & RUN_OPTIONS
+    }
+    overrides = sorted(flags[d] for d in (preset | model) & args.given_flags)
     return f"model preset: {source}" + (
         f"; overridden by {', '.join(overrides)}" if overrides else "; no flag overrides it"
     )
@@ -1001,7 +1125,17 @@ def preset_line(
 
 def hf_model_fields(parser: argparse.ArgumentParser, directory: str, seq_length: int) -> dict:
     """The ``GPTConfig`` fields of a Hugging Face directory's ``config.json`` that flags
-    exist for; an unreadable or unsupported config is a usage error naming it."""
+    exist for; an unreadable or unsupported config is a usage error naming it, a
+    checkpoint (this library's or Megatron-LM's) one naming the flag that reads it."""
+    kind = directory_kind(directory)
+    if kind == "jax_wgrad":
+        parser.error(
+            f"--load-hf {directory}: a jax_wgrad checkpoint, not a Hugging Face model "
+            f"directory: resume it with --load {directory} (and the model flags it was "
+            "trained with)"
+        )
+    if kind == "megatron":
+        parser.error(f"--load-hf {directory}: {_MEGATRON_CHECKPOINT}")
     try:  # the run's --seq-length (not max_position_embeddings) meets the sliding window
         # missing, truncated, of other shapes: refused before anything is built
         cfg = checked_hf_config(directory, seq_length=seq_length)
@@ -1048,6 +1182,49 @@ def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
         ("target", args.compile_only, "--compile-only (without it the run trains here)"),
         ("target_gpus_per_host", args.compile_only, "--compile-only"),
         ("target_hosts", args.compile_only, "--compile-only"),
+        (
+            "use_precision_aware_optimizer",
+            args.use_distributed_optimizer,
+            "--use-distributed-optimizer (Megatron: --use-precision-aware-optimizer only "
+            "supported with distributed optimizer)",
+        ),
+        *(
+            (
+                dest,
+                args.use_precision_aware_optimizer or getattr(args, dest) == "fp32",
+                f"--use-precision-aware-optimizer (Megatron: {dest} can only be fp32 when "
+                "not using precision-aware optimizer)",
+            )
+            for dest in (
+                "main_grads_dtype",
+                "main_params_dtype",
+                "exp_avg_dtype",
+                "exp_avg_sq_dtype",
+            )
+        ),
+        (
+            "ddp_bucket_size",
+            args.overlap_grad_reduce,
+            "--overlap-grad-reduce (without it each gradient buffer is one bucket; "
+            "Megatron ignores the size then)",
+        ),
+        (
+            "pad_buckets_for_high_nccl_busbw",
+            args.use_distributed_optimizer,
+            "--use-distributed-optimizer (it pads the buckets that optimizer shards; "
+            "Megatron ignores it without)",
+        ),
+        (
+            "expert_tensor_parallel_size",
+            args.num_experts is not None,
+            "--num-experts (a dense model has no experts to split; Megatron ignores it there)",
+        ),
+        (
+            "moe_aux_loss_coeff",
+            args.moe_router_load_balancing_type != "none" or args.moe_aux_loss_coeff == 0,
+            "--moe-router-load-balancing-type aux_loss (with none there is no load-balancing "
+            "loss to weigh; Megatron ignores the coefficient then)",
+        ),
         ("load_fallback_to_intact", args.load is not None, "--load"),
         ("no_load_optim", args.load is not None, "--load"),
         ("defer_mode", args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute"),
@@ -1086,6 +1263,9 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, given
             value = getattr(args, dest)
             shown = "" if isinstance(value, bool) else f" {value}"
             parser.error(f"{flags[dest]}{shown} needs {needs}")
+    for (dest, value), why in NOT_BUILT_DTYPES.items():
+        if getattr(args, dest) == value:
+            parser.error(f"{flags[dest]} {value} is not built in jax_wgrad: {why}")
     if args.min_lr is not None and args.min_lr > args.lr:  # Megatron: min_lr <= max_lr
         parser.error(f"--min-lr ({args.min_lr:g}) must be <= --lr ({args.lr:g})")
     if args.min_lr is not None and 0 < args.train_iters <= args.lr_warmup_iters:
@@ -1100,6 +1280,8 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, given
             f"--cuda-graph-scope {args.cuda_graph_scope} sets {COMMAND_BUFFER_FLAG}, which "
             "XLA_FLAGS sets already (use one or the other)"
         )
+    check_compile_platforms(parser, args)
+    check_checkpoint_dirs(parser, args)
     if args.distributed:
         if args.coordinator_address is None and not any(v in os.environ for v in CLUSTER_ENV):
             parser.error(
@@ -1114,6 +1296,73 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, given
             parser.error(
                 f"--process-id ({args.process_id}) must be < --num-processes ({args.num_processes})"
             )
+
+
+def check_compile_platforms(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``JAX_PLATFORMS`` naming CUDA on a machine without a usable GPU (no jax CUDA
+    plugin, or no NVIDIA device): jax fails to start its CUDA backend there (with
+    ``--compile-only`` a plugin traceback ending in ``AssertionError``); refused in one
+    line before jax starts a backend, saying what to set instead."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    names = {p.strip().lower() for p in platforms.split(",") if p.strip()}
+    if not names & {"cuda", "gpu"} or cuda_gpu_usable():
+        return
+    if args.compile_only:
+        parser.error(
+            f"--compile-only with JAX_PLATFORMS={platforms}: this machine has no usable "
+            "GPU and jax's CUDA backend does not start without one; unset JAX_PLATFORMS "
+            "or set JAX_PLATFORMS=cpu: the CUDA plugin compiles for the --target GPUs "
+            "without starting"
+        )
+    parser.error(
+        f"JAX_PLATFORMS={platforms}: this machine has no usable GPU (a jax CUDA plugin "
+        "and an NVIDIA device) and jax's CUDA backend does not start without one; unset "
+        "JAX_PLATFORMS to train on the CPU, or pass --compile-only to compile for GPUs"
+    )
+
+
+def directory_kind(path: str) -> str | None:
+    """What the directory ``path`` holds, by its files (nothing is read): ``"jax_wgrad"``
+    (this library's checkpoint: numbered step directories), ``"megatron"`` (a Megatron-LM
+    checkpoint: ``latest_checkpointed_iteration.txt`` or ``iter_NNNNNNN`` directories),
+    ``"hf"`` (a Hugging Face model: ``config.json`` beside ``*.safetensors`` or
+    ``*.bin``), else ``None``."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    if any(n.isdigit() and os.path.isdir(os.path.join(path, n)) for n in names):
+        return "jax_wgrad"
+    if "latest_checkpointed_iteration.txt" in names or any(
+        re.fullmatch(r"iter_\d+", n) for n in names
+    ):
+        return "megatron"
+    if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
+        return "hf"
+    return None
+
+
+_MEGATRON_CHECKPOINT = (
+    "a Megatron-LM checkpoint (torch_dist or torch format), which jax_wgrad does not "
+    "read: convert it to a Hugging Face model directory with Megatron's converter and "
+    "start from that with --load-hf"
+)
+
+
+def check_checkpoint_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--load`` of a Hugging Face model directory or a Megatron-LM checkpoint: refused
+    naming the flag that reads it (or saying that none does), before anything is built
+    (``--load-hf`` of a checkpoint: :func:`hf_model_fields`)."""
+    if args.load is None:
+        return
+    kind = directory_kind(args.load)
+    if kind == "hf":
+        parser.error(
+            f"--load {args.load}: a Hugging Face model directory, not a jax_wgrad "
+            f"checkpoint: start from it with --load-hf {args.load}"
+        )
+    if kind == "megatron":
+        parser.error(f"--load {args.load}: {_MEGATRON_CHECKPOINT}")
 
 
 def unwritable(path: str, directory: bool) -> str | None:
@@ -1141,7 +1390,15 @@ def unwritable(path: str, directory: bool) -> str | None:
 
 def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--metrics-file``, ``--tensorboard-dir`` and ``--profile-dir`` can be written,
-    checked before anything is compiled or trained (as ``--save`` is)."""
+    checked before anything is compiled or trained (as ``--save`` is); the metrics file is
+    appended to, so what is there must be a file of metrics records
+    (:func:`~jax_wgrad.training.metrics.check_metrics_file`)."""
+    from jax_wgrad.training.metrics import check_metrics_file
+
+    try:
+        check_metrics_file(args.metrics_file)
+    except ValueError as exc:
+        parser.error(str(exc))
     for flag, path, directory in (
         ("--metrics-file", args.metrics_file, False),
         ("--tensorboard-dir", args.tensorboard_dir, True),
@@ -1154,8 +1411,14 @@ def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 def check_report_json(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--report-json FILE`` needs ``--compile-only`` and a FILE that can be written, its
-    directory created if missing (checked before anything is compiled, as ``--save``
-    is); a one-line usage error naming the flag and the path otherwise."""
+    directory created if missing: a regular file (not ``/dev/null``, a FIFO, a directory)
+    that is missing, empty or an earlier report (a JSON object with the report's keys),
+    which is overwritten in place. Checked before anything is compiled, as ``--save`` is; a
+    one-line usage error naming the flag and the path otherwise."""
+    import json
+
+    from jax_wgrad.training.metrics import not_a_regular_file
+
     path = args.report_json
     if path is None:
         return
@@ -1164,6 +1427,23 @@ def check_report_json(parser: argparse.ArgumentParser, args: argparse.Namespace)
             f"--report-json {path}: needs --compile-only (the report is of a "
             "compile for --target GPUs)"
         )
-    problem = unwritable(path, directory=False)
+    if os.path.isdir(path):
+        parser.error(f"--report-json {path}: is a directory")
+    problem = not_a_regular_file(path) or unwritable(path, directory=False)
     if problem is not None:
         parser.error(f"--report-json {path}: {problem}")
+    report_keys = {"target", "mesh_shape", "peak_bytes", "budget_bytes"}  # AotReport.figures
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return
+    try:
+        old = json.loads(text) if text.strip() else None  # None: an empty file
+    except ValueError:
+        old = []
+    if old is not None and not (isinstance(old, dict) and report_keys <= old.keys()):
+        parser.error(
+            f"--report-json {path}: holds something other than a --report-json report "
+            "(it would be overwritten; name a new file or an earlier report)"
+        )

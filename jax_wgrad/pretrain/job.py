@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ from jax_wgrad.training.gpu import apply_gpu_xla_flags
 from jax_wgrad.training.loop import (
     DispatchOverflowError,
     OutOfMemoryError,
+    SaveError,
     check_paths,
     is_out_of_memory,
     out_of_memory_message,
@@ -70,6 +72,7 @@ def run_job(argv: list[str], prog: str | None = None) -> dict:
     try:
         opts = cli.loop_options(args)
         check_paths(opts)  # before anything is built: a typo in --load, a read-only --save
+        opts = _pretrained_and_load(args, opts)
     except ValueError as exc:
         cli.usage_error(parser, exc)
     with contextlib.ExitStack() as scope:
@@ -77,8 +80,31 @@ def run_job(argv: list[str], prog: str | None = None) -> dict:
             scope.enter_context(LineFilter())  # fd 1 through a filter until the job ends
         try:
             return train(parser, args, opts)
-        except (OutOfMemoryError, DispatchOverflowError) as exc:
+        except (OutOfMemoryError, DispatchOverflowError, SaveError) as exc:
             parser.exit(1, f"{parser.prog}: error: {exc}\n")
+
+
+def _pretrained_and_load(args: argparse.Namespace, opts):
+    """``--load-hf X --load Y`` is Megatron's ``--pretrained-checkpoint X --load Y``: the
+    run resumes the newest checkpoint in Y when Y holds one (X's weights are not read; its
+    config.json still gives the model flags' defaults), else it starts from X's weights
+    at step 0 and the options returned load nothing (a rerun of the same command with
+    ``--save Y`` resumes what it saved). Decided by Y's files, before jax starts."""
+    if args.load_hf is None or opts.load is None or cli.directory_kind(opts.load) == "jax_wgrad":
+        return opts
+    return dataclasses.replace(opts, load=None)
+
+
+def optimizer_of(args: argparse.Namespace):
+    """The run's optax transformation: Megatron's AdamW (:func:`default_optimizer`) at the
+    flags' learning-rate schedule and weight decay, its moments stored in the dtypes of
+    ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``."""
+    return default_optimizer(
+        learning_rate(args),
+        weight_decay=args.weight_decay,
+        exp_avg_dtype=cli.MOMENT_DTYPES[args.exp_avg_dtype],
+        exp_avg_sq_dtype=cli.MOMENT_DTYPES[args.exp_avg_sq_dtype],
+    )
 
 
 def start_from_hf(parser: argparse.ArgumentParser, directory: str, plan: TrainPlan) -> TrainState:
@@ -97,6 +123,9 @@ def compile_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
     except ValueError:  # jax already started (in-process callers): checked below
         pass
     model, parallel, ddp = cli.build_configs(args, load_data(args, parser)[2], parser)
+    note = aot.older_jax_note()  # the documented figures are of a newer jax's compile
+    if note is not None:
+        print(note, flush=True)
     try:
         report = aot.compile_for_target(
             model,
@@ -105,9 +134,11 @@ def compile_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
             target=args.target,
             hosts=args.target_hosts,
             gpus_per_host=args.target_gpus_per_host,
-            tx=default_optimizer(learning_rate(args), weight_decay=args.weight_decay),
+            tx=optimizer_of(args),
             cuda_graph_scope=args.cuda_graph_scope,
         )
+    except aot.GemmTilingError as exc:  # XLA's, of these model sizes: not a usage error
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
     except (RuntimeError, ValueError) as exc:  # no plugin or handler; a bad layout
         cli.usage_error(parser, exc)
     print(report.format(), flush=True)
@@ -142,17 +173,27 @@ def train(parser: argparse.ArgumentParser, args: argparse.Namespace, opts) -> di
     log = (lambda msg: print(msg, flush=True)) if is_main else (lambda msg: None)
     train_data, valid, vocab = load_data(args, parser)
     model, parallel, ddp = cli.build_configs(args, vocab, parser)
-    optimizer = default_optimizer(learning_rate(args), weight_decay=args.weight_decay)
+    optimizer = optimizer_of(args)
     try:  # the plan checks the model against the layout (the one place it is checked)
         plan = TrainPlan.create(model, parallel, make_mesh(parallel), optimizer, ddp=ddp)
     except ValueError as exc:
         cli.usage_error(parser, exc)
     try:
-        if args.load_hf is None:
+        if args.load_hf is None or opts.load is not None:
             state = init_train_state(plan, args.seed)
+            if args.load_hf is not None:  # _pretrained_and_load: --load holds a checkpoint
+                log(
+                    f"--load {opts.load} holds a checkpoint: the run resumes it, the weights "
+                    f"in --load-hf {args.load_hf} are not read (its config.json gives the "
+                    "model flags' defaults; Megatron's --pretrained-checkpoint with --load)"
+                )
         else:
             state = start_from_hf(parser, args.load_hf, plan)
-            log(f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh optimizer)")
+            log(
+                f"starting from the Hugging Face model in {args.load_hf} (step 0, fresh "
+                "optimizer)"
+                + (f": --load {args.load} holds no checkpoint yet" if args.load else "")
+            )
     except RuntimeError as exc:
         if not is_out_of_memory(exc):
             raise
@@ -178,6 +219,11 @@ def load_data(args: argparse.Namespace, parser: argparse.ArgumentParser):
     argparse-style error."""
     try:
         train_data, valid, _ = load_datasets(args.data_path, args.split)
+        if not len(train_data):  # a 0 in --split (an empty dataset is refused by its loader)
+            raise ValueError(
+                f"--split {args.split!r} leaves the training part empty ({train_data.name}: "
+                "0 tokens)"
+            )
         vocab = (
             train_data.vocab_size
             if getattr(train_data, "vocab_size", None)

@@ -205,6 +205,11 @@ def _split_bounds(n: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
 
 def _indexed_parts(prefix: str, fractions) -> list[TokenDataset]:
     ds = IndexedDataset(prefix)
+    if not ds.tokens.size:  # else its vocabulary (largest id + 1) would be 0
+        raise ValueError(
+            f"--data-path {prefix!r}: the Megatron dataset is empty ({ds.num_documents} "
+            "document(s), 0 tokens)"
+        )
     return [
         TokenDataset(ds.document_tokens(a, b), f"{prefix}[{part}]")
         for (a, b), part in zip(
