@@ -6,6 +6,9 @@ References: numpy (float64 Adam, the bit layout of IEEE fp32/bf16), and the opti
 fp32 main copies and fp32 moments in the same run.
 """
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,6 +17,8 @@ import optax
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from test_fail_loudly import SMALL as SMALL_ARGV
+from test_fail_loudly import usage_error
 
 from jax_wgrad import (
     ByteDataset,
@@ -306,3 +311,65 @@ def test_llama3_8b_bytes_per_parameter(precision_aware, moments, master, optax_b
     bpp = plan.bytes_per_parameter()
     assert bpp.master == pytest.approx(master / 2, rel=0.01)
     assert bpp.moments == pytest.approx(optax_bytes / 2, rel=0.01)
+
+
+# --------------------------------------------------------------------------- the example's flags
+
+
+PRECISION = ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--use-precision-aware-optimizer"],
+            "--use-precision-aware-optimizer needs --use-distributed-optimizer (Megatron: "
+            "--use-precision-aware-optimizer only supported with distributed optimizer)",
+        ),
+        (
+            ["--exp-avg-dtype", "bf16"],
+            "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer (Megatron: "
+            "exp_avg_dtype can only be fp32 when not using precision-aware optimizer)",
+        ),
+        (
+            [*PRECISION, "--exp-avg-sq-dtype", "fp8"],
+            "--exp-avg-sq-dtype fp8 is not built in jax_wgrad: fp8 moments are stored with "
+            "per-tensor scales",
+        ),
+        (
+            [*PRECISION, "--main-grads-dtype", "bf16"],
+            "--main-grads-dtype bf16 is not built in jax_wgrad: the gradient buckets",
+        ),
+        (
+            [*PRECISION, "--main-params-dtype", "fp16"],
+            "--main-params-dtype fp16 is not built in jax_wgrad: fp16 main parameters",
+        ),
+        (["--exp-avg-dtype", "bf8"], "argument --exp-avg-dtype: invalid choice: 'bf8'"),
+    ],
+)
+def test_precision_flags_are_megatrons_rules(pretrain, capsys, argv, message):
+    usage_error(pretrain, capsys, SMALL_ARGV + argv, message)
+
+
+def test_the_example_trains_with_the_precision_aware_optimizer(pretrain, capsys, tmp_path):
+    """Two steps of the example with bf16 moments and remainders: the log's bytes per
+    parameter show the 2-byte main parameters and 4-byte moments over DP 8 (padding
+    aside); the first loss is the default optimizer's, and so is the second (the first
+    update is computed in fp32 from the same main parameters) but for the bf16
+    parameters' ties."""
+
+    def losses(extra):
+        path = tmp_path / f"{len(extra)}.jsonl"
+        pretrain.main(SMALL_ARGV + ["--metrics-file", str(path), "--bf16"] + extra)
+        return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+    low = losses(PRECISION[1:] + ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"])
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("bytes per parameter"))
+    main, moments = (
+        float(x) for x in re.search(r"main params ([\d.]+), optax ([\d.]+)", line).groups()
+    )
+    assert main == pytest.approx(2 / 8, abs=0.01) and moments == pytest.approx(4 / 8, abs=0.01)
+    ref = losses(["--use-distributed-optimizer"])
+    assert low[0] == ref[0] and low[1] == pytest.approx(ref[1], rel=1e-3)

@@ -52,8 +52,8 @@ class DDPConfig:
     use_precision_aware_optimizer: bool = False
     """Megatron's precision-aware optimizer (TransformerEngine's ``FusedAdam``): with it,
     ``store_param_remainders`` acts and Adam's moments may be stored in bf16
-    (:func:`jax_wgrad.optim.adamw`'s ``exp_avg_dtype`` / ``exp_avg_sq_dtype``). Needs
-    ``use_distributed_optimizer``, as in Megatron."""
+    (:func:`jax_wgrad.optim.adamw`). Needs ``use_distributed_optimizer``, as in
+    Megatron."""
     store_param_remainders: bool = True
     """With ``use_precision_aware_optimizer``: bf16 parameters keep an int16 remainder
     instead of an fp32 main copy (exact; :class:`jax_wgrad.optim.DistributedOptimizer`),
