@@ -103,6 +103,17 @@ class Layout:
         ]
 
 
+PRECISION_AWARE: tuple[str, ...] = (
+    "--use-precision-aware-optimizer",
+    "--exp-avg-dtype",
+    "bf16",
+    "--exp-avg-sq-dtype",
+    "bf16",
+)
+"""Megatron's precision-aware optimizer with bf16 moments (and, with --bf16, parameter
+remainders): 6 bytes of optimizer state a parameter instead of 12 over the expert-DP size."""
+
+
 def _tp_pp(tp: int, pp: int = 1, ep: int = 1) -> tuple[str, ...]:
     out = ("--tensor-model-parallel-size", str(tp))
     if pp > 1:
@@ -294,6 +305,18 @@ LAYOUTS: tuple[Layout, ...] = (
         32,
         _tp_pp(2, 4, 4) + _seq(4096, 32) + ("--overlap-grad-reduce",) + FULL_RECOMPUTE,
         "TP2 PP4 EP4 (DP4) on 4 hosts, seq 4096, dropless, full recompute",
+    ),
+    Layout(
+        "qwen3-30b-a3b-8gpu",
+        "qwen3-30b-a3b",
+        8,
+        _tp_pp(1, 1, 8)
+        + _seq(4096, 32)
+        + ("--overlap-grad-reduce", "--moe-dropless-buffer-factor", "1.25")
+        + FULL_RECOMPUTE
+        + PRECISION_AWARE,
+        "EP8 (DP8) on one host, seq 4096, receive buffers 1.25 T k, full recompute, "
+        "precision-aware optimizer (bf16 moments, parameter remainders)",
     ),
 )
 """The layouts of the table, by name."""

@@ -299,9 +299,15 @@ def test_window_size_flag_takes_megatrons_tuple(text):
         ("1,2,3", "argument --window-size: expected LEFT,RIGHT"),
         (
             "4095,4095",
-            "--window-size (4095, 4095): the right window must be 0, got 4095 (the GPT is causal",
+            "argument --window-size: 4095,4095: the right window must be 0, got 4095 (the GPT "
+            "is causal",
         ),
-        ("-1,0", "--window-size (-1, 0): the left window must be >= 0, got -1 (Megatron's -1"),
+        # -1,0 is Megatron's unlimited window (tests/test_fail_loudly_flags.py)
+        (
+            "-2,0",
+            "argument --window-size: -2,0: the left window must be >= 0, or -1 (Megatron's "
+            "unlimited window",
+        ),
     ],
 )
 def test_window_size_flag_errors_name_the_flag_and_value(capsys, text, message):
