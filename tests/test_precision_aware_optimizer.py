@@ -242,6 +242,14 @@ def _losses(plan: TrainPlan, steps: int, seed: int = 3):
 
 
 @pytest.fixture(scope="module")
+def precision_run():
+    """Two steps of the precision-aware plan (bf16 moments, remainders): ``(plan, state)``."""
+    plan = _plan(True, jnp.bfloat16)
+    state, _ = _losses(plan, 2)
+    return plan, state
+
+
+@pytest.fixture(scope="module")
 def runs():
     """30 steps on (dp 2, tp 2, pp 2) of bf16 parameters: fp32 copies and moments (two
     initialisations, for the spread between runs), and the precision-aware optimizer with
@@ -254,6 +262,7 @@ def runs():
     return plan, state, ref, other_seed, low
 
 
+@pytest.mark.slow  # 3 x 30 steps; the example's two steps run by default (below)
 def test_bf16_moments_and_remainders_train_as_fp32_state(runs):
     """The loss curve with bf16 moments and remainders stays within the spread of two
     fp32-state runs from different initialisations (mean of the last 10 steps), and
@@ -264,11 +273,11 @@ def test_bf16_moments_and_remainders_train_as_fp32_state(runs):
     assert low[-1] < 0.75 * low[0] and ref[-1] < 0.75 * ref[0]
 
 
-def test_precision_aware_state_and_checkpoint_form(runs):
+def test_precision_aware_state_and_checkpoint_form(precision_run):
     """int16 remainders and bf16 moments on each rank's shard; the canonical (checkpoint)
     form holds the fp32 main parameters, and reading it back gives the same state bit
     for bit."""
-    plan, state, _, _, _ = runs
+    plan, state = precision_run
     assert {a.dtype for a in jax.tree.leaves(state.opt_state.master)} == {I16}
     moments = state.opt_state.inner[0]
     assert {a.dtype for a in jax.tree.leaves((moments.mu, moments.nu))} == {BF16}
