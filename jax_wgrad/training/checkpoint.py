@@ -565,29 +565,11 @@ class _DirectoryLock:
         self.fd = None
         if fcntl is None:
             return
-        fd = os.open(directory, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise CheckpointWriteError(
-                directory,
-                "another run is saving checkpoints there (it holds the directory's lock "
-                "until it ends); wait for it to end, or save to another directory",
-            ) from None
+            self.fd = _flock(directory, os.open(directory, os.O_RDONLY), "the directory's lock")
         except OSError:  # a directory this file system cannot lock: a lock file in it
-            os.close(fd)
             fd = os.open(os.path.join(directory, self.FILE), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise CheckpointWriteError(
-                    directory,
-                    f"another run is saving checkpoints there (it holds {self.FILE} there "
-                    "until it ends); wait for it to end, or save to another directory",
-                ) from None
-        self.fd = fd
+            self.fd = _flock(directory, fd, self.FILE + " there")
 
     def release(self) -> None:
         if self.fd is not None:
@@ -596,6 +578,28 @@ class _DirectoryLock:
 
     def __del__(self) -> None:
         self.release()
+
+
+def _flock(directory: str, fd: int, what: str) -> int:
+    """``fd`` with an exclusive, non-blocking ``flock`` taken on it (closed on failure).
+
+    Raises:
+      CheckpointWriteError: another holder has it (``what`` names the lock held).
+      OSError: the file system cannot lock ``fd``.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CheckpointWriteError(
+            directory,
+            f"another run is saving checkpoints there (it holds {what} until it ends); "
+            "wait for it to end, or save to another directory",
+        ) from None
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _process_0s(value: int) -> int:
