@@ -21,6 +21,10 @@ fresh layer), so routing is close to balanced.
 
     python benchmarks/moe_layer_gpu.py                                  # Mixtral, Qwen3-MoE
     python benchmarks/moe_layer_gpu.py --cases 8192x4096x14336x8x2
+
+``--estimate h200`` (or ``h100``) runs nothing: it compiles the dropless step of each case
+for that GPU without one (jax's CUDA plugin; ``JAX_PLATFORMS=cpu``) and prints
+:mod:`jax_wgrad.aot.estimate`'s figure for it, to set beside a measurement.
 """
 
 from __future__ import annotations
@@ -94,13 +98,57 @@ def run_case(case, warmup: int, iters: int, device) -> dict:
     return row
 
 
+def estimate_case(case, target: str) -> dict:
+    """The estimated dropless layer step of ``case`` on ``target`` GPUs (deviceless compile:
+    nothing runs); the expert GEMMs' TFLOP/s at that time as :func:`run_case` counts them."""
+    from jax.sharding import SingleDeviceSharding
+
+    from jax_wgrad.aot import estimate
+    from jax_wgrad.aot.targets import target_devices
+
+    t, h, f, e, k = case
+    where = SingleDeviceSharding(target_devices(target, 1)[0])
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+    params = {
+        "router": spec((e, h), jnp.float32),
+        "fc1": spec((e, 2, f, h), jnp.bfloat16),
+        "fc2": spec((e, h, f), jnp.bfloat16),
+    }
+    cfg = MoEConfig(num_experts=e, ffn_hidden_size=f, topk=k, capacity_factor=None, swiglu=True)
+    text = _step(cfg).lower(params, spec((t, h), jnp.bfloat16)).compile().as_text()
+    flops = 2.0 * t * k * (h * 2 * f + f * h) * 3
+    est = estimate.estimate_step(text, estimate.PEAKS[target], model_flops=flops)
+    return {
+        "target": target,
+        "T": t,
+        "H": h,
+        "F": f,
+        "E": e,
+        "k": k,
+        "estimated_ms": round(est.seconds * 1e3, 2),
+        "gemm_bound_ms": round(est.cost.compute_s * 1e3, 2),
+        "memory_bound_ms": round(est.cost.memory_s * 1e3, 2),
+        "kernels": est.cost.launches,
+        "expert_tflops": round(flops / est.seconds / 1e12, 1),
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=None, help="TxHxFxExk ...")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument(
+        "--estimate",
+        choices=("h100", "h200"),
+        help="run nothing: the estimated step of a deviceless compile for these GPUs",
+    )
     args = parser.parse_args(argv)
     cases = parse_cases(parser, args.cases, CASES, "TxHxFxExk, e.g. 8192x4096x14336x8x2")
+    if args.estimate:
+        for case in cases:
+            print(json.dumps(estimate_case(case, args.estimate)), flush=True)
+        return
     device = gpu_device("moe_layer_gpu")
     for case in cases:
         print(json.dumps(run_case(case, args.warmup, args.iters, device)), flush=True)

@@ -1297,3 +1297,18 @@ calls=%dynamic-slice-fusion
     unaliased = text.replace(", output_to_operand_aliasing={{0}: (2, {})}", "")
     comps = hlo.computations(unaliased)
     assert [i.name for i in hlo.sized_ops(comps, ["main"], [N])] == ["dynamic_slice_fusion"]
+
+
+@aot
+def test_the_moe_layer_benchmark_estimates_a_deviceless_compile(plugin):
+    """``benchmarks/moe_layer_gpu.py --estimate``: a dropless layer compiled for an
+    H100 without one; the estimate charges its GEMMs (the expert FLOPs over the time are
+    below the sustained bf16 rate) and its other kernels."""
+    from script_util import load_script
+
+    from jax_wgrad.aot.estimate import PEAKS
+
+    layer = load_script("benchmarks/moe_layer_gpu.py")
+    row = layer.estimate_case((4096, 1024, 2048, 8, 2), "h100")
+    assert row["estimated_ms"] > 0 and row["gemm_bound_ms"] > 0 and row["kernels"] >= 10
+    assert row["expert_tflops"] * 1e12 < PEAKS["h100"].sustained_gemm_flops("bf16")
