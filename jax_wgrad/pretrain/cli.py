@@ -57,7 +57,7 @@ __all__ = [
     "HelpFormatter",
     "NEGATIVE_VALUE",
     "MEGATRON_MOMENT_DTYPES",
-    "MOMENT_DTYPES",
+    "MOMENT_DTYPE_BY_NAME",
     "NOT_BUILT",
     "NOT_BUILT_DTYPES",
     "NOT_FLAGS",
@@ -811,7 +811,7 @@ NOT_BUILT: dict[str, str] = {
 """Megatron flags whose features jax_wgrad does not build, each with what it does instead:
 given, they end the run with that explanation (never silently ignored)."""
 
-MOMENT_DTYPES: dict[str, str | None] = {"fp32": None, "bf16": "bfloat16"}
+MOMENT_DTYPE_BY_NAME: dict[str, str | None] = {"fp32": None, "bf16": "bfloat16"}
 """The moment dtypes built (:func:`jax_wgrad.optim.scale_by_adam`; ``None``: fp32, optax's
 own Adam), by Megatron's name."""
 

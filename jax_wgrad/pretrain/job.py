@@ -102,8 +102,8 @@ def optimizer_of(args: argparse.Namespace):
     return default_optimizer(
         learning_rate(args),
         weight_decay=args.weight_decay,
-        exp_avg_dtype=cli.MOMENT_DTYPES[args.exp_avg_dtype],
-        exp_avg_sq_dtype=cli.MOMENT_DTYPES[args.exp_avg_sq_dtype],
+        exp_avg_dtype=cli.MOMENT_DTYPE_BY_NAME[args.exp_avg_dtype],
+        exp_avg_sq_dtype=cli.MOMENT_DTYPE_BY_NAME[args.exp_avg_sq_dtype],
     )
 
 
