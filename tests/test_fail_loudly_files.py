@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import pytest
 from script_util import ROOT
+from test_fail_loudly import usage_error
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -35,17 +36,6 @@ TINY = [
     "16",
     "--no-progress",
 ]
-
-
-def usage_error(pretrain, capsys, argv: list[str], message: str) -> str:
-    """``argv`` ends the example with exit code 2 and one ``error: <message>...`` line
-    after the usage line, no traceback."""
-    with pytest.raises(SystemExit) as exc:
-        pretrain.main(argv)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and f"error: {message}" in err, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 2, err
-    return err
 
 
 def one_line_exit_1(pretrain, capsys, argv: list[str]) -> str:
