@@ -371,3 +371,46 @@ def test_the_ends_are_charged_in_the_ticks_that_run_them():
                 posts += busy("post", tick, s)
                 pres += busy("pre_backward", tick, s)
         assert posts == pres == t.num_microbatches
+
+
+_RAGGED = """\
+HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[1024,64], w: bf16[4,128,64], g: s32[4], dy: bf16[1024,128], \
+b: f32[4,128,64], i: s32[]) -> f32[4,128,64] {
+  %x = bf16[1024,64]{1,0} parameter(0)
+  %w = bf16[4,128,64]{2,1,0} parameter(1)
+  %g = s32[4]{0} parameter(2)
+  %dy = bf16[1024,128]{1,0} parameter(3)
+  %b = f32[4,128,64]{2,1,0} parameter(4)
+  %i = s32[] parameter(5)
+  %y = bf16[1024,128]{1,0} custom-call(%x, %w, %g), \
+custom_call_target="jax_wgrad_ragged_matmul", api_version=API_VERSION_TYPED_FFI
+  ROOT %a = f32[4,128,64]{2,1,0} custom-call(%x, %dy, %g, %b, %i), \
+custom_call_target="jax_wgrad_ragged_wgrad_accumulate", \
+output_to_operand_aliasing={{}: (3, {})}, api_version=API_VERSION_TYPED_FFI
+}
+"""
+
+
+@pytest.mark.parametrize("fill", [1.0, 0.25])
+def test_ragged_gemms_are_charged_for_the_routed_rows_their_time_plus_their_bytes(fill):
+    """A ragged grouped GEMM: the FLOPs and row bytes of ``fill`` of its rows, the expert
+    weights (the wgrad's G fp32 blocks read and written) in full; GEMM time PLUS bytes
+    time (:func:`~jax_wgrad.aot.estimate.grouped_gemm_cost`)."""
+    cost = est.ModuleCosts(_RAGGED, PEAKS, ragged_fill=fill).computation("main")
+    rows = 1024 * fill
+    fwd_flops, wgrad_flops = 2 * rows * 64 * 128, 2 * rows * 64 * 128
+    fwd_bytes = rows * (64 + 128) * 2 + 4 * 128 * 64 * 2
+    wgrad_bytes = rows * (64 + 128) * 2 + 2 * 4 * 128 * 64 * 4  # every block read + written
+    assert cost.flops == fwd_flops + wgrad_flops
+    assert cost.hbm_bytes == pytest.approx(fwd_bytes + wgrad_bytes)
+    assert cost.compute_s == pytest.approx((fwd_flops + wgrad_flops) / 1e12)
+    assert cost.memory_s == pytest.approx((fwd_bytes + wgrad_bytes) / 1e9)  # not max(...)
+    assert cost.seconds == pytest.approx(cost.compute_s + cost.memory_s)
+
+
+@pytest.mark.parametrize("fill", [0.0, 1.5, float("nan")])
+def test_a_fill_outside_zero_one_is_refused(fill):
+    with pytest.raises(ValueError, match=r"ragged_fill must be in \(0, 1\]"):
+        est.ModuleCosts(_RAGGED, PEAKS, ragged_fill=fill)

@@ -47,6 +47,10 @@ def usage_error(pretrain, capsys, argv: list[str], message: str) -> str:
         (["--min-lr", "-0.1"], "argument --min-lr: must be >= 0, got -0.1"),
         (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr (0.01) must be <= --lr (0.001)"),
         (["--weight-decay", "-1"], "argument --weight-decay: must be >= 0, got -1"),
+        (
+            ["--estimate-routing-skew", "0.5"],
+            "argument --estimate-routing-skew: must be >= 1, got 0.5",
+        ),
         (["--lr-warmup-iters", "-3"], "argument --lr-warmup-iters: must be >= 0, got -3"),
         (
             ["--min-lr", "1e-5", "--lr-warmup-iters", "2"],
@@ -82,6 +86,7 @@ def test_numeric_range(pretrain, capsys, argv, message):
         (["--eval-iters", "3"], "--eval-iters 3 needs --eval-interval"),
         (["--target", "h200"], "--target h200 needs --compile-only"),
         (["--target-hosts", "2"], "--target-hosts 2 needs --compile-only"),
+        (["--estimate-routing-skew", "1.5"], "--estimate-routing-skew 1.5 needs --compile-only"),
         (["--load-fallback-to-intact"], "--load-fallback-to-intact needs --load"),
         (["--no-load-optim"], "--no-load-optim needs --load"),
         (

@@ -623,3 +623,44 @@ def test_hlo_expert_buckets_are_synced_over_the_expert_data_parallel_groups():
         if "reduce-scatter" in line and f"f32[{expert_numel // 4}]" in line.split("=")[1]
     ]
     assert loop_name in ancestors(graph, rs)
+
+
+@pytest.mark.parametrize(
+    "ep,tp,factor,skew,fill",
+    [
+        (1, 1, None, 3.0, 1.0),  # one expert rank: its buffer is the T k routed rows
+        (2, 1, None, 1.0, 0.5),  # T k = 2 x 16 x 2 = 64 of EP T k = 128 rows
+        (4, 2, None, 1.0, 0.25),  # T = 2 x 16 / tp: 32 of 128
+        (2, 1, 1.25, 1.0, 64 / 80),  # ceil(1.25 x 64) = 80 rows
+        (2, 1, 1.25, 1.2, 1.2 * 64 / 80),
+        (2, 1, 1.25, 2.0, 1.0),  # more than the buffer takes: every row
+    ],
+)
+def test_ragged_fill_is_the_routed_rows_over_the_receive_buffer(ep, tp, factor, skew, fill):
+    """:func:`jax_wgrad.aot.compile.ragged_fill`: the share of an expert rank's receive
+    buffer the ragged GEMMs compute, ``skew T k`` of
+    :func:`~jax_wgrad.functional.moe_dispatch.receive_rows`."""
+    from types import SimpleNamespace
+
+    from jax_wgrad.aot.compile import ragged_fill
+
+    plan = SimpleNamespace(
+        model=_model(moe_dropless_buffer_factor=factor), parallel=_par(ep, tp, 1)
+    )
+    assert ragged_fill(plan, skew) == pytest.approx(fill)
+    capacity = SimpleNamespace(
+        model=_model(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+        parallel=_par(2, 1, 1),
+    )
+    assert ragged_fill(capacity, skew) == 1.0  # capacity buffers: no ragged GEMMs
+
+
+@pytest.mark.parametrize("skew", [0.5, float("inf"), float("nan")])
+def test_a_routing_skew_below_one_is_refused(skew):
+    from types import SimpleNamespace
+
+    from jax_wgrad.aot.compile import ragged_fill
+
+    plan = SimpleNamespace(model=_model(), parallel=_par(2, 1, 1))
+    with pytest.raises(ValueError, match=r"routing_skew must be a finite number >= 1"):
+        ragged_fill(plan, skew)

@@ -17,6 +17,7 @@ CUDA handler built and registered. The compile uses the flags a GPU run gets
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -48,6 +49,7 @@ __all__ = [
     "estimate_compiled",
     "gemm_tiling_error",
     "older_jax_note",
+    "ragged_fill",
 ]
 
 T = TypeVar("T")
@@ -285,6 +287,37 @@ def compile_program(
     return CompiledProgram(compiled, est, n, loop_n, est.cost.host_syncs)
 
 
+def ragged_fill(plan, routing_skew: float = 1.0) -> float:
+    """The share of a dropless expert buffer's rows its ragged grouped GEMMs compute in
+    ``plan``'s train step: the routed rows of the busiest expert rank, ``routing_skew``
+    times the balanced ``T k`` (``T`` = one microbatch's tokens per rank at the
+    dispatcher, ``b s / tp`` under sequence parallelism), over the receive buffer's
+    :func:`~jax_wgrad.functional.moe_dispatch.receive_rows` (``ep T k`` rows, or
+    ``ceil(f T k)`` with ``--moe-dropless-buffer-factor f``); at most 1. 1 for a model
+    without dropless experts or one expert rank (its buffer is the ``T k`` routed rows).
+
+    Raises:
+      ValueError: ``routing_skew`` is not a finite number >= 1.
+    """
+    from jax_wgrad.functional.moe_dispatch import receive_rows
+
+    if not (isinstance(routing_skew, (int, float)) and 1.0 <= routing_skew < float("inf")):
+        raise ValueError(
+            f"routing_skew must be a finite number >= 1 (the busiest expert rank's routed rows "
+            f"over the balanced T k), got {routing_skew}"
+        )
+    moe_config = getattr(plan.model, "moe_config", None)
+    moe = moe_config() if moe_config is not None else None
+    par = plan.parallel
+    if moe is None or moe.capacity_factor is not None or par.expert_model_parallel_size == 1:
+        return 1.0
+    seq = plan.model.seq_length
+    split = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    tokens_k = par.micro_batch_size * seq // split * moe.topk
+    rows = receive_rows(tokens_k, par.expert_model_parallel_size, moe.dropless_buffer_factor)
+    return min(1.0, routing_skew * tokens_k / rows)
+
+
 def _bucket_sizes(plan) -> list[int]:
     """The bucket lengths that identify the schedule loop and bucket-sized kernels."""
     numels = plan.layout.buffer.bucket_numels
@@ -300,6 +333,7 @@ def estimate_compiled(
     meta_text: str | None = None,
     hosts: Sequence[int] | None = None,
     model_flops: float | None = None,
+    fill: float = 1.0,
 ) -> estimate.StepEstimate:
     """The estimated step of a compiled module on ``peaks``' device
     (:func:`jax_wgrad.aot.estimate.estimate_step`): with ``plan`` (the train step of a
@@ -309,7 +343,8 @@ def estimate_compiled(
     ``*thunk_metadata.txt``) the kernels in CUDA graphs and the host syncs. ``hosts``: the
     host of each device of the program (default: the plan's mesh devices'
     ``process_index`` in mesh order -- the logical ids collectives name -- else one
-    device). Works on any backend's compiled text (``compiled.as_text()``)."""
+    device). ``fill``: the share of the ragged expert GEMMs' buffer rows charged
+    (:func:`ragged_fill`). Works on any backend's compiled text (``compiled.as_text()``)."""
     graphed, syncs = frozenset(), None
     if thunk_text and meta_text:
         parsed, names = thunks.parse_thunks(thunk_text), thunks.thunk_names(meta_text)
@@ -335,6 +370,7 @@ def estimate_compiled(
         graphed=graphed,
         host_syncs=syncs,
         model_flops=model_flops,
+        ragged_fill=fill,
         **schedule,
     )
 
@@ -390,6 +426,7 @@ def compile_plan(
     xla_options: dict[str, Any] | None = None,
     fusion: str | None = None,
     cuda_graph_scope: str = "kernels",
+    routing_skew: float = 1.0,
 ) -> AotReport:
     """Compiles ``plan``'s train step (the plan's mesh must be of compile-only devices of
     ``target``, :func:`~jax_wgrad.aot.target_devices`) and reports on it.
@@ -401,6 +438,10 @@ def compile_plan(
         fusion is on).
       cuda_graph_scope: ``"kernels"`` or ``"full_iteration"`` (every command-buffer
         type: :func:`~jax_wgrad.training.gpu.gpu_xla_flags`).
+      routing_skew: the busiest expert rank's routed rows over the balanced ``T k``
+        (:func:`ragged_fill`): the estimate charges the dropless experts' ragged GEMMs for
+        those rows, and with a buffer larger than them reports the step charged for every
+        buffer row beside it (:attr:`AotReport.buffer_estimate`).
     """
     from jax_wgrad.ops import handlers
     from jax_wgrad.parallel.mesh import DATA_PARALLEL
@@ -408,6 +449,7 @@ def compile_plan(
 
     # jax's GPU allocator is capped at this share whether it preallocates or not.
     frac = mem_fraction()  # before the compile: a value outside (0, 1] is refused
+    fill = ragged_fill(plan, routing_skew)
     target = gpu_target(target) if isinstance(target, str) else target
     devices = plan.mesh.devices.size
     gpus_per_host = gpus_per_host or devices // hosts
@@ -448,13 +490,16 @@ def compile_plan(
             op_names,
             trips=hlo.trip_counts(text),
         )
-    step_estimate = estimate_compiled(
+    estimate_at = functools.partial(
+        estimate_compiled,
         text,
         estimate.PEAKS[target.name],
         plan=plan,
         thunk_text=thunk_text,
         meta_text=meta_text,
     )
+    step_estimate = estimate_at(fill=fill)
+    buffer_estimate = estimate_at(fill=1.0) if fill < 1.0 else None
     syncs = step_estimate.cost.host_syncs if thunk_text and meta_text else None
     traffic = None if loop is None else hlo.loop_traffic(text, loop[1])
     params_per_device, expert_params, itemsize = _param_facts(state.params)
@@ -517,6 +562,8 @@ def compile_plan(
         if traffic is None
         else _per_microbatch(traffic.overhead, traffic.tasks, plan.table, lambda t: t.total),
         estimate=step_estimate,
+        buffer_estimate=buffer_estimate,
+        routing_skew=routing_skew,
         host_syncs_per_step=syncs,
     )
 
@@ -591,6 +638,7 @@ def compile_for_target(
     tx=None,
     xla_options: dict[str, Any] | None = None,
     cuda_graph_scope: str = "kernels",
+    routing_skew: float = 1.0,
 ) -> AotReport:
     """Compiles the train step of ``model`` laid out as ``parallel`` for ``hosts`` hosts
     of ``gpus_per_host`` GPUs ``target`` each, without a GPU, and reports on it.
@@ -600,7 +648,7 @@ def compile_for_target(
         target's GPU count).
       target: ``"h100"``, ``"h200"`` or a :class:`~jax_wgrad.aot.GpuTarget`.
       tx: the optax transformation (default: Megatron's AdamW, lr 1e-4).
-      xla_options, cuda_graph_scope: see :func:`compile_plan`.
+      xla_options, cuda_graph_scope, routing_skew: see :func:`compile_plan`.
     Raises:
       RuntimeError: jax's CUDA plugin is missing, or the fused path cannot be lowered
         (the CUDA handler was not built or could not be imported; the message says why).
@@ -631,4 +679,5 @@ def compile_for_target(
         hosts=hosts,
         xla_options=xla_options,
         cuda_graph_scope=cuda_graph_scope,
+        routing_skew=routing_skew,
     )

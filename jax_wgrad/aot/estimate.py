@@ -17,9 +17,13 @@ What each kernel does, from its shapes:
 * cuDNN attention (``__cudnn$fmha*``): ``4 b h s_q s_kv d`` forward, 2.5 times that
   backward, half of it under a causal mask;
 * the library's fused calls (``jax_wgrad_*``): ``2 x numel(x) x out`` for the weight
-  gradient and ragged GEMMs (every row of a ragged buffer: the routed count is not in the
-  program), an accumulator block read and written; ``bucket_add``: each gradient read and
+  gradient, an accumulator block read and written; ``bucket_add``: each gradient read and
   its block read and written;
+* the ragged grouped GEMMs of dropless experts (``jax_wgrad_ragged_*``): the FLOPs and row
+  bytes of the rows they compute, ``ragged_fill`` of their buffer's rows (the routed count
+  is not in the program: the caller says it, :func:`jax_wgrad.aot.compile.ragged_fill`),
+  the expert weights (and for the weight gradient the fp32 ``[E, out, in]`` blocks read and
+  written) in full; their time the GEMM's plus the bytes' (:func:`grouped_gemm_cost`);
 * every other kernel: the bytes :func:`jax_wgrad.aot.hlo.kernel_traffic` counts.
 
 **What it is not.** A model, not a measurement: no cache, no tile quantisation or wave
@@ -48,6 +52,7 @@ __all__ = [
     "CollectiveCost",
     "ModuleCosts",
     "group_span",
+    "grouped_gemm_cost",
     "schedule_time",
     "StepEstimate",
     "estimate_step",
@@ -269,6 +274,28 @@ def _collective_bytes(kind: str, ins: hlo.Instruction, operand_bytes: float, n: 
 
 
 _FFI_PREFIX = "jax_wgrad_"
+_RAGGED_PREFIX = "jax_wgrad_ragged_"
+
+
+def grouped_gemm_cost(flops: float, dtype: str, nbytes: float, launch: float, peaks: Peaks) -> Cost:
+    """A grouped GEMM's cost: its GEMM time **plus** its bytes' time, not the larger of the
+    two as a dense GEMM's roofline. Each expert's weights are read by the few tiles of its
+    rows (and for the weight gradient each fp32 block read and written by the tiles of its
+    own), so streaming them does not hide behind the math. Against the CUTLASS sm90 grouped
+    GEMMs measured on a lent H200 (``benchmarks/ragged_gemm_gpu.py``, docs/performance.md:
+    Mixtral's 8 x 2048-row experts, Qwen3-30B-A3B's 128 x 256, 64 x 256 of 2048 x 1408) the
+    sum is within +5% .. -35% of the measured times (forward, input and weight gradient; the
+    weight gradient of the smallest experts the worst), the larger of the two -10% .. -63%."""
+    t_flops = flops / peaks.sustained_gemm_flops(dtype) if flops else 0.0
+    t_bytes = nbytes / peaks.sustained_hbm_bandwidth
+    return Cost(
+        compute_s=t_flops,
+        memory_s=t_bytes,
+        launch_s=launch,
+        flops=flops,
+        hbm_bytes=nbytes,
+        launches=1,
+    )
 
 
 @dataclasses.dataclass
@@ -299,6 +326,9 @@ class ModuleCosts:
       host_syncs: ``{conditional or while instruction name: host syncs per run}`` (the
         conditionals and loops of unknown trip count that XLA:GPU runs outside command
         buffers, :func:`jax_wgrad.aot.thunks.host_syncs`); default none.
+      ragged_fill: the share of a ragged grouped GEMM's buffer rows it computes (the
+        routed rows of a dropless expert buffer, :func:`jax_wgrad.aot.compile.ragged_fill`);
+        default every row.
     """
 
     def __init__(
@@ -309,7 +339,11 @@ class ModuleCosts:
         hosts: Sequence[int] = (0,),
         graphed: frozenset[str] = frozenset(),
         host_syncs: Mapping[str, int] | None = None,
+        ragged_fill: float = 1.0,
     ):
+        if not 0.0 < ragged_fill <= 1.0:
+            raise ValueError(f"ragged_fill must be in (0, 1], got {ragged_fill}")
+        self.ragged_fill = ragged_fill
         self.comps = hlo.computations(text)
         self.peaks = peaks
         self.hosts = tuple(hosts)
@@ -389,20 +423,31 @@ class ModuleCosts:
                 n = sum(math.prod(d) for d in dims[1:])
                 return 0.0, dtype, sum(map(hlo.shape_bytes, grads)) + 8.0 * n
             x, second = dims[0], dims[1] if len(dims) > 1 else []
-            if "ragged_matmul" in target:
-                out = hlo._ARRAY.search(hlo._tuple_elements(ins.shape)[0])
-                n_out = int(out.group(2).split(",")[-1]) if out else 0
-                flops = 2.0 * math.prod(x) * n_out
-                return (
-                    flops,
-                    dtype,
-                    io - hlo.shape_bytes(ins.shape) + math.prod(x) / max(x[-1], 1) * n_out * item,
-                )
+            if target.startswith(_RAGGED_PREFIX) and len(dims) >= 3 and len(x) == 2:
+                return self._ragged(target, dims, shapes, dtype, item)
             # a weight gradient: x [*, T, in], dy [*, T, out]; the block [*, out, in] fp32
             flops = 2.0 * math.prod(x) * (second[-1] if second else 0)
             block = math.prod(x[:-2]) * x[-1] * (second[-1] if second else 0) * 4.0
             return flops, dtype, hlo.shape_bytes(shapes[0]) + hlo.shape_bytes(shapes[1]) + 2 * block
         return 0.0, dtype, io
+
+    def _ragged(
+        self, target: str, dims: list[list[int]], shapes: list[str], dtype: str, item: float
+    ) -> tuple[float, str, float]:
+        """``(flops, operand type, hbm bytes)`` of a ragged grouped GEMM over
+        :attr:`ragged_fill` of its rows: ``ragged_matmul(x [R, K], w [G, N, K] or [G, K, N],
+        sizes [G]) -> [R, N]``; ``ragged_wgrad_accumulate(x [R, in], dy [R, out], sizes
+        [G], block)`` into ``G`` blocks ``[out, in]`` of the accumulator's type."""
+        rows = dims[0][0] * self.ragged_fill
+        k = dims[0][1]
+        if "ragged_matmul" in target:
+            w = dims[1]
+            n = math.prod(w) // max(w[0] * k, 1)
+            weights = hlo.shape_bytes(shapes[1])
+            return 2.0 * rows * k * n, dtype, rows * (k + n) * item + weights
+        out, groups = dims[1][-1], dims[2][0]
+        block = hlo.shape_bytes(shapes[3]) / max(math.prod(dims[3]), 1)
+        return 2.0 * rows * k * out, dtype, rows * (k + out) * item + 2 * groups * k * out * block
 
     def kernel(self, ins: hlo.Instruction) -> Cost:
         """The cost of the kernel ``ins`` launches (none for control flow, collectives,
@@ -421,6 +466,8 @@ class ModuleCosts:
                 root = [l for l in self.comps[callee] if l.startswith("ROOT ")][0]
                 call = hlo.instructions([root])[0]
             flops, dtype, nbytes = self._custom_call(call)
+            if _RAGGED_PREFIX in call.line:
+                return grouped_gemm_cost(flops, dtype, nbytes, launch, self.peaks)
             return self._roofline(flops, dtype, nbytes, launch)
         if op in ("fusion", "fusion-start") or op in ("dot", "convolution"):
             flops, dtype = 0.0, "bf16"
@@ -607,6 +654,8 @@ class StepEstimate:
     model_flops: float | None = None
     """Model FLOPs of a step, all devices (Megatron's formula), if known."""
     collectives: tuple[CollectiveCost, ...] = ()
+    ragged_fill: float = 1.0
+    """The share of the ragged expert GEMMs' buffer rows charged (:class:`ModuleCosts`)."""
 
     @property
     def mfu(self) -> float | None:
@@ -630,6 +679,7 @@ class StepEstimate:
             },
             "estimated_model_flops": self.model_flops,
             "estimated_counted_flops": self.cost.flops,
+            "estimated_ragged_fill": self.ragged_fill,
             "peaks": self.peaks.name,
         }
 
@@ -647,6 +697,7 @@ def estimate_step(
     num_stages: int = 1,
     model_flops: float | None = None,
     scopes=hlo.TASK_SCOPES,
+    ragged_fill: float = 1.0,
 ) -> StepEstimate:
     """The estimated step of a compiled module (module docstring).
 
@@ -660,12 +711,22 @@ def estimate_step(
         ``None``: the module has no such loop (its loops count their trip counts).
       hosts: the host of each device of the program, in its device assignment's order
         (:class:`ModuleCosts`); their number is the devices the MFU divides by.
+      ragged_fill: the share of the ragged expert GEMMs' buffer rows they compute
+        (:class:`ModuleCosts`).
     """
-    mc = ModuleCosts(text, peaks, hosts=hosts, graphed=graphed, host_syncs=host_syncs)
+    mc = ModuleCosts(
+        text, peaks, hosts=hosts, graphed=graphed, host_syncs=host_syncs, ragged_fill=ragged_fill
+    )
     if loop is None or busy is None:
         cost = mc.computation(mc.entry)
         return StepEstimate(
-            cost.seconds, cost, peaks, len(mc.hosts), model_flops, tuple(mc.collectives)
+            cost.seconds,
+            cost,
+            peaks,
+            len(mc.hosts),
+            model_flops,
+            tuple(mc.collectives),
+            ragged_fill,
         )
     name, body = loop
     conds = [i for i in hlo.instructions(mc.comps.get(body, ())) if i.opcode == "conditional"]
@@ -711,4 +772,5 @@ def estimate_step(
         len(mc.hosts),
         model_flops,
         tuple(mc.collectives),
+        ragged_fill,
     )

@@ -210,7 +210,14 @@ class AotReport:
     traffic_per_microbatch: hlo.Traffic | None = None
     """The busiest stage's non-GEMM traffic over the schedule's ticks, per microbatch."""
     estimate: estimates.StepEstimate | None = None
-    """The estimated step time (:mod:`jax_wgrad.aot.estimate`)."""
+    """The estimated step time (:mod:`jax_wgrad.aot.estimate`); its dropless experts'
+    ragged GEMMs charged for the routed rows (:attr:`routing_skew`)."""
+    buffer_estimate: estimates.StepEstimate | None = None
+    """The same with the ragged GEMMs charged for every row of their receive buffers
+    (``None``: the buffers hold just the routed rows, or no estimate)."""
+    routing_skew: float = 1.0
+    """The busiest expert rank's routed rows over the balanced ``T k`` the estimate
+    assumes (:func:`jax_wgrad.aot.compile.ragged_fill`)."""
     host_syncs_per_step: float | None = None
     """Host synchronisations per step (conditionals and loops of unknown trip count run
     outside command buffers; ``None``: no thunk sequence)."""
@@ -310,6 +317,13 @@ class AotReport:
                 if self.estimate is None
                 else self.estimate.figures()
             ),
+            "estimated_routing_skew": self.routing_skew,
+            "estimated_buffer_step_ms": None
+            if self.buffer_estimate is None
+            else self.buffer_estimate.seconds * 1e3,
+            "estimated_buffer_mfu": None
+            if self.buffer_estimate is None
+            else self.buffer_estimate.mfu,
         }
 
     def verdict(self) -> str:
@@ -485,6 +499,16 @@ class AotReport:
             f"{b.hidden_comm_s * 1e3:.1f} ms), host syncs {b.host_syncs:.0f} "
             f"({b.host_sync_s * 1e3:.2f} ms)",
         ]
+        if self.buffer_estimate is not None:
+            u = self.buffer_estimate
+            lines.append(
+                f"  dropless experts: the ragged GEMMs charged for the routed rows, "
+                f"{e.ragged_fill:.0%} of their receive buffers (routing skew "
+                f"{self.routing_skew:g}: --estimate-routing-skew); for every buffer row "
+                f"{u.seconds * 1e3:.1f} ms"
+                + ("" if u.mfu is None else f", MFU {u.mfu:.1%}")
+                + " (XLA's elementwise kernels over the buffers run over every row in both)"
+            )
         if self.host_syncs_per_step is not None:
             lines.append(f"  host synchronisations per step: {self.host_syncs_per_step:.0f}")
         dp = self.dp_sync_overlapped()

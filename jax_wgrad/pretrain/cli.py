@@ -774,6 +774,15 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
             ),
             Flag("--target-hosts", type=positive_int, default=1, help="hosts"),
             Flag(
+                "--estimate-routing-skew",
+                type=float_above(1.0, inclusive=True),
+                default=1.0,
+                help="with --compile-only and dropless experts: the busiest expert rank's "
+                "routed rows over the balanced T k (1: balanced routing); the estimate "
+                "charges the ragged expert GEMMs for those rows and also reports the step "
+                "charged for every row of the receive buffers",
+            ),
+            Flag(
                 "--report-json",
                 metavar="FILE",
                 help="with --compile-only: also write the report's figures (bytes per "
@@ -1182,6 +1191,7 @@ def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
         ("target", args.compile_only, "--compile-only (without it the run trains here)"),
         ("target_gpus_per_host", args.compile_only, "--compile-only"),
         ("target_hosts", args.compile_only, "--compile-only"),
+        ("estimate_routing_skew", args.compile_only, "--compile-only"),
         (
             "use_precision_aware_optimizer",
             args.use_distributed_optimizer,

@@ -136,6 +136,7 @@ def compile_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> d
             gpus_per_host=args.target_gpus_per_host,
             tx=optimizer_of(args),
             cuda_graph_scope=args.cuda_graph_scope,
+            routing_skew=args.estimate_routing_skew,
         )
     except aot.GemmTilingError as exc:  # XLA's, of these model sizes: not a usage error
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
