@@ -414,3 +414,56 @@ def test_ragged_gemms_are_charged_for_the_routed_rows_their_time_plus_their_byte
 def test_a_fill_outside_zero_one_is_refused(fill):
     with pytest.raises(ValueError, match=r"ragged_fill must be in \(0, 1\]"):
         est.ModuleCosts(_RAGGED, PEAKS, ragged_fill=fill)
+
+
+@pytest.mark.parametrize(
+    "op_name,kw,part",
+    [
+        ("jit(step)/jvp(moe)/experts/dot_general", dict(gemm=True), "expert GEMMs"),
+        ("jit(step)/transpose(jvp(moe))/experts/mul", {}, "expert activation"),
+        ("jit(step)/transpose(jvp(moe))/dispatch/gather", {}, "permute / unpermute"),
+        ("jit(step)/jvp(moe)/combine/all_to_all", dict(collective=True), "expert exchanges"),
+        ("jit(step)/jvp(moe)/router/softmax", {}, "router"),
+        ("jit(step)/jvp(attention)/core_attention/exp", {}, "attention core"),
+        ("jit(step)/jvp(attention)/column_parallel_linear/dot", dict(gemm=True), "attention GEMMs"),
+        ("jit(step)/jvp(attention)/rms_norm/mul", {}, "attention other"),
+        (
+            "jit(step)/jvp(attention)/all_gather",
+            dict(collective=True),
+            "tensor-parallel collectives",
+        ),
+        ("jit(step)/transpose(jvp(mlp))/dot", dict(gemm=True), "dense MLP"),
+        ("jit(step)/optimizer/mul", {}, "optimizer"),
+        (
+            "jit(step)/grad_sync_in_cooldown/reduce_scatter",
+            dict(collective=True),
+            "data-parallel gradient sync",
+        ),
+        ("jit(step)/send_recv/ppermute", dict(collective=True), "pipeline sends"),
+        ("jit(step)/jvp(output_layer)/dot", dict(gemm=True), "embedding, output layer, loss"),
+        ("jit(step)/while/body/copy", dict(copy=True), "copies"),
+        ("jit(step)/while/body/add", {}, "other"),
+        ("jit(step)/jvp(moe_x)/add", {}, "other"),  # a scope is a whole name
+    ],
+)
+def test_part_of_reads_the_named_scopes(op_name, kw, part):
+    assert est.part_of(op_name, **kw) == part
+    assert part in est.PARTS
+
+
+def test_the_parts_add_up_to_the_step():
+    """Every kernel's time lands in one part (:attr:`~jax_wgrad.aot.estimate.Cost.parts`),
+    so the breakdown sums to the estimate, loops times their trip counts."""
+    text = _MODULE.replace(
+        "kind=kCustom, calls=%gemm",
+        'kind=kCustom, calls=%gemm, metadata={op_name="jit(step)/jvp(moe)/experts/dot_general"}',
+    )
+    step = est.estimate_step(text, PEAKS, hosts=(0, 0))
+    parts = step.time_by_part()
+    assert sum(parts.values()) == pytest.approx(step.seconds)
+    assert parts["expert GEMMs"] == pytest.approx(
+        max(2 * 64 * 128 * 256 / 1e12, (64 * 128 + 128 * 256 + 64 * 256) * 2 / 1e9)
+    )
+    assert parts["data-parallel gradient sync"] == pytest.approx(4000 / 1e8)  # the all-reduce
+    assert parts["tensor-parallel collectives"] == pytest.approx(4000 / 1e8)  # the all-gather
+    assert parts["other"] == pytest.approx(4 * 8000 / 1e9)  # 3 loop iterations, the branch

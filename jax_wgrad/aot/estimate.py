@@ -54,6 +54,8 @@ __all__ = [
     "group_span",
     "grouped_gemm_cost",
     "schedule_time",
+    "PARTS",
+    "part_of",
     "StepEstimate",
     "estimate_step",
 ]
@@ -162,6 +164,8 @@ class Cost:
     hbm_bytes: float = 0.0
     comm_bytes: float = 0.0
     launches: float = 0.0
+    parts: tuple[tuple[str, float], ...] = ()
+    """:attr:`seconds` by part of the model (:func:`part_of`): ``(label, seconds)``."""
 
     @property
     def seconds(self) -> float:
@@ -174,13 +178,116 @@ class Cost:
         return self.compute_s
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        parts = dict(self.parts)
+        for label, seconds in other.parts:
+            parts[label] = parts.get(label, 0.0) + seconds
+        return Cost(
+            *(getattr(self, f) + getattr(other, f) for f in _COST_SUMS), parts=tuple(parts.items())
+        )
 
     def __mul__(self, k: float) -> Cost:
-        return Cost(*(a * k for a in dataclasses.astuple(self)))
+        return Cost(
+            *(getattr(self, f) * k for f in _COST_SUMS),
+            parts=tuple((label, s * k) for label, s in self.parts),
+        )
+
+    def as_part(self, label: str) -> Cost:
+        """This cost, all of its :attr:`seconds` in the part ``label``."""
+        return dataclasses.replace(self, parts=((label, self.seconds),) if self.seconds else ())
+
+    def by_part(self) -> dict[str, float]:
+        """:attr:`parts` as ``{label: seconds}``, in :data:`PARTS` order (the largest first
+        within it is the caller's to sort)."""
+        order = {label: i for i, label in enumerate(PARTS)}
+        return dict(sorted(self.parts, key=lambda p: order.get(p[0], len(order))))
 
     def as_dict(self) -> dict[str, float]:
-        return {**dataclasses.asdict(self), "seconds": self.seconds}
+        d = {f: getattr(self, f) for f in _COST_SUMS}
+        return {**d, "seconds": self.seconds}
+
+
+_COST_SUMS = tuple(f.name for f in dataclasses.fields(Cost) if f.name != "parts")
+
+PARTS: tuple[str, ...] = (
+    "attention core",
+    "attention GEMMs",
+    "attention other",
+    "dense MLP",
+    "router",
+    "permute / unpermute",
+    "expert GEMMs",
+    "expert activation",
+    "shared expert",
+    "embedding, output layer, loss",
+    "deferred weight gradients",
+    "optimizer",
+    "tensor-parallel collectives",
+    "expert exchanges",
+    "pipeline sends",
+    "data-parallel gradient sync",
+    "copies",
+    "host syncs",
+    "other",
+)
+"""The parts of a step the estimate's breakdown names (:func:`part_of`), in print order."""
+
+
+def _scoped(op_name: str, scope: str) -> bool:
+    """Whether ``op_name`` (jax's name stack: ``jit(step)/.../transpose(jvp(moe))/experts/
+    dot_general``) runs under the named scope ``scope``."""
+    return re.search(rf"(?:^|[/(]){re.escape(scope)}(?:[/)]|$)", op_name) is not None
+
+
+def part_of(
+    op_name: str, *, collective: bool = False, gemm: bool = False, copy: bool = False
+) -> str:
+    """The :data:`PARTS` label of a kernel (or, ``collective``, a collective's exposed
+    time) from its ``op_name``'s named scopes: the model's (``attention`` with
+    ``core_attention``, ``mlp``, ``moe`` with :mod:`jax_wgrad.functional.moe`'s router,
+    dispatch, experts and combine, ``shared_expert``, ``embedding``, ``output_layer``,
+    ``cross_entropy``), the optimizer's and the executor's. ``gemm``: a GEMM-class kernel
+    (a dot, a cuBLAS call, the library's GEMM calls); ``copy``: a copy, memset or
+    dynamic-update-slice outside every named part."""
+    from jax_wgrad.functional import moe
+    from jax_wgrad.functional.attention import CORE_ATTENTION_SCOPE
+    from jax_wgrad.grads.finalize import DATA_PARALLEL_SYNC_SCOPE, SYNC_IN_BACKWARD_SCOPE
+    from jax_wgrad.parallel.pipeline import scopes
+    from jax_wgrad.training.step import OPTIMIZER_SCOPE
+
+    inside = functools.partial(_scoped, op_name)
+    if collective:
+        if any(
+            map(inside, (SYNC_IN_BACKWARD_SCOPE, scopes.COOLDOWN_SYNC, DATA_PARALLEL_SYNC_SCOPE))
+        ):
+            return "data-parallel gradient sync"
+        if inside(scopes.SEND_RECV):
+            return "pipeline sends"
+        if inside("moe") and (inside(moe.DISPATCH_SCOPE) or inside(moe.COMBINE_SCOPE)):
+            return "expert exchanges"
+        return "tensor-parallel collectives"
+    if inside(OPTIMIZER_SCOPE):
+        return "optimizer"
+    if inside("moe"):
+        if inside(moe.EXPERTS_SCOPE):
+            return "expert GEMMs" if gemm else "expert activation"
+        if inside(moe.DISPATCH_SCOPE) or inside(moe.COMBINE_SCOPE):
+            return "permute / unpermute"
+        return "router"
+    if inside("shared_expert"):
+        return "shared expert"
+    if inside("attention"):
+        if inside(CORE_ATTENTION_SCOPE):
+            return "attention core"
+        return "attention GEMMs" if gemm else "attention other"
+    if inside("mlp"):
+        return "dense MLP"
+    if any(map(inside, ("embedding", "output_layer", "cross_entropy"))):
+        return "embedding, output layer, loss"
+    if inside(scopes.DEFERRED_DRAIN) or inside(scopes.DEFERRED_RING):
+        return "deferred weight gradients"
+    if any(map(inside, (SYNC_IN_BACKWARD_SCOPE, scopes.COOLDOWN_SYNC, DATA_PARALLEL_SYNC_SCOPE))):
+        return "data-parallel gradient sync"
+    return "copies" if copy else "other"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +380,7 @@ def _collective_bytes(kind: str, ins: hlo.Instruction, operand_bytes: float, n: 
     return operand_bytes  # collective-permute, broadcast: the buffer once
 
 
+_COPIES = ("copy", "copy-start", "memset", "dynamic-update-slice")
 _FFI_PREFIX = "jax_wgrad_"
 _RAGGED_PREFIX = "jax_wgrad_ragged_"
 
@@ -451,7 +559,14 @@ class ModuleCosts:
 
     def kernel(self, ins: hlo.Instruction) -> Cost:
         """The cost of the kernel ``ins`` launches (none for control flow, collectives,
-        bitcasts, tuples, ...)."""
+        bitcasts, tuples, ...), in its part of the model (:func:`part_of`)."""
+        cost = self._kernel(ins)
+        if not cost.seconds:
+            return cost
+        copy = ins.opcode in _COPIES
+        return cost.as_part(part_of(ins.op_name, gemm=bool(cost.flops), copy=copy))
+
+    def _kernel(self, ins: hlo.Instruction) -> Cost:
         if ins.allocates_only:
             return Cost()
         p = self.peaks
@@ -578,12 +693,16 @@ class ModuleCosts:
                     record,
                 )
             )
-        return Cost(exposed_comm_s=p.seconds - hidden, hidden_comm_s=hidden, comm_bytes=p.nbytes)
+        return Cost(
+            exposed_comm_s=p.seconds - hidden, hidden_comm_s=hidden, comm_bytes=p.nbytes
+        ).as_part(part_of(p.ins.op_name, collective=True))
 
     def _instruction(self, ins: hlo.Instruction, *, busy: bool, replace, record: float) -> Cost:
         run = functools.partial(self.computation, busy=busy, replace=replace)
         syncs = self.host_syncs.get(ins.name, 0)
-        sync = Cost(host_sync_s=self.peaks.host_sync_s * syncs, host_syncs=syncs)
+        sync = Cost(host_sync_s=self.peaks.host_sync_s * syncs, host_syncs=syncs).as_part(
+            "host syncs"
+        )
         if ins.opcode == "while":
             body = re.search(r"body=%([\w.\-]+)", ins.line).group(1)
             n = self.trips.get(ins.name)
@@ -664,6 +783,14 @@ class StepEstimate:
             return None
         return self.model_flops / (self.seconds * self.devices * self.peaks.gemm_peak("bf16"))
 
+    def time_by_part(self) -> dict[str, float]:
+        """Seconds of the busiest stage by part of the model (:data:`PARTS`, in that
+        order), and ``"pipeline wait"``: the step's seconds beyond that stage's own (the
+        ticks in which another stage is slower: the bubble and imbalance)."""
+        parts = self.cost.by_part()
+        wait = self.seconds - self.cost.seconds
+        return {**parts, "pipeline wait": wait} if wait > 1e-9 else parts
+
     def exposed(self, op_scope: str) -> list[CollectiveCost]:
         """Collectives under the ``op_scope`` named scope with time not hidden."""
         return [c for c in self.collectives if op_scope in c.op_name and c.exposed_s > 1e-9]
@@ -680,6 +807,7 @@ class StepEstimate:
             "estimated_model_flops": self.model_flops,
             "estimated_counted_flops": self.cost.flops,
             "estimated_ragged_fill": self.ragged_fill,
+            "estimated_time_by_part_ms": {k: v * 1e3 for k, v in self.time_by_part().items()},
             "peaks": self.peaks.name,
         }
 
@@ -734,7 +862,7 @@ def estimate_step(
 
     def sync_of(ins: hlo.Instruction) -> Cost:
         syncs = mc.host_syncs.get(ins.name, 0)
-        return Cost(host_sync_s=peaks.host_sync_s * syncs, host_syncs=syncs)
+        return Cost(host_sync_s=peaks.host_sync_s * syncs, host_syncs=syncs).as_part("host syncs")
 
     # The ends nested in the tasks (hlo.END_SCOPES): a task is charged with their idle
     # branch, and each end is a task of its own, busy (its heavier branch besides) where

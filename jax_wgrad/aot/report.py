@@ -499,6 +499,11 @@ class AotReport:
             f"{b.hidden_comm_s * 1e3:.1f} ms), host syncs {b.host_syncs:.0f} "
             f"({b.host_sync_s * 1e3:.2f} ms)",
         ]
+        parts = sorted(e.time_by_part().items(), key=lambda kv: -kv[1])
+        lines.append(
+            "  where the time goes (the busiest stage, ms): "
+            + ", ".join(f"{label} {t * 1e3:.1f}" for label, t in parts if t * 1e3 >= 0.05)
+        )
         if self.buffer_estimate is not None:
             u = self.buffer_estimate
             lines.append(

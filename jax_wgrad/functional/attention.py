@@ -8,7 +8,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RopeScaling", "causal_attention", "rope_frequencies", "rotary_embedding"]
+__all__ = [
+    "CORE_ATTENTION_SCOPE",
+    "RopeScaling",
+    "causal_attention",
+    "rope_frequencies",
+    "rotary_embedding",
+]
+
+CORE_ATTENTION_SCOPE = "core_attention"
+"""The named scope of :func:`causal_attention` (``op_name`` metadata: Megatron's "core
+attention", scores, softmax and the weighted values, without the projections)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +98,19 @@ def causal_attention(
     ):
         raise ValueError(f"causal_attention: window must be an int >= 1 or None, got {window!r}")
     band = window if window is not None and window < s else None  # else no key is cut off
+    with jax.named_scope(CORE_ATTENTION_SCOPE):
+        return _attend(q, k, v, implementation, band).reshape(b, s, h * d)
+
+
+def _attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, implementation: str, band: int | None
+) -> jax.Array:
+    """:func:`causal_attention`'s core, ``[b, s, heads, d]`` or ``[b, s, groups, heads /
+    groups, d]`` (either reshapes to the result)."""
+    b, s, h, d = q.shape
+    g = k.shape[2]
     if implementation == "cudnn":
-        out = jax.nn.dot_product_attention(
+        return jax.nn.dot_product_attention(
             q,
             k,
             v,
@@ -98,14 +119,12 @@ def causal_attention(
             local_window_size=None if band is None else (band - 1, 0),
             implementation="cudnn",
         )
-        return out.reshape(b, s, h * d)
     qg = q.reshape(b, s, g, h // g, d)
     scores = jnp.einsum("bqgmd,bkgd->bgmqk", qg, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(d)
     scores = jnp.where(_causal_mask(s, band), scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bgmqk,bkgd->bqgmd", probs, v)
-    return out.reshape(b, s, h * d)
+    return jnp.einsum("bgmqk,bkgd->bqgmd", probs, v)
 
 
 def _causal_mask(s: int, window: int | None) -> jax.Array:

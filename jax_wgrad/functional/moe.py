@@ -62,7 +62,22 @@ __all__ = [
     "moe_mlp",
     "load_balancing_loss",
     "attach_aux_loss",
+    "ROUTER_SCOPE",
+    "DISPATCH_SCOPE",
+    "EXPERTS_SCOPE",
+    "COMBINE_SCOPE",
 ]
+
+# The named scopes (``op_name`` metadata in the compiled HLO) of an MoE layer's parts,
+# under the model's ``moe`` scope: what the estimate's breakdown reads
+# (:data:`jax_wgrad.aot.estimate.PARTS`).
+ROUTER_SCOPE = "router"
+DISPATCH_SCOPE = "dispatch"
+"""Sort by expert, permute, the exchange to the expert ranks."""
+EXPERTS_SCOPE = "experts"
+"""The expert linears and their activation."""
+COMBINE_SCOPE = "combine"
+"""The exchange back, unpermute, the gate-weighted sum."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,20 +367,22 @@ def moe_mlp(
     etp = 1 if expert_tensor_axis is None else jax.lax.axis_size(expert_tensor_axis)
     _expert_shapes(params, cfg, x, ep, etp)
     t, h = x.shape
-    probs, experts, gates = route(
-        x,
-        value_of(params["router"]),
-        k,
-        pre_softmax=cfg.pre_softmax,
-        scaling_factor=cfg.topk_scaling_factor,
-    )
+    with jax.named_scope(ROUTER_SCOPE):
+        probs, experts, gates = route(
+            x,
+            value_of(params["router"]),
+            k,
+            pre_softmax=cfg.pre_softmax,
+            scaling_factor=cfg.topk_scaling_factor,
+        )
     exchange = dict(expert_axis=expert_axis, ep=ep, tensor_axis=expert_tensor_axis, num_experts=e)
     dispatcher = (
         DroplessDispatch(**exchange, buffer_factor=cfg.dropless_buffer_factor)
         if cfg.capacity_factor is None
         else CapacityDispatch(**exchange, capacity=cfg.capacity(t))
     )
-    rows, sizes, state = dispatcher.dispatch(x, experts)
+    with jax.named_scope(DISPATCH_SCOPE):
+        rows, sizes, state = dispatcher.dispatch(x, experts)
     opts = dict(precision=precision, overlap_wgrad=cfg.overlap_wgrad)
     group = {} if sizes is None else {"group_sizes": sizes}
     expert_linear = grouped_linear if sizes is None else ragged_linear
@@ -382,8 +399,10 @@ def moe_mlp(
             lambda bk, off: expert_linear(a, w, **group, bucket=bk, offset=off, **opts)
         )
 
-    out = linear(cfg.activation(linear(rows, params["fc1"])), params["fc2"])
-    y = dispatcher.combine(out, gates, state)
+    with jax.named_scope(EXPERTS_SCOPE):
+        out = linear(cfg.activation(linear(rows, params["fc1"])), params["fc2"])
+    with jax.named_scope(COMBINE_SCOPE):
+        y = dispatcher.combine(out, gates, state)
     tokens_per_expert = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))
     counts, total = tokens_per_expert, t
     if sequence_axis is not None:

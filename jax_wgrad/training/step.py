@@ -40,6 +40,7 @@ from jax_wgrad.parallel.pipeline.gradients import reduce_gradients
 from jax_wgrad.training.plan import TrainPlan
 
 __all__ = [
+    "OPTIMIZER_SCOPE",
     "TrainState",
     "default_optimizer",
     "init_optimizer_state",
@@ -48,6 +49,9 @@ __all__ = [
     "build_train_step",
     "build_eval_step",
 ]
+
+OPTIMIZER_SCOPE = "optimizer"
+"""The named scope of the optimizer step in the train step (``op_name`` metadata)."""
 
 
 class TrainState(NamedTuple):
@@ -151,7 +155,8 @@ def build_train_step(
         synced, loss, extra = reduce_gradients(
             program, plan.sink, plan.ddp, plan.table, tree, tokens, grad_hook=hook
         )
-        new_tree, new_opt_state, info = opt.step(tree, synced, _unstack(opt_state))
+        with jax.named_scope(OPTIMIZER_SCOPE):
+            new_tree, new_opt_state, info = opt.step(tree, synced, _unstack(opt_state))
         metrics = {"loss": loss, "grad_norm": info.grad_norm, "skipped": info.skipped, **extra}
         return program.canonical_tree(new_tree), _stack(new_opt_state), metrics
 
