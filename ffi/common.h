@@ -25,6 +25,8 @@ inline const char* DtypeName(ffi::DataType t) {
     case ffi::DataType::BF16: return "bfloat16";
     case ffi::DataType::F16: return "float16";
     case ffi::DataType::F64: return "float64";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
     case ffi::DataType::S32: return "int32";
     case ffi::DataType::S8: return "int8";
     case ffi::DataType::U8: return "uint8";

@@ -1,4 +1,5 @@
-// Element conversions between float and the 16-bit float formats, for the CPU handlers.
+// Element conversions between float and the 16-bit float formats, and from the 8-bit float
+// formats (float8_e4m3fn, float8_e5m2: FP8 training) to float, for the CPU handlers.
 #ifndef JAX_WGRAD_FFI_CONVERT_CPU_H_
 #define JAX_WGRAD_FFI_CONVERT_CPU_H_
 
@@ -13,6 +14,8 @@ namespace jax_wgrad {
 
 struct Bf16 { uint16_t bits; };
 struct F16 { uint16_t bits; };
+struct F8E4M3 { uint8_t bits; };  // float8_e4m3fn: bias 7, no infinities, NaN = S.1111.111
+struct F8E5M2 { uint8_t bits; };  // float8_e5m2: bias 15, IEEE-like (infinities and NaNs)
 
 inline float ToFloat(float v) { return v; }
 inline float ToFloat(Bf16 v) {
@@ -26,6 +29,47 @@ inline float ToFloat(F16 v) {
   std::memcpy(&h, &v.bits, sizeof(h));
   return static_cast<float>(h);
 }
+
+// The 8-bit formats: every value is exact in float (at most 4 significant bits, exponents
+// within float's range), decoded once into a 256-entry table per format.
+namespace fp8_detail {
+// sign * (implicit + mantissa / 2^mbits) * 2^(exponent - bias); subnormals for exponent 0.
+inline float Decode(uint8_t bits, int mbits, int bias, bool ieee_specials) {
+  const int ebits = 7 - mbits;
+  const int emax = (1 << ebits) - 1;
+  const int exponent = (bits >> mbits) & emax;
+  const int mantissa = bits & ((1 << mbits) - 1);
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  if (ieee_specials && exponent == emax) {  // e5m2: infinity or NaN
+    return mantissa == 0 ? sign * __builtin_inff() : __builtin_nanf("");
+  }
+  if (!ieee_specials && exponent == emax && mantissa == (1 << mbits) - 1) {
+    return __builtin_nanf("");  // e4m3fn: S.1111.111 is NaN, the only special value
+  }
+  const int unit_exponent = (exponent == 0 ? 1 : exponent) - bias - mbits;
+  const int significand = exponent == 0 ? mantissa : ((1 << mbits) | mantissa);
+  return sign * __builtin_ldexpf(static_cast<float>(significand), unit_exponent);
+}
+struct Table {
+  float value[256];
+  Table(int mbits, int bias, bool ieee_specials) {
+    for (int b = 0; b < 256; ++b) {
+      value[b] = Decode(static_cast<uint8_t>(b), mbits, bias, ieee_specials);
+    }
+  }
+};
+inline const Table& E4M3() {
+  static const Table table(3, 7, false);
+  return table;
+}
+inline const Table& E5M2() {
+  static const Table table(2, 15, true);
+  return table;
+}
+}  // namespace fp8_detail
+
+inline float ToFloat(F8E4M3 v) { return fp8_detail::E4M3().value[v.bits]; }
+inline float ToFloat(F8E5M2 v) { return fp8_detail::E5M2().value[v.bits]; }
 
 template <typename T> T FromFloat(float f);
 template <> inline float FromFloat<float>(float f) { return f; }

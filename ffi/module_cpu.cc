@@ -9,6 +9,8 @@ extern "C" XLA_FFI_Error* WgradAccumulateAtCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BucketAddCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* RaggedMatmulCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* RaggedWgradAccumulateCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* Fp8WgradAccumulateCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* Fp8WgradAccumulateAtCpu(XLA_FFI_CallFrame* call_frame);
 
 namespace py = pybind11;
 
@@ -24,6 +26,10 @@ PYBIND11_MODULE(_wgrad_ffi_cpu, m) {
     d["jax_wgrad_ragged_matmul"] = py::capsule(reinterpret_cast<void*>(&RaggedMatmulCpu));
     d["jax_wgrad_ragged_wgrad_accumulate"] =
         py::capsule(reinterpret_cast<void*>(&RaggedWgradAccumulateCpu));
+    d["jax_wgrad_fp8_wgrad_accumulate"] =
+        py::capsule(reinterpret_cast<void*>(&Fp8WgradAccumulateCpu));
+    d["jax_wgrad_fp8_wgrad_accumulate_at"] =
+        py::capsule(reinterpret_cast<void*>(&Fp8WgradAccumulateAtCpu));
     return d;
   });
   jax_wgrad::DefineHandlerFacts(m, {{"jax_wgrad_wgrad_accumulate", &WgradAccumulateCpu},
@@ -31,5 +37,8 @@ PYBIND11_MODULE(_wgrad_ffi_cpu, m) {
                                     {"jax_wgrad_bucket_add", &BucketAddCpu},
                                     {"jax_wgrad_ragged_matmul", &RaggedMatmulCpu},
                                     {"jax_wgrad_ragged_wgrad_accumulate",
-                                     &RaggedWgradAccumulateCpu}});
+                                     &RaggedWgradAccumulateCpu},
+                                    {"jax_wgrad_fp8_wgrad_accumulate", &Fp8WgradAccumulateCpu},
+                                    {"jax_wgrad_fp8_wgrad_accumulate_at",
+                                     &Fp8WgradAccumulateAtCpu}});
 }

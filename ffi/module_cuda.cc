@@ -15,6 +15,9 @@ extern "C" XLA_FFI_Error* BucketAddCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* RaggedGemmCudaInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* RaggedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* RaggedWgradAccumulateCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* Fp8WgradAccumulateCudaInitialize(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* Fp8WgradAccumulateCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* Fp8WgradAccumulateAtCuda(XLA_FFI_CallFrame* call_frame);
 
 namespace py = pybind11;
 
@@ -52,6 +55,16 @@ PYBIND11_MODULE(_wgrad_ffi_cuda, m) {
     };
     d["jax_wgrad_ragged_matmul"] = ragged(&RaggedMatmulCuda);
     d["jax_wgrad_ragged_wgrad_accumulate"] = ragged(&RaggedWgradAccumulateCuda);
+    // The FP8 wgrad GEMMs (cuBLASLt): their initialize stage creates the device's cuBLASLt
+    // handle before any capture.
+    auto fp8 = [](XLA_FFI_Handler* execute) {
+      py::dict b;
+      b["initialize"] = Capsule(&Fp8WgradAccumulateCudaInitialize);
+      b["execute"] = Capsule(execute);
+      return b;
+    };
+    d["jax_wgrad_fp8_wgrad_accumulate"] = fp8(&Fp8WgradAccumulateCuda);
+    d["jax_wgrad_fp8_wgrad_accumulate_at"] = fp8(&Fp8WgradAccumulateAtCuda);
     return d;
   });
   // Which kernels the ragged handlers run (ffi/ragged_gemm_cutlass.h): "auto" (CUTLASS on
@@ -86,5 +99,8 @@ PYBIND11_MODULE(_wgrad_ffi_cuda, m) {
                                     {"jax_wgrad_bucket_add", &BucketAddCuda},
                                     {"jax_wgrad_ragged_matmul", &RaggedMatmulCuda},
                                     {"jax_wgrad_ragged_wgrad_accumulate",
-                                     &RaggedWgradAccumulateCuda}});
+                                     &RaggedWgradAccumulateCuda},
+                                    {"jax_wgrad_fp8_wgrad_accumulate", &Fp8WgradAccumulateCuda},
+                                    {"jax_wgrad_fp8_wgrad_accumulate_at",
+                                     &Fp8WgradAccumulateAtCuda}});
 }

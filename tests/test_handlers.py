@@ -45,6 +45,8 @@ def test_built_handlers_declare_the_oldest_supported_api():
             handlers.BUCKET_ADD_TARGET,
             handlers.RAGGED_MATMUL_TARGET,
             handlers.RAGGED_WGRAD_TARGET,
+            handlers.FP8_TARGET,
+            handlers.FP8_TARGET_AT,
         }, platform
         for name, meta in metadata.items():
             assert tuple(meta["api_version"]) <= handlers.OLDEST_SUPPORTED_FFI_API, (

@@ -3,8 +3,8 @@
 Three floors, each importing only those below it: :mod:`~jax_wgrad.ops.handlers` loads
 and registers the compiled handlers (target names, op families, platforms);
 :mod:`~jax_wgrad.ops.primitive` and the op modules (:mod:`~jax_wgrad.ops.wgrad`,
-:mod:`~jax_wgrad.ops.bucket_add`, :mod:`~jax_wgrad.ops.ragged`) declare the ops on them;
-:mod:`~jax_wgrad.ops.status` runs them to show that they work.
+:mod:`~jax_wgrad.ops.bucket_add`, :mod:`~jax_wgrad.ops.ragged`, :mod:`~jax_wgrad.ops.fp8`)
+declare the ops on them; :mod:`~jax_wgrad.ops.status` runs them to show that they work.
 
 * :func:`wgrad_accumulate`: ``main_grad += dy^T x`` as one GEMM with beta = 1, in place
   (optionally into a flat bucket at an offset: a static int of any size, or a traced
@@ -15,6 +15,9 @@ and registers the compiled handlers (target names, op families, platforms);
 * :func:`ragged_matmul` / :func:`ragged_wgrad_accumulate`: the expert GEMMs of a dropless
   MoE layer on rows sorted into groups of run-time sizes (``y = x_g @ w[g]^T`` per group;
   ``main_grad[g] += dy_g^T x_g`` in place), work proportional to the routed rows.
+* :func:`fp8_wgrad_accumulate`: the FP8 form, ``main_grad += (dy_scale_inv dy)^T
+  (x_scale_inv x)`` for ``float8_e4m3fn`` inputs and ``float8_e4m3fn`` / ``float8_e5m2``
+  gradients, into an fp32 accumulator or bucket block (one cuBLASLt FP8 GEMM on a GPU).
 * :func:`bucket_add`: many gradients added into their own blocks of a flat bucket, in place.
 * :func:`fusion_status` / :func:`fusion_available` / :func:`require_fusion`: whether the
   handlers of some op families (:data:`OP_FAMILIES`; by default :data:`DENSE_FAMILIES`,
@@ -24,6 +27,12 @@ and registers the compiled handlers (target names, op families, platforms);
 """
 
 from jax_wgrad.ops.bucket_add import bucket_add, bucket_add_p, bucket_add_ref
+from jax_wgrad.ops.fp8 import (
+    fp8_wgrad_accumulate,
+    fp8_wgrad_accumulate_at_p,
+    fp8_wgrad_accumulate_p,
+    fp8_wgrad_accumulate_ref,
+)
 from jax_wgrad.ops.handlers import DENSE_FAMILIES, OP_FAMILIES
 from jax_wgrad.ops.position import BlockOffset, Offset
 from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
@@ -57,6 +66,10 @@ __all__ = [
     "bucket_add",
     "bucket_add_p",
     "bucket_add_ref",
+    "fp8_wgrad_accumulate",
+    "fp8_wgrad_accumulate_at_p",
+    "fp8_wgrad_accumulate_p",
+    "fp8_wgrad_accumulate_ref",
     "fusion_available",
     "fusion_status",
     "grouped_wgrad_accumulate",

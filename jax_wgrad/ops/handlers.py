@@ -44,6 +44,8 @@ __all__ = [
     "BUCKET_ADD_TARGET",
     "RAGGED_MATMUL_TARGET",
     "RAGGED_WGRAD_TARGET",
+    "FP8_TARGET",
+    "FP8_TARGET_AT",
     "WGRAD_TARGETS",
     "OP_FAMILIES",
     "DENSE_FAMILIES",
@@ -68,7 +70,17 @@ RAGGED_MATMUL_TARGET = "jax_wgrad_ragged_matmul"
 """FFI target of the ragged grouped GEMM ``y = x @ op(w[g])`` per group of rows (MoE)."""
 RAGGED_WGRAD_TARGET = "jax_wgrad_ragged_wgrad_accumulate"
 """FFI target of the ragged grouped weight-gradient GEMM ``main_grad[g] += dy_g^T x_g``."""
-WGRAD_TARGETS: tuple[str, ...] = (TARGET, TARGET_AT, RAGGED_WGRAD_TARGET)
+FP8_TARGET = "jax_wgrad_fp8_wgrad_accumulate"
+"""FFI target of the FP8 fused weight-gradient GEMM ``main_grad += (sg dy)^T (sx x)``."""
+FP8_TARGET_AT = "jax_wgrad_fp8_wgrad_accumulate_at"
+"""The same FP8 GEMM with the block at ``base + index * stride``, clamped."""
+WGRAD_TARGETS: tuple[str, ...] = (
+    TARGET,
+    TARGET_AT,
+    RAGGED_WGRAD_TARGET,
+    FP8_TARGET,
+    FP8_TARGET_AT,
+)
 """Every FFI target that accumulates a weight gradient in place (fused wgrad calls)."""
 
 OP_FAMILIES: tuple[str, ...] = ("dense", "bucket_add", "grouped", "ragged")

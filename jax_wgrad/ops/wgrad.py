@@ -56,6 +56,7 @@ from jax_wgrad.ops.precision import PrecisionLike, matmul_precision
 from jax_wgrad.ops.primitive import FfiPrimitive, ProbeCase
 
 __all__ = [
+    "WORKSPACE",
     "WORKSPACE_BYTES",
     "wgrad_accumulate",
     "wgrad_accumulate_p",
@@ -75,7 +76,9 @@ WORKSPACE_BYTES = 32 << 20
 allocated by XLA with the program's temporaries (cuBLAS recommends 32 MiB on Hopper, 4 MiB
 before). 256 bytes of slack let the handler align it as cublasSetWorkspace requires."""
 
-_WORKSPACE = jax.core.ShapedArray((WORKSPACE_BYTES + 256,), jnp.uint8)
+WORKSPACE = jax.core.ShapedArray((WORKSPACE_BYTES + 256,), jnp.uint8)
+"""The workspace result of the CUDA handlers that call cuBLAS / cuBLASLt (this op's and
+:mod:`jax_wgrad.ops.fp8`'s)."""
 
 # The CUDA handler of the traced-offset form keeps the per-problem GEMM pointers in device
 # memory; a 16-byte unit keeps every array of it aligned.
@@ -127,13 +130,13 @@ def cuda_at_scratch(
 
 def _scratch(platform, *_, **__):
     """The CUDA handler's second result is its cuBLAS workspace (module docstring)."""
-    return [_WORKSPACE] if platform == "cuda" else []
+    return [WORKSPACE] if platform == "cuda" else []
 
 
 def _scratch_at(platform, x, dy, acc, index, *, base, stride, precision):
     if platform != "cuda":
         return []
-    return [_WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc, base=base, stride=stride)]
+    return [WORKSPACE, *cuda_at_scratch(x.shape, dy.shape, acc, base=base, stride=stride)]
 
 
 def _fusion_error(platform: str, reason: str) -> str:
