@@ -467,3 +467,72 @@ def test_the_parts_add_up_to_the_step():
     assert parts["data-parallel gradient sync"] == pytest.approx(4000 / 1e8)  # the all-reduce
     assert parts["tensor-parallel collectives"] == pytest.approx(4000 / 1e8)  # the all-gather
     assert parts["other"] == pytest.approx(4 * 8000 / 1e9)  # 3 loop iterations, the branch
+
+
+_WRAPPED = """\
+HloModule m, is_scheduled=true
+
+%dynamic-slice-fusion (p0: bf16[2,1024,64], p1: s32[], p2: bf16[1024,128], p3: s32[4], \
+p4: f32[4,128,64], p5: s32[]) -> f32[4,128,64] {
+  %p0 = bf16[2,1024,64]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,1024,64]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,1024,64}
+  %xs = bf16[1024,64]{1,0} bitcast(%ds)
+  %p2 = bf16[1024,128]{1,0} parameter(2)
+  %p3 = s32[4]{0} parameter(3)
+  %p4 = f32[4,128,64]{2,1,0} parameter(4)
+  %p5 = s32[] parameter(5)
+  ROOT %a = f32[4,128,64]{2,1,0} custom-call(%xs, %p2, %p3, %p4, %p5), \
+custom_call_target="jax_wgrad_ragged_wgrad_accumulate", \
+output_to_operand_aliasing={{}: (3, {})}, api_version=API_VERSION_TYPED_FFI, \
+metadata={op_name="jit(step)/transpose(jvp(moe))/experts/ragged_wgrad_accumulate"}
+}
+
+ENTRY %main (x: bf16[2,1024,64], k: s32[], dy: bf16[1024,128], g: s32[4], \
+b: f32[4,128,64], i: s32[]) -> f32[4,128,64] {
+  %x = bf16[2,1024,64]{2,1,0} parameter(0)
+  %k = s32[] parameter(1)
+  %dy = bf16[1024,128]{1,0} parameter(2)
+  %g = s32[4]{0} parameter(3)
+  %b = f32[4,128,64]{2,1,0} parameter(4)
+  %i = s32[] parameter(5)
+  ROOT %f = f32[4,128,64]{2,1,0} fusion(%x, %k, %dy, %g, %b, %i), kind=kCustom, \
+calls=%dynamic-slice-fusion
+}
+"""
+
+
+def test_a_dynamic_slice_fusion_is_its_custom_call_in_its_part():
+    """XLA:GPU's dynamic-slice fusion around the expert wgrad (no ``op_name`` of its own)
+    costs the call's GEMM and bytes and counts in the call's part."""
+    cost = est.ModuleCosts(_WRAPPED, PEAKS).computation("main")
+    assert cost.flops == 2 * 1024 * 64 * 128
+    assert dict(cost.parts) == {"expert GEMMs": pytest.approx(cost.seconds)}
+
+
+@pytest.mark.parametrize(
+    "config,causal",
+    [
+        ('{"cudnn_fmha_backend_config": {"mask_type": "CAUSAL"}}', True),  # jax 0.12
+        ('{"cudnn_fmha_backend_config":{"mask_type":"CAUSAL"}}', True),
+        ('{"cudnn_fmha_backend_config": {"mask_type": "PADDING_CAUSAL"}}', True),
+        ('{"cudnn_fmha_backend_config": {"mask_type": "NO_MASK"}}', False),
+    ],
+)
+def test_cudnn_attention_flops_halved_under_a_causal_mask(config, causal):
+    text = f"""\
+HloModule m, is_scheduled=true
+
+ENTRY %main (q: bf16[2,64,8,16], k: bf16[2,64,2,16], v: bf16[2,64,2,16]) -> bf16[2,8,64,16] {{
+  %q = bf16[2,64,8,16]{{3,2,1,0}} parameter(0)
+  %k = bf16[2,64,2,16]{{3,2,1,0}} parameter(1)
+  %v = bf16[2,64,2,16]{{3,2,1,0}} parameter(2)
+  %a = (bf16[2,8,64,16]{{3,1,2,0}}, u8[0]{{0}}) custom-call(%q, %k, %v), \
+custom_call_target="__cudnn$fmhaSoftmax", backend_config={config}
+  ROOT %o = bf16[2,8,64,16]{{3,1,2,0}} get-tuple-element(%a), index=0
+}}
+"""
+    cost = est.ModuleCosts(text, PEAKS).computation("main")
+    full = 4.0 * 2 * 8 * 64 * 64 * 16  # 4 b h s_q s_kv d
+    assert cost.flops == (full / 2 if causal else full)

@@ -380,7 +380,12 @@ def _collective_bytes(kind: str, ins: hlo.Instruction, operand_bytes: float, n: 
     return operand_bytes  # collective-permute, broadcast: the buffer once
 
 
+_CAUSAL = re.compile(r'"mask_type":\s*"(?:PADDING_)?CAUSAL"')
+"""A cuDNN attention call's causal mask in its backend config (``"mask_type": "CAUSAL"``;
+jax 0.12 writes a space after the colon, older ones none)."""
 _COPIES = ("copy", "copy-start", "memset", "dynamic-update-slice")
+_COPY_PRIMITIVES = ("copy", "dynamic_slice", "dynamic_update_slice", "concatenate")
+"""jax primitives (the last ``op_name`` component) whose kernels only move data."""
 _FFI_PREFIX = "jax_wgrad_"
 _RAGGED_PREFIX = "jax_wgrad_ragged_"
 
@@ -511,7 +516,7 @@ class ModuleCosts:
             flops = 4.0 * b * h * sq * skv * d
             if "Backward" in target:
                 flops *= 2.5
-            if '"mask_type":"CAUSAL"' in ins.line or "PADDING_CAUSAL" in ins.line:
+            if _CAUSAL.search(ins.line):
                 flops *= 0.5
             return flops, dtype, io
         if target.startswith("__cublas") and dims and len(dims) >= 2:
@@ -560,15 +565,17 @@ class ModuleCosts:
     def kernel(self, ins: hlo.Instruction) -> Cost:
         """The cost of the kernel ``ins`` launches (none for control flow, collectives,
         bitcasts, tuples, ...), in its part of the model (:func:`part_of`)."""
-        cost = self._kernel(ins)
+        cost, op_name = self._kernel(ins)
         if not cost.seconds:
             return cost
-        copy = ins.opcode in _COPIES
-        return cost.as_part(part_of(ins.op_name, gemm=bool(cost.flops), copy=copy))
+        copy = ins.opcode in _COPIES or op_name.rsplit("/", 1)[-1] in _COPY_PRIMITIVES
+        return cost.as_part(part_of(op_name, gemm=bool(cost.flops), copy=copy))
 
-    def _kernel(self, ins: hlo.Instruction) -> Cost:
+    def _kernel(self, ins: hlo.Instruction) -> tuple[Cost, str]:
+        """The kernel's cost and the ``op_name`` it runs under (a dynamic-slice fusion's:
+        its custom call's)."""
         if ins.allocates_only:
-            return Cost()
+            return Cost(), ins.op_name
         p = self.peaks
         launch = p.graph_kernel_s if ins.name in self.graphed else p.launch_s
         op = ins.opcode
@@ -582,8 +589,8 @@ class ModuleCosts:
                 call = hlo.instructions([root])[0]
             flops, dtype, nbytes = self._custom_call(call)
             if _RAGGED_PREFIX in call.line:
-                return grouped_gemm_cost(flops, dtype, nbytes, launch, self.peaks)
-            return self._roofline(flops, dtype, nbytes, launch)
+                return grouped_gemm_cost(flops, dtype, nbytes, launch, self.peaks), call.op_name
+            return self._roofline(flops, dtype, nbytes, launch), call.op_name
         if op in ("fusion", "fusion-start") or op in ("dot", "convolution"):
             flops, dtype = 0.0, "bf16"
             if op in ("dot", "convolution"):
@@ -597,11 +604,11 @@ class ModuleCosts:
                 io = sum(map(hlo.shape_bytes, self._operand_shapes(ins))) + hlo.shape_bytes(
                     hlo._tuple_elements(ins.shape)[0] if op == "fusion-start" else ins.shape
                 )
-                return self._roofline(flops, dtype, io, launch)
+                return self._roofline(flops, dtype, io, launch), ins.op_name
         traffic = hlo.kernel_traffic(ins, self.comps, self.shapes)
         if traffic is None:
-            return Cost()
-        return self._roofline(0.0, "f32", traffic[1], launch)
+            return Cost(), ins.op_name
+        return self._roofline(0.0, "f32", traffic[1], launch), ins.op_name
 
     def _roofline(self, flops: float, dtype: str, nbytes: float, launch: float) -> Cost:
         t_flops = flops / self.peaks.sustained_gemm_flops(dtype) if flops else 0.0
