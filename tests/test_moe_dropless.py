@@ -16,7 +16,13 @@ from jax.sharding import PartitionSpec as P
 from script_util import SMALL_GPT
 
 from jax_wgrad.functional import MoEConfig, moe_mlp
-from jax_wgrad.functional.moe_dispatch import group_by_expert, ragged_all_to_all, receive_rows
+from jax_wgrad.functional.moe import ROUTER_SCOPE
+from jax_wgrad.functional.moe_dispatch import (
+    EMULATED_EXCHANGE_SCOPE,
+    group_by_expert,
+    ragged_all_to_all,
+    receive_rows,
+)
 from jax_wgrad.ops import fusion_available
 from jax_wgrad.parallel.mesh import EXPERT, TENSOR
 from jax_wgrad.testing import reference_moe_mlp
@@ -121,7 +127,18 @@ def _reference(params, x, r, cfg, ep, tp):
     return total
 
 
-def _check(ep, tp, etp, topk, fused, skewed, capacity=None, swiglu=False, buffer_factor=None):
+def _check(
+    ep,
+    tp,
+    etp,
+    topk,
+    fused,
+    skewed,
+    capacity=None,
+    swiglu=False,
+    buffer_factor=None,
+    permute_fusion=False,
+):
     cfg = MoEConfig(
         num_experts=E,
         ffn_hidden_size=F,
@@ -130,6 +147,7 @@ def _check(ep, tp, etp, topk, fused, skewed, capacity=None, swiglu=False, buffer
         aux_loss_coeff=1e-2,
         swiglu=swiglu,
         dropless_buffer_factor=buffer_factor,
+        permute_fusion=permute_fusion,
     )
     params, (x, r) = _params(skewed, swiglu), _data(ep * tp * T, skewed)
     loss, grads, dx, counts, overflow = _sharded(cfg, ep, tp, etp, fused)(params, x, r)
@@ -204,6 +222,41 @@ def test_bounded_receive_buffer_equals_dense_reference(ep, tp, etp, factor):
     numbers as the reference, nothing counted as overflow."""
     assert receive_rows(T * 2, ep, factor) < ep * T * 2
     _check(ep, tp, etp, 2, fused=True, skewed=False, buffer_factor=factor)
+
+
+@pytest.mark.parametrize(
+    "ep, tp, etp, topk, skewed, factor",
+    [
+        pytest.param(1, 1, 1, 2, False, None, id="one_rank"),  # no exchange
+        pytest.param(2, 2, 2, 2, True, None, id="ep2_etp2_skewed"),
+        pytest.param(4, 1, 1, 2, False, 1.5, id="ep4_factor1.5"),
+        pytest.param(2, 2, 1, 1, True, None, id="ep2_etp1_top1", marks=pytest.mark.slow),
+    ],
+)
+def test_fused_permutations_equal_dense_reference(ep, tp, etp, topk, skewed, factor):
+    """``moe_permute_fusion``: the permutations gather both ways; the same numbers as the
+    reference (every parameter's and the input's gradient)."""
+    _check(ep, tp, etp, topk, fused=True, skewed=skewed, buffer_factor=factor, permute_fusion=True)
+
+
+@pytest.mark.parametrize("permute_fusion", [False, True])
+def test_fused_permutations_leave_no_float_scatter(permute_fusion):
+    """The compiled layer's forward and backward (EP 2 through the exchange): with
+    ``moe_permute_fusion`` no scatter writes floating-point rows (the ones left are the
+    integer counts and the inverse permutation, the router's top-k gradient ``[T, E]``
+    and XLA:CPU's emulation of the ragged exchange, which GPUs do not run); without it the
+    permutations' gradients and the unpermute are scatters."""
+    cfg = MoEConfig(num_experts=E, ffn_hidden_size=F, topk=2, permute_fusion=permute_fusion)
+    params, (x, r) = _params(False, False), _data(2 * T, False)
+    text = _sharded(cfg, 2, 1, 1, False).lower(params, x, r).compile().as_text()
+    float_scatters = [
+        line
+        for line in text.splitlines()
+        if re.search(r"= (f32|bf16|f16)\[[^\]]*\][^ ]* scatter\(", line)
+        and EMULATED_EXCHANGE_SCOPE not in line
+        and f"({ROUTER_SCOPE})" not in line  # the top-k's [T, E] gradient: no tokens' rows
+    ]
+    assert bool(float_scatters) != permute_fusion, float_scatters[:3]
 
 
 def test_receive_buffer_overflow_is_counted():

@@ -114,6 +114,9 @@ class MoEConfig:
         (:func:`~jax_wgrad.functional.moe_dispatch.receive_rows`); a step routing more to
         one rank counts the excess in :attr:`MoEStats.overflow_rows` (the training loop
         refuses it). ``None``: the worst case, which no routing exceeds.
+      permute_fusion: ``moe_permute_fusion`` (Megatron's): the dropless dispatcher's
+        permutations gather in both directions
+        (:func:`~jax_wgrad.functional.moe_dispatch.permute_rows`).
     """
 
     num_experts: int
@@ -127,6 +130,7 @@ class MoEConfig:
     pre_softmax: bool = False
     topk_scaling_factor: float | None = None
     dropless_buffer_factor: float | None = None
+    permute_fusion: bool = False
 
     def activation(self, hidden: jax.Array) -> jax.Array:
         """The experts' nonlinearity: ``[..., F]`` (GELU), ``[..., 2F]`` (SwiGLU) -> ``F``."""
@@ -191,6 +195,16 @@ class MoEConfig:
                     f"({self.capacity_factor})"
                 )
             object.__setattr__(self, "dropless_buffer_factor", float(factor))
+        if not isinstance(self.permute_fusion, bool):
+            raise ValueError(
+                f"moe_permute_fusion must be True or False, got {self.permute_fusion!r}"
+            )
+        if self.permute_fusion and self.capacity_factor is not None:
+            raise ValueError(
+                f"moe_permute_fusion fuses the dropless dispatcher's permutations; with "
+                f"moe_expert_capacity_factor ({self.capacity_factor}) it is not built "
+                "(the capacity buffers are filled by a scatter)"
+            )
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert per source rank: ``ceil(T * k * factor / E)`` (Megatron's
@@ -377,7 +391,11 @@ def moe_mlp(
         )
     exchange = dict(expert_axis=expert_axis, ep=ep, tensor_axis=expert_tensor_axis, num_experts=e)
     dispatcher = (
-        DroplessDispatch(**exchange, buffer_factor=cfg.dropless_buffer_factor)
+        DroplessDispatch(
+            **exchange,
+            buffer_factor=cfg.dropless_buffer_factor,
+            permute_fusion=cfg.permute_fusion,
+        )
         if cfg.capacity_factor is None
         else CapacityDispatch(**exchange, capacity=cfg.capacity(t))
     )

@@ -20,6 +20,15 @@ sums each token's ``k`` choices weighted by the gates.
   sent and counted (:meth:`DroplessDispatch.overflow`), so that a step that exceeded it is
   refused by the training loop instead of training on wrong numbers.
 
+**Fused permutations** (``permute_fusion``, Megatron's ``--moe-permute-fusion``): the four
+row permutations of the dropless dispatcher (choices to sorted rows, received rows to
+expert order and back, sorted rows to choices) are :func:`permute_rows`, a gather whose
+gradient is a gather by the inverse permutation, instead of a gather whose gradient is a
+scatter-add (and, for the last, a scatter whose gradient is a gather). No scatter is left
+in either direction, and each permutation fuses into its neighbour: the unpermute into the
+gate-weighted sum of a token's ``k`` choices, the dispatch's gradient into the sum over
+them. The same numbers up to the order of that sum.
+
 **Expert tensor parallelism** (``expert_tensor_axis``, Megatron's
 ``--expert-tensor-parallel-size`` = tp; MoE with tp needs sequence parallelism, so every
 tensor rank routes its own tokens): after the expert exchange the rows are all-gathered over
@@ -46,6 +55,8 @@ from jax_wgrad.functional.collectives import (
 from jax_wgrad.functional.saved import SAVED
 
 __all__ = [
+    "EMULATED_EXCHANGE_SCOPE",
+    "permute_rows",
     "CapacityDispatch",
     "DroplessDispatch",
     "dispatch_slots",
@@ -161,9 +172,10 @@ def ragged_all_to_all(
         return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
     def emulated(*args):
-        return _ragged_exchange_via(
-            lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True), *args
-        )
+        with jax.named_scope(EMULATED_EXCHANGE_SCOPE):
+            return _ragged_exchange_via(
+                lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True), *args
+            )
 
     return jax.lax.platform_dependent(
         operand,
@@ -177,9 +189,56 @@ def ragged_all_to_all(
     )
 
 
+EMULATED_EXCHANGE_SCOPE = "emulated_ragged_all_to_all"
+"""The named scope of :func:`ragged_all_to_all`'s emulation (XLA:CPU: no such collective)."""
+
+
 def _rows_at(x: jax.Array, index: jax.Array) -> jax.Array:
     """``x[index]`` on dim 0, zeros where ``index`` is out of bounds."""
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def permute_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``x[index]`` on dim 0 (zeros where ``index`` is out of bounds) whose gradient is a
+    gather too (module docstring, fused permutations).
+
+    Args:
+      x: ``[R, ...]``.
+      index: int32 ``[N]``: the row of ``x`` each result row takes (``>= R``: none).
+      inverse: int32 ``[m, R]``: for each row ``r`` of ``x`` the result rows that took it,
+        at most ``m`` (out of bounds, ``>= N``, where fewer): ``index[inverse[j, r]] == r``
+        for every in-bounds entry, and every result row with an in-bounds ``index``
+        listed once.
+    Returns:
+      ``[N, ...]``; its gradient ``dx[r] = sum_j g[inverse[j, r]]``, no scatter.
+    """
+    return _rows_at(x, index)
+
+
+def _permute_rows_fwd(x, index, inverse):
+    return _rows_at(x, index), (index, inverse)
+
+
+def _permute_rows_bwd(residuals, g):
+    _, inverse = residuals
+    dx = _rows_at(g, inverse[0])
+    for j in range(1, inverse.shape[0]):
+        dx = dx + _rows_at(g, inverse[j])
+    return dx, None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def _inverse_permutation(order: jax.Array) -> jax.Array:
+    """``inv`` with ``inv[order[p]] = p`` (``order`` a permutation of ``0 .. n-1``)."""
+    n = order.shape[0]
+    return (
+        jnp.zeros((n,), jnp.int32)
+        .at[order]
+        .set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +332,13 @@ class DroplessDispatch(_Exchange):
 
     num_experts: int = 0
     buffer_factor: float | None = None
+    permute_fusion: bool = False
+    """:func:`permute_rows` for the permutations (module docstring)."""
+
+    def _permute(self, x: jax.Array, index: jax.Array, inverse) -> jax.Array:
+        """``x[index]`` on dim 0 (zeros out of bounds); fused: :func:`permute_rows` with
+        ``inverse()`` (``[m, R]``)."""
+        return permute_rows(x, index, inverse()) if self.permute_fusion else _rows_at(x, index)
 
     def dispatch(self, x: jax.Array, experts: jax.Array):
         """``x [T, H]``, ``experts [T, k]`` -> ``(rows [R, H], group_sizes [E/EP], state)``:
@@ -280,13 +346,16 @@ class DroplessDispatch(_Exchange):
         :func:`receive_rows` (``etp`` = expert tensor ranks); rows past the groups are
         zeros."""
         t, h = x.shape
-        tk = experts.size
+        tk, k = experts.size, experts.shape[1]
         flat = experts.T.reshape(-1)  # choice c = kk * T + token
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted position -> c
+        # c -> its sorted position (fused permutations only)
+        inv = _inverse_permutation(order) if self.permute_fusion else None
         counts = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1)
-        rows = x[order % t]  # [T k, H] grouped by expert
+        # [T k, H] grouped by expert; token t's choices kk are at inv[kk T + t]
+        rows = self._permute(x, order % t, lambda: inv.reshape(k, t))
         if self.expert_axis is None and self.tensor_axis is None:
-            return rows, counts, (order, None)
+            return rows, counts, (order, inv, None)
         e_l = self.num_experts // self.ep
         per_rank = counts.reshape(self.ep, e_l)
         sent = jnp.sum(per_rank, axis=1)  # [EP(dst)]
@@ -319,18 +388,20 @@ class DroplessDispatch(_Exchange):
             .at[dest]
             .set(jnp.arange(etp * cap, dtype=jnp.int32), mode="drop")[:-1]
         )
-        local = checkpoint_name(_rows_at(recv, source), SAVED)
-        return local, sizes, (order, (dest, recv_start, fit, src_start, send_n, overflow))
+        local = checkpoint_name(self._permute(recv, source, lambda: dest[None]), SAVED)
+        exchanged = (dest, source, recv_start, fit, src_start, send_n, overflow)
+        return local, sizes, (order, inv, exchanged)
 
     def combine(self, out: jax.Array, gates: jax.Array, state) -> jax.Array:
-        order, exchanged = state
+        order, inv, exchanged = state
         t, k = gates.shape
         h = out.shape[-1]
         if exchanged is None:
             sorted_out = out
         else:
-            dest, recv_start, fit, src_start, send_n, _ = exchanged
-            back = _rows_at(out, dest)  # [etp cap, H] in the received order
+            dest, source, recv_start, fit, src_start, send_n, _ = exchanged
+            # [etp cap, H] in the received order
+            back = self._permute(out, dest, lambda: source[None])
             back = self.tensor_reduce_scatter(back, 0)  # [cap, H]
             sorted_out = checkpoint_name(
                 self.ragged_exchange(
@@ -338,7 +409,10 @@ class DroplessDispatch(_Exchange):
                 ),
                 SAVED,
             )  # [T k, H] in this rank's sorted order
-        per_choice = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
+        if self.permute_fusion:  # a gather (by the inverse order), fused into the sum
+            per_choice = permute_rows(sorted_out, inv, order[None])
+        else:
+            per_choice = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
         return jnp.einsum("kth,tk->th", per_choice.reshape(k, t, h), gates.astype(out.dtype))
 
     def kept(self, state) -> jax.Array | None:
@@ -347,5 +421,5 @@ class DroplessDispatch(_Exchange):
     def overflow(self, state) -> jax.Array:
         """Scalar int32: the routed rows this expert rank's receive buffer could not hold
         (0 within the bound; never more than 0 without ``buffer_factor``)."""
-        exchanged = state[1]
+        exchanged = state[2]
         return jnp.zeros((), jnp.int32) if exchanged is None else exchanged[-1]

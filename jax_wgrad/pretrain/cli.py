@@ -622,6 +622,7 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                 "--moe-pad-expert-input-to-capacity", GPTConfig, "moe_pad_expert_input_to_capacity"
             ),
             Flag("--moe-grouped-gemm", GPTConfig, "moe_grouped_gemm"),
+            Flag("--moe-permute-fusion", GPTConfig, "moe_permute_fusion"),
             Flag(
                 "--moe-shared-expert-intermediate-size",
                 GPTConfig,

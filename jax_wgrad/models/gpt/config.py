@@ -44,6 +44,7 @@ RUN_OPTIONS = frozenset(
         "attention_backend",
         "layer_scan_unroll",
         "moe_dropless_buffer_factor",
+        "moe_permute_fusion",
     }
 )
 """Fields that say how a run computes, not which model it is (no preset or converted
@@ -207,6 +208,11 @@ class GPTConfig:
     overlap_dispatch_backward_with_experts_wgrad: bool = _forwarded("overlap_wgrad")
     """Megatron PR 3766: the expert wgrad runs after the expert dgrad and independent of the
     dispatch-backward all-to-all (:func:`jax_wgrad.functional.moe_mlp`); bitwise equal."""
+    moe_permute_fusion: bool = _forwarded("permute_fusion")
+    """Megatron's ``--moe-permute-fusion``: the dropless dispatcher's token permutations
+    are gathers whose gradients are gathers too (no scatter), fused into their neighbours
+    (:func:`jax_wgrad.functional.moe_dispatch.permute_rows`); the same numbers up to the
+    order of a token's sum over its choices."""
 
     def __post_init__(self) -> None:
         for name in (
