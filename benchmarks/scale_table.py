@@ -114,6 +114,10 @@ PRECISION_AWARE: tuple[str, ...] = (
 remainders): 6 bytes of optimizer state a parameter instead of 12 over the expert-DP size."""
 
 
+MOE_BEST: tuple[str, ...] = ("--moe-dropless-buffer-factor", "1.25", "--moe-permute-fusion")
+"""Dropless receive buffers of 1.25 T k rows, permutations that gather both ways."""
+
+
 def _tp_pp(tp: int, pp: int = 1, ep: int = 1) -> tuple[str, ...]:
     out = ("--tensor-model-parallel-size", str(tp))
     if pp > 1:
@@ -307,16 +311,43 @@ LAYOUTS: tuple[Layout, ...] = (
         "TP2 PP4 EP4 (DP4) on 4 hosts, seq 4096, dropless, full recompute",
     ),
     Layout(
+        "mixtral-8x7b-best",
+        "mixtral-8x7b",
+        64,
+        _tp_pp(2, 4, 8)
+        + _seq(4096, 256)
+        + ("--overlap-grad-reduce",)
+        + MOE_BEST
+        + ("--num-layers-per-virtual-pipeline-stage", "4", "--pipeline-schedule", "1f1b-paired"),
+        "the best layout found on 64 GPUs: TP2 PP4 EP8 (DP8, expert-DP 1), two model chunks "
+        "a stage, paired 1F1B ticks, seq 4096, global batch 256, receive buffers 1.25 T k, "
+        "fused permutations, no recompute",
+    ),
+    Layout(
         "qwen3-30b-a3b-8gpu",
         "qwen3-30b-a3b",
         8,
         _tp_pp(1, 1, 8)
         + _seq(4096, 32)
-        + ("--overlap-grad-reduce", "--moe-dropless-buffer-factor", "1.25")
+        + ("--overlap-grad-reduce",)
+        + MOE_BEST
         + FULL_RECOMPUTE
         + PRECISION_AWARE,
-        "EP8 (DP8) on one host, seq 4096, receive buffers 1.25 T k, full recompute, "
-        "precision-aware optimizer (bf16 moments, parameter remainders)",
+        "EP8 (DP8) on one host, seq 4096, receive buffers 1.25 T k, fused permutations, full "
+        "recompute, precision-aware optimizer (bf16 moments, parameter remainders)",
+    ),
+    Layout(
+        "qwen3-30b-a3b-best",
+        "qwen3-30b-a3b",
+        16,
+        _tp_pp(1, 1, 16)
+        + _seq(4096, 256)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
+        + MOE_BEST
+        + PRECISION_AWARE,
+        "the best layout found on at most 16 GPUs: EP16 (DP16, expert-DP 1) on 2 hosts, seq "
+        "4096, global batch 256, receive buffers 1.25 T k, fused permutations, selective "
+        "recompute, precision-aware optimizer",
     ),
 )
 """The layouts of the table, by name."""

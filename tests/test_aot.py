@@ -1069,6 +1069,26 @@ def test_qwen3_30b_a3b_fits_8_h100_with_the_precision_aware_optimizer():
 
 @aot
 @needs_the_figures_jax
+@pytest.mark.parametrize(
+    "name, mfu",
+    [("mixtral-8x7b-best", 0.40), ("qwen3-30b-a3b-best", 0.35)],
+)
+def test_the_best_moe_layouts_reach_megatron_cores_league(name, mfu):
+    """The issue's bars for MoE (Megatron-Core reports 39-49% MFU): Mixtral-8x7B on 64
+    H100s at an estimated 40% or more, Qwen3-30B-A3B on 16 at 35% or more, with the ragged
+    expert GEMMs charged for the routed rows of balanced routing; both fit, and their
+    expert weight gradients are fused in place. 40-90 s each."""
+    row = _scale_row(name)
+    assert row["estimated_mfu"] >= mfu, row["estimated_mfu"]
+    assert row["estimated_ragged_fill"] == pytest.approx(0.8)  # 1.25 T k buffers
+    assert row["estimated_buffer_mfu"] < row["estimated_mfu"]
+    assert row["wgrad_aliased"] == row["wgrad_calls"] > 0
+    parts = row["estimated_time_by_part_ms"]
+    assert max(parts, key=parts.get) == "expert GEMMs", parts
+
+
+@aot
+@needs_the_figures_jax
 def test_llama3_8b_on_8_h100_fits_in_place():
     """Llama-3-8B TP2 PP2 DP2, seq 4096, --bf16, full recompute, fused, distributed
     optimizer, as the scale table compiles it: the example in a process of its own,
