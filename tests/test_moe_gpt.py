@@ -116,6 +116,21 @@ def test_zero_bubble_schedule_equals_single_device_reference(ep, tp, pp):
     _check_gradients(ep, tp, pp, True, 2, pipeline_schedule="zb-h1")
 
 
+@pytest.mark.slow
+def test_zero_bubble_schedule_with_fused_permutations_equals_single_device_reference():
+    """zb-h1 with ``moe_permute_fusion`` (EP2 ETP1 beside TP2 attention, PP2)."""
+    _check_gradients(
+        2,
+        2,
+        2,
+        True,
+        2,
+        arch=dict(moe_permute_fusion=True),
+        pipeline_schedule="zb-h1",
+        expert_tensor_parallel_size=1,
+    )
+
+
 MIXTRAL = dict(
     normalization="RMSNorm",
     position_embedding_type="rope",
@@ -173,6 +188,19 @@ def test_interleaved_moe_equals_single_device_reference(schedule, vocab):
             id="ep2-tp2-pp2-etp2-top2-shared-overlap",
         ),
         pytest.param(2, 2, 1, 1, 1, {}, id="ep2-tp2-etp1-top1", marks=pytest.mark.slow),
+        pytest.param(
+            2, 2, 2, 1, 2, dict(moe_permute_fusion=True), id="ep2-tp2-pp2-etp1-permute-fusion"
+        ),
+        pytest.param(
+            4,
+            1,
+            2,
+            1,
+            2,
+            dict(moe_permute_fusion=True, moe_dropless_buffer_factor=2.0),
+            id="ep4-pp2-permute-fusion-buffer2",
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             4,
             2,
