@@ -227,7 +227,7 @@ def test_bounded_receive_buffer_equals_dense_reference(ep, tp, etp, factor):
 @pytest.mark.parametrize(
     "ep, tp, etp, topk, skewed, factor",
     [
-        pytest.param(1, 1, 1, 2, False, None, id="one_rank"),  # no exchange
+        pytest.param(1, 1, 1, 2, False, None, id="one_rank", marks=pytest.mark.slow),
         pytest.param(2, 2, 2, 2, True, None, id="ep2_etp2_skewed"),
         pytest.param(4, 1, 1, 2, False, 1.5, id="ep4_factor1.5", marks=pytest.mark.slow),
         pytest.param(2, 2, 1, 1, True, None, id="ep2_etp1_top1", marks=pytest.mark.slow),
