@@ -188,8 +188,10 @@ def test_interleaved_moe_equals_single_device_reference(schedule, vocab):
             id="ep2-tp2-pp2-etp2-top2-shared-overlap",
         ),
         pytest.param(2, 2, 1, 1, 1, {}, id="ep2-tp2-etp1-top1", marks=pytest.mark.slow),
-        pytest.param(  # -m slow (suite time): the default covers the option at the layer
-            2,  # through the exchange, tests/test_moe_dropless.py
+        # -m slow (suite time): the default suite covers the option in the layer, through
+        # the exchange (tests/test_moe_dropless.py)
+        pytest.param(
+            2,
             2,
             2,
             1,
