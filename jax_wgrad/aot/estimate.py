@@ -251,6 +251,7 @@ def part_of(
     from jax_wgrad.functional import moe
     from jax_wgrad.functional.attention import CORE_ATTENTION_SCOPE
     from jax_wgrad.grads.finalize import DATA_PARALLEL_SYNC_SCOPE, SYNC_IN_BACKWARD_SCOPE
+    from jax_wgrad.models.gpt import modules as gpt
     from jax_wgrad.parallel.pipeline import scopes
     from jax_wgrad.training.step import OPTIMIZER_SCOPE
 
@@ -262,26 +263,26 @@ def part_of(
             return "data-parallel gradient sync"
         if inside(scopes.SEND_RECV):
             return "pipeline sends"
-        if inside("moe") and (inside(moe.DISPATCH_SCOPE) or inside(moe.COMBINE_SCOPE)):
+        if inside(gpt.MOE_SCOPE) and (inside(moe.DISPATCH_SCOPE) or inside(moe.COMBINE_SCOPE)):
             return "expert exchanges"
         return "tensor-parallel collectives"
     if inside(OPTIMIZER_SCOPE):
         return "optimizer"
-    if inside("moe"):
+    if inside(gpt.MOE_SCOPE):
         if inside(moe.EXPERTS_SCOPE):
             return "expert GEMMs" if gemm else "expert activation"
         if inside(moe.DISPATCH_SCOPE) or inside(moe.COMBINE_SCOPE):
             return "permute / unpermute"
         return "router"
-    if inside("shared_expert"):
+    if inside(gpt.SHARED_EXPERT_SCOPE):
         return "shared expert"
-    if inside("attention"):
+    if inside(gpt.ATTENTION_SCOPE):
         if inside(CORE_ATTENTION_SCOPE):
             return "attention core"
         return "attention GEMMs" if gemm else "attention other"
-    if inside("mlp"):
+    if inside(gpt.MLP_SCOPE):
         return "dense MLP"
-    if any(map(inside, ("embedding", "output_layer", "cross_entropy"))):
+    if any(map(inside, (gpt.EMBEDDING_SCOPE, gpt.OUTPUT_LAYER_SCOPE, gpt.CROSS_ENTROPY_SCOPE))):
         return "embedding, output layer, loss"
     if inside(scopes.DEFERRED_DRAIN) or inside(scopes.DEFERRED_RING):
         return "deferred weight gradients"

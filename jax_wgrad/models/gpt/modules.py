@@ -41,7 +41,27 @@ __all__ = [
     "SharedExpertMLP",
     "TransformerLayer",
     "moe_stats_of",
+    "ATTENTION_SCOPE",
+    "SHARED_EXPERT_SCOPE",
+    "MLP_SCOPE",
+    "MOE_SCOPE",
+    "EMBEDDING_SCOPE",
+    "CROSS_ENTROPY_SCOPE",
+    "OUTPUT_LAYER_SCOPE",
 ]
+
+# The GPT's named scopes (``op_name`` metadata of the compiled program), which the
+# estimate's breakdown reads (:func:`jax_wgrad.aot.estimate.part_of`).
+ATTENTION_SCOPE = "attention"
+"""A layer's attention: its norm, the projections and the core."""
+MLP_SCOPE = "mlp"
+"""A dense layer's MLP."""
+MOE_SCOPE = "moe"
+"""An MoE layer's routed experts (router, dispatch, experts, combine)."""
+SHARED_EXPERT_SCOPE = "shared_expert"
+EMBEDDING_SCOPE = "embedding"
+OUTPUT_LAYER_SCOPE = "output_layer"
+CROSS_ENTROPY_SCOPE = "cross_entropy"
 
 
 def _dtype(cfg: GPTConfig) -> jnp.dtype:
@@ -203,7 +223,7 @@ class TransformerLayer(nnx.Module):
         ``nnx.Intermediate`` ``moe_stats``, one per call (read them back with
         :func:`moe_stats_of`).
         """
-        with jax.named_scope("attention"):
+        with jax.named_scope(ATTENTION_SCOPE):
             x = x + self.proj(self._attention(self.ln1(x)))
         if self.moe is not None:
             h = self.ln2(x)
@@ -211,10 +231,10 @@ class TransformerLayer(nnx.Module):
             if hasattr(self, "shared_expert"):
                 if not self.shared_expert_overlap:  # after the routed experts (Megatron)
                     y, h = jax.lax.optimization_barrier((y, h))
-                with jax.named_scope("shared_expert"):
+                with jax.named_scope(SHARED_EXPERT_SCOPE):
                     y = y + self.shared_expert(h)
             return x + y
-        with jax.named_scope("mlp"):
+        with jax.named_scope(MLP_SCOPE):
             return x + _mlp(self, self.ln2(x))
 
     def _attention(self, h: jax.Array) -> jax.Array:
@@ -239,7 +259,7 @@ class TransformerLayer(nnx.Module):
         """``[b, s(/tp), H]`` -> the MoE MLP's output; its aux loss joins the backward
         weighted by the microbatch's token count (:func:`attach_aux_loss`)."""
         b, s, hid = h.shape
-        with jax.named_scope("moe"):
+        with jax.named_scope(MOE_SCOPE):
             params = {
                 "router": self.router[...],
                 "fc1": self.experts.fc1,  # the variables: their routes
@@ -309,7 +329,7 @@ class GPTEmbedding(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """``ids``: int ``[b, s]`` -> ``[b, s(/tp), H]`` in the compute dtype."""
-        with jax.named_scope("embedding"):
+        with jax.named_scope(EMBEDDING_SCOPE):
             x = self.word(ids, dtype=self.dtype)
             if not hasattr(self, "position"):
                 return x
@@ -383,7 +403,7 @@ class GPTHead(nnx.Module):
             last = jax.lax.axis_index(PIPELINE) == pp - 1
             x = jax.lax.psum(jnp.where(last, x, jnp.zeros((), x.dtype)), PIPELINE)
         logits = self.logits(x, weight)
-        with jax.named_scope("cross_entropy"):
+        with jax.named_scope(CROSS_ENTROPY_SCOPE):
             losses = vocab_parallel_cross_entropy(logits, labels, tp_size=shards, axis_name=axes)
         if not with_lse:
             return jnp.sum(losses)
@@ -398,7 +418,7 @@ class GPTHead(nnx.Module):
         tp)]``, this device's vocabulary shard, the padding rows' columns ``-inf``
         (:func:`~jax_wgrad.functional.cross_entropy.mask_vocab_padding`)."""
         pp = self.vocab_pipeline_size
-        with jax.named_scope("output_layer"):
+        with jax.named_scope(OUTPUT_LAYER_SCOPE):
             logits = self.output(self.final_norm(x), weight)
             if self.vocab_size is None:
                 return logits
