@@ -499,6 +499,16 @@ def test_layout_checks(kw, par_kw, match):
             r"moe_shared_expert_overlap needs shared experts "
             r"\(moe_shared_expert_intermediate_size\)",
         ),
+        (
+            dict(
+                moe_permute_fusion=True,
+                moe_expert_capacity_factor=1.0,
+                moe_pad_expert_input_to_capacity=True,
+            ),
+            r"moe_permute_fusion fuses the dropless dispatcher's permutations; with "
+            r"moe_expert_capacity_factor \(1.0\) it is not built",
+        ),
+        (dict(moe_permute_fusion=1), "moe_permute_fusion must be True or False, got 1"),
     ],
 )
 def test_config_checks(kw, match):
