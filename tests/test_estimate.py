@@ -536,3 +536,185 @@ custom_call_target="__cudnn$fmhaSoftmax", backend_config={config}
     cost = est.ModuleCosts(text, PEAKS).computation("main")
     full = 4.0 * 2 * 8 * 64 * 64 * 16  # 4 b h s_q s_kv d
     assert cost.flops == (full / 2 if causal else full)
+
+
+# FP8 (Megatron's --fp8-format hybrid): forward and input-gradient GEMMs are cuBLASLt FP8
+# matmuls (XLA's rewrite, xla_gpu_enable_triton_gemm=false), weight gradients the library's
+# FP8 FFI calls with their CUDA results (the cuBLASLt workspace, the u8 scratch).
+FP8_PEAKS = dataclasses_replace(
+    PEAKS,
+    tensor_flops={"bf16": 1e12, "f8": 2e12, "f32": 5e11},
+    hbm_bandwidth=1e15,  # every GEMM below FLOP-bound
+    gemm_efficiency=0.8,
+    f8_gemm_efficiency=0.5,
+)
+
+
+def _fp8_gemm_module(lhs: str = "f8e4m3fn") -> str:
+    """A bf16 activation quantized to ``lhs`` by a convert fusion, then ``[64, 128] x
+    [256, 128]^T`` in a cuBLASLt FP8 matmul with its two f32 scales (a bf16 result and the
+    cuBLAS workspace)."""
+    return f"""\
+HloModule m, is_scheduled=true
+
+%convert (p: bf16[64,128]) -> {lhs}[64,128] {{
+  %p = bf16[64,128]{{1,0}} parameter(0)
+  ROOT %c = {lhs}[64,128]{{1,0}} convert(%p)
+}}
+
+ENTRY %main (a: bf16[64,128], w: f8e4m3fn[256,128], sa: f32[], sw: f32[]) -> bf16[64,256] {{
+  %a = bf16[64,128]{{1,0}} parameter(0)
+  %w = f8e4m3fn[256,128]{{1,0}} parameter(1)
+  %sa = f32[] parameter(2)
+  %sw = f32[] parameter(3)
+  %loop_convert_fusion = {lhs}[64,128]{{1,0}} fusion(%a), kind=kLoop, calls=%convert
+  %cublas-gemm.1 = (bf16[64,256]{{1,0}}, s8[4194304]{{0}}) custom-call(%loop_convert_fusion, \
+%w, %sa, %sw), custom_call_target="__cublas$lt$matmul$f8", \
+backend_config={{"gemm_backend_config":{{"alpha_real":1,"dot_dimension_numbers":\
+{{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],\
+"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}}}}, \
+metadata={{op_name="jit(step)/jvp(mlp)/column_parallel_linear/dot_general"}}
+  ROOT %o = bf16[64,256]{{1,0}} get-tuple-element(%cublas-gemm.1), index=0
+}}
+"""
+
+
+@pytest.mark.parametrize("lhs", ["f8e4m3fn", "f8e5m2"])  # hybrid: dgrad's dy is E5M2
+def test_an_fp8_cublas_gemm_is_charged_at_the_fp8_sustained_rate(lhs):
+    from jax_wgrad.aot import hlo
+
+    mc = est.ModuleCosts(_fp8_gemm_module(lhs), FP8_PEAKS)
+    (gemm,) = [i for i in hlo.instructions(mc.comps[mc.entry]) if i.opcode == "custom-call"]
+    flops = 2 * 64 * 256 * 128  # 2 M N K
+    assert mc._custom_call(gemm)[:2] == (flops, lhs)
+    cost = mc.kernel(gemm)
+    assert cost.flops == cost.fp8_flops == flops
+    assert cost.compute_s == pytest.approx(flops / (2e12 * 0.5))  # not bf16's 0.8
+    assert mc.fp8_gemms == {"cublas-gemm.1": "__cublas$lt$matmul$f8"}
+    assert dict(cost.parts) == {"dense MLP": pytest.approx(cost.seconds)}
+
+
+def test_the_fp8_efficiency_of_the_targets():
+    """FP8 at its own sustained fraction (published, below BF16's measured one); a
+    :class:`Peaks` without one runs FP8 at :attr:`Peaks.gemm_efficiency`."""
+    h100 = est.PEAKS["h100"]
+    assert h100.sustained_gemm_flops("f8e4m3fn") == pytest.approx(1304.5e12)
+    assert h100.sustained_gemm_flops("f8e5m2") == h100.sustained_gemm_flops("f8e4m3fn")
+    assert h100.sustained_gemm_flops("bf16") == pytest.approx(798e12)
+    assert h100.f8_gemm_efficiency < h100.gemm_efficiency
+    assert est.PEAKS["h200"].f8_gemm_efficiency == h100.f8_gemm_efficiency
+    plain = dataclasses_replace(FP8_PEAKS, f8_gemm_efficiency=None)
+    assert plain.sustained_gemm_flops("f8e4m3fn") == pytest.approx(2e12 * 0.8)
+
+
+def _fp8_wgrad_module(target: str, config: str, *, staged: bool) -> str:
+    """One FP8 weight-gradient call as the CUDA lowering writes it: ``x f8e4m3fn[512, 64]``,
+    ``dy f8e5m2[512, 128]``, a flat f32 bucket aliased to result 0, the two scales
+    (``_at``: and the index), the workspace and the scratch (its staging slot when
+    ``staged``) as results 1 and 2."""
+    from jax_wgrad.ops import fp8
+    from jax_wgrad.ops.wgrad import WORKSPACE
+
+    scratch = fp8.cuda_scratch_bytes(512, 64, 128, staged=staged)
+    at = target.endswith("_at")
+    params = ", i: s32[]" if at else ""
+    index = ", %i" if at else ""
+    results = f"(f32[100000]{{0}}, u8[{WORKSPACE.shape[0]}]{{0}}, u8[{scratch}]{{0}})"
+    return f"""\
+HloModule m, is_scheduled=true
+
+ENTRY %main (x: f8e4m3fn[512,64], dy: f8e5m2[512,128], g: f32[100000], sx: f32[], \
+sy: f32[]{params}) -> f32[100000] {{
+  %x = f8e4m3fn[512,64]{{1,0}} parameter(0)
+  %dy = f8e5m2[512,128]{{1,0}} parameter(1)
+  %g = f32[100000]{{0}} parameter(2)
+  %sx = f32[] parameter(3)
+  %sy = f32[] parameter(4)
+  {"%i = s32[] parameter(5)" if at else ""}
+  %w = {results} custom-call(%x, %dy, %g, %sx, %sy{index}), custom_call_target="{target}", \
+output_to_operand_aliasing={{{{0}}: (2, {{}})}}, api_version=API_VERSION_TYPED_FFI, \
+metadata={{op_name="jit(step)/transpose(jvp(mlp))/row_parallel_linear/fp8_wgrad_accumulate"}}, \
+backend_config={{{config}}}
+  ROOT %o = f32[100000]{{0}} get-tuple-element(%w), index=0
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    "target,config,staged",
+    [
+        ("jax_wgrad_fp8_wgrad_accumulate", "offset = 2048 : i64", False),  # 16-byte aligned
+        ("jax_wgrad_fp8_wgrad_accumulate", "offset = 6 : i64", True),  # not: staged
+        ("jax_wgrad_fp8_wgrad_accumulate_at", "base = 0 : i64, stride = 8192 : i64", True),
+    ],
+)
+def test_the_fp8_wgrad_call_flops_and_bytes(target, config, staged):
+    """``2 T in out`` FLOPs at the FP8 rate; bytes: the fp8 operands read, transposed into
+    scratch and read again (``3 T (in + out)``), the fp32 ``[out, in]`` block read and
+    written, and where the CUDA handler stages it (its scratch holds the slot) once more."""
+    mc = est.ModuleCosts(_fp8_wgrad_module(target, config, staged=staged), FP8_PEAKS)
+    cost = mc.computation("main")
+    t, d_in, d_out = 512, 64, 128
+    flops = 2 * t * d_in * d_out
+    nbytes = 3 * t * (d_in + d_out) + (4 if staged else 2) * 4 * d_out * d_in
+    assert cost.flops == cost.fp8_flops == flops
+    assert cost.hbm_bytes == nbytes == est.fp8_wgrad_bytes(t, d_in, d_out, staged=staged)
+    assert cost.compute_s == pytest.approx(flops / (2e12 * 0.5))
+    assert mc.fp8_gemms == {"w": target}
+    assert dict(cost.parts) == {"dense MLP": pytest.approx(cost.seconds)}
+
+
+def test_the_report_gives_the_fp8_gemms_and_the_mfu_convention():
+    """With FP8 GEMMs the figures and the printed report give their number (by target) and
+    share of the counted FLOPs, and say the MFU is against the BF16 peak; without them,
+    no line and a share of 0."""
+    import dataclasses
+
+    from test_aot import _report
+
+    # a bf16 dot fusion (_MODULE's), one cuBLASLt FP8 matmul and one FP8 wgrad call
+    fp8 = _fp8_gemm_module().replace("ENTRY %main", "%fwd").replace("ROOT %o", "ROOT %o1")
+    wgrad = _fp8_wgrad_module("jax_wgrad_fp8_wgrad_accumulate", "offset = 0 : i64", staged=False)
+    text = (
+        _MODULE.split("ENTRY %main")[0]
+        + fp8.split("is_scheduled=true\n")[1]
+        + wgrad.split("is_scheduled=true\n")[1].replace(
+            "ROOT %o = f32[100000]{0} get-tuple-element(%w), index=0",
+            "%o = f32[100000]{0} get-tuple-element(%w), index=0\n"
+            "  %a = bf16[64,128]{1,0} parameter(5)\n"
+            "  %b = bf16[128,256]{1,0} parameter(6)\n"
+            "  %sa = f32[] parameter(7)\n"
+            "  %wf = f8e4m3fn[256,128]{1,0} parameter(8)\n"
+            "  %d = bf16[64,256]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm\n"
+            "  %f = bf16[64,256]{1,0} call(%a, %wf, %sa, %sa), to_apply=%fwd\n"
+            "  ROOT %t = (f32[100000]{0}, bf16[64,256]{1,0}, bf16[64,256]{1,0}) "
+            "tuple(%o, %d, %f)",
+        )
+    )
+    h100 = est.PEAKS["h100"]
+    e = est.estimate_step(text, h100, model_flops=1e9)
+    bf16_flops, fp8_flops = 2 * 64 * 128 * 256, 2 * 64 * 256 * 128 + 2 * 512 * 64 * 128
+    assert e.cost.flops == bf16_flops + fp8_flops
+    fig = e.figures()
+    assert fig["fp8_gemm_calls"] == 2
+    assert fig["fp8_gemm_calls_by_target"] == {
+        "__cublas$lt$matmul$f8": 1,
+        "jax_wgrad_fp8_wgrad_accumulate": 1,
+    }
+    assert fig["estimated_fp8_gemm_share"] == pytest.approx(fp8_flops / (bf16_flops + fp8_flops))
+    assert fig["estimated_mfu_peak_flops"] == 989.4e12
+    assert e.mfu == pytest.approx(1e9 / (e.seconds * 989.4e12))  # the BF16 peak, not FP8's
+    r = dataclasses.replace(_report(None), estimate=e)
+    assert r.figures()["fp8_gemm_calls"] == 2
+    out = r.format()
+    assert (
+        "FP8 GEMMs: 2 kernels in the program (__cublas$lt$matmul$f8 1, "
+        "jax_wgrad_fp8_wgrad_accumulate 1), 75.0% of the busiest stage's counted FLOPs (GEMMs, "
+        "attention), charged at 1304 TFLOP/s sustained (FP8 peak 1978.9)"
+    ) in out
+    assert "MFU is model FLOPs over the BF16 dense peak (989.4 TFLOP/s)" in out
+
+    plain = est.estimate_step(_MODULE, h100, hosts=(0, 0))
+    assert plain.figures()["fp8_gemm_calls"] == 0
+    assert plain.figures()["estimated_fp8_gemm_share"] == 0.0
+    assert "FP8 GEMMs" not in dataclasses.replace(_report(None), estimate=plain).format()

@@ -13,12 +13,15 @@ each tick as long as its slowest stage).
 What each kernel does, from its shapes:
 
 * a ``dot`` (inside a fusion or alone), cuBLAS custom call: ``2 x result x contracted``
-  FLOPs at the tensor-core peak of its operands' type (TF32 for f32);
+  FLOPs at the tensor-core peak of its operands' type (TF32 for f32; FP8 for cuBLASLt's
+  ``__cublas$lt$matmul$f8``, at :attr:`Peaks.f8_gemm_efficiency` of it);
 * cuDNN attention (``__cudnn$fmha*``): ``4 b h s_q s_kv d`` forward, 2.5 times that
   backward, half of it under a causal mask;
 * the library's fused calls (``jax_wgrad_*``): ``2 x numel(x) x out`` for the weight
-  gradient, an accumulator block read and written; ``bucket_add``: each gradient read and
-  its block read and written;
+  gradient, an accumulator block read and written (the FP8 one besides its transposed
+  operand copies and, where it stages the block, the block once more:
+  :func:`fp8_wgrad_bytes`); ``bucket_add``: each gradient read and its block read and
+  written;
 * the ragged grouped GEMMs of dropless experts (``jax_wgrad_ragged_*``): the FLOPs and row
   bytes of the rows they compute, ``ragged_fill`` of their buffer's rows (the routed count
   is not in the program: the caller says it, :func:`jax_wgrad.aot.compile.ragged_fill`),
@@ -28,13 +31,16 @@ What each kernel does, from its shapes:
 
 **What it is not.** A model, not a measurement: no cache, no tile quantisation or wave
 tail, every GEMM at the rate a large square one sustains and every other kernel at the
-bandwidth a large copy sustains (:attr:`Peaks.gemm_efficiency`, measured on the GPU), no
-contention between a collective and the kernels it overlaps. Its error against measured
-steps is stated where it is used (``docs/performance.md``).
+bandwidth a large copy sustains (:attr:`Peaks.gemm_efficiency`, measured on the GPU; FP8
+GEMMs at :attr:`Peaks.f8_gemm_efficiency`, a published figure), no contention between a
+collective and the kernels it overlaps. Its error against measured steps is stated where
+it is used (``docs/performance.md``). The MFU is model FLOPs over the BF16 dense peak
+whatever the GEMMs' types (:attr:`StepEstimate.mfu`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -44,6 +50,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from jax_wgrad.aot import hlo
+from jax_wgrad.ops.fp8 import staged
+from jax_wgrad.ops.handlers import FP8_TARGET, FP8_TARGET_AT
 
 __all__ = [
     "Peaks",
@@ -53,6 +61,7 @@ __all__ = [
     "ModuleCosts",
     "group_span",
     "grouped_gemm_cost",
+    "fp8_wgrad_bytes",
     "schedule_time",
     "PARTS",
     "part_of",
@@ -61,11 +70,18 @@ __all__ = [
 ]
 
 
+def _is_f8(dtype: str) -> bool:
+    """Whether ``dtype`` (an HLO element type: ``f8e4m3fn``, ``f8e5m2``, ...) is an 8-bit
+    float, run at the ``f8`` tensor-core rate."""
+    return dtype.startswith("f8")
+
+
 @dataclasses.dataclass(frozen=True)
 class Peaks:
     """A GPU's datasheet peaks, the fractions of them that its kernels sustain, and the
     fixed latencies the estimate charges. Kernel times use the sustained rates
-    (``peak x efficiency``); the MFU is against the datasheet peak, as Megatron reports it."""
+    (``peak x efficiency``); the MFU is against the datasheet BF16 peak, as Megatron reports
+    it (FP8 runs too)."""
 
     name: str
     tensor_flops: Mapping[str, float]
@@ -91,18 +107,25 @@ class Peaks:
     gemm_efficiency: float = 1.0
     """The fraction of :attr:`tensor_flops` a large GEMM sustains (measured:
     ``benchmarks/device_peaks.py``)."""
+    f8_gemm_efficiency: float | None = None
+    """The fraction of the ``f8`` tensor peak a large FP8 GEMM sustains (on Hopper a smaller
+    one than BF16's); ``None``: :attr:`gemm_efficiency`."""
     hbm_efficiency: float = 1.0
     """The fraction of :attr:`hbm_bandwidth` a large elementwise kernel sustains."""
 
     def gemm_peak(self, dtype: str) -> float:
         """The datasheet tensor-core peak for operands of ``dtype`` (an HLO type; bf16's if
         unknown)."""
-        key = "f8" if dtype.startswith("f8") else dtype
+        key = "f8" if _is_f8(dtype) else dtype
         return self.tensor_flops.get(key, self.tensor_flops["bf16"])
 
     def sustained_gemm_flops(self, dtype: str) -> float:
-        """FLOP/s a GEMM of ``dtype`` operands runs at in the estimate."""
-        return self.gemm_peak(dtype) * self.gemm_efficiency
+        """FLOP/s a GEMM of ``dtype`` operands runs at in the estimate: the peak times
+        :attr:`f8_gemm_efficiency` for 8-bit floats, :attr:`gemm_efficiency` otherwise."""
+        efficiency = self.gemm_efficiency
+        if _is_f8(dtype) and self.f8_gemm_efficiency is not None:
+            efficiency = self.f8_gemm_efficiency
+        return self.gemm_peak(dtype) * efficiency
 
     @property
     def sustained_hbm_bandwidth(self) -> float:
@@ -115,6 +138,14 @@ _H100 = dict(
     vector_flops=66.9e12,
     nvlink_bandwidth=450e9,
     network_bandwidth=50e9,
+    # FP8 (E4M3/E5M2, per-tensor scales): PUBLISHED, not measured here (no GPU was lent
+    # for it). pytorch/pytorch#143465 (Dec 2024): torch._scaled_mm, cuBLASLt's FP8
+    # matmul with per-tensor scales and a bf16 result, on an H100 (the variant is not
+    # stated; read as the SXM part, like the figures below): 8192^3 at 1304.5 TFLOP/s,
+    # 0.66 of the 1978.9 TFLOP/s peak (16384-row shapes 1239-1347 TFLOP/s) -- against
+    # BF16's 0.81 measured below. For the H200 (the same chip and clocks) the same
+    # fraction, unmeasured.
+    f8_gemm_efficiency=1304.5e12 / 1978.9e12,
 )
 PEAKS: dict[str, Peaks] = {
     # H100 SXM5 datasheet (dense, no sparsity); NVLink 4: 900 GB/s both directions;
@@ -161,6 +192,8 @@ class Cost:
     """Host synchronisations (conditionals and loops run on the host)."""
     flops: float = 0.0
     """Counted FLOPs (recompute included)."""
+    fp8_flops: float = 0.0
+    """Of :attr:`flops`, those of GEMMs with 8-bit float operands (at the FP8 rate)."""
     hbm_bytes: float = 0.0
     comm_bytes: float = 0.0
     launches: float = 0.0
@@ -389,6 +422,31 @@ _COPY_PRIMITIVES = ("copy", "dynamic_slice", "dynamic_update_slice", "concatenat
 """jax primitives (the last ``op_name`` component) whose kernels only move data."""
 _FFI_PREFIX = "jax_wgrad_"
 _RAGGED_PREFIX = "jax_wgrad_ragged_"
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_STATIC_OFFSET = re.compile(r"backend_config=\{[^}]*\boffset = (-?\d+) : i64")
+"""The FFI attribute ``offset`` of a static-offset wgrad call (``backend_config={offset =
+2048 : i64}``)."""
+
+
+def _target(line: str) -> str:
+    """A custom call's ``custom_call_target`` ("" for any other instruction)."""
+    m = _TARGET.search(line)
+    return m.group(1) if m else ""
+
+
+def fp8_wgrad_bytes(tokens: int, d_in: int, d_out: int, *, staged: bool) -> float:
+    """HBM bytes of one FP8 weight-gradient call on a GPU (:mod:`jax_wgrad.ops.fp8`,
+    ``ffi/fp8_wgrad_cuda.cu``): ``main_grad[out, in] += dy[T, out]^T x[T, in]``.
+
+    The fp8 operands (1 byte an element) are read, transposed into scratch (``x^T [in,
+    T]``, ``dy^T [out, T]``: written) and read again by the GEMM -- three passes over
+    ``T (in + out)`` bytes; the fp32 block ``[out, in]`` is read and written; ``staged``
+    (the traced-offset form, or a static offset not 16-byte aligned:
+    :func:`~jax_wgrad.ops.fp8.cuda_scratch_bytes`) copies the block into the scratch's
+    slot and back besides, a second read and write of it."""
+    operands = 3.0 * tokens * (d_in + d_out)
+    block = 4.0 * d_out * d_in
+    return operands + (4 if staged else 2) * block
 
 
 def grouped_gemm_cost(flops: float, dtype: str, nbytes: float, launch: float, peaks: Peaks) -> Cost:
@@ -407,6 +465,7 @@ def grouped_gemm_cost(flops: float, dtype: str, nbytes: float, launch: float, pe
         memory_s=t_bytes,
         launch_s=launch,
         flops=flops,
+        fp8_flops=flops if _is_f8(dtype) else 0.0,
         hbm_bytes=nbytes,
         launches=1,
     )
@@ -467,6 +526,9 @@ class ModuleCosts:
         self.shapes = hlo._Shapes(self.comps)
         self.entry = hlo.entry_name(text)
         self.collectives: list[CollectiveCost] = []
+        self.fp8_gemms: dict[str, str] = {}
+        """The FP8 GEMM kernels costed so far (:meth:`kernel`): ``{instruction name: its
+        custom call target, or its opcode (a fusion or dot of fp8 operands)}``."""
 
     # ---------------------------------------------------------------- kernels
 
@@ -504,8 +566,7 @@ class ModuleCosts:
 
     def _custom_call(self, ins: hlo.Instruction) -> tuple[float, str, float]:
         """``(flops, operand type, hbm bytes)`` of a custom call."""
-        target = re.search(r'custom_call_target="([^"]*)"', ins.line)
-        target = target.group(1) if target else ""
+        target = _target(ins.line)
         shapes = self._operand_shapes(ins)
         arrays = [hlo._ARRAY.search(s) for s in shapes]
         dims = [[int(d) for d in a.group(2).split(",") if d] if a else [] for a in arrays]
@@ -541,6 +602,12 @@ class ModuleCosts:
                 return self._ragged(target, dims, shapes, dtype, item)
             # a weight gradient: x [*, T, in], dy [*, T, out]; the block [*, out, in] fp32
             flops = 2.0 * math.prod(x) * (second[-1] if second else 0)
+            if target in (FP8_TARGET, FP8_TARGET_AT) and len(x) == 2 and second:
+                offset = _STATIC_OFFSET.search(ins.line)
+                # the handler's rule (ops.fp8.staged): a traced position (no offset) or an
+                # unaligned static one
+                position = None if target == FP8_TARGET_AT or offset is None else int(offset[1])
+                return flops, dtype, fp8_wgrad_bytes(*x, second[-1], staged=staged(position))
             block = math.prod(x[:-2]) * x[-1] * (second[-1] if second else 0) * 4.0
             return flops, dtype, hlo.shape_bytes(shapes[0]) + hlo.shape_bytes(shapes[1]) + 2 * block
         return 0.0, dtype, io
@@ -565,12 +632,27 @@ class ModuleCosts:
 
     def kernel(self, ins: hlo.Instruction) -> Cost:
         """The cost of the kernel ``ins`` launches (none for control flow, collectives,
-        bitcasts, tuples, ...), in its part of the model (:func:`part_of`)."""
+        bitcasts, tuples, ...), in its part of the model (:func:`part_of`); an FP8 GEMM is
+        recorded in :attr:`fp8_gemms`."""
         cost, op_name = self._kernel(ins)
+        if cost.fp8_flops:
+            call = self._call_of(ins)
+            self.fp8_gemms[ins.name] = ins.opcode if call is None else _target(call.line)
         if not cost.seconds:
             return cost
         copy = ins.opcode in _COPIES or op_name.rsplit("/", 1)[-1] in _COPY_PRIMITIVES
         return cost.as_part(part_of(op_name, gemm=bool(cost.flops), copy=copy))
+
+    def _call_of(self, ins: hlo.Instruction) -> hlo.Instruction | None:
+        """The custom call ``ins`` runs: itself, or the one a dynamic-slice fusion wraps
+        (:func:`jax_wgrad.aot.hlo.wraps_aliased_custom_call`); ``None`` for other kernels."""
+        if ins.opcode == "custom-call":
+            return ins
+        if ins.opcode != "fusion" or not hlo.wraps_aliased_custom_call(ins.line, self.comps):
+            return None
+        callee = re.search(r"calls=%([\w.\-]+)", ins.line).group(1)
+        root = [l for l in self.comps[callee] if l.startswith("ROOT ")][0]
+        return hlo.instructions([root])[0]
 
     def _kernel(self, ins: hlo.Instruction) -> tuple[Cost, str]:
         """The kernel's cost and the ``op_name`` it runs under (a dynamic-slice fusion's:
@@ -580,14 +662,8 @@ class ModuleCosts:
         p = self.peaks
         launch = p.graph_kernel_s if ins.name in self.graphed else p.launch_s
         op = ins.opcode
-        if op == "custom-call" or (
-            op == "fusion" and hlo.wraps_aliased_custom_call(ins.line, self.comps)
-        ):
-            call = ins
-            if op == "fusion":
-                callee = re.search(r"calls=%([\w.\-]+)", ins.line).group(1)
-                root = [l for l in self.comps[callee] if l.startswith("ROOT ")][0]
-                call = hlo.instructions([root])[0]
+        call = self._call_of(ins)
+        if call is not None:
             flops, dtype, nbytes = self._custom_call(call)
             if _RAGGED_PREFIX in call.line:
                 return grouped_gemm_cost(flops, dtype, nbytes, launch, self.peaks), call.op_name
@@ -614,11 +690,16 @@ class ModuleCosts:
     def _roofline(self, flops: float, dtype: str, nbytes: float, launch: float) -> Cost:
         t_flops = flops / self.peaks.sustained_gemm_flops(dtype) if flops else 0.0
         t_bytes = nbytes / self.peaks.sustained_hbm_bandwidth
+        work = dict(
+            launch_s=launch,
+            flops=flops,
+            fp8_flops=flops if _is_f8(dtype) else 0.0,
+            hbm_bytes=nbytes,
+            launches=1,
+        )
         if t_flops >= t_bytes and flops:
-            return Cost(
-                compute_s=t_flops, launch_s=launch, flops=flops, hbm_bytes=nbytes, launches=1
-            )
-        return Cost(memory_s=t_bytes, launch_s=launch, flops=flops, hbm_bytes=nbytes, launches=1)
+            return Cost(compute_s=t_flops, **work)
+        return Cost(memory_s=t_bytes, **work)
 
     # ------------------------------------------------------------ collectives
 
@@ -783,13 +864,32 @@ class StepEstimate:
     collectives: tuple[CollectiveCost, ...] = ()
     ragged_fill: float = 1.0
     """The share of the ragged expert GEMMs' buffer rows charged (:class:`ModuleCosts`)."""
+    fp8_gemms: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The program's FP8 GEMM kernels (:attr:`ModuleCosts.fp8_gemms`): ``{instruction
+    name: custom call target or opcode}``."""
 
     @property
     def mfu(self) -> float | None:
-        """Model FLOPs / (step time x devices x bf16 dense peak)."""
+        """Model FLOPs / (step time x devices x bf16 dense peak): against the BF16 peak
+        also when GEMMs run in FP8 (Megatron-Bridge's convention), so FP8 and BF16 runs
+        compare."""
         if not self.model_flops or not self.seconds:
             return None
         return self.model_flops / (self.seconds * self.devices * self.peaks.gemm_peak("bf16"))
+
+    @property
+    def fp8_gemm_share(self) -> float:
+        """The share of the busiest stage's counted FLOPs (every GEMM, attention's too) run
+        at the FP8 rate; 0 without FP8 GEMMs."""
+        return self.cost.fp8_flops / self.cost.flops if self.cost.flops else 0.0
+
+    def fp8_gemm_calls(self) -> dict[str, int]:
+        """The program's FP8 GEMM kernels by custom call target (cuBLASLt's
+        ``__cublas$lt$matmul$f8`` for forward and input-gradient GEMMs, the library's
+        ``jax_wgrad_fp8_wgrad_accumulate[_at]`` for weight gradients) or opcode, the most
+        first (ties by name)."""
+        counts = collections.Counter(self.fp8_gemms.values())
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def time_by_part(self) -> dict[str, float]:
         """Seconds of the busiest stage by part of the model (:data:`PARTS`, in that
@@ -816,6 +916,10 @@ class StepEstimate:
             "estimated_counted_flops": self.cost.flops,
             "estimated_ragged_fill": self.ragged_fill,
             "estimated_time_by_part_ms": {k: v * 1e3 for k, v in self.time_by_part().items()},
+            "estimated_mfu_peak_flops": self.peaks.gemm_peak("bf16"),
+            "fp8_gemm_calls": len(self.fp8_gemms),
+            "fp8_gemm_calls_by_target": self.fp8_gemm_calls(),
+            "estimated_fp8_gemm_share": self.fp8_gemm_share,
             "peaks": self.peaks.name,
         }
 
@@ -863,6 +967,7 @@ def estimate_step(
             model_flops,
             tuple(mc.collectives),
             ragged_fill,
+            dict(mc.fp8_gemms),
         )
     name, body = loop
     conds = [i for i in hlo.instructions(mc.comps.get(body, ())) if i.opcode == "conditional"]
@@ -909,4 +1014,5 @@ def estimate_step(
         model_flops,
         tuple(mc.collectives),
         ragged_fill,
+        dict(mc.fp8_gemms),
     )

@@ -262,7 +262,10 @@ class AotReport:
         per device, ``budget_bytes`` is what jax may use of the GPU's memory,
         ``non_gemm_bytes_per_microbatch`` the busiest stage's (``None`` without a
         schedule loop), ``fused_calls``/``fused_aliased`` count the fused wgrad and
-        ``bucket_add`` calls together."""
+        ``bucket_add`` calls together; ``fp8_gemm_calls`` (``..._by_target``) the FP8 GEMM
+        kernels of the program, ``estimated_fp8_gemm_share`` their share of the counted
+        FLOPs, and ``estimated_mfu`` is over ``estimated_mfu_peak_flops``, the BF16 dense
+        peak, FP8 GEMMs or not (:meth:`jax_wgrad.aot.estimate.StepEstimate.figures`)."""
         lc, tpm = self.launches, self.traffic_per_microbatch
         megatron, formula = self.megatron_figures()
         return {
@@ -504,6 +507,8 @@ class AotReport:
             "  where the time goes (the busiest stage, ms): "
             + ", ".join(f"{label} {t * 1e3:.1f}" for label, t in parts if t * 1e3 >= 0.05)
         )
+        if e.fp8_gemms:
+            lines.append(f"  {_fp8_line(e)}")
         if self.buffer_estimate is not None:
             u = self.buffer_estimate
             lines.append(
@@ -549,6 +554,20 @@ _TRAFFIC_LABELS = {
     "memset": "memsets",
     "dynamic_update_slice": "dynamic-update-slices",
 }
+
+
+def _fp8_line(e: estimates.StepEstimate) -> str:
+    """The estimate's FP8 GEMMs (kernels by target, their share of the FLOPs, the rate they
+    are charged at) and the MFU's convention for them."""
+    calls = ", ".join(f"{target} {n}" for target, n in e.fp8_gemm_calls().items())
+    p = e.peaks
+    return (
+        f"FP8 GEMMs: {len(e.fp8_gemms)} kernels in the program ({calls}), "
+        f"{e.fp8_gemm_share:.1%} of the busiest stage's counted FLOPs (GEMMs, attention), "
+        f"charged at {p.sustained_gemm_flops('f8') / 1e12:.0f} TFLOP/s sustained (FP8 peak "
+        f"{p.gemm_peak('f8') / 1e12:.1f}); the MFU is model FLOPs over the BF16 dense peak "
+        f"({p.gemm_peak('bf16') / 1e12:.1f} TFLOP/s), as Megatron-Bridge reports FP8 runs"
+    )
 
 
 def _every_tick(tasks) -> list[str]:

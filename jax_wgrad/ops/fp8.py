@@ -47,6 +47,7 @@ __all__ = [
     "fp8_wgrad_accumulate_at_p",
     "fp8_wgrad_accumulate_ref",
     "cuda_scratch_bytes",
+    "staged",
 ]
 
 X_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
@@ -71,13 +72,19 @@ def cuda_scratch_bytes(tokens: int, d_in: int, d_out: int, *, staged: bool) -> i
     return up(tokens * d_in) + up(tokens * d_out) + staging + _SCRATCH_ALIGN
 
 
+def staged(offset: int | None) -> bool:
+    """Whether the CUDA handler stages the fp32 block through its scratch: always for a
+    traced position (``None``: only known on the device), for a static element ``offset``
+    when the block does not start 16 bytes into the buffer (cuBLASLt's C/D alignment)."""
+    return offset is None or offset % 4 != 0
+
+
 def _scratch(platform, x, dy, acc, x_scale_inv, dy_scale_inv, *, offset):
-    """CUDA: the cuBLASLt workspace and the scratch (staging only for a block whose start
-    is not 16 bytes into the buffer: ``offset % 4``)."""
+    """CUDA: the cuBLASLt workspace and the scratch (:func:`staged`)."""
     if platform != "cuda":
         return []
     (tokens, d_in), d_out = x.shape, dy.shape[1]
-    size = cuda_scratch_bytes(tokens, d_in, d_out, staged=offset % 4 != 0)
+    size = cuda_scratch_bytes(tokens, d_in, d_out, staged=staged(offset))
     return [WORKSPACE, jax.core.ShapedArray((size,), jnp.uint8)]
 
 
@@ -87,7 +94,7 @@ def _scratch_at(platform, x, dy, acc, x_scale_inv, dy_scale_inv, index, *, base,
     if platform != "cuda":
         return []
     (tokens, d_in), d_out = x.shape, dy.shape[1]
-    size = cuda_scratch_bytes(tokens, d_in, d_out, staged=True)
+    size = cuda_scratch_bytes(tokens, d_in, d_out, staged=staged(None))
     return [WORKSPACE, jax.core.ShapedArray((size,), jnp.uint8)]
 
 
