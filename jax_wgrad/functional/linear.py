@@ -65,6 +65,7 @@ from jax_wgrad.functional.collectives import (
     gather_from_sequence_parallel_region,
     reduce_scatter_tiled,
 )
+from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Tensor, fp8_dot
 from jax_wgrad.functional.routes import Route, ToBucket, ToPieces, ToSplit, route_of, value_of
 
 __all__ = ["check_bucket_block", "linear", "linear_into_bucket"]
@@ -88,26 +89,93 @@ def _forward(x: jax.Array, w: jax.Array, b: jax.Array | None, precision: int) ->
     return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_linear(x, w, b, main_grad, precision):
-    return _forward(x, w, b, precision)
-
-
-def _fused_linear_fwd(x, w, b, main_grad, precision):
-    return _forward(x, w, b, precision), (x, w, b, main_grad)
-
-
 def _dgrad_bgrad(x, w, b, dy, precision):
     dx = jnp.matmul(dy, w.astype(dy.dtype), precision=jax.lax.Precision(precision))
     dx = dx.astype(x.dtype)
-    db = None
+    return dx, _bgrad(b, dy)
+
+
+def _bgrad(b, dy):
+    if b is None:
+        return None
+    return jnp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, dtype=jnp.float32).astype(b.dtype)
+
+
+# ------------------------------------------------------------------------------- FP8
+# With an Fp8Gemm the three GEMMs run on quantized operands (jax_wgrad.functional.fp8):
+# the forward saves the quantized input (half the bytes of a bf16 one) and the weight as
+# given (re-quantized in the backward: the same values, no per-microbatch FP8 copy of it).
+
+
+def _fp8_forward(qx: Fp8Tensor, w, b, fp8: Fp8Gemm, dtype) -> jax.Array:
+    """``y [..., out]`` in ``dtype`` from the quantized input ``qx [..., in]``."""
+    y = fp8_dot(qx, fp8.weight(w), (((qx.value.ndim - 1,), (1,)), ((), ())), dtype)
     if b is not None:
-        db = jnp.sum(dy.reshape(-1, dy.shape[-1]), axis=0, dtype=jnp.float32).astype(b.dtype)
-    return dx, db
+        y = y + b.astype(y.dtype)
+    return y
 
 
-def _fused_linear_bwd(precision, res, dy):
+def _fp8_dgrad(qdy: Fp8Tensor, w, fp8: Fp8Gemm, dtype) -> jax.Array:
+    """``dx [..., in]`` in ``dtype`` from the quantized output gradient ``qdy [..., out]``."""
+    return fp8_dot(qdy, fp8.weight(w), (((qdy.value.ndim - 1,), (0,)), ((), ())), dtype)
+
+
+def _fp8_wgrad(qx: Fp8Tensor, qdy: Fp8Tensor, bucket, offset) -> jax.Array:
+    """``bucket`` with ``dy^T x`` (from the quantized pair) added at ``offset``, in place."""
+    return ops.fp8_wgrad_accumulate(
+        qx.value, qdy.value, qx.scale_inv, qdy.scale_inv, bucket, offset=offset
+    )
+
+
+def _gathered_fp8(qx: Fp8Tensor, axis: str | None) -> Fp8Tensor:
+    """``qx``, or its sequence-parallel shards all-gathered (the FP8 values: half the bytes
+    of a bf16 gather; the scale is already the whole tensor's)."""
+    return qx if axis is None else Fp8Tensor(_gathered(qx.value, axis), qx.scale_inv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_linear(x, w, b, fp8):
+    return _fp8_forward(fp8.input(x), w, b, fp8, x.dtype)
+
+
+def _fp8_linear_fwd(x, w, b, fp8):
+    qx = fp8.input(x)
+    return _fp8_forward(qx, w, b, fp8, x.dtype), (qx, w, b)
+
+
+def _fp8_linear_bwd(fp8, res, dy):
+    """The plain FP8 linear's backward: ``dw`` from an FP8 GEMM (``w``'s type)."""
+    qx, w, b = res
+    qdy = fp8.gradient(dy)
+    n = qx.value.ndim - 1
+    lead = tuple(range(n))
+    dw = fp8_dot(qdy, qx, ((lead, lead), ((), ())), jnp.float32).astype(w.dtype)
+    return _fp8_dgrad(qdy, w, fp8, dy.dtype), dw, _bgrad(b, dy)
+
+
+_fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_linear(x, w, b, main_grad, precision, fp8):
+    if fp8 is not None:
+        return _fp8_forward(fp8.input(x), w, b, fp8, x.dtype)
+    return _forward(x, w, b, precision)
+
+
+def _fused_linear_fwd(x, w, b, main_grad, precision, fp8):
+    if fp8 is not None:
+        qx = fp8.input(x)
+        return _fp8_forward(qx, w, b, fp8, x.dtype), (qx, w, b, main_grad)
+    return _forward(x, w, b, precision), (x, w, b, main_grad)
+
+
+def _fused_linear_bwd(precision, fp8, res, dy):
     x, w, b, main_grad = res
+    if fp8 is not None:
+        qdy = fp8.gradient(dy)
+        dx, db = _fp8_dgrad(qdy, w, fp8, dy.dtype), _bgrad(b, dy)
+        return dx, None, db, _fp8_wgrad(x, qdy, main_grad, None)
     dx, db = _dgrad_bgrad(x, w, b, dy, precision)
     # The updated accumulator travels as the "cotangent" of main_grad (module docstring).
     new_main_grad = ops.wgrad_accumulate(x, dy, main_grad, precision=precision)
@@ -128,7 +196,7 @@ def _gathered(x: jax.Array, axis: str | None) -> jax.Array:
     return x if axis is None else all_gather_tiled(x, axis, SEQ_DIM)
 
 
-def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis):
+def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis, fp8=None):
     """``(dx, None, db, bucket)``: ``ct_bucket`` is the bucket with every downstream block
     already added; this weight's block is added to it, in place.
 
@@ -138,50 +206,71 @@ def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis):
     weight-gradient GEMM. Two optimization barriers say so to XLA's scheduler, which
     otherwise left both collectives with nothing between start and done and every weight
     gradient of a layer after its whole data-gradient chain (Llama-3-8B TP4 on H100s,
-    docs/design/aot.md)."""
-    x_full = _gathered(x, gather_axis)
-    dx, db = _dgrad_bgrad(x, w, b, dy, precision)
+    docs/design/aot.md). With ``fp8`` (an :class:`~jax_wgrad.functional.fp8.Fp8Gemm`),
+    ``x`` is the quantized input and the GEMMs are FP8 ones."""
+    if fp8 is not None:
+        x_full = _gathered_fp8(x, gather_axis)
+        qdy = fp8.gradient(dy)
+        dx, db = _fp8_dgrad(qdy, w, fp8, dy.dtype), _bgrad(b, dy)
+    else:
+        x_full = _gathered(x, gather_axis)
+        dx, db = _dgrad_bgrad(x, w, b, dy, precision)
     if gather_axis is not None:
         dx, x_full = jax.lax.optimization_barrier((dx, x_full))
         dx = reduce_scatter_tiled(dx, gather_axis, SEQ_DIM)
-    bucket = ops.wgrad_accumulate(x_full, dy, ct_bucket, offset=offset, precision=precision)
+    if fp8 is not None:
+        bucket = _fp8_wgrad(x_full, qdy, ct_bucket, offset)
+    else:
+        bucket = ops.wgrad_accumulate(x_full, dy, ct_bucket, offset=offset, precision=precision)
     if gather_axis is not None:
         dx, bucket = jax.lax.optimization_barrier((dx, bucket))
     return dx, None, db, bucket
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _threaded_linear(x, w, b, bucket, offset, precision, gather_axis):
-    return _forward(_gathered(x, gather_axis), w, b, precision), bucket
+def _threaded_forward(x, w, b, precision, gather_axis, fp8):
+    """``(y, saved input)``: the forward of a linear into a bucket; the saved input is
+    ``x`` as given (this rank's shard when gathered), quantized with ``fp8``."""
+    if fp8 is None:
+        return _forward(_gathered(x, gather_axis), w, b, precision), x
+    qx = fp8.input(x, gather_axis)
+    return _fp8_forward(_gathered_fp8(qx, gather_axis), w, b, fp8, x.dtype), qx
 
 
-def _threaded_linear_fwd(x, w, b, bucket, offset, precision, gather_axis):
-    # Only x (this rank's shard when gathered), w (and b for its dtype) are saved: the
-    # bucket is NOT a residual.
-    return (_forward(_gathered(x, gather_axis), w, b, precision), bucket), (x, w, b)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _threaded_linear(x, w, b, bucket, offset, precision, gather_axis, fp8):
+    return _threaded_forward(x, w, b, precision, gather_axis, fp8)[0], bucket
 
 
-def _threaded_linear_bwd(offset, precision, gather_axis, res, cts):
+def _threaded_linear_fwd(x, w, b, bucket, offset, precision, gather_axis, fp8):
+    # Only x (this rank's shard when gathered; quantized with fp8), w (and b for its
+    # dtype) are saved: the bucket is NOT a residual.
+    y, saved = _threaded_forward(x, w, b, precision, gather_axis, fp8)
+    return (y, bucket), (saved, w, b)
+
+
+def _threaded_linear_bwd(offset, precision, gather_axis, fp8, res, cts):
     x, w, b = res
-    return _threaded_bwd(x, w, b, *cts, offset, precision, gather_axis)
+    return _threaded_bwd(x, w, b, *cts, offset, precision, gather_axis, fp8)
 
 
 _threaded_linear.defvjp(_threaded_linear_fwd, _threaded_linear_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _threaded_linear_at(x, w, b, bucket, offset, precision, gather_axis):
-    return _forward(_gathered(x, gather_axis), w, b, precision), bucket
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _threaded_linear_at(x, w, b, bucket, offset, precision, gather_axis, fp8):
+    return _threaded_forward(x, w, b, precision, gather_axis, fp8)[0], bucket
 
 
-def _threaded_linear_at_fwd(x, w, b, bucket, offset, precision, gather_axis):
-    # x, w, b and the offset's int32 index are saved; the bucket is NOT a residual.
-    return (_forward(_gathered(x, gather_axis), w, b, precision), bucket), (x, w, b, offset)
+def _threaded_linear_at_fwd(x, w, b, bucket, offset, precision, gather_axis, fp8):
+    # x (quantized with fp8), w, b and the offset's int32 index are saved; the bucket is
+    # NOT a residual.
+    y, saved = _threaded_forward(x, w, b, precision, gather_axis, fp8)
+    return (y, bucket), (saved, w, b, offset)
 
 
-def _threaded_linear_at_bwd(precision, gather_axis, res, cts):
+def _threaded_linear_at_bwd(precision, gather_axis, fp8, res, cts):
     x, w, b, offset = res
-    return (*_threaded_bwd(x, w, b, *cts, offset, precision, gather_axis), None)
+    return (*_threaded_bwd(x, w, b, *cts, offset, precision, gather_axis, fp8), None)
 
 
 _threaded_linear_at.defvjp(_threaded_linear_at_fwd, _threaded_linear_at_bwd)
@@ -222,6 +311,7 @@ def linear_into_bucket(
     offset: ops.Offset,
     precision: ops.PrecisionLike = None,
     gather_axis: str | None = None,
+    fp8: Fp8Gemm | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(x @ w.T + b, bucket)``: a linear whose weight gradient goes into a flat bucket.
 
@@ -243,11 +333,12 @@ def linear_into_bucket(
         :func:`jax_wgrad.ops.matmul_precision`).
       gather_axis: ``x`` is this rank's sequence-parallel shard, all-gathered over this
         mesh axis before the GEMM (see :func:`linear`).
+      fp8: run the three GEMMs in FP8 (see :func:`linear`).
     Returns:
       ``(y [..., out] in x.dtype, bucket)``.
     """
     _check(x, w, b)
-    level = ops.matmul_precision(precision)
+    level = _precision(precision, fp8)
     if check_bucket_block(
         "linear_into_bucket",
         bucket,
@@ -255,13 +346,28 @@ def linear_into_bucket(
         w.shape[0] * w.shape[1],
         f"[out, in] = {list(w.shape)} block",
     ):
-        return _threaded_linear_at(x, w, b, bucket, offset, level, gather_axis)
-    return _threaded_linear(x, w, b, bucket, offset, level, gather_axis)
+        return _threaded_linear_at(x, w, b, bucket, offset, level, gather_axis, fp8)
+    return _threaded_linear(x, w, b, bucket, offset, level, gather_axis, fp8)
 
 
-def _split_linear(route: Route, x, w, b, precision: int) -> jax.Array:
+def _precision(precision: ops.PrecisionLike, fp8: Fp8Gemm | None) -> int:
+    """The matmul precision level; refused with ``fp8`` (the GEMMs are FP8 ones)."""
+    if fp8 is not None and precision is not None:
+        raise ValueError(
+            f"linear: precision ({precision!r}) is for float GEMMs; with fp8 the GEMMs run "
+            "on FP8 values with float32 accumulation (pass precision=None)"
+        )
+    return ops.matmul_precision(precision)
+
+
+def _split_linear(route: Route, x, w, b, precision: int, fp8: Fp8Gemm | None) -> jax.Array:
     """Zero bubble's split linear (:class:`~jax_wgrad.functional.routes.ToSplit`):
     ``x @ stop_gradient(w).T + b + probe``, its input and output recorded."""
+    if fp8 is not None:
+        raise ValueError(
+            f"linear: {route.name} is split for zero bubble, whose weight-gradient task "
+            "does not run FP8 GEMMs yet; FP8 needs another pipeline schedule"
+        )
     probe = route.routes.probe(route)
     y = _forward(x, jax.lax.stop_gradient(w), b, precision)
     if probe is not None:  # None: only record (to learn the shapes)
@@ -283,6 +389,7 @@ def linear(
     main_grad: jax.Array | None = None,
     precision: ops.PrecisionLike = None,
     gather_axis: str | None = None,
+    fp8: Fp8Gemm | None = None,
 ) -> jax.Array:
     """``y = x @ w.T + b``.
 
@@ -312,13 +419,22 @@ def linear(
         column-parallel backward (``_threaded_bwd``; unless the routes say otherwise,
         :class:`~jax_wgrad.functional.WgradRoutes`' ``async_tp``); elsewhere the gather
         and the linear are composed as two ops.
+      fp8: run the forward, data-gradient and weight-gradient GEMMs in FP8
+        (:class:`~jax_wgrad.functional.fp8.Fp8Gemm`: the recipe, and which operands are
+        split over the tensor-parallel axis): the input, the weight and the output
+        gradient quantized with per-tensor scales
+        (:mod:`jax_wgrad.functional.fp8`), the weight gradient added to the fp32 bucket
+        block or ``main_grad`` by :func:`jax_wgrad.ops.fp8_wgrad_accumulate` (a plain
+        linear's in an FP8 GEMM too); the bias and its gradient stay in high precision.
+        The forward saves the quantized input, half a bf16 one. ``precision`` must then
+        be ``None``.
     Returns:
       ``[..., out]`` output in ``x.dtype``.
     """
     route = route_of(w)
     w, b = value_of(w), value_of(b)
     _check(x, w, b)
-    level = ops.matmul_precision(precision)
+    level = _precision(precision, fp8)
     if main_grad is not None and route is not None:
         raise ValueError(
             f"linear: {route.name} has a route (a variable carrying its gradient "
@@ -335,13 +451,13 @@ def linear(
             raise ValueError(
                 f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"
             )
-        return _fused_linear(x, w, b, main_grad, level)
+        return _fused_linear(x, w, b, main_grad, level, fp8)
     if route is None:
-        return _forward(x, w, b, level)
+        return _forward(x, w, b, level) if fp8 is None else _fp8_linear(x, w, b, fp8)
     if isinstance(dest, ToSplit):
-        return _split_linear(route, x, w, b, level)
+        return _split_linear(route, x, w, b, level, fp8)
     return route.into_bucket(
         lambda bk, offset: linear_into_bucket(
-            x, w, b, bk, offset=offset, precision=precision, gather_axis=gather_axis
+            x, w, b, bk, offset=offset, precision=precision, gather_axis=gather_axis, fp8=fp8
         )
     )

@@ -38,6 +38,7 @@ from jax_wgrad.functional.collectives import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from jax_wgrad.functional.cross_entropy import vocab_shard_index
+from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Recipe
 from jax_wgrad.functional.linear import linear
 from jax_wgrad.functional.saved import SAVED
 from jax_wgrad.nn.facts import param_facts
@@ -70,6 +71,9 @@ class ColumnParallelLinear(nnx.Module):
     1, so each rank holds the gate and up rows of the same ``out / tp`` features,
     Megatron's per-rank layout) and the output is ``[..., 2 * out / tp]``: this rank's
     gate features, then its up features.
+
+    ``fp8``: its GEMMs in FP8 (:func:`~jax_wgrad.functional.linear`'s ``fp8``; the weight
+    and the output gradient scaled by their amax over the tensor ranks).
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class ColumnParallelLinear(nnx.Module):
         init_std: float = 0.02,
         precision: PrecisionLike = None,
         gated: bool = False,
+        fp8: Fp8Recipe | None = None,
         rngs: nnx.Rngs,
     ):
         if out_features % tp_size != 0:
@@ -98,6 +103,7 @@ class ColumnParallelLinear(nnx.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.precision = precision
+        self.fp8 = None if fp8 is None else Fp8Gemm.column(fp8, axis_name if tp_size > 1 else None)
         local_out = out_features // tp_size
         lead, axis = ((2,), 1) if gated else ((), 0)
         self.weight = (
@@ -133,7 +139,7 @@ class ColumnParallelLinear(nnx.Module):
             bias = None if self.bias is None else self.bias[...].reshape(-1)
             # gated: [2 F/tp, in]; a mapped variable keeps its route (row-major block)
             w = jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), weight)
-            y = linear(x, w, bias, precision=self.precision, gather_axis=gather)
+            y = linear(x, w, bias, precision=self.precision, gather_axis=gather, fp8=self.fp8)
             if self.gather_output and self.tp_size > 1:
                 y = gather_last_dim(y, self.axis_name)
             return y
@@ -146,6 +152,9 @@ class RowParallelLinear(nnx.Module):
     ``X`` (Megatron's ``input_is_parallel=True``). The partial products are all-reduced
     (or reduce-scattered on the sequence with sequence parallelism); the bias
     ``[out]`` is added after the reduction, once.
+
+    ``fp8``: its GEMMs in FP8 (:func:`~jax_wgrad.functional.linear`'s ``fp8``; the input
+    and the weight scaled by their amax over the tensor ranks).
     """
 
     def __init__(
@@ -159,6 +168,7 @@ class RowParallelLinear(nnx.Module):
         sequence_parallel: bool = False,
         init_std: float = 0.02,
         precision: PrecisionLike = None,
+        fp8: Fp8Recipe | None = None,
         rngs: nnx.Rngs,
     ):
         if in_features % tp_size != 0:
@@ -170,6 +180,7 @@ class RowParallelLinear(nnx.Module):
         self.axis_name = axis_name
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.precision = precision
+        self.fp8 = None if fp8 is None else Fp8Gemm.row(fp8, axis_name if tp_size > 1 else None)
         self.weight = nnx.Param(
             _normal(rngs, (out_features, in_features // tp_size), init_std),
             **param_facts(1, weight_decay=True, fused_wgrad=True),
@@ -183,7 +194,7 @@ class RowParallelLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``."""
         with jax.named_scope("row_parallel_linear"):
-            y = linear(x, self.weight, None, precision=self.precision)
+            y = linear(x, self.weight, None, precision=self.precision, fp8=self.fp8)
             if self.tp_size > 1:
                 if self.sequence_parallel:
                     y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name, SEQ_DIM)

@@ -9,20 +9,69 @@ An MoE model's layers (``cfg.moe_layer_pattern``) use the dense MoE reference
 (:func:`~jax_wgrad.testing.reference_moe_mlp`: every token through its top-k experts, no
 capacity) -- equal to the expert-parallel layer whenever no token is dropped. A
 sliding window (``cfg.window_size``) is applied by this module's own mask.
+
+With FP8 (``cfg.fp8_format``) the transformer layers' linears are the quantize-dequantize
+model written plainly (:func:`fp8_reference_linear`): float32 GEMMs at ``HIGHEST`` of the
+quantized-then-dequantized input and weight, the output gradient quantized-dequantized in
+the backward, every quantized tensor's gradient passed straight through. Activations are
+scaled per microbatch of ``micro_batch_size`` sequences, as the training step does.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jax_wgrad.functional.fp8 import Fp8Recipe, quantize
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.testing.moe_reference import reference_moe_mlp
 
-__all__ = ["reference_loss", "reference_logits"]
+__all__ = ["fp8_reference_linear", "reference_loss", "reference_logits"]
+
+
+def _qdq(x: jax.Array, dtype) -> jax.Array:
+    """``x`` quantized to ``dtype`` with its per-tensor scale, dequantized in float32."""
+    q = quantize(x, dtype)
+    return q.value.astype(jnp.float32) * q.scale_inv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ste_qdq(x: jax.Array, dtype) -> jax.Array:
+    """:func:`_qdq` whose gradient passes straight through."""
+    return _qdq(x, dtype)
+
+
+_ste_qdq.defvjp(lambda x, dtype: (_qdq(x, dtype), None), lambda dtype, _, g: (g,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _qdq_gradient(y: jax.Array, dtype) -> jax.Array:
+    """Identity whose gradient is quantized-dequantized (an output gradient's FP8)."""
+    return y
+
+
+_qdq_gradient.defvjp(lambda y, dtype: (y, None), lambda dtype, _, g: (_qdq(g, dtype),))
+
+
+def fp8_reference_linear(
+    x: jax.Array, w: jax.Array, b: jax.Array | None, recipe: Fp8Recipe
+) -> jax.Array:
+    """``x [..., in] @ w [out, in]^T + b`` as FP8 training computes it, written plainly:
+    float32 GEMMs of the quantize-dequantized ``x`` and ``w`` (E4M3), the output
+    gradient quantize-dequantized (E5M2 in ``hybrid``) before it reaches them, the bias
+    and its gradient in float32. ``[..., out]`` float32."""
+    y = jnp.einsum(
+        "...i,oi->...o",
+        _ste_qdq(x, recipe.forward_dtype),
+        _ste_qdq(w, recipe.forward_dtype),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    y = _qdq_gradient(y, recipe.gradient_dtype)
+    return y if b is None else y + b
 
 
 def _norm(x, p, cfg: GPTConfig):
@@ -36,7 +85,10 @@ def _norm(x, p, cfg: GPTConfig):
     return y.astype(x.dtype)
 
 
-def _dense(x, p, w="weight", b="bias"):
+def _dense(x, p, w="weight", b="bias", fp8: Fp8Recipe | None = None):
+    if fp8 is not None:
+        weight = p[w].reshape(-1, p[w].shape[-1])  # SwiGLU's [2, F, H]: one GEMM
+        return fp8_reference_linear(x, weight, p.get(b), fp8).astype(x.dtype)
     y = x @ p[w].T.astype(x.dtype)
     return y + p[b].astype(x.dtype) if b in p else y
 
@@ -83,7 +135,8 @@ def _attention(x, p, cfg: GPTConfig):
     b, s, _ = x.shape
     g, d = cfg.query_groups, cfg.head_dim
     m = cfg.num_attention_heads // g
-    qkv = _dense(_norm(x, p["ln1"], cfg), p["qkv"]).reshape(b, s, g, m + 2, d)
+    fp8 = cfg.fp8_config()
+    qkv = _dense(_norm(x, p["ln1"], cfg), p["qkv"], fp8=fp8).reshape(b, s, g, m + 2, d)
     q, k, v = qkv[:, :, :, :m], qkv[:, :, :, m], qkv[:, :, :, m + 1]  # q [b, s, g, m, d]
     if cfg.qk_layernorm:
         q, k = _norm(q, p["q_norm"], cfg), _norm(k, p["k_norm"], cfg)
@@ -93,12 +146,17 @@ def _attention(x, p, cfg: GPTConfig):
     sc = jnp.einsum("bqgmd,bkgd->bgmqk", q, k, preferred_element_type=jnp.float32)
     sc = jnp.where(_allowed(s, cfg), sc / math.sqrt(d), -jnp.inf)
     a = jnp.einsum("bgmqk,bkgd->bqgmd", jax.nn.softmax(sc, -1).astype(v.dtype), v)
-    return x + _dense(a.reshape(b, s, g * m * d), p["proj"])
+    return x + _dense(a.reshape(b, s, g * m * d), p["proj"], fp8=fp8)
 
 
 def _mlp(h, p, cfg: GPTConfig):
+    fp8 = cfg.fp8_config()
     if not cfg.swiglu:
-        return _dense(jax.nn.gelu(_dense(h, p["fc1"]), approximate=False), p["fc2"])
+        hidden = jax.nn.gelu(_dense(h, p["fc1"], fp8=fp8), approximate=False)
+        return _dense(hidden, p["fc2"], fp8=fp8)
+    if fp8 is not None:  # the fused gate and up projection: one GEMM, one scale
+        gate, up = jnp.split(_dense(h, p["fc1"], fp8=fp8), 2, axis=-1)
+        return _dense(jax.nn.silu(gate) * up, p["fc2"], fp8=fp8)
     w, bias = p["fc1"]["weight"], p["fc1"].get("bias")
     gate, up = (
         _dense(h, {"weight": w[i], **({} if bias is None else {"bias": bias[i]})}) for i in (0, 1)
@@ -125,18 +183,27 @@ def _forward(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig, mb: int, dt
             y = y + _mlp(_norm(x, p["ln2"], cfg), p["shared_expert"], cfg)
         return x + y, jnp.mean(aux)
 
-    aux_total = jnp.float32(0.0)
-    index = {"layers": 0, "moe_layers": 0}
-    for is_moe in cfg.moe_layer_pattern:
-        key = "moe_layers" if is_moe else "layers"
-        p = jax.tree.map(lambda a, i=index[key]: a[i], params[key])
-        index[key] += 1
-        if is_moe:
-            x, aux = moe(x, p)
-            aux_total = aux_total + aux
-        else:
-            x = _attention(x, p, cfg)
-            x = x + _mlp(_norm(x, p["ln2"], cfg), p, cfg)
+    def layers(x):
+        aux_total = jnp.float32(0.0)
+        index = {"layers": 0, "moe_layers": 0}
+        for is_moe in cfg.moe_layer_pattern:
+            key = "moe_layers" if is_moe else "layers"
+            p = jax.tree.map(lambda a, i=index[key]: a[i], params[key])
+            index[key] += 1
+            if is_moe:
+                x, aux = moe(x, p)
+                aux_total = aux_total + aux
+            else:
+                x = _attention(x, p, cfg)
+                x = x + _mlp(_norm(x, p["ln2"], cfg), p, cfg)
+        return x, aux_total
+
+    if cfg.fp8_format is None:
+        x, aux_total = layers(x)
+    else:  # FP8 scales activations per microbatch: the layers per microbatch
+        b = mb
+        x, aux = jax.vmap(layers)(x.reshape(-1, mb, *x.shape[1:]))
+        x, aux_total = x.reshape(-1, *x.shape[2:]), jnp.mean(aux)
     head = params["head"]
     x = _norm(x, head["final_norm"], cfg)
     w = head["output"]["weight"] if "output" in head else emb["word"]["embedding"]

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from jax_wgrad._validation import check_positive
 from jax_wgrad.functional.attention import RopeScaling
+from jax_wgrad.functional.fp8 import Fp8Recipe
 from jax_wgrad.functional.moe import MoEConfig
 from jax_wgrad.nn.norm import NORMALIZATIONS
 from jax_wgrad.parallel.config import ParallelConfig
@@ -45,6 +46,10 @@ RUN_OPTIONS = frozenset(
         "layer_scan_unroll",
         "moe_dropless_buffer_factor",
         "moe_permute_fusion",
+        *(f"fp8_{f}" for f in Fp8Recipe.__dataclass_fields__),
+        "first_last_layers_bf16",
+        "num_layers_at_start_in_bf16",
+        "num_layers_at_end_in_bf16",
     }
 )
 """Fields that say how a run computes, not which model it is (no preset or converted
@@ -214,6 +219,43 @@ class GPTConfig:
     (:func:`jax_wgrad.functional.moe_dispatch.permute_rows`); the same numbers up to the
     order of a token's sum over its choices."""
 
+    # -- FP8 (Megatron's names; the recipe's default is per-tensor current scaling). Each
+    # option is forwarded to :class:`~jax_wgrad.functional.fp8.Fp8Recipe` (field metadata
+    # "fp8": its field's name), whose defaults and checks are the only ones.
+    fp8_format: Literal["e4m3", "hybrid"] | None = None
+    """Megatron's ``--fp8-format``: the transformer layers' linears (qkv, projection, MLP,
+    shared experts) run their forward, data-gradient and weight-gradient GEMMs in FP8
+    (:mod:`jax_wgrad.functional.fp8`); ``e4m3`` everywhere, or ``hybrid`` with E5M2
+    output gradients. The embedding, the output layer, the norms, the router, the
+    attention core and the routed experts stay in ``compute_dtype``. ``None``: no FP8."""
+    fp8_recipe: Literal["tensorwise", "delayed"] = dataclasses.field(
+        default=Fp8Recipe.__dataclass_fields__["recipe"].default, metadata={"fp8": "recipe"}
+    )
+    """Megatron's ``--fp8-recipe``: ``tensorwise`` (per-tensor current scaling, the
+    default here; Megatron's is ``delayed``); ``delayed`` is not built and is refused."""
+    fp8_margin: int = dataclasses.field(
+        default=Fp8Recipe.__dataclass_fields__["margin"].default, metadata={"fp8": "margin"}
+    )
+    """Megatron's ``--fp8-margin``: each scale is ``2**-margin`` times the largest that
+    fits."""
+    fp8_amax_history_len: int = dataclasses.field(
+        default=Fp8Recipe.__dataclass_fields__["amax_history_len"].default,
+        metadata={"fp8": "amax_history_len"},
+    )
+    """Megatron's ``--fp8-amax-history-len`` (delayed scaling)."""
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = dataclasses.field(
+        default=Fp8Recipe.__dataclass_fields__["amax_compute_algo"].default,
+        metadata={"fp8": "amax_compute_algo"},
+    )
+    """Megatron's ``--fp8-amax-compute-algo`` (delayed scaling)."""
+    first_last_layers_bf16: bool = False
+    """Megatron's ``--first-last-layers-bf16``: keep the first and last layers out of FP8.
+    Not built here (a layer scan runs one kind of layer): refused."""
+    num_layers_at_start_in_bf16: int = 1
+    """Megatron's ``--num-layers-at-start-in-bf16`` (with ``first_last_layers_bf16``)."""
+    num_layers_at_end_in_bf16: int = 1
+    """Megatron's ``--num-layers-at-end-in-bf16`` (with ``first_last_layers_bf16``)."""
+
     def __post_init__(self) -> None:
         for name in (
             "vocab_size",
@@ -255,6 +297,44 @@ class GPTConfig:
                 f"{self.compute_dtype!r}"
             )
         self._validate_moe()
+        self._validate_fp8()
+
+    def _validate_fp8(self) -> None:
+        """FP8's options: checked by :class:`~jax_wgrad.functional.fp8.Fp8Recipe` with a
+        format; without one, none may differ from its default (it would be ignored)."""
+        if self.fp8_format is None:
+            given = [
+                f.name
+                for f in dataclasses.fields(self)
+                if ("fp8" in f.metadata or f.name.endswith("_in_bf16"))
+                and getattr(self, f.name) != f.default
+            ]
+            if self.first_last_layers_bf16:
+                given.append("first_last_layers_bf16")
+            if given:
+                raise ValueError(f"FP8 options {given} need fp8_format (FP8 is off without it)")
+            return
+        self.fp8_config()  # the recipe's checks
+        if self.first_last_layers_bf16:
+            raise NotImplementedError(
+                "first_last_layers_bf16 (--first-last-layers-bf16) is not built: a stage's "
+                "layers run as one scan of one kind of layer, all in FP8 or none"
+            )
+
+    def fp8_config(self) -> Fp8Recipe | None:
+        """The transformer layers' :class:`~jax_wgrad.functional.fp8.Fp8Recipe`, ``None``
+        without ``fp8_format``: every field with ``"fp8"`` metadata, under its recipe
+        name."""
+        if self.fp8_format is None:
+            return None
+        return Fp8Recipe(
+            format=self.fp8_format,
+            **{
+                f.metadata["fp8"]: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if "fp8" in f.metadata
+            },
+        )
 
     def _validate_architecture(self) -> None:
         """Megatron's checks of the architecture options (``arguments.py``)."""

@@ -159,7 +159,12 @@ class TransformerLayer(nnx.Module):
         rngs: nnx.Rngs,
     ):
         h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
-        common = dict(tp_size=tp_size, axis_name=axis_name, sequence_parallel=sequence_parallel)
+        common = dict(
+            tp_size=tp_size,
+            axis_name=axis_name,
+            sequence_parallel=sequence_parallel,
+            fp8=cfg.fp8_config(),
+        )
         out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
         norm = lambda width: make_norm(cfg.normalization, width, epsilon=cfg.layernorm_epsilon)
         groups, heads = cfg.query_groups, cfg.num_attention_heads

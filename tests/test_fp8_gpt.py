@@ -1,0 +1,131 @@
+"""FP8 training of the GPT (``fp8_format``): the pipelined, sharded step's gradients equal
+``jax.grad`` of the single-device reference written plainly in quantize-dequantize form
+(:func:`jax_wgrad.testing.reference_loss` with FP8: the same quantized values, float32
+accumulation only), on (2, 2, 2) with sequence parallelism, fused into the buckets and
+not, with the output layer's weight gradient deferred; the options' refusals."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_wgrad import (
+    GPTConfig,
+    GPTProgram,
+    ParallelConfig,
+    fusion_available,
+    init_params,
+    make_mesh,
+    pipeline_gradients,
+)
+from jax_wgrad.layout import lay_out
+from jax_wgrad.models.gpt import validate
+from jax_wgrad.testing import reference_loss
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
+
+LLAMA = dict(
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    group_query_attention=True,
+    num_attention_heads=4,
+    num_query_groups=2,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+)
+
+
+def _grads(cfg, par):
+    validate(par, cfg)
+    mesh = make_mesh(par, jax.devices()[: par.world_size])
+    params = init_params(cfg, seed=0)
+    tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
+    ref_loss, ref_grads = jax.value_and_grad(reference_loss)(
+        params, tokens, cfg, micro_batch_size=par.micro_batch_size
+    )
+    stages = lay_out(GPTProgram(cfg, par))
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), stages.param_specs(), is_leaf=lambda x: isinstance(x, P)
+    )
+    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t))(
+        jax.device_put(stages.from_canonical(params), shardings),
+        jax.device_put(tokens, NamedSharding(mesh, P("data"))),
+    )
+    return loss, ref_loss, stages.to_canonical(grads), ref_grads
+
+
+def _assert_close(loss, ref_loss, grads, ref_grads, tol=1e-5):
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=tol)
+    flat, _ = jax.tree_util.tree_flatten_with_path(grads)
+    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
+        g, r = np.asarray(g), np.asarray(r)
+        diff, scale = np.abs(g - r).max(), np.abs(r).max()
+        assert scale > 0, jax.tree_util.keystr(path)
+        assert diff <= tol * scale, (
+            f"{jax.tree_util.keystr(path)}: {diff:.3g} > {tol} x {scale:.3g}"
+        )
+
+
+def _config(fmt="hybrid", **kw):
+    return GPTConfig(
+        num_layers=4,
+        hidden_size=32,
+        seq_length=8,
+        vocab_size=64,
+        fp8_format=fmt,
+        **{**LLAMA, **kw},
+    )
+
+
+def _parallel(fusion=True, **kw):
+    return ParallelConfig(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        micro_batch_size=2,
+        global_batch_size=8,
+        sequence_parallel=True,
+        gradient_accumulation_fusion=fusion,
+        world_size=8,
+        **kw,
+    )
+
+
+@pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
+@pytest.mark.parametrize(
+    "fmt, fusion, extra",
+    [
+        pytest.param("hybrid", True, {}, id="hybrid-fused"),
+        pytest.param(
+            "hybrid",
+            True,
+            dict(defer_embedding_wgrad_compute=True),
+            id="hybrid-fused-deferred",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param("e4m3", False, {}, id="e4m3-unfused", marks=pytest.mark.slow),
+    ],
+)
+def test_fp8_gradients_equal_the_quantize_dequantize_reference(fmt, fusion, extra):
+    out = _grads(_config(fmt), _parallel(fusion, **extra))
+    _assert_close(*out)
+    # Not vacuous: the FP8 model is not the float32 one.
+    plain = jax.grad(reference_loss)(
+        init_params(_config(None), 0),
+        jax.random.randint(jax.random.key(1), (8, 9), 0, 64),
+        _config(None),
+    )
+    w, w32 = (np.asarray(g["layers"]["fc2"]["weight"]) for g in (out[3], plain))
+    assert np.abs(w - w32).max() > 1e-3 * np.abs(w32).max()
+
+
+def test_fp8_refusals():
+    with pytest.raises(ValueError, match=r"FP8 options \['fp8_margin'\] need fp8_format"):
+        GPTConfig(fp8_margin=1)
+    with pytest.raises(ValueError, match="fp8_format must be one of e4m3, hybrid"):
+        GPTConfig(fp8_format="e5m2")
+    with pytest.raises(NotImplementedError, match="fp8_recipe 'delayed'"):
+        GPTConfig(fp8_format="hybrid", fp8_recipe="delayed")
+    with pytest.raises(NotImplementedError, match="first_last_layers_bf16"):
+        GPTConfig(fp8_format="hybrid", first_last_layers_bf16=True)
