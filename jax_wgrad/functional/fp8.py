@@ -47,6 +47,7 @@ __all__ = [
     "Fp8Gemm",
     "Fp8Recipe",
     "Fp8Tensor",
+    "check_fp8_platform",
     "fp8_dot",
     "quantize",
     "scale_exponent",
@@ -96,7 +97,7 @@ class Fp8Recipe:
                 f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.recipe!r}"
             )
         if self.recipe == "delayed":
-            raise NotImplementedError(
+            raise ValueError(
                 "fp8_recipe 'delayed' (amax histories carried through the schedule and "
                 "checkpoints) is not built yet; use 'tensorwise' (per-tensor current scaling)"
             )
@@ -115,6 +116,13 @@ class Fp8Recipe:
                 f"fp8_amax_compute_algo must be one of {', '.join(AMAX_COMPUTE_ALGOS)}, "
                 f"got {self.amax_compute_algo!r}"
             )
+        history = (self.amax_history_len, self.amax_compute_algo)
+        if self.recipe != "delayed" and history != (1, "most_recent"):
+            raise ValueError(
+                f"fp8_amax_history_len ({self.amax_history_len}) and fp8_amax_compute_algo "
+                f"({self.amax_compute_algo!r}) are delayed scaling's; fp8_recipe "
+                f"{self.recipe!r} scales each tensor by its own amax and keeps no history"
+            )
 
     @property
     def forward_dtype(self) -> jnp.dtype:
@@ -125,6 +133,30 @@ class Fp8Recipe:
     def gradient_dtype(self) -> jnp.dtype:
         """The type of the output gradients: E5M2 in ``hybrid``, else E4M3."""
         return jnp.dtype(jnp.float8_e5m2 if self.format == "hybrid" else jnp.float8_e4m3fn)
+
+
+def check_fp8_platform(platform: str) -> None:
+    """Raises ``ValueError`` where FP8 GEMMs cannot run: a platform other than the CPU
+    (exact, slow) and CUDA GPUs, or a CUDA GPU without FP8 tensor cores (compute
+    capability below 8.9). Compiling for GPUs that are not here checks nothing."""
+    if platform == "cpu":
+        return
+    if platform not in ("gpu", "cuda"):
+        raise ValueError(
+            f"fp8_format runs on CUDA GPUs of compute capability 8.9 or newer and on the "
+            f"CPU; the platform is {platform!r}"
+        )
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:  # compiling for GPUs that are not here
+        return
+    for d in devices:
+        capability = getattr(d, "compute_capability", None)
+        if capability and tuple(int(p) for p in capability.split(".")[:2]) < (8, 9):
+            raise ValueError(
+                f"fp8_format needs FP8 tensor cores (compute capability 8.9 or newer: "
+                f"Ada, Hopper, Blackwell); {d.device_kind} has {capability}"
+            )
 
 
 class Fp8Tensor(NamedTuple):

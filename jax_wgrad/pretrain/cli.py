@@ -605,6 +605,19 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         ),
     ),
     (
+        "FP8 (Megatron's flags; needs --bf16)",
+        (
+            Flag("--fp8-format", GPTConfig, "fp8_format"),
+            Flag("--fp8-recipe", GPTConfig, "fp8_recipe"),
+            Flag("--fp8-margin", GPTConfig, "fp8_margin"),
+            Flag("--fp8-amax-history-len", GPTConfig, "fp8_amax_history_len"),
+            Flag("--fp8-amax-compute-algo", GPTConfig, "fp8_amax_compute_algo"),
+            Flag("--first-last-layers-bf16", GPTConfig, "first_last_layers_bf16"),
+            Flag("--num-layers-at-start-in-bf16", GPTConfig, "num_layers_at_start_in_bf16"),
+            Flag("--num-layers-at-end-in-bf16", GPTConfig, "num_layers_at_end_in_bf16"),
+        ),
+    ),
+    (
         "mixture of experts (Megatron's flags)",
         (
             Flag("--num-experts", GPTConfig, "num_moe_experts"),
@@ -1255,6 +1268,24 @@ def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
             "cuda_graph_scope",
             args.compile_only or cuda_gpu_usable(),
             "a CUDA GPU or --compile-only (XLA:CPU has no CUDA graphs)",
+        ),
+        (
+            "fp8_format",
+            args.bf16,
+            "--bf16 (Megatron's FP8 runs on bf16 parameters and activations; the GEMMs "
+            "of the transformer layers' linears in FP8)",
+        ),
+        *(
+            (dest, args.fp8_format is not None, "--fp8-format (FP8 is off without it)")
+            for dest in (
+                "fp8_recipe",
+                "fp8_margin",
+                "fp8_amax_history_len",
+                "fp8_amax_compute_algo",
+                "first_last_layers_bf16",
+                "num_layers_at_start_in_bf16",
+                "num_layers_at_end_in_bf16",
+            )
         ),
         ("coordinator_address", args.distributed, "--distributed"),
         ("num_processes", args.distributed, "--distributed"),

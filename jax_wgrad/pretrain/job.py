@@ -308,8 +308,14 @@ def describe(plan, data, state) -> list[str]:
             if model.padded_vocab_size != model.vocab_size
             else ""
         )
-        + f", {model.compute_dtype}, "
-        f"{model.normalization}, {model.position_embedding_type}, "
+        + f", {model.compute_dtype}"
+        + (
+            ""
+            if model.fp8_format is None
+            else f" with FP8 {model.fp8_format} ({model.fp8_recipe} scaling, margin "
+            f"{model.fp8_margin}) in the layers' linears"
+        )
+        + f", {model.normalization}, {model.position_embedding_type}, "
         f"{'swiglu' if model.swiglu else 'gelu'}, "
         f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'}"
         + (

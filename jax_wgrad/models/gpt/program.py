@@ -13,6 +13,7 @@ from flax import nnx
 from jax import lax
 
 from jax_wgrad.functional.cross_entropy import recompute_dy
+from jax_wgrad.functional.fp8 import check_fp8_platform
 from jax_wgrad.functional.moe import MoEStats
 from jax_wgrad.functional.stacked import LayerRecompute, scan_layers
 from jax_wgrad.grads.chunks import DeviceTree, Window
@@ -68,6 +69,8 @@ class GPTProgram:
     def __post_init__(self) -> None:
         if self.platform is None:
             object.__setattr__(self, "platform", jax.default_backend())
+        if self.model.fp8_format is not None:
+            check_fp8_platform(self.platform)
         emb, layer, moe_layer, head = abstract_modules(
             self.model,
             self.parallel.tensor_model_parallel_size,
