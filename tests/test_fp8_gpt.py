@@ -2,7 +2,11 @@
 ``jax.grad`` of the single-device reference written plainly in quantize-dequantize form
 (:func:`jax_wgrad.testing.reference_loss` with FP8: the same quantized values, float32
 accumulation only), on (2, 2, 2) with sequence parallelism, fused into the buckets and
-not, with the output layer's weight gradient deferred; the options' refusals."""
+not, with the output layer's weight gradient deferred, under 1F1B and zero bubble (ZB-H1);
+the options' refusals."""
+
+import re
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -96,13 +100,19 @@ def _parallel(fusion=True, **kw):
 @pytest.mark.parametrize(
     "fmt, fusion, extra",
     [
-        pytest.param("hybrid", True, {}, id="hybrid-fused"),
+        pytest.param("hybrid", True, {}, id="hybrid-fused", marks=pytest.mark.slow),
         pytest.param(
             "hybrid",
             True,
             dict(defer_embedding_wgrad_compute=True),
             id="hybrid-fused-deferred",
             marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "hybrid",
+            True,
+            dict(pipeline_schedule="zb-h1", defer_embedding_wgrad_compute=True),
+            id="hybrid-zb-h1-deferred",
         ),
         pytest.param("e4m3", False, {}, id="e4m3-unfused", marks=pytest.mark.slow),
     ],
@@ -129,3 +139,71 @@ def test_fp8_refusals():
         GPTConfig(fp8_format="hybrid", fp8_recipe="delayed")
     with pytest.raises(ValueError, match="first_last_layers_bf16"):
         GPTConfig(fp8_format="hybrid", first_last_layers_bf16=True)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--fp8-format", "hybrid"], r"--fp8-format hybrid needs --bf16"),
+        (["--bf16", "--fp8-margin", "1"], r"--fp8-margin 1 needs --fp8-format"),
+        (
+            ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+            r"--fp8-recipe 'delayed' .* is not built yet",
+        ),
+        (
+            ["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"],
+            r"--fp8-amax-history-len \(1024\) and --fp8-amax-compute-algo .* are delayed "
+            r"scaling's",
+        ),
+        (["--bf16", "--fp8-format", "e5m2"], r"--fp8-format: invalid choice: 'e5m2'"),
+        (
+            ["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"],
+            r"--first-last-layers-bf16 is not built",
+        ),
+    ],
+)
+def test_fp8_flags_refused_in_one_line(pretrain, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        pretrain.main(argv + ["--train-iters", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert re.search(message, err), err
+
+
+def test_a_non_finite_fp8_step_stops_the_loop():
+    """A skipped (non-finite) step of an FP8 run raises before it is logged; without FP8
+    it is counted (the optimizer skipped it)."""
+    from jax_wgrad.training.loop import Fp8NonFiniteError, _one_step
+
+    def step(fp8):
+        written = []
+        metrics = {"loss": float("nan"), "grad_norm": float("nan"), "skipped": True}
+        summary = {"losses": [], "times": [], "skipped_steps": 0, "start_step": 0}
+        _one_step(
+            lambda state, tokens: (state, metrics),
+            "state",
+            lambda i: np.zeros((2, 9), np.int32),
+            2,
+            (0, 0),
+            SimpleNamespace(profile_dir=None, log_interval=1, train_iters=5),
+            summary,
+            SimpleNamespace(write=written.append),
+            SimpleNamespace(set_postfix=lambda **kw: None),
+            lambda msg: None,
+            fp8,
+        )
+        return written, summary
+
+    with pytest.raises(Fp8NonFiniteError, match=r"iteration 3: the gradients are not finite"):
+        step("hybrid")
+    _, summary = step(None)
+    assert summary["skipped_steps"] == 1
+
+
+@pytest.mark.slow  # a 20 s example run; the loop's refusal runs by default (above)
+def test_example_stops_when_fp8_meets_a_nan(pretrain, capsys):
+    with pytest.raises(SystemExit) as exc:
+        pretrain.main(["--bf16", "--fp8-format", "hybrid", "--lr", "1e30", "--train-iters", "6"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "Traceback" not in err, err
+    assert "the gradients are not finite" in err and "--fp8-format hybrid" in err, err

@@ -34,6 +34,7 @@ scale operands; tests/test_fp8_gpu_compile.py reads it in the H100 compile).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal, NamedTuple
 
@@ -48,7 +49,9 @@ __all__ = [
     "Fp8Recipe",
     "Fp8Tensor",
     "check_fp8_platform",
+    "dequantize",
     "fp8_dot",
+    "quantized_gradient",
     "quantize",
     "scale_exponent",
 ]
@@ -201,13 +204,20 @@ def quantize(
       ``Fp8Tensor(value, scale_inv)``: ``value`` of ``x``'s shape in ``dtype``,
       ``scale_inv = 2**-e`` float32.
     """
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(jax.lax.stop_gradient(x))).astype(jnp.float32)  # no derivative
     if amax_axis is not None:
         amax = jax.lax.pmax(amax, amax_axis)
     e = scale_exponent(amax, dtype, margin)
     top = jnp.float32(jnp.finfo(dtype).max)
     scaled = jnp.clip(x.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), e), -top, top)
     return Fp8Tensor(scaled.astype(dtype), jnp.ldexp(jnp.float32(1), -e))
+
+
+def dequantize(q: Fp8Tensor, dtype: jnp.dtype) -> jax.Array:
+    """``q.value * q.scale_inv`` in ``dtype``: exact in any float type with float32's
+    exponent range (an FP8 value has at most 4 significant bits, the scale is a power of
+    two)."""
+    return q.value.astype(dtype) * q.scale_inv.astype(dtype)
 
 
 def fp8_dot(
@@ -275,3 +285,22 @@ class Fp8Gemm:
         """The output gradient quantized (E5M2 in ``hybrid``, else E4M3)."""
         r = self.recipe
         return quantize(dy, r.gradient_dtype, margin=r.margin, amax_axis=self._axis("dy"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def quantized_gradient(y: jax.Array, gemm: Fp8Gemm) -> jax.Array:
+    """Identity; its gradient is quantized as ``gemm``'s output gradient and dequantized
+    (exactly): what zero bubble's split linear hands both its data-gradient GEMM and its
+    weight-gradient task, so that the ``W`` task's GEMM sees the FP8 values."""
+    return y
+
+
+def _quantized_gradient_fwd(y, gemm):
+    return y, None
+
+
+def _quantized_gradient_bwd(gemm, _, g):
+    return (dequantize(gemm.gradient(g), g.dtype),)
+
+
+quantized_gradient.defvjp(_quantized_gradient_fwd, _quantized_gradient_bwd)

@@ -65,7 +65,13 @@ from jax_wgrad.functional.collectives import (
     gather_from_sequence_parallel_region,
     reduce_scatter_tiled,
 )
-from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Tensor, fp8_dot
+from jax_wgrad.functional.fp8 import (
+    Fp8Gemm,
+    Fp8Tensor,
+    dequantize,
+    fp8_dot,
+    quantized_gradient,
+)
 from jax_wgrad.functional.routes import Route, ToBucket, ToPieces, ToSplit, route_of, value_of
 
 __all__ = ["check_bucket_block", "linear", "linear_into_bucket"]
@@ -362,14 +368,18 @@ def _precision(precision: ops.PrecisionLike, fp8: Fp8Gemm | None) -> int:
 
 def _split_linear(route: Route, x, w, b, precision: int, fp8: Fp8Gemm | None) -> jax.Array:
     """Zero bubble's split linear (:class:`~jax_wgrad.functional.routes.ToSplit`):
-    ``x @ stop_gradient(w).T + b + probe``, its input and output recorded."""
-    if fp8 is not None:
-        raise ValueError(
-            f"linear: {route.name} is split for zero bubble, whose weight-gradient task "
-            "does not run FP8 GEMMs yet; FP8 needs another pipeline schedule"
-        )
+    ``x @ stop_gradient(w).T + b + probe``, its input and output recorded.
+
+    With ``fp8`` the forward and the data-gradient GEMMs are FP8 ones, and the input is
+    recorded, and the output gradient reaches the probe, as their FP8 values dequantized
+    (exact in ``x``'s type): the ``W`` task's weight-gradient GEMM then computes on the
+    FP8 values, at the 16-bit rate (the same numbers as an FP8 GEMM's)."""
     probe = route.routes.probe(route)
-    y = _forward(x, jax.lax.stop_gradient(w), b, precision)
+    if fp8 is None:
+        y, recorded = _forward(x, jax.lax.stop_gradient(w), b, precision), x
+    else:
+        y = _fp8_linear(x, jax.lax.stop_gradient(w), None, fp8)
+        recorded = dequantize(fp8.input(jax.lax.stop_gradient(x)), x.dtype)
     if probe is not None:  # None: only record (to learn the shapes)
         if probe.shape != y.shape:
             raise ValueError(
@@ -377,7 +387,11 @@ def _split_linear(route: Route, x, w, b, precision: int, fp8: Fp8Gemm | None) ->
                 f"linear's output {y.shape}"
             )
         y = y + probe.astype(y.dtype)
-    route.routes.record(route, x, y)
+    if fp8 is not None:
+        y = quantized_gradient(y, fp8)  # the probe's gradient: dy's FP8 values
+        if b is not None:
+            y = y + b.astype(y.dtype)  # the bias gradient from dy itself
+    route.routes.record(route, recorded, y)
     return y
 
 

@@ -26,6 +26,7 @@ from jax_wgrad.training.data import padded_vocab_size
 from jax_wgrad.training.gpu import apply_gpu_xla_flags
 from jax_wgrad.training.loop import (
     DispatchOverflowError,
+    Fp8NonFiniteError,
     OutOfMemoryError,
     SaveError,
     check_paths,
@@ -80,7 +81,7 @@ def run_job(argv: list[str], prog: str | None = None) -> dict:
             scope.enter_context(LineFilter())  # fd 1 through a filter until the job ends
         try:
             return train(parser, args, opts)
-        except (OutOfMemoryError, DispatchOverflowError, SaveError) as exc:
+        except (OutOfMemoryError, DispatchOverflowError, Fp8NonFiniteError, SaveError) as exc:
             parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 

@@ -43,6 +43,7 @@ from jax_wgrad.training.step import TrainState, build_eval_step, build_train_ste
 __all__ = [
     "LoopOptions",
     "DispatchOverflowError",
+    "Fp8NonFiniteError",
     "OutOfMemoryError",
     "SaveError",
     "check_paths",
@@ -64,6 +65,12 @@ class DispatchOverflowError(RuntimeError):
     """A step routed more tokens to an expert rank than its dropless receive buffer holds
     (``--moe-dropless-buffer-factor``): its numbers are wrong, so the run stops before the
     step is logged or checkpointed (one line)."""
+
+
+class Fp8NonFiniteError(RuntimeError):
+    """An FP8 run's step had non-finite gradients: a NaN or Inf reached a tensor the
+    layers quantize (its amax), which no FP8 scale represents. The step was not applied;
+    the run stops before it is logged or checkpointed (one line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +245,7 @@ def run(
         checkpoint, a checkpoint of another model (one line each).
       OutOfMemoryError: the first step does not fit in device memory.
       DispatchOverflowError: a step overflowed the dropless MoE receive buffers.
+      Fp8NonFiniteError: an FP8 run's step had non-finite gradients.
       SaveError: another run saves checkpoints in ``opts.save`` (refused before anything
         is read or written), or a save did not fit or was refused by the file system.
       KeyboardInterrupt: after the checkpoint writes under way are complete.
@@ -289,17 +297,29 @@ def _train(plan, state, train_data, valid_data, opts, start, ckpt, metrics, log)
     )
     step_log = _above_the_bar(log) if show_bar else log
     profile = (start + min(1, opts.train_iters - start - 1), opts.profile_steps)
+    # A model config with FP8 (GPTConfig's fp8_format) stops on a non-finite step.
+    fp8 = getattr(plan.model, "fp8_format", None)
     done = start
     try:
         for i in bar:
             if i == start:
                 with _first_step_memory(plan, state, "first step"):
                     state = _one_step(
-                        compiled, state, batch, i, profile, opts, summary, metrics, bar, step_log
+                        compiled,
+                        state,
+                        batch,
+                        i,
+                        profile,
+                        opts,
+                        summary,
+                        metrics,
+                        bar,
+                        step_log,
+                        fp8,
                     )
             else:
                 state = _one_step(
-                    compiled, state, batch, i, profile, opts, summary, metrics, bar, step_log
+                    compiled, state, batch, i, profile, opts, summary, metrics, bar, step_log, fp8
                 )
             done = i + 1
             if eval_step and (done % opts.eval_interval == 0 or done == opts.train_iters):
@@ -442,7 +462,7 @@ def out_of_memory_message(
     return "; ".join(parts) + f" ({COMPILE_ONLY_HINT})"
 
 
-def _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, log):
+def _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, log, fp8=None):
     if opts.profile_dir and i == profile[0]:
         jax.profiler.start_trace(opts.profile_dir)
     tokens = batch(i)
@@ -462,6 +482,14 @@ def _one_step(compiled, state, batch, i, profile, opts, summary, metrics, bar, l
     summary["losses"].append(loss)
     summary["times"].append(dt)
     summary["skipped_steps"] += skipped
+    if skipped and fp8 is not None:
+        raise Fp8NonFiniteError(
+            f"iteration {i + 1}: the gradients are not finite (loss {loss:g}, grad norm "
+            f"{grad_norm:g}): a NaN or Inf reached the amax of a tensor the layers quantize "
+            f"under --fp8-format {fp8}, which no FP8 scale represents; the step was not "
+            "applied and the run stops (lower --lr, or find the NaN: rerun without "
+            "--fp8-format)"
+        )
     moe = {k: np.asarray(v).tolist() for k, v in m.items() if k.startswith("moe_")}
     if moe.get("moe_dispatch_overflow", 0) > 0:
         raise DispatchOverflowError(

@@ -652,11 +652,6 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
                 f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp})"
             )
     _validate_vocab(parallel, model)
-    if model.fp8_format is not None and parallel.pipeline_schedule == "zb-h1":
-        raise ValueError(
-            "fp8_format with pipeline_schedule 'zb-h1': zero bubble's weight-gradient tasks "
-            "do not run FP8 GEMMs yet; use '1f1b' or '1f1b-paired'"
-        )
     if model.query_groups % tp != 0:  # Megatron's rule: whole query groups per rank
         raise ValueError(
             f"num_query_groups ({model.query_groups}) must be a multiple of "
