@@ -5,6 +5,7 @@ accumulation only), on (2, 2, 2) with sequence parallelism, fused into the bucke
 not, with the output layer's weight gradient deferred, under 1F1B and zero bubble (ZB-H1);
 the options' refusals."""
 
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -49,6 +50,9 @@ def _grads(cfg, par):
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(
         params, tokens, cfg, micro_batch_size=par.micro_batch_size
     )
+    if cfg.num_moe_experts is not None:  # the step reports the language-model loss only
+        no_aux = dataclasses.replace(cfg, moe_aux_loss_coeff=0.0)
+        ref_loss = reference_loss(params, tokens, no_aux, micro_batch_size=par.micro_batch_size)
     stages = lay_out(GPTProgram(cfg, par))
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), stages.param_specs(), is_leaf=lambda x: isinstance(x, P)
@@ -115,18 +119,41 @@ def _parallel(fusion=True, **kw):
             id="hybrid-zb-h1-deferred",
         ),
         pytest.param("e4m3", False, {}, id="e4m3-unfused", marks=pytest.mark.slow),
+        pytest.param(
+            "hybrid",
+            True,
+            dict(expert_model_parallel_size=2),
+            id="hybrid-moe-ep2",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_fp8_gradients_equal_the_quantize_dequantize_reference(fmt, fusion, extra):
-    out = _grads(_config(fmt), _parallel(fusion, **extra))
+    """``hybrid-moe-ep2``: MoE layers (4 experts, top-2, a shared expert; EP2 with TP2 SP
+    and PP2): attention and the shared expert in FP8, the routed experts in bf16."""
+    moe = (
+        dict(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=32,
+            moe_grouped_gemm=True,
+            moe_shared_expert_intermediate_size=32,
+            moe_aux_loss_coeff=1e-2,
+        )
+        if extra.get("expert_model_parallel_size", 1) > 1
+        else {}
+    )
+    out = _grads(_config(fmt, **moe), _parallel(fusion, **extra))
     _assert_close(*out)
     # Not vacuous: the FP8 model is not the float32 one.
     plain = jax.grad(reference_loss)(
-        init_params(_config(None), 0),
+        init_params(_config(None, **moe), 0),
         jax.random.randint(jax.random.key(1), (8, 9), 0, 64),
-        _config(None),
+        _config(None, **moe),
+        micro_batch_size=2,
     )
-    w, w32 = (np.asarray(g["layers"]["fc2"]["weight"]) for g in (out[3], plain))
+    key = "moe_layers" if moe else "layers"
+    w, w32 = (np.asarray(g[key]["qkv"]["weight"]) for g in (out[3], plain))
     assert np.abs(w - w32).max() > 1e-3 * np.abs(w32).max()
 
 
