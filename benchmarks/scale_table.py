@@ -126,6 +126,11 @@ preset's architecture (RMSNorm, SwiGLU, RoPE, untied): the model Megatron-Core's
 parallel-folding paper reports 39.0% MFU for on H100s. Its shared expert's sigmoid gate is
 not built here (a ``[H] -> 1`` projection: negligible FLOPs)."""
 
+FP8: tuple[str, ...] = ("--fp8-format", "hybrid")
+"""Megatron's FP8 training (hybrid: E4M3 inputs and weights, E5M2 output gradients) with
+per-tensor current scaling: the forward, data- and weight-gradient GEMMs of the layers'
+linears in FP8, the weight gradients fused into the fp32 buckets."""
+
 MOE_BEST: tuple[str, ...] = ("--moe-dropless-buffer-factor", "1.25", "--moe-permute-fusion")
 """Dropless receive buffers of 1.25 T k rows, permutations that gather both ways."""
 
@@ -287,6 +292,36 @@ LAYOUTS: tuple[Layout, ...] = (
         8,
         _tp_pp(2) + _seq(4096, 16) + ("--overlap-grad-reduce",),
         "TP2 DP4, seq 4096, no recompute, grad reduce per bucket",
+    ),
+    Layout(
+        "llama3-8b-fp8",
+        "llama3-8b",
+        8,
+        _tp_pp(4)
+        + _seq(8192, 16)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "32")
+        + FP8,
+        "the best FP8 layout found: llama3-8b-tp4dp2-s8k-graphs with FP8 (hybrid, "
+        "per-tensor current scaling) in the layers' linears",
+    ),
+    Layout(
+        "llama3-8b-tp4dp2-s8k-fp8",
+        "llama3-8b",
+        8,
+        _tp_pp(4)
+        + _seq(8192, 16)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
+        + FP8,
+        "llama3-8b-tp4dp2-s8k with FP8 (hybrid) in the layers' linears",
+    ),
+    Layout(
+        "llama3-8b-tp2dp4-s4k-fp8",
+        "llama3-8b",
+        8,
+        _tp_pp(2) + _seq(4096, 16) + ("--overlap-grad-reduce",) + FP8,
+        "llama3-8b-tp2dp4-s4k with FP8 (hybrid) in the layers' linears",
     ),
     Layout(
         "llama3-70b-tp8pp4dp2-s4k-full",
