@@ -29,6 +29,11 @@ XLA GEMM measured here, or ``--peak-tflops``).
     python benchmarks/step_vs_plain_jax.py --hidden-size 2048 --num-layers 4 \\
         --num-attention-heads 16 --seq-length 1024 --micro-batch-size 4 \\
         --global-batch-size 64 --bf16                           # the issue's GPU case
+    python benchmarks/step_vs_plain_jax.py ... --bf16 --fp8-format hybrid  # FP8 vs BF16
+
+With ``--fp8-format`` the two jax_wgrad steps run their layers' linears in FP8
+(:mod:`jax_wgrad.functional.fp8`) and the plain JAX step stays in bf16: the ratios
+``fused_over_plain`` and ``unfused_over_plain`` are then FP8 against BF16.
 
 Beside each measured time the JSON has the estimate of the same compiled step
 (``estimated_*_ms``, :mod:`jax_wgrad.aot.estimate`, with the device's peaks: a known GPU's
@@ -93,6 +98,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--bf16", action="store_true", help="bfloat16 compute (fp32 params)")
+    p.add_argument(
+        "--fp8-format",
+        choices=("e4m3", "hybrid"),
+        default=None,
+        help="the jax_wgrad steps' layer linears in FP8 (the example's flag; needs --bf16); "
+        "the plain JAX step stays in bf16, so fused_over_plain is FP8 against BF16",
+    )
     p.add_argument("--attention-backend", choices=("auto", "xla", "cudnn"), default="auto")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument(
@@ -150,6 +162,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--variants {' '.join(args.variants)}: --compile-only compiles all three steps "
             "(nothing is held on a device); leave --variants out"
         )
+    if args.fp8_format and not args.bf16:
+        p.error(f"--fp8-format {args.fp8_format} needs --bf16")
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         p.error(
             f"--steps ({args.steps}), --rounds ({args.rounds}) and --warmup "
@@ -361,6 +375,7 @@ def _config(args) -> GPTConfig:
         attention_backend=args.attention_backend,
         compute_dtype="bfloat16" if args.bf16 else "float32",
         layer_scan_unroll=args.layer_scan_unroll,
+        fp8_format=args.fp8_format,
     )
 
 
@@ -374,6 +389,7 @@ def _shape(args, cfg: GPTConfig, attention: str) -> dict:
         "micro_batch_size": args.micro_batch_size,
         "global_batch_size": args.global_batch_size,
         "dtype": cfg.compute_dtype,
+        "fp8_format": cfg.fp8_format,
         "attention": attention,
     }
 

@@ -122,6 +122,19 @@ def _parallel(fusion=True, **kw):
         pytest.param(
             "hybrid",
             True,
+            dict(
+                virtual_pipeline_model_parallel_size=2,
+                pipeline_schedule="1f1b-paired",
+                recompute_granularity="full",
+                recompute_method="uniform",
+                recompute_num_layers=1,
+            ),
+            id="hybrid-interleaved-paired-recompute",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "hybrid",
+            True,
             dict(expert_model_parallel_size=2),
             id="hybrid-moe-ep2",
             marks=pytest.mark.slow,

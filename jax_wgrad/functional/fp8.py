@@ -28,7 +28,7 @@ same quantized weight).
 **The GEMM.** :func:`fp8_dot` is ``dot_general`` on the FP8 values with the output type
 given, times the product of the two dequantization factors: the pattern XLA:GPU's GEMM
 rewriter turns into one cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``, the scales as its
-scale operands; tests/test_fp8_gpu_compile.py reads it in the H100 compile).
+scale operands; tests/test_aot.py reads it in the H100 compile).
 """
 
 from __future__ import annotations
