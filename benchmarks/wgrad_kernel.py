@@ -24,6 +24,13 @@ and prints one JSON line per case:
   xla_at, checked against the tolerance of the precision used) (and tflops on GPU, of the
   fused and fused_at calls; blas_core on CPU).
 
+``--dtypes float8`` times the FP8 form (:func:`jax_wgrad.ops.fp8_wgrad_accumulate`, dense
+cases only): ``x`` in E4M3 and ``dy`` in E5M2 (Megatron's hybrid format) with their
+power-of-two scales (:func:`jax_wgrad.functional.fp8.quantize`); ``xla`` is then XLA's own
+FP8 GEMM (``dot_general`` on the FP8 values, float32 output, times the scales:
+cuBLASLt's FP8 GEMM on a GPU) plus the add, ``gemm`` that GEMM alone, and the tolerance
+that of float32 sums of exact products.
+
 On CPU the handler's speed depends on the OpenBLAS kernel family (``blas_core``): an
 ``OPENBLAS_CORETYPE`` set in the environment (e.g. Haswell on an AVX-512 machine) forces
 an older, slower kernel.
@@ -114,6 +121,55 @@ def tolerance(dtype: jnp.dtype, precision: str | None) -> float:
     return 8 * 2.0**-11 if tf32 else 1e-4
 
 
+def _fp8_operands(T: int, n_out: int, n_in: int):
+    """``(x, dy)`` quantized as FP8 training does (E4M3 input, E5M2 output gradient)."""
+    from jax_wgrad.functional.fp8 import quantize
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = quantize(jax.random.normal(k1, (T, n_in), jnp.float32), jnp.float8_e4m3fn)
+    dy = quantize(jax.random.normal(k2, (T, n_out), jnp.float32) * 1e-3, jnp.float8_e5m2)
+    return x, dy
+
+
+def bench_fp8_case(T: int, n_out: int, n_in: int, warmup: int, iters: int) -> dict:
+    """Times one dense case of the FP8 form (module docstring)."""
+    from jax_wgrad.functional.fp8 import fp8_dot
+
+    x, dy = _fp8_operands(T, n_out, n_in)
+    zeros = lambda: jnp.zeros((n_out, n_in), jnp.float32)
+
+    def dw(x, dy):
+        return fp8_dot(dy, x, (((0,), (0,)), ((), ())), jnp.float32)
+
+    def accumulate(x, dy, acc, offset=None):
+        return jax_wgrad.ops.fp8_wgrad_accumulate(
+            x.value, dy.value, x.scale_inv, dy.scale_inv, acc, offset=offset
+        )
+
+    fused = jax.jit(accumulate, donate_argnums=2)
+    xla = jax.jit(lambda x, dy, acc: acc + dw(x, dy), donate_argnums=2)
+    gemm = jax.jit(dw)
+    add = jax.jit(lambda acc, d: acc + d, donate_argnums=0)
+    acc_args = lambda prev: (x, dy, zeros() if prev is None else prev)
+    result = {
+        "platform": jax.default_backend(),
+        "dtype": "float8 (e4m3 x, e5m2 dy)",
+        "precision": "fp8, fp32 accumulation",
+        "T": T,
+        "out": n_out,
+        "in": n_in,
+        "fused_ms": _time(fused, acc_args, warmup, iters),
+        "xla_ms": _time(xla, acc_args, warmup, iters),
+        "unfused_ms": _time(lambda x, dy, acc: add(acc, gemm(x, dy)), acc_args, warmup, iters),
+        "gemm_ms": _time(gemm, lambda prev: (x, dy), warmup, iters),
+    }
+    a, b = fused(x, dy, zeros()), xla(x, dy, zeros())
+    err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+    at = lambda x, dy, bucket, offset: accumulate(x, dy, bucket, offset)
+    err = max(err, _bench_traced_position(result, x, dy, dw, at, warmup, iters))
+    return _finish(result, err, 1e-4, T * n_out * n_in)
+
+
 def bench_case(
     T: int,
     n_out: int,
@@ -145,6 +201,9 @@ def bench_case(
     def unfused(x, dy, acc):
         return add(acc, gemm(x, dy))
 
+    def accumulate_at(x, dy, bucket, offset):
+        return jax_wgrad.wgrad_accumulate(x, dy, bucket, offset=offset, precision=precision)
+
     acc_args = lambda prev: (x, dy, zeros() if prev is None else prev)
     result = {
         "platform": jax.default_backend(),
@@ -163,40 +222,49 @@ def bench_case(
     a, b = fused(x, dy, zeros()), xla(x, dy, zeros())
     err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
     if experts is None:
-        err = max(err, _bench_traced_position(result, x, dy, dw, precision, warmup, iters))
+        err = max(err, _bench_traced_position(result, x, dy, dw, accumulate_at, warmup, iters))
+    return _finish(
+        result, err, tolerance(dtype, precision), (experts or 1) * T * n_out * n_in, precision
+    )
+
+
+def _finish(result: dict, err: float, tol: float, macs: int, precision: str | None = None) -> dict:
+    """``result`` with the difference checked against ``tol``, the ratios, the platform's
+    figures (``macs``: the multiply-adds of one call) and the times rounded."""
     result["rel_diff"] = err
-    if err > tolerance(dtype, precision):
+    if err > tol:
         raise AssertionError(
-            f"fused and XLA results differ (relative {err:.2e} > "
-            f"{tolerance(dtype, precision):.1e} at precision {precision})"
+            f"fused and XLA results differ (relative {err:.2e} > {tol:.1e} at precision "
+            f"{result['precision'] if precision is None else precision})"
         )
     result["fused_over_xla"] = round(result["fused_ms"] / result["xla_ms"], 4)
     result["fused_over_gemm"] = round(result["fused_ms"] / result["gemm_ms"], 4)
     if result["platform"] == "cpu":
         result["blas_core"] = blas_core()
     if result["platform"] == "gpu":
-        flops = 2 * (experts or 1) * T * n_out * n_in
-        result["tflops"] = round(flops / (result["fused_ms"] * 1e-3) / 1e12, 2)
-        if experts is None:
-            result["tflops_at"] = round(flops / (result["fused_at_ms"] * 1e-3) / 1e12, 2)
+        result["tflops"] = round(2 * macs / (result["fused_ms"] * 1e-3) / 1e12, 2)
+        if "fused_at_ms" in result:
+            result["tflops_at"] = round(2 * macs / (result["fused_at_ms"] * 1e-3) / 1e12, 2)
     for key in ("fused_ms", "xla_ms", "unfused_ms", "gemm_ms", "fused_at_ms", "xla_at_ms"):
         if key in result:
             result[key] = round(result[key], 4)
     return result
 
 
-def _bench_traced_position(result: dict, x, dy, dw, precision, warmup: int, iters: int) -> float:
+def _bench_traced_position(
+    result: dict, x, dy, dw, accumulate_at, warmup: int, iters: int
+) -> float:
     """Adds ``fused_at_ms``, ``xla_at_ms`` and their ratios to ``result``: the block
     ``[out, in]`` at position ``index * out * in`` (``index`` = 1, a jit argument, so
-    traced) of a flat fp32 bucket of two blocks, donated. Returns the relative difference
-    between the two updated buckets."""
-    n_out, n_in = dy.shape[-1], x.shape[-1]
+    traced) of a flat fp32 bucket of two blocks, donated, by ``accumulate_at(x, dy,
+    bucket, offset)`` and by XLA's own slice, ``dw`` and update. Returns the relative
+    difference between the two updated buckets."""
+    n_out, n_in = jnp.shape(jax.tree.leaves(dy)[0])[-1], jnp.shape(jax.tree.leaves(x)[0])[-1]
     block = n_out * n_in
     index = jnp.int32(1)
 
     def fused_at(x, dy, bucket, i):
-        offset = jax_wgrad.ops.BlockOffset(0, i, block)
-        return jax_wgrad.wgrad_accumulate(x, dy, bucket, offset=offset, precision=precision)
+        return accumulate_at(x, dy, bucket, jax_wgrad.ops.BlockOffset(0, i, block))
 
     def xla_at(x, dy, bucket, i):
         start = i * block
@@ -241,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         "--dtypes",
         nargs="+",
         default=["float32", "bfloat16"],
-        choices=["float32", "bfloat16", "float16"],
+        choices=["float32", "bfloat16", "float16", "float8"],
+        help="float8: the FP8 form (module docstring), dense cases only",
     )
     parser.add_argument(
         "--precision",
@@ -264,21 +333,22 @@ def main(argv: list[str] | None = None) -> None:
         for case in cases:
             experts = case[0] if len(case) == 4 else None
             T, n_out, n_in = case[-3:]
-            print(
-                json.dumps(
-                    bench_case(
-                        T,
-                        n_out,
-                        n_in,
-                        jnp.dtype(dtype),
-                        args.warmup,
-                        args.iters,
-                        args.precision,
-                        experts,
-                    )
-                ),
-                flush=True,
-            )
+            if dtype == "float8":
+                if experts is not None:
+                    continue  # no grouped FP8 op
+                row = bench_fp8_case(T, n_out, n_in, args.warmup, args.iters)
+            else:
+                row = bench_case(
+                    T,
+                    n_out,
+                    n_in,
+                    jnp.dtype(dtype),
+                    args.warmup,
+                    args.iters,
+                    args.precision,
+                    experts,
+                )
+            print(json.dumps(row), flush=True)
     # On stderr: stdout stays one JSON line per case.
     print(
         f"run time: {time.perf_counter() - start:.1f} s ({len(cases) * len(args.dtypes)} "

@@ -134,6 +134,18 @@ def test_wgrad_kernel_prints_rows(capsys):
         assert at <= set(r) if r.get("E") is None else not at & set(r), r
 
 
+@pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
+def test_wgrad_kernel_times_the_fp8_form(capsys):
+    """``--dtypes float8``: the FP8 fused op beside XLA's FP8 GEMM plus the add, dense
+    cases only (a grouped case is skipped), the same numbers."""
+    _load("wgrad_kernel").main(
+        ["--cases", "64x16x16", "4x32x16x8", "--dtypes", "float8", "--warmup", "0", "--iters", "1"]
+    )
+    (row,) = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+    assert row["dtype"].startswith("float8") and row["rel_diff"] <= 1e-4
+    assert {"fused_at_ms", "xla_at_ms", "fused_over_xla"} <= set(row), row
+
+
 def test_wgrad_kernel_bad_case():
     with pytest.raises(SystemExit):
         _load("wgrad_kernel").main(["--cases", "4x16"])
