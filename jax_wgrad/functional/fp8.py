@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import jax
@@ -54,7 +53,6 @@ __all__ = [
     "fp8_dot",
     "quantized_gradient",
     "quantize",
-    "quantize_all",
     "scale_exponent",
 ]
 
@@ -206,27 +204,13 @@ def quantize(
       ``Fp8Tensor(value, scale_inv)``: ``value`` of ``x``'s shape in ``dtype``,
       ``scale_inv = 2**-e`` float32.
     """
-    return quantize_all([(x, dtype, amax_axis)], margin=margin)[0]
-
-
-def quantize_all(
-    tensors: Sequence[tuple[jax.Array, jnp.dtype, str | None]], *, margin: int = 0
-) -> list[Fp8Tensor]:
-    """Each ``(x, dtype, amax_axis)`` quantized as :func:`quantize` does, the amaxes
-    reduced over one axis in one ``pmax`` (the two operands of a GEMM: one collective)."""
-    amax = [jnp.max(jnp.abs(jax.lax.stop_gradient(x))).astype(jnp.float32) for x, _, _ in tensors]
-    for axis in dict.fromkeys(a for _, _, a in tensors if a is not None):
-        which = [i for i, (_, _, a) in enumerate(tensors) if a == axis]
-        reduced = jax.lax.pmax(jnp.stack([amax[i] for i in which]), axis)
-        for k, i in enumerate(which):
-            amax[i] = reduced[k]
-    out = []
-    for (x, dtype, _), a in zip(tensors, amax):
-        e = scale_exponent(a, dtype, margin)  # no derivative: the amax is stopped
-        top = jnp.float32(jnp.finfo(dtype).max)
-        scaled = jnp.clip(x.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), e), -top, top)
-        out.append(Fp8Tensor(scaled.astype(dtype), jnp.ldexp(jnp.float32(1), -e)))
-    return out
+    amax = jnp.max(jnp.abs(jax.lax.stop_gradient(x))).astype(jnp.float32)  # no derivative
+    if amax_axis is not None:
+        amax = jax.lax.pmax(amax, amax_axis)
+    e = scale_exponent(amax, dtype, margin)
+    top = jnp.float32(jnp.finfo(dtype).max)
+    scaled = jnp.clip(x.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), e), -top, top)
+    return Fp8Tensor(scaled.astype(dtype), jnp.ldexp(jnp.float32(1), -e))
 
 
 def dequantize(q: Fp8Tensor, dtype: jnp.dtype) -> jax.Array:
@@ -292,34 +276,10 @@ class Fp8Gemm:
         r = self.recipe
         return quantize(x, r.forward_dtype, margin=r.margin, amax_axis=self._axis("x", shard_axis))
 
-    def operands(
-        self, x: jax.Array, w: jax.Array, shard_axis: str | None = None
-    ) -> tuple[Fp8Tensor, Fp8Tensor]:
-        """The forward GEMM's operands quantized (E4M3): ``(input, weight)``, one
-        ``pmax`` for both where both are split; ``shard_axis`` as :meth:`input`."""
+    def weight(self, w: jax.Array) -> Fp8Tensor:
+        """The weight quantized (E4M3)."""
         r = self.recipe
-        return tuple(
-            quantize_all(
-                [
-                    (x, r.forward_dtype, self._axis("x", shard_axis)),
-                    (w, r.forward_dtype, self._axis("w")),
-                ],
-                margin=r.margin,
-            )
-        )
-
-    def gradient_operands(self, dy: jax.Array, w: jax.Array) -> tuple[Fp8Tensor, Fp8Tensor]:
-        """The data-gradient GEMM's operands quantized: ``(output gradient, weight)``
-        (E5M2 in ``hybrid``, else E4M3; the weight E4M3), one ``pmax`` for both where both
-        are split. The weight's values are the forward's (the same tensor, the same
-        scale)."""
-        r = self.recipe
-        return tuple(
-            quantize_all(
-                [(dy, r.gradient_dtype, self._axis("dy")), (w, r.forward_dtype, self._axis("w"))],
-                margin=r.margin,
-            )
-        )
+        return quantize(w, r.forward_dtype, margin=r.margin, amax_axis=self._axis("w"))
 
     def gradient(self, dy: jax.Array) -> Fp8Tensor:
         """The output gradient quantized (E5M2 in ``hybrid``, else E4M3)."""

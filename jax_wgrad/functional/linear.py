@@ -113,19 +113,17 @@ def _bgrad(b, dy):
 # given (re-quantized in the backward: the same values, no per-microbatch FP8 copy of it).
 
 
-def _fp8_forward(qx: Fp8Tensor, qw: Fp8Tensor, b, dtype) -> jax.Array:
-    """``y [..., out]`` in ``dtype`` from the quantized input ``qx [..., in]`` and weight
-    ``qw [out, in]``."""
-    y = fp8_dot(qx, qw, (((qx.value.ndim - 1,), (1,)), ((), ())), dtype)
+def _fp8_forward(qx: Fp8Tensor, w, b, fp8: Fp8Gemm, dtype) -> jax.Array:
+    """``y [..., out]`` in ``dtype`` from the quantized input ``qx [..., in]``."""
+    y = fp8_dot(qx, fp8.weight(w), (((qx.value.ndim - 1,), (1,)), ((), ())), dtype)
     if b is not None:
         y = y + b.astype(y.dtype)
     return y
 
 
-def _fp8_dgrad(qdy: Fp8Tensor, qw: Fp8Tensor, dtype) -> jax.Array:
-    """``dx [..., in]`` in ``dtype`` from the quantized output gradient ``qdy [..., out]``
-    and weight ``qw [out, in]``."""
-    return fp8_dot(qdy, qw, (((qdy.value.ndim - 1,), (0,)), ((), ())), dtype)
+def _fp8_dgrad(qdy: Fp8Tensor, w, fp8: Fp8Gemm, dtype) -> jax.Array:
+    """``dx [..., in]`` in ``dtype`` from the quantized output gradient ``qdy [..., out]``."""
+    return fp8_dot(qdy, fp8.weight(w), (((qdy.value.ndim - 1,), (0,)), ((), ())), dtype)
 
 
 def _fp8_wgrad(qx: Fp8Tensor, qdy: Fp8Tensor, bucket, offset) -> jax.Array:
@@ -143,21 +141,22 @@ def _gathered_fp8(qx: Fp8Tensor, axis: str | None) -> Fp8Tensor:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fp8_linear(x, w, b, fp8):
-    return _fp8_forward(*fp8.operands(x, w), b, x.dtype)
+    return _fp8_forward(fp8.input(x), w, b, fp8, x.dtype)
 
 
 def _fp8_linear_fwd(x, w, b, fp8):
-    qx, qw = fp8.operands(x, w)
-    return _fp8_forward(qx, qw, b, x.dtype), (qx, w, b)
+    qx = fp8.input(x)
+    return _fp8_forward(qx, w, b, fp8, x.dtype), (qx, w, b)
 
 
 def _fp8_linear_bwd(fp8, res, dy):
     """The plain FP8 linear's backward: ``dw`` from an FP8 GEMM (``w``'s type)."""
     qx, w, b = res
-    qdy, qw = fp8.gradient_operands(dy, w)
-    lead = tuple(range(qx.value.ndim - 1))
+    qdy = fp8.gradient(dy)
+    n = qx.value.ndim - 1
+    lead = tuple(range(n))
     dw = fp8_dot(qdy, qx, ((lead, lead), ((), ())), jnp.float32).astype(w.dtype)
-    return _fp8_dgrad(qdy, qw, dy.dtype), dw, _bgrad(b, dy)
+    return _fp8_dgrad(qdy, w, fp8, dy.dtype), dw, _bgrad(b, dy)
 
 
 _fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
@@ -166,22 +165,22 @@ _fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _fused_linear(x, w, b, main_grad, precision, fp8):
     if fp8 is not None:
-        return _fp8_forward(*fp8.operands(x, w), b, x.dtype)
+        return _fp8_forward(fp8.input(x), w, b, fp8, x.dtype)
     return _forward(x, w, b, precision)
 
 
 def _fused_linear_fwd(x, w, b, main_grad, precision, fp8):
     if fp8 is not None:
-        qx, qw = fp8.operands(x, w)
-        return _fp8_forward(qx, qw, b, x.dtype), (qx, w, b, main_grad)
+        qx = fp8.input(x)
+        return _fp8_forward(qx, w, b, fp8, x.dtype), (qx, w, b, main_grad)
     return _forward(x, w, b, precision), (x, w, b, main_grad)
 
 
 def _fused_linear_bwd(precision, fp8, res, dy):
     x, w, b, main_grad = res
     if fp8 is not None:
-        qdy, qw = fp8.gradient_operands(dy, w)
-        dx, db = _fp8_dgrad(qdy, qw, dy.dtype), _bgrad(b, dy)
+        qdy = fp8.gradient(dy)
+        dx, db = _fp8_dgrad(qdy, w, fp8, dy.dtype), _bgrad(b, dy)
         return dx, None, db, _fp8_wgrad(x, qdy, main_grad, None)
     dx, db = _dgrad_bgrad(x, w, b, dy, precision)
     # The updated accumulator travels as the "cotangent" of main_grad (module docstring).
@@ -217,8 +216,8 @@ def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis, fp8=No
     ``x`` is the quantized input and the GEMMs are FP8 ones."""
     if fp8 is not None:
         x_full = _gathered_fp8(x, gather_axis)
-        qdy, qw = fp8.gradient_operands(dy, w)
-        dx, db = _fp8_dgrad(qdy, qw, dy.dtype), _bgrad(b, dy)
+        qdy = fp8.gradient(dy)
+        dx, db = _fp8_dgrad(qdy, w, fp8, dy.dtype), _bgrad(b, dy)
     else:
         x_full = _gathered(x, gather_axis)
         dx, db = _dgrad_bgrad(x, w, b, dy, precision)
@@ -239,8 +238,8 @@ def _threaded_forward(x, w, b, precision, gather_axis, fp8):
     ``x`` as given (this rank's shard when gathered), quantized with ``fp8``."""
     if fp8 is None:
         return _forward(_gathered(x, gather_axis), w, b, precision), x
-    qx, qw = fp8.operands(x, w, gather_axis)
-    return _fp8_forward(_gathered_fp8(qx, gather_axis), qw, b, x.dtype), qx
+    qx = fp8.input(x, gather_axis)
+    return _fp8_forward(_gathered_fp8(qx, gather_axis), w, b, fp8, x.dtype), qx
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
