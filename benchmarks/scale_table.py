@@ -294,16 +294,27 @@ LAYOUTS: tuple[Layout, ...] = (
         "TP2 DP4, seq 4096, no recompute, grad reduce per bucket",
     ),
     Layout(
+        "llama3-8b-tp2dp4-s8k-graphs",
+        "llama3-8b",
+        8,
+        _tp_pp(2)
+        + _seq(8192, 16)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "32"),
+        "TP2 DP4, seq 8192, selective recompute, as CUDA graphs (layers unrolled)",
+    ),
+    Layout(
         "llama3-8b-fp8",
         "llama3-8b",
         8,
-        _tp_pp(4)
+        _tp_pp(2)
         + _seq(8192, 16)
         + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
         + FULL_ITERATION_GRAPHS
         + ("--layer-scan-unroll", "32")
         + FP8,
-        "the best FP8 layout found: llama3-8b-tp4dp2-s8k-graphs with FP8 (hybrid, "
+        "the best FP8 layout found: llama3-8b-tp2dp4-s8k-graphs with FP8 (hybrid, "
         "per-tensor current scaling) in the layers' linears",
     ),
     Layout(
@@ -315,13 +326,6 @@ LAYOUTS: tuple[Layout, ...] = (
         + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
         + FP8,
         "llama3-8b-tp4dp2-s8k with FP8 (hybrid) in the layers' linears",
-    ),
-    Layout(
-        "llama3-8b-tp2dp4-s4k-fp8",
-        "llama3-8b",
-        8,
-        _tp_pp(2) + _seq(4096, 16) + ("--overlap-grad-reduce",) + FP8,
-        "llama3-8b-tp2dp4-s4k with FP8 (hybrid) in the layers' linears",
     ),
     Layout(
         "llama3-70b-tp8pp4dp2-s4k-full",
