@@ -77,14 +77,8 @@ def _assert_close(loss, ref_loss, grads, ref_grads, tol=1e-5):
 
 
 def _config(fmt="hybrid", **kw):
-    return GPTConfig(
-        num_layers=4,
-        hidden_size=32,
-        seq_length=8,
-        vocab_size=64,
-        fp8_format=fmt,
-        **{**LLAMA, **kw},
-    )
+    base = dict(num_layers=4, hidden_size=32, seq_length=8, vocab_size=64, fp8_format=fmt)
+    return GPTConfig(**{**base, **LLAMA, **kw})
 
 
 def _parallel(fusion=True, **kw):
@@ -156,17 +150,20 @@ def test_fp8_gradients_equal_the_quantize_dequantize_reference(fmt, fusion, extr
         if extra.get("expert_model_parallel_size", 1) > 1
         else {}
     )
-    out = _grads(_config(fmt, **moe), _parallel(fusion, **extra))
-    _assert_close(*out)
-    # Not vacuous: the FP8 model is not the float32 one.
-    plain = jax.grad(reference_loss)(
-        init_params(_config(None, **moe), 0),
-        jax.random.randint(jax.random.key(1), (8, 9), 0, 64),
-        _config(None, **moe),
-        micro_batch_size=2,
-    )
-    key = "moe_layers" if moe else "layers"
-    w, w32 = (np.asarray(g[key]["qkv"]["weight"]) for g in (out[3], plain))
+    # ZB-H1 (the default case) with one layer per stage: suite time
+    layers = 2 if extra.get("pipeline_schedule") == "zb-h1" else 4
+    _assert_close(*_grads(_config(fmt, num_layers=layers, **moe), _parallel(fusion, **extra)))
+
+
+def test_the_fp8_reference_is_not_the_float32_model():
+    """What the equalities above compare against is FP8: its gradients differ from the
+    float32 model's by far more than the tolerance."""
+    tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, 64)
+    grads = [
+        jax.grad(reference_loss)(init_params(cfg, 0), tokens, cfg, micro_batch_size=2)
+        for cfg in (_config("hybrid"), _config(None))
+    ]
+    w, w32 = (np.asarray(g["layers"]["qkv"]["weight"]) for g in grads)
     assert np.abs(w - w32).max() > 1e-3 * np.abs(w32).max()
 
 
