@@ -12,19 +12,14 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from grad_util import assert_grads_close, pipeline_and_reference
 
 from jax_wgrad import (
     GPTConfig,
-    GPTProgram,
     ParallelConfig,
     fusion_available,
     init_params,
-    make_mesh,
-    pipeline_gradients,
 )
-from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt import validate
 from jax_wgrad.testing import reference_loss
 
@@ -44,36 +39,15 @@ LLAMA = dict(
 
 def _grads(cfg, par):
     validate(par, cfg)
-    mesh = make_mesh(par, jax.devices()[: par.world_size])
+    out = pipeline_and_reference(cfg, par, micro_batch_size=par.micro_batch_size)
+    if cfg.num_moe_experts is None:
+        return out
+    # the step reports the language-model loss only
     params = init_params(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
-    ref_loss, ref_grads = jax.value_and_grad(reference_loss)(
-        params, tokens, cfg, micro_batch_size=par.micro_batch_size
-    )
-    if cfg.num_moe_experts is not None:  # the step reports the language-model loss only
-        no_aux = dataclasses.replace(cfg, moe_aux_loss_coeff=0.0)
-        ref_loss = reference_loss(params, tokens, no_aux, micro_batch_size=par.micro_batch_size)
-    stages = lay_out(GPTProgram(cfg, par))
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), stages.param_specs(), is_leaf=lambda x: isinstance(x, P)
-    )
-    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t))(
-        jax.device_put(stages.from_canonical(params), shardings),
-        jax.device_put(tokens, NamedSharding(mesh, P("data"))),
-    )
-    return loss, ref_loss, stages.to_canonical(grads), ref_grads
-
-
-def _assert_close(loss, ref_loss, grads, ref_grads, tol=1e-5):
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=tol)
-    flat, _ = jax.tree_util.tree_flatten_with_path(grads)
-    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
-        g, r = np.asarray(g), np.asarray(r)
-        diff, scale = np.abs(g - r).max(), np.abs(r).max()
-        assert scale > 0, jax.tree_util.keystr(path)
-        assert diff <= tol * scale, (
-            f"{jax.tree_util.keystr(path)}: {diff:.3g} > {tol} x {scale:.3g}"
-        )
+    no_aux = dataclasses.replace(cfg, moe_aux_loss_coeff=0.0)
+    ref_loss = reference_loss(params, tokens, no_aux, micro_batch_size=par.micro_batch_size)
+    return out[0], ref_loss, out[2], out[3]
 
 
 def _config(fmt="hybrid", **kw):
@@ -152,7 +126,7 @@ def test_fp8_gradients_equal_the_quantize_dequantize_reference(fmt, fusion, extr
     )
     # ZB-H1 (the default case) with one layer per stage: suite time
     layers = 2 if extra.get("pipeline_schedule") == "zb-h1" else 4
-    _assert_close(*_grads(_config(fmt, num_layers=layers, **moe), _parallel(fusion, **extra)))
+    assert_grads_close(*_grads(_config(fmt, num_layers=layers, **moe), _parallel(fusion, **extra)))
 
 
 def test_the_fp8_reference_is_not_the_float32_model():

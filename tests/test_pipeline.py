@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from grad_util import assert_grads_close, pipeline_and_reference
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -136,34 +137,7 @@ def _check_gradients(
         **par_kw,
     )
     validate(par, cfg)
-    mesh = make_mesh(par, jax.devices()[: par.world_size])
-    params = init_params(cfg, seed=0)
-    tokens = jax.random.randint(jax.random.key(1), (par.global_batch_size, 9), 0, 64)
-    ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, tokens, cfg)
-
-    stages = lay_out(GPTProgram(cfg, par))
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), stages.param_specs(), is_leaf=lambda x: isinstance(x, P)
-    )
-    grads, loss = jax.jit(lambda p, t: pipeline_gradients(stages, mesh, p, t, ddp, table=table))(
-        jax.device_put(stages.from_canonical(params), shardings),
-        jax.device_put(tokens, NamedSharding(mesh, P("data"))),
-    )
-    grads = stages.to_canonical(grads)  # the interleaved layout's layer stacks -> [L, ...]
-    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
-    return loss, ref_loss, grads, ref_grads
-
-
-def _assert_equal_grads(loss, ref_loss, grads, ref_grads, tol=1e-5):
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=tol)
-    flat, _ = jax.tree_util.tree_flatten_with_path(grads)
-    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
-        g, r = np.asarray(g), np.asarray(r)
-        diff, scale = np.abs(g - r).max(), np.abs(r).max()
-        assert scale > 0, jax.tree_util.keystr(path)
-        assert diff <= tol * scale, (
-            f"{jax.tree_util.keystr(path)}: {diff:.3g} > {tol} x {scale:.3g}"
-        )
+    return pipeline_and_reference(cfg, par, ddp=ddp, table=table)
 
 
 def _mesh_grid():
@@ -194,7 +168,7 @@ def test_gradients_equal_single_device_jax_grad(dp, tp, pp, sp, fusion):
         if not fusion:
             pytest.skip("sequence parallelism needs tensor parallelism (same as 'plain')")
         sp = False  # still covers fusion on this mesh
-    _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=fusion))
+    assert_grads_close(*_check_gradients(dp, tp, pp, sp=sp, fusion=fusion))
 
 
 def _llama_grid():
@@ -218,7 +192,7 @@ def test_llama_options_equal_single_device_jax_grad(dp, tp, pp, fusion):
     """RMSNorm, RoPE, SwiGLU, GQA 8:2 (over tensor 2: one kv group per rank), no linear
     bias, untied output layer; sequence parallelism with tensor parallelism (RoPE sees
     the gathered sequence)."""
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(dp, tp, pp, sp=tp > 1, fusion=fusion, tied=False, arch=LLAMA)
     )
 
@@ -228,7 +202,7 @@ def test_qwen_and_megatron_only_options_equal_jax_grad(schedule):
     """A qkv bias without other biases (Qwen2), qk-layernorm, kv_channels != H / heads,
     partial rotary, tied embeddings; fused, SP, both schedules."""
     arch = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, kv_channels=8, rotary_percent=0.5)
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(2, 2, 2, sp=True, fusion=True, arch=arch, schedule=schedule)
     )
 
@@ -252,7 +226,7 @@ def test_llama31_rope_scaling_equals_single_device_jax_grad(dp, tp, pp):
     loss, ref_loss, grads, ref_grads = _check_gradients(
         dp, tp, pp, sp=tp > 1, fusion=True, tied=False, arch=arch, world_size=dp * tp * pp
     )
-    _assert_equal_grads(loss, ref_loss, grads, ref_grads)
+    assert_grads_close(loss, ref_loss, grads, ref_grads)
     # the scaling changes the gradients far beyond the tolerance (ignoring it would fail)
     cfg = GPTConfig(
         num_layers=4,
@@ -283,7 +257,7 @@ def test_llama31_rope_scaling_equals_single_device_jax_grad(dp, tp, pp):
 def test_llama_options_with_deferral_and_recomputation(schedule, recompute, mode):
     """The Llama options through the deferred output-layer wgrad (both stash modes) and
     recomputation, both schedules, on (2,2,2)+SP with fusion."""
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(
             2,
             2,
@@ -325,13 +299,13 @@ def test_gqa_groups_must_divide_over_tensor():
 @pytest.mark.slow
 @pytest.mark.parametrize("dp, tp, pp", [(2, 2, 2), (1, 2, 4)], ids=str)
 def test_untied_output_layer(dp, tp, pp):
-    _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=True, fusion=True, tied=False))
+    assert_grads_close(*_check_gradients(dp, tp, pp, sp=True, fusion=True, tied=False))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("m", [1, 3, 7])
 def test_microbatch_counts(m):
-    _assert_equal_grads(*_check_gradients(2, 1, 4, sp=False, fusion=True, m=m))
+    assert_grads_close(*_check_gradients(2, 1, 4, sp=False, fusion=True, m=m))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
@@ -367,7 +341,7 @@ def test_unrolled_layer_loop_equals_the_scan(schedule):
         out[unroll] = jax.jit(functools.partial(pipeline_gradients, program, mesh))(*args)
     ref_loss, ref_grads = jax.value_and_grad(reference_loss)(params, tokens, cfg)
     for grads, loss in out.values():
-        _assert_equal_grads(loss, ref_loss, grads, ref_grads)
+        assert_grads_close(loss, ref_loss, grads, ref_grads)
 
 
 @pytest.mark.slow  # bf16 compute through the pipeline by default: tests/test_bf16_params.py
@@ -449,7 +423,7 @@ def test_gpipe_table_facts():
 )
 def test_gpipe_through_the_same_executor_equals_jax_grad(dp, tp, pp, sp, fusion):
     table = gpipe(pp, 3)
-    _assert_equal_grads(*_check_gradients(dp, tp, pp, sp=sp, fusion=fusion, m=3, table=table))
+    assert_grads_close(*_check_gradients(dp, tp, pp, sp=sp, fusion=fusion, m=3, table=table))
 
 
 @pytest.mark.parametrize(
@@ -540,7 +514,7 @@ def _grid_params():
 
 @pytest.mark.parametrize("dp, tp, pp, sp, schedule, recompute, m, tied", _grid_params())
 def test_schedules_and_recompute_equal_jax_grad(dp, tp, pp, sp, schedule, recompute, m, tied):
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(
             dp, tp, pp, sp=sp, fusion=True, m=m, tied=tied, schedule=schedule, recompute=recompute
         )
@@ -572,7 +546,7 @@ def test_paired_1f1b_equals_single_device_jax_grad(dp, tp, pp, sp, m):
         defer_embedding_wgrad_compute=True,
         ddp=DDPConfig(overlap_grad_reduce=True),
     )
-    _assert_equal_grads(*out)
+    assert_grads_close(*out)
 
 
 # --------------------------------------------------------------------------- interleaved
@@ -609,7 +583,7 @@ def test_interleaved_equals_single_device_jax_grad(dp, tp, pp, v, times, schedul
         world_size=dp * tp * pp,
         ddp=DDPConfig(overlap_grad_reduce=True),
     )
-    _assert_equal_grads(*out)
+    assert_grads_close(*out)
 
 
 def test_paired_interleaved_equals_single_device_jax_grad():
@@ -628,7 +602,7 @@ def test_paired_interleaved_equals_single_device_jax_grad():
 )
 def test_interleaved_unfused_untied_and_recomputed(tied, recompute):
     # no fusion: every gradient through the sink's per-chunk (static-offset) adds
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(
             2,
             2,
@@ -646,7 +620,7 @@ def test_interleaved_unfused_untied_and_recomputed(tied, recompute):
 
 @pytest.mark.slow
 def test_interleaved_llama_options():
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(
             1,
             2,
@@ -703,7 +677,7 @@ def test_vocab_over_pipeline_equals_single_device_jax_grad(dp, tp, pp, tied, kin
         defer_mode="recompute" if kind.startswith("recompute") else "stash",
         virtual_pipeline_model_parallel_size=v if v > 1 else None,
     )
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(
             dp,
             tp,
@@ -751,7 +725,7 @@ def test_vocab_over_pipeline_shards_and_checks():
 @pytest.mark.slow
 def test_interleaved_with_a_microbatch_group_size_equals_jax_grad():
     # M = 3 is not a multiple of P = 2: allowed with Megatron's group size (G = 2)
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(
             2,
             2,
@@ -781,7 +755,7 @@ def test_megatron_recompute_methods_equal_jax_grad(schedule, recompute):
     """Megatron's --recompute-method uniform / block with --recompute-num-layers, the
     checkpoints inside the layer scan: 3 layers per stage, so uniform 2 has a group of two
     and a single layer, block 1 one recomputed layer and two that save their activations."""
-    _assert_equal_grads(
+    assert_grads_close(
         *_check_gradients(
             2,
             2,
