@@ -195,7 +195,11 @@ def _tp_mesh():
     return Mesh(np.array(jax.devices()[:2]), ("tensor",))
 
 
-@pytest.mark.parametrize("async_tp", [True, False], ids=["async", "composed"])
+@pytest.mark.parametrize(
+    "async_tp",
+    [True, pytest.param(False, marks=pytest.mark.slow)],  # composed: -m slow, suite time
+    ids=["async", "composed"],
+)
 def test_column_then_row_parallel_with_sequence_parallelism(async_tp):
     """fc2(gelu(fc1(x))) over 2 tensor ranks, sequence-parallel input and output, both
     weights into one bucket: every shard is scaled by its whole tensor's amax, so the
