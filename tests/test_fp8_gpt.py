@@ -218,3 +218,21 @@ def test_example_stops_when_fp8_meets_a_nan(pretrain, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 1 and "Traceback" not in err, err
     assert "the gradients are not finite" in err and "--fp8-format hybrid" in err, err
+
+
+def test_fp8_on_a_gpu_refuses_sizes_its_gemms_cannot_take():
+    """cuBLASLt's FP8 GEMMs take multiples of 16: a layout whose tokens or widths on a
+    tensor rank are not is refused when the program is built for a GPU (also when only
+    compiling for one), and built for the CPU."""
+    from jax_wgrad import GPTProgram, ParallelConfig
+
+    cfg = _config(hidden_size=40, num_attention_heads=4, num_query_groups=2)
+    par = ParallelConfig(world_size=1, micro_batch_size=1)
+    with pytest.raises(
+        ValueError,
+        match=r"multiples of 16 .*not: micro_batch_size x seq_length \(tokens of a GEMM\) = 8; "
+        r"hidden_size = 40; num_attention_heads x kv_channels / tensor_model_parallel_size "
+        r"= 40$",  # the qkv width, 2 x (2 + 2) x 10 = 80, is one
+    ):
+        GPTProgram(cfg, par, platform="gpu")
+    GPTProgram(cfg, par, platform="cpu")

@@ -40,6 +40,7 @@ from jax_wgrad.ops.primitive import FfiPrimitive
 from jax_wgrad.ops.wgrad import WORKSPACE, add_to_block, check_block
 
 __all__ = [
+    "CUDA_MULTIPLE",
     "X_DTYPES",
     "DY_DTYPES",
     "fp8_wgrad_accumulate",
@@ -54,6 +55,10 @@ X_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
 """dtype of the FP8 layer input ``x`` (E4M3)."""
 DY_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 """dtypes of the FP8 output gradient ``dy``: E4M3, or E5M2 (Megatron's "hybrid" format)."""
+
+CUDA_MULTIPLE = 16
+"""``T``, ``in`` and ``out`` of a GPU call must be multiples of this (cuBLASLt's FP8 GEMMs;
+``kFp8Multiple`` of ``ffi/fp8_wgrad_cuda.cu``)."""
 
 _SCRATCH_ALIGN = 256  # the CUDA handler's scratch regions start 256 bytes apart
 

@@ -27,6 +27,7 @@ from jax_wgrad.models.gpt.params import (
 )
 from jax_wgrad.models.parts import ModelParts
 from jax_wgrad.nn.tensor_parallel import vocab_axes
+from jax_wgrad.ops.fp8 import CUDA_MULTIPLE
 from jax_wgrad.ops.handlers import DENSE_FAMILIES
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import AXES, TENSOR
@@ -71,6 +72,8 @@ class GPTProgram:
             object.__setattr__(self, "platform", jax.default_backend())
         if self.model.fp8_format is not None:
             check_fp8_platform(self.platform)
+            if self.platform in ("gpu", "cuda"):
+                self._check_fp8_shapes()
         emb, layer, moe_layer, head = abstract_modules(
             self.model,
             self.parallel.tensor_model_parallel_size,
@@ -86,6 +89,36 @@ class GPTProgram:
             self, "_moe_layer_def", None if moe_layer is None else nnx.split(moe_layer)[0]
         )
         object.__setattr__(self, "_head_def", nnx.split(head)[0])
+
+    def _check_fp8_shapes(self) -> None:
+        """On a GPU every FP8 linear's tokens and widths on a tensor rank must be
+        multiples of :data:`~jax_wgrad.ops.fp8.CUDA_MULTIPLE` (cuBLASLt's FP8 GEMMs);
+        raises ``ValueError`` naming the ones that are not."""
+        m, tp = self.model, self.parallel.tensor_model_parallel_size
+        gated = 2 if m.swiglu else 1
+        sizes = {
+            "micro_batch_size x seq_length (tokens of a GEMM)": (
+                self.parallel.micro_batch_size * m.seq_length
+            ),
+            "hidden_size": m.hidden_size,
+            "the qkv projection's width / tensor_model_parallel_size": (
+                m.query_groups * (m.num_attention_heads // m.query_groups + 2) * m.head_dim // tp
+            ),
+            "num_attention_heads x kv_channels / tensor_model_parallel_size": (
+                m.num_attention_heads * m.head_dim // tp
+            ),
+            "ffn_hidden_size / tensor_model_parallel_size": gated * m.ffn_hidden_size // tp,
+        }
+        if m.moe_shared_expert_intermediate_size is not None:
+            sizes["moe_shared_expert_intermediate_size / tensor_model_parallel_size"] = (
+                m.moe_shared_expert_intermediate_size // tp
+            )
+        bad = [f"{name} = {v}" for name, v in sizes.items() if v % CUDA_MULTIPLE]
+        if bad:
+            raise ValueError(
+                f"fp8_format on a GPU needs the FP8 GEMMs' sizes to be multiples of "
+                f"{CUDA_MULTIPLE} (cuBLASLt's FP8 kernels); not: {'; '.join(bad)}"
+            )
 
     @property
     def tied(self) -> bool:
