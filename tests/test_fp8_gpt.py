@@ -150,6 +150,10 @@ def test_fp8_refusals():
         GPTConfig(fp8_format="hybrid", fp8_recipe="delayed")
     with pytest.raises(ValueError, match="first_last_layers_bf16"):
         GPTConfig(fp8_format="hybrid", first_last_layers_bf16=True)
+    with pytest.raises(
+        ValueError, match=r"num_layers_at_end_in_bf16 \(2\) needs first_last_layers_bf16"
+    ):
+        GPTConfig(fp8_format="hybrid", num_layers_at_end_in_bf16=2)
 
 
 @pytest.mark.parametrize(

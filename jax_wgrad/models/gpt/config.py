@@ -315,6 +315,14 @@ class GPTConfig:
                 raise ValueError(f"FP8 options {given} need fp8_format (FP8 is off without it)")
             return
         self.fp8_config()  # the recipe's checks
+        counts = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name.endswith("_in_bf16") and getattr(self, f.name) != f.default
+        }
+        if counts and not self.first_last_layers_bf16:
+            given = ", ".join(f"{k} ({v})" for k, v in counts.items())
+            raise ValueError(f"{given} needs first_last_layers_bf16 (it is ignored without it)")
         if self.first_last_layers_bf16:
             raise ValueError(
                 "first_last_layers_bf16 is not built: a stage's "
