@@ -83,9 +83,6 @@ def test_precision_is_refused_with_fp8():
 # ------------------------------------------------------------------ the plain reference
 
 
-_ref_linear = fp8_reference_linear
-
-
 def _close(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     scale = np.max(np.abs(want))
@@ -103,7 +100,7 @@ def _data(seed, shape_x=(2, 16, 32), n_out=24):
 
 
 def _ref_grads(x, w, b, dy, recipe):
-    y, vjp = jax.vjp(lambda x, w, b: _ref_linear(x, w, b, recipe), x, w, b)
+    y, vjp = jax.vjp(lambda x, w, b: fp8_reference_linear(x, w, b, recipe), x, w, b)
     return y, *vjp(dy)
 
 
@@ -176,7 +173,7 @@ def test_a_scan_of_fp8_layers_at_traced_offsets():
 
     def ref(x, ws):
         for i in range(L):
-            x = jnp.tanh(_ref_linear(x, ws[i], None, HYBRID))
+            x = jnp.tanh(fp8_reference_linear(x, ws[i], None, HYBRID))
         return x
 
     bucket = jnp.zeros((L * h * h,), F32)
@@ -237,7 +234,9 @@ def test_column_then_row_parallel_with_sequence_parallelism(async_tp):
     )(x, w1, w2, dy, jnp.zeros((tp * (n1 + n2),), F32))
 
     def ref(x, w1, w2):
-        return _ref_linear(jax.nn.gelu(_ref_linear(x, w1, None, HYBRID)), w2, None, HYBRID)
+        return fp8_reference_linear(
+            jax.nn.gelu(fp8_reference_linear(x, w1, None, HYBRID)), w2, None, HYBRID
+        )
 
     _, vjp = jax.vjp(ref, x, w1, w2)
     dx_ref, dw1_ref, dw2_ref = vjp(dy)
