@@ -60,17 +60,20 @@ def _data(n: int, skewed: bool, seed: int = 1):
     return x, jax.random.normal(kr, (n, H))
 
 
-def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool):
+def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool, folded: bool = False):
     """jitted ``(params, x, r) -> (loss, grads, dx, counts, overflow)`` on an (expert,
     tensor) mesh:
     every rank its own ``T`` tokens (a tensor rank: its slice of the sequence), ``E/EP``
-    experts, their ``F / etp`` features with expert tensor parallelism."""
+    experts, their ``F / etp`` features with expert tensor parallelism; ``folded``
+    (Megatron's parallel folding, etp 1): the experts split over ``(expert, tensor)``,
+    ``E / (ep tp)`` on each rank."""
     n = ep * tp * T
     f_axis = TENSOR if etp > 1 else None
+    e_axis = (EXPERT, TENSOR) if folded else EXPERT
     specs = {
         "router": P(),
-        "fc1": P(EXPERT, *([None] if cfg.swiglu else []), f_axis, None),
-        "fc2": P(EXPERT, None, f_axis),
+        "fc1": P(e_axis, *([None] if cfg.swiglu else []), f_axis, None),
+        "fc2": P(e_axis, None, f_axis),
     }
 
     def local(p, x, r):
@@ -78,7 +81,7 @@ def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool):
 
         def loss(p, bucket, x):
             kw = dict(
-                expert_axis=EXPERT,
+                expert_axis=e_axis,
                 sequence_axis=TENSOR,
                 expert_tensor_axis=TENSOR if etp > 1 else None,
             )
@@ -99,7 +102,8 @@ def _sharded(cfg: MoEConfig, ep: int, tp: int, etp: int, fused: bool):
                 fc2=dbucket[sizes[0] :].reshape(p["fc2"].shape),
             )
         dp["router"] = jax.lax.psum(dp["router"], (EXPERT, TENSOR))
-        if etp == 1:  # experts replicated over the tensor ranks: each saw its own tokens
+        if etp == 1 and not folded:  # experts replicated over the tensor ranks: each saw
+            # its own tokens
             dp["fc1"], dp["fc2"] = (jax.lax.psum(dp[k], TENSOR) for k in ("fc1", "fc2"))
         counts = jax.lax.psum(stats.tokens_per_expert, (EXPERT, TENSOR))
         overflow = jax.lax.psum(stats.overflow_rows, (EXPERT, TENSOR))
@@ -138,6 +142,7 @@ def _check(
     swiglu=False,
     buffer_factor=None,
     permute_fusion=False,
+    folded=False,
 ):
     cfg = MoEConfig(
         num_experts=E,
@@ -150,7 +155,7 @@ def _check(
         permute_fusion=permute_fusion,
     )
     params, (x, r) = _params(skewed, swiglu), _data(ep * tp * T, skewed)
-    loss, grads, dx, counts, overflow = _sharded(cfg, ep, tp, etp, fused)(params, x, r)
+    loss, grads, dx, counts, overflow = _sharded(cfg, ep, tp, etp, fused, folded)(params, x, r)
     assert float(overflow) == 0.0
     want, (wgrads, wdx) = jax.value_and_grad(_reference, argnums=(0, 1))(params, x, r, cfg, ep, tp)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
@@ -195,6 +200,22 @@ def test_dropless_equals_dense_reference(ep, topk, skewed):
 def test_dropless_tensor_parallel_equals_dense_reference(ep, etp, fused):
     """tp = 2 with sequence parallelism; the experts split over tensor (ETP) or not."""
     _check(ep, 2, etp, 2, fused=fused, skewed=True)
+
+
+@pytest.mark.parametrize(
+    "ep, fused, capacity",
+    [
+        (1, True, None),
+        pytest.param(2, True, None, marks=pytest.mark.slow),
+        pytest.param(2, False, float(E), marks=pytest.mark.slow),
+    ],
+)
+def test_parallel_folding_equals_dense_reference(ep, fused, capacity):
+    """Megatron's MoE parallel folding: ETP 1 beside TP 2 attention, the experts split over
+    ``(expert, tensor)`` (EP ``2 ep``), every tensor rank routing its own sequence shard;
+    dropless (skewed routing, fused into a bucket) and capacity buffers that drop
+    nothing."""
+    _check(ep, 2, 1, 2, fused, capacity is None, capacity=capacity, folded=True)
 
 
 @pytest.mark.slow

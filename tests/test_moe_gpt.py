@@ -40,7 +40,7 @@ from jax_wgrad import (
 )
 from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt.config import validate
-from jax_wgrad.parallel.mesh import DATA_PARALLEL
+from jax_wgrad.parallel.mesh import DATA_PARALLEL, EXPERT, PIPELINE, TENSOR, local_shape
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -78,7 +78,7 @@ def _par(ep, tp, pp, *, gbs=16, **kw) -> ParallelConfig:
     )
 
 
-# (EP, tp, pp) on 8 devices: data = 8 / (EP tp pp).
+# (EP, tp, pp) on 8 devices (ETP = tp): data = 8 / (EP tp pp).
 LAYOUTS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 
 
@@ -560,6 +560,64 @@ def test_expert_tensor_parallel_size_is_1_or_tp():
         r"tensor_model_parallel_size \(2\)",
     ):
         ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=4)
+
+
+def test_parallel_folding_spans_the_tensor_ranks_first():
+    """ETP 1 beside TP > 1: Megatron's MoE parallel folding, the expert-parallel group the
+    tensor ranks first, then data-parallel ranks (its rank order); ETP = tp: carved out of
+    data parallelism. (data, expert, tensor, pipeline) on 8 devices."""
+    folded = lambda ep, tp=2, **kw: ParallelConfig(
+        world_size=8,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        **kw,
+    )
+    for ep, mesh, edp in [(2, (4, 1, 2, 1), 4), (4, (2, 2, 2, 1), 2), (8, (1, 4, 2, 1), 1)]:
+        par = folded(ep)
+        assert par.folds_experts and par.data_parallel_size == 4
+        assert (par.mesh_shape, par.expert_data_parallel_size) == (mesh, edp)
+    assert folded(4, pipeline_model_parallel_size=2).mesh_shape == (1, 2, 2, 2)
+    assert not folded(1).folds_experts and folded(1).mesh_shape == (4, 1, 2, 1)
+    unfolded = ParallelConfig(
+        world_size=8, tensor_model_parallel_size=2, expert_model_parallel_size=2
+    )
+    assert not unfolded.folds_experts and unfolded.mesh_shape == (2, 2, 2, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"expert_model_parallel_size \(2\) with expert_tensor_parallel_size 1 must be 1 "
+        r"or a multiple of tensor_model_parallel_size \(4\): the expert-parallel group spans "
+        r"all the tensor ranks first",
+    ):
+        folded(2, tp=4)
+    with pytest.raises(
+        ValueError,
+        match=r"world_size \(8\) is not divisible by expert_tensor_model_pipeline_parallel "
+        r"size \(32\)",
+    ):
+        folded(16, pipeline_model_parallel_size=2)
+
+
+def test_parallel_folding_shards_the_experts_over_expert_and_tensor():
+    """EP4 ETP1 beside TP2 attention: the expert weights split over ``(expert, tensor)``
+    (one expert of E = 4 per device), the dense ones over ``tensor`` as ever."""
+    cfg = _model(moe_layer_freq=2, moe_grouped_gemm=True)
+    par = _par(4, 2, 1, gradient_accumulation_fusion=True, expert_tensor_parallel_size=1)
+    specs = lay_out(GPTProgram(cfg, par)).canonical_specs()
+    experts = specs["moe_layers"]["experts"]
+    assert experts == {k: P(PIPELINE, (EXPERT, TENSOR), None, None) for k in ("fc1", "fc2")}
+    sizes = dict(zip(("data", "expert", "tensor", "pipeline"), par.mesh_shape))
+    shape = init_params(cfg, 0)["moe_layers"]["experts"]["fc1"].shape
+    assert local_shape(shape, experts["fc1"], sizes)[1] == cfg.num_moe_experts // 4
+
+
+# ~32 s: the default suite's folding cover is the layer through the exchange
+# (tests/test_moe_dropless.py::test_parallel_folding_equals_dense_reference).
+@pytest.mark.slow
+def test_parallel_folding_equals_single_device_reference():
+    """EP4 ETP1 beside TP2 attention (experts over (expert, tensor) = 2 x 2), dense and MoE
+    layers, fused expert wgrad, against ``jax.grad``."""
+    _check_gradients(4, 2, 1, True, 2, expert_tensor_parallel_size=1)
 
 
 def test_expert_parallel_size_must_divide_data_parallel_size():

@@ -330,7 +330,7 @@ def moe_mlp(
     x: jax.Array,
     cfg: MoEConfig,
     *,
-    expert_axis: str | None = None,
+    expert_axis: str | tuple[str, ...] | None = None,
     sequence_axis: str | None = None,
     expert_tensor_axis: str | None = None,
     buckets: tuple[jax.Array, int, int] | None = None,
@@ -345,7 +345,10 @@ def moe_mlp(
         rank's slice of their ``F`` features).
       x: ``[T, H]`` this rank's tokens.
       cfg: the MoE options.
-      expert_axis: the ``shard_map`` axis of the ``EP`` expert ranks; ``None``: one rank.
+      expert_axis: the ``shard_map`` axis of the ``EP`` expert ranks, or a tuple of axes
+        (Megatron's MoE parallel folding: ``(expert, tensor)``, the tensor ranks of the
+        attention being expert ranks too, each routing its own sequence shard; experts
+        ``[E/EP]`` on rank ``expert_index * tp + tensor_index``); ``None``: one rank.
       sequence_axis: under sequence parallelism, the tensor axis the sequence is split
         over (the aux loss counts the whole sequence, see the module docstring).
       expert_tensor_axis: expert tensor parallelism over this axis (``etp`` ranks; needs

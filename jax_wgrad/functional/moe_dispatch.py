@@ -154,7 +154,7 @@ def ragged_all_to_all(
     output_offsets: jax.Array,
     recv_sizes: jax.Array,
     *,
-    axis_name: str,
+    axis_name: str | tuple[str, ...],
 ) -> jax.Array:
     """:func:`jax.lax.ragged_all_to_all` (same arguments: to peer ``d`` this rank sends
     ``send_sizes[d]`` rows of ``operand`` from ``input_offsets[d]``, landing at
@@ -163,10 +163,12 @@ def ragged_all_to_all(
     and emulated with one worst-case ``all_to_all`` where it does not (XLA:CPU): chosen
     when the program is lowered for its platform (:func:`jax.lax.platform_dependent`)."""
 
-    if axis_name not in getattr(jax.typeof(output), "vma", frozenset()):
-        # the result varies over the axis (jax types it as the output buffer, the emulation
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    invariant = tuple(a for a in names if a not in getattr(jax.typeof(output), "vma", ()))
+    if invariant:
+        # the result varies over the axes (jax types it as the output buffer, the emulation
         # as what was scattered into it): the same type on both branches
-        output = jax.lax.pcast(output, (axis_name,), to="varying")
+        output = jax.lax.pcast(output, invariant, to="varying")
 
     def native(*args):
         return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
@@ -243,10 +245,11 @@ def _inverse_permutation(order: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Exchange:
-    """The collectives of one MoE layer: ``expert_axis`` (``ep`` ranks) and, with expert
-    tensor parallelism, ``tensor_axis`` (``tp`` ranks)."""
+    """The collectives of one MoE layer: ``expert_axis`` (``ep`` ranks; a tuple of mesh
+    axes with parallel folding, e.g. ``(expert, tensor)``) and, with expert tensor
+    parallelism, ``tensor_axis`` (``tp`` ranks)."""
 
-    expert_axis: str | None
+    expert_axis: str | tuple[str, ...] | None
     ep: int
     tensor_axis: str | None = None
 

@@ -100,12 +100,14 @@ def specs_of(module: nnx.Module, prefix: tuple[str | None, ...] = ()) -> Params:
     for parameters stacked over the layers split over the stages)."""
 
     def spec(v: nnx.Variable) -> P:
-        dims: list[str | None] = [None] * v.get_value().ndim
+        dims: list[tuple[str, ...]] = [()] * v.get_value().ndim
         facts = v.get_metadata()
-        for fact, axis_name in (("tensor_axis", TENSOR), ("expert_axis", EXPERT)):
+        # expert first: a dim split over both is (expert, tensor), Megatron's parallel
+        # folding (jax_wgrad.parallel.mesh.expert_parallel_axes)
+        for fact, axis_name in (("expert_axis", EXPERT), ("tensor_axis", TENSOR)):
             if facts.get(fact) is not None:
-                dims[facts[fact]] = axis_name
-        return P(*prefix, *dims)
+                dims[facts[fact]] += (axis_name,)
+        return P(*prefix, *(None if not d else d[0] if len(d) == 1 else d for d in dims))
 
     return walk_variables(nnx.split(module)[1], spec)
 

@@ -10,7 +10,8 @@ about it -- without knowing where it sits in a model:
 * ``fused_wgrad``: the gradient can be accumulated by the fused weight-gradient GEMM (a
   linear layer's weight), when gradient accumulation fusion is on;
 * ``expert_axis``: the dim split over the expert-parallel axis (a MoE layer's stacked
-  expert weights), or ``None``.
+  expert weights), or ``None``. When ``tensor_axis`` names the same dim, that dim is split
+  over ``(expert, tensor)`` (Megatron's MoE parallel folding).
 
 Read them with ``variable.get_metadata()`` (e.g. over ``nnx.split(module)[1]``).
 """

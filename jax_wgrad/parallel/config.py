@@ -18,7 +18,8 @@ class ParallelConfig:
 
     The mesh is ``(data, expert, tensor, pipeline)``; the data-parallel size and the
     number of microbatches are derived, as in Megatron, and expert parallelism is carved out
-    of data parallelism (``data = dp / EP``).
+    of data parallelism (``data = dp / EP``), or with ``expert_tensor_parallel_size`` 1 out
+    of the tensor ranks first (Megatron's MoE parallel folding: ``data = dp tp / EP``).
     """
 
     tensor_model_parallel_size: int = 1
@@ -26,13 +27,19 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages; the transformer layers are split evenly over them."""
     expert_model_parallel_size: int = 1
-    """Devices the experts of every MoE layer are split over (Megatron EP), carved out of
-    the data-parallel ranks: each holds its own tokens and ``E / EP`` experts."""
+    """Devices the experts of every MoE layer are split over (Megatron EP), each holding
+    its own tokens and ``E / EP`` experts. With ``expert_tensor_parallel_size = tp`` the EP
+    ranks are carved out of the data-parallel ranks (``expert`` axis EP). With
+    ``expert_tensor_parallel_size`` 1 and ``tp > 1`` they span the tensor ranks first, then
+    data-parallel ranks, as Megatron's rank order puts them (its MoE parallel folding:
+    attention split over ``tensor``, experts over ``(expert, tensor)``; EP a multiple of
+    tp, the ``expert`` axis ``EP / tp``)."""
     expert_tensor_parallel_size: int | None = None
     """Megatron's ``--expert-tensor-parallel-size``: tensor ranks each expert's weights are
     split over (on its FFN width). ``None``: ``tensor_model_parallel_size`` (Megatron's
-    default); ``1``: experts replicated over the tensor ranks. On the ``(data, expert,
-    tensor, pipeline)`` mesh the expert-tensor group is the tensor axis: 1 or tp."""
+    default); ``1``: experts not split, the tensor ranks being expert-parallel ranks
+    (parallel folding) when EP > 1, replicated over them when EP is 1. On the ``(data,
+    expert, tensor, pipeline)`` mesh the expert-tensor group is the tensor axis: 1 or tp."""
     micro_batch_size: int = 1
     """Sequences per microbatch per data-parallel rank."""
     global_batch_size: int | None = None
@@ -119,12 +126,8 @@ class ParallelConfig:
                 f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size})"
             )
         dp = self.world_size // model_parallel
-        if dp % self.expert_model_parallel_size != 0:
-            raise ValueError(
-                f"data parallel size ({dp}) is not divisible by expert_model_parallel_size "
-                f"({self.expert_model_parallel_size}): expert parallelism is carved out of "
-                "data parallelism"
-            )
+        self._validate_expert_tensor_parallel()
+        self._validate_expert_parallel(dp)
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * dp)
         check_positive("global_batch_size", self.global_batch_size)
@@ -134,7 +137,6 @@ class ParallelConfig:
                 f"micro batch size ({self.micro_batch_size}) times data parallel size ({dp})"
             )
         self._validate_deferral()
-        self._validate_expert_tensor_parallel()
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(
                 f"pipeline_schedule must be one of {sorted(SCHEDULES)}, got "
@@ -174,6 +176,31 @@ class ParallelConfig:
                 f"expert_tensor_parallel_size ({etp}) must be 1 or "
                 f"tensor_model_parallel_size ({tp}): the expert-tensor group is "
                 "the tensor axis of the (data, expert, tensor, pipeline) mesh"
+            )
+
+    def _validate_expert_parallel(self, dp: int) -> None:
+        ep, tp = self.expert_model_parallel_size, self.tensor_model_parallel_size
+        if not self.folds_experts:
+            if dp % ep != 0:
+                raise ValueError(
+                    f"data parallel size ({dp}) is not divisible by expert_model_parallel_size "
+                    f"({ep}): expert parallelism is carved out of data parallelism"
+                )
+            return
+        if ep % tp != 0:
+            raise ValueError(
+                f"expert_model_parallel_size ({ep}) with expert_tensor_parallel_size 1 must "
+                f"be 1 or a multiple of tensor_model_parallel_size ({tp}): the expert-parallel "
+                "group spans all the tensor ranks first, then data-parallel ranks (Megatron's "
+                "MoE parallel folding on the (data, expert, tensor, pipeline) mesh)"
+            )
+        if dp % (ep // tp) != 0:  # Megatron's wording (parallel_state.py)
+            etp_ep_pp = ep * self.pipeline_model_parallel_size
+            raise ValueError(
+                f"world_size ({self.world_size}) is not divisible by "
+                f"expert_tensor_model_pipeline_parallel size ({etp_ep_pp}): "
+                f"expert_tensor_parallel_size (1) x expert_model_parallel_size ({ep}) x "
+                f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size})"
             )
 
     def _validate_deferral(self) -> None:
@@ -257,9 +284,28 @@ class ParallelConfig:
         )
 
     @property
+    def folds_experts(self) -> bool:
+        """Megatron's MoE parallel folding: the expert-parallel group spans the tensor ranks
+        (``expert_tensor_parallel_size`` 1, ``tp > 1``, EP > 1), the experts split over
+        ``(expert, tensor)``."""
+        return (
+            self.expert_tensor_parallel_size == 1
+            and self.tensor_model_parallel_size > 1
+            and self.expert_model_parallel_size > 1
+        )
+
+    @property
+    def expert_axis_size(self) -> int:
+        """Size of the mesh's ``expert`` axis: EP, or ``EP / tp`` with parallel folding
+        (the tensor axis makes up the rest of the expert-parallel group)."""
+        ep = self.expert_model_parallel_size
+        return ep // self.tensor_model_parallel_size if self.folds_experts else ep
+
+    @property
     def expert_data_parallel_size(self) -> int:
-        """Megatron's expert-data-parallel size: ``dp / EP`` replicas of each expert."""
-        return self.data_parallel_size // self.expert_model_parallel_size
+        """Megatron's expert-data-parallel size: ``world / (etp EP pp)`` replicas of each
+        expert (``dp / EP``; ``dp tp / EP`` with parallel folding): the ``data`` axis."""
+        return self.data_parallel_size // self.expert_axis_size
 
     @property
     def num_microbatches(self) -> int:
@@ -275,12 +321,13 @@ class ParallelConfig:
 
     @property
     def mesh_shape(self) -> tuple[int, int, int, int]:
-        """``(data, expert, tensor, pipeline)`` sizes: ``(dp / EP, EP, tp, pp)``: the one
-        derivation of the mesh's shape (:func:`~jax_wgrad.parallel.mesh.make_mesh`,
+        """``(data, expert, tensor, pipeline)`` sizes: ``(dp / EP, EP, tp, pp)`` (``(dp tp /
+        EP, EP / tp, tp, pp)`` with parallel folding): the one derivation of the mesh's
+        shape (:func:`~jax_wgrad.parallel.mesh.make_mesh`,
         :func:`~jax_wgrad.parallel.mesh.axis_sizes`)."""
         return (
             self.expert_data_parallel_size,
-            self.expert_model_parallel_size,
+            self.expert_axis_size,
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
         )

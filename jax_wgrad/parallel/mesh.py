@@ -42,6 +42,7 @@ __all__ = [
     "PIPELINE",
     "DATA_PARALLEL",
     "EXPERT_DATA_PARALLEL",
+    "expert_parallel_axes",
     "make_mesh",
     "initialize_distributed",
     "use_virtual_cpu_devices",
@@ -56,7 +57,9 @@ the whole data parallelism when ``EP = 1``."""
 EXPERT = "expert"
 """Expert-parallel axis (Megatron EP): carved out of data parallelism, each index holds its
 own tokens and ``E / EP`` experts of every Mixture-of-Experts layer
-(:func:`jax_wgrad.functional.moe_mlp`); dense parameters are replicated over it."""
+(:func:`jax_wgrad.functional.moe_mlp`); dense parameters are replicated over it. With
+parallel folding the expert-parallel group is ``(expert, tensor)`` and this axis has
+``EP / tp`` ranks (:func:`expert_parallel_axes`)."""
 TENSOR = "tensor"
 """Tensor-parallel axis: a layer's weights split over it (Megatron TP, and SP)."""
 PIPELINE = "pipeline"
@@ -69,6 +72,17 @@ gradients are synced over it."""
 EXPERT_DATA_PARALLEL: str = DATA
 """Megatron's expert-data-parallel group (``dp / EP`` ranks): expert gradients are synced
 over it (the experts differ along :data:`EXPERT`)."""
+
+
+def expert_parallel_axes(ep: int, folded: bool) -> str | tuple[str, str] | None:
+    """The mesh axes of the expert-parallel group of ``ep`` ranks: ``None`` for one rank,
+    :data:`EXPERT`, or ``(EXPERT, TENSOR)`` with Megatron's MoE parallel folding
+    (:attr:`~jax_wgrad.parallel.ParallelConfig.folds_experts`: expert rank ``expert_index
+    * tp + tensor_index``, the order of the experts' ``PartitionSpec`` on their first
+    dim)."""
+    if ep == 1:
+        return None
+    return (EXPERT, TENSOR) if folded else EXPERT
 
 
 def use_virtual_cpu_devices(count: int) -> None:

@@ -322,7 +322,8 @@ def describe(plan, data, state) -> list[str]:
         + (
             ""
             if model.num_moe_experts is None
-            else f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}, "
+            else f" | MoE: {model.num_moe_experts} experts (EP {par.expert_model_parallel_size}"
+            f"{' folded over the tensor ranks' if par.folds_experts else ''}, "
             f"ETP {par.expert_tensor_parallel_size}), top-{model.moe_router_topk}, "
             f"{sum(model.moe_layer_pattern)} MoE layers, "
             + (

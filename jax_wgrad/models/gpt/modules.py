@@ -32,7 +32,7 @@ from jax_wgrad.nn.tensor_parallel import (
     init_std_for_output_layers,
     vocab_axes,
 )
-from jax_wgrad.parallel.mesh import EXPERT, PIPELINE, TENSOR
+from jax_wgrad.parallel.mesh import PIPELINE, TENSOR, expert_parallel_axes
 
 __all__ = [
     "GPTEmbedding",
@@ -72,14 +72,23 @@ class MoEExperts(nnx.Module):
     """The expert weights of one MoE layer: ``fc1 [E/EP, F/etp, H]`` (``[E/EP, 2, F/etp, H]``
     with SwiGLU: gate rows, then up rows), ``fc2 [E/EP, H, F/etp]``, no biases; split over
     the expert axis on dim 0 and, with expert tensor parallelism (``etp_size`` > 1), over
-    ``tensor`` on ``F`` (else replicated over the tensor ranks)."""
+    ``tensor`` on ``F``; with parallel folding (``folded``) over ``(expert, tensor)`` on
+    dim 0; else replicated over the tensor ranks."""
 
-    def __init__(self, cfg: GPTConfig, *, ep_size: int, etp_size: int = 1, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        ep_size: int,
+        etp_size: int = 1,
+        folded: bool = False,
+        rngs: nnx.Rngs,
+    ):
         e, h = cfg.num_moe_experts // ep_size, cfg.hidden_size
         f = cfg.moe_ffn_hidden_size // etp_size
         split = etp_size > 1
         facts = lambda f_axis: param_facts(
-            f_axis if split else None,
+            f_axis if split else (0 if folded else None),
             weight_decay=True,
             fused_wgrad=cfg.moe_grouped_gemm,
             expert_axis=0,
@@ -141,8 +150,11 @@ class TransformerLayer(nnx.Module):
     ``moe=True`` the MLP is ``cfg``'s Mixture of Experts (:func:`~jax_wgrad.functional.moe_mlp`):
     a router ``[E, H]`` and :class:`MoEExperts` (``ep_size`` expert-parallel ranks over
     :data:`~jax_wgrad.parallel.mesh.EXPERT`; ``etp_size`` > 1: expert tensor parallelism
-    over the tensor ranks), plus a :class:`SharedExpertMLP` when the model has shared
-    experts; each tensor rank routes its own tokens.
+    over the tensor ranks; ``fold_experts``: Megatron's parallel folding, the ``ep_size``
+    ranks spanning ``(expert, tensor)``,
+    :attr:`~jax_wgrad.parallel.ParallelConfig.folds_experts`), plus a
+    :class:`SharedExpertMLP` when the model has shared experts; each tensor rank routes its
+    own tokens.
     """
 
     def __init__(
@@ -156,6 +168,7 @@ class TransformerLayer(nnx.Module):
         moe: bool = False,
         ep_size: int = 1,
         etp_size: int = 1,
+        fold_experts: bool = False,
         rngs: nnx.Rngs,
     ):
         h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
@@ -214,11 +227,14 @@ class TransformerLayer(nnx.Module):
             * jax.random.normal(rngs.params(), (cfg.num_moe_experts, h), jnp.float32),
             **param_facts(None, weight_decay=True),
         )
-        self.experts = MoEExperts(cfg, ep_size=ep_size, etp_size=etp_size, rngs=rngs)
+        self.experts = MoEExperts(
+            cfg, ep_size=ep_size, etp_size=etp_size, folded=fold_experts, rngs=rngs
+        )
         if cfg.moe_shared_expert_intermediate_size is not None:
             self.shared_expert = SharedExpertMLP(cfg, common=common, rngs=rngs)
             self.shared_expert_overlap = cfg.moe_shared_expert_overlap
         self.ep_size, self.tp_size, self.etp_size = ep_size, tp_size, etp_size
+        self.fold_experts = fold_experts
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -274,7 +290,7 @@ class TransformerLayer(nnx.Module):
                 params,
                 h.reshape(b * s, hid),
                 self.moe,
-                expert_axis=EXPERT if self.ep_size > 1 else None,
+                expert_axis=expert_parallel_axes(self.ep_size, self.fold_experts),
                 expert_tensor_axis=TENSOR if self.etp_size > 1 else None,
                 sequence_axis=TENSOR if self.sequence_parallel else None,
             )

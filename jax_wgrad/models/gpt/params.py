@@ -97,14 +97,23 @@ def abstract_modules(
     ep: int = 1,
     vocab_pp: int = 1,
     etp: int = 1,
+    fold: bool = False,
 ):
     """``(embedding, dense layer, MoE layer or None, head)`` modules of the layout, shapes
     only (no arrays); ``vocab_pp``: the pipeline stages the vocabulary is split over;
-    ``etp``: the expert-tensor-parallel size."""
+    ``etp``: the expert-tensor-parallel size; ``fold``: MoE parallel folding
+    (:attr:`~jax_wgrad.parallel.ParallelConfig.folds_experts`)."""
     kw = dict(tp_size=tp, sequence_parallel=sp)
     layer = lambda moe: nnx.eval_shape(
         lambda: TransformerLayer(
-            cfg, **kw, attention=attention, moe=moe, ep_size=ep, etp_size=etp, rngs=nnx.Rngs(0)
+            cfg,
+            **kw,
+            attention=attention,
+            moe=moe,
+            ep_size=ep,
+            etp_size=etp,
+            fold_experts=fold,
+            rngs=nnx.Rngs(0),
         )
     )
     ends = dict(kw, vocab_pipeline_size=vocab_pp)
@@ -116,13 +125,16 @@ def abstract_modules(
     )
 
 
-def model_parts(cfg: GPTConfig, etp: int = 1) -> ModelParts:
+def model_parts(cfg: GPTConfig, etp: int = 1, fold: bool = False) -> ModelParts:
     """The GPT's modules for the layout (:class:`~jax_wgrad.models.parts.ModelParts`):
     ``embedding`` and ``head``, the dense ``layers`` and MoE ``moe_layers`` kinds (the
     latter's ``experts`` in the expert chunk) in the order of ``cfg.moe_layer_pattern``,
     one :func:`period_pattern` per period; built for one tensor rank (``etp``: the expert
-    tensor-parallel size, which says how the expert weights are split)."""
-    layer = lambda moe: lambda: TransformerLayer(cfg, moe=moe, etp_size=etp, rngs=nnx.Rngs(0))
+    tensor-parallel size, and ``fold``: MoE parallel folding, which say how the expert
+    weights are split)."""
+    layer = lambda moe: (
+        lambda: TransformerLayer(cfg, moe=moe, etp_size=etp, fold_experts=fold, rngs=nnx.Rngs(0))
+    )
     kinds = [LayerKind("layers", layer(False))]
     if cfg.num_moe_experts is not None:
         kinds.append(LayerKind("moe_layers", layer(True), experts="experts"))

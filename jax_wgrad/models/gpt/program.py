@@ -82,6 +82,7 @@ class GPTProgram:
             self.parallel.expert_model_parallel_size,
             self._vocab_pp,
             self._etp,
+            self._fold,
         )
         object.__setattr__(self, "_emb_def", nnx.split(emb)[0])
         object.__setattr__(self, "_layer_def", nnx.split(layer)[0])
@@ -178,9 +179,15 @@ class GPTProgram:
         """Expert-tensor-parallel size of the MoE layers (1 for a dense model)."""
         return self.parallel.expert_tensor_parallel_size if self.moe else 1
 
+    @property
+    def _fold(self) -> bool:
+        """MoE parallel folding (:attr:`~jax_wgrad.parallel.ParallelConfig.folds_experts`;
+        False for a dense model)."""
+        return self.parallel.folds_experts if self.moe else False
+
     def parts(self) -> ModelParts:
         """The GPT's modules for the layout (:func:`~jax_wgrad.models.gpt.params.model_parts`)."""
-        return model_parts(self.model, self._etp)
+        return model_parts(self.model, self._etp, self._fold)
 
     def init_params(self, seed: int = 0) -> Params:
         """Full canonical parameters from ``seed`` (:func:`~jax_wgrad.models.gpt.init_params`)."""
