@@ -391,16 +391,17 @@ LAYOUTS: tuple[Layout, ...] = (
         "mixtral-8x7b",
         64,
         QWEN2_57B_A14B
-        + _tp_pp(2, 4, 8)
+        + _tp_pp(2, 4, 16)
         + ("--expert-tensor-parallel-size", "1")
         + _seq(4096, 256)
         + ("--overlap-grad-reduce", "--pipeline-schedule", "1f1b-paired")
         + MOE_BEST
         + FULL_RECOMPUTE,
         "fine-grained experts with a shared one: Qwen2-57B-A14B's shapes (64 experts of 2560, "
-        "top-8, a shared expert of 20480; no shared-expert gate) on 64 GPUs, TP2 with "
-        "ETP1, PP4, EP8 (DP8), paired 1F1B ticks, seq 4096, global batch 256, receive "
-        "buffers 1.25 T k, fused permutations, full recompute",
+        "top-8, a shared expert of 20480; no shared-expert gate) on 64 GPUs, TP2 attention, "
+        "PP4, DP8; experts ETP1 EP16 folded over (expert 8, tensor 2) (Megatron's parallel "
+        "folding), paired 1F1B ticks, seq 4096, global batch 256, receive buffers 1.25 T k, "
+        "fused permutations, full recompute",
     ),
     Layout(
         "qwen3-30b-a3b-8gpu",
