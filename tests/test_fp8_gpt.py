@@ -56,7 +56,7 @@ def _config(fmt="hybrid", **kw):
 
 
 def _parallel(fusion=True, **kw):
-    return ParallelConfig(
+    base = dict(
         tensor_model_parallel_size=2,
         pipeline_model_parallel_size=2,
         micro_batch_size=2,
@@ -64,8 +64,8 @@ def _parallel(fusion=True, **kw):
         sequence_parallel=True,
         gradient_accumulation_fusion=fusion,
         world_size=8,
-        **kw,
     )
+    return ParallelConfig(**{**base, **kw})
 
 
 @pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
@@ -129,6 +129,49 @@ def test_fp8_gradients_equal_the_quantize_dequantize_reference(fmt, fusion, extr
     assert_grads_close(*_grads(_config(fmt, num_layers=layers, **moe), _parallel(fusion, **extra)))
 
 
+@pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
+@pytest.mark.parametrize(
+    "layers, first, last, extra",
+    [
+        pytest.param(2, 1, 0, {}, id="2-layers-first-1"),
+        pytest.param(4, 1, 1, {}, id="4-layers-first-1-last-1", marks=pytest.mark.slow),
+        pytest.param(
+            4,
+            2,
+            0,
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+            id="first-2-full-recompute-2",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_first_last_layers_bf16_equal_the_reference(layers, first, last, extra):
+    """``first_last_layers_bf16`` (TP2 SP DP4, no pipeline): the first and last layers'
+    linears in bf16, the others in FP8 (one scan cut where the precision changes), against
+    the reference keeping the same layers out of FP8 by Megatron's rule."""
+    cfg = _config(num_layers=layers, first_last_layers_bf16=True, num_layers_at_start_in_bf16=first)
+    cfg = dataclasses.replace(cfg, num_layers_at_end_in_bf16=last)
+    par = _parallel(pipeline_model_parallel_size=1, **extra)
+    assert_grads_close(*_grads(cfg, par))
+
+
+def test_first_last_layers_bf16_reference_keeps_those_layers_out_of_fp8():
+    """The reference the test above compares against: layer 0's weight gradients with the
+    first layer in bf16 differ from all-FP8 by far more than the tolerance; with it, layer
+    0's forward is the float32 model's."""
+    tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, 64)
+    cfgs = (
+        _config("hybrid", num_layers=2, first_last_layers_bf16=True, num_layers_at_end_in_bf16=0),
+        _config("hybrid", num_layers=2),
+    )
+    grads = [
+        jax.grad(reference_loss)(init_params(cfg, 0), tokens, cfg, micro_batch_size=2)
+        for cfg in cfgs
+    ]
+    mixed, fp8 = (np.asarray(g["layers"]["qkv"]["weight"][0]) for g in grads)
+    assert np.abs(mixed - fp8).max() > 1e-3 * np.abs(fp8).max()
+
+
 def test_the_fp8_reference_is_not_the_float32_model():
     """What the equalities above compare against is FP8: its gradients differ from the
     float32 model's by far more than the tolerance."""
@@ -148,8 +191,6 @@ def test_fp8_refusals():
         GPTConfig(fp8_format="e5m2")
     with pytest.raises(ValueError, match="fp8_recipe 'delayed'"):
         GPTConfig(fp8_format="hybrid", fp8_recipe="delayed")
-    with pytest.raises(ValueError, match="first_last_layers_bf16"):
-        GPTConfig(fp8_format="hybrid", first_last_layers_bf16=True)
     with pytest.raises(
         ValueError, match=r"num_layers_at_end_in_bf16 \(2\) needs first_last_layers_bf16"
     ):
@@ -172,8 +213,16 @@ def test_fp8_refusals():
         ),
         (["--bf16", "--fp8-format", "e5m2"], r"--fp8-format: invalid choice: 'e5m2'"),
         (
-            ["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"],
-            r"--first-last-layers-bf16 is not built",
+            ["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"]
+            + ["--pipeline-model-parallel-size", "2"],
+            r"--first-last-layers-bf16 with --pipeline-model-parallel-size \(2\) > 1 is not "
+            r"built",
+        ),
+        (
+            ["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"]
+            + ["--num-layers-at-end-in-bf16", "9"],
+            r"--num-layers-at-end-in-bf16 \(9\) must be between 0 and number of layers per "
+            r"pipeline stage \(\d+\)",
         ),
     ],
 )

@@ -207,6 +207,65 @@ def test_a_chunk_is_cut_after_the_data_gradient_and_written_back_after_the_weigh
         assert is_bucket(own) and h.aval.shape == (T, H), joined
 
 
+def _layer_relu(p, h):
+    """Another function of the same parameters (as FP8's first and last layers in bf16)."""
+    u = jax.nn.relu(linear(h, p["up"]))
+    return h + linear(u, p["down"]) * p["scale"], ()
+
+
+RUNS = ((1, _layer_relu), (4, _layer), (1, _layer_relu))
+"""Layer 0 and layer 5 by ``_layer_relu``: cuts at 1 and 5, across the row pieces'."""
+
+
+@pytest.mark.parametrize(
+    "recompute", [None, LayerRecompute("full", "block", 3)], ids=["none", "full-block-3"]
+)
+def test_runs_of_layer_functions_equal_jax_grad(recompute):
+    """``scan_layers`` with a layer function per run of layers, the runs cut across the
+    gradient layout's layer groups: the loss and every gradient of the plain loop."""
+    params, x = _params(), jax.random.normal(jax.random.key(1), (T, H), jnp.float32)
+    sizes, pieces = _layout()
+    start = [jnp.zeros((n,), jnp.float32) for n in sizes]
+
+    def f(params, buckets, x):
+        routes = WgradRoutes(dict(enumerate(buckets)))
+        params = {
+            **params,
+            **{name: routes.to_pieces(params[name], pieces[name], name=name) for name in pieces},
+        }
+        y, _ = scan_layers(RUNS, x, params, recompute=recompute)
+        return jnp.sum(y**2), tuple(routes.close().values())
+
+    def plain(params, x):
+        fns = [fn for k, fn in RUNS for _ in range(k)]
+        for i, fn in enumerate(fns):
+            x = fn(jax.tree.map(lambda a, i=i: a[i], params), x)[0]
+        return jnp.sum(x**2)
+
+    (loss, _), pullback = jax.vjp(f, params, tuple(start), x)
+    dparams, buckets, _ = pullback((jnp.float32(1.0), tuple(start)))
+    want_loss, want = jax.value_and_grad(plain)(params, x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    got = {**_grads_from_buckets(buckets, pieces), "scale": dparams["scale"]}
+    with jax.enable_x64(True):  # as test_row_pieces_equal_jax_grad: against float64
+        p64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64), params)
+        exact = jax.grad(plain)(p64, jnp.asarray(np.asarray(x), jnp.float64))
+        exact = {k: np.asarray(v) for k, v in exact.items()}
+    for name in ("up", "down", "scale"):
+        own = np.abs(np.asarray(want[name], np.float64) - exact[name]).max()
+        np.testing.assert_allclose(got[name], exact[name], rtol=2e-5, atol=2 * own)
+
+
+def test_runs_must_cover_the_layers_and_keep_recompute_groups_whole():
+    params, x = _params(), jnp.ones((T, H), jnp.float32)
+    with pytest.raises(ValueError, match=r"layer runs \[1, 4\] must cover the 6 layers"):
+        scan_layers(RUNS[:2], x, params)
+    with pytest.raises(
+        ValueError, match="a run of layers of one function 0..1 cuts through a run of 2 layers"
+    ):
+        scan_layers(RUNS, x, params, recompute=LayerRecompute("full", "uniform", 2))
+
+
 def test_misaligned_recompute_groups_are_rejected():
     params, x = _params(), jnp.ones((T, H), jnp.float32)
     sizes, pieces = _layout()

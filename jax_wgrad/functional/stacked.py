@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -119,12 +119,14 @@ def policy(granularity: Literal["full", "selective"] | None):
 @dataclasses.dataclass(frozen=True)
 class LayerGroup:
     """``count`` consecutive runs of ``size`` layers each, from layer ``first`` on (of the
-    layers scanned), each run one ``jax.checkpoint`` with ``policy``."""
+    layers scanned), each run one ``jax.checkpoint`` with ``policy``; ``layer``: the layer
+    function of these layers (``None``: the scan's one)."""
 
     first: int
     size: int
     count: int
     policy: Any
+    layer: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +170,12 @@ class LayerRecompute:
         return tuple(out)
 
 
+LayerFn = Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]]
+"""``(params of one layer, x) -> (x, aux)``."""
+
+
 def scan_layers(
-    layer: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]],
+    layer: LayerFn | Sequence[tuple[int, LayerFn]],
     x: jax.Array,
     params: PyTree,
     *,
@@ -180,7 +186,12 @@ def scan_layers(
     """``for i in range(n): x, aux_i = layer(params[i], x)`` as a scan.
 
     Args:
-      layer: ``(params of one layer, x) -> (x, aux)``.
+      layer: ``(params of one layer, x) -> (x, aux)``; or ``((k_1, layer_1), (k_2,
+        layer_2), ...)``: the first ``k_1`` layers run are ``layer_1``, the next ``k_2``
+        ``layer_2``, ... (the ``k`` summing to the layers run; e.g. the same layer in
+        another precision, FP8's first and last layers in BF16): one scan per run, cut
+        where the functions change (a run of layers recomputed together must not straddle
+        a cut). Every function must give the same ``aux`` structure.
       x: the first layer's input (the scan carry).
       params: the layers' parameters, every leaf (an array or an NNX variable) stacked
         ``[n, ...]``; a variable's route (:mod:`jax_wgrad.functional.routes`) may send its
@@ -214,6 +225,7 @@ def scan_layers(
     if rows is not None and not 0 < count <= n:
         raise ValueError(f"scan_layers: rows {rows!r} outside the {n} stacked layers")
     groups = (LayerGroup(0, 1, count, None),) if recompute is None else recompute.groups(count)
+    groups = _layer_runs(layer, groups, count)
 
     stack = StackRoutes(leaves)
     probes = stack.probes
@@ -223,12 +235,13 @@ def scan_layers(
             f"stacked layers run at once (rows={rows!r})"
         )
 
-    def one_layer(h, keys, bks, index, probe, part):
-        """Layer ``index`` (traced, of the ``count`` run) on ``h``: ``(h, bks, records)``."""
+    def one_layer(fn, h, keys, bks, index, probe, part):
+        """Layer ``index`` (traced, of the ``count`` run) on ``h`` by ``fn``: ``(h, bks,
+        records)``."""
         take = lambda a: lax.dynamic_index_in_dim(a, start + index, 0, False)
         sliced = [jax.tree.map(take, a) for a in leaves]  # a variable keeps its metadata
         routes, sliced = stack.layer(keys, bks, sliced, start + index, probe, part)
-        h, aux = layer(jax.tree.unflatten(treedef, sliced), h)
+        h, aux = fn(jax.tree.unflatten(treedef, sliced), h)
         bks, inputs, outputs = StackRoutes.layer_result(routes, keys)
         return h, bks, (aux, inputs, outputs)
 
@@ -245,7 +258,7 @@ def scan_layers(
             for j in range(g.size):
                 index = g.first + it * g.size + j
                 mine = [p if p is None or g.size == 1 else p[j] for p in probe]
-                h, bks, rec = one_layer(h, keys, bks, index, mine, part)
+                h, bks, rec = one_layer(g.layer, h, keys, bks, index, mine, part)
                 records.append(rec)
             return h, bks, jax.tree.map(lambda *r: jnp.stack(r), *records)
 
@@ -316,10 +329,16 @@ def scan_layers(
     return h, aux
 
 
-def _cut(groups: tuple[LayerGroup, ...], a: int, b: int) -> tuple[LayerGroup, ...]:
+def _cut(
+    groups: tuple[LayerGroup, ...],
+    a: int,
+    b: int,
+    what: str = "the gradient layout's layer group",
+    layer: LayerFn | None = None,
+) -> tuple[LayerGroup, ...]:
     """The checkpointed runs of ``groups`` within layers ``[a, b)`` (a part of a scan cut
-    at the row pieces of a layout in layer groups); a run of several layers must not
-    straddle a cut."""
+    at the row pieces of a layout in layer groups, or where the layer function changes:
+    then ``layer``); a run of several layers must not straddle a cut."""
     out = []
     for g in groups:
         lo, hi = max(a, g.first), min(b, g.first + g.size * g.count)
@@ -327,11 +346,31 @@ def _cut(groups: tuple[LayerGroup, ...], a: int, b: int) -> tuple[LayerGroup, ..
             continue
         if (lo - g.first) % g.size or (hi - g.first) % g.size:
             raise ValueError(
-                f"scan_layers: the gradient layout's layer group {a}..{b} cuts through a "
-                f"run of {g.size} layers recomputed together (from layer {g.first} on); "
-                "the layer groups must be multiples of the recompute groups"
+                f"scan_layers: {what} {a}..{b} cuts through a run of {g.size} layers "
+                f"recomputed together (from layer {g.first} on); it must be made of whole "
+                "recompute groups"
             )
-        out.append(dataclasses.replace(g, first=lo, count=(hi - lo) // g.size))
+        g = dataclasses.replace(g, first=lo, count=(hi - lo) // g.size)
+        out.append(g if layer is None else dataclasses.replace(g, layer=layer))
+    return tuple(out)
+
+
+def _layer_runs(
+    layer: LayerFn | Sequence[tuple[int, LayerFn]], groups: tuple[LayerGroup, ...], count: int
+) -> tuple[LayerGroup, ...]:
+    """``groups`` with their layer functions (``scan_layers``' ``layer``), cut where the
+    function changes."""
+    if callable(layer):
+        return tuple(dataclasses.replace(g, layer=layer) for g in groups)
+    runs = [(int(k), fn) for k, fn in layer if k]
+    if sum(k for k, _ in runs) != count or any(k < 0 for k, _ in runs):
+        raise ValueError(
+            f"scan_layers: the layer runs {[k for k, _ in layer]} must cover the {count} layers run"
+        )
+    out, a = [], 0
+    for k, fn in runs:
+        out.extend(_cut(groups, a, a + k, "a run of layers of one function", fn))
+        a += k
     return tuple(out)
 
 

@@ -164,6 +164,17 @@ def _mlp(h, p, cfg: GPTConfig):
     return _dense(jax.nn.silu(gate) * up, p["fc2"])
 
 
+def _in_bf16(layer_no: int, cfg: GPTConfig) -> bool:
+    """Megatron's ``is_first_last_bf16_layer`` (``fp8_utils.py``): layer ``layer_no`` runs
+    without FP8."""
+    if not cfg.first_last_layers_bf16:
+        return False
+    return (
+        layer_no < cfg.num_layers_at_start_in_bf16
+        or layer_no >= cfg.num_layers - cfg.num_layers_at_end_in_bf16
+    )
+
+
 def _forward(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig, mb: int, dtype):
     """``(fp32 logits [B, S, V], the MoE layers' aux loss)``, computed in ``dtype``."""
     b, s = ids.shape
@@ -173,7 +184,7 @@ def _forward(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig, mb: int, dt
         x = x + emb["position"][:s][None].astype(dtype)
     moe_cfg = cfg.moe_config()
 
-    def moe(x, p):
+    def moe(x, p, cfg):
         x = _attention(x, p, cfg)
         h = _norm(x, p["ln2"], cfg).reshape(b // mb, mb * s, -1)
         w = {"router": p["router"], **p["experts"]}
@@ -186,16 +197,17 @@ def _forward(params: dict[str, Any], ids: jax.Array, cfg: GPTConfig, mb: int, dt
     def layers(x):
         aux_total = jnp.float32(0.0)
         index = {"layers": 0, "moe_layers": 0}
-        for is_moe in cfg.moe_layer_pattern:
+        for layer_no, is_moe in enumerate(cfg.moe_layer_pattern):
             key = "moe_layers" if is_moe else "layers"
             p = jax.tree.map(lambda a, i=index[key]: a[i], params[key])
             index[key] += 1
+            lcfg = cfg.without_fp8() if _in_bf16(layer_no, cfg) else cfg
             if is_moe:
-                x, aux = moe(x, p)
+                x, aux = moe(x, p, lcfg)
                 aux_total = aux_total + aux
             else:
-                x = _attention(x, p, cfg)
-                x = x + _mlp(_norm(x, p["ln2"], cfg), p, cfg)
+                x = _attention(x, p, lcfg)
+                x = x + _mlp(_norm(x, p["ln2"], lcfg), p, lcfg)
         return x, aux_total
 
     if cfg.fp8_format is None:

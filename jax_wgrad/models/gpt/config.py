@@ -249,12 +249,17 @@ class GPTConfig:
     )
     """Megatron's ``--fp8-amax-compute-algo`` (delayed scaling)."""
     first_last_layers_bf16: bool = False
-    """Megatron's ``--first-last-layers-bf16``: keep the first and last layers out of FP8.
-    Not built here (a layer scan runs one kind of layer): refused."""
+    """Megatron's ``--first-last-layers-bf16``: the first ``num_layers_at_start_in_bf16``
+    and the last ``num_layers_at_end_in_bf16`` transformer layers run their linears in
+    ``compute_dtype``, the others in FP8. Built without pipeline parallelism (a stage's
+    position is traced in the SPMD program: refused with ``pipeline_model_parallel_size``
+    > 1)."""
     num_layers_at_start_in_bf16: int = 1
-    """Megatron's ``--num-layers-at-start-in-bf16`` (with ``first_last_layers_bf16``)."""
+    """Megatron's ``--num-layers-at-start-in-bf16`` (with ``first_last_layers_bf16``; 0 to
+    the layers per pipeline stage)."""
     num_layers_at_end_in_bf16: int = 1
-    """Megatron's ``--num-layers-at-end-in-bf16`` (with ``first_last_layers_bf16``)."""
+    """Megatron's ``--num-layers-at-end-in-bf16`` (with ``first_last_layers_bf16``; 0 to
+    the layers per pipeline stage)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -323,11 +328,28 @@ class GPTConfig:
         if counts and not self.first_last_layers_bf16:
             given = ", ".join(f"{k} ({v})" for k, v in counts.items())
             raise ValueError(f"{given} needs first_last_layers_bf16 (it is ignored without it)")
-        if self.first_last_layers_bf16:
-            raise ValueError(
-                "first_last_layers_bf16 is not built: a stage's "
-                "layers run as one scan of one kind of layer, all in FP8 or none"
-            )
+
+    def without_fp8(self) -> GPTConfig:
+        """This model with every FP8 option at its default: its layers in
+        ``compute_dtype`` (the layers ``first_last_layers_bf16`` keeps out of FP8)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: f.default
+                for f in dataclasses.fields(self)
+                if f.name.startswith("fp8_")
+                or f.name.endswith("_in_bf16")
+                or f.name == "first_last_layers_bf16"
+            },
+        )
+
+    def layers_in_bf16(self) -> tuple[int, int]:
+        """``(first, last)``: how many of the first and of the last transformer layers run
+        without FP8 (Megatron's ``is_first_last_bf16_layer``; ``(0, 0)`` unless
+        ``first_last_layers_bf16``; they may overlap)."""
+        if self.fp8_format is None or not self.first_last_layers_bf16:
+            return (0, 0)
+        return (self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16)
 
     def fp8_config(self) -> Fp8Recipe | None:
         """The transformer layers' :class:`~jax_wgrad.functional.fp8.Fp8Recipe`, ``None``
@@ -683,6 +705,29 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
             f"tensor_model_parallel_size ({tp}) with sequence parallelism"
         )
     _validate_moe_layout(parallel, model)
+    _validate_bf16_layers(parallel, model)
+
+
+def _validate_bf16_layers(parallel: ParallelConfig, model: GPTConfig) -> None:
+    """``first_last_layers_bf16``: Megatron's range of the counts (transformer_config.py),
+    and no pipeline parallelism (not built)."""
+    if not model.first_last_layers_bf16:
+        return
+    per_stage = model.num_layers // parallel.pipeline_model_parallel_size
+    for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        n = getattr(model, name)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= per_stage:
+            raise ValueError(
+                f"{name} ({n}) must be between 0 and number of layers per pipeline stage "
+                f"({per_stage})."
+            )
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            "first_last_layers_bf16 with pipeline_model_parallel_size "
+            f"({parallel.pipeline_model_parallel_size}) > 1 is not built: which layers a stage "
+            "holds is traced in the SPMD program, and a branch per precision would copy the "
+            "gradient buckets (XLA conditionals); use it without pipeline parallelism"
+        )
 
 
 def _validate_vocab(parallel: ParallelConfig, model: GPTConfig) -> None:

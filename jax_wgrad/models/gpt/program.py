@@ -90,6 +90,36 @@ class GPTProgram:
             self, "_moe_layer_def", None if moe_layer is None else nnx.split(moe_layer)[0]
         )
         object.__setattr__(self, "_head_def", nnx.split(head)[0])
+        object.__setattr__(self, "_bf16_defs", self._layer_defs_without_fp8())
+
+    def _layer_defs_without_fp8(self) -> tuple[Any, Any] | None:
+        """The graph defs ``(dense layer, MoE layer)`` of the layers kept out of FP8
+        (``first_last_layers_bf16``), ``None`` when there are none; checks that they are
+        whole periods of layers (what one scan iteration runs)."""
+        first, last = self.model.layers_in_bf16()
+        if (first, last) == (0, 0):
+            return None
+        p = len(self.period)
+        for name, n in (
+            ("num_layers_at_start_in_bf16", first),
+            ("num_layers_at_end_in_bf16", last),
+        ):
+            if n % p:
+                raise ValueError(
+                    f"{name} ({n}) must be a multiple of the layers of a period "
+                    f"({p}: moe_layer_freq's pattern), which one layer-scan iteration runs"
+                )
+        _, layer, moe_layer, _ = abstract_modules(
+            self.model.without_fp8(),
+            self.parallel.tensor_model_parallel_size,
+            self.parallel.sequence_parallel,
+            self.model.attention_implementation(self.platform),
+            self.parallel.expert_model_parallel_size,
+            self._vocab_pp,
+            self._etp,
+            self._fold,
+        )
+        return nnx.split(layer)[0], None if moe_layer is None else nnx.split(moe_layer)[0]
 
     def _check_fp8_shapes(self) -> None:
         """On a GPU every FP8 linear's tokens and widths on a tensor rank must be
@@ -225,7 +255,7 @@ class GPTProgram:
             rows = (layers.index * per_chunk, per_chunk)
         with jax.named_scope("transformer_layers"):
             y, stats = scan_layers(
-                self._period,
+                self._precision_runs(jax.tree.leaves(params.stage)[0].shape[0], rows),
                 x,
                 stacked,
                 unroll=self.model.layer_scan_unroll,
@@ -236,16 +266,32 @@ class GPTProgram:
             return y, ()
         return y, jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
 
-    def _period(self, p, x: jax.Array):
+    def _precision_runs(self, n: int, rows: tuple[Any, int] | None):
+        """The layer functions of this call's periods (``scan_layers``' ``layer``): one,
+        or with ``first_last_layers_bf16`` (no pipeline parallelism: the stage holds all
+        ``n`` periods) the first and last periods' without FP8."""
+        if self._bf16_defs is None:
+            return self._period
+        assert rows is None, "first_last_layers_bf16 is refused with pipeline parallelism"
+        p = len(self.period)
+        first, last = (k // p for k in self.model.layers_in_bf16())
+        first = min(first, n)
+        last = min(last, n - first)
+        bf16 = lambda params, x: self._period(params, x, self._bf16_defs)
+        return ((first, bf16), (n - first - last, self._period), (last, bf16))
+
+    def _period(self, p, x: jax.Array, defs: tuple[Any, Any] | None = None):
         """One period of layers (:func:`~jax_wgrad.models.gpt.params.period_pattern`):
-        ``(y, its MoE layers' statistics summed)``."""
+        ``(y, its MoE layers' statistics summed)``; ``defs``: the ``(dense, MoE)`` layer
+        graph defs (default: the model's)."""
+        dense_def, moe_def = defs or (self._layer_def, self._moe_layer_def)
         experts = iter(p["experts"])
         stats: list = []
         for j, moe in enumerate(self.period):
             lp = dict(p["stage"][j])
             if moe:
                 lp["experts"] = next(experts)
-            layer = nnx.merge(self._moe_layer_def if moe else self._layer_def, lp)
+            layer = nnx.merge(moe_def if moe else dense_def, lp)
             x = layer(x)
             stats.extend(moe_stats_of(layer))
         if not self.moe:
