@@ -272,6 +272,16 @@ def learning_rate(args: argparse.Namespace):
     return args.lr
 
 
+def _bf16_layers(model) -> str:
+    """What ``first_last_layers_bf16`` keeps out of FP8 (a ``GPTConfig``), for the model
+    line."""
+    first, last = model.layers_in_bf16()
+    if (first, last) == (0, 0):
+        return ""
+    fp8 = max(0, model.num_layers - first - last)
+    return f" but the first {first} and last {last} ({fp8} of {model.num_layers} in FP8)"
+
+
 def describe(plan, data, state) -> list[str]:
     """The run's log lines: devices and layout, data, buffers, model."""
 
@@ -314,7 +324,7 @@ def describe(plan, data, state) -> list[str]:
             ""
             if model.fp8_format is None
             else f" with FP8 {model.fp8_format} ({model.fp8_recipe} scaling, margin "
-            f"{model.fp8_margin}) in the layers' linears"
+            f"{model.fp8_margin}) in the layers' linears{_bf16_layers(model)}"
         )
         + f", {model.normalization}, {model.position_embedding_type}, "
         f"{'swiglu' if model.swiglu else 'gelu'}, "
