@@ -172,6 +172,46 @@ def test_first_last_layers_bf16_reference_keeps_those_layers_out_of_fp8():
     assert np.abs(mixed - fp8).max() > 1e-3 * np.abs(fp8).max()
 
 
+def _amaxes(jaxpr, in_loop=False):
+    """``(operand shape, inside a loop)`` of every ``reduce_max`` of ``jaxpr`` and of the
+    jaxprs nested in it (a ``while`` or ``scan`` body counts as a loop)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_max":
+            yield tuple(eqn.invars[0].aval.shape), in_loop
+        loop = in_loop or eqn.primitive.name in ("while", "scan")
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _amaxes(inner, loop)
+
+
+def test_fp8_weights_are_quantized_once_per_step_before_the_schedule_loop():
+    """The step quantizes every FP8 weight once (their amaxes, vmapped over the stage's
+    stacked layers, outside the schedule loop); inside the loop no amax is taken of a
+    weight-shaped tensor: every microbatch's forward and backward read the step's FP8
+    copies (GPTProgram.prepare)."""
+    from jax.sharding import NamedSharding
+
+    from jax_wgrad import GPTProgram, make_mesh, pipeline_gradients
+    from jax_wgrad.layout import lay_out
+
+    cfg, par = _config(num_layers=4), _parallel()
+    mesh = make_mesh(par, jax.devices()[: par.world_size])
+    stages = lay_out(GPTProgram(cfg, par))
+    params = jax.eval_shape(lambda: stages.from_canonical(init_params(cfg, seed=0)))
+    shard = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+    params = jax.tree.map(shard, params, stages.param_specs())
+    tokens = jax.ShapeDtypeStruct((par.global_batch_size, 9), jax.numpy.int32)
+    jaxpr = jax.make_jaxpr(lambda p, t: pipeline_gradients(stages, mesh, p, t))(params, tokens)
+    amaxes = list(_amaxes(jaxpr.jaxpr))
+    layers = cfg.num_layers // par.pipeline_model_parallel_size
+    weights = {shape[1:] for shape, loop in amaxes if not loop and shape[:1] == (layers,)}
+    assert len(weights) == 4, amaxes  # qkv, proj, fc1 (gated), fc2 on this stage
+    in_loop = {shape for shape, loop in amaxes if loop}
+    assert in_loop and not in_loop & weights, (in_loop, weights)
+
+
 def test_the_fp8_reference_is_not_the_float32_model():
     """What the equalities above compare against is FP8: its gradients differ from the
     float32 model's by far more than the tolerance."""

@@ -149,6 +149,46 @@ def test_fused_forms_add_the_fp8_weight_gradient_in_place(recipe):
     assert not np.any(np.asarray(got[:5])) and not np.any(np.asarray(got[5 + w.size :]))
 
 
+def test_a_weight_quantized_once_gives_the_same_bits_in_every_form():
+    """``fp8_weight`` (the weight quantized once, as a step does for every microbatch):
+    outputs and gradients bitwise those of quantizing at each use, plain, into main_grad,
+    into a bucket at a static and at a traced offset; refused without ``fp8`` or with
+    another shape."""
+    x, w, b, dy = _data(6)
+    fp8 = Fp8Gemm(HYBRID)
+    qw = fp8.weight(w)
+    acc = jnp.zeros(w.shape, F32)
+    bucket = jnp.zeros((w.size + 3,), F32)
+
+    def forms(cached):
+        kw = dict(fp8=fp8, fp8_weight=qw if cached else None)
+
+        def into_bucket(x, w, bucket, offset):
+            routes = WgradRoutes([bucket])
+            y = linear(x, routes.to_bucket(w, 0, offset=offset), b, **kw)
+            return y, routes.close()
+
+        at = ops.BlockOffset(0, jnp.int32(1), 3)
+        runs = [
+            jax.vjp(lambda x, w: linear(x, w, b, **kw), x, w),
+            jax.vjp(lambda x, mg: linear(x, w, b, main_grad=mg, **kw), x, acc),
+            jax.vjp(lambda x, bk: into_bucket(x, w, bk, 3), x, bucket),
+            jax.vjp(lambda x, bk: into_bucket(x, w, bk, at), x, bucket),
+        ]
+        out = []
+        for k, (y, vjp) in enumerate(runs):
+            ct = dy if k < 2 else (dy, (bucket,))
+            out.append((y, vjp(ct)))
+        return out
+
+    for a, c in zip(jax.tree.leaves(forms(False)), jax.tree.leaves(forms(True))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    with pytest.raises(ValueError, match="fp8_weight .* needs fp8"):
+        linear(x, w, b, fp8_weight=qw)
+    with pytest.raises(ValueError, match=r"fp8_weight must be an Fp8Tensor of the weight's shape"):
+        linear(x, w[:4], b[:4], fp8=fp8, fp8_weight=qw)
+
+
 def test_a_scan_of_fp8_layers_at_traced_offsets():
     """Two stacked layers in a ``lax.scan`` whose weights' blocks are at traced offsets
     (the form every scanned layer of a model uses)."""

@@ -110,20 +110,27 @@ def _bgrad(b, dy):
 # ------------------------------------------------------------------------------- FP8
 # With an Fp8Gemm the three GEMMs run on quantized operands (jax_wgrad.functional.fp8):
 # the forward saves the quantized input (half the bytes of a bf16 one) and the weight as
-# given (re-quantized in the backward: the same values, no per-microbatch FP8 copy of it).
+# given, and `qw`, the weight quantized once per step by the caller (None: quantized at
+# each use, in the forward and again in the backward: the same values either way).
 
 
-def _fp8_forward(qx: Fp8Tensor, w, b, fp8: Fp8Gemm, dtype) -> jax.Array:
-    """``y [..., out]`` in ``dtype`` from the quantized input ``qx [..., in]``."""
-    y = fp8_dot(qx, fp8.weight(w), (((qx.value.ndim - 1,), (1,)), ((), ())), dtype)
+def _quantized_weight(w, qw: Fp8Tensor | None, fp8: Fp8Gemm) -> Fp8Tensor:
+    """``qw``, or ``w`` quantized as ``fp8``'s weight."""
+    return fp8.weight(w) if qw is None else qw
+
+
+def _fp8_forward(qx: Fp8Tensor, qw: Fp8Tensor, b, dtype) -> jax.Array:
+    """``y [..., out]`` in ``dtype`` from the quantized input ``qx [..., in]`` and weight
+    ``qw [out, in]``."""
+    y = fp8_dot(qx, qw, (((qx.value.ndim - 1,), (1,)), ((), ())), dtype)
     if b is not None:
         y = y + b.astype(y.dtype)
     return y
 
 
-def _fp8_dgrad(qdy: Fp8Tensor, w, fp8: Fp8Gemm, dtype) -> jax.Array:
+def _fp8_dgrad(qdy: Fp8Tensor, qw: Fp8Tensor, dtype) -> jax.Array:
     """``dx [..., in]`` in ``dtype`` from the quantized output gradient ``qdy [..., out]``."""
-    return fp8_dot(qdy, fp8.weight(w), (((qdy.value.ndim - 1,), (0,)), ((), ())), dtype)
+    return fp8_dot(qdy, qw, (((qdy.value.ndim - 1,), (0,)), ((), ())), dtype)
 
 
 def _fp8_wgrad(qx: Fp8Tensor, qdy: Fp8Tensor, bucket, offset) -> jax.Array:
@@ -139,53 +146,55 @@ def _gathered_fp8(qx: Fp8Tensor, axis: str | None) -> Fp8Tensor:
     return qx if axis is None else Fp8Tensor(_gathered(qx.value, axis), qx.scale_inv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fp8_linear(x, w, b, fp8):
-    return _fp8_forward(fp8.input(x), w, b, fp8, x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_linear(x, w, b, qw, fp8):
+    return _fp8_forward(fp8.input(x), _quantized_weight(w, qw, fp8), b, x.dtype)
 
 
-def _fp8_linear_fwd(x, w, b, fp8):
+def _fp8_linear_fwd(x, w, b, qw, fp8):
     qx = fp8.input(x)
-    return _fp8_forward(qx, w, b, fp8, x.dtype), (qx, w, b)
+    return _fp8_forward(qx, _quantized_weight(w, qw, fp8), b, x.dtype), (qx, w, b, qw)
 
 
 def _fp8_linear_bwd(fp8, res, dy):
     """The plain FP8 linear's backward: ``dw`` from an FP8 GEMM (``w``'s type)."""
-    qx, w, b = res
+    qx, w, b, qw = res
     qdy = fp8.gradient(dy)
     n = qx.value.ndim - 1
     lead = tuple(range(n))
     dw = fp8_dot(qdy, qx, ((lead, lead), ((), ())), jnp.float32).astype(w.dtype)
-    return _fp8_dgrad(qdy, w, fp8, dy.dtype), dw, _bgrad(b, dy)
+    dx = _fp8_dgrad(qdy, _quantized_weight(w, qw, fp8), dy.dtype)
+    return dx, dw, _bgrad(b, dy), None
 
 
 _fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_linear(x, w, b, main_grad, precision, fp8):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused_linear(x, w, b, main_grad, qw, precision, fp8):
     if fp8 is not None:
-        return _fp8_forward(fp8.input(x), w, b, fp8, x.dtype)
+        return _fp8_forward(fp8.input(x), _quantized_weight(w, qw, fp8), b, x.dtype)
     return _forward(x, w, b, precision)
 
 
-def _fused_linear_fwd(x, w, b, main_grad, precision, fp8):
+def _fused_linear_fwd(x, w, b, main_grad, qw, precision, fp8):
     if fp8 is not None:
         qx = fp8.input(x)
-        return _fp8_forward(qx, w, b, fp8, x.dtype), (qx, w, b, main_grad)
-    return _forward(x, w, b, precision), (x, w, b, main_grad)
+        y = _fp8_forward(qx, _quantized_weight(w, qw, fp8), b, x.dtype)
+        return y, (qx, w, b, main_grad, qw)
+    return _forward(x, w, b, precision), (x, w, b, main_grad, qw)
 
 
 def _fused_linear_bwd(precision, fp8, res, dy):
-    x, w, b, main_grad = res
+    x, w, b, main_grad, qw = res
     if fp8 is not None:
         qdy = fp8.gradient(dy)
-        dx, db = _fp8_dgrad(qdy, w, fp8, dy.dtype), _bgrad(b, dy)
-        return dx, None, db, _fp8_wgrad(x, qdy, main_grad, None)
+        dx, db = _fp8_dgrad(qdy, _quantized_weight(w, qw, fp8), dy.dtype), _bgrad(b, dy)
+        return dx, None, db, _fp8_wgrad(x, qdy, main_grad, None), None
     dx, db = _dgrad_bgrad(x, w, b, dy, precision)
     # The updated accumulator travels as the "cotangent" of main_grad (module docstring).
     new_main_grad = ops.wgrad_accumulate(x, dy, main_grad, precision=precision)
-    return dx, None, db, new_main_grad
+    return dx, None, db, new_main_grad, None
 
 
 _fused_linear.defvjp(_fused_linear_fwd, _fused_linear_bwd)
@@ -202,7 +211,7 @@ def _gathered(x: jax.Array, axis: str | None) -> jax.Array:
     return x if axis is None else all_gather_tiled(x, axis, SEQ_DIM)
 
 
-def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis, fp8=None):
+def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis, fp8=None, qw=None):
     """``(dx, None, db, bucket)``: ``ct_bucket`` is the bucket with every downstream block
     already added; this weight's block is added to it, in place.
 
@@ -213,11 +222,12 @@ def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis, fp8=No
     otherwise left both collectives with nothing between start and done and every weight
     gradient of a layer after its whole data-gradient chain (Llama-3-8B TP4 on H100s,
     docs/design/aot.md). With ``fp8`` (an :class:`~jax_wgrad.functional.fp8.Fp8Gemm`),
-    ``x`` is the quantized input and the GEMMs are FP8 ones."""
+    ``x`` is the quantized input and the GEMMs are FP8 ones (``qw``: the quantized weight,
+    or ``None``)."""
     if fp8 is not None:
         x_full = _gathered_fp8(x, gather_axis)
         qdy = fp8.gradient(dy)
-        dx, db = _fp8_dgrad(qdy, w, fp8, dy.dtype), _bgrad(b, dy)
+        dx, db = _fp8_dgrad(qdy, _quantized_weight(w, qw, fp8), dy.dtype), _bgrad(b, dy)
     else:
         x_full = _gathered(x, gather_axis)
         dx, db = _dgrad_bgrad(x, w, b, dy, precision)
@@ -233,50 +243,53 @@ def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis, fp8=No
     return dx, None, db, bucket
 
 
-def _threaded_forward(x, w, b, precision, gather_axis, fp8):
+def _threaded_forward(x, w, b, qw, precision, gather_axis, fp8):
     """``(y, saved input)``: the forward of a linear into a bucket; the saved input is
     ``x`` as given (this rank's shard when gathered), quantized with ``fp8``."""
     if fp8 is None:
         return _forward(_gathered(x, gather_axis), w, b, precision), x
     qx = fp8.input(x, gather_axis)
-    return _fp8_forward(_gathered_fp8(qx, gather_axis), w, b, fp8, x.dtype), qx
+    y = _fp8_forward(_gathered_fp8(qx, gather_axis), _quantized_weight(w, qw, fp8), b, x.dtype)
+    return y, qx
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _threaded_linear(x, w, b, bucket, offset, precision, gather_axis, fp8):
-    return _threaded_forward(x, w, b, precision, gather_axis, fp8)[0], bucket
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _threaded_linear(x, w, b, bucket, qw, offset, precision, gather_axis, fp8):
+    return _threaded_forward(x, w, b, qw, precision, gather_axis, fp8)[0], bucket
 
 
-def _threaded_linear_fwd(x, w, b, bucket, offset, precision, gather_axis, fp8):
+def _threaded_linear_fwd(x, w, b, bucket, qw, offset, precision, gather_axis, fp8):
     # Only x (this rank's shard when gathered; quantized with fp8), w (and b for its
-    # dtype) are saved: the bucket is NOT a residual.
-    y, saved = _threaded_forward(x, w, b, precision, gather_axis, fp8)
-    return (y, bucket), (saved, w, b)
+    # dtype) and the quantized weight are saved: the bucket is NOT a residual.
+    y, saved = _threaded_forward(x, w, b, qw, precision, gather_axis, fp8)
+    return (y, bucket), (saved, w, b, qw)
 
 
 def _threaded_linear_bwd(offset, precision, gather_axis, fp8, res, cts):
-    x, w, b = res
-    return _threaded_bwd(x, w, b, *cts, offset, precision, gather_axis, fp8)
+    x, w, b, qw = res
+    dx, dw, db, bucket = _threaded_bwd(x, w, b, *cts, offset, precision, gather_axis, fp8, qw)
+    return dx, dw, db, bucket, None
 
 
 _threaded_linear.defvjp(_threaded_linear_fwd, _threaded_linear_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _threaded_linear_at(x, w, b, bucket, offset, precision, gather_axis, fp8):
-    return _threaded_forward(x, w, b, precision, gather_axis, fp8)[0], bucket
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _threaded_linear_at(x, w, b, bucket, offset, qw, precision, gather_axis, fp8):
+    return _threaded_forward(x, w, b, qw, precision, gather_axis, fp8)[0], bucket
 
 
-def _threaded_linear_at_fwd(x, w, b, bucket, offset, precision, gather_axis, fp8):
-    # x (quantized with fp8), w, b and the offset's int32 index are saved; the bucket is
-    # NOT a residual.
-    y, saved = _threaded_forward(x, w, b, precision, gather_axis, fp8)
-    return (y, bucket), (saved, w, b, offset)
+def _threaded_linear_at_fwd(x, w, b, bucket, offset, qw, precision, gather_axis, fp8):
+    # x (quantized with fp8), w, b, the quantized weight and the offset's int32 index are
+    # saved; the bucket is NOT a residual.
+    y, saved = _threaded_forward(x, w, b, qw, precision, gather_axis, fp8)
+    return (y, bucket), (saved, w, b, offset, qw)
 
 
 def _threaded_linear_at_bwd(precision, gather_axis, fp8, res, cts):
-    x, w, b, offset = res
-    return (*_threaded_bwd(x, w, b, *cts, offset, precision, gather_axis, fp8), None)
+    x, w, b, offset, qw = res
+    grads = _threaded_bwd(x, w, b, *cts, offset, precision, gather_axis, fp8, qw)
+    return (*grads, None, None)
 
 
 _threaded_linear_at.defvjp(_threaded_linear_at_fwd, _threaded_linear_at_bwd)
@@ -318,6 +331,7 @@ def linear_into_bucket(
     precision: ops.PrecisionLike = None,
     gather_axis: str | None = None,
     fp8: Fp8Gemm | None = None,
+    fp8_weight: Fp8Tensor | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(x @ w.T + b, bucket)``: a linear whose weight gradient goes into a flat bucket.
 
@@ -340,11 +354,13 @@ def linear_into_bucket(
       gather_axis: ``x`` is this rank's sequence-parallel shard, all-gathered over this
         mesh axis before the GEMM (see :func:`linear`).
       fp8: run the three GEMMs in FP8 (see :func:`linear`).
+      fp8_weight: ``w`` already quantized (see :func:`linear`).
     Returns:
       ``(y [..., out] in x.dtype, bucket)``.
     """
     _check(x, w, b)
     level = _precision(precision, fp8)
+    _check_fp8_weight(w, fp8, fp8_weight)
     if check_bucket_block(
         "linear_into_bucket",
         bucket,
@@ -352,8 +368,21 @@ def linear_into_bucket(
         w.shape[0] * w.shape[1],
         f"[out, in] = {list(w.shape)} block",
     ):
-        return _threaded_linear_at(x, w, b, bucket, offset, level, gather_axis, fp8)
-    return _threaded_linear(x, w, b, bucket, offset, level, gather_axis, fp8)
+        return _threaded_linear_at(x, w, b, bucket, offset, fp8_weight, level, gather_axis, fp8)
+    return _threaded_linear(x, w, b, bucket, fp8_weight, offset, level, gather_axis, fp8)
+
+
+def _check_fp8_weight(w: jax.Array, fp8: Fp8Gemm | None, qw: Fp8Tensor | None) -> None:
+    """A quantized weight needs ``fp8`` and ``w``'s shape."""
+    if qw is None:
+        return
+    if fp8 is None:
+        raise ValueError("linear: fp8_weight (a quantized weight) needs fp8 (an Fp8Gemm)")
+    if not isinstance(qw, Fp8Tensor) or qw.value.shape != w.shape:
+        shape = qw.value.shape if isinstance(qw, Fp8Tensor) else type(qw).__name__
+        raise ValueError(
+            f"linear: fp8_weight must be an Fp8Tensor of the weight's shape {w.shape}, got {shape}"
+        )
 
 
 def _precision(precision: ops.PrecisionLike, fp8: Fp8Gemm | None) -> int:
@@ -366,7 +395,9 @@ def _precision(precision: ops.PrecisionLike, fp8: Fp8Gemm | None) -> int:
     return ops.matmul_precision(precision)
 
 
-def _split_linear(route: Route, x, w, b, precision: int, fp8: Fp8Gemm | None) -> jax.Array:
+def _split_linear(
+    route: Route, x, w, b, precision: int, fp8: Fp8Gemm | None, qw: Fp8Tensor | None
+) -> jax.Array:
     """Zero bubble's split linear (:class:`~jax_wgrad.functional.routes.ToSplit`):
     ``x @ stop_gradient(w).T + b + probe``, its input and output recorded.
 
@@ -378,7 +409,7 @@ def _split_linear(route: Route, x, w, b, precision: int, fp8: Fp8Gemm | None) ->
     if fp8 is None:
         y, recorded = _forward(x, jax.lax.stop_gradient(w), b, precision), x
     else:
-        y = _fp8_linear(x, jax.lax.stop_gradient(w), None, fp8)
+        y = _fp8_linear(x, jax.lax.stop_gradient(w), None, qw, fp8)
         recorded = dequantize(fp8.input(jax.lax.stop_gradient(x)), x.dtype)
     if probe is not None:  # None: only record (to learn the shapes)
         if probe.shape != y.shape:
@@ -404,6 +435,7 @@ def linear(
     precision: ops.PrecisionLike = None,
     gather_axis: str | None = None,
     fp8: Fp8Gemm | None = None,
+    fp8_weight: Fp8Tensor | None = None,
 ) -> jax.Array:
     """``y = x @ w.T + b``.
 
@@ -442,6 +474,11 @@ def linear(
         linear's in an FP8 GEMM too); the bias and its gradient stay in high precision.
         The forward saves the quantized input, half a bf16 one. ``precision`` must then
         be ``None``.
+      fp8_weight: with ``fp8``, ``w`` already quantized by ``fp8.weight`` (an
+        :class:`~jax_wgrad.functional.fp8.Fp8Tensor` of ``w``'s shape: the same values),
+        used by the forward and data-gradient GEMMs instead of quantizing ``w`` at each
+        use -- what a caller does once per step for a weight every microbatch uses
+        (TransformerEngine's FP8 weight cache). ``w`` still says where its gradient goes.
     Returns:
       ``[..., out]`` output in ``x.dtype``.
     """
@@ -449,6 +486,7 @@ def linear(
     w, b = value_of(w), value_of(b)
     _check(x, w, b)
     level = _precision(precision, fp8)
+    _check_fp8_weight(w, fp8, fp8_weight)
     if main_grad is not None and route is not None:
         raise ValueError(
             f"linear: {route.name} has a route (a variable carrying its gradient "
@@ -465,13 +503,21 @@ def linear(
             raise ValueError(
                 f"linear: main_grad shape {main_grad.shape} must equal weight shape {w.shape}"
             )
-        return _fused_linear(x, w, b, main_grad, level, fp8)
+        return _fused_linear(x, w, b, main_grad, fp8_weight, level, fp8)
     if route is None:
-        return _forward(x, w, b, level) if fp8 is None else _fp8_linear(x, w, b, fp8)
+        return _forward(x, w, b, level) if fp8 is None else _fp8_linear(x, w, b, fp8_weight, fp8)
     if isinstance(dest, ToSplit):
-        return _split_linear(route, x, w, b, level, fp8)
+        return _split_linear(route, x, w, b, level, fp8, fp8_weight)
     return route.into_bucket(
         lambda bk, offset: linear_into_bucket(
-            x, w, b, bk, offset=offset, precision=precision, gather_axis=gather_axis, fp8=fp8
+            x,
+            w,
+            b,
+            bk,
+            offset=offset,
+            precision=precision,
+            gather_axis=gather_axis,
+            fp8=fp8,
+            fp8_weight=fp8_weight,
         )
     )

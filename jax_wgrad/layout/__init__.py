@@ -12,6 +12,7 @@ per-step stage set-up; :mod:`.trees` reads NNX parameter trees.
 from jax_wgrad.layout.program import (
     LaidOutProgram,
     OutputGradRecompute,
+    PreparedWeights,
     StageModel,
     TiedOutputWeight,
     VocabOverPipeline,
@@ -24,6 +25,7 @@ from jax_wgrad.layout.stage import StageLayout
 __all__ = [
     "LaidOutProgram",
     "OutputGradRecompute",
+    "PreparedWeights",
     "StageLayout",
     "StageModel",
     "StageSetup",

@@ -40,6 +40,7 @@ from jax_wgrad.parallel.config import ParallelConfig
 __all__ = [
     "LaidOutProgram",
     "OutputGradRecompute",
+    "PreparedWeights",
     "StageModel",
     "TiedOutputWeight",
     "VocabOverPipeline",
@@ -78,6 +79,20 @@ class StageModel(Protocol):
     ) -> tuple[jax.Array, PyTree]: ...
 
     def metrics(self, aux_sum: PyTree) -> dict[str, jax.Array]: ...
+
+
+@runtime_checkable
+class PreparedWeights(Protocol):
+    """A model whose ``body`` reads, besides its parameters, what it computes from them
+    once per step: the executor calls :meth:`prepare` on this device's parameters before
+    the schedule loop and hands the result to every ``body`` call of the step as
+    ``prepared=`` (e.g. the FP8 copies of the weights, which every microbatch's forward
+    and backward use: TransformerEngine's FP8 weight cache)."""
+
+    def prepare(self, params: DeviceTree) -> PyTree | None:
+        """What ``body`` reads of ``params`` within a step (``None``: nothing), inside
+        ``shard_map``; no gradient flows through it (the parameters' own routes say
+        where their gradients go)."""
 
 
 @runtime_checkable
@@ -136,6 +151,7 @@ class LaidOutProgram:
         (:class:`~jax_wgrad.layout.StageLayout`).
       output_grad_recompute: the model when it can rebuild its output layer's gradient
         (:class:`OutputGradRecompute`), else ``None``.
+      prepare: the model's :meth:`PreparedWeights.prepare`, else ``None``.
     """
 
     def __init__(self, model: StageModel):
@@ -151,6 +167,7 @@ class LaidOutProgram:
             ),
         )
         self.output_grad_recompute = model if isinstance(model, OutputGradRecompute) else None
+        self.prepare = model.prepare if isinstance(model, PreparedWeights) else None
         # The model's own functions and the layout's, bound: called directly.
         self.pre, self.body, self.post, self.metrics = (
             model.pre,

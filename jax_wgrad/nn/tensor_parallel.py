@@ -38,7 +38,7 @@ from jax_wgrad.functional.collectives import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from jax_wgrad.functional.cross_entropy import vocab_shard_index
-from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Recipe
+from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Recipe, Fp8Tensor
 from jax_wgrad.functional.linear import linear
 from jax_wgrad.functional.saved import SAVED
 from jax_wgrad.nn.facts import param_facts
@@ -120,13 +120,25 @@ class ColumnParallelLinear(nnx.Module):
             else None
         )
 
-    def __call__(self, x: jax.Array, weight: nnx.Variable | jax.Array | None = None) -> jax.Array:
+    def quantized_weight(self) -> Fp8Tensor:
+        """The weight quantized as its FP8 GEMMs quantize it (``fp8`` set): what a step
+        computes once for every microbatch (``__call__``'s ``fp8_weight``)."""
+        return self.fp8.weight(self.weight[...])
+
+    def __call__(
+        self,
+        x: jax.Array,
+        weight: nnx.Variable | jax.Array | None = None,
+        fp8_weight: Fp8Tensor | None = None,
+    ) -> jax.Array:
         """``x``: ``[b, s(/tp), in]`` -> ``[b, s, out / tp]`` (or ``out``).
 
         Args:
           weight: overrides the layer's own weight (Megatron's tied output layer: the
             word embedding's variable, whose route it keeps); required when built with
             ``skip_weight_param_allocation``.
+          fp8_weight: the weight already quantized (:meth:`quantized_weight`), for the
+            FP8 GEMMs (:func:`~jax_wgrad.functional.linear`'s ``fp8_weight``).
         """
         with jax.named_scope("column_parallel_linear"):
             if weight is None:
@@ -139,7 +151,18 @@ class ColumnParallelLinear(nnx.Module):
             bias = None if self.bias is None else self.bias[...].reshape(-1)
             # gated: [2 F/tp, in]; a mapped variable keeps its route (row-major block)
             w = jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), weight)
-            y = linear(x, w, bias, precision=self.precision, gather_axis=gather, fp8=self.fp8)
+            if fp8_weight is not None:
+                value = fp8_weight.value
+                fp8_weight = fp8_weight._replace(value=value.reshape(-1, value.shape[-1]))
+            y = linear(
+                x,
+                w,
+                bias,
+                precision=self.precision,
+                gather_axis=gather,
+                fp8=self.fp8,
+                fp8_weight=fp8_weight,
+            )
             if self.gather_output and self.tp_size > 1:
                 y = gather_last_dim(y, self.axis_name)
             return y
@@ -191,10 +214,23 @@ class RowParallelLinear(nnx.Module):
             else None
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``."""
+    def quantized_weight(self) -> Fp8Tensor:
+        """The weight quantized as its FP8 GEMMs quantize it (``fp8`` set): what a step
+        computes once for every microbatch (``__call__``'s ``fp8_weight``)."""
+        return self.fp8.weight(self.weight[...])
+
+    def __call__(self, x: jax.Array, fp8_weight: Fp8Tensor | None = None) -> jax.Array:
+        """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``; ``fp8_weight``: the weight
+        already quantized (:meth:`quantized_weight`)."""
         with jax.named_scope("row_parallel_linear"):
-            y = linear(x, self.weight, None, precision=self.precision, fp8=self.fp8)
+            y = linear(
+                x,
+                self.weight,
+                None,
+                precision=self.precision,
+                fp8=self.fp8,
+                fp8_weight=fp8_weight,
+            )
             if self.tp_size > 1:
                 if self.sequence_parallel:
                     y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name, SEQ_DIM)

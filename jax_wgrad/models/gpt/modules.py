@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,6 +24,7 @@ from jax_wgrad.functional.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_logsumexp,
 )
+from jax_wgrad.functional.fp8 import Fp8Tensor
 from jax_wgrad.functional.moe import attach_aux_loss, moe_mlp
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.nn.facts import param_facts
@@ -126,21 +130,23 @@ class SharedExpertMLP(nnx.Module):
             f, h, use_bias=cfg.add_bias_linear, init_std=out_std, rngs=rngs, **common
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``[b, s(/tp), H]`` -> same shape."""
-        return _mlp(self, x)
+    def __call__(self, x: jax.Array, fp8_weights: Mapping[str, Fp8Tensor] | None = None):
+        """``[b, s(/tp), H]`` -> same shape; ``fp8_weights``: ``fc1``'s and ``fc2``'s
+        weights already quantized (by name; see :meth:`TransformerLayer.fp8_weights`)."""
+        return _mlp(self, x, fp8_weights)
 
 
-def _mlp(module: nnx.Module, x: jax.Array) -> jax.Array:
+def _mlp(module: nnx.Module, x: jax.Array, fp8_weights: Mapping[str, Fp8Tensor] | None):
     """``module.fc2(act(module.fc1(x)))``: GELU, or SwiGLU on this rank's gate features and
-    its up features."""
-    hidden = module.fc1(x)
+    its up features; ``fp8_weights``: ``fc1``'s and ``fc2``'s weights already quantized."""
+    fp8_weights = fp8_weights or {}
+    hidden = module.fc1(x, fp8_weight=fp8_weights.get("fc1"))
     if module.swiglu:
         gate, up = jnp.split(hidden, 2, axis=-1)
         hidden = jax.nn.silu(gate) * up
     else:
         hidden = jax.nn.gelu(hidden, approximate=False)
-    return module.fc2(hidden)
+    return module.fc2(hidden, fp8_weight=fp8_weights.get("fc2"))
 
 
 class TransformerLayer(nnx.Module):
@@ -237,15 +243,41 @@ class TransformerLayer(nnx.Module):
         self.fold_experts = fold_experts
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x``: ``[b, s(/tp), H]`` -> same shape.
+    def _fp8_linears(self) -> dict[str, ColumnParallelLinear | RowParallelLinear]:
+        """The linears that run in FP8, by name (``"shared_expert"``'s as a dict)."""
+        linears = {"qkv": self.qkv, "proj": self.proj}
+        if self.moe is None:
+            linears.update(fc1=self.fc1, fc2=self.fc2)
+        return {k: m for k, m in linears.items() if m.fp8 is not None}
+
+    def fp8_weights(self) -> dict[str, Any]:
+        """The weights of the linears that run in FP8, quantized as their GEMMs quantize
+        them (:meth:`~jax_wgrad.nn.ColumnParallelLinear.quantized_weight`), by name
+        (``{"qkv": Fp8Tensor, ..., "shared_expert": {"fc1": ..., "fc2": ...}}``; empty
+        without FP8): what a step computes once, before its microbatches, and hands to
+        every call (``__call__``'s ``fp8_weights``), as TransformerEngine caches a
+        weight's FP8 copy over the microbatches of a step."""
+        out: dict[str, Any] = {k: m.quantized_weight() for k, m in self._fp8_linears().items()}
+        shared = getattr(self, "shared_expert", None)
+        if shared is not None and shared.fc1.fp8 is not None:
+            out["shared_expert"] = {
+                k: getattr(shared, k).quantized_weight() for k in ("fc1", "fc2")
+            }
+        return out
+
+    def __call__(self, x: jax.Array, fp8_weights: Mapping[str, Any] | None = None) -> jax.Array:
+        """``x``: ``[b, s(/tp), H]`` -> same shape; ``fp8_weights``: :meth:`fp8_weights`
+        of this layer's parameters (else each FP8 linear quantizes its weight at each use:
+        the same values).
 
         An MoE layer records its :class:`~jax_wgrad.functional.MoEStats` in the
         ``nnx.Intermediate`` ``moe_stats``, one per call (read them back with
         :func:`moe_stats_of`).
         """
+        fw = fp8_weights or {}
         with jax.named_scope(ATTENTION_SCOPE):
-            x = x + self.proj(self._attention(self.ln1(x)))
+            attended = self._attention(self.ln1(x), fw.get("qkv"))
+            x = x + self.proj(attended, fp8_weight=fw.get("proj"))
         if self.moe is not None:
             h = self.ln2(x)
             y = self._moe_mlp(h)
@@ -253,16 +285,16 @@ class TransformerLayer(nnx.Module):
                 if not self.shared_expert_overlap:  # after the routed experts (Megatron)
                     y, h = jax.lax.optimization_barrier((y, h))
                 with jax.named_scope(SHARED_EXPERT_SCOPE):
-                    y = y + self.shared_expert(h)
+                    y = y + self.shared_expert(h, fw.get("shared_expert"))
             return x + y
         with jax.named_scope(MLP_SCOPE):
-            return x + _mlp(self, self.ln2(x))
+            return x + _mlp(self, self.ln2(x), fw)
 
-    def _attention(self, h: jax.Array) -> jax.Array:
+    def _attention(self, h: jax.Array, qkv_fp8_weight: Fp8Tensor | None = None) -> jax.Array:
         """``[b, s(/tp), H]`` -> the attention output ``[b, s, heads/tp * d]`` of this
         rank's query groups (the whole sequence: the qkv projection all-gathers it under
         sequence parallelism, so RoPE sees positions ``0 .. S-1``)."""
-        qkv = self.qkv(h)
+        qkv = self.qkv(h, fp8_weight=qkv_fp8_weight)
         b, s = qkv.shape[:2]
         m, d = self.per_group, self.head_dim
         qkv = qkv.reshape(b, s, self.groups, m + 2, d)

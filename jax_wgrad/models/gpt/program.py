@@ -242,13 +242,39 @@ class GPTProgram:
         emb = nnx.merge(self._emb_def, params.shared["embedding"])
         return emb(batch[:, :-1]), ()
 
-    def body(self, params: DeviceTree, x: jax.Array, layers: Window | None = None):
+    def prepare(self, params: DeviceTree) -> list | None:
+        """With FP8: the weights of this stage's FP8 linears quantized once for the step
+        (:meth:`~jax_wgrad.models.gpt.TransformerLayer.fp8_weights` of every layer,
+        stacked ``[n, ...]`` like the layers, one tree per layer of the period), which
+        every microbatch's forward and backward then read instead of quantizing them at
+        each use (:class:`~jax_wgrad.layout.PreparedWeights`); ``None`` without FP8."""
+        if self.model.fp8_format is None:
+            return None
+        out, experts = [], iter(params.experts)
+        for j, moe in enumerate(self.period):
+            lp = dict(params.stage[j])
+            if moe:
+                lp["experts"] = next(experts)
+            layer_def = self._moe_layer_def if moe else self._layer_def
+            out.append(jax.vmap(lambda s, d=layer_def: nnx.merge(d, s).fp8_weights())(lp))
+        return out
+
+    def body(
+        self,
+        params: DeviceTree,
+        x: jax.Array,
+        layers: Window | None = None,
+        prepared: list | None = None,
+    ):
         """This stage's ``L / P`` layers in order (with ``layers``: model chunk
         ``layers.index``'s ``L / (P V)`` of them), as one ``lax.scan`` over its periods of
         layers (:func:`~jax_wgrad.functional.scan_layers`; compile time flat in the
         depth): ``(y, MoE statistics summed over its MoE layers)`` (``()`` for a dense
-        model)."""
+        model); ``prepared``: :meth:`prepare` of ``params`` (else each FP8 linear
+        quantizes its weight at each use: the same values)."""
         stacked = {"stage": params.stage, "experts": params.experts}
+        if prepared is not None:
+            stacked["fp8_weights"] = prepared
         rows = None
         if layers is not None and layers.count > 1:
             per_chunk = jax.tree.leaves(params.stage)[0].shape[0] // layers.count
@@ -286,13 +312,15 @@ class GPTProgram:
         graph defs (default: the model's)."""
         dense_def, moe_def = defs or (self._layer_def, self._moe_layer_def)
         experts = iter(p["experts"])
+        # the FP8 weights quantized for the step (prepare), for the FP8 layers
+        fp8_weights = p.get("fp8_weights") if defs is None else None
         stats: list = []
         for j, moe in enumerate(self.period):
             lp = dict(p["stage"][j])
             if moe:
                 lp["experts"] = next(experts)
             layer = nnx.merge(moe_def if moe else dense_def, lp)
-            x = layer(x)
+            x = layer(x, None if fp8_weights is None else fp8_weights[j])
             stats.extend(moe_stats_of(layer))
         if not self.moe:
             return x, ()

@@ -220,6 +220,10 @@ class ScheduleRun:
             microbatches=setup.microbatches(batch, "stage_gradients"),
             zero_activation=setup.zero_activation(),
         )
+        # What the layers read of the parameters within a step (e.g. FP8 weight copies):
+        # computed once, before the schedule loop (PreparedWeights).
+        prepare = getattr(program, "prepare", None)
+        self.prepared = None if prepare is None else prepare(params)
         self.syncs_in_cooldown = cooldown_sync(ddp, ctx.num_stages)
         self.sync_tick = jnp.asarray([table.sync_tick(s) for s in range(ctx.num_stages)])
         self.residual_slot = jnp.asarray(table.slot_map("F", "B"))
@@ -316,7 +320,8 @@ class ScheduleRun:
         layer groups' syncs of the last backward (:meth:`_chunk_sync`)."""
         params, grads, probes, chunk = live
         tape = self.sink.open(LAYERS, params, grads, probes, on_complete=on_complete)
-        y, aux = self.program.body(tape.params, x, layers=self.context.window(chunk))
+        extra = {} if self.prepared is None else {"prepared": self.prepared}
+        y, aux = self.program.body(tape.params, x, layers=self.context.window(chunk), **extra)
         grads, inputs, outputs = tape.close()
         return (y, grads), (inputs, outputs, aux)
 

@@ -94,7 +94,10 @@ class StageProgram(Protocol):
         ``[index n / V, (index + 1) n / V)`` of the stacked chunks' leaves
         (:data:`~jax_wgrad.grads.spec.STACKED`), read in place from the full stacks by
         :func:`~jax_wgrad.functional.scan_layers` ``(rows=...)``. A program that does not
-        stack its layers runs only ``layers=None``."""
+        stack its layers runs only ``layers=None``. A program with an attribute
+        ``prepare`` (``params -> PyTree | None``, :class:`~jax_wgrad.layout.PreparedWeights`)
+        has it called once per step before the schedule loop, and a result that is not
+        ``None`` handed to every ``body`` call as ``prepared=``."""
 
     def post(
         self,
