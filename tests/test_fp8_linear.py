@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_wgrad import ops
 from jax_wgrad.functional import WgradRoutes, linear
-from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Recipe, quantize, scale_exponent
+from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Recipe, Fp8Weight, quantize, scale_exponent
 from jax_wgrad.testing import fp8_reference_linear
 
 pytestmark = pytest.mark.skipif(not ops.fusion_available("cpu"), reason="needs the CPU handler")
@@ -156,7 +156,7 @@ def test_a_weight_quantized_once_gives_the_same_bits_in_every_form():
     another shape."""
     x, w, b, dy = _data(6)
     fp8 = Fp8Gemm(HYBRID)
-    qw = fp8.weight(w)
+    qw = Fp8Weight.of(fp8.weight(w))
     acc = jnp.zeros(w.shape, F32)
     bucket = jnp.zeros((w.size + 3,), F32)
 
@@ -185,7 +185,7 @@ def test_a_weight_quantized_once_gives_the_same_bits_in_every_form():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     with pytest.raises(ValueError, match="fp8_weight .* needs fp8"):
         linear(x, w, b, fp8_weight=qw)
-    with pytest.raises(ValueError, match=r"fp8_weight must be an Fp8Tensor of the weight's shape"):
+    with pytest.raises(ValueError, match=r"fp8_weight must be an Fp8Weight of the weight's shape"):
         linear(x, w[:4], b[:4], fp8=fp8, fp8_weight=qw)
 
 

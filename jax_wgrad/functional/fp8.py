@@ -48,6 +48,7 @@ __all__ = [
     "Fp8Gemm",
     "Fp8Recipe",
     "Fp8Tensor",
+    "Fp8Weight",
     "check_fp8_platform",
     "dequantize",
     "fp8_dot",
@@ -168,6 +169,32 @@ class Fp8Tensor(NamedTuple):
 
     value: jax.Array
     scale_inv: jax.Array
+
+
+class Fp8Weight(NamedTuple):
+    """A weight ``[out, in]`` quantized once for many GEMMs (TransformerEngine's cached
+    FP8 weight, both its copies): ``rowwise`` ``[out, in]`` for the forward GEMM,
+    ``columnwise`` ``[in, out]`` (the same values transposed) for the data-gradient GEMM --
+    Hopper's FP8 GEMMs take both operands with the contracted dim innermost, so a
+    data-gradient GEMM on ``rowwise`` would transpose it first, at every use -- and their
+    ``scale_inv``."""
+
+    rowwise: jax.Array
+    columnwise: jax.Array
+    scale_inv: jax.Array
+
+    @classmethod
+    def of(cls, q: Fp8Tensor) -> Fp8Weight:
+        """``q`` (a quantized ``[out, in]`` weight) and its transpose."""
+        return cls(q.value, q.value.T, q.scale_inv)
+
+    def forward(self) -> Fp8Tensor:
+        """``[out, in]``: the forward GEMM's operand."""
+        return Fp8Tensor(self.rowwise, self.scale_inv)
+
+    def transposed(self) -> Fp8Tensor:
+        """``[in, out]``: the data-gradient GEMM's operand."""
+        return Fp8Tensor(self.columnwise, self.scale_inv)
 
 
 def scale_exponent(amax: jax.Array, dtype: jnp.dtype, margin: int = 0) -> jax.Array:

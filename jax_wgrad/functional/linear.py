@@ -68,6 +68,7 @@ from jax_wgrad.functional.collectives import (
 from jax_wgrad.functional.fp8 import (
     Fp8Gemm,
     Fp8Tensor,
+    Fp8Weight,
     dequantize,
     fp8_dot,
     quantized_gradient,
@@ -114,9 +115,15 @@ def _bgrad(b, dy):
 # each use, in the forward and again in the backward: the same values either way).
 
 
-def _quantized_weight(w, qw: Fp8Tensor | None, fp8: Fp8Gemm) -> Fp8Tensor:
-    """``qw``, or ``w`` quantized as ``fp8``'s weight."""
-    return fp8.weight(w) if qw is None else qw
+def _weight_rowwise(w, qw: Fp8Weight | None, fp8: Fp8Gemm) -> Fp8Tensor:
+    """The forward GEMM's ``[out, in]`` FP8 weight: ``qw``'s, or ``w`` quantized."""
+    return fp8.weight(w) if qw is None else qw.forward()
+
+
+def _weight_columnwise(w, qw: Fp8Weight | None, fp8: Fp8Gemm) -> Fp8Tensor:
+    """The data-gradient GEMM's ``[in, out]`` FP8 weight: ``qw``'s, or ``w`` quantized and
+    transposed (one fusion)."""
+    return Fp8Weight.of(fp8.weight(w)).transposed() if qw is None else qw.transposed()
 
 
 def _fp8_forward(qx: Fp8Tensor, qw: Fp8Tensor, b, dtype) -> jax.Array:
@@ -128,9 +135,10 @@ def _fp8_forward(qx: Fp8Tensor, qw: Fp8Tensor, b, dtype) -> jax.Array:
     return y
 
 
-def _fp8_dgrad(qdy: Fp8Tensor, qw: Fp8Tensor, dtype) -> jax.Array:
-    """``dx [..., in]`` in ``dtype`` from the quantized output gradient ``qdy [..., out]``."""
-    return fp8_dot(qdy, qw, (((qdy.value.ndim - 1,), (0,)), ((), ())), dtype)
+def _fp8_dgrad(qdy: Fp8Tensor, qwt: Fp8Tensor, dtype) -> jax.Array:
+    """``dx [..., in]`` in ``dtype`` from the quantized output gradient ``qdy [..., out]``
+    and the transposed weight ``qwt [in, out]`` (both contracted on their last dim)."""
+    return fp8_dot(qdy, qwt, (((qdy.value.ndim - 1,), (1,)), ((), ())), dtype)
 
 
 def _fp8_wgrad(qx: Fp8Tensor, qdy: Fp8Tensor, bucket, offset) -> jax.Array:
@@ -148,12 +156,12 @@ def _gathered_fp8(qx: Fp8Tensor, axis: str | None) -> Fp8Tensor:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fp8_linear(x, w, b, qw, fp8):
-    return _fp8_forward(fp8.input(x), _quantized_weight(w, qw, fp8), b, x.dtype)
+    return _fp8_forward(fp8.input(x), _weight_rowwise(w, qw, fp8), b, x.dtype)
 
 
 def _fp8_linear_fwd(x, w, b, qw, fp8):
     qx = fp8.input(x)
-    return _fp8_forward(qx, _quantized_weight(w, qw, fp8), b, x.dtype), (qx, w, b, qw)
+    return _fp8_forward(qx, _weight_rowwise(w, qw, fp8), b, x.dtype), (qx, w, b, qw)
 
 
 def _fp8_linear_bwd(fp8, res, dy):
@@ -163,7 +171,7 @@ def _fp8_linear_bwd(fp8, res, dy):
     n = qx.value.ndim - 1
     lead = tuple(range(n))
     dw = fp8_dot(qdy, qx, ((lead, lead), ((), ())), jnp.float32).astype(w.dtype)
-    dx = _fp8_dgrad(qdy, _quantized_weight(w, qw, fp8), dy.dtype)
+    dx = _fp8_dgrad(qdy, _weight_columnwise(w, qw, fp8), dy.dtype)
     return dx, dw, _bgrad(b, dy), None
 
 
@@ -173,14 +181,14 @@ _fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _fused_linear(x, w, b, main_grad, qw, precision, fp8):
     if fp8 is not None:
-        return _fp8_forward(fp8.input(x), _quantized_weight(w, qw, fp8), b, x.dtype)
+        return _fp8_forward(fp8.input(x), _weight_rowwise(w, qw, fp8), b, x.dtype)
     return _forward(x, w, b, precision)
 
 
 def _fused_linear_fwd(x, w, b, main_grad, qw, precision, fp8):
     if fp8 is not None:
         qx = fp8.input(x)
-        y = _fp8_forward(qx, _quantized_weight(w, qw, fp8), b, x.dtype)
+        y = _fp8_forward(qx, _weight_rowwise(w, qw, fp8), b, x.dtype)
         return y, (qx, w, b, main_grad, qw)
     return _forward(x, w, b, precision), (x, w, b, main_grad, qw)
 
@@ -189,7 +197,7 @@ def _fused_linear_bwd(precision, fp8, res, dy):
     x, w, b, main_grad, qw = res
     if fp8 is not None:
         qdy = fp8.gradient(dy)
-        dx, db = _fp8_dgrad(qdy, _quantized_weight(w, qw, fp8), dy.dtype), _bgrad(b, dy)
+        dx, db = _fp8_dgrad(qdy, _weight_columnwise(w, qw, fp8), dy.dtype), _bgrad(b, dy)
         return dx, None, db, _fp8_wgrad(x, qdy, main_grad, None), None
     dx, db = _dgrad_bgrad(x, w, b, dy, precision)
     # The updated accumulator travels as the "cotangent" of main_grad (module docstring).
@@ -227,7 +235,7 @@ def _threaded_bwd(x, w, b, dy, ct_bucket, offset, precision, gather_axis, fp8=No
     if fp8 is not None:
         x_full = _gathered_fp8(x, gather_axis)
         qdy = fp8.gradient(dy)
-        dx, db = _fp8_dgrad(qdy, _quantized_weight(w, qw, fp8), dy.dtype), _bgrad(b, dy)
+        dx, db = _fp8_dgrad(qdy, _weight_columnwise(w, qw, fp8), dy.dtype), _bgrad(b, dy)
     else:
         x_full = _gathered(x, gather_axis)
         dx, db = _dgrad_bgrad(x, w, b, dy, precision)
@@ -249,7 +257,7 @@ def _threaded_forward(x, w, b, qw, precision, gather_axis, fp8):
     if fp8 is None:
         return _forward(_gathered(x, gather_axis), w, b, precision), x
     qx = fp8.input(x, gather_axis)
-    y = _fp8_forward(_gathered_fp8(qx, gather_axis), _quantized_weight(w, qw, fp8), b, x.dtype)
+    y = _fp8_forward(_gathered_fp8(qx, gather_axis), _weight_rowwise(w, qw, fp8), b, x.dtype)
     return y, qx
 
 
@@ -331,7 +339,7 @@ def linear_into_bucket(
     precision: ops.PrecisionLike = None,
     gather_axis: str | None = None,
     fp8: Fp8Gemm | None = None,
-    fp8_weight: Fp8Tensor | None = None,
+    fp8_weight: Fp8Weight | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(x @ w.T + b, bucket)``: a linear whose weight gradient goes into a flat bucket.
 
@@ -372,16 +380,21 @@ def linear_into_bucket(
     return _threaded_linear(x, w, b, bucket, fp8_weight, offset, level, gather_axis, fp8)
 
 
-def _check_fp8_weight(w: jax.Array, fp8: Fp8Gemm | None, qw: Fp8Tensor | None) -> None:
-    """A quantized weight needs ``fp8`` and ``w``'s shape."""
+def _check_fp8_weight(w: jax.Array, fp8: Fp8Gemm | None, qw: Fp8Weight | None) -> None:
+    """A quantized weight needs ``fp8``, and ``w``'s shape (its transpose's)."""
     if qw is None:
         return
     if fp8 is None:
         raise ValueError("linear: fp8_weight (a quantized weight) needs fp8 (an Fp8Gemm)")
-    if not isinstance(qw, Fp8Tensor) or qw.value.shape != w.shape:
-        shape = qw.value.shape if isinstance(qw, Fp8Tensor) else type(qw).__name__
+    ok = isinstance(qw, Fp8Weight) and (qw.rowwise.shape, qw.columnwise.shape) == (
+        w.shape,
+        w.shape[::-1],
+    )
+    if not ok:
+        got = (qw.rowwise.shape, qw.columnwise.shape) if isinstance(qw, Fp8Weight) else qw
         raise ValueError(
-            f"linear: fp8_weight must be an Fp8Tensor of the weight's shape {w.shape}, got {shape}"
+            f"linear: fp8_weight must be an Fp8Weight of the weight's shape {w.shape} (and "
+            f"its transpose's), got {got!r}"
         )
 
 
@@ -396,7 +409,7 @@ def _precision(precision: ops.PrecisionLike, fp8: Fp8Gemm | None) -> int:
 
 
 def _split_linear(
-    route: Route, x, w, b, precision: int, fp8: Fp8Gemm | None, qw: Fp8Tensor | None
+    route: Route, x, w, b, precision: int, fp8: Fp8Gemm | None, qw: Fp8Weight | None
 ) -> jax.Array:
     """Zero bubble's split linear (:class:`~jax_wgrad.functional.routes.ToSplit`):
     ``x @ stop_gradient(w).T + b + probe``, its input and output recorded.
@@ -435,7 +448,7 @@ def linear(
     precision: ops.PrecisionLike = None,
     gather_axis: str | None = None,
     fp8: Fp8Gemm | None = None,
-    fp8_weight: Fp8Tensor | None = None,
+    fp8_weight: Fp8Weight | None = None,
 ) -> jax.Array:
     """``y = x @ w.T + b``.
 
@@ -474,10 +487,10 @@ def linear(
         linear's in an FP8 GEMM too); the bias and its gradient stay in high precision.
         The forward saves the quantized input, half a bf16 one. ``precision`` must then
         be ``None``.
-      fp8_weight: with ``fp8``, ``w`` already quantized by ``fp8.weight`` (an
-        :class:`~jax_wgrad.functional.fp8.Fp8Tensor` of ``w``'s shape: the same values),
-        used by the forward and data-gradient GEMMs instead of quantizing ``w`` at each
-        use -- what a caller does once per step for a weight every microbatch uses
+      fp8_weight: with ``fp8``, ``w`` already quantized by ``fp8.weight``, with its
+        transpose (an :class:`~jax_wgrad.functional.fp8.Fp8Weight`: the same values), used
+        by the forward and data-gradient GEMMs instead of quantizing ``w`` at each use --
+        what a caller does once per step for a weight every microbatch uses
         (TransformerEngine's FP8 weight cache). ``w`` still says where its gradient goes.
     Returns:
       ``[..., out]`` output in ``x.dtype``.

@@ -38,7 +38,7 @@ from jax_wgrad.functional.collectives import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from jax_wgrad.functional.cross_entropy import vocab_shard_index
-from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Recipe, Fp8Tensor
+from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Recipe, Fp8Weight
 from jax_wgrad.functional.linear import linear
 from jax_wgrad.functional.saved import SAVED
 from jax_wgrad.nn.facts import param_facts
@@ -120,16 +120,18 @@ class ColumnParallelLinear(nnx.Module):
             else None
         )
 
-    def quantized_weight(self) -> Fp8Tensor:
-        """The weight quantized as its FP8 GEMMs quantize it (``fp8`` set): what a step
-        computes once for every microbatch (``__call__``'s ``fp8_weight``)."""
-        return self.fp8.weight(self.weight[...])
+    def quantized_weight(self) -> Fp8Weight:
+        """The weight ``[out / tp, in]`` (gated: ``[2 out / tp, in]``) quantized as its
+        FP8 GEMMs quantize it, with its transpose (``fp8`` set): what a step computes once
+        for every microbatch (``__call__``'s ``fp8_weight``)."""
+        w = self.weight[...]
+        return Fp8Weight.of(self.fp8.weight(w.reshape(-1, w.shape[-1])))
 
     def __call__(
         self,
         x: jax.Array,
         weight: nnx.Variable | jax.Array | None = None,
-        fp8_weight: Fp8Tensor | None = None,
+        fp8_weight: Fp8Weight | None = None,
     ) -> jax.Array:
         """``x``: ``[b, s(/tp), in]`` -> ``[b, s, out / tp]`` (or ``out``).
 
@@ -151,9 +153,6 @@ class ColumnParallelLinear(nnx.Module):
             bias = None if self.bias is None else self.bias[...].reshape(-1)
             # gated: [2 F/tp, in]; a mapped variable keeps its route (row-major block)
             w = jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), weight)
-            if fp8_weight is not None:
-                value = fp8_weight.value
-                fp8_weight = fp8_weight._replace(value=value.reshape(-1, value.shape[-1]))
             y = linear(
                 x,
                 w,
@@ -214,12 +213,13 @@ class RowParallelLinear(nnx.Module):
             else None
         )
 
-    def quantized_weight(self) -> Fp8Tensor:
-        """The weight quantized as its FP8 GEMMs quantize it (``fp8`` set): what a step
-        computes once for every microbatch (``__call__``'s ``fp8_weight``)."""
-        return self.fp8.weight(self.weight[...])
+    def quantized_weight(self) -> Fp8Weight:
+        """The weight ``[out, in / tp]`` quantized as its FP8 GEMMs quantize it, with its
+        transpose (``fp8`` set): what a step computes once for every microbatch
+        (``__call__``'s ``fp8_weight``)."""
+        return Fp8Weight.of(self.fp8.weight(self.weight[...]))
 
-    def __call__(self, x: jax.Array, fp8_weight: Fp8Tensor | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, fp8_weight: Fp8Weight | None = None) -> jax.Array:
         """``x``: ``[b, s, in / tp]`` -> ``[b, s(/tp), out]``; ``fp8_weight``: the weight
         already quantized (:meth:`quantized_weight`)."""
         with jax.named_scope("row_parallel_linear"):

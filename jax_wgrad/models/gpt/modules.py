@@ -24,7 +24,7 @@ from jax_wgrad.functional.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_logsumexp,
 )
-from jax_wgrad.functional.fp8 import Fp8Tensor
+from jax_wgrad.functional.fp8 import Fp8Weight
 from jax_wgrad.functional.moe import attach_aux_loss, moe_mlp
 from jax_wgrad.models.gpt.config import GPTConfig
 from jax_wgrad.nn.facts import param_facts
@@ -130,13 +130,13 @@ class SharedExpertMLP(nnx.Module):
             f, h, use_bias=cfg.add_bias_linear, init_std=out_std, rngs=rngs, **common
         )
 
-    def __call__(self, x: jax.Array, fp8_weights: Mapping[str, Fp8Tensor] | None = None):
+    def __call__(self, x: jax.Array, fp8_weights: Mapping[str, Fp8Weight] | None = None):
         """``[b, s(/tp), H]`` -> same shape; ``fp8_weights``: ``fc1``'s and ``fc2``'s
         weights already quantized (by name; see :meth:`TransformerLayer.fp8_weights`)."""
         return _mlp(self, x, fp8_weights)
 
 
-def _mlp(module: nnx.Module, x: jax.Array, fp8_weights: Mapping[str, Fp8Tensor] | None):
+def _mlp(module: nnx.Module, x: jax.Array, fp8_weights: Mapping[str, Fp8Weight] | None):
     """``module.fc2(act(module.fc1(x)))``: GELU, or SwiGLU on this rank's gate features and
     its up features; ``fp8_weights``: ``fc1``'s and ``fc2``'s weights already quantized."""
     fp8_weights = fp8_weights or {}
@@ -253,7 +253,7 @@ class TransformerLayer(nnx.Module):
     def fp8_weights(self) -> dict[str, Any]:
         """The weights of the linears that run in FP8, quantized as their GEMMs quantize
         them (:meth:`~jax_wgrad.nn.ColumnParallelLinear.quantized_weight`), by name
-        (``{"qkv": Fp8Tensor, ..., "shared_expert": {"fc1": ..., "fc2": ...}}``; empty
+        (``{"qkv": Fp8Weight, ..., "shared_expert": {"fc1": ..., "fc2": ...}}``; empty
         without FP8): what a step computes once, before its microbatches, and hands to
         every call (``__call__``'s ``fp8_weights``), as TransformerEngine caches a
         weight's FP8 copy over the microbatches of a step."""
@@ -290,7 +290,7 @@ class TransformerLayer(nnx.Module):
         with jax.named_scope(MLP_SCOPE):
             return x + _mlp(self, self.ln2(x), fw)
 
-    def _attention(self, h: jax.Array, qkv_fp8_weight: Fp8Tensor | None = None) -> jax.Array:
+    def _attention(self, h: jax.Array, qkv_fp8_weight: Fp8Weight | None = None) -> jax.Array:
         """``[b, s(/tp), H]`` -> the attention output ``[b, s, heads/tp * d]`` of this
         rank's query groups (the whole sequence: the qkv projection all-gathers it under
         sequence parallelism, so RoPE sees positions ``0 .. S-1``)."""
