@@ -357,6 +357,29 @@ LAYOUTS: tuple[Layout, ...] = (
         "the 70B row as CUDA graphs with conditional and while nodes (layers unrolled)",
     ),
     Layout(
+        "llama3-70b-nemo",
+        "llama3-70b",
+        64,
+        _tp_pp(4, 4)
+        + ("--num-layers-per-virtual-pipeline-stage", "4")
+        + _seq(8192, 128)
+        + ("--overlap-grad-reduce",),
+        "NeMo's Llama-3-70B layout on 64 H100s (its recommended H100 config: TP4 PP4 CP2 VP5, "
+        "seq 8192, global batch 128, no activation recompute) without CP2, which is not "
+        "built: each GPU holds twice NeMo's activations",
+    ),
+    Layout(
+        "llama3-70b-tp8pp4vp5-s8k",
+        "llama3-70b",
+        64,
+        _tp_pp(8, 4)
+        + ("--num-layers-per-virtual-pipeline-stage", "4")
+        + _seq(8192, 128)
+        + ("--overlap-grad-reduce",),
+        "llama3-70b-nemo with TP8 in place of TP4 x CP2 (the same 8 GPUs a replica's "
+        "sequence is split over, within a host): TP8 PP4 VP5 DP2, no recompute",
+    ),
+    Layout(
         "mixtral-8x7b-tp2pp2ep4-s4k-full",
         "mixtral-8x7b",
         16,

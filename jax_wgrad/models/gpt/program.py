@@ -74,23 +74,27 @@ class GPTProgram:
             check_fp8_platform(self.platform)
             if self.platform in ("gpu", "cuda"):
                 self._check_fp8_shapes()
-        emb, layer, moe_layer, head = abstract_modules(
-            self.model,
+        emb, layer, moe_layer, head = self._graph_defs(self.model)
+        object.__setattr__(self, "_emb_def", emb)
+        object.__setattr__(self, "_layer_def", layer)
+        object.__setattr__(self, "_moe_layer_def", moe_layer)
+        object.__setattr__(self, "_head_def", head)
+        object.__setattr__(self, "_bf16_defs", self._layer_defs_without_fp8())
+
+    def _graph_defs(self, model: GPTConfig) -> tuple[Any, Any, Any, Any]:
+        """The graph defs ``(embedding, dense layer, MoE layer or None, head)`` of
+        ``model``'s modules in this layout."""
+        modules = abstract_modules(
+            model,
             self.parallel.tensor_model_parallel_size,
             self.parallel.sequence_parallel,
-            self.model.attention_implementation(self.platform),
+            model.attention_implementation(self.platform),
             self.parallel.expert_model_parallel_size,
             self._vocab_pp,
             self._etp,
             self._fold,
         )
-        object.__setattr__(self, "_emb_def", nnx.split(emb)[0])
-        object.__setattr__(self, "_layer_def", nnx.split(layer)[0])
-        object.__setattr__(
-            self, "_moe_layer_def", None if moe_layer is None else nnx.split(moe_layer)[0]
-        )
-        object.__setattr__(self, "_head_def", nnx.split(head)[0])
-        object.__setattr__(self, "_bf16_defs", self._layer_defs_without_fp8())
+        return tuple(None if m is None else nnx.split(m)[0] for m in modules)
 
     def _layer_defs_without_fp8(self) -> tuple[Any, Any] | None:
         """The graph defs ``(dense layer, MoE layer)`` of the layers kept out of FP8
@@ -109,17 +113,8 @@ class GPTProgram:
                     f"{name} ({n}) must be a multiple of the layers of a period "
                     f"({p}: moe_layer_freq's pattern), which one layer-scan iteration runs"
                 )
-        _, layer, moe_layer, _ = abstract_modules(
-            self.model.without_fp8(),
-            self.parallel.tensor_model_parallel_size,
-            self.parallel.sequence_parallel,
-            self.model.attention_implementation(self.platform),
-            self.parallel.expert_model_parallel_size,
-            self._vocab_pp,
-            self._etp,
-            self._fold,
-        )
-        return nnx.split(layer)[0], None if moe_layer is None else nnx.split(moe_layer)[0]
+        _, layer, moe_layer, _ = self._graph_defs(self.model.without_fp8())
+        return layer, moe_layer
 
     def _check_fp8_shapes(self) -> None:
         """On a GPU every FP8 linear's tokens and widths on a tensor rank must be
