@@ -369,15 +369,16 @@ LAYOUTS: tuple[Layout, ...] = (
         "built: each GPU holds twice NeMo's activations",
     ),
     Layout(
-        "llama3-70b-tp8pp4vp5-s8k",
+        "llama3-70b-tp8pp4vp5-s8k-paired",
         "llama3-70b",
         64,
         _tp_pp(8, 4)
         + ("--num-layers-per-virtual-pipeline-stage", "4")
         + _seq(8192, 128)
-        + ("--overlap-grad-reduce",),
-        "llama3-70b-nemo with TP8 in place of TP4 x CP2 (the same 8 GPUs a replica's "
-        "sequence is split over, within a host): TP8 PP4 VP5 DP2, no recompute",
+        + ("--overlap-grad-reduce", "--pipeline-schedule", "1f1b-paired"),
+        "the best 70B layout found at NeMo's sizes: llama3-70b-nemo with TP8 in place of "
+        "TP4 x CP2 (the 8 GPUs of a host split each sequence either way) and paired ticks: "
+        "TP8 PP4 VP5 DP2, no recompute",
     ),
     Layout(
         "mixtral-8x7b-tp2pp2ep4-s4k-full",
