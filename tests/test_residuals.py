@@ -2,6 +2,8 @@
 a gradient bucket, and less with more recomputation (checkpointed per layer inside the
 layer scan, Megatron's recompute options)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +40,7 @@ MODEL = GPTConfig(
 LAYERS = 4  # one stage: all layers
 
 
-def _store(recompute, schedule="1f1b", method=None, num_layers=None):
+def _store(recompute, schedule="1f1b", method=None, num_layers=None, model=MODEL):
     par = ParallelConfig(
         micro_batch_size=2,
         global_batch_size=4,
@@ -49,7 +51,7 @@ def _store(recompute, schedule="1f1b", method=None, num_layers=None):
         recompute_num_layers=num_layers,
         pipeline_schedule=schedule,
     )
-    program = lay_out(GPTProgram(MODEL, par, platform="cpu"))
+    program = lay_out(GPTProgram(model, par, platform="cpu"))
     layout, table = grad_layout(program, DDPConfig()), schedule_of(program)
     params = program.device_tree(program.init_params(0))
     run = ScheduleRun(
@@ -106,6 +108,21 @@ def test_residuals_are_activations_only(schedule):
     # block 1 recomputes one layer of four: between full recompute and none
     assert uni[0] < sizes[("full", "block", 1)] < none, sizes
     assert sizes[("full", "block", 4)] == uni[0]  # each layer's input, both ways
+
+
+@pytest.mark.skipif(not fusion_available("cpu"), reason="needs the CPU handler")
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_fp8_weight_copies_are_read_live_not_stored(recompute):
+    """With FP8 the step's quantized weight copies (GPTProgram.prepare: every FP8 weight
+    and its transpose, stacked over the layers) are read live like the parameters: what a
+    microbatch stores is activations only (before, every in-flight microbatch stored its
+    own copy of the whole stack)."""
+    fp8 = dataclasses.replace(MODEL, fp8_format="hybrid", params_dtype="bfloat16")
+    store, weights, buckets = _store(recompute, model=fp8)
+    shapes = [tuple(s.shape) for s in store.shapes if not (s.dtype == jnp.int32 and s.ndim <= 1)]
+    assert all(s[:2] == (2, 16) or (s[0] <= LAYERS and s[1] == 2) for s in shapes), shapes
+    assert not any(s.dtype == jnp.float8_e4m3fn for s in store.shapes), store.shapes
+    assert sum(i is not None for i in store.live_index) > 0
 
 
 @pytest.mark.parametrize(

@@ -221,7 +221,8 @@ class ScheduleRun:
             zero_activation=setup.zero_activation(),
         )
         # What the layers read of the parameters within a step (e.g. FP8 weight copies):
-        # computed once, before the schedule loop (PreparedWeights).
+        # computed once, before the schedule loop (PreparedWeights), and read live like
+        # the parameters (never stored per microbatch).
         prepare = getattr(program, "prepare", None)
         self.prepared = None if prepare is None else prepare(params)
         self.syncs_in_cooldown = cooldown_sync(ddp, ctx.num_stages)
@@ -238,12 +239,14 @@ class ScheduleRun:
         self.body_probes = {}
         if sink.probed(LAYERS):
             recorded = jax.eval_shape(
-                self._taped_body, (*chunk0, None, jnp.int32(0)), ctx.zero_activation
+                self._taped_body,
+                (*chunk0, None, jnp.int32(0), self.prepared),
+                ctx.zero_activation,
             )[1]
             self.body_probes = zeros_of(recorded[1])
         self.store = ResidualStore.create(
             self._taped_body,
-            (*chunk0, self.body_probes, jnp.int32(0)),
+            (*chunk0, self.body_probes, jnp.int32(0), self.prepared),
             ctx.zero_activation,
             has_aux=True,
         )
@@ -260,7 +263,7 @@ class ScheduleRun:
             synced: list[int] = []
             self.last_store = ResidualStore.create(
                 functools.partial(self._taped_body, on_complete=self._chunk_sync(synced)),
-                (*chunk0, self.body_probes, jnp.int32(0)),
+                (*chunk0, self.body_probes, jnp.int32(0), self.prepared),
                 ctx.zero_activation,
                 has_aux=True,
             )
@@ -314,21 +317,24 @@ class ScheduleRun:
         return on_complete
 
     def _taped_body(self, live, x, on_complete=None):
-        """``((params, grads, probes, chunk), x) -> ((y, grads), (recorded inputs,
-        outputs, aux))`` of model chunk ``chunk``'s layers under the sink's ``LAYERS`` tape
-        (probes ``None``: records only, traced once for the shapes); ``on_complete``: the
+        """``((params, grads, probes, chunk, prepared), x) -> ((y, grads), (recorded
+        inputs, outputs, aux))`` of model chunk ``chunk``'s layers under the sink's
+        ``LAYERS`` tape (probes ``None``: records only, traced once for the shapes;
+        ``prepared``: the program's :attr:`prepared`, or ``None``); ``on_complete``: the
         layer groups' syncs of the last backward (:meth:`_chunk_sync`)."""
-        params, grads, probes, chunk = live
+        params, grads, probes, chunk, prepared = live
         tape = self.sink.open(LAYERS, params, grads, probes, on_complete=on_complete)
-        extra = {} if self.prepared is None else {"prepared": self.prepared}
+        extra = {} if prepared is None else {"prepared": prepared}
         y, aux = self.program.body(tape.params, x, layers=self.context.window(chunk), **extra)
         grads, inputs, outputs = tape.close()
         return (y, grads), (inputs, outputs, aux)
 
     def _live(self, carry: PipelineCarry, chunk):
         """What the differentiated body reads that is not stored: the parameters, the
-        threaded buckets, the probes, the model chunk."""
-        return (self.context.params, self.context.threaded(carry.grads), self.body_probes, chunk)
+        threaded buckets, the probes, the model chunk, what the program prepared of the
+        parameters for the step (their cotangent is dropped)."""
+        ctx = self.context
+        return (ctx.params, ctx.threaded(carry.grads), self.body_probes, chunk, self.prepared)
 
     # ------------------------------------------------------------------------ the scan
 
@@ -492,7 +498,7 @@ class ScheduleRun:
         pullback = (store or self.store).pullback(
             carry.residuals, self.residual_slot[ctx.stage, chunk, microbatch], live
         )
-        (dparams, grads, dys, _), dx = pullback((dy, live[1]))
+        (dparams, grads, dys, _, _), dx = pullback((dy, live[1]))
         grads = self.sink.add(carry.grads if grads is None else grads, LAYERS, dparams)
         pairs = dict(carry.weight_pairs)
         for name, d in dys.items():
