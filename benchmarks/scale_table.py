@@ -381,6 +381,17 @@ LAYOUTS: tuple[Layout, ...] = (
         "TP8 PP4 VP5 DP2, no recompute",
     ),
     Layout(
+        "llama3-70b-fp8",
+        "llama3-70b",
+        64,
+        _tp_pp(8, 4)
+        + ("--num-layers-per-virtual-pipeline-stage", "4")
+        + _seq(8192, 128)
+        + ("--overlap-grad-reduce", "--pipeline-schedule", "1f1b-paired")
+        + FP8,
+        "llama3-70b-tp8pp4vp5-s8k-paired with FP8 (hybrid) in the layers' linears",
+    ),
+    Layout(
         "mixtral-8x7b-tp2pp2ep4-s4k-full",
         "mixtral-8x7b",
         16,
