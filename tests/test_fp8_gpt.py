@@ -155,6 +155,16 @@ def test_first_last_layers_bf16_equal_the_reference(layers, first, last, extra):
     assert_grads_close(*_grads(cfg, par))
 
 
+def test_first_last_layers_bf16_with_a_pipeline_is_refused_by_the_program_too():
+    """Built directly (not through ``validate``), the GPT program refuses it as well: a
+    stage's first layers are not the model's with pipeline parallelism."""
+    from jax_wgrad import GPTProgram
+
+    cfg = _config(first_last_layers_bf16=True)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size \(2\) > 1 is not built"):
+        GPTProgram(cfg, _parallel(), platform="cpu")
+
+
 def test_first_last_layers_bf16_reference_keeps_those_layers_out_of_fp8():
     """The reference the test above compares against: layer 0's weight gradients with the
     first layer in bf16 differ from all-FP8 by far more than the tolerance; with it, layer

@@ -343,6 +343,29 @@ class GPTConfig:
             },
         )
 
+    def check_layers_in_bf16(self, parallel: ParallelConfig) -> None:
+        """``first_last_layers_bf16`` split as ``parallel`` asks: Megatron's range of the
+        counts (transformer_config.py), and no pipeline parallelism (not built); raises
+        ``ValueError``."""
+        if not self.first_last_layers_bf16:
+            return
+        per_stage = self.num_layers // parallel.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= per_stage:
+                raise ValueError(
+                    f"{name} ({n}) must be between 0 and number of layers per pipeline stage "
+                    f"({per_stage})."
+                )
+        if parallel.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "first_last_layers_bf16 with pipeline_model_parallel_size "
+                f"({parallel.pipeline_model_parallel_size}) > 1 is not built: which layers a "
+                "stage holds is traced in the SPMD program, and a branch per precision would "
+                "copy the gradient buckets (XLA conditionals); use it without pipeline "
+                "parallelism"
+            )
+
     def layers_in_bf16(self) -> tuple[int, int]:
         """``(first, last)``: how many of the first and of the last transformer layers run
         without FP8 (Megatron's ``is_first_last_bf16_layer``; ``(0, 0)`` unless
@@ -705,29 +728,7 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
             f"tensor_model_parallel_size ({tp}) with sequence parallelism"
         )
     _validate_moe_layout(parallel, model)
-    _validate_bf16_layers(parallel, model)
-
-
-def _validate_bf16_layers(parallel: ParallelConfig, model: GPTConfig) -> None:
-    """``first_last_layers_bf16``: Megatron's range of the counts (transformer_config.py),
-    and no pipeline parallelism (not built)."""
-    if not model.first_last_layers_bf16:
-        return
-    per_stage = model.num_layers // parallel.pipeline_model_parallel_size
-    for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-        n = getattr(model, name)
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= per_stage:
-            raise ValueError(
-                f"{name} ({n}) must be between 0 and number of layers per pipeline stage "
-                f"({per_stage})."
-            )
-    if parallel.pipeline_model_parallel_size > 1:
-        raise ValueError(
-            "first_last_layers_bf16 with pipeline_model_parallel_size "
-            f"({parallel.pipeline_model_parallel_size}) > 1 is not built: which layers a stage "
-            "holds is traced in the SPMD program, and a branch per precision would copy the "
-            "gradient buckets (XLA conditionals); use it without pipeline parallelism"
-        )
+    model.check_layers_in_bf16(parallel)
 
 
 def _validate_vocab(parallel: ParallelConfig, model: GPTConfig) -> None:

@@ -103,6 +103,7 @@ class GPTProgram:
         first, last = self.model.layers_in_bf16()
         if (first, last) == (0, 0):
             return None
+        self.model.check_layers_in_bf16(self.parallel)  # the program may be built unvalidated
         p = len(self.period)
         for name, n in (
             ("num_layers_at_start_in_bf16", first),
