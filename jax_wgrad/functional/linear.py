@@ -123,7 +123,10 @@ def _weight_rowwise(w, qw: Fp8Weight | None, fp8: Fp8Gemm) -> Fp8Tensor:
 def _weight_columnwise(w, qw: Fp8Weight | None, fp8: Fp8Gemm) -> Fp8Tensor:
     """The data-gradient GEMM's ``[in, out]`` FP8 weight: ``qw``'s, or ``w`` quantized and
     transposed (one fusion)."""
-    return Fp8Weight.of(fp8.weight(w)).transposed() if qw is None else qw.transposed()
+    if qw is not None:
+        return qw.transposed()
+    q = fp8.weight(w)
+    return Fp8Tensor(q.value.T, q.scale_inv)
 
 
 def _fp8_forward(qx: Fp8Tensor, qw: Fp8Tensor, b, dtype) -> jax.Array:

@@ -116,6 +116,10 @@ def policy(granularity: Literal["full", "selective"] | None):
     return _POLICIES[granularity]
 
 
+LayerFn = Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]]
+"""``(params of one layer, x) -> (x, aux)``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerGroup:
     """``count`` consecutive runs of ``size`` layers each, from layer ``first`` on (of the
@@ -126,7 +130,7 @@ class LayerGroup:
     size: int
     count: int
     policy: Any
-    layer: Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]] | None = None
+    layer: LayerFn | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,10 +172,6 @@ class LayerRecompute:
         if count % size:
             out.append(LayerGroup(count - count % size, count % size, 1, full))
         return tuple(out)
-
-
-LayerFn = Callable[[PyTree, jax.Array], tuple[jax.Array, PyTree]]
-"""``(params of one layer, x) -> (x, aux)``."""
 
 
 def scan_layers(
