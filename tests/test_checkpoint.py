@@ -61,6 +61,8 @@ def test_resume_is_bitwise_exact_on_the_same_layout(pretrain, straight_and_saved
             marks=pytest.mark.slow,  # suite time: dp8 changes every mesh axis and the optimizer
         ),
         pytest.param([], id="dp8"),  # (8, 1, 1), replicated optimizer
+        # context parallelism: the optimizer sharded over data x context, dp 2 -> 1
+        pytest.param([*L222, "--context-parallel-size", "2"], id="tp2pp2cp2"),
     ],
 )
 def test_resume_onto_another_layout(pretrain, straight_and_saved, layout):

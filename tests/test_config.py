@@ -22,7 +22,7 @@ def test_derived_sizes():
     )
     assert par.data_parallel_size == 2
     assert par.num_microbatches == 4
-    assert par.mesh_shape == (2, 1, 2, 2)  # (data = dp / EP, expert, tensor, pipeline)
+    assert par.mesh_shape == (2, 1, 1, 2, 2)  # (data = dp / EP, expert, context, tensor, pipeline)
 
 
 def test_global_batch_defaults_to_one_microbatch_per_rank():
@@ -142,7 +142,7 @@ def test_make_mesh():
     par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     mesh = make_mesh(par)
     assert mesh.axis_names == AXES
-    assert dict(mesh.shape) == {"data": 2, "expert": 1, "tensor": 2, "pipeline": 2}
+    assert dict(mesh.shape) == {"data": 2, "expert": 1, "context": 1, "tensor": 2, "pipeline": 2}
 
 
 def test_make_mesh_orders_devices_as_megatron_ranks():
@@ -153,13 +153,13 @@ def test_make_mesh_orders_devices_as_megatron_ranks():
         tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2
     )
     mesh = make_mesh(par, devices)
-    d_, e_, t_, p_ = par.mesh_shape  # (1, 2, 2, 2)
-    for d, e, t, p in np.ndindex(*par.mesh_shape):
-        rank = t + t_ * (e + e_ * (d + d_ * p))
-        assert mesh.devices[d, e, t, p] == devices[rank]
+    d_, e_, c_, t_, p_ = par.mesh_shape  # (1, 2, 1, 2, 2)
+    for d, e, c, t, p in np.ndindex(*par.mesh_shape):
+        rank = t + t_ * (c + c_ * (e + e_ * (d + d_ * p)))
+        assert mesh.devices[d, e, c, t, p] == devices[rank]
     hosts = {i: i // 2 for i in range(8)}
     for d, e, p in np.ndindex(d_, e_, p_):
-        assert len({hosts[x.id] for x in mesh.devices[d, e, :, p]}) == 1
+        assert len({hosts[x.id] for x in mesh.devices[d, e, 0, :, p]}) == 1
 
 
 def test_make_mesh_device_mismatch():
@@ -360,6 +360,6 @@ def test_resume_log_reads_the_saved_layouts_mesh_shape():
     from jax_wgrad.training.loop import _mesh
 
     par = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2)
-    assert _mesh({"parallel": dataclasses.asdict(par)}) == par.mesh_shape == (2, 2, 2, 1)
+    assert _mesh({"parallel": dataclasses.asdict(par)}) == par.mesh_shape == (2, 2, 1, 2, 1)
     old = {k: v for k, v in dataclasses.asdict(par).items() if k != "expert_model_parallel_size"}
-    assert _mesh({"parallel": old}) == (4, 1, 2, 1)
+    assert _mesh({"parallel": old}) == (4, 1, 1, 2, 1)

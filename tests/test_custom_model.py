@@ -59,6 +59,16 @@ def test_the_model_is_plain_nnx_and_its_program_a_stage_program(example):
     assert params["layers"]["mlp"]["fc1"]["weight"].shape == (cfg.num_layers, 2, 128, 64)
 
 
+def test_a_model_without_context_parallelism_is_refused(example):
+    """A model that does not take its context rank's tokens (SplitsContext) would train
+    every token on every context rank, attending within its copy: the layout refuses."""
+    model = LayerStackProgram(
+        example.LlamaConfig(), ParallelConfig(world_size=8, context_parallel_size=2)
+    )
+    with pytest.raises(ValueError, match=r"does not support context_parallel_size \(2\)"):
+        lay_out(model)
+
+
 LAYOUTS = [
     # (dp, tp, pp), sequence parallel, schedule
     ((2, 2, 2), True, "1f1b"),

@@ -19,6 +19,13 @@ from jax_wgrad.functional.collectives import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from jax_wgrad.functional.context_parallel import (
+    ContextParallel,
+    context_parallel_attention,
+    context_positions,
+    context_tokens,
+    load_balanced_positions,
+)
 from jax_wgrad.functional.cross_entropy import (
     logits_grad,
     vocab_parallel_cross_entropy,
@@ -33,6 +40,11 @@ from jax_wgrad.functional.stacked import LayerRecompute, scan_layers
 
 __all__ = [
     "SEQ_DIM",
+    "ContextParallel",
+    "context_parallel_attention",
+    "context_positions",
+    "context_tokens",
+    "load_balanced_positions",
     "LayerRecompute",
     "MoEConfig",
     "MoEStats",

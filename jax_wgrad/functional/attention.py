@@ -136,10 +136,16 @@ def _causal_mask(s: int, window: int | None) -> jax.Array:
 
 
 def rotary_embedding(
-    x: jax.Array, *, base: float, percent: float = 1.0, scaling: RopeScaling | None = None
+    x: jax.Array,
+    *,
+    base: float,
+    percent: float = 1.0,
+    scaling: RopeScaling | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
-    """RoPE of ``x`` ``[b, s, heads, head_dim]`` at positions ``0 .. s - 1`` (the whole
-    sequence: apply it after the sequence-parallel all-gather), on the first
+    """RoPE of ``x`` ``[b, s, heads, head_dim]`` at ``positions`` (int ``[s]``; default
+    ``0 .. s - 1``, the whole sequence: apply it after the sequence-parallel all-gather;
+    a context rank's are :func:`~jax_wgrad.functional.context_positions`), on the first
     ``percent * head_dim`` dims in the non-interleaved ``rotate_half`` convention
     (Megatron's default, Hugging Face Llama's), its frequencies scaled by ``scaling``
     (Llama 3.x, :class:`RopeScaling`): angles in fp32, output in ``x.dtype``."""
@@ -151,7 +157,8 @@ def rotary_embedding(
             f"{percent}) must be even and positive"
         )
     inv_freq = rope_frequencies(rot, base, scaling)
-    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None]  # [s, rot/2]
+    pos = jnp.arange(s) if positions is None else positions
+    angles = pos.astype(jnp.float32)[:, None] * inv_freq[None]  # [s, rot/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None].astype(x.dtype)
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None].astype(x.dtype)
     xr, rest = x[..., :rot], x[..., rot:]

@@ -57,7 +57,7 @@ from jax_wgrad.grads.sync import (
     sync_buckets,
 )
 from jax_wgrad.ops.position import INT32_MAX
-from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR
+from jax_wgrad.parallel.mesh import DATA_CONTEXT_PARALLEL, PIPELINE, TENSOR
 
 __all__ = [
     "DATA_PARALLEL_SYNC_SCOPE",
@@ -90,7 +90,7 @@ def sync_chunk(buckets: Buckets, ddp: DDPConfig, chunk: str) -> Buckets:
     axis = SYNC_AXES[chunk]
     factor = None
     if chunk == EXPERTS:
-        dp, edp = axis_size(DATA_PARALLEL), axis_size(axis)
+        dp, edp = axis_size(DATA_CONTEXT_PARALLEL), axis_size(axis)
         factor = edp / dp if ddp.average_in_collective else 1.0 / dp
 
     def one(b: jax.Array) -> jax.Array:
@@ -232,8 +232,8 @@ def finalize_grads(
         with jax.named_scope("embedding_grads_all_reduce"):
             synced = _sum_over_pipeline(layout, synced, dist)
     with jax.named_scope("token_scaling"):
-        dp = axis_size(DATA_PARALLEL)
-        total = lax.psum(num_tokens, DATA_PARALLEL)
+        dp = axis_size(DATA_CONTEXT_PARALLEL)
+        total = lax.psum(num_tokens, DATA_CONTEXT_PARALLEL)
         scale = (jnp.float32(dp) / total).astype(jnp.float32)
         unscaled = (jnp.float32(1.0) / total).astype(jnp.float32)
         synced = tuple(g * (scale if prescaled(g) else unscaled) for g in synced)

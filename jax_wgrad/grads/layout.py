@@ -38,14 +38,14 @@ from jax_wgrad.grads.chunks import Chunks, DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.spec import CHUNKS, EXPERTS, LAYERS, SHARED, STAGE, GradSpec
 from jax_wgrad.grads.sync import AxisName
-from jax_wgrad.parallel.mesh import DATA_PARALLEL, EXPERT_DATA_PARALLEL
+from jax_wgrad.parallel.mesh import DATA_CONTEXT_PARALLEL, EXPERT_DATA_PARALLEL
 
 __all__ = ["GradLayout", "SYNC_AXES", "layer_group_bounds"]
 
 SYNC_AXES: dict[str, AxisName] = {
-    STAGE: DATA_PARALLEL,
+    STAGE: DATA_CONTEXT_PARALLEL,
     EXPERTS: EXPERT_DATA_PARALLEL,
-    SHARED: DATA_PARALLEL,
+    SHARED: DATA_CONTEXT_PARALLEL,
 }
 """The mesh axes each chunk's buckets are synced (and sharded) over."""
 

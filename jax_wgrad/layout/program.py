@@ -19,7 +19,9 @@ Capabilities only some models have are small protocols, detected with ``isinstan
   ``(pipeline, tensor)``: ``pre`` and ``post`` are collectives over the pipeline, run by
   every stage;
 * :class:`OutputGradRecompute` -- the deferred output-layer weight gradient's ``recompute``
-  mode (the drain rebuilds the output layer's ``dy`` from what ``post`` reports).
+  mode (the drain rebuilds the output layer's ``dy`` from what ``post`` reports);
+* :class:`SplitsContext` -- context parallelism: ``pre`` and ``post`` take this context
+  rank's tokens of the (whole) batch and the attention runs over the ``context`` axis.
 
 :class:`LaidOutProgram` joins a model and its :class:`~jax_wgrad.layout.StageLayout` into
 the program the executor runs; :func:`lay_out` builds it (and passes through a program
@@ -41,6 +43,7 @@ __all__ = [
     "LaidOutProgram",
     "OutputGradRecompute",
     "PreparedWeights",
+    "SplitsContext",
     "StageModel",
     "TiedOutputWeight",
     "VocabOverPipeline",
@@ -135,6 +138,32 @@ class OutputGradRecompute(Protocol):
         and the output layer's ``weight`` (this device's shard)."""
 
 
+@runtime_checkable
+class SplitsContext(Protocol):
+    """A model that runs with context parallelism
+    (:attr:`~jax_wgrad.parallel.ParallelConfig.context_parallel_size` > 1): every context
+    rank gets the whole batch, ``pre`` and ``post`` take its ``S / cp`` tokens (the loss is
+    normalized by ``S / cp`` tokens per sequence and context rank), and the layers are
+    token-local but for an attention over the ``context`` axis
+    (:func:`~jax_wgrad.functional.context_parallel_attention`)."""
+
+    def splits_context(self) -> bool:
+        """Whether this configuration runs with context parallelism as described."""
+
+
+def check_context_parallel(program: Any) -> None:
+    """Refuses a program whose layout asks for context parallelism it does not do
+    (:class:`SplitsContext`): it would compute every token's loss on every context rank,
+    with attention to its own tokens only."""
+    cp = program.parallel.context_parallel_size
+    if cp > 1 and not (isinstance(program, SplitsContext) and program.splits_context()):
+        raise ValueError(
+            f"{type(program).__name__} does not support context_parallel_size ({cp}): it "
+            "does not split its sequences over the context ranks (SplitsContext); use "
+            "context_parallel_size 1"
+        )
+
+
 class LaidOutProgram:
     """A :class:`StageModel` with its :class:`~jax_wgrad.layout.StageLayout`: the stage
     program (:class:`~jax_wgrad.parallel.pipeline.program.StageProgram`) the executor and
@@ -218,12 +247,14 @@ def lay_out(program: StageModel | Any) -> Any:
     :class:`~jax_wgrad.parallel.pipeline.program.StageProgram`, e.g. a model of plain
     arrays without NNX modules)."""
     if hasattr(program, "device_tree"):
+        check_context_parallel(program)
         return program
     if not isinstance(program, StageModel):
         raise TypeError(
             f"lay_out: {type(program).__name__} is neither a StageModel (parts, init_params, "
             "pre, body, post, metrics) nor a StageProgram (its own device_tree)"
         )
+    check_context_parallel(program)
     return LaidOutProgram(program)
 
 

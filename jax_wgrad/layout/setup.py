@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE
+from jax_wgrad.parallel.mesh import DATA_CONTEXT_PARALLEL, PIPELINE
 
 __all__ = ["StageSetup"]
 
@@ -30,8 +30,9 @@ class StageSetup:
       num_stages: ``P``; num_microbatches: ``M`` per data rank; micro_batch_size: ``mb``.
       seq_length: ``S`` tokens per sequence (a row of tokens holds ``S + 1``: inputs and
         the shifted labels).
-      local_seq_length: ``S / tp`` under sequence parallelism, else ``S``
+      local_seq_length: ``S / cp``, divided by ``tp`` under sequence parallelism
         (:meth:`ParallelConfig.local_seq_length`).
+      context_parallel_size: ``cp``: each device holds ``S / cp`` tokens of a sequence.
       hidden_size: ``H``; dtype: the activations' dtype.
       sample_shape: one sample of the batch (without the leading batch dim); the GPT's is
         ``(S + 1,)`` tokens: its inputs and the shifted labels. sample_dtype: its dtype.
@@ -46,6 +47,7 @@ class StageSetup:
     dtype: jnp.dtype
     sample_shape: tuple[int, ...]
     sample_dtype: jnp.dtype
+    context_parallel_size: int = 1
 
     @classmethod
     def create(
@@ -69,6 +71,7 @@ class StageSetup:
             dtype=jnp.dtype(dtype),
             sample_shape=(seq_length + 1,) if sample_shape is None else tuple(sample_shape),
             sample_dtype=jnp.dtype(sample_dtype),
+            context_parallel_size=parallel.context_parallel_size,
         )
 
     # ---------------------------------------------------------------------- the batch
@@ -95,15 +98,20 @@ class StageSetup:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of this data rank's batch (``M * mb * S``): the loss and the gradients
-        are normalized by their sum over the data-parallel ranks."""
-        return self.num_microbatches * self.micro_batch_size * self.seq_length
+        """Tokens this device's losses cover (``M * mb * S / cp``): the loss and the
+        gradients are normalized by their sum over the data x context ranks."""
+        return (
+            self.num_microbatches
+            * self.micro_batch_size
+            * self.seq_length
+            // self.context_parallel_size
+        )
 
     def mean_loss(self, loss_sum: jax.Array) -> jax.Array:
         """The global mean token loss from every device's token-loss sum (inside
         ``shard_map``; the losses live on the last stage, the tokens on every rank)."""
-        return lax.psum(loss_sum, (*DATA_PARALLEL, PIPELINE)) / lax.psum(
-            jnp.float32(self.num_tokens), DATA_PARALLEL
+        return lax.psum(loss_sum, (*DATA_CONTEXT_PARALLEL, PIPELINE)) / lax.psum(
+            jnp.float32(self.num_tokens), DATA_CONTEXT_PARALLEL
         )
 
     # ---------------------------------------------------------------------- activations

@@ -8,7 +8,9 @@ model and gradient tiers and are imported explicitly.
 from jax_wgrad.parallel.config import ParallelConfig
 from jax_wgrad.parallel.mesh import (
     AXES,
+    CONTEXT,
     DATA,
+    DATA_CONTEXT_PARALLEL,
     DATA_PARALLEL,
     EXPERT,
     EXPERT_DATA_PARALLEL,
@@ -22,10 +24,12 @@ from jax_wgrad.parallel.mesh import (
 
 __all__ = [
     "AXES",
+    "CONTEXT",
     "DATA",
     "DATA_PARALLEL",
     "EXPERT",
     "EXPERT_DATA_PARALLEL",
+    "DATA_CONTEXT_PARALLEL",
     "PIPELINE",
     "TENSOR",
     "ParallelConfig",

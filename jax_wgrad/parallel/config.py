@@ -9,23 +9,43 @@ from typing import Literal
 from jax_wgrad._validation import check_positive, check_recompute
 from jax_wgrad.parallel.schedules import INTERLEAVED_FORMS, SCHEDULES
 
-__all__ = ["ParallelConfig"]
+__all__ = ["CP_COMM_TYPES", "ParallelConfig"]
+
+CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+"""Megatron's ``--cp-comm-type`` values this library runs
+(:attr:`ParallelConfig.cp_comm_type`)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How one training step is laid out over devices.
 
-    The mesh is ``(data, expert, tensor, pipeline)``; the data-parallel size and the
-    number of microbatches are derived, as in Megatron, and expert parallelism is carved out
-    of data parallelism (``data = dp / EP``), or with ``expert_tensor_parallel_size`` 1 out
-    of the tensor ranks first (Megatron's MoE parallel folding: ``data = dp tp / EP``).
+    The mesh is ``(data, expert, context, tensor, pipeline)``; the data-parallel size and
+    the number of microbatches are derived, as in Megatron (``dp = world / (tp cp pp)``),
+    and expert parallelism is carved out of data parallelism (``data = dp / EP``), or with
+    ``expert_tensor_parallel_size`` 1 out of the tensor ranks first (Megatron's MoE parallel
+    folding: ``data = dp tp / EP``).
     """
 
     tensor_model_parallel_size: int = 1
     """Devices a layer's weights are split over (Megatron TP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages; the transformer layers are split evenly over them."""
+    context_parallel_size: int = 1
+    """Megatron's ``--context-parallel-size``: devices each sequence is split over (CP).
+    The sequence is cut into ``2 cp`` chunks and context rank ``r`` holds chunks ``r`` and
+    ``2 cp - 1 - r`` (Megatron's causal load balancing); everything but the attention core
+    is token-local, the attention exchanges keys and values over the ``context`` axis
+    (``cp_comm_type``). Parameters are replicated over it and their gradients are reduced
+    over data x context, as Megatron's; ``seq_length`` must be a multiple of ``2 cp``."""
+    cp_comm_type: Literal["p2p", "allgather", "a2a"] = "p2p"
+    """Megatron's ``--cp-comm-type`` (one for all layers): ``p2p`` (ring attention: the
+    key/value chunks passed around the context ring with ``ppermute``, each step's partial
+    attention merged by its log-sum-exp, the next exchange in flight beside it),
+    ``allgather`` (keys and values all-gathered over ``context``, then one masked
+    attention) or ``a2a`` (DeepSpeed-Ulysses: an all-to-all trades the sequence split for a
+    head split around a whole-sequence attention; the query heads and the key/value groups
+    per tensor rank must divide by ``cp``)."""
     expert_model_parallel_size: int = 1
     """Devices the experts of every MoE layer are split over (Megatron EP), each holding
     its own tokens and ``E / EP`` experts. With ``expert_tensor_parallel_size = tp`` the EP
@@ -118,12 +138,23 @@ class ParallelConfig:
 
             object.__setattr__(self, "world_size", jax.device_count())
         check_positive("world_size", self.world_size)
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        check_positive("context_parallel_size", self.context_parallel_size)
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"cp_comm_type must be one of {list(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
+            )
+        model_parallel = (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )
         if self.world_size % model_parallel != 0:
+            cp = self.context_parallel_size
             raise ValueError(
                 f"world size ({self.world_size}) is not divisible by "
                 f"tensor_model_parallel_size ({self.tensor_model_parallel_size}) x "
                 f"pipeline_model_parallel_size ({self.pipeline_model_parallel_size})"
+                + (f" x context_parallel_size ({cp})" if cp > 1 else "")
             )
         dp = self.world_size // model_parallel
         self._validate_expert_tensor_parallel()
@@ -278,9 +309,11 @@ class ParallelConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        """``world_size // (tp * pp)``."""
+        """``world_size // (tp * cp * pp)`` (Megatron's)."""
         return self.world_size // (
-            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
         )
 
     @property
@@ -302,32 +335,55 @@ class ParallelConfig:
         return ep // self.tensor_model_parallel_size if self.folds_experts else ep
 
     @property
+    def data_context_parallel_size(self) -> int:
+        """Megatron's data-parallel size with context parallelism, ``dp cp``: the ranks
+        every dense gradient is reduced over
+        (:data:`~jax_wgrad.parallel.mesh.DATA_CONTEXT_PARALLEL`)."""
+        return self.data_parallel_size * self.context_parallel_size
+
+    @property
     def expert_data_parallel_size(self) -> int:
         """Megatron's expert-data-parallel size: ``world / (etp EP pp)`` replicas of each
-        expert (``dp / EP``; ``dp tp / EP`` with parallel folding): the ``data`` axis."""
-        return self.data_parallel_size // self.expert_axis_size
+        expert (``dp cp / EP``; ``dp tp cp / EP`` with parallel folding): the ``(data,
+        context)`` axes."""
+        return self.data_context_parallel_size // self.expert_axis_size
 
     @property
     def num_microbatches(self) -> int:
         """Microbatches per data-parallel rank per step (``M``)."""
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
 
+    def context_seq_length(self, seq_length: int) -> int:
+        """Tokens of a ``seq_length`` sequence that each context rank holds: ``S / cp``
+        (its two load-balanced chunks)."""
+        return seq_length // self.context_parallel_size
+
     def local_seq_length(self, seq_length: int) -> int:
-        """Tokens of a ``seq_length`` sequence that each tensor rank holds between the
-        blocks: ``S / tp`` under sequence parallelism, else ``S``."""
-        return (
-            seq_length // self.tensor_model_parallel_size if self.sequence_parallel else seq_length
-        )
+        """Tokens of a ``seq_length`` sequence that each device holds between the blocks:
+        ``S / cp``, divided by ``tp`` under sequence parallelism."""
+        s = self.context_seq_length(seq_length)
+        return s // self.tensor_model_parallel_size if self.sequence_parallel else s
+
+    def check_seq_length(self, seq_length: int) -> None:
+        """Megatron's rule and wording (arguments.py): with context parallelism the
+        sequence is cut into ``2 cp`` chunks."""
+        cp = self.context_parallel_size
+        if cp > 1 and seq_length % (2 * cp) != 0:
+            raise ValueError(
+                f"seq-length ({seq_length}) should be a multiple of 2 * context-parallel-size "
+                f"({cp}) if context-parallel-size > 1."
+            )
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        """``(data, expert, tensor, pipeline)`` sizes: ``(dp / EP, EP, tp, pp)`` (``(dp tp /
-        EP, EP / tp, tp, pp)`` with parallel folding): the one derivation of the mesh's
-        shape (:func:`~jax_wgrad.parallel.mesh.make_mesh`,
+    def mesh_shape(self) -> tuple[int, int, int, int, int]:
+        """``(data, expert, context, tensor, pipeline)`` sizes: ``(dp / EP, EP, cp, tp,
+        pp)`` (``(dp tp / EP, EP / tp, cp, tp, pp)`` with parallel folding): the one
+        derivation of the mesh's shape (:func:`~jax_wgrad.parallel.mesh.make_mesh`,
         :func:`~jax_wgrad.parallel.mesh.axis_sizes`)."""
         return (
-            self.expert_data_parallel_size,
+            self.expert_data_parallel_size // self.context_parallel_size,
             self.expert_axis_size,
+            self.context_parallel_size,
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
         )

@@ -1,19 +1,21 @@
-"""The ``('data', 'expert', 'tensor', 'pipeline')`` device mesh and its axis names.
+"""The ``('data', 'expert', 'context', 'tensor', 'pipeline')`` device mesh and its axis names.
 
 This module is the ONLY place the mesh axis names are spelled: every other module uses
-:data:`DATA`, :data:`EXPERT`, :data:`TENSOR`, :data:`PIPELINE` (or :data:`AXES`, all of
-them in mesh order) and the two data-parallel groups built from them:
-:data:`DATA_PARALLEL` (Megatron's data-parallel group: ``data x expert``, over which dense
-gradients are synced and the batch is split) and :data:`EXPERT_DATA_PARALLEL` (Megatron's
-expert-data-parallel group, over which expert gradients are synced). Expert parallelism
-is carved out of data parallelism, as in Megatron: ``dp = edp * EP``. With ``EP = 1`` the
-``expert`` axis has size 1 and every collective over :data:`DATA_PARALLEL` is the same as
-over ``data`` alone.
+:data:`DATA`, :data:`EXPERT`, :data:`CONTEXT`, :data:`TENSOR`, :data:`PIPELINE` (or
+:data:`AXES`, all of them in mesh order) and the groups built from them:
+:data:`DATA_PARALLEL` (Megatron's data-parallel group: ``data x expert``, over which the
+batch is split), :data:`DATA_CONTEXT_PARALLEL` (Megatron's data-parallel group *with context
+parallelism*: ``data x expert x context``, over which dense gradients are synced, the
+optimizer state sharded and the tokens counted) and :data:`EXPERT_DATA_PARALLEL`
+(Megatron's expert-data-parallel group, with the context ranks: expert gradients are
+synced over it). Expert parallelism is carved out of data parallelism, as in Megatron:
+``dp = edp * EP``. With ``EP = 1`` the ``expert`` axis has size 1, with ``CP = 1`` the
+``context`` axis, and every collective over them is the same as without them.
 
 **Device order: Megatron's ranks.** :func:`make_mesh` lays the devices out in
 Megatron-LM's default rank order (``--rank-order tp-cp-ep-dp-pp``): consecutive devices
 (``jax.devices()`` lists a host's GPUs together) form a tensor-parallel group, then the
-expert, data and pipeline ranks follow, pipeline slowest. So tensor parallelism -- the most
+context, expert, data and pipeline ranks follow, pipeline slowest. So tensor parallelism -- the most
 frequent and latency-bound collectives -- stays inside a host's NVLink domain whenever
 ``TP`` divides the GPUs per host, and the pipeline's point-to-point sends are what crosses
 hosts. (A plain reshape in axis order would make the pipeline axis fastest: with TP 8 and
@@ -38,9 +40,11 @@ __all__ = [
     "AXES",
     "DATA",
     "EXPERT",
+    "CONTEXT",
     "TENSOR",
     "PIPELINE",
     "DATA_PARALLEL",
+    "DATA_CONTEXT_PARALLEL",
     "EXPERT_DATA_PARALLEL",
     "expert_parallel_axes",
     "make_mesh",
@@ -60,18 +64,25 @@ own tokens and ``E / EP`` experts of every Mixture-of-Experts layer
 (:func:`jax_wgrad.functional.moe_mlp`); dense parameters are replicated over it. With
 parallel folding the expert-parallel group is ``(expert, tensor)`` and this axis has
 ``EP / tp`` ranks (:func:`expert_parallel_axes`)."""
+CONTEXT = "context"
+"""Context-parallel axis (Megatron CP): each index holds two load-balanced chunks of every
+sequence (:mod:`jax_wgrad.functional.context_parallel`); parameters are replicated over
+it."""
 TENSOR = "tensor"
 """Tensor-parallel axis: a layer's weights split over it (Megatron TP, and SP)."""
 PIPELINE = "pipeline"
 """Pipeline axis: one stage of transformer layers per index."""
-AXES: tuple[str, str, str, str] = (DATA, EXPERT, TENSOR, PIPELINE)
+AXES: tuple[str, str, str, str, str] = (DATA, EXPERT, CONTEXT, TENSOR, PIPELINE)
 """All mesh axes, in mesh order (per-device state is stacked over all of them)."""
 DATA_PARALLEL: tuple[str, str] = (DATA, EXPERT)
-"""Megatron's data-parallel group (``dp`` ranks): the batch is split over it and dense
-gradients are synced over it."""
-EXPERT_DATA_PARALLEL: str = DATA
-"""Megatron's expert-data-parallel group (``dp / EP`` ranks): expert gradients are synced
-over it (the experts differ along :data:`EXPERT`)."""
+"""Megatron's data-parallel group (``dp`` ranks): the batch is split over it."""
+DATA_CONTEXT_PARALLEL: tuple[str, str, str] = (DATA, EXPERT, CONTEXT)
+"""Megatron's data-parallel group with context parallelism (``dp cp`` ranks): dense
+gradients are synced over it, the distributed optimizer shards over it and the loss
+counts its tokens over it (each context rank holds ``1 / cp`` of every sequence)."""
+EXPERT_DATA_PARALLEL: tuple[str, str] = (DATA, CONTEXT)
+"""Megatron's expert-data-parallel group (``dp cp / EP`` ranks): expert gradients are
+synced over it (the experts differ along :data:`EXPERT`)."""
 
 
 def expert_parallel_axes(ep: int, folded: bool) -> str | tuple[str, str] | None:
@@ -115,8 +126,8 @@ def axis_sizes(config: ParallelConfig) -> dict[str, int]:
     return dict(zip(AXES, config.mesh_shape))
 
 
-def mesh_shape(mesh: Mesh) -> tuple[int, int, int, int]:
-    """``(data, expert, tensor, pipeline)`` sizes of a built ``mesh`` (to compare with
+def mesh_shape(mesh: Mesh) -> tuple[int, int, int, int, int]:
+    """``(data, expert, context, tensor, pipeline)`` sizes of a built ``mesh`` (to compare with
     :attr:`ParallelConfig.mesh_shape`)."""
     return tuple(int(mesh.shape[a]) for a in AXES)  # type: ignore[return-value]
 
@@ -149,15 +160,15 @@ def initialize_distributed(**kwargs) -> bool:
 
 
 def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ``(data, expert, tensor, pipeline)`` mesh of ``config.mesh_shape``.
+    """Builds the ``(data, expert, context, tensor, pipeline)`` mesh of ``config.mesh_shape``.
 
     Args:
       config: the layout; its ``world_size`` must equal the number of devices.
       devices: defaults to ``jax.devices()`` (all processes).
     Returns:
       A :class:`jax.sharding.Mesh` with ``Auto`` axis types, usable by ``jax.jit`` and
-      ``jax.shard_map``; ``devices[t + TP * (e + EP * (d + DP * p))]`` at mesh position
-      ``(d, e, t, p)`` (Megatron's rank order, module docstring).
+      ``jax.shard_map``; ``devices[t + TP * (c + CP * (e + EP * (d + DP * p)))]`` at mesh
+      position ``(d, e, c, t, p)`` (Megatron's rank order, module docstring).
     """
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) != config.world_size:
@@ -165,9 +176,9 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
             f"ParallelConfig.world_size ({config.world_size}) does not match the "
             f"{len(devices)} devices given"
         )
-    data, expert, tensor, pipeline = config.mesh_shape
-    # rank = t + TP * (e + EP * (d + DP * p)): Megatron's tp-ep-dp-pp order
+    data, expert, context, tensor, pipeline = config.mesh_shape
+    # rank = t + TP * (c + CP * (e + EP * (d + DP * p))): Megatron's tp-cp-ep-dp-pp order
     ranks = np.empty(len(devices), dtype=object)
     ranks[:] = devices
-    grid = ranks.reshape(pipeline, data, expert, tensor).transpose(1, 2, 3, 0)
+    grid = ranks.reshape(pipeline, data, expert, context, tensor).transpose(1, 2, 3, 4, 0)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

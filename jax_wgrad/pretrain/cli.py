@@ -426,6 +426,13 @@ SECTIONS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                 type=positive_int,
             ),
             Flag(
+                "--context-parallel-size",
+                ParallelConfig,
+                "context_parallel_size",
+                type=positive_int,
+            ),
+            Flag("--cp-comm-type", ParallelConfig, "cp_comm_type"),
+            Flag(
                 "--expert-model-parallel-size",
                 ParallelConfig,
                 "expert_model_parallel_size",
@@ -1237,6 +1244,12 @@ def partner_rules(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
             args.use_distributed_optimizer,
             "--use-distributed-optimizer (it pads the buckets that optimizer shards; "
             "Megatron ignores it without)",
+        ),
+        (
+            "cp_comm_type",
+            args.context_parallel_size > 1,
+            "--context-parallel-size > 1 (one context rank exchanges nothing; Megatron "
+            "ignores the type then)",
         ),
         (
             "expert_tensor_parallel_size",

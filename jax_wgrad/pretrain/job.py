@@ -282,6 +282,13 @@ def _bf16_layers(model) -> str:
     return f" but the first {first} and last {last} ({fp8} of {model.num_layers} in FP8)"
 
 
+def _context(par) -> str:
+    """The context-parallel split of the job line (empty without it)."""
+    if par.context_parallel_size == 1:
+        return ""
+    return f" (context parallel {par.context_parallel_size}, {par.cp_comm_type})"
+
+
 def describe(plan, data, state) -> list[str]:
     """The run's log lines: devices and layout, data, buffers, model."""
 
@@ -289,9 +296,10 @@ def describe(plan, data, state) -> list[str]:
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     return [
         f"devices: {jax.device_count()} x {jax.devices()[0].platform} in "
-        f"{jax.process_count()} process(es) | mesh (data, expert, tensor, pipeline) = "
-        f"{par.mesh_shape} | microbatches per step: {par.num_microbatches} | sequence "
-        f"parallel: {par.sequence_parallel} | gradient accumulation fusion: "
+        f"{jax.process_count()} process(es) | mesh (data, expert, context, tensor, "
+        f"pipeline) = {par.mesh_shape}{_context(par)} | microbatches per step: "
+        f"{par.num_microbatches} | sequence parallel: {par.sequence_parallel} | "
+        "gradient accumulation fusion: "
         f"{par.gradient_accumulation_fusion} | schedule: {plan.table.name}"
         + (
             f" ({plan.table.num_chunks} model chunks per stage)"
@@ -308,7 +316,7 @@ def describe(plan, data, state) -> list[str]:
         f"data: {data.name}, {len(data) / 1e6:.1f} M tokens for training",
         f"ddp: distributed optimizer {ddp.use_distributed_optimizer} | overlap grad reduce "
         f"{ddp.overlap_grad_reduce} | bucket size "
-        f"{ddp.effective_bucket_size(par.data_parallel_size)} | average in collective "
+        f"{ddp.effective_bucket_size(par.data_context_parallel_size)} | average in collective "
         f"{ddp.average_in_collective} | clip grad {ddp.clip_grad}",
         plan.buffer_summary(),
         f"model: {n_params / 1e6:.2f} M parameters, {model.num_layers} layers, hidden "

@@ -215,15 +215,16 @@ def _resume(
     return state, int(meta["data_step"])
 
 
-def _mesh(meta) -> tuple[int, int, int, int]:
+def _mesh(meta) -> tuple[int, int, int, int, int]:
     from jax_wgrad.parallel.config import ParallelConfig
 
     par = meta["parallel"]
-    return ParallelConfig(  # checkpoints from before EP: 1
+    return ParallelConfig(  # checkpoints from before EP or CP: 1
         world_size=par["world_size"],
         tensor_model_parallel_size=par["tensor_model_parallel_size"],
         pipeline_model_parallel_size=par["pipeline_model_parallel_size"],
         expert_model_parallel_size=par.get("expert_model_parallel_size", 1),
+        context_parallel_size=par.get("context_parallel_size", 1),
     ).mesh_shape
 
 

@@ -19,7 +19,7 @@ from jax_wgrad.ops.handlers import load_error
 from jax_wgrad.optim.distributed import DistributedOptimizer
 from jax_wgrad.optim.memory import BytesPerParameter, bytes_per_parameter
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.parallel.mesh import DATA_PARALLEL, PIPELINE, TENSOR, mesh_shape
+from jax_wgrad.parallel.mesh import DATA_CONTEXT_PARALLEL, PIPELINE, TENSOR, mesh_shape
 from jax_wgrad.parallel.pipeline.gradients import grad_layout, grad_sink, schedule_of
 from jax_wgrad.parallel.pipeline.program import StageProgram
 from jax_wgrad.parallel.schedules import ScheduleTable
@@ -134,7 +134,7 @@ class TrainPlan:
         optimizer = DistributedOptimizer.create(
             layout.buffer,
             tx,
-            data_axis=DATA_PARALLEL,
+            data_axis=DATA_CONTEXT_PARALLEL,
             bucket_axes=layout.bucket_axes,
             model_axes=(TENSOR, PIPELINE),
             clip_grad=ddp.clip_grad or None,

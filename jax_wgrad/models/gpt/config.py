@@ -722,10 +722,20 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
             "must be divisible by virtual_pipeline_model_parallel_size "
             f"({v})"
         )
-    if parallel.sequence_parallel and model.seq_length % tp != 0:
+    parallel.check_seq_length(model.seq_length)
+    cp = parallel.context_parallel_size
+    if parallel.sequence_parallel and parallel.context_seq_length(model.seq_length) % tp != 0:
+        per_rank = "" if cp == 1 else f" / context_parallel_size ({cp})"
         raise ValueError(
-            f"seq_length ({model.seq_length}) must be divisible by "
+            f"seq_length ({model.seq_length}){per_rank} must be divisible by "
             f"tensor_model_parallel_size ({tp}) with sequence parallelism"
+        )
+    if cp > 1 and parallel.cp_comm_type == "a2a" and (model.query_groups // tp) % cp != 0:
+        raise ValueError(
+            f"cp_comm_type 'a2a' splits each tensor rank's attention heads over "
+            f"context_parallel_size ({cp}): num_query_groups ({model.query_groups}) / "
+            f"tensor_model_parallel_size ({tp}) must be a multiple of it; use "
+            "cp_comm_type 'p2p' or 'allgather'"
         )
     _validate_moe_layout(parallel, model)
     model.check_layers_in_bf16(parallel)

@@ -19,6 +19,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_wgrad.functional.attention import causal_attention, rotary_embedding
+from jax_wgrad.functional.context_parallel import (
+    ContextParallel,
+    context_parallel_attention,
+    context_positions,
+)
 from jax_wgrad.functional.cross_entropy import (
     mask_vocab_padding,
     vocab_parallel_cross_entropy,
@@ -36,7 +41,7 @@ from jax_wgrad.nn.tensor_parallel import (
     init_std_for_output_layers,
     vocab_axes,
 )
-from jax_wgrad.parallel.mesh import PIPELINE, TENSOR, expert_parallel_axes
+from jax_wgrad.parallel.mesh import CONTEXT, PIPELINE, TENSOR, expert_parallel_axes
 
 __all__ = [
     "GPTEmbedding",
@@ -160,7 +165,10 @@ class TransformerLayer(nnx.Module):
     ranks spanning ``(expert, tensor)``,
     :attr:`~jax_wgrad.parallel.ParallelConfig.folds_experts`), plus a
     :class:`SharedExpertMLP` when the model has shared experts; each tensor rank routes its
-    own tokens.
+    own tokens. ``cp_size`` > 1: context parallelism over
+    :data:`~jax_wgrad.parallel.mesh.CONTEXT` (``[b, s, H]`` holds this context rank's
+    ``S / cp`` tokens; the attention core exchanges keys and values by ``cp_comm_type``,
+    :func:`~jax_wgrad.functional.context_parallel_attention`).
     """
 
     def __init__(
@@ -175,6 +183,9 @@ class TransformerLayer(nnx.Module):
         ep_size: int = 1,
         etp_size: int = 1,
         fold_experts: bool = False,
+        cp_size: int = 1,
+        cp_comm_type: str = "p2p",
+        cp_ring_shift: str = "ppermute",
         rngs: nnx.Rngs,
     ):
         h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
@@ -190,6 +201,9 @@ class TransformerLayer(nnx.Module):
         self.groups, self.per_group = groups // tp_size, heads // groups
         self.head_dim = d
         self.attention = attention
+        self.context = (
+            ContextParallel(cp_size, cp_comm_type, CONTEXT, cp_ring_shift) if cp_size > 1 else None
+        )
         self.window = cfg.attention_window  # sliding-window attention (None: none)
         self.rope = (
             (cfg.rotary_base, cfg.rotary_percent, cfg.rope_scaling_config())
@@ -292,8 +306,9 @@ class TransformerLayer(nnx.Module):
 
     def _attention(self, h: jax.Array, qkv_fp8_weight: Fp8Weight | None = None) -> jax.Array:
         """``[b, s(/tp), H]`` -> the attention output ``[b, s, heads/tp * d]`` of this
-        rank's query groups (the whole sequence: the qkv projection all-gathers it under
-        sequence parallelism, so RoPE sees positions ``0 .. S-1``)."""
+        rank's query groups (the whole sequence, or this context rank's ``S / cp`` tokens
+        at their positions: the qkv projection all-gathers it under sequence parallelism,
+        so RoPE sees positions ``0 .. S-1``)."""
         qkv = self.qkv(h, fp8_weight=qkv_fp8_weight)
         b, s = qkv.shape[:2]
         m, d = self.per_group, self.head_dim
@@ -302,11 +317,26 @@ class TransformerLayer(nnx.Module):
         k, v = qkv[:, :, :, m], qkv[:, :, :, m + 1]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        cp = self.context
+        positions = None if cp is None else context_positions(s * cp.size, cp.size, CONTEXT)
         if self.rope is not None:
             base, percent, scaling = self.rope
-            q = rotary_embedding(q, base=base, percent=percent, scaling=scaling)
-            k = rotary_embedding(k, base=base, percent=percent, scaling=scaling)
+            rope = dict(base=base, percent=percent, scaling=scaling, positions=positions)
+            q, k = rotary_embedding(q, **rope), rotary_embedding(k, **rope)
+        if cp is not None:
+            return context_parallel_attention(
+                q, k, v, positions, cp, implementation=self.attention, window=self.window
+            )
         return causal_attention(q, k, v, implementation=self.attention, window=self.window)
+
+    def _sequence_axes(self) -> str | tuple[str, ...] | None:
+        """The axes a sequence's tokens are split over (the router's load-balancing
+        statistics are summed over them): ``tensor`` under sequence parallelism, and
+        ``context``."""
+        axes = ((TENSOR,) if self.sequence_parallel else ()) + (
+            () if self.context is None else (CONTEXT,)
+        )
+        return axes[0] if len(axes) == 1 else (axes or None)
 
     def _moe_mlp(self, h: jax.Array) -> jax.Array:
         """``[b, s(/tp), H]`` -> the MoE MLP's output; its aux loss joins the backward
@@ -324,13 +354,14 @@ class TransformerLayer(nnx.Module):
                 self.moe,
                 expert_axis=expert_parallel_axes(self.ep_size, self.fold_experts),
                 expert_tensor_axis=TENSOR if self.etp_size > 1 else None,
-                sequence_axis=TENSOR if self.sequence_parallel else None,
+                sequence_axis=self._sequence_axes(),
             )
             # What Module.sow did, without it: flax 0.12.6 deprecates sow outside
             # nnx.capture, which flax 0.12.0-0.12.5 do not have.
             before = self.moe_stats.get_value() if hasattr(self, "moe_stats") else ()
             self.moe_stats = nnx.Intermediate((*before, stats))
             tokens = b * s * (self.tp_size if self.sequence_parallel else 1)
+            tokens *= 1 if self.context is None else self.context.size
             return attach_aux_loss(y, stats.aux_loss, float(tokens)).reshape(b, s, hid)
 
 
@@ -380,8 +411,10 @@ class GPTEmbedding(nnx.Module):
                 **param_facts(None),
             )
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        """``ids``: int ``[b, s]`` -> ``[b, s(/tp), H]`` in the compute dtype."""
+    def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """``ids``: int ``[b, s]`` at ``positions`` (int ``[s]``, default ``0 .. s - 1``; a
+        context rank's :func:`~jax_wgrad.functional.context_positions`) -> ``[b, s(/tp),
+        H]`` in the compute dtype."""
         with jax.named_scope(EMBEDDING_SCOPE):
             x = self.word(ids, dtype=self.dtype)
             if not hasattr(self, "position"):
@@ -390,7 +423,10 @@ class GPTEmbedding(nnx.Module):
             start = 0
             if self.sequence_parallel:
                 start = jax.lax.axis_index(self.axis_name) * s_local
-            pos = jax.lax.dynamic_slice_in_dim(self.position[...], start, s_local, axis=0)
+            table = self.position[...]
+            if positions is not None:
+                table = jnp.take(table, positions, axis=0)
+            pos = jax.lax.dynamic_slice_in_dim(table, start, s_local, axis=0)
             return x + pos.astype(self.dtype)[None]
 
 

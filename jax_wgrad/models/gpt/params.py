@@ -98,11 +98,17 @@ def abstract_modules(
     vocab_pp: int = 1,
     etp: int = 1,
     fold: bool = False,
+    cp: int = 1,
+    cp_comm_type: str = "p2p",
+    cp_ring_shift: str = "ppermute",
 ):
     """``(embedding, dense layer, MoE layer or None, head)`` modules of the layout, shapes
     only (no arrays); ``vocab_pp``: the pipeline stages the vocabulary is split over;
     ``etp``: the expert-tensor-parallel size; ``fold``: MoE parallel folding
-    (:attr:`~jax_wgrad.parallel.ParallelConfig.folds_experts`)."""
+    (:attr:`~jax_wgrad.parallel.ParallelConfig.folds_experts`); ``cp``, ``cp_comm_type``:
+    context parallelism (:attr:`~jax_wgrad.parallel.ParallelConfig.context_parallel_size`)
+    and how its ring passes blocks
+    (:attr:`~jax_wgrad.functional.context_parallel.ContextParallel.ring_shift`)."""
     kw = dict(tp_size=tp, sequence_parallel=sp)
     layer = lambda moe: nnx.eval_shape(
         lambda: TransformerLayer(
@@ -113,6 +119,9 @@ def abstract_modules(
             ep_size=ep,
             etp_size=etp,
             fold_experts=fold,
+            cp_size=cp,
+            cp_comm_type=cp_comm_type,
+            cp_ring_shift=cp_ring_shift,
             rngs=nnx.Rngs(0),
         )
     )

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jax_wgrad.functional.context_parallel import context_positions, context_tokens
 from jax_wgrad.functional.cross_entropy import recompute_dy
 from jax_wgrad.functional.fp8 import check_fp8_platform
 from jax_wgrad.functional.moe import MoEStats
@@ -30,7 +31,7 @@ from jax_wgrad.nn.tensor_parallel import vocab_axes
 from jax_wgrad.ops.fp8 import CUDA_MULTIPLE
 from jax_wgrad.ops.handlers import DENSE_FAMILIES
 from jax_wgrad.parallel.config import ParallelConfig
-from jax_wgrad.parallel.mesh import AXES, TENSOR
+from jax_wgrad.parallel.mesh import AXES, CONTEXT, TENSOR
 
 __all__ = ["GPTProgram"]
 
@@ -74,6 +75,13 @@ class GPTProgram:
             check_fp8_platform(self.platform)
             if self.platform in ("gpu", "cuda"):
                 self._check_fp8_shapes()
+        par, impl = self.parallel, self.model.attention_implementation(self.platform)
+        if par.context_parallel_size > 1 and par.cp_comm_type != "a2a" and impl != "xla":
+            raise ValueError(
+                f"cp_comm_type {par.cp_comm_type!r} computes its attention blocks in XLA; "
+                f"the attention backend resolves to {impl!r} on {self.platform}: use "
+                "cp_comm_type 'a2a' or attention_backend 'xla'"
+            )
         emb, layer, moe_layer, head = self._graph_defs(self.model)
         object.__setattr__(self, "_emb_def", emb)
         object.__setattr__(self, "_layer_def", layer)
@@ -93,6 +101,10 @@ class GPTProgram:
             self._vocab_pp,
             self._etp,
             self._fold,
+            self.parallel.context_parallel_size,
+            self.parallel.cp_comm_type,
+            # XLA's CPU collective permutes misbehave under the pipeline's conditionals
+            "all_to_all" if self.platform == "cpu" else "ppermute",
         )
         return tuple(None if m is None else nnx.split(m)[0] for m in modules)
 
@@ -234,9 +246,25 @@ class GPTProgram:
     # -- the stage programs
 
     def pre(self, params: DeviceTree, batch: jax.Array) -> tuple[jax.Array, tuple]:
-        """Tokens ``[mb, S + 1]`` -> the embedding of ``batch[:, :-1]``, ``[mb, s(/tp), H]``."""
+        """Tokens ``[mb, S + 1]`` -> the embedding of ``batch[:, :-1]`` (this context
+        rank's tokens of it), ``[mb, s(/tp), H]``."""
         emb = nnx.merge(self._emb_def, params.shared["embedding"])
-        return emb(batch[:, :-1]), ()
+        cp = self.parallel.context_parallel_size
+        if cp == 1:
+            return emb(batch[:, :-1]), ()
+        positions = context_positions(self.model.seq_length, cp, CONTEXT)
+        return emb(self._context_tokens(batch[:, :-1]), positions), ()
+
+    def splits_context(self) -> bool:
+        """Context parallelism (:class:`~jax_wgrad.layout.program.SplitsContext`): ``pre``
+        and ``post`` take this context rank's load-balanced chunks, the layers' attention
+        runs over the ``context`` axis."""
+        return True
+
+    def _context_tokens(self, tokens: jax.Array) -> jax.Array:
+        """``[mb, S]`` -> this context rank's ``[mb, S / cp]`` (Megatron's
+        ``get_batch_on_this_cp_rank``; the batch itself is whole on every context rank)."""
+        return context_tokens(tokens, self.parallel.context_parallel_size, CONTEXT)
 
     def prepare(self, params: DeviceTree) -> list | None:
         """With FP8: the weights of this stage's FP8 linears quantized once for the step
@@ -352,7 +380,7 @@ class GPTProgram:
         head = nnx.merge(self._head_def, params.shared["head"])
         out = head(
             y,
-            batch[:, 1:],
+            self._context_tokens(batch[:, 1:]),
             weight=self._output_weight(params),
             with_lse=output_grad_extras,
         )
@@ -398,7 +426,7 @@ class GPTProgram:
     def defer_extras(self, post_aux, batch: jax.Array) -> tuple[jax.Array, ...]:
         """What the recompute-mode stash keeps beside the output layer's input: the
         per-token logsumexp (``post``'s aux) and the labels, ``[mb, S]`` each."""
-        return (post_aux, batch[:, 1:].astype(jnp.int32))
+        return (post_aux, self._context_tokens(batch[:, 1:]).astype(jnp.int32))
 
     def recompute_output_grad(self, x: jax.Array, extras, weight: jax.Array) -> jax.Array:
         """The output layer's ``dy`` for ``x`` ``[mb, s, H]`` rebuilt from the stashed

@@ -49,7 +49,7 @@ def grad_layout(program: StageProgram, ddp: DDPConfig) -> GradLayout:
     return GradLayout.create(
         tree,
         specs,
-        dp_size=par.data_parallel_size,
+        dp_size=par.data_context_parallel_size,
         ddp=ddp,
         fusion=par.gradient_accumulation_fusion,
         expert_dp_size=par.expert_data_parallel_size,
@@ -103,7 +103,7 @@ def layer_groups(
         if spec.fused_in == LAYERS
     ]
     align = par.recompute_num_layers if par.recompute_method == "uniform" else 1
-    bucket_size = ddp.effective_bucket_size(par.data_parallel_size)
+    bucket_size = ddp.effective_bucket_size(par.data_context_parallel_size)
     bounds = (
         layer_group_bounds(
             fused[0].shape[0],
