@@ -4,6 +4,7 @@ attention core over a sequence split across the ``context`` axis against
 against ``jax.grad`` of the single-device reference, the example's losses against CP 1, and
 the refusals."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from grad_util import assert_grads_close, pipeline_and_reference
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_wgrad import GPTConfig, GPTProgram, ParallelConfig
+from jax_wgrad import GPTConfig, GPTProgram, ParallelConfig, init_params
 from jax_wgrad.functional import (
     ContextParallel,
     causal_attention,
@@ -25,6 +26,7 @@ from jax_wgrad.functional import (
     load_balanced_positions,
 )
 from jax_wgrad.models.gpt.config import validate
+from jax_wgrad.testing import reference_loss
 
 MULTI = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
 
@@ -175,7 +177,16 @@ def test_moe_gradients_with_context_parallelism_equal_the_reference():
         world_size=8,
         global_batch_size=4,
     )
-    assert_grads_close(*pipeline_and_reference(cfg, par, micro_batch_size=2))
+    loss, ref_loss, grads, ref_grads = pipeline_and_reference(
+        cfg, par, micro_batch_size=par.micro_batch_size
+    )
+    # the step reports the language-model loss; the reference's includes the aux loss
+    tokens = jax.random.randint(jax.random.key(1), (4, 9), 0, 64)  # pipeline_and_reference's
+    params = init_params(cfg, seed=0)
+    no_aux = dataclasses.replace(cfg, moe_aux_loss_coeff=0.0)
+    lm_loss = reference_loss(params, tokens, no_aux, micro_batch_size=par.micro_batch_size)
+    assert float(ref_loss) - float(lm_loss) > 1e-3  # the aux loss is in the gradients
+    assert_grads_close(loss, lm_loss, grads, ref_grads)
 
 
 def test_mesh_puts_the_context_ranks_after_the_tensor_ranks():
@@ -257,8 +268,6 @@ def _losses(tmp_path, name, *flags):
             "--sequence-parallel",
             "--gradient-accumulation-fusion",
             "--use-distributed-optimizer",
-            "--global-batch-size",
-            "4",
             "--train-iters",
             "30",
             "--metrics-file",

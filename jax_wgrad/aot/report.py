@@ -146,8 +146,8 @@ class AotReport:
     """The GPU's name (``NVIDIA H100 80GB HBM3``)."""
     gpus_per_host: int
     hosts: int
-    mesh_shape: tuple[int, int, int, int]
-    """``(data, expert, tensor, pipeline)``."""
+    mesh_shape: tuple[int, int, int, int, int]
+    """``(data, expert, context, tensor, pipeline)``."""
     num_params: int
     """The model's parameters (all devices together)."""
     device_memory: int
@@ -387,7 +387,7 @@ class AotReport:
         other_temp = max(self.temp_bytes - self.bucket_bytes, 0)
         lines = [
             f"compiled for {self.hosts} host(s) x {self.gpus_per_host} {self.target} "
-            f"(mesh data, expert, tensor, pipeline = {self.mesh_shape}), "
+            f"(mesh data, expert, context, tensor, pipeline = {self.mesh_shape}), "
             f"{self.num_params / 1e6:.1f} M parameters; nothing was run",
             f"  {self.fusion}",
             f"  compile: {self.compile_s:.1f} s (trace + lower {self.trace_lower_s:.1f} s); "

@@ -260,7 +260,7 @@ def lay_out(program: StageModel | Any) -> Any:
 
 def param_specs(model: Any, parallel: ParallelConfig | None = None) -> PyTree:
     """``PartitionSpec`` of every CANONICAL parameter of the model config ``model`` (e.g. a
-    :class:`~jax_wgrad.GPTConfig`) on the ``(data, expert, tensor, pipeline)`` mesh of
+    :class:`~jax_wgrad.GPTConfig`) on the ``(data, expert, context, tensor, pipeline)`` mesh of
     ``parallel`` (default: one device's): what :func:`~jax_wgrad.models.gpt.init_params`'s
     parameters are sharded as (layers over ``pipeline`` on their stacked dim, a parameter
     over ``tensor`` / ``expert`` where its metadata says)."""

@@ -23,7 +23,8 @@ at a time, and ring step ``k`` accumulates ``dy[chunk]^T x_chunk`` with the chun
 while the permute of step ``k`` forwards that chunk -- the GEMM never consumes the transfer
 issued beside it (collective matmul; Megatron's double-buffered all-gather).
 
-Every function here runs per device inside ``shard_map`` over ``(data, expert, tensor, pipeline)``.
+Every function here runs per device inside ``shard_map`` over ``(data, expert, context,
+tensor, pipeline)``.
 """
 
 from __future__ import annotations

@@ -441,7 +441,7 @@ def out_of_memory_message(
     parts = [
         f"out of memory in the {where}: {model.num_layers} layers, hidden "
         f"{setup.hidden_size}, seq {setup.seq_length}, micro batch "
-        f"{par.micro_batch_size}, mesh (data, expert, tensor, pipeline) = {par.mesh_shape}"
+        f"{par.micro_batch_size}, mesh (data, expert, context, tensor, pipeline) = {par.mesh_shape}"
     ]
     if state is not None:
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))

@@ -61,7 +61,7 @@ class TrainPlan:
     Attributes:
       model, parallel, ddp: the three configs (validated against each other); ``model``
         is any :class:`ModelConfig`.
-      mesh: the ``(data, expert, tensor, pipeline)`` mesh.
+      mesh: the ``(data, expert, context, tensor, pipeline)`` mesh.
       program: the model's stage program for this layout and platform (a
         :class:`~jax_wgrad.layout.program.StageModel` laid out by
         :func:`~jax_wgrad.layout.lay_out`).
@@ -114,7 +114,7 @@ class TrainPlan:
         model.validate(parallel)
         if parallel.mesh_shape != mesh_shape(mesh):
             raise ValueError(
-                f"TrainPlan: mesh (data, expert, tensor, pipeline) = "
+                f"TrainPlan: mesh (data, expert, context, tensor, pipeline) = "
                 f"{mesh_shape(mesh)} "
                 f"does not match the parallel config's {parallel.mesh_shape}"
             )

@@ -1,5 +1,5 @@
 """Train state and the jitted, donating train step over the
-``(data, expert, tensor, pipeline)`` mesh.
+``(data, expert, context, tensor, pipeline)`` mesh.
 
 ``step(state, tokens) -> (state, metrics)`` is ONE ``shard_map`` program: the 1F1B
 pipeline accumulates gradients in flat fp32 buckets (:mod:`jax_wgrad.parallel.pipeline`),
