@@ -258,19 +258,33 @@ def _ring(q, k, v, positions, context: ContextParallel, window: int | None) -> j
     return jnp.concatenate([acc1[0], acc2[0]], axis=1)
 
 
-def _natural_order(n: int, c: int) -> np.ndarray:
-    """Indices that put the ``cp`` ranks' gathered tokens (rank by rank, each its two
-    chunks) into sequence order."""
-    gathered = np.concatenate([load_balanced_positions(2 * n * c, n, j) for j in range(n)])
-    return np.argsort(gathered, kind="stable").astype(np.int32)
+def _in_sequence_order(x: jax.Array, n: int) -> jax.Array:
+    """The ``cp`` ranks' tokens gathered rank by rank on dim 1 (rank ``j``: chunks ``j``
+    and ``2 cp - 1 - j``) -> in sequence order: static slices and a reversal, no gather
+    (whose transpose would be a scatter)."""
+    b, s2, *rest = x.shape
+    c = s2 // (2 * n)
+    ranks = x.reshape(b, n, 2, c, *rest)
+    chunks = jnp.concatenate([ranks[:, :, 0], jnp.flip(ranks[:, :, 1], axis=1)], axis=1)
+    return chunks.reshape(b, s2, *rest)
+
+
+def _in_rank_order(x: jax.Array, n: int) -> jax.Array:
+    """The inverse of :func:`_in_sequence_order`."""
+    b, s2, *rest = x.shape
+    c = s2 // (2 * n)
+    chunks = x.reshape(b, 2 * n, c, *rest)
+    first, second = chunks[:, :n], jnp.flip(chunks[:, n:], axis=1)
+    return jnp.stack([first, second], axis=2).reshape(b, s2, *rest)
 
 
 def _gathered(q, k, v, positions, n: int, axis: str, window: int | None) -> jax.Array:
     """``allgather`` (module docstring): ``q [b, 2c, g, m, d]`` -> ``[b, 2c, g, m, d]``
     fp32."""
     c = q.shape[1] // 2
-    order = _natural_order(n, c)
-    k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True)[:, order] for x in (k, v))
+    k_all, v_all = (
+        _in_sequence_order(lax.all_gather(x, axis, axis=1, tiled=True), n) for x in (k, v)
+    )
     seq = jnp.arange(2 * n * c, dtype=jnp.int32)
     half = n * c  # chunk r < cp ends by the middle of the sequence
     o1, _ = _block(q[:, :c], k_all[:, :half], v_all[:, :half], positions[:c], seq[:half], window)
@@ -287,15 +301,15 @@ def _ulysses(q, k, v, context: ContextParallel, implementation: str, window) -> 
             f"cp_comm_type 'a2a' splits the attention heads over context_parallel_size "
             f"({n}): this rank's {g} key/value groups (of {h} query heads) do not divide"
         )
-    order = _natural_order(n, s // 2)
-    back = np.argsort(order).astype(np.int32)
 
     def to_heads(x):  # [b, s, k, d] -> [b, S, k / cp, d] in sequence order
-        return lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)[:, order]
+        return _in_sequence_order(
+            lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True), n
+        )
 
     out = causal_attention(
         to_heads(q), to_heads(k), to_heads(v), implementation=implementation, window=window
     )
-    out = out.reshape(b, n * s, h // n, d)[:, back]
+    out = _in_rank_order(out.reshape(b, n * s, h // n, d), n)
     out = lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
     return out.reshape(b, s, h * d)
