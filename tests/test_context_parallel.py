@@ -242,7 +242,8 @@ def test_bad_context_parallel_settings_are_refused():
 
 
 def test_cudnn_attention_runs_only_with_a2a():
-    """p2p and allgather compute their blocks in XLA: cuDNN is refused, not ignored."""
+    """p2p and allgather compute their blocks in XLA: an explicit cuDNN backend is refused,
+    not ignored; ``auto`` resolves to XLA there."""
     cfg = GPTConfig(
         num_layers=2,
         hidden_size=32,
@@ -253,6 +254,11 @@ def test_cudnn_attention_runs_only_with_a2a():
     )
     with pytest.raises(ValueError, match="cp_comm_type 'p2p' computes its attention blocks in"):
         GPTProgram(cfg, ParallelConfig(world_size=8, context_parallel_size=2), platform="cpu")
+    auto = dataclasses.replace(cfg, attention_backend="auto")
+    for comm, impl in (("p2p", "xla"), ("allgather", "xla"), ("a2a", "cudnn")):
+        par = ParallelConfig(world_size=8, context_parallel_size=2, cp_comm_type=comm)
+        assert auto.attention_implementation("gpu", par) == impl
+    assert auto.attention_implementation("gpu", ParallelConfig(world_size=8)) == "cudnn"
 
 
 def _losses(tmp_path, name, *flags):

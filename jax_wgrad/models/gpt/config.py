@@ -645,10 +645,22 @@ class GPTConfig:
         logit = self.padded_vocab_size / (2 * n * h)  # Megatron's: the padded vocabulary
         return 12.0 * global_batch_size * s * n * h * h * (attention + mlp / n + logit)
 
-    def attention_implementation(self, platform: str) -> Literal["xla", "cudnn"]:
-        """``attention_backend`` resolved for a jax platform (``"cpu"``, ``"gpu"``, ...)."""
+    def attention_implementation(
+        self, platform: str, parallel: ParallelConfig | None = None
+    ) -> Literal["xla", "cudnn"]:
+        """``attention_backend`` resolved for a jax platform (``"cpu"``, ``"gpu"``, ...)
+        and layout: ``"auto"`` is XLA's where the layout's context-parallel attention
+        computes its blocks in XLA (``cp_comm_type`` ``p2p`` or ``allgather``,
+        :func:`~jax_wgrad.functional.context_parallel_attention`); an explicit
+        ``"cudnn"`` there is refused by the program."""
         if self.attention_backend != "auto":
             return self.attention_backend  # type: ignore[return-value]
+        if (
+            parallel is not None
+            and parallel.context_parallel_size > 1
+            and parallel.cp_comm_type != "a2a"
+        ):
+            return "xla"
         cudnn_ok = (
             platform in ("gpu", "cuda")
             and self.compute_dtype == "bfloat16"

@@ -75,12 +75,13 @@ class GPTProgram:
             check_fp8_platform(self.platform)
             if self.platform in ("gpu", "cuda"):
                 self._check_fp8_shapes()
-        par, impl = self.parallel, self.model.attention_implementation(self.platform)
+        par = self.parallel
+        impl = self.model.attention_implementation(self.platform, par)
         if par.context_parallel_size > 1 and par.cp_comm_type != "a2a" and impl != "xla":
             raise ValueError(
                 f"cp_comm_type {par.cp_comm_type!r} computes its attention blocks in XLA; "
-                f"the attention backend resolves to {impl!r} on {self.platform}: use "
-                "cp_comm_type 'a2a' or attention_backend 'xla'"
+                f"attention_backend {impl!r} runs with cp_comm_type 'a2a' ('auto': XLA's "
+                "blocks)"
             )
         emb, layer, moe_layer, head = self._graph_defs(self.model)
         object.__setattr__(self, "_emb_def", emb)
@@ -96,7 +97,7 @@ class GPTProgram:
             model,
             self.parallel.tensor_model_parallel_size,
             self.parallel.sequence_parallel,
-            model.attention_implementation(self.platform),
+            model.attention_implementation(self.platform, self.parallel),
             self.parallel.expert_model_parallel_size,
             self._vocab_pp,
             self._etp,
