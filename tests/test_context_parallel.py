@@ -241,9 +241,10 @@ def test_bad_context_parallel_settings_are_refused():
         ParallelConfig(world_size=8, context_parallel_size=3)
 
 
-def test_cudnn_attention_runs_only_with_a2a():
-    """p2p and allgather compute their blocks in XLA: an explicit cuDNN backend is refused,
-    not ignored; ``auto`` resolves to XLA there."""
+def test_cudnn_attention_where_the_blocks_can_run_it():
+    """allgather, and p2p with a sliding window, compute their blocks in XLA: an explicit
+    cuDNN backend is refused, not ignored; ``auto`` resolves to XLA there, to cuDNN with
+    p2p (its blocks) and a2a (the whole sequence's core)."""
     cfg = GPTConfig(
         num_layers=2,
         hidden_size=32,
@@ -252,12 +253,20 @@ def test_cudnn_attention_runs_only_with_a2a():
         attention_backend="cudnn",
         compute_dtype="bfloat16",
     )
-    with pytest.raises(ValueError, match="cp_comm_type 'p2p' computes its attention blocks in"):
-        GPTProgram(cfg, ParallelConfig(world_size=8, context_parallel_size=2), platform="cpu")
+    gather = ParallelConfig(world_size=8, context_parallel_size=2, cp_comm_type="allgather")
+    with pytest.raises(ValueError, match="cp_comm_type 'allgather' computes its attention blo"):
+        GPTProgram(cfg, gather, platform="cpu")
+    windowed = dataclasses.replace(cfg, window_size=(3, 0))
+    with pytest.raises(ValueError, match="cp_comm_type 'p2p' with a sliding window computes"):
+        GPTProgram(windowed, ParallelConfig(world_size=8, context_parallel_size=2), platform="cpu")
     auto = dataclasses.replace(cfg, attention_backend="auto")
-    for comm, impl in (("p2p", "xla"), ("allgather", "xla"), ("a2a", "cudnn")):
+    for comm, impl in (("p2p", "cudnn"), ("allgather", "xla"), ("a2a", "cudnn")):
         par = ParallelConfig(world_size=8, context_parallel_size=2, cp_comm_type=comm)
         assert auto.attention_implementation("gpu", par) == impl
+    par = ParallelConfig(world_size=8, context_parallel_size=2)
+    assert (
+        dataclasses.replace(auto, window_size=(3, 0)).attention_implementation("gpu", par) == "xla"
+    )
     assert auto.attention_implementation("gpu", ParallelConfig(world_size=8)) == "cudnn"
 
 

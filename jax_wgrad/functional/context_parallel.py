@@ -35,6 +35,7 @@ and value gradients back to their ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -128,9 +129,10 @@ def context_parallel_attention(
       k, v: ``[b, s, groups, d]`` (grouped-query attention when ``groups < heads``).
       positions: int32 ``[s]``, :func:`context_positions` (RoPE is applied before).
       context: the split (:class:`ContextParallel`).
-      implementation: the whole-sequence core of ``a2a`` (``"xla"`` or ``"cudnn"``,
-        :func:`~jax_wgrad.functional.causal_attention`); ``p2p`` and ``allgather``
-        compute their blocks in XLA and refuse ``"cudnn"``.
+      implementation: ``"xla"`` or ``"cudnn"``: the whole-sequence core of ``a2a``
+        (:func:`~jax_wgrad.functional.causal_attention`), the blocks of ``p2p`` (cuDNN's
+        without a sliding window); ``allgather`` computes its blocks in XLA and refuses
+        ``"cudnn"``.
       window: sliding-window attention over ``window`` tokens, or ``None``.
     Returns:
       ``[b, s, heads * d]`` in ``q.dtype``.
@@ -141,14 +143,17 @@ def context_parallel_attention(
         raise ValueError(f"context_parallel_attention: {s} local tokens are not two chunks")
     if context.comm_type == "a2a":
         return _ulysses(q, k, v, context, implementation, window)
-    if implementation != "xla":
+    if implementation != "xla" and (context.comm_type != "p2p" or window is not None):
         raise ValueError(
-            f"cp_comm_type {context.comm_type!r} computes its attention blocks in XLA; "
-            f"attention implementation {implementation!r} runs with cp_comm_type 'a2a'"
+            f"cp_comm_type {context.comm_type!r}"
+            + (" with a sliding window" if context.comm_type == "p2p" else "")
+            + f" computes its attention blocks in XLA; attention implementation "
+            f"{implementation!r} runs with cp_comm_type 'a2a'"
+            + (" (or 'p2p' without a window)" if context.comm_type != "p2p" else "")
         )
     qg = q.reshape(b, s, g, h // g, d)
     if context.comm_type == "p2p":
-        out = _ring(qg, k, v, positions, context, window)
+        out = _ring(qg, k, v, positions, context, window, implementation)
     elif context.comm_type == "allgather":
         out = _gathered(qg, k, v, positions, n, context.axis_name, window)
     else:
@@ -161,27 +166,127 @@ def context_parallel_attention(
 # ------------------------------------------------------------------------------ blocks
 
 
+def _mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """bool ``[sq, sk]``: query ``i`` sees key ``j`` (causal, and within the window)."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+    return visible
+
+
+def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """fp32 ``[b, g, m, sq, sk]`` scaled scores of ``q [b, sq, g, m, d]``, ``k [b, sk, g, d]``."""
+    scores = jnp.einsum("bqgmd,bkgd->bgmqk", q, k, preferred_element_type=jnp.float32)
+    return scores / math.sqrt(q.shape[-1])
+
+
 def _block(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     q_pos: jax.Array,
     k_pos: jax.Array,
+    causal: bool | None,
     window: int | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """One block: ``q [b, sq, g, m, d]`` over ``k, v [b, sk, g, d]`` with the causal
-    (and window) mask of their positions -> ``(out [b, sq, g, m, d] fp32, lse [b, g, m,
-    sq] fp32)``; a row that sees no key gets ``out`` 0 and ``lse`` about ``-1e30``."""
-    scores = jnp.einsum("bqgmd,bkgd->bgmqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    visible = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-    scores = jnp.where(visible, scores, _MASKED)
+    """One block in XLA: ``q [b, sq, g, m, d]`` over ``k, v [b, sk, g, d]`` with the
+    causal (and window) mask of their positions (``causal``, what the mask is without a
+    window, is not needed) -> ``(out [b, sq, g, m, d] fp32, lse [b, g, m, sq] fp32)``; a
+    row that sees no key gets ``out`` 0 and ``lse`` about ``-1e30``."""
+    visible = _mask(q_pos, k_pos, window)
+    scores = jnp.where(visible, _scores(q, k), _MASKED)
     lse = jax.nn.logsumexp(scores, axis=-1)
     probs = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
     out = jnp.einsum("bgmqk,bkgd->bqgmd", probs.astype(v.dtype), v)
     return out.astype(jnp.float32), lse
+
+
+def _block_grads(q, k, v, q_pos, k_pos, causal, window, lse, out, d_out, delta):
+    """The gradients of one block in XLA from the WHOLE attention's ``lse [b, g, m, sq]``,
+    output ``out`` and its gradient ``d_out [b, sq, g, m, d]`` (via ``delta =
+    rowsum(d_out * out)``; flash attention's backward, the probabilities recomputed):
+    ``(dq, dk, dv)`` fp32."""
+    visible = _mask(q_pos, k_pos, window)
+    probs = jnp.where(visible, jnp.exp(_scores(q, k) - lse[..., None]), 0.0)
+    dv = jnp.einsum("bgmqk,bqgmd->bkgd", probs, d_out)
+    dp = jnp.einsum("bqgmd,bkgd->bgmqk", d_out, v, preferred_element_type=jnp.float32)
+    ds = probs * (dp - delta[..., None]) / math.sqrt(q.shape[-1])
+    dq = jnp.einsum("bgmqk,bkgd->bqgmd", ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bgmqk,bqgmd->bkgd", ds, q, preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
+def _cudnn_rules():
+    """jax's cuDNN flash-attention forward and backward rules, and the keyword arguments
+    both take (``jax._src.cudnn.fused_attention_stablehlo``: the rules of
+    :func:`jax.nn.dot_product_attention`'s ``custom_vjp``, called directly because the
+    ring's backward hands each block the WHOLE attention's output and log-sum-exp, and the
+    public function's backward reads its own). jax 0.10-0.11 and 0.12 differ in a
+    ``score_mod`` argument; the keywords are filtered by the rules' signatures."""
+    import inspect
+
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    fwd, bwd = fa._dot_product_attention_fwd_rule, fa._dot_product_attention_bwd_rule
+    flex = "score_mod" in inspect.signature(bwd).parameters
+    return fa, fwd, bwd, flex, inspect.signature(fwd).parameters, inspect.signature(bwd).parameters
+
+
+def _cudnn_common(q: jax.Array, causal: bool) -> dict:
+    """The static arguments of one cuDNN block (``q [b, c, heads, d]``, BTNH)."""
+    fa, *_ = _cudnn_rules()
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    return dict(
+        scale=1.0 / math.sqrt(q.shape[-1]),
+        seed=42,
+        dropout_rate=0.0,
+        variadic_args=(False, False),
+        mask_type=mask,
+        layout=fa._normalize_layout("BTNH").value,
+        sliding_window_length=None,
+        score_mod=None,
+        cudnn_version=fa.check_cudnn_version(),
+        is_training=True,
+        return_residual=True,
+        score_mod_args=(),
+    )
+
+
+def _cudnn_block(q, k, v, q_pos, k_pos, causal: bool, window: int | None):
+    """:func:`_block` by cuDNN's flash attention (``window`` must be ``None``): the block's
+    output and log-sum-exp (of the scaled scores, natural log: what
+    ``return_residual`` returns)."""
+    b, sq, g, m, d = q.shape
+    _, fwd, _, _, fwd_params, _ = _cudnn_rules()
+    not_used = jnp.zeros(0, q.dtype)
+    kw = dict(
+        _cudnn_common(q.reshape(b, sq, g * m, d), causal),
+        query=q.reshape(b, sq, g * m, d),
+        key=k,
+        value=v,
+        **dict.fromkeys(("bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets"), not_used),
+        page_table_k=not_used,
+        page_table_v=not_used,
+    )
+    (out, stat), _ = fwd(**{name: kw[name] for name in fwd_params})
+    lse = stat.reshape(b, g, m, sq)  # [b, heads, q]: heads group-major, as q's
+    return out.reshape(b, sq, g, m, d).astype(jnp.float32), lse
+
+
+def _cudnn_block_grads(q, k, v, q_pos, k_pos, causal, window, lse, out, d_out, delta):
+    """:func:`_block_grads` by cuDNN's flash-attention backward, handed the WHOLE
+    attention's output and log-sum-exp as its saved forward (so its ``rowsum(d_out *
+    out)`` and recomputed probabilities are the whole attention's): ``(dq, dk, dv)``."""
+    b, sq, g, m, d = q.shape
+    _, _, bwd, flex, _, bwd_params = _cudnn_rules()
+    qh = q.reshape(b, sq, g * m, d)
+    not_used = jnp.zeros(0, q.dtype)
+    res = (qh, k, v, *(not_used,) * 7, *(((),) if flex else ()))
+    res += (lse.reshape(b, g * m, sq), out.astype(q.dtype).reshape(b, sq, g * m, d))
+    kw = dict(_cudnn_common(qh, causal), return_residual=False, res=res)
+    kw["grad_output"] = d_out.astype(q.dtype).reshape(b, sq, g * m, d)
+    dq, dk, dv, *_ = bwd(**{name: kw[name] for name in bwd_params})
+    return dq.reshape(b, sq, g, m, d).astype(jnp.float32), dk, dv
 
 
 def _merge(
@@ -195,10 +300,6 @@ def _merge(
     lse = jnp.logaddexp(l1, l2)
     w = lambda lse_i: jnp.moveaxis(jnp.exp(lse_i - lse), -1, 1)[..., None]  # [b, q, g, m, 1]
     return o1 * w(l1) + o2 * w(l2), lse
-
-
-def _select(pred: jax.Array, a, b):
-    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
 def _shift(x, context: ContextParallel):
@@ -218,44 +319,112 @@ def _shift(x, context: ContextParallel):
     return jax.tree.map(one, x)
 
 
-def _ring(q, k, v, positions, context: ContextParallel, window: int | None) -> jax.Array:
-    """``p2p`` (module docstring): ``q [b, 2c, g, m, d]`` -> ``[b, 2c, g, m, d]`` fp32."""
-    c, n = q.shape[1] // 2, context.size
-    r = lax.axis_index(context.axis_name)
-    q1, q2, p1, p2 = q[:, :c], q[:, c:], positions[:c], positions[c:]
-    kv = (k, v)
-    # step 0, this rank's own chunks: chunk r sees itself (causal), chunk 2cp-1-r both
-    acc1 = _block(q1, k[:, :c], v[:, :c], p1, p1, window)
-    acc2 = _block(q2, k, v, p2, positions, window)
-    incoming = _shift(kv, context) if n > 1 else None
-    for i in range(1, n):
-        kv = incoming
-        if i + 1 < n:  # the next exchange in flight beside this step's blocks
-            incoming = _shift(kv, context)
-        ki, vi = kv
+def _ring_steps(n: int, c: int, r: jax.Array):
+    """The ring's steps: per step ``i``, the positions ``[2c]`` of the keys it holds (rank
+    ``r - i``'s) and its blocks ``(query row, key row, causal)``, each ``c x c`` tokens
+    (module docstring): step 0 the rank's own chunks (three blocks, two of them causal
+    diagonal blocks), then two full blocks per step."""
+    ar = jnp.arange(c, dtype=jnp.int32)
+    for i in range(n):
         src = (r - i) % n
-        c0 = jnp.int32(c)
-        kpos = jnp.concatenate(
-            [
-                src * c0 + jnp.arange(c, dtype=jnp.int32),
-                (2 * n - 1 - src) * c0 + jnp.arange(c, dtype=jnp.int32),
-            ]
-        )
-        lower = src < r  # keys all before chunk r: both query chunks, the first key chunk
-        start = jnp.where(lower, 0, c)
-        qa = lax.dynamic_slice_in_dim(q, start, c, axis=1)  # q1 (lower) or q2
-        pa = lax.dynamic_slice_in_dim(positions, start, c)
-        kb = lax.dynamic_slice_in_dim(ki, start, c, axis=1)  # the key chunk q2 also sees
-        vb = lax.dynamic_slice_in_dim(vi, start, c, axis=1)
-        kpb = lax.dynamic_slice_in_dim(kpos, start, c)
-        block_a = _block(qa, ki[:, :c], vi[:, :c], pa, kpos[:c], window)
-        block_b = _block(q2, kb, vb, p2, kpb, window)
-        acc2 = _merge(acc2, block_b)
-        acc1, acc2 = (
-            _select(lower, _merge(acc1, block_a), acc1),
-            _select(lower, acc2, _merge(acc2, block_a)),
-        )
-    return jnp.concatenate([acc1[0], acc2[0]], axis=1)
+        k_pos = jnp.concatenate([src * c + ar, (2 * n - 1 - src) * c + ar])
+        if i == 0:  # (query row, key row, causal: a diagonal block)
+            yield k_pos, ((0, 0, True), (c, 0, False), (c, c, True))
+        else:  # keys from a lower rank: both query chunks see their first chunk only;
+            # from a higher rank: only the second query chunk sees them, both chunks
+            start = jnp.where(src < r, 0, c)
+            yield k_pos, ((start, 0, False), (c, start, False))
+
+
+def _rows(x: jax.Array, start, c: int, axis: int = 1) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, start, c, axis=axis)
+
+
+def _add_rows(x: jax.Array, start, update: jax.Array, axis: int = 1) -> jax.Array:
+    c = update.shape[axis]
+    return lax.dynamic_update_slice_in_dim(x, _rows(x, start, c, axis) + update, start, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, positions, context: ContextParallel, window: int | None, blocks: str):
+    """``p2p`` (module docstring): ``q [b, 2c, g, m, d]`` -> ``[b, 2c, g, m, d]`` fp32,
+    its ``c x c`` blocks computed by ``blocks``: ``"xla"`` (:func:`_block`: fp32 scores and
+    softmax, the probabilities recomputed in the backward) or ``"cudnn"``
+    (:func:`_cudnn_block`: cuDNN's flash attention, causal on the diagonal). The backward
+    (:func:`_ring_bwd`) passes the keys and values around the ring again, with their
+    gradients, as Megatron's; only ``q, k, v``, the output and its log-sum-exp are kept
+    for it."""
+    return _ring_fwd(q, k, v, positions, context, window, blocks)[0]
+
+
+def _ring_fwd(q, k, v, positions, context: ContextParallel, window: int | None, blocks: str):
+    block = _cudnn_block if blocks == "cudnn" else _block
+    b, s, g, m, d = q.shape
+    c, n = s // 2, context.size
+    r = lax.axis_index(context.axis_name)
+    out = jnp.zeros((b, s, g, m, d), jnp.float32)
+    lse = jnp.full((b, g, m, s), _MASKED, jnp.float32)
+    kv, incoming = (k, v), None
+    for i, (k_pos, blocks) in enumerate(_ring_steps(n, c, r)):
+        kv = kv if incoming is None else incoming
+        # the next exchange in flight beside this step's blocks
+        incoming = _shift(kv, context) if i + 1 < n else None
+        ki, vi = kv
+        for qs, ks, causal in blocks:
+            new = block(
+                _rows(q, qs, c),
+                _rows(ki, ks, c),
+                _rows(vi, ks, c),
+                _rows(positions, qs, c, 0),
+                _rows(k_pos, ks, c, 0),
+                causal,
+                window,
+            )
+            o, l_ = _merge((_rows(out, qs, c), _rows(lse, qs, c, 3)), new)
+            out = lax.dynamic_update_slice_in_dim(out, o, qs, 1)
+            lse = lax.dynamic_update_slice_in_dim(lse, l_, qs, 3)
+    return out, (q, k, v, positions, out, lse)
+
+
+def _ring_bwd(context: ContextParallel, window: int | None, blocks: str, res, d_out):
+    q, k, v, positions, out, lse = res
+    grads = _cudnn_block_grads if blocks == "cudnn" else _block_grads
+    s = q.shape[1]
+    c, n = s // 2, context.size
+    r = lax.axis_index(context.axis_name)
+    d_out = d_out.astype(jnp.float32)
+    delta = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, -1)  # [b, g, m, s]
+    dq = jnp.zeros(q.shape, jnp.float32)
+    kv, incoming = (k, v), None
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for i, (k_pos, blocks) in enumerate(_ring_steps(n, c, r)):
+        if incoming is not None:  # rank r - i's keys, their gradients of ranks r - i .. r - 1
+            kv, dkv = incoming, _shift(dkv, context)
+        incoming = _shift(kv, context) if i + 1 < n else None
+        ki, vi = kv
+        for qs, ks, causal in blocks:
+            bq, bk, bv = grads(
+                _rows(q, qs, c),
+                _rows(ki, ks, c),
+                _rows(vi, ks, c),
+                _rows(positions, qs, c, 0),
+                _rows(k_pos, ks, c, 0),
+                causal,
+                window,
+                _rows(lse, qs, c, 3),
+                _rows(out, qs, c),
+                _rows(d_out, qs, c),
+                _rows(delta, qs, c, 3),
+            )
+            dq = _add_rows(dq, qs, bq)
+            dkv = (_add_rows(dkv[0], ks, bk), _add_rows(dkv[1], ks, bv))
+    if n > 1:  # back to the rank that holds those keys
+        dkv = _shift(dkv, context)
+    zeros = np.zeros(positions.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), zeros
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _in_sequence_order(x: jax.Array, n: int) -> jax.Array:
@@ -287,8 +456,10 @@ def _gathered(q, k, v, positions, n: int, axis: str, window: int | None) -> jax.
     )
     seq = jnp.arange(2 * n * c, dtype=jnp.int32)
     half = n * c  # chunk r < cp ends by the middle of the sequence
-    o1, _ = _block(q[:, :c], k_all[:, :half], v_all[:, :half], positions[:c], seq[:half], window)
-    o2, _ = _block(q[:, c:], k_all, v_all, positions[c:], seq, window)
+    o1, _ = _block(
+        q[:, :c], k_all[:, :half], v_all[:, :half], positions[:c], seq[:half], None, window
+    )
+    o2, _ = _block(q[:, c:], k_all, v_all, positions[c:], seq, None, window)
     return jnp.concatenate([o1, o2], axis=1)
 
 

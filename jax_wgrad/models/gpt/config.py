@@ -645,21 +645,25 @@ class GPTConfig:
         logit = self.padded_vocab_size / (2 * n * h)  # Megatron's: the padded vocabulary
         return 12.0 * global_batch_size * s * n * h * h * (attention + mlp / n + logit)
 
+    def cudnn_context_parallel(self, parallel: ParallelConfig) -> bool:
+        """Whether ``parallel``'s context-parallel attention can run cuDNN's flash
+        attention (:func:`~jax_wgrad.functional.context_parallel_attention`): without CP,
+        with ``a2a`` (the whole sequence's core), with ``p2p`` without a sliding window
+        (its blocks); not with ``allgather``."""
+        if parallel.context_parallel_size == 1 or parallel.cp_comm_type == "a2a":
+            return True
+        return parallel.cp_comm_type == "p2p" and self.attention_window is None
+
     def attention_implementation(
         self, platform: str, parallel: ParallelConfig | None = None
     ) -> Literal["xla", "cudnn"]:
         """``attention_backend`` resolved for a jax platform (``"cpu"``, ``"gpu"``, ...)
         and layout: ``"auto"`` is XLA's where the layout's context-parallel attention
-        computes its blocks in XLA (``cp_comm_type`` ``p2p`` or ``allgather``,
-        :func:`~jax_wgrad.functional.context_parallel_attention`); an explicit
+        can only compute its blocks in XLA (:meth:`cudnn_context_parallel`); an explicit
         ``"cudnn"`` there is refused by the program."""
         if self.attention_backend != "auto":
             return self.attention_backend  # type: ignore[return-value]
-        if (
-            parallel is not None
-            and parallel.context_parallel_size > 1
-            and parallel.cp_comm_type != "a2a"
-        ):
+        if parallel is not None and not self.cudnn_context_parallel(parallel):
             return "xla"
         cudnn_ok = (
             platform in ("gpu", "cuda")

@@ -77,11 +77,12 @@ class GPTProgram:
                 self._check_fp8_shapes()
         par = self.parallel
         impl = self.model.attention_implementation(self.platform, par)
-        if par.context_parallel_size > 1 and par.cp_comm_type != "a2a" and impl != "xla":
+        if impl != "xla" and not self.model.cudnn_context_parallel(par):
+            window = " with a sliding window" if par.cp_comm_type == "p2p" else ""
             raise ValueError(
-                f"cp_comm_type {par.cp_comm_type!r} computes its attention blocks in XLA; "
-                f"attention_backend {impl!r} runs with cp_comm_type 'a2a' ('auto': XLA's "
-                "blocks)"
+                f"cp_comm_type {par.cp_comm_type!r}{window} computes its attention blocks "
+                f"in XLA; attention_backend {impl!r} runs with cp_comm_type 'a2a' or 'p2p' "
+                "without a window ('auto': XLA's blocks here)"
             )
         emb, layer, moe_layer, head = self._graph_defs(self.model)
         object.__setattr__(self, "_emb_def", emb)
