@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_wgrad.functional.attention import causal_attention
+from jax_wgrad.functional.attention import CORE_ATTENTION_SCOPE, causal_attention
 
 __all__ = [
     "ContextParallel",
@@ -138,9 +138,16 @@ def context_parallel_attention(
       ``[b, s, heads * d]`` in ``q.dtype``.
     """
     b, s, h, d = q.shape
-    g, n = k.shape[2], context.size
     if s % 2:
         raise ValueError(f"context_parallel_attention: {s} local tokens are not two chunks")
+    with jax.named_scope(CORE_ATTENTION_SCOPE):
+        return _attend(q, k, v, positions, context, implementation, window)
+
+
+def _attend(q, k, v, positions, context: ContextParallel, implementation: str, window):
+    """:func:`context_parallel_attention`'s body."""
+    b, s, h, d = q.shape
+    g, n = k.shape[2], context.size
     if context.comm_type == "a2a":
         return _ulysses(q, k, v, context, implementation, window)
     if implementation != "xla" and (context.comm_type != "p2p" or window is not None):
