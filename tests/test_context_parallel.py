@@ -6,6 +6,7 @@ the refusals."""
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -306,3 +307,66 @@ def test_example_losses_with_context_parallelism_equal_cp1(tmp_path, comm):
     split = _losses(tmp_path, "cp2", "--context-parallel-size", "2", "--cp-comm-type", comm)
     assert len(base) == len(split) == 30
     np.testing.assert_allclose(split, base, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- cuDNN blocks
+
+
+def _block_inputs(c=64, heads=8, groups=2, d=64, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(2), 5)
+    q = jax.random.normal(keys[0], (2, c, groups, heads // groups, d), dtype)
+    k = jax.random.normal(keys[1], (2, c, groups, d), dtype)
+    v = jax.random.normal(keys[2], (2, c, groups, d), dtype)
+    d_out = jax.random.normal(keys[3], (2, c, groups, heads // groups, d), jnp.float32)
+    pos = jnp.arange(c, dtype=jnp.int32)
+    return q, k, v, d_out, pos
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_ring_blocks_lower_for_cuda(monkeypatch, causal):
+    """The ring's cuDNN blocks through jax's own fused-attention rules (this jax's
+    signature): a forward and a backward custom call with the block's mask; the backward
+    is handed the whole attention's output and log-sum-exp, not its own forward's."""
+    from jax_wgrad.functional import context_parallel as cp
+
+    fa = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    q, k, v, d_out, pos = _block_inputs()
+    kpos = pos if causal else pos - 64
+
+    def both(q, k, v, lse, out):
+        o, stat = cp._cudnn_block(q, k, v, pos, kpos, causal, None)
+        grads = cp._cudnn_block_grads(q, k, v, pos, kpos, causal, None, lse, out, d_out, None)
+        return o, stat, grads
+
+    lse = jnp.zeros((2, 2, 4, 64), jnp.float32)
+    out = jnp.zeros(d_out.shape, jnp.float32)
+    text = jax.jit(both).trace(q, k, v, lse, out).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(\S+)\(", text)
+    fmha = [c for c in calls if "fmha" in c]
+    assert len(fmha) == 2 and any("Backward" in c for c in fmha), calls
+    masks = re.findall(r"mask_type\\22: \\22(\w+)\\22", text)
+    assert masks == ["CAUSAL" if causal else "NO_MASK"] * 2, masks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_ring_blocks_equal_the_xla_blocks_on_a_gpu(causal):
+    """cuDNN's block and its backward from a given output and log-sum-exp against the XLA
+    block's (bf16 inputs: the two round differently)."""
+    from jax_wgrad.functional import context_parallel as cp
+
+    gpu = jax.devices("gpu")[0]
+    q, k, v, d_out, pos = jax.device_put(_block_inputs(), gpu)
+    kpos = pos if causal else pos - 64
+    ref_o, ref_lse = cp._block(q, k, v, pos, kpos, causal, None)
+    o, lse = cp._cudnn_block(q, k, v, pos, kpos, causal, None)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ref_o), atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-2)
+    # the backward of the whole attention: here the block is all of it
+    delta = jnp.moveaxis(jnp.sum(d_out * ref_o, axis=-1), 1, -1)
+    ref = cp._block_grads(q, k, v, pos, kpos, causal, None, ref_lse, ref_o, d_out, delta)
+    got = cp._cudnn_block_grads(q, k, v, pos, kpos, causal, None, ref_lse, ref_o, d_out, delta)
+    for g, r in zip(got, ref):
+        scale = float(np.abs(np.asarray(r)).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r), atol=3e-2 * scale)
