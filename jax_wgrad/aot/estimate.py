@@ -255,6 +255,7 @@ PARTS: tuple[str, ...] = (
     "deferred weight gradients",
     "optimizer",
     "tensor-parallel collectives",
+    "context-parallel exchanges",
     "expert exchanges",
     "pipeline sends",
     "data-parallel gradient sync",
@@ -276,11 +277,12 @@ def part_of(
 ) -> str:
     """The :data:`PARTS` label of a kernel (or, ``collective``, a collective's exposed
     time) from its ``op_name``'s named scopes: the model's (``attention`` with
-    ``core_attention``, ``mlp``, ``moe`` with :mod:`jax_wgrad.functional.moe`'s router,
-    dispatch, experts and combine, ``shared_expert``, ``embedding``, ``output_layer``,
-    ``cross_entropy``), the optimizer's and the executor's. ``gemm``: a GEMM-class kernel
-    (a dot, a cuBLAS call, the library's GEMM calls); ``copy``: a copy, memset or
-    dynamic-update-slice outside every named part."""
+    ``core_attention``, whose collectives are context parallelism's exchanges, ``mlp``,
+    ``moe`` with :mod:`jax_wgrad.functional.moe`'s router, dispatch, experts and combine,
+    ``shared_expert``, ``embedding``, ``output_layer``, ``cross_entropy``), the
+    optimizer's and the executor's. ``gemm``: a GEMM-class kernel (a dot, a cuBLAS call,
+    the library's GEMM calls); ``copy``: a copy, memset or dynamic-update-slice outside
+    every named part."""
     from jax_wgrad.functional import moe
     from jax_wgrad.functional.attention import CORE_ATTENTION_SCOPE
     from jax_wgrad.grads.finalize import DATA_PARALLEL_SYNC_SCOPE, SYNC_IN_BACKWARD_SCOPE
@@ -298,6 +300,8 @@ def part_of(
             return "pipeline sends"
         if inside(gpt.MOE_SCOPE) and (inside(moe.DISPATCH_SCOPE) or inside(moe.COMBINE_SCOPE)):
             return "expert exchanges"
+        if inside(CORE_ATTENTION_SCOPE):  # the core's only collectives: context parallelism's
+            return "context-parallel exchanges"
         return "tensor-parallel collectives"
     if inside(OPTIMIZER_SCOPE):
         return "optimizer"
