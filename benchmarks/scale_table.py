@@ -144,6 +144,10 @@ def _tp_pp(tp: int, pp: int = 1, ep: int = 1) -> tuple[str, ...]:
     return out
 
 
+def _cp(cp: int) -> tuple[str, ...]:
+    return ("--context-parallel-size", str(cp))
+
+
 def _seq(seq: int, global_batch: int) -> tuple[str, ...]:
     return ("--seq-length", str(seq), "--global-batch-size", str(global_batch))
 
@@ -326,6 +330,51 @@ LAYOUTS: tuple[Layout, ...] = (
         + ("--overlap-grad-reduce", "--recompute-granularity", "selective")
         + FP8,
         "llama3-8b-tp4dp2-s8k with FP8 (hybrid) in the layers' linears",
+    ),
+    Layout(
+        "llama3-8b-s8k-cp2",
+        "llama3-8b",
+        8,
+        _tp_pp(1)
+        + _cp(2)
+        + _seq(8192, 128)
+        + ("--overlap-grad-reduce",)
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "32"),
+        "NeMo's Llama-3-8B recipe: TP1 PP1 CP2 DP4, seq 8192, global batch 128, no "
+        "recompute; ring attention with cuDNN blocks, as CUDA graphs",
+    ),
+    Layout(
+        "llama3-8b-tp2cp2-s8k",
+        "llama3-8b",
+        8,
+        _tp_pp(2)
+        + _cp(2)
+        + _seq(8192, 128)
+        + ("--overlap-grad-reduce",)
+        + FULL_ITERATION_GRAPHS
+        + ("--layer-scan-unroll", "32"),
+        "the CP2 row with TP2 (DP2): what fits jax's 75% of the GPU",
+    ),
+    Layout(
+        "llama3-8b-s32k-cp",
+        "llama3-8b",
+        8,
+        _tp_pp(4)
+        + _cp(2)
+        + _seq(32768, 16)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective"),
+        "seq 32768: TP4 CP2 (ring attention, cuDNN blocks), selective recompute",
+    ),
+    Layout(
+        "llama3-8b-s128k-cp",
+        "llama3-8b",
+        16,
+        _tp_pp(2)
+        + _cp(8)
+        + _seq(131072, 8)
+        + ("--overlap-grad-reduce", "--recompute-granularity", "selective"),
+        "seq 131072 on 2 hosts: TP2 CP8 (ring attention, cuDNN blocks), selective recompute",
     ),
     Layout(
         "llama3-70b-tp8pp4dp2-s4k-full",

@@ -156,7 +156,7 @@ def test_layouts_are_the_promised_ones(scale, capsys):
     } <= gpus
     assert sum(layout.model == "llama3-8b" for layout in scale.LAYOUTS) >= 3
     seqs = {layout.flags[layout.flags.index("--seq-length") + 1] for layout in scale.LAYOUTS}
-    assert seqs == {"4096", "8192"}
+    assert seqs == {"4096", "8192", "32768", "131072"}  # the long ones: context parallelism
     for layout in scale.LAYOUTS:
         argv = layout.argv("h200")
         per_host, hosts = (
