@@ -7,6 +7,7 @@ from typing import Any
 
 from jax_wgrad.aot import estimate as estimates
 from jax_wgrad.aot import hlo, thunks
+from jax_wgrad.functional.attention import CORE_ATTENTION_SCOPE
 from jax_wgrad.grads.finalize import DATA_PARALLEL_SYNC_SCOPE, SYNC_IN_BACKWARD_SCOPE
 from jax_wgrad.parallel.pipeline import scopes
 
@@ -38,6 +39,7 @@ COLLECTIVE_GROUPS: dict[str, str] = {
     ),
     scopes.SEND_RECV: "pipeline permutes",
     scopes.DEFERRED_RING: "deferred-wgrad ring",
+    CORE_ATTENTION_SCOPE: "context-parallel exchanges (the attention core's)",
 }
 
 
