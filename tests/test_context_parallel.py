@@ -220,6 +220,11 @@ def test_mesh_puts_the_context_ranks_after_the_tensor_ranks():
             r"tensor_model_parallel_size \(4\)",
         ),
         (
+            dict(seq_length=8, fp8_format="hybrid", compute_dtype="bfloat16"),
+            dict(context_parallel_size=2),
+            r"fp8_format \('hybrid'\) with context_parallel_size \(2\) is not built",
+        ),
+        (
             dict(seq_length=8),
             dict(context_parallel_size=4, cp_comm_type="a2a"),
             r"cp_comm_type 'a2a' .* num_query_groups \(2\) / tensor_model_parallel_size \(1\) "
