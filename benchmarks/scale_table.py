@@ -581,7 +581,7 @@ _GiB = float(1 << 30)
 COLUMNS: tuple[str, ...] = (
     "layout",
     "GPUs",
-    "mesh (DP/EP, EP, TP, PP)",
+    "mesh (DP/EP, EP, CP, TP, PP)",
     "peak / budget per GPU",
     "fits",
     "bytes/param: params + grads + optimizer (Megatron)",

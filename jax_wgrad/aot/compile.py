@@ -554,7 +554,9 @@ def compile_plan(
         expert_params_per_device=expert_params,
         param_itemsize=itemsize,
         distributed_optimizer=plan.ddp.use_distributed_optimizer,
-        data_parallel_size=par.data_parallel_size,
+        # Megatron's distributed optimizer shards over the data-parallel group with
+        # context parallelism
+        data_parallel_size=par.data_context_parallel_size,
         expert_data_parallel_size=par.expert_data_parallel_size,
         memory_bandwidth=target.memory_bandwidth,
         traffic=traffic,
