@@ -410,12 +410,12 @@ LAYOUTS: tuple[Layout, ...] = (
         "llama3-70b",
         64,
         _tp_pp(4, 4)
+        + _cp(2)
         + ("--num-layers-per-virtual-pipeline-stage", "4")
         + _seq(8192, 128)
         + ("--overlap-grad-reduce",),
-        "NeMo's Llama-3-70B layout on 64 H100s (its recommended H100 config: TP4 PP4 CP2 VP5, "
-        "seq 8192, global batch 128, no activation recompute) without CP2, which is not "
-        "built: each GPU holds twice NeMo's activations",
+        "NeMo's Llama-3-70B layout on 64 H100s (its recommended H100 config): TP4 PP4 CP2 "
+        "VP5 DP2, seq 8192, global batch 128, no activation recompute",
     ),
     Layout(
         "llama3-70b-tp8pp4vp5-s8k-paired",
