@@ -141,8 +141,30 @@ def test_split_attention_equals_the_whole_sequence(n, comm, kw):
             ),
             marks=pytest.mark.slow,
         ),
+        pytest.param(
+            dict(
+                context_parallel_size=4,
+                cp_comm_type="allgather",
+                tensor_model_parallel_size=2,
+                sequence_parallel=True,
+            ),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            dict(cp_comm_type="a2a", pipeline_model_parallel_size=2, pipeline_schedule="zb-h1"),
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["p2p-tp2-sp", "allgather-pp2", "a2a", "cp4-pp2-zbh1", "tp2-pp2-deferred-recompute", "vp2"],
+    ids=[
+        "p2p-tp2-sp",
+        "allgather-pp2",
+        "a2a",
+        "cp4-pp2-zbh1",
+        "tp2-pp2-deferred-recompute",
+        "vp2",
+        "allgather-cp4-tp2-sp",
+        "a2a-pp2-zbh1",
+    ],
 )
 def test_gpt_gradients_equal_the_single_device_reference(kw):
     """CP 2 (4) with tensor and sequence parallelism, the pipeline's schedules, deferred

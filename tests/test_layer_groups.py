@@ -20,7 +20,7 @@ from jax_wgrad.functional.stacked import LayerRecompute
 from jax_wgrad.grads import DDPConfig
 from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
 from jax_wgrad.grads.spec import STAGE
-from jax_wgrad.parallel.mesh import DATA_PARALLEL
+from jax_wgrad.parallel.mesh import DATA_CONTEXT_PARALLEL
 
 N, H, F, T = 6, 8, 12, 5
 CUTS = ((0, 2), (2, 4), (4, 6))  # three groups of two layers
@@ -297,7 +297,8 @@ def test_a_bucket_synced_chunk_by_chunk_equals_the_whole_bucket_synced(dist):
     dp, k, n = 4, 3, 4 * 3 * 5
     assert chunk_syncable(n, dp, k, ddp) and not chunk_syncable(n + 4, dp, k, ddp)
     local = jax.random.normal(jax.random.key(0), (dp, n), jnp.float32)
-    mesh = Mesh(np.array(jax.devices()[:dp]).reshape(dp, 1), DATA_PARALLEL)  # data, expert
+    # data, expert, context: the group dense buckets sync over
+    mesh = Mesh(np.array(jax.devices()[:dp]).reshape(dp, 1, 1), DATA_CONTEXT_PARALLEL)
 
     def chunked(b):
         b = b[0]
@@ -309,7 +310,9 @@ def test_a_bucket_synced_chunk_by_chunk_equals_the_whole_bucket_synced(dist):
         return sync_stage_buckets((b[0],), ddp, STAGE)[0][None]
 
     run = lambda f: jax.jit(
-        jax.shard_map(f, mesh=mesh, in_specs=P(DATA_PARALLEL), out_specs=P(DATA_PARALLEL))
+        jax.shard_map(
+            f, mesh=mesh, in_specs=P(DATA_CONTEXT_PARALLEL), out_specs=P(DATA_CONTEXT_PARALLEL)
+        )
     )(local)
     got, want = np.asarray(run(chunked)), np.asarray(run(whole))
     total = np.asarray(local).sum(0)

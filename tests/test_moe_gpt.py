@@ -573,16 +573,20 @@ def test_parallel_folding_spans_the_tensor_ranks_first():
         expert_tensor_parallel_size=1,
         **kw,
     )
-    for ep, mesh, edp in [(2, (4, 1, 2, 1), 4), (4, (2, 2, 2, 1), 2), (8, (1, 4, 2, 1), 1)]:
+    for ep, mesh, edp in [
+        (2, (4, 1, 1, 2, 1), 4),
+        (4, (2, 2, 1, 2, 1), 2),
+        (8, (1, 4, 1, 2, 1), 1),
+    ]:
         par = folded(ep)
         assert par.folds_experts and par.data_parallel_size == 4
         assert (par.mesh_shape, par.expert_data_parallel_size) == (mesh, edp)
-    assert folded(4, pipeline_model_parallel_size=2).mesh_shape == (1, 2, 2, 2)
-    assert not folded(1).folds_experts and folded(1).mesh_shape == (4, 1, 2, 1)
+    assert folded(4, pipeline_model_parallel_size=2).mesh_shape == (1, 2, 1, 2, 2)
+    assert not folded(1).folds_experts and folded(1).mesh_shape == (4, 1, 1, 2, 1)
     unfolded = ParallelConfig(
         world_size=8, tensor_model_parallel_size=2, expert_model_parallel_size=2
     )
-    assert not unfolded.folds_experts and unfolded.mesh_shape == (2, 2, 2, 1)
+    assert not unfolded.folds_experts and unfolded.mesh_shape == (2, 2, 1, 2, 1)
     with pytest.raises(
         ValueError,
         match=r"expert_model_parallel_size \(2\) with expert_tensor_parallel_size 1 must be 1 "
@@ -606,7 +610,7 @@ def test_parallel_folding_shards_the_experts_over_expert_and_tensor():
     specs = lay_out(GPTProgram(cfg, par)).canonical_specs()
     experts = specs["moe_layers"]["experts"]
     assert experts == {k: P(PIPELINE, (EXPERT, TENSOR), None, None) for k in ("fc1", "fc2")}
-    sizes = dict(zip(("data", "expert", "tensor", "pipeline"), par.mesh_shape))
+    sizes = dict(zip(("data", "expert", "context", "tensor", "pipeline"), par.mesh_shape))
     shape = init_params(cfg, 0)["moe_layers"]["experts"]["fc1"].shape
     assert local_shape(shape, experts["fc1"], sizes)[1] == cfg.num_moe_experts // 4
 

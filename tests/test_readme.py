@@ -64,6 +64,7 @@ BLOCKS = {
     "--moe-shared-expert-intermediate-size 128": "slow",
     "scale_table.py --list": "skip: needs jax's CUDA plugin (compiles for H100s)",
     "examples/custom_model.py": "slow",
+    "--context-parallel-size 2 --sequence-parallel": "slow",
 }
 
 
