@@ -90,10 +90,11 @@ def _split_attention(n, comm, *, heads=4, groups=2, window=None, shift="ppermute
     [
         (2, "p2p", {}),
         (4, "p2p", dict(window=5)),
-        (4, "p2p", dict(shift="all_to_all", heads=4, groups=4)),
+        # -m slow (suite time): the GPT tests run the ring's all-to-all shift on the CPU
+        pytest.param(4, "p2p", dict(shift="all_to_all", heads=4, groups=4), marks=pytest.mark.slow),
         (4, "allgather", dict(window=5)),
         (2, "a2a", dict(window=5)),
-        (4, "a2a", dict(heads=8, groups=4)),
+        pytest.param(4, "a2a", dict(heads=8, groups=4), marks=pytest.mark.slow),
     ],
     ids=["p2p-2", "p2p-4-window", "p2p-4-alltoall-mha", "allgather-4-window", "a2a-2", "a2a-4"],
 )
