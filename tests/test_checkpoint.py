@@ -79,6 +79,25 @@ def test_resume_onto_another_layout(pretrain, straight_and_saved, layout):
         assert abs(a - b) <= 1e-5 * abs(b), (got, straight)
 
 
+@pytest.mark.slow  # the default run resumes a CP 1 checkpoint on CP 2 (above)
+def test_a_context_parallel_checkpoint_resumes_without_it(pretrain, straight_and_saved, tmp_path):
+    """Saved with ``--context-parallel-size 2`` (the optimizer sharded over data x
+    context), resumed on CP 1: the losses of the straight CP 1 run."""
+    d, straight = straight_and_saved
+    saved = tmp_path / "cp2"
+    pretrain.main(
+        SMALL + L222 + ["--context-parallel-size", "2", "--train-iters", "3", "--save", str(saved)]
+    )
+    out = tmp_path / "resumed.jsonl"
+    pretrain.main(
+        SMALL + L222 + ["--train-iters", "6", "--load", str(saved), "--metrics-file", str(out)]
+    )
+    got = _losses(out)
+    assert len(got) == 3
+    for a, b in zip(got, straight[3:]):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, straight)
+
+
 @pytest.mark.slow  # a parameters-only restore (load_optim=False) stays in the default run:
 # test_training_ux.py::test_eval_loss_equals_single_device_reference
 def test_no_load_optim_keeps_parameters_only(pretrain, straight_and_saved):
