@@ -7,8 +7,6 @@ the refusals."""
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -299,40 +297,23 @@ def test_cudnn_attention_where_the_blocks_can_run_it():
     assert auto.attention_implementation("gpu", ParallelConfig(world_size=8)) == "cudnn"
 
 
-def _losses(tmp_path, name, *flags):
-    metrics = tmp_path / f"{name}.jsonl"
-    subprocess.run(
-        [
-            sys.executable,
-            "examples/pretrain_gpt.py",
-            "--tensor-model-parallel-size",
-            "2",
-            "--pipeline-model-parallel-size",
-            "2",
-            "--sequence-parallel",
-            "--gradient-accumulation-fusion",
-            "--use-distributed-optimizer",
-            "--train-iters",
-            "30",
-            "--metrics-file",
-            str(metrics),
-            *flags,
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+def _losses(pretrain, path, *flags):
+    """The example's losses: the README's TP2 PP2 layout (the example's model), 30 steps."""
+    tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    options = ["--sequence-parallel", "--gradient-accumulation-fusion", "--no-progress"]
+    pretrain.main([*tp2pp2, *options, "--train-iters", "30", "--metrics-file", str(path), *flags])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     return np.array([r["loss"] for r in rows if "loss" in r])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("comm", ["p2p", "allgather"])
-def test_example_losses_with_context_parallelism_equal_cp1(tmp_path, comm):
+def test_example_losses_with_context_parallelism_equal_cp1(pretrain, tmp_path, comm):
     """The example's loss curve with ``--context-parallel-size 2`` equals CP 1's within
     1e-4 relative (the same global batch: the data ranks halve)."""
-    base = _losses(tmp_path, "cp1")
-    split = _losses(tmp_path, "cp2", "--context-parallel-size", "2", "--cp-comm-type", comm)
+    base = _losses(pretrain, tmp_path / "cp1.jsonl")
+    cp2 = ("--context-parallel-size", "2", "--cp-comm-type", comm)
+    split = _losses(pretrain, tmp_path / "cp2.jsonl", *cp2)
     assert len(base) == len(split) == 30
     np.testing.assert_allclose(split, base, rtol=1e-4)
 

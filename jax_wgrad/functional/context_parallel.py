@@ -347,6 +347,18 @@ def _rows(x: jax.Array, start, c: int, axis: int = 1) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, start, c, axis=axis)
 
 
+def _block_rows(q, k, v, q_pos, k_pos, qs, ks, c: int) -> tuple[jax.Array, ...]:
+    """A block's ``(q, k, v, q_pos, k_pos)``: ``c`` tokens from query row ``qs`` and key
+    row ``ks``."""
+    return (
+        _rows(q, qs, c),
+        _rows(k, ks, c),
+        _rows(v, ks, c),
+        _rows(q_pos, qs, c, 0),
+        _rows(k_pos, ks, c, 0),
+    )
+
+
 def _add_rows(x: jax.Array, start, update: jax.Array, axis: int = 1) -> jax.Array:
     c = update.shape[axis]
     return lax.dynamic_update_slice_in_dim(x, _rows(x, start, c, axis) + update, start, axis)
@@ -378,15 +390,7 @@ def _ring_fwd(q, k, v, positions, context: ContextParallel, window: int | None, 
         incoming = _shift(kv, context) if i + 1 < n else None
         ki, vi = kv
         for qs, ks, causal in blocks:
-            new = block(
-                _rows(q, qs, c),
-                _rows(ki, ks, c),
-                _rows(vi, ks, c),
-                _rows(positions, qs, c, 0),
-                _rows(k_pos, ks, c, 0),
-                causal,
-                window,
-            )
+            new = block(*_block_rows(q, ki, vi, positions, k_pos, qs, ks, c), causal, window)
             o, l_ = _merge((_rows(out, qs, c), _rows(lse, qs, c, 3)), new)
             out = lax.dynamic_update_slice_in_dim(out, o, qs, 1)
             lse = lax.dynamic_update_slice_in_dim(lse, l_, qs, 3)
@@ -411,11 +415,7 @@ def _ring_bwd(context: ContextParallel, window: int | None, blocks: str, res, d_
         ki, vi = kv
         for qs, ks, causal in blocks:
             bq, bk, bv = grads(
-                _rows(q, qs, c),
-                _rows(ki, ks, c),
-                _rows(vi, ks, c),
-                _rows(positions, qs, c, 0),
-                _rows(k_pos, ks, c, 0),
+                *_block_rows(q, ki, vi, positions, k_pos, qs, ks, c),
                 causal,
                 window,
                 _rows(lse, qs, c, 3),
