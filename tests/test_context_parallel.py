@@ -241,11 +241,6 @@ def test_mesh_puts_the_context_ranks_after_the_tensor_ranks():
             r"tensor_model_parallel_size \(4\)",
         ),
         (
-            dict(seq_length=8, fp8_format="hybrid", compute_dtype="bfloat16"),
-            dict(context_parallel_size=2),
-            r"fp8_format \('hybrid'\) with context_parallel_size \(2\) is not built",
-        ),
-        (
             dict(seq_length=8),
             dict(context_parallel_size=4, cp_comm_type="a2a"),
             r"cp_comm_type 'a2a' .* num_query_groups \(2\) / tensor_model_parallel_size \(1\) "
@@ -379,3 +374,27 @@ def test_cudnn_ring_blocks_equal_the_xla_blocks_on_a_gpu(causal):
     for g, r in zip(got, ref):
         scale = float(np.abs(np.asarray(r)).max())
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r), atol=3e-2 * scale)
+
+
+def test_fp8_activation_scales_are_the_whole_sequences():
+    """With context parallelism a linear's input and output gradient are quantized with
+    the amax of the whole sequence (reduced over ``context``, Megatron's amax group), so
+    each rank's FP8 values are the whole tensor's: here the two halves differ 16-fold in
+    magnitude, and a per-rank amax would give the small half another scale."""
+    from jax_wgrad.functional.fp8 import Fp8Gemm, Fp8Recipe, quantize
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("context",))
+    x = jax.random.normal(jax.random.key(0), (2, 8, 16)).at[:, 4:].multiply(1 / 16)
+    gemm = Fp8Gemm.column(Fp8Recipe("hybrid"), None, token_axis="context")
+    for name in ("input", "gradient"):
+        split = jax.shard_map(
+            lambda a, name=name: getattr(gemm, name)(a).value.astype(jnp.float32),
+            mesh=mesh,
+            in_specs=P(None, "context"),
+            out_specs=P(None, "context"),
+        )(x)
+        dtype = gemm.recipe.forward_dtype if name == "input" else gemm.recipe.gradient_dtype
+        whole = quantize(x, dtype).value.astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+        per_rank = quantize(x[:, 4:], dtype).value.astype(jnp.float32)
+        assert not np.array_equal(np.asarray(per_rank), np.asarray(whole[:, 4:]))

@@ -107,6 +107,14 @@ def _parallel(fusion=True, **kw):
             id="hybrid-moe-ep2",
             marks=pytest.mark.slow,
         ),
+        # context parallelism: the activations' amax over the context ranks too
+        pytest.param(
+            "hybrid",
+            True,
+            dict(context_parallel_size=2),
+            id="hybrid-cp2",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_fp8_gradients_equal_the_quantize_dequantize_reference(fmt, fusion, extra):

@@ -215,7 +215,11 @@ def scale_exponent(amax: jax.Array, dtype: jnp.dtype, margin: int = 0) -> jax.Ar
 
 
 def quantize(
-    x: jax.Array, dtype: jnp.dtype, *, margin: int = 0, amax_axis: str | None = None
+    x: jax.Array,
+    dtype: jnp.dtype,
+    *,
+    margin: int = 0,
+    amax_axis: str | tuple[str, ...] | None = None,
 ) -> Fp8Tensor:
     """``x`` (any shape, any float type) quantized to the FP8 ``dtype`` with its
     per-tensor power-of-two scale (module docstring).
@@ -273,29 +277,38 @@ class Fp8Gemm:
       axis: the tensor-parallel mesh axis (``None``: nothing is split).
       sharded: the tensors split over ``axis``, of ``"x"`` (the input), ``"w"`` (the
         weight) and ``"dy"`` (the output gradient).
+      token_axis: the mesh axis the tokens are split over (context parallelism's; ``None``:
+        none): the input's and the output gradient's amax are reduced over it too
+        (Megatron's amax reduction group with context parallelism).
     """
 
     recipe: Fp8Recipe
     axis: str | None = None
     sharded: frozenset[str] = frozenset()
+    token_axis: str | None = None
 
     @classmethod
-    def column(cls, recipe: Fp8Recipe, axis: str | None) -> Fp8Gemm:
+    def column(cls, recipe: Fp8Recipe, axis: str | None, token_axis: str | None = None) -> Fp8Gemm:
         """A column-parallel linear: the weight and the output (gradient) split over
         ``axis``; its input whole (a sequence-parallel shard is reduced where the linear
         gathers it)."""
-        return cls(recipe, axis, frozenset({"w", "dy"}) if axis else frozenset())
+        return cls(recipe, axis, frozenset({"w", "dy"}) if axis else frozenset(), token_axis)
 
     @classmethod
-    def row(cls, recipe: Fp8Recipe, axis: str | None) -> Fp8Gemm:
+    def row(cls, recipe: Fp8Recipe, axis: str | None, token_axis: str | None = None) -> Fp8Gemm:
         """A row-parallel linear: the input and the weight split over ``axis``; the
         output gradient whole (the reduction's conjugate gives every rank all of it)."""
-        return cls(recipe, axis, frozenset({"x", "w"}) if axis else frozenset())
+        return cls(recipe, axis, frozenset({"x", "w"}) if axis else frozenset(), token_axis)
 
-    def _axis(self, name: str, shard_axis: str | None = None) -> str | None:
-        if shard_axis is not None:
-            return shard_axis
-        return self.axis if name in self.sharded else None
+    def _axis(self, name: str, shard_axis: str | None = None) -> str | tuple[str, ...] | None:
+        """The mesh axes ``name``'s amax is reduced over."""
+        split = (
+            shard_axis if shard_axis is not None else self.axis if name in self.sharded else None
+        )
+        axes = (() if split is None else (split,)) + (
+            (self.token_axis,) if self.token_axis is not None and name in ("x", "dy") else ()
+        )
+        return axes[0] if len(axes) == 1 else (axes or None)
 
     def input(self, x: jax.Array, shard_axis: str | None = None) -> Fp8Tensor:
         """The input quantized (E4M3); ``shard_axis``: ``x`` is a sequence-parallel shard

@@ -73,7 +73,9 @@ class ColumnParallelLinear(nnx.Module):
     gate features, then its up features.
 
     ``fp8``: its GEMMs in FP8 (:func:`~jax_wgrad.functional.linear`'s ``fp8``; the weight
-    and the output gradient scaled by their amax over the tensor ranks).
+    and the output gradient scaled by their amax over the tensor ranks); ``token_axis``:
+    the tokens are split over this mesh axis too (context parallelism), the input's and
+    the output gradient's amax reduced over it.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class ColumnParallelLinear(nnx.Module):
         precision: PrecisionLike = None,
         gated: bool = False,
         fp8: Fp8Recipe | None = None,
+        token_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         if out_features % tp_size != 0:
@@ -103,7 +106,11 @@ class ColumnParallelLinear(nnx.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.precision = precision
-        self.fp8 = None if fp8 is None else Fp8Gemm.column(fp8, axis_name if tp_size > 1 else None)
+        self.fp8 = (
+            None
+            if fp8 is None
+            else Fp8Gemm.column(fp8, axis_name if tp_size > 1 else None, token_axis)
+        )
         local_out = out_features // tp_size
         lead, axis = ((2,), 1) if gated else ((), 0)
         self.weight = (
@@ -176,7 +183,8 @@ class RowParallelLinear(nnx.Module):
     ``[out]`` is added after the reduction, once.
 
     ``fp8``: its GEMMs in FP8 (:func:`~jax_wgrad.functional.linear`'s ``fp8``; the input
-    and the weight scaled by their amax over the tensor ranks).
+    and the weight scaled by their amax over the tensor ranks); ``token_axis``: as
+    :class:`ColumnParallelLinear`'s.
     """
 
     def __init__(
@@ -191,6 +199,7 @@ class RowParallelLinear(nnx.Module):
         init_std: float = 0.02,
         precision: PrecisionLike = None,
         fp8: Fp8Recipe | None = None,
+        token_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         if in_features % tp_size != 0:
@@ -202,7 +211,11 @@ class RowParallelLinear(nnx.Module):
         self.axis_name = axis_name
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.precision = precision
-        self.fp8 = None if fp8 is None else Fp8Gemm.row(fp8, axis_name if tp_size > 1 else None)
+        self.fp8 = (
+            None
+            if fp8 is None
+            else Fp8Gemm.row(fp8, axis_name if tp_size > 1 else None, token_axis)
+        )
         self.weight = nnx.Param(
             _normal(rngs, (out_features, in_features // tp_size), init_std),
             **param_facts(1, weight_decay=True, fused_wgrad=True),

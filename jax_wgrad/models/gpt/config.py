@@ -746,12 +746,6 @@ def validate(parallel: ParallelConfig, model: GPTConfig) -> None:
             f"seq_length ({model.seq_length}){per_rank} must be divisible by "
             f"tensor_model_parallel_size ({tp}) with sequence parallelism"
         )
-    if cp > 1 and model.fp8_format is not None:
-        raise ValueError(
-            f"fp8_format ({model.fp8_format!r}) with context_parallel_size ({cp}) is not "
-            "built: current scaling's activation amax would have to be reduced over the "
-            "context ranks too (Megatron's amax reduction group with context parallelism)"
-        )
     if cp > 1 and parallel.cp_comm_type == "a2a" and (model.query_groups // tp) % cp != 0:
         raise ValueError(
             f"cp_comm_type 'a2a' splits each tensor rank's attention heads over "

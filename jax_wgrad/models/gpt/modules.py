@@ -194,6 +194,7 @@ class TransformerLayer(nnx.Module):
             axis_name=axis_name,
             sequence_parallel=sequence_parallel,
             fp8=cfg.fp8_config(),
+            token_axis=CONTEXT if cp_size > 1 else None,
         )
         out_std = init_std_for_output_layers(cfg.init_method_std, cfg.num_layers)
         norm = lambda width: make_norm(cfg.normalization, width, epsilon=cfg.layernorm_epsilon)
