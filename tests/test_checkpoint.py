@@ -62,7 +62,10 @@ def test_resume_is_bitwise_exact_on_the_same_layout(pretrain, straight_and_saved
         ),
         pytest.param([], id="dp8"),  # (8, 1, 1), replicated optimizer
         # context parallelism: the optimizer sharded over data x context, dp 2 -> 1
-        pytest.param([*L222, "--context-parallel-size", "2"], id="tp2pp2cp2"),
+        # (-m slow: suite time; the default run's CP cover is tests/test_context_parallel.py)
+        pytest.param(
+            [*L222, "--context-parallel-size", "2"], id="tp2pp2cp2", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_resume_onto_another_layout(pretrain, straight_and_saved, layout):
@@ -79,7 +82,7 @@ def test_resume_onto_another_layout(pretrain, straight_and_saved, layout):
         assert abs(a - b) <= 1e-5 * abs(b), (got, straight)
 
 
-@pytest.mark.slow  # the default run resumes a CP 1 checkpoint on CP 2 (above)
+@pytest.mark.slow
 def test_a_context_parallel_checkpoint_resumes_without_it(pretrain, straight_and_saved, tmp_path):
     """Saved with ``--context-parallel-size 2`` (the optimizer sharded over data x
     context), resumed on CP 1: the losses of the straight CP 1 run."""
