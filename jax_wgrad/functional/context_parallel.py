@@ -394,7 +394,8 @@ def _ring_fwd(q, k, v, positions, context: ContextParallel, window: int | None, 
             o, l_ = _merge((_rows(out, qs, c), _rows(lse, qs, c, 3)), new)
             out = lax.dynamic_update_slice_in_dim(out, o, qs, 1)
             lse = lax.dynamic_update_slice_in_dim(lse, l_, qs, 3)
-    return out, (q, k, v, positions, out, lse)
+    # the backward reads the output in the compute dtype, as flash attention's does
+    return out, (q, k, v, positions, out.astype(q.dtype), lse)
 
 
 def _ring_bwd(context: ContextParallel, window: int | None, blocks: str, res, d_out):
@@ -404,7 +405,7 @@ def _ring_bwd(context: ContextParallel, window: int | None, blocks: str, res, d_
     c, n = s // 2, context.size
     r = lax.axis_index(context.axis_name)
     d_out = d_out.astype(jnp.float32)
-    delta = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, -1)  # [b, g, m, s]
+    delta = jnp.moveaxis(jnp.sum(d_out * out.astype(jnp.float32), axis=-1), 1, -1)  # [b, g, m, s]
     dq = jnp.zeros(q.shape, jnp.float32)
     kv, incoming = (k, v), None
     dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
