@@ -25,11 +25,15 @@ is token-local; the core exchanges keys and values over the axis, one of three w
   sequence's causal attention runs on ``1 / cp`` of the heads (any implementation,
   cuDNN's included), and a second all-to-all trades back.
 
-Blocks are computed as :func:`~jax_wgrad.functional.causal_attention`'s XLA form computes
-them (fp32 scores and softmax over a mask from the tokens' positions, so sliding windows
-and grouped-query attention work), returning the block's log-sum-exp. The backward is
-``jax``'s: the transposes of ``ppermute``, ``all_gather`` and ``all_to_all`` send the key
-and value gradients back to their ranks.
+The ring's blocks run on cuDNN's flash attention (``implementation="cudnn"``, without a
+sliding window) or in XLA; ``allgather``'s in XLA. An XLA block is computed as
+:func:`~jax_wgrad.functional.causal_attention`'s XLA form computes it (fp32 scores and
+softmax over a mask from the tokens' positions, so sliding windows and grouped-query
+attention work), returning its log-sum-exp. The ring's backward is flash attention's
+(:func:`_ring_bwd`: the keys and values passed around again with their gradients, each
+block's gradients from the whole attention's output and log-sum-exp); the others' is
+``jax``'s: the transposes of ``all_gather`` and ``all_to_all`` send the key and value
+gradients back to their ranks.
 """
 
 from __future__ import annotations
