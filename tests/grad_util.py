@@ -11,6 +11,18 @@ from jax_wgrad import GPTProgram, init_params, make_mesh, pipeline_gradients
 from jax_wgrad.layout import lay_out
 from jax_wgrad.testing import reference_loss
 
+LLAMA = dict(
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    swiglu=True,
+    group_query_attention=True,
+    num_attention_heads=4,
+    num_query_groups=2,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+)
+"""The Llama options of the small GPTs these comparisons run (4 heads, 2 query groups)."""
+
 
 def pipeline_and_reference(cfg, par, *, ddp=None, table=None, micro_batch_size=None):
     """``(loss, ref_loss, grads, ref_grads)`` of one step of ``cfg`` laid out as ``par``

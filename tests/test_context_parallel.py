@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from grad_util import assert_grads_close, pipeline_and_reference
+from grad_util import LLAMA, assert_grads_close, pipeline_and_reference
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -28,17 +28,6 @@ from jax_wgrad.models.gpt.config import validate
 from jax_wgrad.testing import reference_loss
 
 MULTI = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
-
-LLAMA = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    group_query_attention=True,
-    num_attention_heads=4,
-    num_query_groups=2,
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-)
 
 
 def test_load_balanced_positions_are_megatrons_chunks():

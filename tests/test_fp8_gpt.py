@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from grad_util import assert_grads_close, pipeline_and_reference
+from grad_util import LLAMA, assert_grads_close, pipeline_and_reference
 
 from jax_wgrad import (
     GPTConfig,
@@ -24,17 +24,6 @@ from jax_wgrad.models.gpt import validate
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
-
-LLAMA = dict(
-    normalization="RMSNorm",
-    position_embedding_type="rope",
-    swiglu=True,
-    group_query_attention=True,
-    num_attention_heads=4,
-    num_query_groups=2,
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-)
 
 
 def _grads(cfg, par):

@@ -40,7 +40,14 @@ from jax_wgrad import (
 )
 from jax_wgrad.layout import lay_out
 from jax_wgrad.models.gpt.config import validate
-from jax_wgrad.parallel.mesh import DATA_PARALLEL, EXPERT, PIPELINE, TENSOR, local_shape
+from jax_wgrad.parallel.mesh import (
+    DATA_PARALLEL,
+    EXPERT,
+    PIPELINE,
+    TENSOR,
+    axis_sizes,
+    local_shape,
+)
 from jax_wgrad.testing import reference_loss
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices")
@@ -610,7 +617,7 @@ def test_parallel_folding_shards_the_experts_over_expert_and_tensor():
     specs = lay_out(GPTProgram(cfg, par)).canonical_specs()
     experts = specs["moe_layers"]["experts"]
     assert experts == {k: P(PIPELINE, (EXPERT, TENSOR), None, None) for k in ("fc1", "fc2")}
-    sizes = dict(zip(("data", "expert", "context", "tensor", "pipeline"), par.mesh_shape))
+    sizes = axis_sizes(par)
     shape = init_params(cfg, 0)["moe_layers"]["experts"]["fc1"].shape
     assert local_shape(shape, experts["fc1"], sizes)[1] == cfg.num_moe_experts // 4
 

@@ -56,6 +56,7 @@ __all__ = [
     "context_positions",
     "context_tokens",
     "load_balanced_positions",
+    "runs_cudnn",
 ]
 
 _MASKED = -1e30
@@ -83,6 +84,13 @@ class ContextParallel:
     comm_type: Literal["p2p", "allgather", "a2a"]
     axis_name: str
     ring_shift: Literal["ppermute", "all_to_all"] = "ppermute"
+
+
+def runs_cudnn(comm_type: str, window: int | None) -> bool:
+    """Whether a ``comm_type`` split can run cuDNN's flash attention: ``a2a`` (the whole
+    sequence's core) and ``p2p`` without a sliding window (its blocks); ``allgather``
+    computes its blocks in XLA."""
+    return comm_type == "a2a" or (comm_type == "p2p" and window is None)
 
 
 def load_balanced_positions(seq_length: int, cp: int, rank: int) -> np.ndarray:
@@ -154,7 +162,7 @@ def _attend(q, k, v, positions, context: ContextParallel, implementation: str, w
     g, n = k.shape[2], context.size
     if context.comm_type == "a2a":
         return _ulysses(q, k, v, context, implementation, window)
-    if implementation != "xla" and (context.comm_type != "p2p" or window is not None):
+    if implementation != "xla" and not runs_cudnn(context.comm_type, window):
         raise ValueError(
             f"cp_comm_type {context.comm_type!r}"
             + (" with a sliding window" if context.comm_type == "p2p" else "")

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from jax_wgrad._validation import check_positive
 from jax_wgrad.functional.attention import RopeScaling
+from jax_wgrad.functional.context_parallel import runs_cudnn
 from jax_wgrad.functional.fp8 import Fp8Recipe
 from jax_wgrad.functional.moe import MoEConfig
 from jax_wgrad.nn.norm import NORMALIZATIONS
@@ -647,12 +648,11 @@ class GPTConfig:
 
     def cudnn_context_parallel(self, parallel: ParallelConfig) -> bool:
         """Whether ``parallel``'s context-parallel attention can run cuDNN's flash
-        attention (:func:`~jax_wgrad.functional.context_parallel_attention`): without CP,
-        with ``a2a`` (the whole sequence's core), with ``p2p`` without a sliding window
-        (its blocks); not with ``allgather``."""
-        if parallel.context_parallel_size == 1 or parallel.cp_comm_type == "a2a":
-            return True
-        return parallel.cp_comm_type == "p2p" and self.attention_window is None
+        attention: without CP, or where the split runs it
+        (:func:`~jax_wgrad.functional.context_parallel.runs_cudnn`)."""
+        return parallel.context_parallel_size == 1 or runs_cudnn(
+            parallel.cp_comm_type, self.attention_window
+        )
 
     def attention_implementation(
         self, platform: str, parallel: ParallelConfig | None = None
