@@ -64,7 +64,19 @@ def _store(recompute, schedule="1f1b", method=None, num_layers=None, model=MODEL
     )
     weights = {tuple(x.shape) for x in jax.tree.leaves(params)}
     buckets = {(n,) for n in layout.buffer.bucket_numels}
-    return run.store, weights, buckets
+    weights |= {w[1:] for w in weights}  # and a layer's slice of a stack
+    return run, weights, buckets
+
+
+def _bytes(shapes) -> int:
+    return sum(s.size * s.dtype.itemsize for s in shapes)
+
+
+def _per_layer_pass(run) -> list:
+    """What a microbatch stores, each array of the layers' residual slots as one
+    iteration of its scan stores it (without the leading ``[iterations]``)."""
+    slots = [s for scan in run.slot_layouts or () for s in scan]
+    return [*run.store.shapes, *(jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in slots)]
 
 
 FULL = [("uniform", 1), ("uniform", 2), ("uniform", 3), ("uniform", 4), ("block", 1), ("block", 4)]
@@ -79,16 +91,15 @@ def test_residuals_are_activations_only(schedule):
         ("selective", None, None),
         *[("full", m, k) for m, k in FULL],
     ]:
-        store, weights, buckets = _store(recompute, schedule, method, n)
+        run, weights, buckets = _store(recompute, schedule, method, n)
+        stored = _per_layer_pass(run)  # the stage's residuals and its layers' slots
         # besides activations, only the scan's int32 layer indices (scalars, [layers])
-        shapes = [
-            tuple(s.shape) for s in store.shapes if not (s.dtype == jnp.int32 and s.ndim <= 1)
-        ]
+        shapes = [tuple(s.shape) for s in stored if not (s.dtype == jnp.int32 and s.ndim <= 1)]
         assert shapes and not set(shapes) & (weights | buckets), shapes
-        assert sum(i is not None for i in store.live_index) > 0  # the weights, read live
+        assert sum(i is not None for i in run.store.live_index) > 0  # the weights, read live
         # every stored residual is an activation of the microbatch: [(layers,) mb 2, ...]
-        assert all(s[:2] == (2, 16) or (s[0] <= LAYERS and s[1] == 2) for s in shapes), shapes
-        sizes[(recompute, method, n)] = store.stored_bytes
+        assert all(s[0] == 2 or (s[0] <= LAYERS and s[1] == 2) for s in shapes), shapes
+        sizes[(recompute, method, n)] = _bytes(run.stored_per_microbatch)
         # (zb-h1 with grouped recompute also stores its zero probes regrouped: see
         # functional/stacked.py)
         if (
@@ -97,9 +108,11 @@ def test_residuals_are_activations_only(schedule):
             and schedule == "1f1b"
         ):
             # every layer recomputed: the input of the group (uniform 4) or of each layer
+            # (the slots hold them by iteration: one group of 4, or 4 single layers)
             act = (2, 16, 32)
-            assert shapes == ([act] if method == "uniform" else [(LAYERS, *act)]), shapes
-            assert all(s.dtype == jnp.bfloat16 for s in store.shapes if s.ndim > 1)
+            whole = [tuple(s.shape) for s in run.stored_per_microbatch if s.dtype != jnp.int32]
+            assert whole == [(1 if method == "uniform" else LAYERS, *act)], whole
+            assert all(s.dtype == jnp.bfloat16 for s in stored if s.ndim > 1)
     if schedule != "1f1b":
         return
     none, sel = sizes[(None, None, None)], sizes[("selective", None, None)]
@@ -118,11 +131,12 @@ def test_fp8_weight_copies_are_read_live_not_stored(recompute):
     microbatch stores is activations only (before, every in-flight microbatch stored its
     own copy of the whole stack)."""
     fp8 = dataclasses.replace(MODEL, fp8_format="hybrid", params_dtype="bfloat16")
-    store, weights, buckets = _store(recompute, model=fp8)
-    shapes = [tuple(s.shape) for s in store.shapes if not (s.dtype == jnp.int32 and s.ndim <= 1)]
-    assert all(s[:2] == (2, 16) or (s[0] <= LAYERS and s[1] == 2) for s in shapes), shapes
-    assert not any(s.dtype == jnp.float8_e4m3fn for s in store.shapes), store.shapes
-    assert sum(i is not None for i in store.live_index) > 0
+    run, weights, buckets = _store(recompute, model=fp8)
+    stored = _per_layer_pass(run)
+    shapes = [tuple(s.shape) for s in stored if not (s.dtype == jnp.int32 and s.ndim <= 1)]
+    assert all(s[0] == 2 or (s[0] <= LAYERS and s[1] == 2) for s in shapes), shapes
+    assert not any(s.dtype == jnp.float8_e4m3fn for s in stored), stored
+    assert sum(i is not None for i in run.store.live_index) > 0
 
 
 @pytest.mark.parametrize(

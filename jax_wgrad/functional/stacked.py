@@ -69,6 +69,7 @@ from flax import nnx
 from jax import lax
 
 from jax_wgrad._validation import check_recompute
+from jax_wgrad.functional.residual_slots import ResidualSlots, stashed_iteration, stored_residuals
 from jax_wgrad.functional.routes import ChunkSync, StackRoutes, value_of
 from jax_wgrad.functional.saved import SAVED
 
@@ -182,6 +183,7 @@ def scan_layers(
     unroll: int = 1,
     rows: tuple[Any, int] | None = None,
     recompute: LayerRecompute | None = None,
+    slots: ResidualSlots | None = None,
 ) -> tuple[jax.Array, PyTree]:
     """``for i in range(n): x, aux_i = layer(params[i], x)`` as a scan.
 
@@ -209,6 +211,12 @@ def scan_layers(
         (:class:`~jax_wgrad.functional.stacked.LayerRecompute`: one ``jax.checkpoint``
         per layer or per group of layers, inside the scan); ``None``: no checkpoint (what
         JAX's autodiff saves by itself).
+      slots: a pipeline forward's residual slots
+        (:class:`~jax_wgrad.functional.residual_slots.ResidualSlots`): what each
+        iteration's backward reads is written there, at the slots' ``slot`` (each scan
+        taking its buffers in order), instead of being saved by JAX's autodiff as the
+        scan's stacked outputs; under ``jax.vjp`` the caller seeds the cotangent of the
+        buffers it gets back with the buffers as they are when the backward runs.
     Returns:
       ``(x after the layers, aux stacked [k, ...])``. The routes' buckets and split
       records are updated as if each layer had been called.
@@ -235,12 +243,19 @@ def scan_layers(
             f"stacked layers run at once (rows={rows!r})"
         )
 
-    def one_layer(fn, h, keys, bks, index, probe, part):
-        """Layer ``index`` (traced, of the ``count`` run) on ``h`` by ``fn``: ``(h, bks,
-        records)``."""
-        take = lambda a: lax.dynamic_index_in_dim(a, start + index, 0, False)
-        sliced = [jax.tree.map(take, a) for a in leaves]  # a variable keeps its metadata
-        routes, sliced = stack.layer(keys, bks, sliced, start + index, probe, part)
+    defs = [jax.tree.structure(a) for a in leaves]  # a variable keeps its metadata
+
+    def layer_slices(stacks, at):
+        """Layer ``at``'s (traced, of the FULL stacks) slice of each leaf value."""
+        return [lax.dynamic_index_in_dim(a, at, 0, False) for a in stacks]
+
+    def one_layer(fn, h, keys, bks, index, probe, part, first=start, values=None):
+        """Layer ``index`` (traced, of the ``count`` run from row ``first``) on ``h`` by
+        ``fn``: ``(h, bks, records)``; ``values``: its slices (default: read here)."""
+        if values is None:
+            values = layer_slices([value_of(a) for a in leaves], first + index)
+        sliced = [jax.tree.unflatten(d, [v]) for d, v in zip(defs, values)]
+        routes, sliced = stack.layer(keys, bks, sliced, first + index, probe, part)
         h, aux = fn(jax.tree.unflatten(treedef, sliced), h)
         bks, inputs, outputs = StackRoutes.layer_result(routes, keys)
         return h, bks, (aux, inputs, outputs)
@@ -251,14 +266,25 @@ def scan_layers(
         # completed one) is what a chunk synced beside its layers waits for.
         own = keys.index(stack.part_keys(part)[0]) if syncs else None
 
-        def iteration(h, bks, it, probe):
+        def iteration(h, bks, it, probe, first=start, values=None):
             # `size` layers from layer first + it * size on; probe leaves [size, ...], or
-            # the layer's own for size 1 (None: record only).
+            # the layer's own for size 1 (None: record only); values: their slices, per
+            # layer (default: read inside).
             records = []
             for j in range(g.size):
                 index = g.first + it * g.size + j
                 mine = [p if p is None or g.size == 1 else p[j] for p in probe]
-                h, bks, rec = one_layer(g.layer, h, keys, bks, index, mine, part)
+                h, bks, rec = one_layer(
+                    g.layer,
+                    h,
+                    keys,
+                    bks,
+                    index,
+                    mine,
+                    part,
+                    first,
+                    None if values is None else values[j],
+                )
                 records.append(rec)
             return h, bks, jax.tree.map(lambda *r: jnp.stack(r), *records)
 
@@ -268,9 +294,9 @@ def scan_layers(
             # else there is no recompute at all.
             iteration = jax.checkpoint(iteration, policy=g.policy, prevent_cse=g.count <= unroll)
 
-        def step(carry, xs):
-            h, bks = carry
-            it, probe = xs
+        def run(values, state, index):
+            # One iteration on its state (h, buckets, probe) from row index[0] on.
+            (h, bks, probe), (first, it) = state, index
             # The buckets of the part above are complete when the backward runs this
             # iteration: its chunk of them is synced beside the layer's weight gradients
             # (sync_when_complete says how), which go to the part's own bucket.
@@ -279,8 +305,38 @@ def scan_layers(
                 bks[j], bks[own], h = sync_when_complete(
                     sync, bks[j], bks[own], h, first_iteration + it
                 )
-            h, bks, rec = iteration(h, tuple(bks), it, probe)
+            if values is not None:
+                n_leaves = len(leaves)
+                values = [values[j * n_leaves : (j + 1) * n_leaves] for j in range(g.size)]
+            h, bks, rec = iteration(h, tuple(bks), it, probe, first, values)
             return (h, bks), rec
+
+        def reslice(stacks, index):
+            # The iteration's layers' slices, layer by layer.
+            first, it = index
+            row = first + g.first + it * g.size
+            return [v for j in range(g.size) for v in layer_slices(stacks, row + j)]
+
+        def step(carry, xs):
+            it, probe = xs
+            if slots is None:
+                h, bks = carry
+                return run(None, (h, bks, probe), (start, it))
+            h, bks, buffers = carry
+            stacks = [value_of(a) for a in leaves]
+            index = (start, it)
+            values = reslice(stacks, index)
+            ((h, bks), rec), buffers = stashed_iteration(
+                run, reslice, stacks, values, (h, bks, probe), buffers, index, it, slots.slot
+            )
+            return (h, bks, buffers), rec
+
+        def stored(carry, xs):
+            # What the first iteration's backward reads (traced: the slots' layout).
+            it, probe = jax.tree.map(lambda a: a[0], xs)
+            index = (start, it)
+            values = reslice([value_of(a) for a in leaves], index)
+            return stored_residuals(run, values, (*carry, probe), index)
 
         def group_probes(p):
             # The probes are inputs of the checkpointed iterations, so their scan inputs are
@@ -292,7 +348,8 @@ def scan_layers(
             part_ = lax.slice_in_dim(p, g.first, g.first + g.size * g.count, axis=0)
             return part_ if g.size == 1 else part_.reshape(g.count, g.size, *p.shape[1:])
 
-        return step, (jnp.arange(g.count, dtype=jnp.int32), [group_probes(p) for p in probes])
+        xs = (jnp.arange(g.count, dtype=jnp.int32), [group_probes(p) for p in probes])
+        return step, xs, stored
 
     runs = [(None, groups)]
     if stack.parts:
@@ -309,7 +366,9 @@ def scan_layers(
         syncs = {j: ask(k, iterations) for j, k in enumerate(keys) if k in done}
         carry, first_iteration = (h, stack.tokens(keys)), 0
         for g in part_groups:
-            step, xs = run_group(g, keys, part, syncs, first_iteration)
+            step, xs, stored = run_group(g, keys, part, syncs, first_iteration)
+            if slots is not None:
+                carry = (*carry, slots.take(g.count, functools.partial(stored, carry, xs)))
             if g.count <= unroll:  # no loop: each iteration traced on its own
                 recs = []
                 for k in range(g.count):
@@ -318,6 +377,9 @@ def scan_layers(
                 rec = jax.tree.map(lambda *r: jnp.stack(r), *recs)
             else:
                 carry, rec = lax.scan(step, carry, xs, unroll=min(unroll, g.count))
+            if slots is not None:
+                slots.put(carry[2])
+                carry = carry[:2]
             records.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rec))
             first_iteration += g.count
         h, bks = carry

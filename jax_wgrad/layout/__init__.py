@@ -17,6 +17,7 @@ from jax_wgrad.layout.program import (
     StageModel,
     TiedOutputWeight,
     VocabOverPipeline,
+    WritesResidualSlots,
     lay_out,
     param_specs,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "StageSetup",
     "TiedOutputWeight",
     "VocabOverPipeline",
+    "WritesResidualSlots",
     "lay_out",
     "param_specs",
 ]

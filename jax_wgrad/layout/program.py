@@ -20,6 +20,8 @@ Capabilities only some models have are small protocols, detected with ``isinstan
   every stage;
 * :class:`OutputGradRecompute` -- the deferred output-layer weight gradient's ``recompute``
   mode (the drain rebuilds the output layer's ``dy`` from what ``post`` reports);
+* :class:`WritesResidualSlots` -- ``body`` writes its layers' saved activations straight
+  into the pipeline's residual slots;
 * :class:`SplitsContext` -- context parallelism: ``pre`` and ``post`` take this context
   rank's tokens of the (whole) batch and the attention runs over the ``context`` axis.
 
@@ -47,6 +49,7 @@ __all__ = [
     "StageModel",
     "TiedOutputWeight",
     "VocabOverPipeline",
+    "WritesResidualSlots",
     "lay_out",
     "param_specs",
 ]
@@ -96,6 +99,19 @@ class PreparedWeights(Protocol):
         """What ``body`` reads of ``params`` within a step (``None``: nothing), inside
         ``shard_map``; no gradient flows through it (the parameters' own routes say
         where their gradients go)."""
+
+
+@runtime_checkable
+class WritesResidualSlots(Protocol):
+    """A model whose ``body`` runs its layers with
+    :func:`~jax_wgrad.functional.scan_layers` and hands it ``slots=``: the executor then
+    passes every forward's residual slots (a
+    :class:`~jax_wgrad.functional.residual_slots.ResidualSlots`) as ``body(...,
+    slots=)``, and the layers write what their backward reads straight into the slot
+    buffers the pipeline keeps (no copy of the saved activations in or out of them)."""
+
+    def writes_residual_slots(self) -> bool:
+        """Whether ``body`` takes ``slots=`` in this configuration."""
 
 
 @runtime_checkable
@@ -181,6 +197,8 @@ class LaidOutProgram:
       output_grad_recompute: the model when it can rebuild its output layer's gradient
         (:class:`OutputGradRecompute`), else ``None``.
       prepare: the model's :meth:`PreparedWeights.prepare`, else ``None``.
+      writes_residual_slots: the model's ``body`` takes ``slots=``
+        (:class:`WritesResidualSlots`).
     """
 
     def __init__(self, model: StageModel):
@@ -197,6 +215,9 @@ class LaidOutProgram:
         )
         self.output_grad_recompute = model if isinstance(model, OutputGradRecompute) else None
         self.prepare = model.prepare if isinstance(model, PreparedWeights) else None
+        self.writes_residual_slots = (
+            isinstance(model, WritesResidualSlots) and model.writes_residual_slots()
+        )
         # The model's own functions and the layout's, bound: called directly.
         self.pre, self.body, self.post, self.metrics = (
             model.pre,

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_wgrad.functional.residual_slots import ResidualSlots
 from jax_wgrad.functional.stacked import LayerRecompute, scan_layers
 from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.models.parts import LayerKind, ModelParts
@@ -187,10 +188,20 @@ class LayerStackProgram:
         """Tokens ``[mb, S + 1]`` -> ``embed(batch[:, :-1])``."""
         return self._module("embed", params.shared["embed"])(batch[:, :-1]), ()
 
+    def writes_residual_slots(self) -> bool:
+        """The layer scan writes the pipeline's residual slots
+        (:class:`~jax_wgrad.layout.WritesResidualSlots`): always."""
+        return True
+
     def body(
-        self, params: DeviceTree, x: jax.Array, layers: Window | None = None
+        self,
+        params: DeviceTree,
+        x: jax.Array,
+        layers: Window | None = None,
+        slots: ResidualSlots | None = None,
     ) -> tuple[jax.Array, tuple]:
-        """This stage's layers (with ``layers``: model chunk ``layers.index``'s) as one scan."""
+        """This stage's layers (with ``layers``: model chunk ``layers.index``'s) as one
+        scan; ``slots``: the pipeline forward's residual slots, written by the scan."""
         stack = params.stage[0]
         rows = None
         if layers is not None and layers.count > 1:
@@ -207,6 +218,7 @@ class LayerStackProgram:
                 stack,
                 rows=rows,
                 recompute=recompute,
+                slots=slots,
             )
         return y, ()
 

@@ -16,6 +16,7 @@ from jax_wgrad.functional.context_parallel import context_positions, context_tok
 from jax_wgrad.functional.cross_entropy import recompute_dy
 from jax_wgrad.functional.fp8 import check_fp8_platform
 from jax_wgrad.functional.moe import MoEStats
+from jax_wgrad.functional.residual_slots import ResidualSlots
 from jax_wgrad.functional.stacked import LayerRecompute, scan_layers
 from jax_wgrad.grads.chunks import DeviceTree, Window
 from jax_wgrad.models.gpt.config import GPTConfig
@@ -285,19 +286,26 @@ class GPTProgram:
             out.append(jax.vmap(lambda s, d=layer_def: nnx.merge(d, s).fp8_weights())(lp))
         return out
 
+    def writes_residual_slots(self) -> bool:
+        """The layer scan writes the pipeline's residual slots
+        (:class:`~jax_wgrad.layout.WritesResidualSlots`): always."""
+        return True
+
     def body(
         self,
         params: DeviceTree,
         x: jax.Array,
         layers: Window | None = None,
         prepared: list | None = None,
+        slots: ResidualSlots | None = None,
     ):
         """This stage's ``L / P`` layers in order (with ``layers``: model chunk
         ``layers.index``'s ``L / (P V)`` of them), as one ``lax.scan`` over its periods of
         layers (:func:`~jax_wgrad.functional.scan_layers`; compile time flat in the
         depth): ``(y, MoE statistics summed over its MoE layers)`` (``()`` for a dense
         model); ``prepared``: :meth:`prepare` of ``params`` (else each FP8 linear
-        quantizes its weight at each use: the same values)."""
+        quantizes its weight at each use: the same values); ``slots``: the pipeline
+        forward's residual slots, written by the layer scan (``scan_layers(slots=)``)."""
         stacked = {"stage": params.stage, "experts": params.experts}
         if prepared is not None:
             stacked["fp8_weights"] = prepared
@@ -313,6 +321,7 @@ class GPTProgram:
                 unroll=self.model.layer_scan_unroll,
                 rows=rows,
                 recompute=self._recompute,
+                slots=slots,
             )
         if not self.moe:
             return y, ()

@@ -49,6 +49,10 @@ class PipelineCarry:
     residuals: tuple[jax.Array, ...]
     """``[num_slots, ...]`` per stored residual of the stage forward (slots by the table's
     ``slot_map``)."""
+    slots: tuple[tuple[jax.Array, ...], ...]
+    """The layers' residual slots (:class:`~jax_wgrad.functional.residual_slots.ResidualSlots`):
+    per layer scan, ``[num_slots, iterations, ...]`` per array its backward reads; ``()``
+    when the program's layers do not write them (then they are in :attr:`residuals`)."""
     activation_inbox: jax.Array
     """``[V depth + 1, mb, s(/tp), H]`` activations received, by (model chunk,
     microbatch); the last slot takes what arrives in a tick where the sender ran no

@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_wgrad.functional.residual_slots import ResidualSlots
 from jax_wgrad.grads.chunks import DeviceTree, GradState
 from jax_wgrad.grads.config import DDPConfig
 from jax_wgrad.grads.finalize import chunk_syncable, sync_bucket_chunk, sync_stage_buckets
@@ -237,16 +238,28 @@ class ScheduleRun:
         buckets = sink.layout.zeros() if ctx.fused else None
         chunk0 = (params, buckets)
         self.body_probes = {}
+        self.slot_layouts = None
         if sink.probed(LAYERS):
             recorded = jax.eval_shape(
                 self._taped_body,
-                (*chunk0, None, jnp.int32(0), self.prepared),
+                (*chunk0, None, jnp.int32(0), self.prepared, (), jnp.int32(0)),
                 ctx.zero_activation,
             )[1]
             self.body_probes = zeros_of(recorded[1])
+        if getattr(program, "writes_residual_slots", False):
+            # The layers' saved activations go straight into the residual slots
+            # (ResidualSlots): their layout, from one trace.
+            recorder = ResidualSlots.recorder()
+            jax.eval_shape(
+                functools.partial(self._taped_body, slots=recorder),
+                (*chunk0, self.body_probes, jnp.int32(0), self.prepared, (), jnp.int32(0)),
+                ctx.zero_activation,
+            )
+            self.slot_layouts = tuple(recorder.layouts)
+        slot_buffers = jax.eval_shape(functools.partial(self.slot_buffers, self.table.num_slots))
         self.store = ResidualStore.create(
             self._taped_body,
-            (*chunk0, self.body_probes, jnp.int32(0), self.prepared),
+            (*chunk0, self.body_probes, jnp.int32(0), self.prepared, slot_buffers, jnp.int32(0)),
             ctx.zero_activation,
             has_aux=True,
         )
@@ -263,7 +276,14 @@ class ScheduleRun:
             synced: list[int] = []
             self.last_store = ResidualStore.create(
                 functools.partial(self._taped_body, on_complete=self._chunk_sync(synced)),
-                (*chunk0, self.body_probes, jnp.int32(0), self.prepared),
+                (
+                    *chunk0,
+                    self.body_probes,
+                    jnp.int32(0),
+                    self.prepared,
+                    slot_buffers,
+                    jnp.int32(0),
+                ),
                 ctx.zero_activation,
                 has_aux=True,
             )
@@ -316,25 +336,57 @@ class ScheduleRun:
 
         return on_complete
 
-    def _taped_body(self, live, x, on_complete=None):
-        """``((params, grads, probes, chunk, prepared), x) -> ((y, grads), (recorded
-        inputs, outputs, aux))`` of model chunk ``chunk``'s layers under the sink's
-        ``LAYERS`` tape (probes ``None``: records only, traced once for the shapes;
-        ``prepared``: the program's :attr:`prepared`, or ``None``); ``on_complete``: the
-        layer groups' syncs of the last backward (:meth:`_chunk_sync`)."""
-        params, grads, probes, chunk, prepared = live
+    @property
+    def stored_per_microbatch(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """What one in-flight microbatch keeps for its backward: the stage forward's
+        stored residuals and, when the layers write residual slots, one slot of each
+        (``[iterations, ...]`` per array, :class:`ResidualSlots`)."""
+        layers = () if self.slot_layouts is None else self.slot_layouts
+        return (*self.store.shapes, *(s for scan in layers for s in scan))
+
+    def slot_buffers(self, num_slots: int) -> tuple[tuple[jax.Array, ...], ...]:
+        """Fresh residual-slot buffers of the layers (:class:`ResidualSlots`; ``()`` when
+        the program's layers do not write them)."""
+        if self.slot_layouts is None:
+            return ()
+        return ResidualSlots.allocate(self.slot_layouts, num_slots)
+
+    def _taped_body(self, live, x, on_complete=None, slots=None):
+        """``((params, grads, probes, chunk, prepared, slot buffers, slot), x) -> ((y,
+        grads, slot buffers), (recorded inputs, outputs, aux))`` of model chunk
+        ``chunk``'s layers under the sink's ``LAYERS`` tape (probes ``None``: records
+        only, traced once for the shapes; ``prepared``: the program's :attr:`prepared`,
+        or ``None``; the layers write what their backward reads at ``slot`` of the slot
+        buffers, :class:`ResidualSlots`, when the program does); ``on_complete``: the
+        layer groups' syncs of the last backward (:meth:`_chunk_sync`); ``slots``: a
+        recorder (:meth:`ResidualSlots.recorder`), traced once for the layout."""
+        params, grads, probes, chunk, prepared, buffers, slot = live
         tape = self.sink.open(LAYERS, params, grads, probes, on_complete=on_complete)
         extra = {} if prepared is None else {"prepared": prepared}
+        if slots is None and self.slot_layouts is not None:
+            slots = ResidualSlots(buffers, slot)
+        if slots is not None:
+            extra["slots"] = slots
         y, aux = self.program.body(tape.params, x, layers=self.context.window(chunk), **extra)
         grads, inputs, outputs = tape.close()
-        return (y, grads), (inputs, outputs, aux)
+        buffers = () if slots is None else tuple(slots.buffers)
+        return (y, grads, buffers), (inputs, outputs, aux)
 
-    def _live(self, carry: PipelineCarry, chunk):
+    def _live(self, carry: PipelineCarry, chunk, slot):
         """What the differentiated body reads that is not stored: the parameters, the
         threaded buckets, the probes, the model chunk, what the program prepared of the
-        parameters for the step (their cotangent is dropped)."""
+        parameters for the step, the residual-slot buffers and the slot (their cotangent
+        is dropped)."""
         ctx = self.context
-        return (ctx.params, ctx.threaded(carry.grads), self.body_probes, chunk, self.prepared)
+        return (
+            ctx.params,
+            ctx.threaded(carry.grads),
+            self.body_probes,
+            chunk,
+            self.prepared,
+            carry.slots,
+            slot,
+        )
 
     # ------------------------------------------------------------------------ the scan
 
@@ -355,6 +407,7 @@ class ScheduleRun:
         return PipelineCarry(
             grads=self.sink.layout.zeros(),
             residuals=self.store.buffers(self.table.num_slots),
+            slots=self.slot_buffers(self.table.num_slots),
             activation_inbox=inbox(ctx.activation_inbox_depth),
             gradient_inbox=inbox(ctx.gradient_inbox_depth),
             loss_sum=jnp.float32(0.0),
@@ -464,11 +517,9 @@ class ScheduleRun:
             lambda: self.ends.first_stage_input(ends, batch),
             lambda: received,
         )
-        (y, _), (inputs, _, aux), residuals = self.store.forward(
-            carry.residuals,
-            self.residual_slot[ctx.stage, chunk, microbatch],
-            self._live(carry, chunk),
-            x,
+        slot = self.residual_slot[ctx.stage, chunk, microbatch]
+        (y, _, slots), (inputs, _, aux), residuals = self.store.forward(
+            carry.residuals, slot, self._live(carry, chunk, slot), x
         )
         pairs = dict(carry.weight_pairs)
         for name, x_in in inputs.items():
@@ -477,6 +528,7 @@ class ScheduleRun:
             )
         carry = carry.replace(
             residuals=residuals,
+            slots=slots,
             weight_pairs=pairs,
             aux_sum=jax.tree.map(jnp.add, carry.aux_sum, aux),
         )
@@ -494,11 +546,11 @@ class ScheduleRun:
         dy = lax.dynamic_index_in_dim(
             carry.gradient_inbox, ctx.gradient_slot(chunk, microbatch), 0, keepdims=False
         )
-        live = self._live(carry, chunk)
-        pullback = (store or self.store).pullback(
-            carry.residuals, self.residual_slot[ctx.stage, chunk, microbatch], live
-        )
-        (dparams, grads, dys, _, _), dx = pullback((dy, live[1]))
+        slot = self.residual_slot[ctx.stage, chunk, microbatch]
+        live = self._live(carry, chunk, slot)
+        pullback = (store or self.store).pullback(carry.residuals, slot, live)
+        # The slot buffers ride the backward as their own cotangent (ResidualSlots).
+        (dparams, grads, dys, *_), dx = pullback((dy, live[1], carry.slots))
         grads = self.sink.add(carry.grads if grads is None else grads, LAYERS, dparams)
         pairs = dict(carry.weight_pairs)
         for name, d in dys.items():
