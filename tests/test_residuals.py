@@ -108,10 +108,9 @@ def test_residuals_are_activations_only(schedule):
             and schedule == "1f1b"
         ):
             # every layer recomputed: the input of the group (uniform 4) or of each layer
-            # (the slots hold them by iteration: one group of 4, or 4 single layers)
             act = (2, 16, 32)
             whole = [tuple(s.shape) for s in run.stored_per_microbatch if s.dtype != jnp.int32]
-            assert whole == [(1 if method == "uniform" else LAYERS, *act)], whole
+            assert whole == ([act] if method == "uniform" else [(LAYERS, *act)]), whole
             assert all(s.dtype == jnp.bfloat16 for s in stored if s.ndim > 1)
     if schedule != "1f1b":
         return
