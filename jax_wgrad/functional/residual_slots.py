@@ -16,6 +16,10 @@ the forward and every other microbatch's forward wrote their own slots -- the sa
 the gradient buckets ride a fused linear's backward: nothing of the activations is a
 residual of the scan itself.
 
+The pipeline uses them where it keeps more than one slot, and only a layer *loop*
+writes them (:func:`~jax_wgrad.functional.scan_layers`): with one slot the scan's stacked
+outputs become the buffer without a copy, and a run unrolled whole stacks nothing.
+
 What is *not* written: the iteration's weight slices (inputs of the differentiated
 iteration, recognised by identity), re-read from the full stacks in the backward; a
 weight is never copied per microbatch. Integer and boolean residuals (e.g. an MoE

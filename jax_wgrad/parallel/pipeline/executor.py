@@ -14,7 +14,11 @@ activations and gradients with its neighbours (:mod:`.transfer`).
   else the activation received for ``f``) goes through ``body`` under ``jax.vjp``; the
   pullback's residuals are stored at its slot of the table's ``slot_map``
   (:class:`~jax_wgrad.parallel.pipeline.residuals.ResidualStore`: what
-  ``recompute_granularity`` keeps, never a weight or a bucket). On the last stage ``post``
+  ``recompute_granularity`` keeps, never a weight or a bucket); with more than one slot,
+  a program whose layers write them (:class:`~jax_wgrad.layout.WritesResidualSlots`) has
+  its layer loops write their saved activations straight into the carry's slot buffers
+  (:class:`~jax_wgrad.functional.residual_slots.ResidualSlots`), which ``B`` hands back to
+  the pullback as their own cotangent: no copy in or out. On the last stage ``post``
   runs too, with its backward (Megatron's last stage computes the loss in its forward
   step): the loss, and the gradient for the body's output, kept in the gradient inbox for
   this stage's own ``B``.
