@@ -35,6 +35,7 @@ from jax_wgrad.functional.cross_entropy import (
 from jax_wgrad.functional.expert_linear import grouped_linear, ragged_linear
 from jax_wgrad.functional.linear import linear, linear_into_bucket
 from jax_wgrad.functional.moe import MoEConfig, MoEStats, moe_mlp
+from jax_wgrad.functional.residual_slots import ResidualSlots
 from jax_wgrad.functional.routes import Route, RowPiece, WgradRoutes, route_of, value_of
 from jax_wgrad.functional.stacked import LayerRecompute, scan_layers
 
@@ -48,6 +49,7 @@ __all__ = [
     "LayerRecompute",
     "MoEConfig",
     "MoEStats",
+    "ResidualSlots",
     "Route",
     "RowPiece",
     "WgradRoutes",
