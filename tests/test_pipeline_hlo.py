@@ -167,3 +167,30 @@ def test_the_ends_are_scoped_for_the_estimate():
         if i.opcode == "conditional"
     }
     assert ("forward", "post") in scopes and ("backward", "pre_backward") in scopes
+
+
+def test_layer_loops_write_the_residual_slots_one_iteration_at_a_time():
+    """Two layers a stage (a layer loop) and two residual slots: the MLP's saved fc1 output
+    lives in the schedule loop's carried slot buffer ``[slots 2, layers 2, mb 2, seq 16,
+    ffn 128]``, written one layer at a time inside the layer loop (ResidualSlots) -- never a
+    whole ``[1, layers, ...]`` stack copied in after the forward, as when the store held
+    the layer scan's stacked outputs."""
+    hlo = _step("1f1b", None, m=4, dp=4, pp=2).as_text()
+    comps = computations(hlo)
+    ((line, body),) = [
+        (line, body) for line, body in while_bodies(comps, entry_name(hlo)) if line.count("[") > 20
+    ]
+    slot = "f32[2,2,2,16,128]"
+    assert slot in line.split(" while(")[0], line
+    updates = []
+    for c in reachable(comps, body):
+        shapes = {}
+        for text in comps[c]:
+            m = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = (\w+\[[\d,]*\])", text)
+            if m:
+                shapes[m.group(1)] = m.group(2)
+        for text in comps[c]:
+            if "dynamic-update-slice(" in text and text.split("=", 1)[1].strip().startswith(slot):
+                operands = re.search(r"dynamic-update-slice\(([^)]*)\)", text).group(1).split(", ")
+                updates.append(shapes.get(operands[1].strip()))
+    assert updates and set(updates) == {"f32[1,1,2,16,128]"}, updates
