@@ -37,7 +37,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ResidualSlots", "carrier_dtype", "stashed_iteration", "stored_residuals"]
+__all__ = [
+    "ResidualSlots",
+    "carrier_dtype",
+    "live_index",
+    "stashed_iteration",
+    "stored_residuals",
+]
 
 PyTree = Any
 
@@ -190,6 +196,14 @@ def _stashed(body, reslice, layout, stacks, slices, state, buffers, index, it, s
     return body(slices, state, index), buffers
 
 
+def live_index(leaves: Sequence[Any], live: PyTree) -> list[int | None]:
+    """Per pullback leaf, its index in ``jax.tree.leaves(live)`` when it is one of those
+    arrays (the same object: an input the backward can read again instead of storing
+    it), else ``None`` (to store)."""
+    ids = {id(x): i for i, x in enumerate(jax.tree.leaves(live))}
+    return [ids.get(id(x)) for x in leaves]
+
+
 def stored_residuals(
     body: Iteration, slices: Sequence[jax.Array], state: PyTree, index: PyTree
 ) -> list[jax.Array]:
@@ -202,8 +216,7 @@ def _trace(layout: _Layout, body, slices, state, index):
     """``body``'s output and the arrays of its pullback to store; fills ``layout``."""
     out, pullback = jax.vjp(lambda s, st: body(s, st, index), slices, state)
     leaves, layout.treedef = jax.tree.flatten(pullback)
-    ids = {id(x): k for k, x in enumerate(jax.tree.leaves(slices))}
-    layout.live = tuple(ids.get(id(x)) for x in leaves)
+    layout.live = tuple(live_index(leaves, slices))
     stored = [x for x, k in zip(leaves, layout.live) if k is None]
     layout.dtypes = tuple(x.dtype for x in stored)
     return out, stored

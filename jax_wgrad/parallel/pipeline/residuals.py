@@ -22,6 +22,8 @@ from typing import Any
 import jax
 from jax import lax
 
+from jax_wgrad.functional.residual_slots import live_index
+
 __all__ = ["ResidualStore"]
 
 
@@ -58,7 +60,7 @@ class ResidualStore:
         def probe(live, *args):
             out, pullback, *aux = jax.vjp(fn, live, *args, has_aux=has_aux)
             leaves, found["treedef"] = jax.tree.flatten(pullback)
-            found["live"] = _live_index(leaves, live)
+            found["live"] = live_index(leaves, live)
             return [x for x, k in zip(leaves, found["live"]) if k is None], out, aux
 
         shapes, out, aux = jax.eval_shape(probe, live, *args)
@@ -90,7 +92,7 @@ class ResidualStore:
         out = jax.vjp(self.fn, live, *args, has_aux=self.has_aux)
         leaves = jax.tree.leaves(out[1])
         stored = [x for x, k in zip(leaves, self.live_index) if k is None]
-        if _live_index(leaves, live) != list(self.live_index) or [
+        if live_index(leaves, live) != list(self.live_index) or [
             (x.shape, x.dtype) for x in stored
         ] != [(x.shape, x.dtype) for x in self.shapes]:
             raise ValueError(
@@ -106,8 +108,3 @@ class ResidualStore:
         live_leaves = jax.tree.leaves(live)
         leaves = [next(stored) if k is None else live_leaves[k] for k in self.live_index]
         return jax.tree.unflatten(self.treedef, leaves)
-
-
-def _live_index(leaves, live) -> list[int | None]:
-    ids = {id(x): i for i, x in enumerate(jax.tree.leaves(live))}
-    return [ids.get(id(x)) for x in leaves]
